@@ -1,0 +1,500 @@
+"""Frozen, validated model configuration built from a Hugging Face ``config.json``.
+
+This module owns the parsing of the DeepSeek-V4.1-Flash ``config.json`` (model-core §2), every fail-fast validation
+rule of model-core §2.7 and model-attention §1.3, and the derived values the rest of the package reads: the §2.5
+internal values, the per-layer attention kind, the cross-layer sharing maps, the YOCO boundary, the Engram table
+sizes (model-core §12.4) and the DSpark block shapes.
+
+Field names of ``TextConfig``, ``QuantizationConfig`` and ``VisionConfig`` are exactly the HF keys. Keys the loader
+does not read (``transformers_version``, ``initializer_range``, ``engram_num_embeddings`` ...) are accepted and dropped.
+A configuration without ``vision_config`` is accepted as a text-only model (a documented relaxation of §2.1).
+
+Glossary:
+    runtime layer id: backbone blocks are ``0 … L−1``, DSpark (MTP) blocks ``L … L+N_mtp−1`` (model-core §7.1).
+    source / consumer: a layer that maps to itself in a sharing map owns the shared object; any other layer reuses
+        the object of the layer it maps to (model-attention §1.3).
+    YOCO: "you only cache once"; layers ``n_prefill_layer … L−1`` form the consumer half (model-attention §7).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cached_property
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from deepinfer_model import _config_checks, _config_parse, _primes
+from deepinfer_model._config_checks import ARCHITECTURE, MODEL_TYPE, TOKENIZER_POLICIES
+
+__all__ = [
+    "ARCHITECTURE",
+    "MODEL_TYPE",
+    "TOKENIZER_POLICIES",
+    "LayerKind",
+    "LayerSpec",
+    "ModelConfig",
+    "QuantizationConfig",
+    "RopeScalingConfig",
+    "TextConfig",
+    "VisionConfig",
+    "load_preset",
+    "preset_json",
+    "preset_names",
+]
+
+VIT_WIDTH = 1024  # fixed width of the vision tower (model-core §18)
+
+
+class LayerKind(enum.Enum):
+    """Attention variant of a runtime layer (model-attention §1.1)."""
+
+    SWA = "swa"  # compress ratio 0: sliding window only
+    C1 = "c1"  # compress ratio 1: SWA + sparse compressed rows, one row per token
+    C2 = "c2"  # compress ratio 2: SWA + sparse compressed rows, one row per two tokens
+    DSPARK = "dspark"  # DSpark drafter block: SWA only, base RoPE
+
+
+_RATIO_TO_KIND = {0: LayerKind.SWA, 1: LayerKind.C1, 2: LayerKind.C2}
+
+
+def _fail(key: str, value: object, allowed: str) -> ValueError:
+    return ValueError(f"config key '{key}' = {value!r} is invalid: {allowed}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class QuantizationConfig:
+    """``quantization_config``: every key must have exactly the value below (model-core §2.2)."""
+
+    quant_method: str = "fp8"
+    expert_dtype: str = "fp4"
+    activation_scheme: str = "dynamic"
+    weight_block_size: tuple[int, int] = (32, 32)
+    scale_fmt: str = "ue8m0"
+
+    def __post_init__(self) -> None:
+        expected = QuantizationConfig.__dataclass_fields__
+        for name, spec in expected.items():
+            value = getattr(self, name)
+            if value != spec.default:
+                raise _fail(f"quantization_config.{name}", value, f"must be {spec.default!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RopeScalingConfig:
+    """YaRN parameters of ``text_config.rope_scaling`` (model-core §15.3); ``type``/``rope_type`` is ignored."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float
+    beta_slow: float
+
+    def __post_init__(self) -> None:
+        if not self.factor > 0:
+            raise _fail("text_config.rope_scaling.factor", self.factor, "must be > 0")
+        if self.original_max_position_embeddings <= 0:
+            raise _fail(
+                "text_config.rope_scaling.original_max_position_embeddings",
+                self.original_max_position_embeddings,
+                "must be a positive int",
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class VisionConfig:
+    """``vision_config`` keys the loader reads (model-core §2.4); the ViT itself is fixed (§18)."""
+
+    hidden_size: int
+    downsample_ratio: int
+    patch_size: int
+    max_image_tokens: int
+    min_pixels: int
+    max_wh_ratio: float | None
+
+    def __post_init__(self) -> None:
+        if self.hidden_size != VIT_WIDTH:
+            raise _fail("vision_config.hidden_size", self.hidden_size, f"must be {VIT_WIDTH} (the fixed ViT width)")
+        for key in ("downsample_ratio", "patch_size", "max_image_tokens", "min_pixels"):
+            value = getattr(self, key)
+            if value <= 0:
+                raise _fail(f"vision_config.{key}", value, "must be a positive int")
+        if self.max_wh_ratio is not None and not self.max_wh_ratio >= 1:
+            raise _fail("vision_config.max_wh_ratio", self.max_wh_ratio, "must be null or a number >= 1")
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """Everything structural about one runtime layer (model-attention §1, model-core §7 and §15.1).
+
+    Attributes:
+        layer_id: runtime layer id (backbone ``0 … L−1``, DSpark ``L …``).
+        kind: attention variant.
+        compress_ratio: 0, 1 or 2 (0 for DSpark blocks).
+        kv_source: runtime layer owning the compressed KV this layer reads (itself if a source).
+        index_source: runtime layer running the indexer whose top-k this layer uses.
+        index_k_source: runtime layer owning the index-K cache and ``indexer.wk``/``k_norm``.
+        candidate_source: layer producing the candidate block set restricting this layer's top-k, or None.
+        is_yoco_consumer: layer lies in ``n_prefill_layer … L−1`` (only when YOCO is on).
+        has_engram: layer carries an Engram.
+        rope_theta: RoPE base of the layer.
+        uses_yarn: the layer's RoPE table uses YaRN.
+    """
+
+    layer_id: int
+    kind: LayerKind
+    compress_ratio: int
+    kv_source: int
+    index_source: int
+    index_k_source: int
+    candidate_source: int | None
+    is_yoco_consumer: bool
+    has_engram: bool
+    rope_theta: float
+    uses_yarn: bool
+
+    @property
+    def is_compressed(self) -> bool:
+        return self.kind in (LayerKind.C1, LayerKind.C2)
+
+    @property
+    def owns_compressor(self) -> bool:
+        """Has ``attn.compressor.wkv``/``norm`` (compressed KV source)."""
+        return self.is_compressed and self.kv_source == self.layer_id
+
+    @property
+    def owns_compressor_gate(self) -> bool:
+        """Has ``attn.compressor.wgate`` (ratio-2 KV source)."""
+        return self.owns_compressor and self.kind is LayerKind.C2
+
+    @property
+    def owns_indexer(self) -> bool:
+        """Has ``attn.indexer.wq_b``/``weights_proj`` (compressed index source)."""
+        return self.is_compressed and self.index_source == self.layer_id
+
+    @property
+    def owns_index_k(self) -> bool:
+        """Has ``attn.indexer.wk``/``k_norm`` (compressed index-K source)."""
+        return self.is_compressed and self.index_k_source == self.layer_id
+
+    @property
+    def is_candidate_source(self) -> bool:
+        return self.candidate_source == self.layer_id
+
+
+@dataclass(frozen=True, kw_only=True)
+class TextConfig:
+    """``text_config`` (model-core §2.3). Field names are the HF keys; defaults are the spec's optional defaults.
+
+    ``index_k_source_layer_ids`` defaults to ``kv_source_layer_ids`` (it is filled in by ``from_dict``); the Engram
+    keys are None when ``engram_layer_ids`` is empty.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    max_position_embeddings: int
+    hidden_act: str
+    attention_bias: bool
+    attention_dropout: float
+    num_key_value_heads: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    swiglu_limit: float | None
+    num_attention_heads: int
+    head_dim: int
+    qk_rope_head_dim: int
+    q_lora_rank: int
+    o_lora_rank: int
+    o_groups: int
+    sliding_window: int
+    rope_theta: float
+    compress_rope_theta: float
+    compress_ratios: tuple[int, ...]
+    index_topk: int
+    index_n_heads: int
+    index_head_dim: int
+    index_source_layer_ids: tuple[int, ...]
+    kv_source_layer_ids: tuple[int, ...]
+    index_k_source_layer_ids: tuple[int, ...]
+    candidate_source_layer_id: int | None
+    hc_mult: int
+    hc_eps: float
+    hc_sinkhorn_iters: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    n_shared_experts: int
+    moe_intermediate_size: int
+    routed_scaling_factor: float
+    scoring_func: str
+    topk_method: str
+    norm_topk_prob: bool
+    dspark_block_size: int
+    dspark_target_layer_ids: tuple[int, ...]
+    dspark_markov_rank: int
+    dspark_noise_token_id: int
+    dspark_n_routed_experts: int
+    dspark_num_experts_per_tok: int
+    num_nextn_predict_layers: int = 0
+    rope_scaling: RopeScalingConfig | None = None
+    use_fp4_sparse_kv: bool = True
+    candidate_topk_blocks: int | None = None
+    candidate_block_size: int | None = None
+    hc_shifted: bool = True
+    dspark_target_attn_input: bool = True
+    engram_layer_ids: tuple[int, ...] = ()
+    engram_max_ngram_size: int | None = None
+    engram_vocab_size: int | None = None
+    engram_n_heads: int | None = None
+    engram_head_dim: int | None = None
+    engram_compressed_vocab_size: int | None = None
+    engram_pad_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        _config_checks.validate_text_config(self)
+
+    # ---- §2.5 derived values -------------------------------------------------------------------------------------
+
+    @property
+    def kv_lora_rank(self) -> int:
+        """``D − r``: the NoPE part of the shared KV vector."""
+        return self.head_dim - self.qk_rope_head_dim
+
+    @property
+    def hc_norm_group_size(self) -> int:
+        """``m·H``: one RMS group over all residual streams."""
+        return self.hc_mult * self.hidden_size
+
+    @property
+    def window_size(self) -> tuple[int, int]:
+        return (self.sliding_window, 0)
+
+    @property
+    def hc_mix_size(self) -> int:
+        """``(2+m)·m``: rows of every ``hc_*_fn`` / entries of every ``hc_*_base``."""
+        return (2 + self.hc_mult) * self.hc_mult
+
+    @property
+    def num_runtime_layers(self) -> int:
+        """``L + N_mtp``: backbone blocks followed by DSpark blocks."""
+        return self.num_hidden_layers + self.num_nextn_predict_layers
+
+    @property
+    def n_prefill_layer(self) -> int:
+        """First index of the whole ``compress_ratios`` list whose value is 1 (the YOCO boundary)."""
+        return self.compress_ratios.index(1)
+
+    @property
+    def yoco_enabled(self) -> bool:
+        return self.n_prefill_layer < self.num_hidden_layers
+
+    @property
+    def engram_enabled(self) -> bool:
+        return len(self.engram_layer_ids) > 0
+
+    @property
+    def shared_intermediate_size(self) -> int:
+        """``S·I``: width of the shared-expert block (0 when there is no shared expert)."""
+        return self.n_shared_experts * self.moe_intermediate_size
+
+    @property
+    def dspark_num_targets(self) -> int:
+        return len(self.dspark_target_layer_ids)
+
+    # ---- sharing maps (model-attention §1.3) -------------------------------------------------------------------
+
+    def _source_map(self, sources: tuple[int, ...]) -> tuple[int, ...]:
+        mapping = list(range(self.num_runtime_layers))
+        current = sources[0]
+        source_set = set(sources)
+        for layer in range(sources[0], self.num_hidden_layers):
+            if layer in source_set:
+                current = layer
+            mapping[layer] = current
+        return tuple(mapping)
+
+    @cached_property
+    def layer_kv_map(self) -> tuple[int, ...]:
+        """Runtime layer → layer owning its compressed KV cache (length ``L + N_mtp``)."""
+        return self._source_map(self.kv_source_layer_ids)
+
+    @cached_property
+    def layer_index_module_map(self) -> tuple[int, ...]:
+        """Runtime layer → layer whose indexer produces its top-k (length ``L + N_mtp``)."""
+        return self._source_map(self.index_source_layer_ids)
+
+    @cached_property
+    def layer_index_k_map(self) -> tuple[int, ...]:
+        """Runtime layer → layer owning its index-K cache (length ``L + N_mtp``)."""
+        return self._source_map(self.index_k_source_layer_ids)
+
+    @cached_property
+    def layer_candidate_source_map(self) -> Mapping[int, int]:
+        """Sparse map: layers ``c … L−1`` → candidate source ``c``; empty when no candidate source is set."""
+        source = self.candidate_source_layer_id
+        if source is None:
+            return {}
+        return {layer: source for layer in range(source, self.num_hidden_layers)}
+
+    @cached_property
+    def layers(self) -> tuple[LayerSpec, ...]:
+        """One ``LayerSpec`` per runtime layer (backbone then DSpark)."""
+        engram = set(self.engram_layer_ids)
+        specs = []
+        for layer in range(self.num_runtime_layers):
+            is_backbone = layer < self.num_hidden_layers
+            ratio = self.compress_ratios[layer] if is_backbone else 0
+            kind = _RATIO_TO_KIND[ratio] if is_backbone else LayerKind.DSPARK
+            compressed = kind in (LayerKind.C1, LayerKind.C2)
+            specs.append(
+                LayerSpec(
+                    layer_id=layer,
+                    kind=kind,
+                    compress_ratio=ratio,
+                    kv_source=self.layer_kv_map[layer],
+                    index_source=self.layer_index_module_map[layer],
+                    index_k_source=self.layer_index_k_map[layer],
+                    candidate_source=self.layer_candidate_source_map.get(layer),
+                    is_yoco_consumer=is_backbone and self.yoco_enabled and layer >= self.n_prefill_layer,
+                    has_engram=layer in engram,
+                    rope_theta=self.compress_rope_theta if compressed else self.rope_theta,
+                    uses_yarn=compressed and self.rope_scaling is not None,
+                )
+            )
+        return tuple(specs)
+
+    # ---- Engram (model-core §12.4) -------------------------------------------------------------------------------
+
+    @cached_property
+    def engram_table_sizes(self) -> tuple[tuple[int, ...], ...]:
+        """Prime sub-table sizes per Engram layer (in ``engram_layer_ids`` order), sub-tables order-major.
+
+        Returns:
+            One tuple of ``(N_g − 1)·h_e`` distinct primes ``> V_e − 1`` per Engram layer.
+        """
+        if not self.engram_enabled:
+            return ()
+        assert self.engram_max_ngram_size is not None and self.engram_n_heads is not None
+        assert self.engram_vocab_size is not None
+        used: set[int] = set()
+        tables = []
+        for _ in self.engram_layer_ids:
+            sizes = []
+            for _order in range(2, self.engram_max_ngram_size + 1):
+                start = self.engram_vocab_size - 1
+                for _head in range(self.engram_n_heads):
+                    prime = _primes.next_prime(start)
+                    while prime in used:
+                        prime = _primes.next_prime(prime)
+                    used.add(prime)
+                    sizes.append(prime)
+                    start = prime
+            tables.append(tuple(sizes))
+        return tuple(tables)
+
+    def engram_num_rows(self, layer: int) -> int:
+        """``R_ℓ``: rows of ``layers.{layer}.engram.embed`` (sum of the layer's table sizes)."""
+        if layer not in self.engram_layer_ids:
+            raise ValueError(f"layer {layer} is not an Engram layer; Engram layers are {list(self.engram_layer_ids)}")
+        return sum(self.engram_table_sizes[self.engram_layer_ids.index(layer)])
+
+    @property
+    def engram_input_width(self) -> int:
+        """``(N_g − 1)·h_e·d_e``: input width of ``engram.wkv`` (0 when Engram is off)."""
+        if not self.engram_enabled:
+            return 0
+        assert self.engram_max_ngram_size is not None and self.engram_n_heads is not None
+        assert self.engram_head_dim is not None
+        return (self.engram_max_ngram_size - 1) * self.engram_n_heads * self.engram_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """``D^−0.5``, identical for every layer kind."""
+        return 1.0 / math.sqrt(self.head_dim)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """The whole ``config.json`` (model-core §2.1), validated at construction."""
+
+    text: TextConfig
+    quantization: QuantizationConfig
+    vision: VisionConfig | None
+    architectures: tuple[str, ...] = (ARCHITECTURE,)
+    model_type: str = MODEL_TYPE
+    dtype: str = "bfloat16"
+    bos_token_id: int
+    eos_token_id: int
+    pad_token_id: int
+    image_token_id: int | None = None
+    tokenizer_compatibility: str = "release"
+
+    def __post_init__(self) -> None:
+        _config_checks.validate_model_config(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ModelConfig:
+        """Parse and validate a ``config.json`` object; raises ValueError naming the first bad key."""
+        parsed = _config_parse.parse_model_config(data)
+        rope_scaling = parsed.text.pop("rope_scaling")
+        return cls(
+            text=TextConfig(
+                rope_scaling=None if rope_scaling is None else RopeScalingConfig(**rope_scaling), **parsed.text
+            ),
+            quantization=QuantizationConfig(**parsed.quantization),
+            vision=None if parsed.vision is None else VisionConfig(**parsed.vision),
+            **parsed.top,
+        )
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> ModelConfig:
+        """Read, parse and validate a ``config.json`` file."""
+        path = Path(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ValueError(f"cannot read config file {path}: {exc}") from exc
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"config file {path} is not valid JSON: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ValueError(f"config file {path} must hold a JSON object, got {type(data).__name__}")
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``config.json`` object of this configuration (HF key names; ``from_dict`` inverts it)."""
+        return _config_parse.model_config_to_dict(self)
+
+
+PRESET_PACKAGE = "deepinfer_model.presets"
+
+
+def preset_names() -> tuple[str, ...]:
+    """Names of the configurations shipped as package data (``deepinfer_model/presets/<name>.json``)."""
+    root = resources.files(PRESET_PACKAGE)
+    return tuple(sorted(p.name[: -len(".json")] for p in root.iterdir() if p.name.endswith(".json")))
+
+
+def load_preset(name: str) -> ModelConfig:
+    """Load a shipped configuration by name (``tiny``, ``v41-flash`` ...).
+
+    Raises:
+        ValueError: unknown preset name (the message lists the known names).
+    """
+    names = preset_names()
+    if name not in names:
+        raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(names)}")
+    data = json.loads(resources.files(PRESET_PACKAGE).joinpath(f"{name}.json").read_text(encoding="utf-8"))
+    return ModelConfig.from_dict(data)
+
+
+def preset_json(name: str) -> str:
+    """The verbatim ``config.json`` text of a shipped preset."""
+    names = preset_names()
+    if name not in names:
+        raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(names)}")
+    return resources.files(PRESET_PACKAGE).joinpath(f"{name}.json").read_text(encoding="utf-8")
