@@ -1,0 +1,374 @@
+"""Grammar-constrained sampling with random logits and a real byte-level BPE vocabulary.
+
+Every completed output must decode, parse and satisfy its JSON schema / regex / EBNF grammar. The schema checker below
+implements exactly the JSON Schema keywords the test schemas use (jsonschema is not a dependency).
+
+Known xgrammar 0.2.9 limitation: a string with ``minLength``/``maxLength`` is compiled to ``[^"\\\r\n]{m,n}``, which
+admits raw control characters (0x00-0x1f other than CR/LF) that strict JSON forbids; outputs are therefore parsed with
+``json.loads(..., strict=False)``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import random
+import re
+import uuid
+
+import pytest
+import torch
+import xgrammar as xgr
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from deepinfer_sampling.structured import (
+    RequestGrammarMatcher,
+    allocate_token_bitmask,
+    apply_token_bitmask_,
+    build_tokenizer_info,
+    compile_structured_grammar,
+)
+
+EOS = "<eos>"
+PADDED_VOCAB = 512  # LM-head width above the tokenizer size: padding columns must never be emitted
+MAX_STEPS = 2000
+SAMPLES_PER_GRAMMAR = 5
+
+
+def _corpus(rng: random.Random) -> list[str]:
+    words = ["alpha", "beta", "name", "id", "value", "items", "true", "false", "null", "red", "green", "2024-05-17"]
+    docs = []
+    for _ in range(1500):
+        doc = {
+            rng.choice(words): rng.choice([rng.randint(-999, 9999), rng.random() * 100, rng.choice(words), None]),
+            "list": [rng.randint(0, 99) for _ in range(rng.randint(0, 4))],
+            "nested": {"k": rng.choice(words), "flag": rng.random() < 0.5},
+        }
+        docs.append(json.dumps(doc))
+        docs.append(
+            f"{rng.choice(words)}@{rng.choice(words)}.com 10.0.{rng.randint(0, 255)}.1 "
+            f"{uuid.UUID(int=rng.getrandbits(128))}"
+        )
+        docs.append(f"({rng.randint(1, 99)}+{rng.randint(1, 9)})*{rng.randint(1, 9)} #{rng.getrandbits(24):06x}")
+    return docs
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=480,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(random.Random(0)), trainer)
+    return tok
+
+
+@pytest.fixture(scope="session")
+def compiler(tokenizer: Tokenizer) -> xgr.GrammarCompiler:
+    vocab = tokenizer.get_vocab()
+    encoded = [""] * len(vocab)
+    for token, token_id in vocab.items():
+        encoded[token_id] = token
+    info = build_tokenizer_info(encoded, "byte_level", PADDED_VOCAB, [vocab[EOS]])
+    return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+
+
+def _sample(grammar: xgr.CompiledGrammar, tokenizer: Tokenizer, seed: int) -> str | None:
+    """Sample with random logits under the grammar's mask; the decoded text, or None if not finished in time."""
+    eos = tokenizer.token_to_id(EOS)
+    matcher = RequestGrammarMatcher(grammar, max_rollback_tokens=0)
+    bitmask = allocate_token_bitmask(1, PADDED_VOCAB)
+    generator = torch.Generator().manual_seed(seed)
+    tokens: list[int] = []
+    for _ in range(MAX_STEPS):
+        matcher.fill_bitmask(bitmask, 0)
+        logits = torch.randn(1, PADDED_VOCAB, generator=generator) * 2.0
+        apply_token_bitmask_(logits, bitmask)
+        token = int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator))
+        assert token < tokenizer.get_vocab_size(), f"padding column {token} was emitted"
+        assert matcher.accept_token(token), f"sampled token {token} outside the mask was rejected"
+        if matcher.is_terminated:
+            assert token == eos
+            return tokenizer.decode(tokens, skip_special_tokens=False)
+        tokens.append(token)
+    return None
+
+
+_TYPE_CHECKS = {
+    "object": lambda v: isinstance(v, dict),
+    "array": lambda v: isinstance(v, list),
+    "string": lambda v: isinstance(v, str),
+    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "number": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
+    "boolean": lambda v: isinstance(v, bool),
+    "null": lambda v: v is None,
+}
+
+
+def _check_format(fmt: str, value: str) -> None:
+    # RFC 3339 syntax (a grammar cannot know month lengths; leap second 60 is allowed).
+    date = r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"
+    time = r"([01][0-9]|2[0-3]):[0-5][0-9]:([0-5][0-9]|60)(\.[0-9]+)?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+    if fmt == "date":
+        assert re.fullmatch(date, value), value
+    elif fmt == "date-time":
+        assert re.fullmatch(f"{date}T{time}", value), value
+    elif fmt == "uuid":
+        uuid.UUID(value)
+    elif fmt == "ipv4":
+        ipaddress.IPv4Address(value)
+    elif fmt == "email":
+        assert re.fullmatch(r"[^@\s]+@[^@\s]+", value), value
+    else:
+        raise AssertionError(f"format {fmt} not handled by the test checker")
+
+
+def _validate(value: object, schema: dict, defs: dict) -> None:
+    """Raise AssertionError unless ``value`` satisfies ``schema`` (the keyword subset used in this file)."""
+    if "$ref" in schema:
+        _validate(value, defs[schema["$ref"].split("/")[-1]], defs)
+        return
+    if "anyOf" in schema:
+        errors = []
+        for option in schema["anyOf"]:
+            try:
+                _validate(value, option, defs)
+                return
+            except (AssertionError, ValueError) as exc:
+                errors.append(exc)
+        raise AssertionError(f"{value!r} matches no anyOf option: {errors}")
+    if "const" in schema:
+        assert value == schema["const"] and type(value) is type(schema["const"]), (value, schema)
+    if "enum" in schema:
+        assert any(value == e and type(value) is type(e) for e in schema["enum"]), (value, schema)
+    if "type" in schema:
+        types = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+        assert any(_TYPE_CHECKS[t](value) for t in types), (value, schema)
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        assert value >= schema.get("minimum", -float("inf")), (value, schema)
+        assert value <= schema.get("maximum", float("inf")), (value, schema)
+        assert value > schema.get("exclusiveMinimum", -float("inf")), (value, schema)
+        assert value < schema.get("exclusiveMaximum", float("inf")), (value, schema)
+    if isinstance(value, str):
+        assert len(value) >= schema.get("minLength", 0), (value, schema)
+        assert len(value) <= schema.get("maxLength", 1 << 30), (value, schema)
+        if "pattern" in schema:
+            assert re.search(schema["pattern"], value), (value, schema)
+        if "format" in schema:
+            _check_format(schema["format"], value)
+    if isinstance(value, list):
+        assert len(value) >= schema.get("minItems", 0), (value, schema)
+        assert len(value) <= schema.get("maxItems", 1 << 30), (value, schema)
+        prefix = schema.get("prefixItems", [])
+        for item, item_schema in zip(value, prefix, strict=False):
+            _validate(item, item_schema, defs)
+        rest = value[len(prefix) :]
+        if prefix and "items" not in schema:
+            assert not rest, f"strict mode allows no items beyond prefixItems: {value!r}"
+        for item in rest:
+            _validate(item, schema.get("items", {}), defs)
+    if isinstance(value, dict):
+        properties = schema.get("properties", {})
+        for key in schema.get("required", []):
+            assert key in value, (key, value)
+        extra = schema.get("additionalProperties", False)
+        for key, item in value.items():
+            if key in properties:
+                _validate(item, properties[key], defs)
+            elif extra is False:
+                raise AssertionError(f"strict mode allows no extra property {key!r} in {value!r}")
+            elif isinstance(extra, dict):
+                _validate(item, extra, defs)
+
+
+_ADDRESS = {
+    "type": "object",
+    "properties": {"street": {"type": "string", "maxLength": 12}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+    "required": ["street", "zip"],
+}
+
+JSON_SCHEMAS: list[dict] = [
+    {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+    },
+    {"type": "object", "properties": {"address": _ADDRESS}, "required": ["address"]},
+    {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"]},
+    {"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 4},
+    {"anyOf": [{"type": "string", "maxLength": 6}, {"type": "integer"}]},
+    {"type": "number", "minimum": -2.5, "maximum": 10.25},
+    {"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 7},
+    {"type": "integer", "minimum": -120, "maximum": -3},
+    {"type": "string", "format": "date"},
+    {"type": "string", "format": "uuid"},
+    {"type": "string", "format": "ipv4"},
+    {"type": "string", "format": "email"},
+    {"type": "string", "format": "date-time"},
+    {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 4}, "c": {"type": "boolean"}},
+        "required": ["a"],
+    },
+    {"type": "object", "properties": {"ok": {"type": "boolean"}, "none": {"type": "null"}}, "required": ["ok", "none"]},
+    {"type": "object", "properties": {"version": {"const": "v1"}, "n": {"const": 3}}, "required": ["version", "n"]},
+    {
+        "type": "array",
+        "items": {
+            "type": "object",
+            "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99}, "tag": {"enum": ["x", "y"]}},
+            "required": ["id", "tag"],
+        },
+        "maxItems": 3,
+    },
+    {"type": "array", "items": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}, "maxItems": 3},
+    {
+        "type": "object",
+        "properties": {"code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"}},
+        "required": ["code"],
+    },
+    {"type": "string", "minLength": 3, "maxLength": 5},
+    {"enum": [1, 2.5, "three", True, None]},
+    {"type": "object", "properties": {"maybe": {"type": ["string", "null"], "maxLength": 5}}, "required": ["maybe"]},
+    {
+        "$defs": {
+            "point": {
+                "type": "object",
+                "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+                "required": ["x", "y"],
+            }
+        },
+        "type": "object",
+        "properties": {"start": {"$ref": "#/$defs/point"}, "end": {"$ref": "#/$defs/point"}},
+        "required": ["start", "end"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "l1": {
+                "type": "object",
+                "properties": {
+                    "l2": {
+                        "type": "object",
+                        "properties": {
+                            "l3": {"type": "object", "properties": {"v": {"type": "integer"}}, "required": ["v"]}
+                        },
+                        "required": ["l3"],
+                    }
+                },
+                "required": ["l2"],
+            }
+        },
+        "required": ["l1"],
+    },
+    {
+        "anyOf": [
+            {
+                "type": "object",
+                "properties": {"kind": {"const": "circle"}, "r": {"type": "number", "minimum": 0}},
+                "required": ["kind", "r"],
+            },
+            {
+                "type": "object",
+                "properties": {"kind": {"const": "square"}, "side": {"type": "integer"}},
+                "required": ["kind", "side"],
+            },
+        ]
+    },
+    {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 2, "maxItems": 5},
+    {
+        "type": "object",
+        "properties": {key: {"type": "integer", "minimum": 0, "maximum": 9} for key in "abcdefgh"},
+        "required": list("abcdefgh"),
+    },
+    {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string", "maxLength": 3}, {"type": "boolean"}]},
+    {"type": "object", "additionalProperties": {"type": "integer", "minimum": 0, "maximum": 50}, "maxProperties": 3},
+    {
+        "type": "object",
+        "properties": {"when": {"type": "string", "format": "date"}, "ip": {"type": "string", "format": "ipv4"}},
+        "required": ["when", "ip"],
+    },
+    {"type": "object", "properties": {"city": {"enum": ["Zürich", "東京", "São Paulo"]}}, "required": ["city"]},
+    {
+        "type": "object",
+        "properties": {
+            "scores": {"type": "array", "items": {"type": "number", "minimum": 0, "maximum": 1}, "maxItems": 3}
+        },
+        "required": ["scores"],
+    },
+]
+
+REGEXES = [
+    r"[0-9]{3}-[0-9]{4}",
+    r"(cat|dog)s?",
+    r"[A-Z][a-z]{2,5} [0-9]+",
+    r"#[0-9a-f]{6}",
+    r"[a-z]+@[a-z]+\.(com|org)",
+]
+
+EBNF_GRAMMARS = {
+    'root ::= expr\nexpr ::= term ("+" term)*\nterm ::= factor ("*" factor)*\nfactor ::= [0-9] | "(" expr ")"': (
+        lambda text: isinstance(eval(text, {"__builtins__": {}}), int) and re.fullmatch(r"[0-9+*()]+", text)
+    ),
+    'root ::= "yes" | "no"': lambda text: text in ("yes", "no"),
+    'root ::= "[" item ("," item)* "]"\nitem ::= [a-z] [a-z]?': lambda text: re.fullmatch(
+        r"\[[a-z]{1,2}(,[a-z]{1,2})*\]", text
+    ),
+}
+
+
+def _completed(grammar: xgr.CompiledGrammar, tokenizer: Tokenizer, base_seed: int) -> list[str]:
+    outputs = [_sample(grammar, tokenizer, base_seed + i) for i in range(SAMPLES_PER_GRAMMAR)]
+    completed = [text for text in outputs if text is not None]
+    assert completed, f"none of {SAMPLES_PER_GRAMMAR} random-logit samples finished within {MAX_STEPS} tokens"
+    return completed
+
+
+def test_at_least_thirty_schemas():
+    assert len(JSON_SCHEMAS) >= 30
+
+
+@pytest.mark.parametrize("index", range(len(JSON_SCHEMAS)))
+def test_json_schema_outputs_validate(index, compiler, tokenizer):
+    schema = JSON_SCHEMAS[index]
+    grammar = compile_structured_grammar(compiler, "json_schema", json.dumps(schema))
+    for text in _completed(grammar, tokenizer, 1000 * index):
+        value = json.loads(text, strict=False)
+        _validate(value, schema, schema.get("$defs", {}))
+
+
+def test_any_json_object(compiler, tokenizer):
+    grammar = compile_structured_grammar(compiler, "json", "")
+    for text in _completed(grammar, tokenizer, 7):
+        assert isinstance(json.loads(text, strict=False), dict)
+
+
+@pytest.mark.parametrize("pattern", REGEXES)
+def test_regex_outputs_match(pattern, compiler, tokenizer):
+    grammar = compile_structured_grammar(compiler, "regex", pattern)
+    for text in _completed(grammar, tokenizer, 11):
+        assert re.fullmatch(pattern, text), (pattern, text)
+
+
+@pytest.mark.parametrize("grammar_text", list(EBNF_GRAMMARS))
+def test_ebnf_outputs_parse(grammar_text, compiler, tokenizer):
+    grammar = compile_structured_grammar(compiler, "ebnf", grammar_text)
+    for text in _completed(grammar, tokenizer, 13):
+        assert EBNF_GRAMMARS[grammar_text](text), (grammar_text, text)
+
+
+def test_validator_rejects_violations():
+    """The hand-written checker must fail on outputs that break the schema, or the tests above prove nothing."""
+    with pytest.raises(AssertionError):
+        _validate({"name": "x"}, JSON_SCHEMAS[0], {})
+    with pytest.raises(AssertionError):
+        _validate(11, JSON_SCHEMAS[5], {})
+    with pytest.raises(AssertionError):
+        _validate({"a": 1, "zzz": 2}, JSON_SCHEMAS[13], {})
+    with pytest.raises(AssertionError):
+        _validate("2024-13-30", JSON_SCHEMAS[8], {})
