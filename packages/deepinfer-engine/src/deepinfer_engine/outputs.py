@@ -1,0 +1,213 @@
+"""Stage-boundary records of one engine step.
+
+    request → Request → Scheduler.schedule() → SchedulerOutput → ModelRunner → ForwardBatch → model → logits
+            → Sampler → SamplerOutput → Scheduler.update_from_output() → RequestOutput
+
+- `SchedulerOutput` (CPU, this module): per scheduled request, which positions it computes this step, the input
+  token ids for them, and the cache entries it newly got. It carries ids and counts only.
+- The model runner turns it into a `ForwardBatch` (model package) in persistent device buffers, runs the model and
+  the sampler (`SamplerOutput`, sampling package), and reports back a `ModelRunnerOutput` (this module): per request
+  the emitted tokens, their logprobs and the drafter's next draft tokens.
+- `Scheduler.update_from_output` commits those tokens, applies the stop conditions and returns one `RequestOutput`
+  per request that emitted tokens or finished. A finished request's `RequestOutput` also carries its whole
+  `CompletionOutput`.
+
+Positions of one scheduled request (`c` = num_computed_tokens before the step, `n` = num_scheduled_tokens,
+`d` = num_draft_tokens):
+
+    position:   c      c+1    ...    c+n-d-1 | c+n-d  ...  c+n-1
+    input:      known tokens (prompt/output) | draft tokens to verify
+    sampling:   a token is sampled only when c + n - d reaches the request's known length (`samples_token`):
+                the runner then emits the accepted drafts (<= d) followed by one sampled token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from deepinfer_engine.request import FinishReason
+
+__all__ = [
+    "CompletionOutput",
+    "ModelRunnerOutput",
+    "RequestMetrics",
+    "RequestOutput",
+    "ScheduledRequest",
+    "SchedulerOutput",
+]
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """What one request computes in a step.
+
+    Attributes:
+        request_id: the request.
+        is_new: the runner has no state for this request yet: first schedule, or first after a preemption (all
+            earlier cache contents are gone and `num_computed_tokens` is 0).
+        input_token_ids: `[num_scheduled_tokens]` token ids at positions `num_computed_tokens ...`; the last
+            `num_draft_tokens` of them are draft tokens.
+        num_computed_tokens: tokens already in the cache before this step (= position of the first input).
+        num_draft_tokens: draft tokens among the inputs, to be verified.
+        samples_token: whether this step reaches the end of the known tokens, so the runner samples (a partial
+            prompt chunk samples nothing).
+        num_prompt_tokens: the request's prompt length (positions below it are prompt tokens).
+        state_slot: the request's state slot (sliding-window rings and compressor state).
+        first_new_block_index: index in the request's block table where `new_block_ids` start; the table holds
+            exactly `first_new_block_index + len(new_block_ids)` blocks after this step's allocation (entries
+            at and after this index that the runner knew before were released by a rollback).
+        new_block_ids: blocks appended to the block table for this step (all blocks when `is_new`).
+    """
+
+    request_id: str
+    is_new: bool
+    input_token_ids: tuple[int, ...]
+    num_computed_tokens: int
+    num_draft_tokens: int
+    samples_token: bool
+    num_prompt_tokens: int
+    state_slot: int
+    first_new_block_index: int
+    new_block_ids: tuple[int, ...]
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Tokens computed for this request this step."""
+        return len(self.input_token_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """Everything the model runner needs to run one step.
+
+    Attributes:
+        step: scheduler step counter (0-based).
+        scheduled_requests: requests computed this step, in batch order.
+        finished_request_ids: requests that finished or were aborted since the previous step; the runner drops
+            their state.
+        preempted_request_ids: requests preempted while scheduling this step; their cache is released and the
+            runner drops their state (they come back later with `is_new`).
+    """
+
+    step: int
+    scheduled_requests: tuple[ScheduledRequest, ...]
+    finished_request_ids: frozenset[str]
+    preempted_request_ids: tuple[str, ...]
+
+    @property
+    def num_batched_tokens(self) -> int:
+        """Tokens computed this step over all requests."""
+        return sum(r.num_scheduled_tokens for r in self.scheduled_requests)
+
+    @property
+    def is_empty(self) -> bool:
+        """Whether no request computes anything this step."""
+        return not self.scheduled_requests
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    """What the runner reports for one step, index-aligned with `SchedulerOutput.scheduled_requests`.
+
+    Attributes:
+        request_ids: ids in the order of the scheduled requests.
+        sampled_token_ids: per request, the accepted draft tokens followed by the one sampled token; empty when
+            the request's `samples_token` was False.
+        logprobs: per request, the logprob of each emitted token, or None when the runner computes none.
+        draft_token_ids: per request, draft tokens proposed for the next step, or None without a drafter.
+    """
+
+    request_ids: tuple[str, ...]
+    sampled_token_ids: tuple[tuple[int, ...], ...]
+    logprobs: tuple[tuple[float, ...], ...] | None = None
+    draft_token_ids: tuple[tuple[int, ...], ...] | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.request_ids)
+        for name in ("sampled_token_ids", "logprobs", "draft_token_ids"):
+            value = getattr(self, name)
+            if value is not None and len(value) != n:
+                raise ValueError(f"ModelRunnerOutput.{name} has {len(value)} entries for {n} requests")
+        if self.logprobs is not None:
+            rows = zip(self.request_ids, self.sampled_token_ids, self.logprobs, strict=True)
+            for request_id, tokens, logprobs in rows:
+                if len(tokens) != len(logprobs):
+                    raise ValueError(
+                        f"request {request_id!r}: {len(logprobs)} logprobs for {len(tokens)} sampled tokens"
+                    )
+
+
+@dataclass(frozen=True)
+class RequestMetrics:
+    """Per-request counters, in scheduler steps so they are deterministic.
+
+    Attributes:
+        arrival_step: step at which the request was added.
+        first_scheduled_step: first step that computed any of its tokens (None if it never ran).
+        first_token_step: step whose output carried its first generated token.
+        finished_step: step at which it finished.
+        num_preemptions: times it was preempted.
+        num_verified_draft_tokens: draft tokens verified over its lifetime.
+        num_accepted_draft_tokens: of those, the accepted ones.
+    """
+
+    arrival_step: int
+    first_scheduled_step: int | None
+    first_token_step: int | None
+    finished_step: int | None
+    num_preemptions: int
+    num_verified_draft_tokens: int
+    num_accepted_draft_tokens: int
+
+
+@dataclass(frozen=True)
+class CompletionOutput:
+    """The whole result of one finished request.
+
+    Attributes:
+        request_id: the request.
+        prompt_token_ids: its prompt.
+        token_ids: every generated token (a stop token is included).
+        logprobs: logprob of each generated token, or None when the runner reported none.
+        finish_reason: why it finished.
+        stop_reason: the stop token id or stop string that finished it; None otherwise (EOS included).
+        error_message: what went wrong, for error finish reasons.
+        metrics: its counters.
+        text: detokenized `token_ids`; the scheduler leaves it empty and the engine's detokenizer fills it.
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...] | None
+    finish_reason: FinishReason
+    stop_reason: int | str | None
+    error_message: str | None
+    metrics: RequestMetrics
+    text: str = ""
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one request produced in one step.
+
+    Attributes:
+        request_id: the request.
+        new_token_ids: tokens emitted this step (may be empty for a request finished without running).
+        new_logprobs: their logprobs, or None when the runner reported none.
+        num_output_tokens: generated tokens so far, these included.
+        finish_reason: set on the request's last output only.
+        completion: the whole result, set on the request's last output only.
+    """
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    new_logprobs: tuple[float, ...] | None
+    num_output_tokens: int
+    finish_reason: FinishReason | None = None
+    completion: CompletionOutput | None = None
+
+    @property
+    def finished(self) -> bool:
+        """Whether this is the request's last output."""
+        return self.finish_reason is not None

@@ -1,0 +1,215 @@
+"""A request inside the engine: its tokens, progress, status state machine and stop criteria.
+
+`num_computed_tokens` is the one progress counter: the number of leading tokens of the request (prompt, then
+generated tokens) whose cache entries have been written, or are being written by the step in flight. The scheduler
+advances it when it schedules a step and lowers it when draft tokens are rejected or the request is preempted.
+
+Status state machine (runtime §6.3):
+
+    WAITING ──schedule──► RUNNING ──preempt──► PREEMPTED ──schedule──► RUNNING
+       │                     │                     │
+       └──────────┬──────────┴──────────┬──────────┘
+                  ▼                     ▼
+     FINISHED_IGNORED / ABORTED   FINISHED_STOPPED / LENGTH_CAPPED / ABORTED / PREEMPTED / ERROR / ...
+
+A finished status is final. FINISHED_IGNORED is reachable only before the request ever ran.
+
+Glossary:
+- draft tokens: tokens proposed by the drafter for the next step; verified by the target model, accepted ones are
+  appended and rejected ones rolled back.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["FinishReason", "Request", "RequestStatus", "StopCriteria"]
+
+
+class FinishReason(enum.Enum):
+    """Why a request finished; the values are the `finish_reason` strings of runtime §1.5."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    PROMPT_LENGTH_EXCEEDED = "prompt_length_exceeded"
+    INSUFFICIENT_SYSTEM_RESOURCE = "insufficient_system_resource"
+    STRUCTURED_OUTPUT_FAILED = "xgrammar runtime errors or timeout"
+    ERROR = "error"
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its lifecycle."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH_CAPPED = "finished_length_capped"
+    FINISHED_ABORTED = "finished_aborted"
+    FINISHED_IGNORED = "finished_ignored"
+    FINISHED_PREEMPTED = "finished_preempted"
+    FINISHED_STRUCTURED_OUTPUT_FAILED = "finished_structured_output_failed"
+    FINISHED_ERROR = "finished_error"
+
+    @property
+    def is_finished(self) -> bool:
+        """Whether the status is final."""
+        return self in _FINISH_REASONS
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        """The reason reported for a finished status, None otherwise."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_IGNORED: FinishReason.PROMPT_LENGTH_EXCEEDED,
+    RequestStatus.FINISHED_PREEMPTED: FinishReason.INSUFFICIENT_SYSTEM_RESOURCE,
+    RequestStatus.FINISHED_STRUCTURED_OUTPUT_FAILED: FinishReason.STRUCTURED_OUTPUT_FAILED,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+_FINISHED_AFTER_RUNNING = frozenset(_FINISH_REASONS) - {RequestStatus.FINISHED_IGNORED}
+
+_ALLOWED_TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
+    RequestStatus.WAITING: frozenset(_FINISH_REASONS) | {RequestStatus.RUNNING},
+    RequestStatus.RUNNING: _FINISHED_AFTER_RUNNING | {RequestStatus.PREEMPTED},
+    RequestStatus.PREEMPTED: _FINISHED_AFTER_RUNNING | {RequestStatus.RUNNING},
+}
+
+
+@dataclass(frozen=True)
+class StopCriteria:
+    """Token-level stop conditions of a request (runtime §6.8), built by the engine from its sampling params.
+
+    Stop strings are not here: they need detokenized text, which the engine checks through the scheduler's
+    stop-checker hook.
+
+    Attributes:
+        max_tokens: generated tokens after which the request finishes with "length".
+        eos_token_id: tokenizer EOS id; None when the tokenizer has none.
+        ignore_eos: EOS does not stop the request.
+        stop_token_ids: further token ids that stop the request with "stop" (emitted, like EOS).
+    """
+
+    max_tokens: int = 16
+    eos_token_id: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+
+class Request:
+    """One generation request and its progress.
+
+    Args:
+        request_id: unique id.
+        prompt_token_ids: the prompt; must be non-empty.
+        stop: stop conditions.
+        arrival_step: scheduler step at which the request arrived (for metrics).
+    """
+
+    def __init__(
+        self, request_id: str, prompt_token_ids: Sequence[int], stop: StopCriteria, arrival_step: int = 0
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r}: prompt must not be empty")
+        self.request_id = request_id
+        self.stop = stop
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self._token_ids = list(prompt_token_ids)
+        self.output_logprobs: list[float] = []
+        self.num_computed_tokens = 0
+        self.draft_token_ids: list[int] = []
+        self._status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.error_message: str | None = None
+        self.arrival_step = arrival_step
+        self.first_scheduled_step: int | None = None
+        self.first_token_step: int | None = None
+        self.finished_step: int | None = None
+        self.num_preemptions = 0
+        self.num_verified_draft_tokens = 0
+        self.num_accepted_draft_tokens = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self._status.name}, prompt={self.num_prompt_tokens}, "
+            f"output={self.num_output_tokens}, computed={self.num_computed_tokens})"
+        )
+
+    @property
+    def status(self) -> RequestStatus:
+        """Current status; change it with `set_status`."""
+        return self._status
+
+    def set_status(self, status: RequestStatus, error_message: str | None = None) -> None:
+        """Move to `status`, which must be allowed from the current one.
+
+        Args:
+            status: the new status.
+            error_message: why the request failed; only for FINISHED_ERROR and FINISHED_STRUCTURED_OUTPUT_FAILED.
+        """
+        if status not in _ALLOWED_TRANSITIONS.get(self._status, frozenset()):
+            raise ValueError(f"request {self.request_id!r}: illegal status change {self._status.name} -> {status.name}")
+        if error_message is not None and status not in (
+            RequestStatus.FINISHED_ERROR,
+            RequestStatus.FINISHED_STRUCTURED_OUTPUT_FAILED,
+        ):
+            raise ValueError(f"request {self.request_id!r}: an error message needs an error status, got {status.name}")
+        self._status = status
+        self.error_message = error_message
+
+    @property
+    def is_finished(self) -> bool:
+        """Whether the status is final."""
+        return self._status.is_finished
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        """The finish reason once finished, else None."""
+        return self._status.finish_reason
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self._token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Generated tokens."""
+        return len(self._token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        """A copy of the prompt."""
+        return self._token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """A copy of the generated tokens."""
+        return self._token_ids[self.num_prompt_tokens :]
+
+    @property
+    def last_token_id(self) -> int:
+        """The most recent token (the last prompt token before any output)."""
+        return self._token_ids[-1]
+
+    def token_ids(self, start: int, stop: int) -> list[int]:
+        """Tokens at positions `start .. stop - 1` of the prompt-plus-output sequence."""
+        return self._token_ids[start:stop]
+
+    def append_output_token(self, token_id: int, logprob: float | None) -> None:
+        """Append one generated token (and its logprob when the runner reports logprobs)."""
+        self._token_ids.append(token_id)
+        if logprob is not None:
+            self.output_logprobs.append(logprob)
