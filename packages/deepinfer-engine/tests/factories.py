@@ -156,7 +156,7 @@ class FakeRunner:
                     break
             del history[base + len(emitted) - 1 :]  # drop rejected drafts, as the cache rollback does
             sampled_all.append(tuple(emitted))
-            drafts_all.append(self._propose(history + [emitted[-1]]))
+            drafts_all.append(self._propose([*history, emitted[-1]]))
         request_ids = tuple(s.request_id for s in scheduler_output.scheduled_requests)
         drafts = tuple(drafts_all) if self.num_draft_tokens else None
         return ModelRunnerOutput(request_ids, tuple(sampled_all), None, drafts)
