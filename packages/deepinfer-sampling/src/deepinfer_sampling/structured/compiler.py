@@ -7,10 +7,10 @@ engine) on an unsupported schema type, an invalid trigger/bound, an xgrammar com
 than ``compile_timeout_s`` from submission; the engine then finishes only that request with ``FINISHED_SO_FAILED``.
 A timed-out compile keeps running in its thread; its grammar still lands in the cache.
 
-Schema types:
-    ``json_schema``: a JSON Schema (text or dict), compiled in xgrammar strict mode (no properties or items beyond
-        those the schema names).
-    ``json``: any JSON object; ``schema`` is ignored.
+Schema types (``StructuredOutputSpec.schema_type`` in ``params.py``):
+    ``json_schema``: JSON Schema text, compiled in xgrammar strict mode (no properties or items beyond those the
+        schema names, unless it says ``additionalProperties``). ``{"type": "object"}`` admits any JSON object.
+    ``json``: the reference's name for ``json_schema`` (runtime.md §4.1); identical.
     ``regex``: a regular expression the whole output must match.
     ``ebnf``: an xgrammar EBNF grammar with a ``root`` rule.
 """
@@ -18,7 +18,6 @@ Schema types:
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import threading
 import time
 from collections.abc import Sequence
@@ -41,7 +40,7 @@ class StructuredOutputSpecLike(Protocol):
     def schema_type(self) -> str: ...
 
     @property
-    def schema(self) -> object: ...
+    def schema(self) -> str: ...
 
     @property
     def trigger_token_ids(self) -> Sequence[int] | None: ...
@@ -103,17 +102,6 @@ class GrammarBuildResult:
     error: StructuredOutputError | None
 
 
-def _grammar_text(schema_type: str, schema: object) -> str:
-    """Canonical text of a schema; the cache key together with the schema type."""
-    if schema_type == "json":
-        return ""
-    if schema_type == "json_schema" and isinstance(schema, dict):
-        return json.dumps(schema, sort_keys=True)
-    if not isinstance(schema, str):
-        raise ValueError(f"schema for schema_type={schema_type!r} must be a string, got {type(schema).__name__}")
-    return schema
-
-
 def compile_structured_grammar(
     compiler: xgr.GrammarCompiler, schema_type: str, grammar_text: str
 ) -> xgr.CompiledGrammar:
@@ -122,16 +110,14 @@ def compile_structured_grammar(
     Args:
         compiler: xgrammar compiler bound to the model vocabulary.
         schema_type: one of ``SCHEMA_TYPES``.
-        grammar_text: the schema, regex or EBNF text (ignored for ``json``).
+        grammar_text: the JSON Schema, regex or EBNF text.
 
     Raises:
         ValueError: on an unknown schema type.
         RuntimeError: when xgrammar cannot parse or convert the grammar.
     """
-    if schema_type == "json_schema":
+    if schema_type in ("json_schema", "json"):
         return compiler.compile_json_schema(grammar_text, strict_mode=True)
-    if schema_type == "json":
-        return compiler.compile_json_schema('{"type": "object"}', strict_mode=False)
     if schema_type == "regex":
         return compiler.compile_regex(grammar_text)
     if schema_type == "ebnf":
@@ -239,6 +225,8 @@ class GrammarCompilationService:
             return StructuredOutputError(
                 "invalid_spec", f"schema_type={spec.schema_type!r} is not one of {SCHEMA_TYPES}"
             )
+        if not isinstance(spec.schema, str):
+            return StructuredOutputError("invalid_spec", f"schema must be a str, got {type(spec.schema).__name__}")
         reason = validate_trigger_and_bound(spec.trigger_token_ids, spec.bound_token_id)
         if reason is not None:
             return StructuredOutputError("invalid_spec", reason)
@@ -246,7 +234,8 @@ class GrammarCompilationService:
 
     def _build(self, spec: StructuredOutputSpecLike) -> tuple[RequestGrammarMatcher, float]:
         """Worker body: cached or fresh grammar → matcher, plus the time it finished."""
-        key = (spec.schema_type, _grammar_text(spec.schema_type, spec.schema))
+        # "json" and "json_schema" compile the same way, so they share cache entries.
+        key = ("json_schema" if spec.schema_type == "json" else spec.schema_type, spec.schema)
         grammar = self.cache.get(key)
         if grammar is None:
             grammar = compile_structured_grammar(self._compiler, *key)
