@@ -1,0 +1,1 @@
+"""Fused sampler kernels (Triton), selected by `SamplerConfig(backend="triton")`; imported only when used."""

@@ -1,0 +1,276 @@
+"""Fused Triton sampler: temperature, joint top-k/top-p/min-p truncation, renormalisation and inverse-CDF sampling.
+
+Same arithmetic as `reference.py` with `exact_sums=True` (fixed-point normalisers and masses), one program per row
+walking the row in increasing column order in blocks of BLOCK columns, so a row's result never depends on the batch.
+Per row (non-greedy):
+
+    pass 1   m = max z
+    pass 2   lse = log Σ floor(exp(s)·2^40) − 40·ln 2,  s = (z − m)/T
+    passes   (only with top-k or top-p) 32 bisection steps over the order-preserving int32 key of z find
+             t_k = min{v : #(key > v) < K} and t_p = min{v : Σ_{key > v} fᵢ <= P}, fᵢ = floor(exp(s − lse)·2^31);
+             ties at t_k / t_p are kept in ascending id order while the count / fixed-point mass allows
+    pass     lse' = log Σ_kept floor(exp(s)·2^40) − 40·ln 2
+    pass     f'ᵢ = floor(exp(s − lse')·2^31) on kept tokens, r = scaled draw in [0, Σ f') (`inverse_cdf.py`),
+             token = first i with CDF_i > r; optionally writes ℓ' = s − lse' (−inf outside the kept set)
+
+Greedy rows (T = 0) take the lowest-index argmax with a one-hot ℓ'. Golden tokens replace the sample. Token choices
+match the reference for the same `bits` except where float rounding of exp/log moves a CDF boundary past r (each
+fixed-point weight can differ by a few units of 2^-31); log-probs agree to float32 rounding.
+
+Runs on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1.
+"""
+
+# Triton types @triton.jit arguments at compile time; Python annotations on them would be ignored.
+# ruff: noqa: ANN001, ANN202
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer_kernels.cuda._launch import check_launchable
+from deepinfer_sampling.batch import SamplingBatch
+
+MAX_BLOCK = 4096
+
+
+@triton.jit
+def _keys(x):  # type: ignore[no-untyped-def]
+    bits = (x + 0.0).to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _fixed_lse(  # type: ignore[no-untyped-def]
+    z_row,
+    m,
+    temperature,
+    lse,
+    t_k,
+    n_k,
+    t_p,
+    mass_p,
+    limit_p,
+    log_min_p,
+    V,
+    BLOCK: tl.constexpr,
+    TRUNCATE: tl.constexpr,
+):
+    """Σ floor(exp(s)·2^40) over kept columns, as a float32 log."""
+    offs = tl.arange(0, BLOCK)
+    total = tl.zeros((), dtype=tl.int64)
+    seen_k = tl.zeros((), dtype=tl.int64)
+    seen_p = tl.zeros((), dtype=tl.int64)
+    for start in range(0, V, BLOCK):
+        cols = start + offs
+        x = tl.load(z_row + cols, mask=cols < V, other=float("-inf"))
+        s = tl.math.div_rn(x - m, temperature)
+        kept = cols < V
+        if TRUNCATE:
+            kept, seen_k, seen_p = _kept(x, s, kept, t_k, n_k, t_p, mass_p, limit_p, log_min_p, seen_k, seen_p, lse)
+        e = tl.where(kept, tl.exp(s), 0.0)
+        total += tl.sum(tl.floor(e * 1099511627776.0).to(tl.int64), axis=0)
+    return (tl.log(total.to(tl.float64)) - 40 * 0.6931471805599453).to(tl.float32)
+
+
+@triton.jit
+def _kept(x, s, valid, t_k, n_k, t_p, mass_p, limit_p, log_min_p, seen_k, seen_p, lse):  # type: ignore[no-untyped-def]
+    """Kept mask of one block and the updated running counts of ties at t_k (count) and t_p (mass)."""
+    key = _keys(x)
+    eq_k = (key == t_k) & valid
+    eq_k_i = eq_k.to(tl.int64)
+    before_k = seen_k + tl.cumsum(eq_k_i, axis=0) - eq_k_i
+    keep_k = (key > t_k) | (eq_k & (before_k < n_k))
+    eq_p = (key == t_p) & valid
+    f = tl.where(eq_p, tl.floor(tl.minimum(tl.exp(s - lse), 1.0) * 2147483648.0).to(tl.int64), 0)
+    before_p = seen_p + tl.cumsum(f, axis=0) - f
+    keep_p = (key > t_p) | (eq_p & (mass_p + before_p <= limit_p))
+    kept = valid & keep_k & keep_p & (s >= log_min_p)
+    return kept, seen_k + tl.sum(eq_k_i, axis=0), seen_p + tl.sum(f, axis=0)
+
+
+@triton.jit
+def _fused_sample_kernel(  # type: ignore[no-untyped-def]
+    z_ptr,
+    stride_z,
+    temp_ptr,
+    top_k_ptr,
+    top_p_ptr,
+    log_min_p_ptr,
+    bits_ptr,
+    forced_ptr,
+    token_ptr,
+    token_lp_ptr,
+    lp_ptr,
+    stride_lp,
+    V,
+    BLOCK: tl.constexpr,
+    TRUNCATE: tl.constexpr,
+    WRITE_LOGPROBS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    z_row = z_ptr + row * stride_z
+    offs = tl.arange(0, BLOCK)
+    temperature = tl.load(temp_ptr + row)
+    forced = tl.load(forced_ptr + row)
+    m = tl.full((), float("-inf"), tl.float32)
+    for start in range(0, V, BLOCK):
+        cols = start + offs
+        m = tl.maximum(m, tl.max(tl.load(z_row + cols, mask=cols < V, other=float("-inf")), axis=0))
+
+    if temperature == 0.0:
+        best = tl.full((), V, tl.int64)
+        for start in range(0, V, BLOCK):
+            cols = start + offs
+            x = tl.load(z_row + cols, mask=cols < V, other=float("-inf"))
+            best = tl.minimum(best, tl.min(tl.where((x == m) & (cols < V), cols, V).to(tl.int64), axis=0))
+        token = tl.where(forced >= 0, forced, best)
+        tl.store(token_ptr + row, token)
+        tl.store(token_lp_ptr + row, tl.where(token == best, 0.0, float("-inf")))
+        if WRITE_LOGPROBS:
+            for start in range(0, V, BLOCK):
+                cols = start + offs
+                tl.store(lp_ptr + row * stride_lp + cols, tl.where(cols == best, 0.0, float("-inf")), mask=cols < V)
+    else:
+        top_k = tl.load(top_k_ptr + row).to(tl.int64)
+        limit_p = tl.load(top_p_ptr + row)
+        log_min_p = tl.load(log_min_p_ptr + row)
+        # Defaults keep everything: the lowest key with no tie limit.
+        t_k = tl.full((), -2147483648, tl.int32)
+        n_k = tl.full((), V, tl.int64)
+        t_p = tl.full((), -2147483648, tl.int32)
+        mass_p = tl.zeros((), dtype=tl.int64)
+        if TRUNCATE:
+            lse = _fixed_lse(z_row, m, temperature, 0.0, t_k, n_k, t_p, mass_p, limit_p, log_min_p, V, BLOCK, False)
+            if (top_k < V) | (limit_p < 2147483648):
+                lo_k = tl.full((), -2147483648, tl.int64)
+                hi_k = tl.full((), 2147483647, tl.int64)
+                lo_p = lo_k
+                hi_p = hi_k
+                for _ in range(32):
+                    mid_k = (lo_k + hi_k) >> 1
+                    mid_p = (lo_p + hi_p) >> 1
+                    count = tl.zeros((), dtype=tl.int64)
+                    mass = tl.zeros((), dtype=tl.int64)
+                    for start in range(0, V, BLOCK):
+                        cols = start + offs
+                        x = tl.load(z_row + cols, mask=cols < V, other=float("-inf"))
+                        key = _keys(x).to(tl.int64)
+                        p = tl.minimum(tl.exp(tl.math.div_rn(x - m, temperature) - lse), 1.0)
+                        f = tl.floor(p * 2147483648.0).to(tl.int64)
+                        count += tl.sum(((key > mid_k) & (cols < V)).to(tl.int64), axis=0)
+                        mass += tl.sum(tl.where((key > mid_p) & (cols < V), f, 0), axis=0)
+                    ok_k = count < top_k
+                    ok_p = mass <= limit_p
+                    hi_k = tl.where(ok_k, mid_k, hi_k)
+                    lo_k = tl.where(ok_k, lo_k, mid_k + 1)
+                    hi_p = tl.where(ok_p, mid_p, hi_p)
+                    lo_p = tl.where(ok_p, lo_p, mid_p + 1)
+                t_k = lo_k.to(tl.int32)
+                t_p = lo_p.to(tl.int32)
+                count = tl.zeros((), dtype=tl.int64)
+                mass_p = tl.zeros((), dtype=tl.int64)
+                for start in range(0, V, BLOCK):
+                    cols = start + offs
+                    x = tl.load(z_row + cols, mask=cols < V, other=float("-inf"))
+                    key = _keys(x)
+                    f = tl.floor(tl.minimum(tl.exp(tl.math.div_rn(x - m, temperature) - lse), 1.0) * 2147483648.0).to(
+                        tl.int64
+                    )
+                    count += tl.sum(((key > t_k) & (cols < V)).to(tl.int64), axis=0)
+                    mass_p += tl.sum(tl.where((key > t_p) & (cols < V), f, 0), axis=0)
+                n_k = top_k - count
+        else:
+            lse = tl.zeros((), dtype=tl.float32)
+        lse_kept = _fixed_lse(z_row, m, temperature, lse, t_k, n_k, t_p, mass_p, limit_p, log_min_p, V, BLOCK, TRUNCATE)
+        bits = tl.load(bits_ptr + row)
+        # Total fixed-point mass first, so r can be drawn before the CDF walk.
+        total = tl.zeros((), dtype=tl.int64)
+        seen_k = tl.zeros((), dtype=tl.int64)
+        seen_p = tl.zeros((), dtype=tl.int64)
+        for start in range(0, V, BLOCK):
+            cols = start + offs
+            x = tl.load(z_row + cols, mask=cols < V, other=float("-inf"))
+            s = tl.math.div_rn(x - m, temperature)
+            kept = cols < V
+            if TRUNCATE:
+                kept, seen_k, seen_p = _kept(x, s, kept, t_k, n_k, t_p, mass_p, limit_p, log_min_p, seen_k, seen_p, lse)
+            f = tl.where(kept, tl.floor(tl.minimum(tl.exp(s - lse_kept), 1.0) * 2147483648.0).to(tl.int64), 0)
+            total += tl.sum(f, axis=0)
+        total = tl.maximum(total, 1)
+        uniform = (bits >> 10).to(tl.float64) * 1.1102230246251565e-16  # 2^-53
+        r = tl.minimum(tl.floor(uniform * total.to(tl.float64)).to(tl.int64), total - 1)
+        cdf = tl.zeros((), dtype=tl.int64)
+        token = tl.full((), -1, tl.int64)
+        token_lp = tl.full((), float("-inf"), tl.float32)
+        forced_lp = tl.full((), float("-inf"), tl.float32)
+        seen_k = tl.zeros((), dtype=tl.int64)
+        seen_p = tl.zeros((), dtype=tl.int64)
+        for start in range(0, V, BLOCK):
+            cols = start + offs
+            x = tl.load(z_row + cols, mask=cols < V, other=float("-inf"))
+            s = tl.math.div_rn(x - m, temperature)
+            kept = cols < V
+            if TRUNCATE:
+                kept, seen_k, seen_p = _kept(x, s, kept, t_k, n_k, t_p, mass_p, limit_p, log_min_p, seen_k, seen_p, lse)
+            lp = tl.where(kept, s - lse_kept, float("-inf"))
+            f = tl.where(kept, tl.floor(tl.minimum(tl.exp(lp), 1.0) * 2147483648.0).to(tl.int64), 0)
+            inclusive = cdf + tl.cumsum(f, axis=0)
+            hit = tl.min(tl.where((inclusive > r) & (cols < V), cols, V).to(tl.int64), axis=0)
+            take = (token < 0) & (hit < V)
+            token_lp = tl.where(take, tl.sum(tl.where(cols == hit, lp, 0.0), axis=0), token_lp)
+            token = tl.where(take, hit, token)
+            forced_lp = tl.maximum(forced_lp, tl.max(tl.where(cols == forced, lp, float("-inf")), axis=0))
+            cdf += tl.sum(f, axis=0)
+            if WRITE_LOGPROBS:
+                tl.store(lp_ptr + row * stride_lp + cols, lp, mask=cols < V)
+        tl.store(token_ptr + row, tl.where(forced >= 0, forced, token))
+        tl.store(token_lp_ptr + row, tl.where(forced >= 0, forced_lp, token_lp))
+
+
+def fused_sample(
+    z: torch.Tensor, batch: SamplingBatch, bits: torch.Tensor, write_logprobs: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Samples every row of pre-processed logits (`masking.preprocess_logits`) in one kernel launch.
+
+    Args:
+        z: float32 [B, V], contiguous rows, at least one finite value per row.
+        batch: the step's sampling batch (temperature, top_k, top_p_threshold, log_min_p, forced_token_ids).
+        bits: int64 [B], 63-bit uniform integers.
+        write_logprobs: also return the processed log-probs.
+
+    Returns:
+        (token ids int64 [B] with golden tokens applied, their processed log-probs float32 [B] (unclamped),
+        processed log-probs float32 [B, V] or None).
+    """
+    check_launchable(z=z, bits=bits)
+    if z.dtype != torch.float32 or z.stride(-1) != 1:
+        raise ValueError(f"z must be float32 with unit column stride, got {z.dtype} strides {z.stride()}")
+    num_rows, vocab = z.shape
+    tokens = torch.empty(num_rows, dtype=torch.int64, device=z.device)
+    token_logprobs = torch.empty(num_rows, dtype=torch.float32, device=z.device)
+    logprobs = torch.empty_like(z) if write_logprobs else None
+    if num_rows == 0:
+        return tokens, token_logprobs, logprobs
+    block = min(triton.next_power_of_2(vocab), MAX_BLOCK)
+    out = logprobs if logprobs is not None else z
+    _fused_sample_kernel[(num_rows,)](
+        z,
+        z.stride(0),
+        batch.temperature,
+        batch.top_k,
+        batch.top_p_threshold,
+        batch.log_min_p,
+        bits,
+        batch.forced_token_ids,
+        tokens,
+        token_logprobs,
+        out,
+        out.stride(0),
+        vocab,
+        BLOCK=block,
+        TRUNCATE=batch.needs_truncation,
+        WRITE_LOGPROBS=write_logprobs,
+        num_warps=8 if block >= 2048 else 4,
+    )
+    return tokens, token_logprobs, logprobs
