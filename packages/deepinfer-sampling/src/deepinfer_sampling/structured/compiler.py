@@ -2,7 +2,8 @@
 
 Flow (runtime.md §4.2): the engine calls ``submit`` when a request with ``so_args`` arrives and does not schedule it
 yet; every step it calls ``poll``, which hands back a ``GrammarBuildResult`` for each finished build — either a ready
-``RequestGrammarMatcher`` or a ``StructuredOutputError`` — in submission order. A build fails (never raises into the
+``RequestGrammarMatcher`` or a ``StructuredOutputError`` — ordered by submission (a slow build never holds back
+later ones that are done). A build fails (never raises into the
 engine) on an unsupported schema type, an invalid trigger/bound, an xgrammar compile error, or when it takes longer
 than ``compile_timeout_s`` from submission; the engine then finishes only that request with ``FINISHED_SO_FAILED``.
 A timed-out compile keeps running in its thread; its grammar still lands in the cache.
@@ -191,7 +192,7 @@ class GrammarCompilationService:
             self._pending.append(_PendingBuild(request_id, submitted_at, future, error))
 
     def poll(self, wait_s: float = 0.0) -> list[GrammarBuildResult]:
-        """Return every build that finished, failed or timed out, in submission order.
+        """Return every build that finished, failed or timed out since the last poll, ordered by submission.
 
         Args:
             wait_s: when nothing is ready yet, wait up to this many seconds for the first result.
