@@ -1,0 +1,1509 @@
+"""Single-file, plain-PyTorch reference model of DeepSeek-V4.1-Flash (text path): the golden oracle.
+
+This module owns the numerically faithful, slow, cache-free definition of the whole text forward of
+DeepSeek-V4.1-Flash (``docs/spec`` model-core, model-attention, dspark): number formats and dynamic activation
+quantization, RMSNorm, RoPE/YaRN, manifold-constrained hyper-connections (mHC), Engram, MoE, every attention layer
+kind with compressor, indexer, candidate blocks, cross-layer sharing and YOCO, the final norm and LM head, and the
+DSpark draft block. It reads the file top to bottom in that order and is meant to be read next to the spec.
+It is not fast and keeps no state between calls; every fast path in the project is checked against it.
+
+Inputs are the frozen ``ModelConfig`` and a mapping from HF checkpoint tensor names to tensors in their STORED
+formats: FP8 e4m3 (``torch.float8_e4m3fn``) with ``float8_e8m0fnu`` (or ``uint8``) 32×32 block scales, MXFP4 packed
+``int8``/``uint8`` bytes with 1×32 UE8M0 scales, BF16 and FP32. Names may carry the ``model.`` prefix or not (both
+forms are accepted; giving one tensor under both names is an error). The model math is spelled out here on purpose
+instead of importing the kernel package, so that it is an independent oracle.
+
+Glossary:
+    trunk: the ``[n, m, H]`` BF16 residual state of mHC (``m`` = ``hc_mult`` streams).
+    read-mix / write-mix / comb: the per-token mHC weights ``P`` (read one stream mix), ``Q`` (write the sub-layer
+        output back) and ``C`` (doubly-stochastic stream mixing) of model-core §10.
+    compressed row: one entry of a layer's compressed KV (one per ``c`` raw tokens, ``c`` = compress ratio).
+    quant-dequant: quantizing to a storage format and reading it back, which is how a stored cache entry or an FP8
+        GEMM operand is seen by the math.
+
+Choices where the spec leaves a point open (each follows what the spec attributes to the reference package):
+    1. RMSNorm: ``rsqrt`` evaluated in FP64 and rounded to FP32 ("correctly rounded", model-core §11, B6); the
+       product ``x·ρ·w`` runs in FP32 with one BF16 rounding (the kernel, not the package's simple reference).
+    2. mHC mix GEMM: ``fn`` rounded to TF32 by round-to-nearest-even; the trunk is BF16 and exact in TF32 (B2).
+    3. RoPE FMA: ``fma(a, c, ±b·s)`` is evaluated as an exact FP64 ``a·c`` plus the FP32-rounded ``b·s``, rounded to
+       FP32 and then to the storage dtype (a double rounding that can differ from a true FP32 FMA in rare ties).
+    4. Attention: unnormalized probabilities ``exp(s − max)`` are rounded to BF16 before the value product; the
+       denominator (keys plus sink) uses the FP32 probabilities (model-attention §3 step 6, A4 "inferred: yes").
+       The attention output is de-rotated and FP8-quantized from FP32, and the grouped ``wo_a`` output is
+       FP8-quantized from FP32, with no BF16 rounding in between (model-attention §3 step 8).
+    5. Top-k (indexer, candidate blocks, router): larger score first, ties to the lower index (stable sort).
+    6. Engram gate at exactly ``z = 0``: the kernel's copy-sign, i.e. ``sigmoid(+1e−3)`` for ``+0`` (B5).
+    7. MoE combine: FP32 sum of the BF16 shared-expert output and the BF16 routed outputs in top-k rank order,
+       one BF16 rounding (B7). The SwiGLU output times the routing weight is FP8-quantized from FP32.
+    8. e4m3 conversion: round-to-nearest-even after clamping to ±448 (saturation, B8); e2m1 conversion:
+       round-to-nearest-even with saturation at ±6 (A5).
+    9. Text path only: token ids must lie in ``[0, V)``; image tokens (``bias_vl`` routing, Engram skip) do not
+       occur. Engram compressed ids of ids outside the tokenizer table are the sentinel −1 (model-core §12.3).
+    10. Engram vocabulary: passed in as an ``EngramVocabulary`` (built once from ``tokenizer.json`` with
+        ``engram_vocabulary_from_tokenizer``), never loaded inside the forward; the pad id is a parameter (the
+        runtime reads ``DEEPINFER_ENGRAM_PAD_TOKEN``, default 2).
+    11. YOCO prefill truncation is ``off`` (the exact mode); the forward is one full causal prefill of one request.
+    12. DSpark: the number of draft slots defaults to ``dspark_block_size`` (dspark D1); the context keys are
+        computed from the target features inside ``reference_dspark_forward``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from tokenizers import Regex, Tokenizer, normalizers
+from torch import Tensor
+
+from deepinfer_model.config import ModelConfig, TextConfig
+
+__all__ = [
+    "DSparkOutput",
+    "EngramVocabulary",
+    "ReferenceOutput",
+    "apply_rope",
+    "attention_core",
+    "candidate_block_mask",
+    "compress_kv",
+    "dequantize_fp8_block",
+    "dequantize_mxfp4",
+    "engram_gate",
+    "engram_hash",
+    "engram_hash_multipliers",
+    "engram_ngram_rows",
+    "engram_normalize",
+    "engram_table_primes",
+    "engram_vocabulary_from_tokenizer",
+    "fp4_e4m3_quant_dequant",
+    "fp4_ue8m0_quant_dequant",
+    "fp8_quant_dequant",
+    "hc_head",
+    "hc_mix_logits",
+    "hc_post",
+    "hc_read",
+    "hc_split_mixes",
+    "index_scores",
+    "moe_route",
+    "reference_dspark_forward",
+    "reference_dspark_heads",
+    "reference_forward",
+    "reference_forward_full",
+    "rms_norm",
+    "rope_cos_sin",
+    "rope_inv_freq",
+    "round_to_e2m1",
+    "round_to_e4m3",
+    "round_to_tf32",
+    "router_scores",
+    "select_topk",
+    "sinkhorn",
+    "sparse_source_map",
+    "ue8m0_to_float",
+    "yarn_inv_freq",
+]
+
+F32 = torch.float32
+BF16 = torch.bfloat16
+
+# ==================================================================================================================
+# 1. Number formats (model-core §5, model-attention §8)
+# ==================================================================================================================
+
+E4M3_MAX = 448.0
+E2M1_MAX = 6.0
+FP8_AMAX_FLOOR = 1e-4
+FP4_UE8M0_AMAX_FLOOR = 6.0 * 2.0**-126
+FP4_E4M3_AMAX_FLOOR = 6.0 * 2.0**-9
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def _scale_bytes(scale: Tensor) -> Tensor:
+    if scale.dtype == torch.float8_e8m0fnu:
+        return scale.view(torch.uint8)
+    if scale.dtype == torch.uint8:
+        return scale
+    raise TypeError(f"UE8M0 scales must be float8_e8m0fnu or uint8, got {scale.dtype}")
+
+
+def ue8m0_to_float(scale: Tensor) -> Tensor:
+    """Decode UE8M0 scale bytes: byte ``b`` is ``2^(b − 127)`` (255 is NaN), built from FP32 bits so it is exact.
+
+    Args:
+        scale: ``float8_e8m0fnu`` or ``uint8`` tensor, any shape.
+
+    Returns:
+        FP32 tensor of the same shape.
+    """
+    b = _scale_bytes(scale).to(torch.int32)
+    bits = torch.where(b > 0, b << 23, torch.full_like(b, 0x00400000))  # byte 0 is the subnormal 2^-127
+    bits = torch.where(b == 255, torch.full_like(b, 0x7FC00000), bits)
+    return bits.view(F32)
+
+
+def _exp2(exponent: Tensor) -> Tensor:
+    """Exact ``2^e`` in FP32 for an int32 tensor ``e`` in ``[-126, 127]``."""
+    return ((exponent + 127) << 23).view(F32)
+
+
+def _ceil_log2(ratio: Tensor) -> Tensor:
+    """Exact ``⌈log2(ratio)⌉`` (int32) read from the FP32 bits of a positive normal FP32 ``ratio`` (§17)."""
+    bits = ratio.contiguous().view(torch.int32)
+    return ((bits - 1) >> 23) + 1 - 127
+
+
+def round_to_e4m3(x: Tensor) -> Tensor:
+    """Round FP32 values to e4m3 (nearest-even, saturating at ±448) and return them as FP32."""
+    return x.float().clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).to(F32)
+
+
+def round_to_e2m1(x: Tensor) -> Tensor:
+    """Round FP32 values to e2m1 (nearest, ties to the even code, saturating at ±6) and return them as FP32.
+
+    The midpoints between neighbouring magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 go to the neighbour with the even code,
+    which alternates between rounding down (``>``) and up (``>=``).
+    """
+    a = x.float().abs()
+    code = (
+        (a > 0.25).int()
+        + (a >= 0.75).int()
+        + (a > 1.25).int()
+        + (a >= 1.75).int()
+        + (a > 2.5).int()
+        + (a >= 3.5).int()
+        + (a > 5.0).int()
+    )
+    magnitude = torch.tensor(E2M1_VALUES, dtype=F32)[code.long()]
+    return torch.copysign(magnitude, x.float())
+
+
+def round_to_tf32(x: Tensor) -> Tensor:
+    """Round FP32 values to TF32 (10 mantissa bits) by round-to-nearest-even; the result is FP32."""
+    bits = x.float().contiguous().view(torch.int32)
+    lsb = (bits >> 13) & 1
+    return ((bits + 0xFFF + lsb) & ~0x1FFF).view(F32)
+
+
+def _grouped(x: Tensor, group: int) -> Tensor:
+    if x.shape[-1] % group != 0:
+        raise ValueError(f"last dimension {x.shape[-1]} must be a multiple of the quantization group {group}")
+    return x.float().unflatten(-1, (x.shape[-1] // group, group))
+
+
+def fp8_quant_dequant(x: Tensor, group: int = 32) -> Tensor:
+    """Dynamic FP8 e4m3 quantization with UE8M0 per-group scales, read back (model-core §5.5).
+
+    Per group: ``e = ⌈log2(max(amax, 1e−4) / 448)⌉``, codes ``e4m3(x·2^−e)``, value ``code·2^e``. This is both the
+    activation quantization in front of every FP8 GEMM and the SWA / FP8 compressed-KV storage format.
+
+    Args:
+        x: ``[..., K]`` BF16 or FP32, ``K % group == 0``.
+        group: consecutive elements sharing one scale.
+
+    Returns:
+        ``[..., K]`` FP32 dequantized values.
+    """
+    g = _grouped(x, group)
+    amax = g.abs().amax(-1, keepdim=True).clamp_min(FP8_AMAX_FLOOR)
+    e = _ceil_log2(amax / E4M3_MAX)
+    return (round_to_e4m3(g * _exp2(-e)) * _exp2(e)).flatten(-2)
+
+
+def fp4_ue8m0_quant_dequant(x: Tensor, group: int = 32) -> Tensor:
+    """FP4 e2m1 with UE8M0 per-group scales, read back: the index-K cache and index-query format (attention §8).
+
+    Args:
+        x: ``[..., K]`` BF16 or FP32, ``K % group == 0``.
+        group: elements per scale (32).
+
+    Returns:
+        ``[..., K]`` FP32 dequantized values.
+    """
+    g = _grouped(x, group)
+    amax = g.abs().amax(-1, keepdim=True).clamp_min(FP4_UE8M0_AMAX_FLOOR)
+    e = _ceil_log2(amax / E2M1_MAX)
+    return (round_to_e2m1(g * _exp2(-e)) * _exp2(e)).flatten(-2)
+
+
+def fp4_e4m3_quant_dequant(x: Tensor, group: int = 16) -> Tensor:
+    """FP4 e2m1 with E4M3 per-group scales, read back: the default compressed-KV format (attention §8).
+
+    ``scale = e4m3(min(max(amax, 6·2^−9) / 6, 448))``; codes are e2m1 of ``x`` times the FP32 reciprocal of scale.
+
+    Args:
+        x: ``[..., K]`` BF16 or FP32, ``K % group == 0``.
+        group: elements per scale (16).
+
+    Returns:
+        ``[..., K]`` FP32 dequantized values.
+    """
+    g = _grouped(x, group)
+    amax = g.abs().amax(-1, keepdim=True)
+    scale = round_to_e4m3((amax.clamp_min(FP4_E4M3_AMAX_FLOOR) / E2M1_MAX).clamp_max(E4M3_MAX))
+    return (round_to_e2m1(g * (1.0 / scale)) * scale).flatten(-2)
+
+
+def dequantize_fp8_block(weight: Tensor, scale: Tensor, block: int = 32) -> Tensor:
+    """Dequantize an FP8 weight with 32×32 UE8M0 block scales (model-core §5.2).
+
+    Args:
+        weight: ``[out, in]`` ``float8_e4m3fn``.
+        scale: ``[⌈out/32⌉, ⌈in/32⌉]`` UE8M0.
+        block: block edge (32).
+
+    Returns:
+        ``[out, in]`` FP32.
+    """
+    if weight.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"FP8 weight must be float8_e4m3fn, got {weight.dtype}")
+    rows, cols = weight.shape
+    expected = (-(-rows // block), -(-cols // block))
+    if tuple(scale.shape) != expected:
+        raise ValueError(
+            f"FP8 block scale has shape {tuple(scale.shape)}, expected {expected} for weight {rows}×{cols}"
+        )
+    s = ue8m0_to_float(scale).repeat_interleave(block, 0)[:rows].repeat_interleave(block, 1)[:, :cols]
+    return weight.to(F32) * s
+
+
+def dequantize_mxfp4(packed: Tensor, scale: Tensor) -> Tensor:
+    """Dequantize MXFP4 expert weights (model-core §5.3): low nibble = even column, 1×32 UE8M0 scales.
+
+    Args:
+        packed: ``[out, in/2]`` int8 or uint8, two e2m1 codes per byte.
+        scale: ``[out, in/32]`` UE8M0.
+
+    Returns:
+        ``[out, in]`` FP32.
+    """
+    if packed.dtype not in (torch.int8, torch.uint8):
+        raise TypeError(f"MXFP4 weight must be int8 or uint8 bytes, got {packed.dtype}")
+    rows, half = packed.shape
+    if tuple(scale.shape) != (rows, 2 * half // 32):
+        raise ValueError(f"MXFP4 scale has shape {tuple(scale.shape)}, expected {(rows, 2 * half // 32)}")
+    b = packed.view(torch.uint8).to(torch.int64)
+    codes = torch.stack([b & 0xF, b >> 4], dim=-1).reshape(rows, 2 * half)
+    magnitude = torch.tensor(E2M1_VALUES, dtype=F32)[codes & 0x7]
+    values = torch.where(codes >= 8, -magnitude, magnitude)
+    return values * ue8m0_to_float(scale).repeat_interleave(32, 1)
+
+
+def _dequantize_fp8_rows(rows: Tensor, scale: Tensor) -> Tensor:
+    """Dequantize gathered Engram rows: ``[..., d_e]`` e4m3 with ``[..., d_e/32]`` UE8M0 (model-core §5.4)."""
+    return (rows.to(F32).unflatten(-1, (scale.shape[-1], 32)) * ue8m0_to_float(scale)[..., None]).flatten(-2)
+
+
+# ==================================================================================================================
+# 2. Stored weights and linear layers (model-core §4, §5.6)
+# ==================================================================================================================
+
+
+class _Weights:
+    """HF-named stored tensors; names are looked up without the optional ``model.`` prefix."""
+
+    def __init__(self, weights: Mapping[str, Tensor]) -> None:
+        names: dict[str, str] = {}
+        for name in weights:
+            key = name.removeprefix("model.")
+            if key in names:
+                raise ValueError(f"tensor {key!r} is given both with and without the 'model.' prefix")
+            names[key] = name
+        self._weights = weights
+        self._names = names
+
+    def __getitem__(self, name: str) -> Tensor:
+        if name not in self._names:
+            raise KeyError(f"checkpoint tensor {name!r} (or 'model.{name}') is missing from the weights")
+        return self._weights[self._names[name]]
+
+    def fp8(self, prefix: str) -> Tensor:
+        """Dequantized FP32 ``[out, in]`` of the FP8 weight ``{prefix}.weight`` with ``{prefix}.scale``."""
+        return dequantize_fp8_block(self[f"{prefix}.weight"], self[f"{prefix}.scale"])
+
+    def mxfp4(self, prefix: str) -> Tensor:
+        """Dequantized FP32 ``[out, in]`` of the MXFP4 weight ``{prefix}.weight`` with ``{prefix}.scale``."""
+        return dequantize_mxfp4(self[f"{prefix}.weight"], self[f"{prefix}.scale"])
+
+
+def _fp8_linear(x: Tensor, weight: Tensor) -> Tensor:
+    """``bf16(Q8(x) · Ŵᵀ)``: per-32 dynamic FP8 activation × dequantized weight, FP32 accumulation (§5.6)."""
+    return (fp8_quant_dequant(x) @ weight.T).to(BF16)
+
+
+def _bf16_linear(x: Tensor, weight: Tensor) -> Tensor:
+    """``x · Wᵀ`` for BF16 operands with FP32 accumulation and FP32 output."""
+    return x.float() @ weight.float().T
+
+
+# ==================================================================================================================
+# 3. RMSNorm (model-core §11)
+# ==================================================================================================================
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm over the last dimension, output BF16 (model-core §11).
+
+    ``ρ = 1/sqrt(Σx²/d + ε)`` with the sum and the division in FP32 and the reciprocal square root correctly
+    rounded to FP32; ``y = x·ρ·w`` in FP32, rounded once to BF16.
+
+    Args:
+        x: ``[..., d]`` BF16 (or FP32).
+        weight: ``[d]`` BF16.
+        eps: ``rms_norm_eps``.
+
+    Returns:
+        ``[..., d]`` BF16.
+    """
+    xf = x.float()
+    mean_square = (xf * xf).sum(-1, keepdim=True) / xf.shape[-1] + eps
+    rho = torch.rsqrt(mean_square.double()).float()
+    return (xf * rho * weight.float()).to(BF16)
+
+
+# ==================================================================================================================
+# 4. RoPE and YaRN (model-core §15, model-attention §9)
+# ==================================================================================================================
+
+
+def rope_inv_freq(rope_dim: int, base: float) -> Tensor:
+    """Base inverse frequencies ``f_i = 1 / base^(2i/r)`` in FP32, ``[r/2]``."""
+    exponent = torch.arange(0, rope_dim, 2, dtype=F32) / rope_dim
+    return 1.0 / torch.pow(torch.tensor(base, dtype=F32), exponent)
+
+
+def yarn_inv_freq(
+    rope_dim: int, base: float, factor: float, original_max_position: int, beta_fast: float, beta_slow: float
+) -> Tensor:
+    """YaRN inverse frequencies of model-core §15.3 (blend of ``f`` and ``f/φ`` by a linear ramp), FP32 ``[r/2]``."""
+
+    def correction(num_rotations: float) -> float:
+        return rope_dim * math.log(original_max_position / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    lo: float = max(math.floor(correction(beta_fast)), 0)
+    hi: float = min(math.ceil(correction(beta_slow)), rope_dim - 1)
+    if lo == hi:
+        hi += 0.001
+    b = torch.pow(torch.tensor(base, dtype=F32), torch.arange(0, rope_dim, 2, dtype=F32) / rope_dim)
+    ramp = ((torch.arange(rope_dim // 2, dtype=F32) - lo) / (hi - lo)).clamp(0, 1)
+    mask = 1 - ramp
+    return (1 / (factor * b)) * (1 - mask) + (1 / b) * mask
+
+
+def rope_cos_sin(inv_freq: Tensor, num_positions: int) -> tuple[Tensor, Tensor]:
+    """Cos/sin tables for positions ``0 … P−1``: angle ``fp32(t·f_i)``, both FP32 ``[P, r/2]`` (§15.4)."""
+    angles = torch.outer(torch.arange(num_positions, dtype=F32), inv_freq)
+    return torch.cos(angles), torch.sin(angles)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False) -> Tensor:
+    """Rotate the last ``r`` elements of ``x`` in interleaved pairs ``(2i, 2i+1)`` (model-core §15.5).
+
+    ``x'[2i] = fma(x[2i], c, −x[2i+1]·s)``, ``x'[2i+1] = fma(x[2i], s, x[2i+1]·c)``; ``inverse`` uses ``−s``.
+
+    Args:
+        x: ``[..., d]`` BF16 or FP32, ``d ≥ r``.
+        cos: ``[..., r/2]`` FP32, broadcastable against ``x[..., :r/2]`` (the rows of each vector's position).
+        sin: like ``cos``.
+        inverse: conjugate rotation (the attention-output de-rotation).
+
+    Returns:
+        ``[..., d]`` in the dtype of ``x``.
+    """
+    half = cos.shape[-1]
+    pairs = x[..., -2 * half :].double().unflatten(-1, (half, 2))
+    a, b = pairs[..., 0], pairs[..., 1]
+    c, s = cos.double(), (-sin if inverse else sin).double()
+    first = (a * c - (b * s).float().double()).float()
+    second = (a * s + (b * c).float().double()).float()
+    rotated = torch.stack([first, second], dim=-1).flatten(-2).to(x.dtype)
+    return torch.cat([x[..., : -2 * half], rotated], dim=-1)
+
+
+@dataclass(frozen=True)
+class RopeTable:
+    """A layer kind's cos/sin rows for positions ``0 … P−1``: both ``[P, r/2]`` FP32."""
+
+    cos: Tensor
+    sin: Tensor
+
+
+def _layer_rope_table(text: TextConfig, compressed: bool, num_positions: int) -> RopeTable:
+    """The cos/sin table of a layer kind (model-core §15.1): compressed layers use compress theta and YaRN."""
+    r = text.qk_rope_head_dim
+    scaling = text.rope_scaling
+    if not compressed:
+        inv_freq = rope_inv_freq(r, text.rope_theta)
+    elif scaling is None:
+        inv_freq = rope_inv_freq(r, text.compress_rope_theta)
+    else:
+        inv_freq = yarn_inv_freq(
+            r,
+            text.compress_rope_theta,
+            scaling.factor,
+            scaling.original_max_position_embeddings,
+            scaling.beta_fast,
+            scaling.beta_slow,
+        )
+    return RopeTable(*rope_cos_sin(inv_freq, num_positions))
+
+
+# ==================================================================================================================
+# 5. Manifold-constrained hyper-connections (model-core §10)
+# ==================================================================================================================
+
+
+def hc_mix_logits(trunk: Tensor, fn: Tensor, eps: float) -> Tensor:
+    """Token-dependent mix logits ``μ = γ · fn·z`` of model-core §10.2.
+
+    Args:
+        trunk: ``[n, m, H]`` BF16.
+        fn: ``[rows, m·H]`` FP32 (norm weight folded in); multiplied in TF32.
+        eps: ``rms_norm_eps``.
+
+    Returns:
+        ``[n, rows]`` FP32.
+    """
+    z = trunk.float().flatten(1)
+    mean_square = (z * z).sum(-1, keepdim=True) / z.shape[-1]
+    gamma = torch.rsqrt((mean_square + eps).double()).float()
+    return (z @ round_to_tf32(fn).T) * gamma
+
+
+def sinkhorn(logits: Tensor, iters: int, eps: float) -> Tensor:
+    """Sinkhorn normalization of comb logits (model-core §10.4): row softmax + ε, then column/row passes.
+
+    Args:
+        logits: ``[..., m, m]`` FP32, entry ``[i, j]`` = source stream ``i`` → destination ``j``.
+        iters: ``hc_sinkhorn_iters`` (≥ 1; the softmax and first column pass count as one).
+        eps: ``hc_eps``.
+
+    Returns:
+        ``[..., m, m]`` FP32, approximately doubly stochastic.
+    """
+    m = torch.softmax(logits, dim=-1) + eps
+    m = m / (m.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        m = m / (m.sum(-1, keepdim=True) + eps)
+        m = m / (m.sum(-2, keepdim=True) + eps)
+    return m
+
+
+def hc_split_mixes(
+    mix: Tensor, base: Tensor, scale: Tensor, hc_mult: int, hc_eps: float, sinkhorn_iters: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Read-mix ``P``, write-mix ``Q`` and comb ``C`` from mix logits (model-core §10.3–10.4).
+
+    Args:
+        mix: ``[n, (2+m)·m]`` FP32 from ``hc_mix_logits``.
+        base: ``[(2+m)·m]`` FP32.
+        scale: ``[3]`` FP32.
+        hc_mult: ``m``.
+        hc_eps: ``ε_hc``.
+        sinkhorn_iters: ``T_sk``.
+
+    Returns:
+        ``P [n, m]``, ``Q [n, m]``, ``C [n, m, m]`` FP32.
+    """
+    m = hc_mult
+    pre = torch.sigmoid(mix[:, :m] * scale[0] + base[:m]) + hc_eps
+    post = torch.sigmoid(mix[:, m : 2 * m] * scale[1] + base[m : 2 * m]) * 2.0
+    comb = (mix[:, 2 * m :] * scale[2] + base[2 * m :]).unflatten(-1, (m, m))
+    return pre, post, sinkhorn(comb, sinkhorn_iters, hc_eps)
+
+
+def hc_read(trunk: Tensor, pre: Tensor) -> Tensor:
+    """``bf16(Σ_j P_j·X_j)`` accumulated in FP32 in stream order (model-core §10.5).
+
+    Args:
+        trunk: ``[n, m, H]`` BF16.
+        pre: ``[n, m]`` FP32 read-mix.
+
+    Returns:
+        ``[n, H]`` BF16.
+    """
+    x = trunk.float()
+    acc = pre[:, 0:1] * x[:, 0]
+    for j in range(1, x.shape[1]):
+        acc = acc + pre[:, j : j + 1] * x[:, j]
+    return acc.to(BF16)
+
+
+def hc_post(output: Tensor, trunk: Tensor, post: Tensor, comb: Tensor) -> Tensor:
+    """``X'_o = bf16(Q_o·y + Σ_i C_io·X_i)`` in FP32, products added in stream order (model-core §10.6).
+
+    Args:
+        output: ``[n, H]`` BF16 sub-layer output ``y``.
+        trunk: ``[n, m, H]`` BF16 trunk the sub-layer received.
+        post: ``[n, m]`` FP32 write-mix ``Q``.
+        comb: ``[n, m, m]`` FP32 comb ``C``.
+
+    Returns:
+        ``[n, m, H]`` BF16 new trunk.
+    """
+    x = trunk.float()
+    y = output.float()
+    streams = []
+    for o in range(x.shape[1]):
+        acc = post[:, o : o + 1] * y
+        for i in range(x.shape[1]):
+            acc = acc + comb[:, i, o : o + 1] * x[:, i]
+        streams.append(acc)
+    return torch.stack(streams, dim=1).to(BF16)
+
+
+def hc_head(trunk: Tensor, fn: Tensor, scale: Tensor, base: Tensor, eps: float, hc_eps: float) -> Tensor:
+    """Non-shifted HC head: collapse the trunk with its own read-mix (model-core §10.9).
+
+    Args:
+        trunk: ``[n, m, H]`` BF16.
+        fn: ``[m, m·H]`` FP32 (norm weight folded in).
+        scale: ``[1]`` FP32.
+        base: ``[m]`` FP32.
+        eps: ``rms_norm_eps``.
+        hc_eps: ``ε_hc``.
+
+    Returns:
+        ``[n, H]`` BF16.
+    """
+    pre = torch.sigmoid(hc_mix_logits(trunk, fn, eps) * scale[0] + base) + hc_eps
+    return hc_read(trunk, pre)
+
+
+# ==================================================================================================================
+# 6. Engram (model-core §12)
+# ==================================================================================================================
+
+_ENGRAM_SPACE_SENTINEL = "\ue000"  # private-use character protecting a single-space key from Strip()
+
+
+def _engram_normalizer() -> normalizers.Normalizer:
+    return normalizers.Sequence(
+        [
+            normalizers.NFKC(),
+            normalizers.NFD(),
+            normalizers.StripAccents(),
+            normalizers.Lowercase(),
+            normalizers.Replace(Regex(r"[ \t\r\n]+"), " "),
+            normalizers.Replace(Regex(r"^ $"), _ENGRAM_SPACE_SENTINEL),
+            normalizers.Strip(),
+            normalizers.Replace(_ENGRAM_SPACE_SENTINEL, " "),
+        ]
+    )
+
+
+def engram_normalize(text: str) -> str:
+    """The Engram token-text normalization of model-core §12.2 step 3."""
+    return str(_engram_normalizer().normalize_str(text))
+
+
+@dataclass(frozen=True)
+class EngramVocabulary:
+    """Tokenizer id → compressed Engram id (model-core §12.2), built once outside the forward.
+
+    Attributes:
+        old_to_new: ``[Vt]`` int64, compressed id of every tokenizer id.
+        num_compressed: ``V_c``, the number of distinct keys (it sets the hash multiplier bound).
+        pad_id: compressed id of the Engram pad token.
+    """
+
+    old_to_new: Tensor
+    num_compressed: int
+    pad_id: int
+
+    @staticmethod
+    def from_keys(keys: Sequence[str], pad_token_id: int = 2) -> EngramVocabulary:
+        """Assign compressed ids in order of first appearance of each key (``keys[t]`` is token ``t``'s key)."""
+        if not 0 <= pad_token_id < len(keys):
+            raise ValueError(f"Engram pad token id {pad_token_id} is outside the vocabulary [0, {len(keys)})")
+        first_seen: dict[str, int] = {}
+        ids = [first_seen.setdefault(key, len(first_seen)) for key in keys]
+        return EngramVocabulary(torch.tensor(ids, dtype=torch.int64), len(first_seen), ids[pad_token_id])
+
+
+def engram_vocabulary_from_tokenizer(tokenizer: Tokenizer, pad_token_id: int = 2) -> EngramVocabulary:
+    """Build the compressed Engram vocabulary from a ``tokenizers.Tokenizer`` (``tokenizer.json``), §12.2.
+
+    Args:
+        tokenizer: the checkpoint's tokenizer.
+        pad_token_id: tokenizer id of the Engram pad (``DEEPINFER_ENGRAM_PAD_TOKEN``, default 2).
+
+    Raises:
+        ValueError: ``<｜▁pad▁｜>`` is not token 2.
+    """
+    pad = tokenizer.token_to_id("<｜▁pad▁｜>")
+    if pad != 2:
+        raise ValueError(f"Engram requires the tokenizer to map '<｜▁pad▁｜>' to id 2, got {pad}")
+    normalizer = _engram_normalizer()
+    keys = []
+    for token_id in range(tokenizer.get_vocab_size(with_added_tokens=True)):
+        text = tokenizer.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" in text:
+            keys.append(tokenizer.id_to_token(token_id) or text)
+        else:
+            keys.append(normalizer.normalize_str(text) or text)
+    return EngramVocabulary.from_keys(keys, pad_token_id)
+
+
+def _next_prime(start: int) -> int:
+    """Smallest prime strictly greater than ``start``."""
+    candidate = max(start + 1, 2)
+    while True:
+        if candidate == 2 or (candidate % 2 and all(candidate % d for d in range(3, math.isqrt(candidate) + 1, 2))):
+            return candidate
+        candidate += 1
+
+
+def engram_table_primes(text: TextConfig) -> list[list[int]]:
+    """Prime hash-table sizes per Engram layer (order of ``engram_layer_ids``), sub-tables order-major (§12.4)."""
+    max_ngram, heads, vocab = _engram_sizes(text)
+    used: set[int] = set()
+    tables = []
+    for _ in text.engram_layer_ids:
+        sizes = []
+        for _order in range(2, max_ngram + 1):
+            start = vocab - 1
+            for _head in range(heads):
+                prime = _next_prime(start)
+                while prime in used:
+                    prime = _next_prime(prime)
+                used.add(prime)
+                sizes.append(prime)
+                start = prime
+        tables.append(sizes)
+    return tables
+
+
+def _engram_sizes(text: TextConfig) -> tuple[int, int, int]:
+    """``(N_g, h_e, V_e)``; raises if the Engram keys are unset."""
+    sizes = (text.engram_max_ngram_size, text.engram_n_heads, text.engram_vocab_size)
+    if any(value is None for value in sizes):
+        raise ValueError(f"Engram layers {list(text.engram_layer_ids)} need every engram_* size key, got {sizes}")
+    return sizes  # type: ignore[return-value]
+
+
+# numpy's SeedSequence / PCG64 / bounded-integer algorithms, written out so the model package needs no numpy.
+_MASK32 = 0xFFFFFFFF
+_MASK64 = (1 << 64) - 1
+_MASK128 = (1 << 128) - 1
+_PCG64_MULTIPLIER = 0x2360ED051FC65DA44385DF649FCCF645
+
+
+def _seed_sequence_words(seed: int, num_words: int) -> list[int]:
+    """``numpy.random.SeedSequence(seed).generate_state(num_words, uint32)`` (pool size 4, no spawn key)."""
+    entropy = []
+    value = seed
+    while True:
+        entropy.append(value & _MASK32)
+        value >>= 32
+        if value == 0:
+            break
+    hash_const = 0x43B0D7E5
+
+    def hashmix(word: int) -> int:
+        nonlocal hash_const
+        word ^= hash_const
+        hash_const = (hash_const * 0x931E8875) & _MASK32
+        word = (word * hash_const) & _MASK32
+        return word ^ (word >> 16)
+
+    def mix(x: int, y: int) -> int:
+        result = (0xCA01F9DD * x - 0x4973F715 * y) & _MASK32
+        return result ^ (result >> 16)
+
+    pool = [hashmix(entropy[i] if i < len(entropy) else 0) for i in range(4)]
+    for src in range(4):
+        for dst in range(4):
+            if src != dst:
+                pool[dst] = mix(pool[dst], hashmix(pool[src]))
+    for src in range(4, len(entropy)):
+        for dst in range(4):
+            pool[dst] = mix(pool[dst], hashmix(entropy[src]))
+    out_const = 0x8B51F9DD
+    words = []
+    for i in range(num_words):
+        word = pool[i % 4] ^ out_const
+        out_const = (out_const * 0x58F38DED) & _MASK32
+        word = (word * out_const) & _MASK32
+        words.append(word ^ (word >> 16))
+    return words
+
+
+class _Pcg64:
+    """numpy's ``PCG64`` bit generator (128-bit LCG, XSL-RR output) seeded through ``SeedSequence``."""
+
+    def __init__(self, seed: int) -> None:
+        words = _seed_sequence_words(seed, 8)
+        w64 = [words[2 * k] | (words[2 * k + 1] << 32) for k in range(4)]
+        self._inc = (((w64[2] << 64) | w64[3]) << 1 | 1) & _MASK128
+        self._state = 0
+        self._step()
+        self._state = (self._state + ((w64[0] << 64) | w64[1])) & _MASK128
+        self._step()
+
+    def _step(self) -> None:
+        self._state = (self._state * _PCG64_MULTIPLIER + self._inc) & _MASK128
+
+    def next_uint64(self) -> int:
+        self._step()
+        value = ((self._state >> 64) ^ self._state) & _MASK64
+        rotation = self._state >> 122
+        return ((value >> rotation) | (value << ((-rotation) & 63))) & _MASK64
+
+    def bounded_uint64(self, bound: int) -> int:
+        """Uniform integer in ``[0, bound]`` by Lemire's method (numpy's 64-bit path, ``bound > 2^32 − 1``)."""
+        exclusive = bound + 1
+        product = self.next_uint64() * exclusive
+        if product & _MASK64 < exclusive:
+            threshold = (_MASK64 - bound) % exclusive
+            while product & _MASK64 < threshold:
+                product = self.next_uint64() * exclusive
+        return product >> 64
+
+
+def engram_hash_multipliers(layer_id: int, max_ngram: int, num_compressed: int) -> list[int]:
+    """Odd int64 hash multipliers of Engram layer ``ℓ`` (model-core §12.5).
+
+    ``B = max(1, ⌊⌊(2^63−1)/V_c⌋/2⌋)``; ``a = 2·default_rng(10007·ℓ).integers(0, B, size=N_g) + 1``.
+    """
+    bound = max(1, ((2**63 - 1) // num_compressed) // 2)
+    if bound == 1:
+        return [1] * max_ngram
+    if bound - 1 <= _MASK32:
+        raise ValueError(f"compressed vocabulary size {num_compressed} is too large for the 64-bit multiplier draw")
+    rng = _Pcg64(10007 * layer_id)
+    return [2 * rng.bounded_uint64(bound - 1) + 1 for _ in range(max_ngram)]
+
+
+def engram_ngram_rows(compressed_ids: Tensor, max_ngram: int, pad_id: int) -> Tensor:
+    """Suffix n-gram id rows ``g_r = c_{p−r}`` (model-core §12.3).
+
+    Positions before the request start are ``pad_id``; from the first sentinel −1 (scanning ``r`` upward) every
+    entry is ``pad_id``.
+
+    Args:
+        compressed_ids: ``[n]`` int64 compressed ids (−1 = sentinel).
+        max_ngram: ``N_g``.
+        pad_id: compressed pad id.
+
+    Returns:
+        ``[n, N_g]`` int64.
+    """
+    n = compressed_ids.shape[0]
+    padded = torch.cat([torch.full((max_ngram - 1,), pad_id, dtype=torch.int64), compressed_ids])
+    rows = torch.stack([padded[max_ngram - 1 - r : max_ngram - 1 - r + n] for r in range(max_ngram)], dim=1)
+    hit_sentinel = torch.cumsum((rows < 0).int(), dim=1) > 0
+    return torch.where(hit_sentinel, torch.full_like(rows, pad_id), rows)
+
+
+def engram_hash(rows: Tensor, multipliers: Sequence[int], primes: Sequence[int], n_heads: int) -> Tensor:
+    """Table row indices of every (order, head) sub-table (model-core §12.6), offsets included.
+
+    Args:
+        rows: ``[n, N_g]`` int64 n-gram id rows.
+        multipliers: ``N_g`` odd multipliers of the layer.
+        primes: ``(N_g−1)·h_e`` sub-table sizes, order-major.
+        n_heads: ``h_e``.
+
+    Returns:
+        ``[n, (N_g−1)·h_e]`` int64 row indices into the layer's concatenated table.
+    """
+    offsets = [0]
+    for p in primes[:-1]:
+        offsets.append(offsets[-1] + p)
+    h = rows[:, 0] * multipliers[0]
+    columns = []
+    for order in range(1, rows.shape[1]):
+        h = h ^ (rows[:, order] * multipliers[order])
+        for head in range(n_heads):
+            col = (order - 1) * n_heads + head
+            columns.append(torch.remainder(h, primes[col]) + offsets[col])
+    return torch.stack(columns, dim=1)
+
+
+def engram_gate(trunk: Tensor, kv: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float) -> Tensor:
+    """Engram gate and update ``X_j ← bf16(X_j + g_j·v)`` (model-core §12.8).
+
+    Args:
+        trunk: ``[n, m, H]`` BF16.
+        kv: ``[n, m+1, H]`` BF16: one key per stream, then the shared value.
+        q_weight: ``[m, H]`` BF16.
+        k_weight: ``[m, H]`` BF16.
+        eps: ``rms_norm_eps``.
+
+    Returns:
+        ``[n, m, H]`` BF16.
+    """
+    m, hidden = q_weight.shape
+    x = trunk.float()
+    keys = kv[:, :m].float()
+    value = kv[:, m].float()
+    w = q_weight.float() * k_weight.float()
+    a_x = torch.rsqrt(((x * x).sum(-1) / hidden + eps).double()).float()
+    a_k = torch.rsqrt(((keys * keys).sum(-1) / hidden + eps).double()).float()
+    z = (x * w * keys).sum(-1) * a_x * a_k / math.sqrt(hidden)
+    gate = torch.sigmoid(torch.copysign(torch.sqrt(z.abs().clamp_min(1e-6)), z))
+    return (x + gate[..., None] * value[:, None, :]).to(BF16)
+
+
+def _engram_layer(
+    text: TextConfig, w: _Weights, layer: int, trunk: Tensor, token_ids: Tensor, vocabulary: EngramVocabulary
+) -> Tensor:
+    """Apply layer ``layer``'s Engram to the trunk (model-core §12.3–12.8)."""
+    max_ngram, heads, _ = _engram_sizes(text)
+    index = text.engram_layer_ids.index(layer)
+    primes = engram_table_primes(text)[index]
+    multipliers = engram_hash_multipliers(layer, max_ngram, vocabulary.num_compressed)
+    table_size = vocabulary.old_to_new.shape[0]
+    in_table = (token_ids >= 0) & (token_ids < table_size)
+    compressed = torch.where(in_table, vocabulary.old_to_new[token_ids.clamp(0, table_size - 1)], -1)
+    idx = engram_hash(engram_ngram_rows(compressed, max_ngram, vocabulary.pad_id), multipliers, primes, heads)
+    prefix = f"layers.{layer}.engram"
+    table, table_scale = w[f"{prefix}.embed.weight"], w[f"{prefix}.embed.scale"]
+    if table.shape[0] < sum(primes):
+        raise ValueError(f"{prefix}.embed.weight has {table.shape[0]} rows, the hash needs {sum(primes)}")
+    gathered = _dequantize_fp8_rows(table[idx], table_scale[idx]).flatten(1)  # [n, (N_g-1)·h_e·d_e]
+    kv = (gathered @ w.fp8(f"{prefix}.wkv").T).to(BF16).unflatten(-1, (text.hc_mult + 1, text.hidden_size))
+    return engram_gate(trunk, kv, w[f"{prefix}.q_weight"], w[f"{prefix}.k_weight"], text.rms_norm_eps)
+
+
+# ==================================================================================================================
+# 7. Mixture of experts (model-core §13)
+# ==================================================================================================================
+
+
+def router_scores(logits: Tensor) -> Tensor:
+    """``sqrt(softplus(l))`` with ``softplus(x) = x`` for ``x > 20`` (model-core §13.1). FP32 in and out."""
+    softplus = torch.where(logits > 20, logits, torch.log1p(torch.exp(logits)))
+    return torch.sqrt(softplus)
+
+
+def moe_route(scores: Tensor, bias: Tensor, top_k: int, scaling: float) -> tuple[Tensor, Tensor]:
+    """``noaux_tc`` selection on ``scores + bias``; weights from the unbiased scores (model-core §13.2).
+
+    Args:
+        scores: ``[n, E]`` FP32 router scores.
+        bias: ``[E]`` FP32 correction bias.
+        top_k: experts per token.
+        scaling: ``routed_scaling_factor``.
+
+    Returns:
+        expert ids ``[n, k]`` int64 (descending selection score, ties to the lower id) and weights ``[n, k]`` FP32.
+    """
+    experts = torch.sort(scores + bias, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    selected = scores.gather(1, experts)
+    return experts, selected / (selected.sum(-1, keepdim=True) + 1e-20) * scaling
+
+
+def _swiglu(gate_up: Tensor, limit: float | None) -> Tensor:
+    """``silu(min(g, λ))·clamp(u, −λ, λ)`` in FP32 from the BF16 ``[.., 2I]`` GEMM output (§13.3–13.4)."""
+    half = gate_up.shape[-1] // 2
+    gate, up = gate_up[..., :half].float(), gate_up[..., half:].float()
+    if limit is not None:
+        gate = gate.clamp_max(limit)
+        up = up.clamp(-limit, limit)
+    return gate / (1 + torch.exp(-gate)) * up
+
+
+def _moe(text: TextConfig, w: _Weights, prefix: str, x: Tensor, num_experts: int, top_k: int) -> Tensor:
+    """MoE of one block on the BF16 ``ffn_norm`` output ``x [n, H]``; returns BF16 ``[n, H]`` (§13)."""
+    n, hidden = x.shape
+    gate_weight = w[f"{prefix}.gate.weight"]
+    if gate_weight.shape[0] != num_experts:
+        raise ValueError(f"{prefix}.gate.weight has {gate_weight.shape[0]} rows, expected {num_experts} experts")
+    experts, weights = moe_route(
+        router_scores(_bf16_linear(x, gate_weight)), w[f"{prefix}.gate.bias"], top_k, text.routed_scaling_factor
+    )
+    total = torch.zeros(n, hidden, dtype=F32)
+    if text.n_shared_experts > 0:
+        s = f"{prefix}.shared_experts"
+        gate_up = torch.cat([_fp8_linear(x, w.fp8(f"{s}.w1")), _fp8_linear(x, w.fp8(f"{s}.w3"))], dim=-1)
+        total = total + _fp8_linear(_swiglu(gate_up, text.swiglu_limit), w.fp8(f"{s}.w2")).float()
+    routed = torch.zeros(n, top_k, hidden, dtype=F32)
+    for expert in torch.unique(experts).tolist():
+        tokens, rank = torch.nonzero(experts == expert, as_tuple=True)
+        e = f"{prefix}.experts.{expert}"
+        w13 = torch.cat([w.mxfp4(f"{e}.w1"), w.mxfp4(f"{e}.w3")], dim=0)
+        gate_up = _fp8_linear(x[tokens], w13)
+        activation = _swiglu(gate_up, text.swiglu_limit) * weights[tokens, rank][:, None]
+        routed[tokens, rank] = _fp8_linear(activation, w.mxfp4(f"{e}.w2")).float()
+    for slot in range(top_k):
+        total = total + routed[:, slot]
+    return total.to(BF16)
+
+
+# ==================================================================================================================
+# 8. Attention: SWA, compressor, indexer, candidate blocks, sharing, YOCO (model-attention §1–§9)
+# ==================================================================================================================
+
+
+def sparse_source_map(source_ids: Sequence[int], num_layers: int) -> list[int]:
+    """Layer → nearest source id at or before it; layers below the first source map to themselves (attention §1.3).
+
+    Args:
+        source_ids: non-empty source layer ids.
+        num_layers: number of backbone layers ``L``.
+
+    Returns:
+        ``L`` layer ids.
+    """
+    sources = sorted(set(source_ids))
+    if not sources:
+        raise ValueError("a source layer id list must be non-empty")
+    mapping = []
+    for layer in range(num_layers):
+        below = [s for s in sources if s <= layer]
+        mapping.append(below[-1] if below else layer)
+    return mapping
+
+
+def compress_kv(hidden: Tensor, wkv: Tensor, wgate: Tensor | None, norm: Tensor, ratio: int, eps: float) -> Tensor:
+    """Compressed rows before RoPE, ``pre_rope_kv`` (attention §4.1–4.2); one row per complete block of ``c`` tokens.
+
+    Ratio ≥ 2: per channel, softmax over the block's tokens of the FP32 gate scores weights the FP32 latents; the
+    FP32 sum is rounded to BF16. Ratio 1: the BF16 latent itself. Then RMSNorm with ``compressor.norm``.
+
+    Args:
+        hidden: ``[n, H]`` BF16 compressor input.
+        wkv: ``[D, H]`` BF16 ``compressor.wkv``.
+        wgate: ``[D, H]`` BF16 ``compressor.wgate`` for ratio ≥ 2, None for ratio 1.
+        norm: ``[D]`` BF16 ``compressor.norm``.
+        ratio: compress ratio ``c``.
+        eps: ``rms_norm_eps``.
+
+    Returns:
+        ``[n // c, D]`` BF16.
+    """
+    if (ratio == 1) != (wgate is None):
+        raise ValueError(f"compress ratio {ratio} needs {'no' if ratio == 1 else 'a'} compressor gate weight")
+    rows = hidden.shape[0] // ratio
+    if wgate is None:
+        latent = _bf16_linear(hidden[:rows], wkv).to(BF16)
+    else:
+        blocks = hidden[: rows * ratio]
+        score = _bf16_linear(blocks, wgate).unflatten(0, (rows, ratio))
+        value = _bf16_linear(blocks, wkv).unflatten(0, (rows, ratio))
+        latent = (torch.softmax(score, dim=1) * value).sum(1).to(BF16)
+    return rms_norm(latent, norm, eps)
+
+
+def _rope_rows(rows: Tensor, cos: Tensor, sin: Tensor, ratio: int) -> Tensor:
+    """RoPE of compressed row ``b`` at position ``b·c`` (the block's first raw position)."""
+    positions = torch.arange(rows.shape[0]) * ratio
+    return apply_rope(rows, cos[positions], sin[positions])
+
+
+def index_scores(query: Tensor, head_weights: Tensor, keys: Tensor) -> Tensor:
+    """Indexer logits ``I(t, b) = Σ_h w[t,h]·max(0, q̂[t,h]·û_b)`` in FP32, stored BF16 (attention §5.3).
+
+    Args:
+        query: ``[n, n_i, d_i]`` FP32 dequantized FP4 index queries.
+        head_weights: ``[n, n_i]`` BF16 ``weights_proj`` output.
+        keys: ``[R, d_i]`` FP32 dequantized FP4 index keys.
+
+    Returns:
+        ``[n, R]`` BF16.
+    """
+    dots = torch.einsum("thd,bd->thb", query, keys).clamp_min(0)
+    return (dots * head_weights.float()[..., None]).sum(1).to(BF16)
+
+
+def select_topk(scores: Tensor, eligible: Tensor, k: int) -> Tensor:
+    """Top-``k`` eligible rows per query, larger score first and ties to the lower row (attention §5.4).
+
+    Args:
+        scores: ``[n, R]`` BF16 or FP32.
+        eligible: ``[n, R]`` bool.
+        k: rows to keep.
+
+    Returns:
+        ``[n, k]`` int64 row ids in ascending order, padded with −1 when fewer than ``k`` rows are eligible.
+    """
+    n, num_rows = scores.shape
+    keyed = scores.float().masked_fill(~eligible, -math.inf)
+    order = torch.sort(keyed, dim=-1, descending=True, stable=True).indices[:, :k]
+    chosen = torch.where(eligible.gather(1, order), order, num_rows)
+    chosen = torch.sort(chosen, dim=-1).values
+    out = torch.full((n, k), -1, dtype=torch.int64)
+    out[:, : chosen.shape[1]] = torch.where(chosen < num_rows, chosen, -1)
+    return out
+
+
+def candidate_block_mask(scores: Tensor, valid: Tensor, block_size: int, num_blocks: int) -> Tensor:
+    """Rows inside the candidate blocks of each query (attention §5.5).
+
+    Blocks of ``block_size`` rows score the max of their valid logits (capped at the largest finite BF16); the block
+    holding row ``klen − 1`` scores +∞; the ``num_blocks`` best valid blocks are kept (ties to the lower block).
+
+    Args:
+        scores: ``[n, R]`` BF16 indexer logits of the candidate source.
+        valid: ``[n, R]`` bool, a prefix ``b < klen(t)`` per query.
+        block_size: ``candidate_block_size``.
+        num_blocks: ``candidate_topk_blocks``.
+
+    Returns:
+        ``[n, R]`` bool: valid rows inside a chosen block.
+    """
+    n, num_rows = scores.shape
+    num_all = -(-num_rows // block_size)
+    pad = num_all * block_size - num_rows
+    keyed = scores.float().masked_fill(~valid, -math.inf)
+    keyed = torch.cat([keyed, torch.full((n, pad), -math.inf)], 1).view(n, num_all, block_size)
+    has_valid = torch.cat([valid, torch.zeros(n, pad, dtype=torch.bool)], 1).view(n, num_all, block_size).any(-1)
+    block_score = keyed.amax(-1).clamp_max(torch.finfo(BF16).max)
+    klen = valid.sum(-1)
+    last = torch.arange(num_all)[None, :] == ((klen - 1) // block_size)[:, None]
+    block_score = torch.where(last & (klen[:, None] > 0), math.inf, block_score).masked_fill(~has_valid, -math.inf)
+    order = torch.sort(block_score, dim=-1, descending=True, stable=True).indices[:, :num_blocks]
+    chosen = torch.zeros(n, num_all, dtype=torch.bool).scatter(1, order, has_valid.gather(1, order))
+    return chosen.repeat_interleave(block_size, 1)[:, :num_rows] & valid
+
+
+def attention_core(query: Tensor, keys: Tensor, mask: Tensor, sink: Tensor, softmax_scale: float) -> Tensor:
+    """One softmax per head over each query's keys plus the per-head sink; K = V (attention §3 step 6).
+
+    Args:
+        query: ``[nq, n_h, D]`` BF16 (RoPE applied).
+        keys: ``[nq, nk, D]`` FP32 dequantized keys (also the values).
+        mask: ``[nq, nk]`` bool, True = visible.
+        sink: ``[n_h]`` FP32 sink logits (zero value vector).
+        softmax_scale: ``D^−0.5``.
+
+    Returns:
+        ``[nq, n_h, D]`` FP32 (zeros for a query without visible keys).
+    """
+    logits = torch.einsum("qhd,qkd->qhk", query.float(), keys) * softmax_scale
+    logits = logits.masked_fill(~mask[:, None, :], -math.inf)
+    peak = torch.maximum(logits.amax(-1), sink[None, :])
+    probs = torch.exp(logits - peak[..., None])
+    denominator = probs.sum(-1) + torch.exp(sink[None, :] - peak)
+    numerator = torch.einsum("qhk,qkd->qhd", probs.to(BF16).float(), keys)
+    return numerator / denominator[..., None]
+
+
+def _project_query_and_key(
+    text: TextConfig, w: _Weights, prefix: str, x: Tensor, cos: Tensor, sin: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Q latent, heads and the layer's own SWA key (attention §3 steps 1–4).
+
+    Args:
+        x: ``[n, H]`` BF16 attention input; ``cos``/``sin`` ``[n, r/2]`` rows of the tokens' positions.
+
+    Returns:
+        q ``[n, n_h, D]`` BF16 roped; the FP8-read ``q_norm`` output ``[n, q_r]`` FP32 (indexer input);
+        the SWA key ``[n, D]`` FP32 as read back from its FP8 storage.
+    """
+    eps = text.rms_norm_eps
+    x_q = fp8_quant_dequant(x)
+    q_latent = rms_norm((x_q @ w.fp8(f"{prefix}.wq_a").T).to(BF16), w[f"{prefix}.q_norm.weight"], eps)
+    q_latent_q = fp8_quant_dequant(q_latent)
+    q = (q_latent_q @ w.fp8(f"{prefix}.wq_b").T).to(BF16).unflatten(-1, (text.num_attention_heads, text.head_dim))
+    q = apply_rope(q, cos[:, None], sin[:, None])
+    kv = rms_norm((x_q @ w.fp8(f"{prefix}.wkv").T).to(BF16), w[f"{prefix}.kv_norm.weight"], eps)
+    return q, q_latent_q, fp8_quant_dequant(apply_rope(kv, cos, sin))
+
+
+def _attention_output(text: TextConfig, w: _Weights, prefix: str, out: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """De-rotate, grouped ``wo_a`` and ``wo_b`` (attention §3 steps 7–8): ``[n, n_h, D]`` FP32 → ``[n, H]`` BF16."""
+    n = out.shape[0]
+    groups = text.o_groups
+    out = apply_rope(out, cos[:, None], sin[:, None], inverse=True).reshape(n, groups, -1)
+    wo_a = w.fp8(f"{prefix}.wo_a")
+    rank = wo_a.shape[0] // groups
+    grouped = [fp8_quant_dequant(out[:, g]) @ wo_a[g * rank : (g + 1) * rank].T for g in range(groups)]
+    return _fp8_linear(torch.cat(grouped, dim=-1), w.fp8(f"{prefix}.wo_b"))
+
+
+@dataclass
+class _SharedAttention:
+    """Per-forward objects consumer layers take from their sources (attention §6), keyed by source layer."""
+
+    pre_rope_kv: dict[int, Tensor]
+    compressed_keys: dict[int, Tensor]
+    index_keys: dict[int, Tensor]
+    topk: dict[int, Tensor]
+    candidates: Tensor | None = None
+    shared_hidden: Tensor | None = None
+
+
+def _source(produced: Mapping[int, Tensor], source: int, layer: int, what: str) -> Tensor:
+    if source not in produced:
+        raise ValueError(f"layer {layer} reads the {what} of layer {source}, which is not a compressed source layer")
+    return produced[source]
+
+
+def _selected_rows(
+    text: TextConfig, w: _Weights, layer: int, x: Tensor, q_latent: Tensor, state: _SharedAttention, rope: RopeTable
+) -> Tensor:
+    """Compressed rows attended by each query of a compressed layer: ``[n, K]`` int64, −1 padded (attention §4–§6).
+
+    Runs, in the order of attention §11 rule 6, whatever this layer owns: compressor (KV source), index keys
+    (index-K source), indexer top-k (index source, restricted to candidate blocks after the candidate source).
+    """
+    prefix = f"layers.{layer}.attn"
+    eps = text.rms_norm_eps
+    n = x.shape[0]
+    ratio = text.compress_ratios[layer]
+    num_layers = text.num_hidden_layers
+    kv_source = sparse_source_map(text.kv_source_layer_ids, num_layers)[layer]
+    index_source = sparse_source_map(text.index_source_layer_ids, num_layers)[layer]
+    index_k_source = sparse_source_map(text.index_k_source_layer_ids, num_layers)[layer]
+    if kv_source == layer:
+        hidden = x
+        if text.n_prefill_layer <= layer < num_layers:  # YOCO consumer: compress the shared hidden (attention §7.1)
+            assert state.shared_hidden is not None  # set by the boundary layer, which runs first
+            hidden = state.shared_hidden
+        gate = w[f"{prefix}.compressor.wgate.weight"] if ratio > 1 else None
+        pre = compress_kv(
+            hidden, w[f"{prefix}.compressor.wkv.weight"], gate, w[f"{prefix}.compressor.norm.weight"], ratio, eps
+        )
+        roped = _rope_rows(pre, rope.cos, rope.sin, ratio)
+        state.pre_rope_kv[layer] = pre
+        state.compressed_keys[layer] = (
+            fp4_e4m3_quant_dequant(roped) if text.use_fp4_sparse_kv else fp8_quant_dequant(roped)
+        )
+    if index_k_source == layer:
+        pre = _source(state.pre_rope_kv, kv_source, layer, "compressed rows")
+        k = rms_norm(
+            _bf16_linear(pre, w[f"{prefix}.indexer.wk.weight"]).to(BF16), w[f"{prefix}.indexer.k_norm.weight"], eps
+        )
+        state.index_keys[layer] = fp4_ue8m0_quant_dequant(_rope_rows(k, rope.cos, rope.sin, ratio))
+    if index_source == layer:
+        shape = (text.index_n_heads, text.index_head_dim)
+        q_index = (q_latent @ w.fp8(f"{prefix}.indexer.wq_b").T).to(BF16).unflatten(-1, shape)
+        q_index = fp4_ue8m0_quant_dequant(apply_rope(q_index, rope.cos[:n, None], rope.sin[:n, None]))
+        head_weights = _bf16_linear(x, w[f"{prefix}.indexer.weights_proj.weight"]).to(BF16)
+        scores = index_scores(q_index, head_weights, _source(state.index_keys, index_k_source, layer, "index keys"))
+        klen = (torch.arange(n) + 1) // ratio
+        valid = torch.arange(scores.shape[1])[None, :] < klen[:, None]
+        eligible = valid
+        candidate_source = text.candidate_source_layer_id
+        if candidate_source == layer:
+            assert text.candidate_block_size is not None and text.candidate_topk_blocks is not None
+            state.candidates = candidate_block_mask(
+                scores, valid, text.candidate_block_size, text.candidate_topk_blocks
+            )
+        elif candidate_source is not None and layer > candidate_source:
+            if state.candidates is None or state.candidates.shape != valid.shape:
+                raise ValueError(f"layer {layer} needs the candidate blocks of layer {candidate_source}")
+            eligible = valid & state.candidates
+        state.topk[layer] = select_topk(scores, eligible, text.index_topk)
+    return _source(state.topk, index_source, layer, "top-k rows")
+
+
+def _attention_layer(
+    text: TextConfig, w: _Weights, layer: int, x: Tensor, state: _SharedAttention, rope: RopeTable
+) -> tuple[Tensor, Tensor | None]:
+    """One backbone attention sub-layer over a whole causal sequence (attention §3).
+
+    Args:
+        x: ``[n, H]`` BF16 ``attn_norm`` output of tokens at positions ``0 … n−1``.
+        rope: the layer kind's table with at least ``n`` positions.
+
+    Returns:
+        the attention output ``[n, H]`` BF16 and, for compressed layers, the selected rows ``[n, K]`` int64.
+    """
+    prefix = f"layers.{layer}.attn"
+    n = x.shape[0]
+    if layer == text.n_prefill_layer:
+        state.shared_hidden = x  # YOCO shared hidden: the boundary layer's attention input (attention §7.1)
+    cos, sin = rope.cos[:n], rope.sin[:n]
+    q, q_latent, swa_keys = _project_query_and_key(text, w, prefix, x, cos, sin)
+    positions = torch.arange(n)
+    keys = swa_keys.expand(n, n, -1)
+    mask = (positions[None, :] <= positions[:, None]) & (positions[None, :] > positions[:, None] - text.sliding_window)
+    rows = None
+    if text.compress_ratios[layer] > 0:
+        rows = _selected_rows(text, w, layer, x, q_latent, state, rope)
+        kv_source = sparse_source_map(text.kv_source_layer_ids, text.num_hidden_layers)[layer]
+        compressed = state.compressed_keys[kv_source]
+        padded = torch.cat([compressed, torch.zeros(1, compressed.shape[1])])
+        keys = torch.cat([keys, padded[torch.where(rows >= 0, rows, compressed.shape[0])]], dim=1)
+        mask = torch.cat([mask, rows >= 0], dim=1)
+    out = attention_core(q, keys, mask, w[f"{prefix}.attn_sink"], 1.0 / math.sqrt(text.head_dim))
+    return _attention_output(text, w, prefix, out, cos, sin), rows
+
+
+# ==================================================================================================================
+# 9. Decoder blocks and the full forward (model-core §7–§8, §14)
+# ==================================================================================================================
+
+_Pending = tuple[Tensor, Tensor, Tensor, Tensor]  # (sub-layer output, trunk it received, write-mix, comb)
+
+
+def _mixes(text: TextConfig, w: _Weights, name: str, trunk: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(P, Q, C)`` of the mHC parameters ``{name}_fn/_base/_scale`` on ``trunk``."""
+    mix = hc_mix_logits(trunk, w[f"{name}_fn"], text.rms_norm_eps)
+    return hc_split_mixes(mix, w[f"{name}_base"], w[f"{name}_scale"], text.hc_mult, text.hc_eps, text.hc_sinkhorn_iters)
+
+
+def _decoder_layer(
+    text: TextConfig,
+    w: _Weights,
+    prefix: str,
+    trunk: Tensor,
+    read_mix: Tensor,
+    attention: Callable[[Tensor], Tensor],
+    num_experts: int,
+    top_k: int,
+) -> tuple[_Pending, Tensor]:
+    """Attention and MoE sub-layers of one block on the trunk it receives (model-core §8 steps 2d–2f).
+
+    Args:
+        trunk: ``[n, m, H]`` BF16, after the previous block's FFN post and this block's Engram.
+        read_mix: ``[n, m]`` FP32 read-mix of the previous sub-layer (shifted schedule; unused otherwise).
+        attention: the attention sub-layer, ``[n, H]`` BF16 → ``[n, H]`` BF16.
+
+    Returns:
+        the pending FFN post (applied at the start of the next block) and the FFN read-mix ``P_f``.
+    """
+    eps = text.rms_norm_eps
+    pre_a, post_a, comb_a = _mixes(text, w, f"{prefix}.hc_attn", trunk)
+    x_attn = rms_norm(hc_read(trunk, read_mix if text.hc_shifted else pre_a), w[f"{prefix}.attn_norm.weight"], eps)
+    trunk_ffn = hc_post(attention(x_attn), trunk, post_a, comb_a)
+    pre_f, post_f, comb_f = _mixes(text, w, f"{prefix}.hc_ffn", trunk_ffn)
+    x_ffn = rms_norm(hc_read(trunk_ffn, pre_a if text.hc_shifted else pre_f), w[f"{prefix}.ffn_norm.weight"], eps)
+    y_ffn = _moe(text, w, f"{prefix}.ffn", x_ffn, num_experts, top_k)
+    return (y_ffn, trunk_ffn, post_f, comb_f), pre_f
+
+
+def _collapse(text: TextConfig, w: _Weights, head_prefix: str, pending: _Pending, read_mix: Tensor) -> Tensor:
+    """Last post, then the final read-mix (shifted) or the HC head (non-shifted): ``[n, H]`` BF16 (§8 step 3)."""
+    trunk = hc_post(*pending)
+    if text.hc_shifted:
+        return hc_read(trunk, read_mix)
+    return hc_head(
+        trunk,
+        w[f"{head_prefix}hc_head_fn"],
+        w[f"{head_prefix}hc_head_scale"],
+        w[f"{head_prefix}hc_head_base"],
+        text.rms_norm_eps,
+        text.hc_eps,
+    )
+
+
+def _expand(w: _Weights, token_ids: Tensor, text: TextConfig) -> tuple[Tensor, Tensor]:
+    """Embedding copied into the ``m`` streams (BF16 ``[n, m, H]``) and the one-hot stream-0 read-mix ``[n, m]``."""
+    if token_ids.dtype != torch.int64 or token_ids.dim() != 1:
+        raise TypeError(
+            f"token ids must be a 1-D int64 tensor, got {token_ids.dtype} with shape {tuple(token_ids.shape)}"
+        )
+    if token_ids.numel() == 0:
+        raise ValueError("token ids must not be empty")
+    bad = (token_ids < 0) | (token_ids >= text.vocab_size)
+    if bool(bad.any()):
+        raise ValueError(f"token id {int(token_ids[bad][0])} is outside the text vocabulary [0, {text.vocab_size})")
+    embedding = w["embed.weight"][token_ids]
+    trunk = embedding[:, None, :].expand(-1, text.hc_mult, -1).contiguous()
+    read_mix = torch.zeros(token_ids.shape[0], text.hc_mult, dtype=F32)
+    read_mix[:, 0] = 1.0
+    return trunk, read_mix
+
+
+@dataclass(frozen=True)
+class ReferenceOutput:
+    """Everything ``reference_forward_full`` computes that tests and the drafter need.
+
+    Attributes:
+        logits: ``[n, V]`` FP32.
+        hidden: ``[n, H]`` BF16 collapsed hidden before the final norm.
+        target_features: ``[n, T·H]`` BF16 DSpark target features (model-core §7.5), ``T`` = number of targets.
+        selected_rows: compressed layer → ``[n, K]`` int64 compressed rows (numbered in the KV source's rows)
+            attended by each query, ascending, −1 padded. The SWA part of every query ``t`` is ``max(0, t−W+1) … t``.
+    """
+
+    logits: Tensor
+    hidden: Tensor
+    target_features: Tensor
+    selected_rows: Mapping[int, Tensor]
+
+
+def reference_forward_full(
+    config: ModelConfig,
+    weights: Mapping[str, Tensor],
+    token_ids: Tensor,
+    engram_vocabulary: EngramVocabulary | None = None,
+) -> ReferenceOutput:
+    """One full-sequence causal forward of one request (prefill of positions ``0 … n−1``), model-core §8.
+
+    Args:
+        config: the model configuration.
+        weights: HF-named checkpoint tensors in stored formats (``model.`` prefix optional).
+        token_ids: ``[n]`` int64 ids in ``[0, V)``.
+        engram_vocabulary: compressed Engram vocabulary; required when the model has Engram layers.
+
+    Returns:
+        logits, collapsed hidden, DSpark target features and the compressed rows each query attended.
+    """
+    text = config.text
+    w = _Weights(weights)
+    if text.engram_layer_ids and engram_vocabulary is None:
+        raise ValueError(f"Engram layers {list(text.engram_layer_ids)} need an engram_vocabulary")
+    trunk, read_mix = _expand(w, token_ids, text)
+    n = token_ids.shape[0]
+    tables = {False: _layer_rope_table(text, False, n), True: _layer_rope_table(text, True, n)}
+    state = _SharedAttention({}, {}, {}, {})
+    features: dict[int, Tensor] = {}
+    selected: dict[int, Tensor] = {}
+    pending: _Pending | None = None
+    for layer in range(text.num_hidden_layers):
+        if pending is not None:
+            trunk = hc_post(*pending)
+        if layer in text.engram_layer_ids:
+            assert engram_vocabulary is not None
+            trunk = _engram_layer(text, w, layer, trunk, token_ids, engram_vocabulary)
+        if layer in text.dspark_target_layer_ids:
+            features[layer] = trunk.float().mean(1).to(BF16)
+
+        def attention(x: Tensor, layer: int = layer) -> Tensor:
+            rope = tables[text.compress_ratios[layer] > 0]
+            out, rows = _attention_layer(text, w, layer, x, state, rope)
+            if rows is not None:
+                selected[layer] = rows
+            return out
+
+        pending, read_mix = _decoder_layer(
+            text, w, f"layers.{layer}", trunk, read_mix, attention, text.n_routed_experts, text.num_experts_per_tok
+        )
+    assert pending is not None
+    hidden = _collapse(text, w, "", pending, read_mix)
+    logits = _bf16_linear(rms_norm(hidden, w["norm.weight"], text.rms_norm_eps), w["head.weight"])
+    target_features = torch.cat([features[t] for t in text.dspark_target_layer_ids], dim=-1)
+    return ReferenceOutput(logits, hidden, target_features, selected)
+
+
+def reference_forward(
+    config: ModelConfig,
+    weights: Mapping[str, Tensor],
+    token_ids: Tensor,
+    engram_vocabulary: EngramVocabulary | None = None,
+) -> Tensor:
+    """Logits ``[n, V]`` FP32 of one full causal forward; see ``reference_forward_full`` for the arguments."""
+    return reference_forward_full(config, weights, token_ids, engram_vocabulary).logits
+
+
+# ==================================================================================================================
+# 10. DSpark draft blocks (dspark.md §3–§6)
+# ==================================================================================================================
+
+
+@dataclass(frozen=True)
+class DSparkOutput:
+    """Result of one draft forward.
+
+    Attributes:
+        hidden: ``[B, H]`` BF16 pre-norm hidden ``h_k`` of the draft slots (after the final mHC collapse).
+        positions: ``[B]`` int64 slot positions ``p* + 1 + k``.
+    """
+
+    hidden: Tensor
+    positions: Tensor
+
+
+def _dspark_attention(
+    text: TextConfig, w: _Weights, prefix: str, x: Tensor, context_keys: Tensor, positions: Tensor, rope: RopeTable
+) -> Tensor:
+    """Drafter attention: every slot sees the context keys and all draft keys, non-causal (dspark §5 step 4)."""
+    cos, sin = rope.cos[positions], rope.sin[positions]
+    q, _, draft_keys = _project_query_and_key(text, w, prefix, x, cos, sin)
+    keys = torch.cat([context_keys, draft_keys]).expand(x.shape[0], -1, -1)
+    mask = torch.ones(keys.shape[:2], dtype=torch.bool)
+    out = attention_core(q, keys, mask, w[f"{prefix}.attn_sink"], 1.0 / math.sqrt(text.head_dim))
+    return _attention_output(text, w, prefix, out, cos, sin)
+
+
+def reference_dspark_forward(
+    config: ModelConfig,
+    weights: Mapping[str, Tensor],
+    target_features: Tensor,
+    anchor_token: int,
+    num_slots: int | None = None,
+) -> DSparkOutput:
+    """Draft forward of the DSpark blocks after the last accepted token ``p* = n_ctx − 1`` (dspark §4–§5).
+
+    Context keys (``RMSNorm(RMSNorm(F·main_projᵀ)·wkvᵀ)``, RoPE at their position, FP8-stored) are computed for the
+    last ``W`` context positions; the slots hold ``[anchor, noise, …, noise]`` at positions ``p* + 1 + k``.
+
+    Args:
+        config: the model configuration (``num_nextn_predict_layers`` ≥ 1).
+        weights: HF-named stored tensors (``mtp.{i}.*`` plus the shared ``embed.weight``).
+        target_features: ``[n_ctx, T·H]`` BF16 features of positions ``0 … p*`` (``ReferenceOutput.target_features``).
+        anchor_token: the golden token ``g`` placed at position ``p* + 1``.
+        num_slots: draft block length ``B`` (defaults to ``dspark_block_size``).
+
+    Returns:
+        the slots' pre-norm hidden states and positions.
+    """
+    text = config.text
+    if text.num_nextn_predict_layers < 1:
+        raise ValueError("the model has no DSpark blocks (num_nextn_predict_layers = 0)")
+    width = text.dspark_num_targets * text.hidden_size
+    if target_features.dim() != 2 or target_features.shape[1] != width or target_features.shape[0] == 0:
+        raise ValueError(f"target features must be [n_ctx >= 1, {width}], got {tuple(target_features.shape)}")
+    slots = text.dspark_block_size if num_slots is None else num_slots
+    if slots < 1:
+        raise ValueError(f"num_slots must be >= 1, got {slots}")
+    w = _Weights(weights)
+    eps = text.rms_norm_eps
+    last = target_features.shape[0] - 1
+    context = torch.arange(max(0, last - text.sliding_window + 1), last + 1)
+    positions = torch.arange(last + 1, last + 1 + slots)
+    rope = _layer_rope_table(text, False, last + 1 + slots)
+    main = rms_norm(_fp8_linear(target_features[context], w.fp8("mtp.0.main_proj")), w["mtp.0.main_norm.weight"], eps)
+    tokens = torch.tensor([anchor_token] + [text.dspark_noise_token_id] * (slots - 1), dtype=torch.int64)
+    trunk, read_mix = _expand(w, tokens, text)
+    pending: _Pending | None = None
+    for block in range(text.num_nextn_predict_layers):
+        prefix = f"mtp.{block}"
+        if pending is not None:
+            trunk = hc_post(*pending)
+        kv = rms_norm(_fp8_linear(main, w.fp8(f"{prefix}.attn.wkv")), w[f"{prefix}.attn.kv_norm.weight"], eps)
+        context_keys = fp8_quant_dequant(apply_rope(kv, rope.cos[context], rope.sin[context]))
+
+        def attention(x: Tensor, prefix: str = prefix, context_keys: Tensor = context_keys) -> Tensor:
+            return _dspark_attention(text, w, f"{prefix}.attn", x, context_keys, positions, rope)
+
+        pending, read_mix = _decoder_layer(
+            text, w, prefix, trunk, read_mix, attention, text.dspark_n_routed_experts, text.dspark_num_experts_per_tok
+        )
+    assert pending is not None
+    hidden = _collapse(text, w, f"mtp.{text.num_nextn_predict_layers - 1}.", pending, read_mix)
+    return DSparkOutput(hidden, positions)
+
+
+def reference_dspark_heads(
+    config: ModelConfig,
+    weights: Mapping[str, Tensor],
+    hidden: Tensor,
+    previous_tokens: Tensor,
+    temperatures: float | Sequence[float] = 1.0,
+) -> tuple[Tensor, Tensor]:
+    """Draft logits and confidences of the slots given each slot's previous token (dspark §6).
+
+    ``ℓ_k = RMSNorm(h_k)·Eᵀ + markov_embed[prev_k]·markov_headᵀ``;
+    ``c_k = σ(clamp([h_k; markov_embed[prev_k]]·proj / τ_k, −60, 60))`` on the pre-norm hidden.
+
+    Args:
+        config: the model configuration.
+        weights: HF-named stored tensors.
+        hidden: ``[B, H]`` BF16 from ``reference_dspark_forward``.
+        previous_tokens: ``[B]`` int64, ``[g, d_0, …, d_{B−2}]``.
+        temperatures: one confidence temperature or one per slot (each clamped to ≥ 1e−5).
+
+    Returns:
+        logits ``[B, V]`` FP32 and confidences ``[B]`` FP32.
+    """
+    text = config.text
+    w = _Weights(weights)
+    last = f"mtp.{text.num_nextn_predict_layers - 1}"
+    logits = _bf16_linear(rms_norm(hidden, w[f"{last}.norm.weight"], text.rms_norm_eps), w["head.weight"])
+    features = hidden
+    if text.dspark_markov_rank > 0:
+        markov = w[f"{last}.markov_head.embed.weight"][previous_tokens]
+        logits = logits + _bf16_linear(markov, w[f"{last}.markov_head.head.weight"])
+        features = torch.cat([hidden, markov], dim=-1)
+    tau = torch.tensor(temperatures, dtype=F32).clamp_min(1e-5)
+    if tau.dim() == 1 and tau.shape[0] != hidden.shape[0]:
+        raise ValueError(f"got {tau.shape[0]} confidence temperatures for {hidden.shape[0]} draft slots")
+    score = _bf16_linear(features, w[f"{last}.confidence_head.proj.weight"])[:, 0]
+    return logits, torch.sigmoid((score / tau).clamp(-60, 60))
