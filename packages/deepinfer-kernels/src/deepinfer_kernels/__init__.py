@@ -1,1 +1,37 @@
-"""placeholder"""
+"""deepinfer-kernels: device ops for DeepSeek-V4.1-Flash inference.
+
+Every op is a public wrapper (validation, output allocation) → the registry → one implementation:
+the PyTorch reference (always present, the numerical truth), Triton on NVIDIA, or torch_npu on Ascend.
+The backend is chosen once per op from ``DEEPINFER_ACCELERATOR`` (see ``deepinfer_kernels.platform``).
+Importing this package touches neither the device nor the environment.
+"""
+
+from deepinfer_kernels.norm import rms_norm
+from deepinfer_kernels.platform import Accelerator, current_accelerator
+from deepinfer_kernels.quant import (
+    dequantize_fp8_block,
+    dequantize_fp8_per_token_group,
+    dequantize_mxfp4,
+    quantize_fp8_block,
+    quantize_fp8_per_token_group,
+    quantize_mxfp4,
+    ue8m0_to_float,
+)
+from deepinfer_kernels.rope import apply_rope, rope_cos_sin, rope_inverse_frequencies, yarn_inverse_frequencies
+
+__all__ = [
+    "Accelerator",
+    "apply_rope",
+    "current_accelerator",
+    "dequantize_fp8_block",
+    "dequantize_fp8_per_token_group",
+    "dequantize_mxfp4",
+    "quantize_fp8_block",
+    "quantize_fp8_per_token_group",
+    "quantize_mxfp4",
+    "rms_norm",
+    "rope_cos_sin",
+    "rope_inverse_frequencies",
+    "ue8m0_to_float",
+    "yarn_inverse_frequencies",
+]

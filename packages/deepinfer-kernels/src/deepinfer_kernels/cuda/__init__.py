@@ -1,0 +1,29 @@
+"""NVIDIA backend: arch-neutral Triton kernels (also runnable on CPU tensors under ``TRITON_INTERPRET=1``).
+
+Imported only when the nvidia backend is selected, so importing ``deepinfer_kernels`` never imports Triton.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from deepinfer_kernels.cuda import norm, quant, rope
+
+if TYPE_CHECKING:
+    from deepinfer_kernels._registry import OpRegistry
+
+__all__ = ["register"]
+
+
+def register(registry: OpRegistry) -> None:
+    """Register the Triton implementations (quantize_mxfp4 and ue8m0_to_float fall back to the reference)."""
+    from deepinfer_kernels._registry import Backend
+
+    nvidia = Backend.NVIDIA
+    registry.register("rms_norm", nvidia, norm.rms_norm)
+    registry.register("apply_rope", nvidia, rope.apply_rope)
+    registry.register("quantize_fp8_block", nvidia, quant.quantize_fp8_block)
+    registry.register("dequantize_fp8_block", nvidia, quant.dequantize_fp8_block)
+    registry.register("quantize_fp8_per_token_group", nvidia, quant.quantize_fp8_per_token_group)
+    registry.register("dequantize_fp8_per_token_group", nvidia, quant.dequantize_fp8_per_token_group)
+    registry.register("dequantize_mxfp4", nvidia, quant.dequantize_mxfp4)

@@ -1,0 +1,103 @@
+"""Triton device functions for the e4m3, e2m1 and UE8M0 encodings, in integer arithmetic.
+
+Working on bit patterns keeps the kernels arch-neutral (no FP8 conversion instructions, so they run on any
+GPU Triton supports and in the interpreter) and bit-exact with the PyTorch reference:
+
+- e4m3 encode: round-to-nearest-even of the FP32 mantissa to 3 bits by integer add-and-shift for normal
+  results; for results below 2^−6 the value times 2^9 is rounded to an integer with the 2^23 trick
+  (adding 2^23 in FP32 rounds to nearest even). Codes saturate at 0x7E (448).
+- scale exponent: ``e = ((bits(max(amax, floor) / max) − 1) >> 23) + 1 − 127`` with an IEEE division.
+- bf16 outputs are rounded to nearest even in integer arithmetic (:func:`to_output_dtype`).
+"""
+
+# Triton reads parameter annotations as kernel type hints, so @triton.jit functions stay unannotated.
+# ruff: noqa: ANN001, ANN202
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = [
+    "ceil_pow2_exponent",
+    "e2m1_decode",
+    "e4m3_decode",
+    "e4m3_encode",
+    "exp2_int",
+    "scale_exponent",
+    "to_output_dtype",
+    "ue8m0_decode",
+]
+
+
+@triton.jit
+def to_output_dtype(value, out_ptr):  # type: ignore[no-untyped-def]
+    # FP32 -> bf16 is rounded to nearest even in integer arithmetic: Triton's interpreter truncates in its
+    # own cast (even with fp_downcast_rounding="rtne"), while the GPU cast rounds; this agrees with both.
+    if out_ptr.dtype.element_ty == tl.float32:
+        return value
+    elif out_ptr.dtype.element_ty == tl.bfloat16:
+        bits = value.to(tl.int32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        return rounded.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        return value.to(out_ptr.dtype.element_ty)
+
+
+@triton.jit
+def ceil_pow2_exponent(ratio):  # type: ignore[no-untyped-def]
+    bits = ratio.to(tl.int32, bitcast=True)
+    return ((bits - 1) >> 23) + 1 - 127
+
+
+@triton.jit
+def scale_exponent(amax, floor: tl.constexpr, max_value: tl.constexpr):  # type: ignore[no-untyped-def]
+    a = tl.maximum(amax, floor)
+    return ceil_pow2_exponent(tl.div_rn(a, max_value))
+
+
+@triton.jit
+def exp2_int(exponent):  # type: ignore[no-untyped-def]
+    return ((exponent + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e4m3_encode(v):  # type: ignore[no-untyped-def]
+    bits = v.to(tl.int32, bitcast=True)
+    sign = ((bits >> 31) & 1) << 7
+    a = tl.abs(v)
+    abits = a.to(tl.int32, bitcast=True)
+    normal_code = ((abits + 0x7FFFF + ((abits >> 20) & 1)) >> 20) - (120 << 3)
+    subnormal_code = (a * 512.0 + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
+    code = tl.where(a < 0.015625, subnormal_code, normal_code)
+    code = tl.minimum(code, 126)
+    return (code | sign).to(tl.uint8)
+
+
+@triton.jit
+def e4m3_decode(byte):  # type: ignore[no-untyped-def]
+    c = byte.to(tl.int32) & 0xFF
+    exponent = (c >> 3) & 0xF
+    mantissa = c & 0x7
+    normal = (((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
+    subnormal = mantissa.to(tl.float32) * 0.001953125
+    magnitude = tl.where(exponent == 0, subnormal, normal)
+    magnitude = tl.where((c & 0x7F) == 0x7F, (0x7FC00000 + c * 0).to(tl.float32, bitcast=True), magnitude)
+    return tl.where((c & 0x80) != 0, -magnitude, magnitude)
+
+
+@triton.jit
+def ue8m0_decode(byte):  # type: ignore[no-untyped-def]
+    b = byte.to(tl.int32) & 0xFF
+    bits = tl.where(b == 0, 1 << 22, b << 23)
+    bits = tl.where(b == 255, 0x7FC00000, bits)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e2m1_decode(code):  # type: ignore[no-untyped-def]
+    exponent = (code >> 1) & 3
+    mantissa = code & 1
+    normal = (((exponent + 126) << 23) | (mantissa << 22)).to(tl.float32, bitcast=True)
+    magnitude = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.5, normal)
+    return tl.where((code & 8) != 0, -magnitude, magnitude)

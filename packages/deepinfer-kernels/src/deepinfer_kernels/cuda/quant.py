@@ -1,0 +1,225 @@
+"""Triton FP8 / MXFP4 (de)quantization kernels, bit-exact with ``reference.quant``.
+
+FP8 and scale tensors are passed to the kernels as uint8 views; every encode/decode is integer arithmetic
+on bit patterns (``cuda._formats``), so the kernels need no FP8 hardware support.
+"""
+
+# Triton reads parameter annotations as kernel type hints, so @triton.jit functions stay unannotated.
+# ruff: noqa: ANN001, ANN202
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer_kernels.cuda._formats import (
+    e2m1_decode,
+    e4m3_decode,
+    e4m3_encode,
+    exp2_int,
+    scale_exponent,
+    to_output_dtype,
+    ue8m0_decode,
+)
+from deepinfer_kernels.cuda._launch import check_launchable
+
+__all__ = [
+    "dequantize_fp8_block",
+    "dequantize_fp8_per_token_group",
+    "dequantize_mxfp4",
+    "quantize_fp8_block",
+    "quantize_fp8_per_token_group",
+]
+
+_BLOCK = 32
+_ROWS_PER_PROGRAM = 16
+_FP8_AMAX_FLOOR: tl.constexpr = tl.constexpr(1e-4)
+_E4M3_MAX: tl.constexpr = tl.constexpr(448.0)
+
+
+@triton.jit
+def _quantize_fp8_block_kernel(  # type: ignore[no-untyped-def]
+    w_ptr, q_ptr, scale_ptr, rows, cols, stride_w, stride_q, stride_scale, BLOCK: tl.constexpr
+):
+    block_row = tl.program_id(0)
+    block_col = tl.program_id(1)
+    r = (block_row * BLOCK + tl.arange(0, BLOCK)[:, None]).to(tl.int64)
+    c = block_col * BLOCK + tl.arange(0, BLOCK)[None, :]
+    mask = (r < rows) & (c < cols)
+    w = tl.load(w_ptr + r * stride_w + c, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.max(tl.abs(w), axis=1), axis=0)
+    exponent = scale_exponent(amax, _FP8_AMAX_FLOOR, _E4M3_MAX)
+    tl.store(q_ptr + r * stride_q + c, e4m3_encode(w * exp2_int(-exponent)), mask=mask)
+    tl.store(scale_ptr + block_row * stride_scale + block_col, (exponent + 127).to(tl.uint8))
+
+
+@triton.jit
+def _dequantize_fp8_block_kernel(  # type: ignore[no-untyped-def]
+    q_ptr, scale_ptr, out_ptr, rows, cols, stride_q, stride_scale, stride_out, BLOCK: tl.constexpr
+):
+    block_row = tl.program_id(0)
+    block_col = tl.program_id(1)
+    r = (block_row * BLOCK + tl.arange(0, BLOCK)[:, None]).to(tl.int64)
+    c = block_col * BLOCK + tl.arange(0, BLOCK)[None, :]
+    mask = (r < rows) & (c < cols)
+    factor = ue8m0_decode(tl.load(scale_ptr + block_row * stride_scale + block_col))
+    value = e4m3_decode(tl.load(q_ptr + r * stride_q + c, mask=mask, other=0)) * factor
+    tl.store(out_ptr + r * stride_out + c, to_output_dtype(value, out_ptr), mask=mask)
+
+
+@triton.jit
+def _quantize_group_kernel(  # type: ignore[no-untyped-def]
+    x_ptr, q_ptr, scale_ptr, rows, stride_x, stride_q, stride_scale, GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr
+):
+    group = tl.program_id(1)
+    r = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
+    c = group * GROUP + tl.arange(0, GROUP)[None, :]
+    row_mask = r < rows
+    mask = row_mask[:, None]
+    x = tl.load(x_ptr + r[:, None] * stride_x + c, mask=mask, other=0.0).to(tl.float32)
+    exponent = scale_exponent(tl.max(tl.abs(x), axis=1), _FP8_AMAX_FLOOR, _E4M3_MAX)
+    q = e4m3_encode(x * exp2_int(-exponent)[:, None])
+    tl.store(q_ptr + r[:, None] * stride_q + c, q, mask=mask)
+    tl.store(scale_ptr + r * stride_scale + group, (exponent + 127).to(tl.uint8), mask=row_mask)
+
+
+@triton.jit
+def _dequantize_group_kernel(  # type: ignore[no-untyped-def]
+    q_ptr, scale_ptr, out_ptr, rows, stride_q, stride_scale, stride_out, GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr
+):
+    group = tl.program_id(1)
+    r = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
+    c = group * GROUP + tl.arange(0, GROUP)[None, :]
+    row_mask = r < rows
+    mask = row_mask[:, None]
+    factor = ue8m0_decode(tl.load(scale_ptr + r * stride_scale + group, mask=row_mask, other=127))
+    value = e4m3_decode(tl.load(q_ptr + r[:, None] * stride_q + c, mask=mask, other=0)) * factor[:, None]
+    tl.store(out_ptr + r[:, None] * stride_out + c, to_output_dtype(value, out_ptr), mask=mask)
+
+
+@triton.jit
+def _dequantize_mxfp4_kernel(  # type: ignore[no-untyped-def]
+    packed_ptr, scale_ptr, out_ptr, rows, stride_packed, stride_scale, stride_out, BLOCK_ROWS: tl.constexpr
+):
+    group = tl.program_id(1)
+    r = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
+    byte_index = group * 16 + tl.arange(0, 16)[None, :]
+    row_mask = r < rows
+    mask = row_mask[:, None]
+    raw = tl.load(packed_ptr + r[:, None] * stride_packed + byte_index, mask=mask, other=0).to(tl.int32) & 0xFF
+    factor = ue8m0_decode(tl.load(scale_ptr + r * stride_scale + group, mask=row_mask, other=127))[:, None]
+    out_base = out_ptr + r[:, None] * stride_out + 2 * byte_index
+    low = e2m1_decode(raw & 0xF) * factor
+    high = e2m1_decode(raw >> 4) * factor
+    tl.store(out_base, to_output_dtype(low, out_ptr), mask=mask)
+    tl.store(out_base + 1, to_output_dtype(high, out_ptr), mask=mask)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)
+
+
+def quantize_fp8_block(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
+    """Triton 32×32-block e4m3 quantization; one program per block (contract of ``reference.quant``).
+
+    Args:
+        w: [out, in] bf16/fp16/fp32, contiguous.
+        q: [out, in] float8_e4m3fn, contiguous; written.
+        scale: [ceil(out/32), ceil(in/32)] float8_e8m0fnu, contiguous; written.
+    """
+    check_launchable(w=w, q=q, scale=scale)
+    rows, cols = w.shape
+    grid = (scale.shape[0], scale.shape[1])
+    _quantize_fp8_block_kernel[grid](
+        w, _bytes(q), _bytes(scale), rows, cols, w.stride(0), q.stride(0), scale.stride(0), BLOCK=_BLOCK
+    )
+
+
+def dequantize_fp8_block(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
+    """Triton 32×32-block e4m3 dequantization (contract of ``reference.quant.dequantize_fp8_block``).
+
+    Args:
+        q: [out, in] float8_e4m3fn, contiguous.
+        scale: [ceil(out/32), ceil(in/32)] float8_e8m0fnu, contiguous.
+        out: [out, in] fp32/bf16/fp16, contiguous; written.
+    """
+    check_launchable(q=q, scale=scale, out=out)
+    rows, cols = q.shape
+    grid = (scale.shape[0], scale.shape[1])
+    _dequantize_fp8_block_kernel[grid](
+        _bytes(q), _bytes(scale), out, rows, cols, q.stride(0), scale.stride(0), out.stride(0), BLOCK=_BLOCK
+    )
+
+
+def quantize_fp8_per_token_group(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
+    """Triton §5.5 per-token-group e4m3 quantization; one program per (16 rows, group).
+
+    Args:
+        x: [num_rows, K] bf16/fp16/fp32, contiguous.
+        q: [num_rows, K] float8_e4m3fn, contiguous; written.
+        scale: [num_rows, K // group_size] float8_e8m0fnu, contiguous; written.
+    """
+    check_launchable(x=x, q=q, scale=scale)
+    rows, cols = x.shape
+    groups = scale.shape[1]
+    grid = (triton.cdiv(rows, _ROWS_PER_PROGRAM), groups)
+    _quantize_group_kernel[grid](
+        x,
+        _bytes(q),
+        _bytes(scale),
+        rows,
+        x.stride(0),
+        q.stride(0),
+        scale.stride(0),
+        GROUP=cols // groups,
+        BLOCK_ROWS=_ROWS_PER_PROGRAM,
+    )
+
+
+def dequantize_fp8_per_token_group(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
+    """Triton per-token-group e4m3 dequantization (contract of ``reference.quant``).
+
+    Args:
+        q: [num_rows, K] float8_e4m3fn, contiguous.
+        scale: [num_rows, K // group_size] float8_e8m0fnu, contiguous.
+        out: [num_rows, K] fp32/bf16/fp16, contiguous; written.
+    """
+    check_launchable(q=q, scale=scale, out=out)
+    rows, cols = q.shape
+    groups = scale.shape[1]
+    grid = (triton.cdiv(rows, _ROWS_PER_PROGRAM), groups)
+    _dequantize_group_kernel[grid](
+        _bytes(q),
+        _bytes(scale),
+        out,
+        rows,
+        q.stride(0),
+        scale.stride(0),
+        out.stride(0),
+        GROUP=cols // groups,
+        BLOCK_ROWS=_ROWS_PER_PROGRAM,
+    )
+
+
+def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
+    """Triton MXFP4 dequantization; one program per (16 rows, 32 columns).
+
+    Args:
+        packed: [out, in / 2] int8, contiguous (low nibble = even element).
+        scale: [out, in / 32] float8_e8m0fnu, contiguous.
+        out: [out, in] fp32/bf16/fp16, contiguous; written.
+    """
+    check_launchable(packed=packed, scale=scale, out=out)
+    rows = packed.shape[0]
+    grid = (triton.cdiv(rows, _ROWS_PER_PROGRAM), scale.shape[1])
+    _dequantize_mxfp4_kernel[grid](
+        _bytes(packed),
+        _bytes(scale),
+        out,
+        rows,
+        packed.stride(0),
+        scale.stride(0),
+        out.stride(0),
+        BLOCK_ROWS=_ROWS_PER_PROGRAM,
+    )

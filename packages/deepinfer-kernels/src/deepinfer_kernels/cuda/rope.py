@@ -1,0 +1,81 @@
+"""Triton interleaved-pair RoPE: one program per (token, head tile), true FP32 fma, one rounding."""
+
+# Triton reads parameter annotations as kernel type hints, so @triton.jit functions stay unannotated.
+# ruff: noqa: ANN001, ANN202
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer_kernels.cuda._formats import to_output_dtype
+from deepinfer_kernels.cuda._launch import check_launchable
+
+__all__ = ["apply_rope"]
+
+_HEADS_PER_PROGRAM = 16
+
+
+@triton.jit
+def _rope_kernel(  # type: ignore[no-untyped-def]
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    num_heads,
+    half,
+    stride_x_token,
+    stride_x_head,
+    stride_out_token,
+    stride_out_head,
+    stride_table,
+    BLOCK_HEADS: tl.constexpr,
+    BLOCK_PAIRS: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)[:, None]
+    pairs = tl.arange(0, BLOCK_PAIRS)[None, :]
+    pair_mask = pairs < half
+    mask = (heads < num_heads) & pair_mask
+    c = tl.load(cos_ptr + token * stride_table + pairs, mask=pair_mask, other=0.0)
+    s = tl.load(sin_ptr + token * stride_table + pairs, mask=pair_mask, other=0.0)
+    x_base = x_ptr + token * stride_x_token + heads * stride_x_head + 2 * pairs
+    x_even = tl.load(x_base, mask=mask, other=0.0).to(tl.float32)
+    x_odd = tl.load(x_base + 1, mask=mask, other=0.0).to(tl.float32)
+    even = tl.fma(x_even, c, -(x_odd * s))
+    odd = tl.fma(x_even, s, x_odd * c)
+    out_base = out_ptr + token * stride_out_token + heads * stride_out_head + 2 * pairs
+    tl.store(out_base, to_output_dtype(even, out_ptr), mask=mask)
+    tl.store(out_base + 1, to_output_dtype(odd, out_ptr), mask=mask)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> None:
+    """Triton interleaved-pair rotation (numerics of ``reference.rope.apply_rope`` with a true fma).
+
+    Args:
+        x: [num_tokens, num_heads, rope_dim] bf16 or fp32, contiguous.
+        cos: [num_tokens, rope_dim // 2] fp32, contiguous.
+        sin: [num_tokens, rope_dim // 2] fp32, contiguous.
+        out: [num_tokens, num_heads, rope_dim], x's dtype, contiguous; written.
+    """
+    check_launchable(x=x, cos=cos, sin=sin, out=out)
+    num_tokens, num_heads, rope_dim = x.shape
+    half = rope_dim // 2
+    block_heads = min(triton.next_power_of_2(num_heads), _HEADS_PER_PROGRAM)
+    grid = (num_tokens, triton.cdiv(num_heads, block_heads))
+    _rope_kernel[grid](
+        x,
+        cos,
+        sin,
+        out,
+        num_heads,
+        half,
+        x.stride(0),
+        x.stride(1),
+        out.stride(0),
+        out.stride(1),
+        cos.stride(0),
+        BLOCK_HEADS=block_heads,
+        BLOCK_PAIRS=triton.next_power_of_2(half),
+    )

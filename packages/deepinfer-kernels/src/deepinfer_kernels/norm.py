@@ -1,0 +1,52 @@
+"""Public RMSNorm op (model-core §11): validation and allocation, then the resolved backend."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from deepinfer_kernels import _registry
+from deepinfer_kernels._checks import check_dtype, check_ndim_at_least, check_same_device, check_tensor
+
+__all__ = ["rms_norm"]
+
+_NORM_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension with FP32 statistics and product, rounded once to ``x``'s dtype.
+
+    ``y = x · ρ · w`` with ``ρ = 1 / sqrt(Σx² / H + eps)``; FP32 throughout, one rounding at the end.
+
+    Args:
+        x: [..., H] bf16 or fp32 (any strides; copied to a contiguous layout if needed).
+        weight: [H] bf16 or fp32, same device as ``x``.
+        eps: positive finite float added to the mean square.
+
+    Returns:
+        [..., H] tensor with ``x``'s dtype, contiguous, on ``x``'s device.
+
+    Raises:
+        TypeError: ``x`` or ``weight`` is not a tensor or has an unsupported dtype.
+        ValueError: shapes disagree, the hidden size is 0, ``eps`` is not positive and finite, or devices differ.
+    """
+    check_tensor("x", x)
+    check_tensor("weight", weight)
+    check_dtype("x", x.dtype, _NORM_DTYPES)
+    check_dtype("weight", weight.dtype, _NORM_DTYPES)
+    check_ndim_at_least("x", x, 1)
+    hidden = x.shape[-1]
+    if hidden == 0:
+        raise ValueError(f"x must have a non-empty last dimension, got shape {tuple(x.shape)}")
+    if weight.shape != (hidden,):
+        raise ValueError(f"weight must have shape ({hidden},) to match x {tuple(x.shape)}, got {tuple(weight.shape)}")
+    if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps > 0):
+        raise ValueError(f"eps must be a positive finite float, got {eps!r}")
+    check_same_device(x=x, weight=weight)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.numel() == 0:
+        return out
+    rows = x.reshape(-1, hidden).contiguous()
+    _registry.resolve("rms_norm")(rows, weight.contiguous(), float(eps), out.view(-1, hidden))
+    return out

@@ -1,0 +1,28 @@
+"""Plain-PyTorch implementation of every op: runs on any device and defines the numerical truth."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from deepinfer_kernels.reference import norm, quant, rope
+
+if TYPE_CHECKING:
+    from deepinfer_kernels._registry import OpRegistry
+
+__all__ = ["register"]
+
+
+def register(registry: OpRegistry) -> None:
+    """Register the reference implementation of every op."""
+    from deepinfer_kernels._registry import Backend
+
+    ref = Backend.REFERENCE
+    registry.register("rms_norm", ref, norm.rms_norm)
+    registry.register("apply_rope", ref, rope.apply_rope)
+    registry.register("ue8m0_to_float", ref, quant.ue8m0_to_float)
+    registry.register("quantize_fp8_block", ref, quant.quantize_fp8_block)
+    registry.register("dequantize_fp8_block", ref, quant.dequantize_fp8_block)
+    registry.register("quantize_fp8_per_token_group", ref, quant.quantize_fp8_per_token_group)
+    registry.register("dequantize_fp8_per_token_group", ref, quant.dequantize_fp8_per_token_group)
+    registry.register("quantize_mxfp4", ref, quant.quantize_mxfp4)
+    registry.register("dequantize_mxfp4", ref, quant.dequantize_mxfp4)

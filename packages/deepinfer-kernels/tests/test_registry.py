@@ -1,0 +1,93 @@
+"""Registry: explicit registration, one resolution per op, fallback logged once, clear errors."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from deepinfer_kernels._registry import Backend, OpRegistry
+from deepinfer_kernels.platform import Accelerator
+from deepinfer_kernels.reference import quant as reference_quant
+from deepinfer_kernels.testing_npu_double import NpuDouble
+
+
+def _registry_for(accelerator: Accelerator) -> OpRegistry:
+    return OpRegistry(accelerator=lambda: accelerator)
+
+
+def test_cpu_resolves_reference() -> None:
+    registry = _registry_for(Accelerator.CPU)
+    assert registry.resolve("quantize_mxfp4") is reference_quant.quantize_mxfp4
+
+
+def test_unknown_op_is_a_clear_error() -> None:
+    registry = _registry_for(Accelerator.CPU)
+    with pytest.raises(ValueError, match=r"unknown op 'no_such_op'.*rms_norm"):
+        registry.resolve("no_such_op")
+    with pytest.raises(ValueError, match="unknown op 'no_such_op'"):
+        registry.implementation("no_such_op", Backend.REFERENCE)
+
+
+def test_unknown_backend_is_a_clear_error() -> None:
+    registry = _registry_for(Accelerator.CPU)
+    with pytest.raises(TypeError, match="backend must be a Backend"):
+        registry.implementation("rms_norm", "nvidia")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="backend must be a Backend"):
+        registry.register("rms_norm", "gpu", reference_quant.quantize_mxfp4)  # type: ignore[arg-type]
+
+
+def test_registration_rules() -> None:
+    registry = OpRegistry(accelerator=lambda: Accelerator.CPU)
+    registry.register("toy", Backend.REFERENCE, abs)
+    with pytest.raises(ValueError, match="already has a 'reference' implementation"):
+        registry.register("toy", Backend.REFERENCE, abs)
+    with pytest.raises(ValueError, match="has no reference implementation"):
+        registry.register("other", Backend.NVIDIA, abs)
+    with pytest.raises(TypeError, match="not callable"):
+        registry.register("third", Backend.REFERENCE, 3)  # type: ignore[arg-type]
+
+
+def test_missing_fast_implementation_is_an_error_without_fallback(npu_double: NpuDouble) -> None:
+    registry = _registry_for(Accelerator.ASCEND)
+    with pytest.raises(ValueError, match="'quantize_mxfp4' has no 'ascend' implementation"):
+        registry.implementation("quantize_mxfp4", Backend.ASCEND)
+
+
+def test_fallback_logs_once_per_op(npu_double: NpuDouble, caplog: pytest.LogCaptureFixture) -> None:
+    registry = _registry_for(Accelerator.ASCEND)
+    with caplog.at_level(logging.INFO, logger="deepinfer_kernels"):
+        first = registry.resolve("quantize_mxfp4")
+        second = registry.resolve("quantize_mxfp4")
+        registry.resolve("ue8m0_to_float")
+        registry.resolve("ue8m0_to_float")
+    assert first is second is reference_quant.quantize_mxfp4
+    messages = [r.getMessage() for r in caplog.records if r.name == "deepinfer_kernels"]
+    assert sum("'quantize_mxfp4'" in m for m in messages) == 1
+    assert sum("'ue8m0_to_float'" in m for m in messages) == 1
+    assert all("using the reference" in m for m in messages)
+
+
+def test_fast_backend_is_chosen_when_registered(npu_double: NpuDouble, caplog: pytest.LogCaptureFixture) -> None:
+    from deepinfer_kernels.ascend import norm as ascend_norm
+
+    registry = _registry_for(Accelerator.ASCEND)
+    with caplog.at_level(logging.INFO, logger="deepinfer_kernels"):
+        assert registry.resolve("rms_norm") is ascend_norm.rms_norm
+    assert not caplog.records
+
+
+def test_resolution_happens_once_per_op() -> None:
+    calls: list[int] = []
+
+    def accelerator() -> Accelerator:
+        calls.append(1)
+        return Accelerator.CPU
+
+    registry = OpRegistry(accelerator=accelerator)
+    for _ in range(3):
+        registry.resolve("rms_norm")
+    assert len(calls) == 1
+    registry.clear_resolution_cache()
+    registry.resolve("rms_norm")
+    assert len(calls) == 2
