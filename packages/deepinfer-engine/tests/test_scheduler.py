@@ -112,7 +112,8 @@ def test_preemption_victim_is_the_request_with_most_outputs_and_it_recomputes():
         for s in out.scheduled_requests:
             if s.request_id == "a" and resumed is None:
                 resumed = s
-    assert resumed.is_new and resumed.num_computed_tokens == 0
+    assert resumed.is_new and resumed.num_computed_tokens == 0 and resumed.first_new_block_index == 0
+    assert a.num_preemptions == 1
     assert resumed.input_token_ids == tuple(expected["a"][:0] + a.prompt_token_ids + expected["a"][:3])
     assert tokens == expected
 
@@ -424,3 +425,18 @@ def test_schedules_are_deterministic():
     first = trace()
     assert any(o.preempted_request_ids for o in first)
     assert first == trace()
+
+
+def test_metrics_count_steps_and_preemptions():
+    scheduler = make_scheduler(max_num_seqs=1, max_num_batched_tokens=8)
+    runner = FakeRunner()
+    scheduler.add_request(make_request("a", prompt_len=12, max_tokens=2))
+    step(scheduler, runner)  # step 0: first chunk of "a"
+    scheduler.add_request(make_request("b", prompt_len=3, max_tokens=1))  # arrives at step 1
+    outputs = run_outputs(scheduler, runner)
+    metrics = {o.request_id: o.completion.metrics for o in outputs if o.finished}
+    a, b = metrics["a"], metrics["b"]
+    assert (a.arrival_step, a.first_scheduled_step, a.first_token_step, a.finished_step) == (0, 0, 1, 2)
+    assert (b.arrival_step, b.first_scheduled_step, b.first_token_step, b.finished_step) == (1, 3, 3, 3)
+    assert a.num_preemptions == b.num_preemptions == 0
+    assert a.num_verified_draft_tokens == a.num_accepted_draft_tokens == 0

@@ -115,12 +115,9 @@ class Request:
         request_id: unique id.
         prompt_token_ids: the prompt; must be non-empty.
         stop: stop conditions.
-        arrival_step: scheduler step at which the request arrived (for metrics).
     """
 
-    def __init__(
-        self, request_id: str, prompt_token_ids: Sequence[int], stop: StopCriteria, arrival_step: int = 0
-    ) -> None:
+    def __init__(self, request_id: str, prompt_token_ids: Sequence[int], stop: StopCriteria) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: prompt must not be empty")
         self.request_id = request_id
@@ -133,7 +130,8 @@ class Request:
         self._status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.error_message: str | None = None
-        self.arrival_step = arrival_step
+        # Step counters for metrics, filled in by the scheduler.
+        self.arrival_step = 0
         self.first_scheduled_step: int | None = None
         self.first_token_step: int | None = None
         self.finished_step: int | None = None
