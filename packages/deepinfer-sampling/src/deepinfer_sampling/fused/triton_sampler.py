@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_kernels.cuda._launch import check_launchable
+from deepinfer_kernels.platform import triton_interpreter_enabled
 from deepinfer_sampling.batch import SamplingBatch
 
 MAX_BLOCK = 4096
@@ -243,7 +243,8 @@ def fused_sample(
         (token ids int64 [B] with golden tokens applied, their processed log-probs float32 [B] (unclamped),
         processed log-probs float32 [B, V] or None).
     """
-    check_launchable(z=z, bits=bits)
+    if z.device.type != "cuda" and not triton_interpreter_enabled():
+        raise ValueError(f"the Triton sampler needs CUDA tensors (or TRITON_INTERPRET=1), got z on {z.device}")
     if z.dtype != torch.float32 or z.stride(-1) != 1:
         raise ValueError(f"z must be float32 with unit column stride, got {z.dtype} strides {z.stride()}")
     num_rows, vocab = z.shape
