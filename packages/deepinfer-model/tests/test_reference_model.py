@@ -7,6 +7,7 @@ non-shifted mHC and FP8 compressed-KV variants, and the DSpark draft forward and
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator, Mapping
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from deepinfer_model import reference as ref
-from deepinfer_model.config import ModelConfig, load_preset
+from deepinfer_model.config import ModelConfig, load_preset, preset_json
 from deepinfer_model.loading.catalogue import TensorFormat, build_catalogue
 
 # ---- random checkpoints in stored formats (model-core §5, §6; catalogue order) --------------------------------------
@@ -214,3 +215,201 @@ def test_bad_token_ids_are_rejected(tiny, tiny_weights):
         ref.reference_forward(tiny, tiny_weights, torch.tensor([1, 2], dtype=torch.int32), tiny_vocabulary(tiny))
     with pytest.raises(ValueError, match="engram_vocabulary"):
         ref.reference_forward(tiny, tiny_weights, torch.tensor([1, 2]))
+
+
+# ---- model-attention §12 worked example: keys attended per query ---------------------------------------------------
+
+
+def worked_example_config() -> ModelConfig:
+    """The tiny configuration of model-attention §12 (Engram off; DSpark as in dspark §8)."""
+    data = json.loads(preset_json("tiny"))
+    text = {k: v for k, v in data["text_config"].items() if not k.startswith("engram_")}
+    text.pop("index_k_source_layer_ids")
+    text.update(
+        num_attention_heads=4,
+        q_lora_rank=64,
+        o_groups=2,
+        o_lora_rank=32,
+        sliding_window=16,
+        num_hidden_layers=6,
+        num_nextn_predict_layers=1,
+        compress_ratios=[0, 2, 2, 1, 1, 1, 0],
+        index_n_heads=2,
+        index_head_dim=128,
+        index_topk=4,
+        kv_source_layer_ids=[1, 3],
+        index_source_layer_ids=[1, 3, 5],
+        candidate_source_layer_id=3,
+        candidate_block_size=8,
+        candidate_topk_blocks=8,
+        dspark_target_layer_ids=[1, 2],
+        dspark_markov_rank=8,
+        dspark_block_size=2,
+    )
+    data["text_config"] = text
+    return ModelConfig.from_dict(data)
+
+
+@pytest.fixture(scope="module")
+def example() -> tuple[ModelConfig, dict[str, torch.Tensor], ref.ReferenceOutput]:
+    config = worked_example_config()
+    weights = random_checkpoint(config, seed=3)
+    tokens = torch.randint(0, config.text.vocab_size, (40,), generator=torch.Generator().manual_seed(4))
+    return config, weights, ref.reference_forward_full(config, weights, tokens)
+
+
+def _rows(output: ref.ReferenceOutput, layer: int, t: int) -> set[int]:
+    return {int(r) for r in output.selected_rows[layer][t] if r >= 0}
+
+
+def test_worked_example_swa_sets():
+    visible = ref.swa_visibility(40, 16)
+    expected = {0: {0}, 1: {0, 1}, 2: {0, 1, 2}, 7: set(range(8)), 16: set(range(1, 17)), 36: set(range(21, 37))}
+    expected |= {37: set(range(22, 38)), 38: set(range(23, 39)), 39: set(range(24, 40))}
+    for t, positions in expected.items():
+        assert set(torch.nonzero(visible[t]).flatten().tolist()) == positions, t
+
+
+def test_worked_example_compressed_rows(example):
+    _, _, output = example
+    assert sorted(output.selected_rows) == [1, 2, 3, 4, 5]
+    # C2 layers 1 and 2: klen = (t + 1) // 2.
+    assert _rows(output, 1, 0) == set()
+    assert _rows(output, 1, 1) == {0}
+    assert _rows(output, 1, 2) == {0}
+    assert _rows(output, 1, 7) == {0, 1, 2, 3}
+    # C1 layers 3-5: klen = t + 1.
+    assert _rows(output, 3, 0) == {0}
+    assert _rows(output, 3, 1) == {0, 1}
+    assert _rows(output, 3, 2) == {0, 1, 2}
+    for t, c2_rows, c1_rows in [(16, 8, 17), (36, 18, 37), (37, 19, 38), (38, 19, 39), (39, 20, 40)]:
+        for layer, num_rows in [(1, c2_rows), (3, c1_rows), (5, c1_rows)]:
+            rows = _rows(output, layer, t)
+            assert len(rows) == 4 and rows <= set(range(num_rows)), (layer, t)
+    # Decode step 1 (t = 37) may pick row 18, which its own token completes.
+    assert (output.selected_rows[1][:, None, :] == torch.arange(40)[:, None]).any(-1).sum() > 0
+    # Index consumers reuse their source's rows verbatim; layer 5 runs its own indexer.
+    assert torch.equal(output.selected_rows[2], output.selected_rows[1])
+    assert torch.equal(output.selected_rows[4], output.selected_rows[3])
+    assert not torch.equal(output.selected_rows[5], output.selected_rows[3])
+
+
+def test_worked_example_layer5_is_unrestricted_while_all_blocks_are_candidates(example):
+    """With klen ≤ 8 blocks · 8 rows every row is a candidate, so layer 5's top-4 equals its unrestricted top-4."""
+    config, _, output = example
+    assert config.text.candidate_topk_blocks * config.text.candidate_block_size >= 40
+    assert all(len(_rows(output, 5, t)) == min(4, t + 1) for t in range(40))
+
+
+def test_worked_example_maps():
+    text = worked_example_config().text
+    assert text.n_prefill_layer == 3
+    assert ref.sparse_source_map(text.kv_source_layer_ids, 6) == [0, 1, 1, 3, 3, 3]
+    assert ref.sparse_source_map(text.index_source_layer_ids, 6) == [0, 1, 1, 3, 3, 5]
+    assert ref.sparse_source_map(text.index_k_source_layer_ids, 6) == [0, 1, 1, 3, 3, 3]
+
+
+def test_yoco_consumer_kv_source_compresses_the_shared_hidden(tiny_tokens):
+    """Layer 5 (a KV source after the YOCO boundary 4) builds its rows from layer 4's attention input."""
+    config = _variant(
+        compress_ratios=[0, 2, 2, 0, 1, 1, 1, 0],
+        kv_source_layer_ids=[1, 3, 4, 5],
+        index_k_source_layer_ids=[1, 3, 4, 5],
+    )
+    assert config.text.n_prefill_layer == 4
+    weights = random_checkpoint(config, seed=6)
+    tokens = tiny_tokens[:24]
+    base = ref.reference_forward_full(config, weights, tokens, tiny_vocabulary(config))
+    own_input_changed = dict(weights)
+    own_input_changed["layers.5.attn_norm.weight"] = weights["layers.5.attn_norm.weight"].flip(0)
+    changed = ref.reference_forward_full(config, own_input_changed, tokens, tiny_vocabulary(config))
+    assert torch.equal(changed.compressed_keys[5], base.compressed_keys[5])
+    assert torch.equal(changed.index_keys[5], base.index_keys[5])
+    assert not torch.equal(changed.swa_keys[5], base.swa_keys[5])
+    producer_changed = dict(weights)
+    producer_changed["layers.4.attn_norm.weight"] = weights["layers.4.attn_norm.weight"].flip(0)
+    changed = ref.reference_forward_full(config, producer_changed, tokens, tiny_vocabulary(config))
+    assert not torch.equal(changed.compressed_keys[5], base.compressed_keys[5])
+
+
+def test_cache_contents_have_the_storage_shapes(tiny, tiny_output):
+    text = tiny.text
+    assert sorted(tiny_output.swa_keys) == list(range(text.num_hidden_layers))
+    assert sorted(tiny_output.compressed_keys) == [1, 4]  # compressed KV sources (layer 3 is SWA-only)
+    assert sorted(tiny_output.index_keys) == [1, 4]
+    assert tiny_output.compressed_keys[1].shape == (40, text.head_dim)
+    assert tiny_output.index_keys[4].shape == (80, text.index_head_dim)
+    # FP4 (e2m1 × E4M3 scale, groups of 16) rows take at most 8 magnitudes per group up to scale.
+    row = tiny_output.compressed_keys[1][7].view(-1, 16)
+    assert all(len(set(group.abs().tolist())) <= 8 for group in row)
+
+
+# ---- variants ------------------------------------------------------------------------------------------------------
+
+
+def _variant(**changes: object) -> ModelConfig:
+    data = json.loads(preset_json("tiny"))
+    data["text_config"].update(changes)
+    return ModelConfig.from_dict(data)
+
+
+def test_non_shifted_mhc_uses_the_hc_head(tiny, tiny_tokens):
+    config = _variant(hc_shifted=False)
+    weights = random_checkpoint(config, seed=5)
+    assert "hc_head_fn" in weights and "mtp.0.hc_head_fn" in weights
+    logits = ref.reference_forward(config, weights, tiny_tokens[:16], tiny_vocabulary(config))
+    assert torch.isfinite(logits).all() and 0.05 < logits.std().item() < 20.0
+    del weights["hc_head_fn"]
+    with pytest.raises(KeyError, match="hc_head_fn"):
+        ref.reference_forward(config, weights, tiny_tokens[:16], tiny_vocabulary(config))
+
+
+def test_fp8_compressed_kv_is_a_small_perturbation(tiny, tiny_weights, tiny_tokens, tiny_output):
+    config = _variant(use_fp4_sparse_kv=False)
+    logits = ref.reference_forward(config, tiny_weights, tiny_tokens[:40], tiny_vocabulary(config))
+    assert torch.isfinite(logits).all()
+    assert not torch.equal(logits, tiny_output.logits[:40])
+    cosine = torch.nn.functional.cosine_similarity(logits.flatten(), tiny_output.logits[:40].flatten(), dim=0)
+    assert cosine > 0.9
+
+
+# ---- DSpark ---------------------------------------------------------------------------------------------------------
+
+
+def test_dspark_forward_and_heads(tiny, tiny_weights, tiny_output):
+    text = tiny.text
+    draft = ref.reference_dspark_forward(tiny, tiny_weights, tiny_output.target_features[:70], anchor_token=7)
+    assert draft.hidden.shape == (text.dspark_block_size, text.hidden_size) and draft.hidden.dtype == torch.bfloat16
+    assert draft.positions.tolist() == [70, 71, 72, 73]
+    logits, confidence = ref.reference_dspark_heads(tiny, tiny_weights, draft.hidden, torch.tensor([7, 1, 2, 3]))
+    assert logits.shape == (4, text.vocab_size) and torch.isfinite(logits).all()
+    assert bool(((confidence > 0) & (confidence < 1)).all())
+    other, _ = ref.reference_dspark_heads(tiny, tiny_weights, draft.hidden, torch.tensor([7, 1, 2, 9]))
+    assert torch.equal(other[:3], logits[:3]) and not torch.equal(other[3], logits[3])  # Markov term: own prev only
+    sharp, _ = ref.reference_dspark_heads(tiny, tiny_weights, draft.hidden, torch.tensor([7, 1, 2, 3]), [1, 1, 1, 0.5])
+    with pytest.raises(ValueError, match="temperatures"):
+        ref.reference_dspark_heads(tiny, tiny_weights, draft.hidden, torch.tensor([7, 1, 2, 3]), [1.0, 2.0])
+    assert torch.equal(sharp, logits)
+
+
+def test_dspark_reads_only_the_last_window_of_context(tiny, tiny_weights, tiny_output):
+    """Slots see context positions p*−W+1 … p* only, and are non-causal among themselves."""
+    features = tiny_output.target_features[:70]
+    base = ref.reference_dspark_forward(tiny, tiny_weights, features, anchor_token=7).hidden
+    old_changed = features.clone()
+    old_changed[: 70 - tiny.text.sliding_window] = 0
+    assert torch.equal(ref.reference_dspark_forward(tiny, tiny_weights, old_changed, anchor_token=7).hidden, base)
+    recent_changed = features.clone()
+    recent_changed[-1] = 0
+    assert not torch.equal(
+        ref.reference_dspark_forward(tiny, tiny_weights, recent_changed, anchor_token=7).hidden, base
+    )
+    other_anchor = ref.reference_dspark_forward(tiny, tiny_weights, features, anchor_token=8).hidden
+    assert all(not torch.equal(other_anchor[k], base[k]) for k in range(4))  # the anchor reaches every slot
+
+
+def test_dspark_short_context_and_slot_override(tiny, tiny_weights, tiny_output):
+    draft = ref.reference_dspark_forward(tiny, tiny_weights, tiny_output.target_features[:1], 7, num_slots=2)
+    assert draft.positions.tolist() == [1, 2] and torch.isfinite(draft.hidden.float()).all()
+    with pytest.raises(ValueError, match="target features"):
+        ref.reference_dspark_forward(tiny, tiny_weights, tiny_output.target_features[:, :10], 7)

@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from tokenizers import Regex, Tokenizer, normalizers
@@ -100,6 +100,7 @@ __all__ = [
     "select_topk",
     "sinkhorn",
     "sparse_source_map",
+    "swa_visibility",
     "ue8m0_to_float",
     "yarn_inv_freq",
 ]
@@ -1081,6 +1082,17 @@ def attention_core(query: Tensor, keys: Tensor, mask: Tensor, sink: Tensor, soft
     return numerator / denominator[..., None]
 
 
+def swa_visibility(num_tokens: int, window: int) -> Tensor:
+    """Sliding-window visibility of a causal sequence: query ``t`` sees positions ``max(0, t−W+1) … t``.
+
+    Returns:
+        ``[n, n]`` bool, ``[t, s]`` True when key position ``s`` is visible to query ``t``.
+    """
+    positions = torch.arange(num_tokens)
+    offset = positions[:, None] - positions[None, :]
+    return (offset >= 0) & (offset < window)
+
+
 def _project_query_and_key(
     text: TextConfig, w: _Weights, prefix: str, x: Tensor, cos: Tensor, sin: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -1115,13 +1127,19 @@ def _attention_output(text: TextConfig, w: _Weights, prefix: str, out: Tensor, c
 
 
 @dataclass
-class _SharedAttention:
-    """Per-forward objects consumer layers take from their sources (attention §6), keyed by source layer."""
+class _AttentionState:
+    """Per-forward attention objects keyed by the layer that produced them.
 
-    pre_rope_kv: dict[int, Tensor]
-    compressed_keys: dict[int, Tensor]
-    index_keys: dict[int, Tensor]
-    topk: dict[int, Tensor]
+    Consumer layers read compressed rows, index keys and top-k from their sources (attention §6); the SWA keys,
+    compressed keys and index keys are also what a cache would hold (read back from their storage formats).
+    """
+
+    swa_keys: dict[int, Tensor] = field(default_factory=dict)
+    pre_rope_kv: dict[int, Tensor] = field(default_factory=dict)
+    compressed_keys: dict[int, Tensor] = field(default_factory=dict)
+    index_keys: dict[int, Tensor] = field(default_factory=dict)
+    topk: dict[int, Tensor] = field(default_factory=dict)
+    selected_rows: dict[int, Tensor] = field(default_factory=dict)
     candidates: Tensor | None = None
     shared_hidden: Tensor | None = None
 
@@ -1133,7 +1151,7 @@ def _source(produced: Mapping[int, Tensor], source: int, layer: int, what: str) 
 
 
 def _selected_rows(
-    text: TextConfig, w: _Weights, layer: int, x: Tensor, q_latent: Tensor, state: _SharedAttention, rope: RopeTable
+    text: TextConfig, w: _Weights, layer: int, x: Tensor, q_latent: Tensor, state: _AttentionState, rope: RopeTable
 ) -> Tensor:
     """Compressed rows attended by each query of a compressed layer: ``[n, K]`` int64, −1 padded (attention §4–§6).
 
@@ -1192,16 +1210,16 @@ def _selected_rows(
 
 
 def _attention_layer(
-    text: TextConfig, w: _Weights, layer: int, x: Tensor, state: _SharedAttention, rope: RopeTable
-) -> tuple[Tensor, Tensor | None]:
-    """One backbone attention sub-layer over a whole causal sequence (attention §3).
+    text: TextConfig, w: _Weights, layer: int, x: Tensor, state: _AttentionState, rope: RopeTable
+) -> Tensor:
+    """One backbone attention sub-layer over a whole causal sequence (attention §3); records into ``state``.
 
     Args:
         x: ``[n, H]`` BF16 ``attn_norm`` output of tokens at positions ``0 … n−1``.
         rope: the layer kind's table with at least ``n`` positions.
 
     Returns:
-        the attention output ``[n, H]`` BF16 and, for compressed layers, the selected rows ``[n, K]`` int64.
+        the attention output ``[n, H]`` BF16.
     """
     prefix = f"layers.{layer}.attn"
     n = x.shape[0]
@@ -1209,19 +1227,19 @@ def _attention_layer(
         state.shared_hidden = x  # YOCO shared hidden: the boundary layer's attention input (attention §7.1)
     cos, sin = rope.cos[:n], rope.sin[:n]
     q, q_latent, swa_keys = _project_query_and_key(text, w, prefix, x, cos, sin)
-    positions = torch.arange(n)
+    state.swa_keys[layer] = swa_keys
     keys = swa_keys.expand(n, n, -1)
-    mask = (positions[None, :] <= positions[:, None]) & (positions[None, :] > positions[:, None] - text.sliding_window)
-    rows = None
+    mask = swa_visibility(n, text.sliding_window)
     if text.compress_ratios[layer] > 0:
         rows = _selected_rows(text, w, layer, x, q_latent, state, rope)
+        state.selected_rows[layer] = rows
         kv_source = sparse_source_map(text.kv_source_layer_ids, text.num_hidden_layers)[layer]
         compressed = state.compressed_keys[kv_source]
         padded = torch.cat([compressed, torch.zeros(1, compressed.shape[1])])
         keys = torch.cat([keys, padded[torch.where(rows >= 0, rows, compressed.shape[0])]], dim=1)
         mask = torch.cat([mask, rows >= 0], dim=1)
     out = attention_core(q, keys, mask, w[f"{prefix}.attn_sink"], 1.0 / math.sqrt(text.head_dim))
-    return _attention_output(text, w, prefix, out, cos, sin), rows
+    return _attention_output(text, w, prefix, out, cos, sin)
 
 
 # ==================================================================================================================
@@ -1310,12 +1328,18 @@ class ReferenceOutput:
         target_features: ``[n, T·H]`` BF16 DSpark target features (model-core §7.5), ``T`` = number of targets.
         selected_rows: compressed layer → ``[n, K]`` int64 compressed rows (numbered in the KV source's rows)
             attended by each query, ascending, −1 padded. The SWA part of every query ``t`` is ``max(0, t−W+1) … t``.
+        swa_keys: layer → ``[n, D]`` FP32 SWA keys as read back from FP8 storage (RoPE at the token position).
+        compressed_keys: KV-source layer → ``[n // c, D]`` FP32 compressed rows as read back from storage.
+        index_keys: index-K-source layer → ``[n // c, d_i]`` FP32 index keys as read back from FP4 storage.
     """
 
     logits: Tensor
     hidden: Tensor
     target_features: Tensor
     selected_rows: Mapping[int, Tensor]
+    swa_keys: Mapping[int, Tensor]
+    compressed_keys: Mapping[int, Tensor]
+    index_keys: Mapping[int, Tensor]
 
 
 def reference_forward_full(
@@ -1333,7 +1357,8 @@ def reference_forward_full(
         engram_vocabulary: compressed Engram vocabulary; required when the model has Engram layers.
 
     Returns:
-        logits, collapsed hidden, DSpark target features and the compressed rows each query attended.
+        logits, collapsed hidden, DSpark target features, the compressed rows each query attended and the keys a
+        cache would hold.
     """
     text = config.text
     w = _Weights(weights)
@@ -1342,9 +1367,8 @@ def reference_forward_full(
     trunk, read_mix = _expand(w, token_ids, text)
     n = token_ids.shape[0]
     tables = {False: _layer_rope_table(text, False, n), True: _layer_rope_table(text, True, n)}
-    state = _SharedAttention({}, {}, {}, {})
+    state = _AttentionState()
     features: dict[int, Tensor] = {}
-    selected: dict[int, Tensor] = {}
     pending: _Pending | None = None
     for layer in range(text.num_hidden_layers):
         if pending is not None:
@@ -1356,11 +1380,7 @@ def reference_forward_full(
             features[layer] = trunk.float().mean(1).to(BF16)
 
         def attention(x: Tensor, layer: int = layer) -> Tensor:
-            rope = tables[text.compress_ratios[layer] > 0]
-            out, rows = _attention_layer(text, w, layer, x, state, rope)
-            if rows is not None:
-                selected[layer] = rows
-            return out
+            return _attention_layer(text, w, layer, x, state, tables[text.compress_ratios[layer] > 0])
 
         pending, read_mix = _decoder_layer(
             text, w, f"layers.{layer}", trunk, read_mix, attention, text.n_routed_experts, text.num_experts_per_tok
@@ -1369,7 +1389,9 @@ def reference_forward_full(
     hidden = _collapse(text, w, "", pending, read_mix)
     logits = _bf16_linear(rms_norm(hidden, w["norm.weight"], text.rms_norm_eps), w["head.weight"])
     target_features = torch.cat([features[t] for t in text.dspark_target_layer_ids], dim=-1)
-    return ReferenceOutput(logits, hidden, target_features, selected)
+    return ReferenceOutput(
+        logits, hidden, target_features, state.selected_rows, state.swa_keys, state.compressed_keys, state.index_keys
+    )
 
 
 def reference_forward(
