@@ -22,8 +22,9 @@ Glossary:
         GEMM operand is seen by the math.
 
 Choices where the spec leaves a point open (each follows what the spec attributes to the reference package):
-    1. RMSNorm: ``rsqrt`` evaluated in FP64 and rounded to FP32 ("correctly rounded", model-core §11, B6); the
-       product ``x·ρ·w`` runs in FP32 with one BF16 rounding (the kernel, not the package's simple reference).
+    1. RMSNorm (and the mHC / Engram-gate normalizations): ``ρ = 1/sqrt(Σx²/d + ε)`` evaluated in FP64 from the
+       FP32 sum of squares and rounded once to FP32 ("correctly rounded", model-core §11, B6); the product
+       ``x·ρ·w`` runs in FP32 with one BF16 rounding (the kernel, not the package's simple reference).
     2. mHC mix GEMM: ``fn`` rounded to TF32 by round-to-nearest-even; the trunk is BF16 and exact in TF32 (B2).
     3. RoPE FMA: ``fma(a, c, ±b·s)`` is evaluated as an exact FP64 ``a·c`` plus the FP32-rounded ``b·s``, rounded to
        FP32 and then to the storage dtype (a double rounding that can differ from a true FP32 FMA in rare ties).
@@ -342,11 +343,17 @@ def _bf16_linear(x: Tensor, weight: Tensor) -> Tensor:
 # ==================================================================================================================
 
 
+def _inverse_rms(sum_squares: Tensor, width: int, eps: float) -> Tensor:
+    """``1/sqrt(Σx²/d + ε)`` from the FP32 sum and the FP32 value of ``ε``, in FP64, rounded once to FP32 (§11)."""
+    eps_fp32 = float(torch.tensor(eps, dtype=F32))
+    return (1.0 / torch.sqrt(sum_squares.double() / width + eps_fp32)).float()
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """RMSNorm over the last dimension, output BF16 (model-core §11).
 
-    ``ρ = 1/sqrt(Σx²/d + ε)`` with the sum and the division in FP32 and the reciprocal square root correctly
-    rounded to FP32; ``y = x·ρ·w`` in FP32, rounded once to BF16.
+    ``ρ = 1/sqrt(Σx²/d + ε)`` with an FP32 sum of squares and ``ρ`` correctly rounded to FP32; ``y = x·ρ·w`` in
+    FP32, rounded once to BF16.
 
     Args:
         x: ``[..., d]`` BF16 (or FP32).
@@ -357,8 +364,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
         ``[..., d]`` BF16.
     """
     xf = x.float()
-    mean_square = (xf * xf).sum(-1, keepdim=True) / xf.shape[-1] + eps
-    rho = torch.rsqrt(mean_square.double()).float()
+    rho = _inverse_rms((xf * xf).sum(-1, keepdim=True), xf.shape[-1], eps)
     return (xf * rho * weight.float()).to(BF16)
 
 
@@ -392,9 +398,14 @@ def yarn_inv_freq(
 
 
 def rope_cos_sin(inv_freq: Tensor, num_positions: int) -> tuple[Tensor, Tensor]:
-    """Cos/sin tables for positions ``0 … P−1``: angle ``fp32(t·f_i)``, both FP32 ``[P, r/2]`` (§15.4)."""
+    """Cos/sin tables for positions ``0 … P−1``: angle ``fp32(t·f_i)``, via the complex polar form (§15.4).
+
+    Returns:
+        ``cos``, ``sin``: both ``[P, r/2]`` FP32.
+    """
     angles = torch.outer(torch.arange(num_positions, dtype=F32), inv_freq)
-    return torch.cos(angles), torch.sin(angles)
+    rotation = torch.polar(torch.ones_like(angles), angles)
+    return rotation.real.contiguous(), rotation.imag.contiguous()
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False) -> Tensor:
@@ -466,8 +477,7 @@ def hc_mix_logits(trunk: Tensor, fn: Tensor, eps: float) -> Tensor:
         ``[n, rows]`` FP32.
     """
     z = trunk.float().flatten(1)
-    mean_square = (z * z).sum(-1, keepdim=True) / z.shape[-1]
-    gamma = torch.rsqrt((mean_square + eps).double()).float()
+    gamma = _inverse_rms((z * z).sum(-1, keepdim=True), z.shape[-1], eps)
     return (z @ round_to_tf32(fn).T) * gamma
 
 
@@ -840,8 +850,8 @@ def engram_gate(trunk: Tensor, kv: Tensor, q_weight: Tensor, k_weight: Tensor, e
     keys = kv[:, :m].float()
     value = kv[:, m].float()
     w = q_weight.float() * k_weight.float()
-    a_x = torch.rsqrt(((x * x).sum(-1) / hidden + eps).double()).float()
-    a_k = torch.rsqrt(((keys * keys).sum(-1) / hidden + eps).double()).float()
+    a_x = _inverse_rms((x * x).sum(-1), hidden, eps)
+    a_k = _inverse_rms((keys * keys).sum(-1), hidden, eps)
     z = (x * w * keys).sum(-1) * a_x * a_k / math.sqrt(hidden)
     gate = torch.sigmoid(torch.copysign(torch.sqrt(z.abs().clamp_min(1e-6)), z))
     return (x + gate[..., None] * value[:, None, :]).to(BF16)
