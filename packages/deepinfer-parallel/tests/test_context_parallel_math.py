@@ -1,0 +1,95 @@
+"""Balanced CP split and log-sum-exp merge of partial attention, on one process."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from cp_attention import causal_mask, masked_attention, packed_metadata
+
+from deepinfer_parallel.context_parallel import (
+    balanced_block_size,
+    balanced_split,
+    gather_local_tokens,
+    merge_attention_partials,
+    restore_token_order,
+)
+
+# fp32 attention recomputed as a merge of partials: differences are rounding in exp/sum, ~1e-7 relative.
+ATOL = 1e-5
+RTOL = 1e-5
+
+
+def test_mirrored_blocks_hand_checked():
+    split = balanced_split([10], cp_size=2)
+    assert balanced_block_size(10, 2) == 3
+    assert split.token_index.tolist() == [[0, 1, 2, 9, 0, 0], [3, 4, 5, 6, 7, 8]]
+    assert split.valid.tolist() == [[True, True, True, True, False, False], [True] * 6]
+    assert split.positions.tolist() == [[0, 1, 2, 9, -1, -1], [3, 4, 5, 6, 7, 8]]
+
+
+@pytest.mark.parametrize("cp_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("seq_lens", [[16], [13, 1, 0, 7], [3], []])
+def test_every_token_lands_on_exactly_one_rank_and_round_trips(cp_size, seq_lens):
+    split = balanced_split(seq_lens, cp_size)
+    num_tokens = sum(seq_lens)
+    owned = split.token_index[split.valid]
+    assert sorted(owned.tolist()) == list(range(num_tokens))
+    x = torch.randn(num_tokens, 3, generator=torch.Generator().manual_seed(0))
+    local = torch.cat([gather_local_tokens(x, split, rank) for rank in range(cp_size)])
+    assert local.shape == (cp_size * split.num_local_tokens, 3)
+    assert bool((local[~split.valid.reshape(-1)] == 0).all())
+    assert torch.equal(restore_token_order(local, split), x)
+
+
+@pytest.mark.parametrize("cp_size", [2, 4])
+def test_causal_work_is_balanced(cp_size):
+    # Causal attention cost of a query ~ its position + 1; the mirrored pairing equalises it exactly when the
+    # length fills all blocks.
+    split = balanced_split([64 * cp_size], cp_size)
+    work = ((split.positions + 1) * split.valid).sum(dim=1)
+    assert work.min() == work.max()
+    # Rank r holds blocks r and 2cp-1-r.
+    block = balanced_block_size(64 * cp_size, cp_size)
+    for rank in range(cp_size):
+        starts = split.positions[rank, ::block].tolist()
+        assert starts == [rank * block, (2 * cp_size - 1 - rank) * block]
+
+
+def test_split_rejects_bad_sizes():
+    with pytest.raises(ValueError, match="cp_size must be >= 1, got 0"):
+        balanced_split([4], 0)
+    with pytest.raises(ValueError, match="seq_lens must be >= 0"):
+        balanced_split([4, -1], 2)
+
+
+@pytest.mark.parametrize("num_chunks", [2, 3, 5])
+def test_lse_merge_of_key_chunks_equals_full_causal_attention(num_chunks):
+    gen = torch.Generator().manual_seed(num_chunks)
+    seq_lens = [11, 6]
+    request, position = packed_metadata(seq_lens)
+    num_tokens, heads, dim = sum(seq_lens), 3, 8
+    q, k, v = (torch.randn(num_tokens, heads, dim, generator=gen) for _ in range(3))
+    full_mask = causal_mask(request, position, request, position)
+    expected, expected_lse = masked_attention(q, k, v, full_mask)
+    # Keys cut into contiguous chunks; early queries see nothing in late chunks (lse = -inf there).
+    bounds = torch.linspace(0, num_tokens, num_chunks + 1).round().long().tolist()
+    partials = [masked_attention(q, k[a:b], v[a:b], full_mask[:, a:b]) for a, b in itertools.pairwise(bounds)]
+    assert any(bool(torch.isinf(lse).any()) for _, lse in partials)
+    out, lse = merge_attention_partials(torch.stack([o for o, _ in partials]), torch.stack([s for _, s in partials]))
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(lse, expected_lse, atol=ATOL, rtol=RTOL)
+
+
+def test_lse_merge_of_all_empty_partials_gives_zero_and_minus_inf():
+    outputs = torch.full((2, 1, 1, 4), float("nan"))
+    lse = torch.full((2, 1, 1), float("-inf"))
+    out, total = merge_attention_partials(outputs, lse)
+    assert torch.equal(out, torch.zeros(1, 1, 4))
+    assert bool(torch.isneginf(total).all())
+
+
+def test_lse_merge_rejects_mismatched_shapes():
+    with pytest.raises(ValueError, match="outputs must be"):
+        merge_attention_partials(torch.zeros(2, 3, 4, 5), torch.zeros(2, 3, 5))
