@@ -175,6 +175,24 @@ def test_tiny_forward_exercises_sparse_selection(tiny, tiny_output):
         assert bool((rows < klen[:, None]).all()), layer  # never a row the query cannot see yet
 
 
+def test_tiny_forward_restricts_later_indexers_to_candidate_blocks(tiny, tiny_output):
+    """Layer 5 (index source after candidate source 4) selects only rows inside layer 4's candidate blocks."""
+    text = tiny.text
+    candidates = tiny_output.candidate_rows
+    assert candidates is not None and candidates.shape == (80, 80)
+    block, kept = text.candidate_block_size, text.candidate_topk_blocks
+    klen = torch.arange(80) + 1
+    newest_block = klen - block * ((klen - 1) // block)  # rows in the (possibly partial) block of row klen − 1
+    expected = torch.where(klen <= block * kept, klen, (kept - 1) * block + newest_block)
+    assert torch.equal(candidates.sum(-1), expected)  # `kept` blocks, one of them the newest
+    assert bool(candidates[torch.arange(80), klen - 1].all())  # the block of the newest row is always kept
+    rows = tiny_output.selected_rows[5]
+    picked = candidates.gather(1, rows.clamp(min=0))
+    assert bool(picked[rows >= 0].all())
+    unrestricted = tiny_output.selected_rows[4]
+    assert not bool(candidates.gather(1, unrestricted.clamp(min=0))[unrestricted >= 0].all())
+
+
 def test_tiny_forward_is_deterministic(tiny, tiny_weights, tiny_tokens, tiny_output):
     again = ref.reference_forward(tiny, tiny_weights, tiny_tokens, tiny_vocabulary(tiny))
     assert torch.equal(again, tiny_output.logits)
@@ -357,8 +375,13 @@ def test_non_shifted_mhc_uses_the_hc_head(tiny, tiny_tokens):
     config = _variant(hc_shifted=False)
     weights = random_checkpoint(config, seed=5)
     assert "hc_head_fn" in weights and "mtp.0.hc_head_fn" in weights
-    logits = ref.reference_forward(config, weights, tiny_tokens[:16], tiny_vocabulary(config))
-    assert torch.isfinite(logits).all() and 0.05 < logits.std().item() < 20.0
+    output = ref.reference_forward_full(config, weights, tiny_tokens[:16], tiny_vocabulary(config))
+    assert torch.isfinite(output.logits).all() and 0.05 < output.logits.std().item() < 20.0
+    draft = ref.reference_dspark_forward(config, weights, output.target_features, anchor_token=3)
+    assert torch.isfinite(draft.hidden.float()).all()
+    del weights["mtp.0.hc_head_fn"]
+    with pytest.raises(KeyError, match=r"mtp\.0\.hc_head_fn"):
+        ref.reference_dspark_forward(config, weights, output.target_features, anchor_token=3)
     del weights["hc_head_fn"]
     with pytest.raises(KeyError, match="hc_head_fn"):
         ref.reference_forward(config, weights, tiny_tokens[:16], tiny_vocabulary(config))

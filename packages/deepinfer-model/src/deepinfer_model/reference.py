@@ -1,10 +1,10 @@
 """Single-file, plain-PyTorch reference model of DeepSeek-V4.1-Flash (text path): the golden oracle.
 
 This module owns the numerically faithful, slow, cache-free definition of the whole text forward of
-DeepSeek-V4.1-Flash (``docs/spec`` model-core, model-attention, dspark): number formats and dynamic activation
+DeepSeek-V4.1-Flash (spec documents model-core, model-attention, dspark): number formats and dynamic activation
 quantization, RMSNorm, RoPE/YaRN, manifold-constrained hyper-connections (mHC), Engram, MoE, every attention layer
 kind with compressor, indexer, candidate blocks, cross-layer sharing and YOCO, the final norm and LM head, and the
-DSpark draft block. It reads the file top to bottom in that order and is meant to be read next to the spec.
+DSpark draft block. The file reads top to bottom in that order and is meant to be read next to the spec.
 It is not fast and keeps no state between calls; every fast path in the project is checked against it.
 
 Inputs are the frozen ``ModelConfig`` and a mapping from HF checkpoint tensor names to tensors in their STORED
@@ -45,7 +45,11 @@ Choices where the spec leaves a point open (each follows what the spec attribute
         runtime reads ``DEEPINFER_ENGRAM_PAD_TOKEN``, default 2).
     11. YOCO prefill truncation is ``off`` (the exact mode); the forward is one full causal prefill of one request.
     12. DSpark: the number of draft slots defaults to ``dspark_block_size`` (dspark D1); the context keys are
-        computed from the target features inside ``reference_dspark_forward``.
+        computed from the target features inside ``reference_dspark_forward``; the confidence head reads the
+        pre-norm hidden (D2).
+    13. Indexer logits are rounded to BF16 before top-k and candidate-block scoring (attention §5.3, inferred);
+        the C2 compressor softmax uses exact ``exp`` (the reference kernel's fast-math is not reproduced, A3).
+    14. mHC read and post accumulate in FP32 in stream order without FMA; the FP32 mix GEMM sums in one pass.
 """
 
 from __future__ import annotations
@@ -433,14 +437,14 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False) -> Te
 
 
 @dataclass(frozen=True)
-class RopeTable:
+class _RopeTable:
     """A layer kind's cos/sin rows for positions ``0 … P−1``: both ``[P, r/2]`` FP32."""
 
     cos: Tensor
     sin: Tensor
 
 
-def _layer_rope_table(text: TextConfig, compressed: bool, num_positions: int) -> RopeTable:
+def _layer_rope_table(text: TextConfig, compressed: bool, num_positions: int) -> _RopeTable:
     """The cos/sin table of a layer kind (model-core §15.1): compressed layers use compress theta and YaRN."""
     r = text.qk_rope_head_dim
     scaling = text.rope_scaling
@@ -457,7 +461,7 @@ def _layer_rope_table(text: TextConfig, compressed: bool, num_positions: int) ->
             scaling.beta_fast,
             scaling.beta_slow,
         )
-    return RopeTable(*rope_cos_sin(inv_freq, num_positions))
+    return _RopeTable(*rope_cos_sin(inv_freq, num_positions))
 
 
 # ==================================================================================================================
@@ -1161,7 +1165,7 @@ def _source(produced: Mapping[int, Tensor], source: int, layer: int, what: str) 
 
 
 def _selected_rows(
-    text: TextConfig, w: _Weights, layer: int, x: Tensor, q_latent: Tensor, state: _AttentionState, rope: RopeTable
+    text: TextConfig, w: _Weights, layer: int, x: Tensor, q_latent: Tensor, state: _AttentionState, rope: _RopeTable
 ) -> Tensor:
     """Compressed rows attended by each query of a compressed layer: ``[n, K]`` int64, −1 padded (attention §4–§6).
 
@@ -1220,7 +1224,7 @@ def _selected_rows(
 
 
 def _attention_layer(
-    text: TextConfig, w: _Weights, layer: int, x: Tensor, state: _AttentionState, rope: RopeTable
+    text: TextConfig, w: _Weights, layer: int, x: Tensor, state: _AttentionState, rope: _RopeTable
 ) -> Tensor:
     """One backbone attention sub-layer over a whole causal sequence (attention §3); records into ``state``.
 
@@ -1341,6 +1345,8 @@ class ReferenceOutput:
         swa_keys: layer → ``[n, D]`` FP32 SWA keys as read back from FP8 storage (RoPE at the token position).
         compressed_keys: KV-source layer → ``[n // c, D]`` FP32 compressed rows as read back from storage.
         index_keys: index-K-source layer → ``[n // c, d_i]`` FP32 index keys as read back from FP4 storage.
+        candidate_rows: ``[n, R]`` bool rows inside each query's candidate blocks (candidate source layer), or
+            None when the configuration has no candidate source.
     """
 
     logits: Tensor
@@ -1350,6 +1356,7 @@ class ReferenceOutput:
     swa_keys: Mapping[int, Tensor]
     compressed_keys: Mapping[int, Tensor]
     index_keys: Mapping[int, Tensor]
+    candidate_rows: Tensor | None
 
 
 def reference_forward_full(
@@ -1400,7 +1407,14 @@ def reference_forward_full(
     logits = _bf16_linear(rms_norm(hidden, w["norm.weight"], text.rms_norm_eps), w["head.weight"])
     target_features = torch.cat([features[t] for t in text.dspark_target_layer_ids], dim=-1)
     return ReferenceOutput(
-        logits, hidden, target_features, state.selected_rows, state.swa_keys, state.compressed_keys, state.index_keys
+        logits,
+        hidden,
+        target_features,
+        state.selected_rows,
+        state.swa_keys,
+        state.compressed_keys,
+        state.index_keys,
+        state.candidates,
     )
 
 
@@ -1433,7 +1447,7 @@ class DSparkOutput:
 
 
 def _dspark_attention(
-    text: TextConfig, w: _Weights, prefix: str, x: Tensor, context_keys: Tensor, positions: Tensor, rope: RopeTable
+    text: TextConfig, w: _Weights, prefix: str, x: Tensor, context_keys: Tensor, positions: Tensor, rope: _RopeTable
 ) -> Tensor:
     """Drafter attention: every slot sees the context keys and all draft keys, non-causal (dspark §5 step 4)."""
     cos, sin = rope.cos[positions], rope.sin[positions]
