@@ -244,3 +244,19 @@ def test_resolution(tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     with pytest.raises(CheckpointError, match=r"Point at a local copy.*DEEPINFER_HF_MODEL_DIR"):
         resolve_model_dir("deepinfer-tests/no-such-model")
+
+
+def test_hf_named_loading_matches_internal_layout(tiny_dir: Path) -> None:
+    internal = load_checkpoint_dir(tiny_dir).tensors
+    by_hf = load_checkpoint_dir(tiny_dir, hf_names=True).tensors
+    assert "layers.1.attn.wq_a.weight" in by_hf and "layers.1.self_attn.Wq.A.weight" not in by_hf
+    assert torch.equal(raw(by_hf["layers.1.attn.wq_a.weight"]), raw(internal["layers.1.self_attn.Wq.A.weight"]))
+    w1, w3 = by_hf["mtp.0.ffn.experts.2.w1.weight"], by_hf["mtp.0.ffn.experts.2.w3.weight"]
+    merged = internal["mtp.0.block.experts.linear1.weight"][2]
+    assert torch.equal(merged, torch.cat([w1, w3]))
+    s1, s3 = by_hf["layers.6.ffn.shared_experts.w1.scale"], by_hf["layers.6.ffn.shared_experts.w3.scale"]
+    assert torch.equal(raw(internal["layers.6.experts.shared_experts.0.linear1.scale"]), raw(torch.cat([s1, s3])))
+
+
+def raw(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().view(-1).view(torch.uint8)

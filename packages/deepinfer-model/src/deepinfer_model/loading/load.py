@@ -64,7 +64,8 @@ class LoadedCheckpoint:
     Attributes:
         path: the checkpoint directory.
         config: its configuration.
-        tensors: internal name → stored-format CPU tensor (layout in the module docstring).
+        tensors: internal name → stored-format CPU tensor (layout in the module docstring), or HF name → tensor
+            when loaded with ``hf_names=True``.
         vision: HF name → BF16 tensor of the vision tower and projector; empty unless requested.
     """
 
@@ -159,20 +160,10 @@ def _read_all(checkpoint: CheckpointDir, jobs: list[tuple[str, torch.Tensor]]) -
                 read_tensor_into(f, path, name, checkpoint.record(name), out)
 
 
-def load_checkpoint_dir(directory: str | Path, *, load_vision: bool = False) -> LoadedCheckpoint:
-    """Validate and load a local checkpoint directory.
-
-    Args:
-        directory: checkpoint directory (``config.json``, index, shards, tokenizer files).
-        load_vision: also read the vision tower and projector (they are always validated).
-
-    Raises:
-        CheckpointError: a file is missing, unreadable or corrupt (the message names it).
-        CoverageError: tensors are missing, unexpected, or have the wrong shape or dtype (all listed at once).
-    """
-    checkpoint = open_checkpoint_dir(directory)
-    entries = build_catalogue(checkpoint.config)
-    check_coverage(checkpoint, entries)
+def _internal_jobs(
+    entries: tuple[CatalogueEntry, ...],
+) -> tuple[dict[str, torch.Tensor], list[tuple[str, torch.Tensor]]]:
+    """Allocate the internal tensors and the (HF name, destination view) copy jobs that fill them."""
     layout = plan_layout(entries)
     tensors = {name: torch.empty(shape, dtype=layout.dtypes[name]) for name, shape in layout.shapes.items()}
     jobs: list[tuple[str, torch.Tensor]] = []
@@ -182,6 +173,33 @@ def load_checkpoint_dir(directory: str | Path, *, load_vision: bool = False) -> 
             dest = dest[placement.target.expert]
         rows = placement.entry.shape[0]
         jobs.append((placement.entry.name, dest[placement.target.part * rows : (placement.target.part + 1) * rows]))
+    return tensors, jobs
+
+
+def load_checkpoint_dir(
+    directory: str | Path, *, load_vision: bool = False, hf_names: bool = False
+) -> LoadedCheckpoint:
+    """Validate and load a local checkpoint directory.
+
+    Args:
+        directory: checkpoint directory (``config.json``, index, shards, tokenizer files).
+        load_vision: also read the vision tower and projector (they are always validated).
+        hf_names: key ``tensors`` by HF name (without ``model.``), one tensor per checkpoint tensor and no merges,
+            instead of the internal layout (the single-file reference model consumes HF names).
+
+    Raises:
+        CheckpointError: a file is missing, unreadable or corrupt (the message names it).
+        CoverageError: tensors are missing, unexpected, or have the wrong shape or dtype (all listed at once).
+    """
+    checkpoint = open_checkpoint_dir(directory)
+    entries = build_catalogue(checkpoint.config)
+    check_coverage(checkpoint, entries)
+    if hf_names:
+        text_entries = [e for e in entries if not e.name.startswith(_VISION_PREFIXES)]
+        tensors = {e.name: torch.empty(e.shape, dtype=SAFETENSORS_TO_TORCH[e.dtype]) for e in text_entries}
+        jobs = list(tensors.items())
+    else:
+        tensors, jobs = _internal_jobs(entries)
     vision: dict[str, torch.Tensor] = {}
     if load_vision:
         for entry in entries:
@@ -198,7 +216,8 @@ def load_checkpoint(
     local_model_dir: str | Path | None = None,
     revision: str | None = None,
     load_vision: bool = False,
+    hf_names: bool = False,
 ) -> LoadedCheckpoint:
     """Resolve a model argument (directory or Hub repo id, see ``resolve_model_dir``) and load it strictly."""
     directory = resolve_model_dir(model, local_model_dir=local_model_dir, revision=revision)
-    return load_checkpoint_dir(directory, load_vision=load_vision)
+    return load_checkpoint_dir(directory, load_vision=load_vision, hf_names=hf_names)
