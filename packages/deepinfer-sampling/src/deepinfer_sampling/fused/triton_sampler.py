@@ -229,7 +229,7 @@ def _fused_sample_kernel(  # type: ignore[no-untyped-def]
 
 
 def fused_sample(
-    z: torch.Tensor, batch: SamplingBatch, bits: torch.Tensor, write_logprobs: bool
+    z: torch.Tensor, batch: SamplingBatch, bits: torch.Tensor, write_logprobs: bool, max_block: int = MAX_BLOCK
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Samples every row of pre-processed logits (`masking.preprocess_logits`) in one kernel launch.
 
@@ -238,6 +238,7 @@ def fused_sample(
         batch: the step's sampling batch (temperature, top_k, top_p_threshold, log_min_p, forced_token_ids).
         bits: int64 [B], 63-bit uniform integers.
         write_logprobs: also return the processed log-probs.
+        max_block: largest number of columns a program handles at once (a power of two).
 
     Returns:
         (token ids int64 [B] with golden tokens applied, their processed log-probs float32 [B] (unclamped),
@@ -253,7 +254,7 @@ def fused_sample(
     logprobs = torch.empty_like(z) if write_logprobs else None
     if num_rows == 0:
         return tokens, token_logprobs, logprobs
-    block = min(triton.next_power_of_2(vocab), MAX_BLOCK)
+    block = min(triton.next_power_of_2(vocab), max_block)
     out = logprobs if logprobs is not None else z
     _fused_sample_kernel[(num_rows,)](
         z,
