@@ -8,100 +8,32 @@ non-shifted mHC and FP8 compressed-KV variants, and the DSpark draft forward and
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Iterator, Mapping
 
 import pytest
 import torch
 
 from deepinfer_model import reference as ref
+from deepinfer_model.checkpoint.tokenizer import build_tokenizer
+from deepinfer_model.checkpoint.writer import tensor_pair
 from deepinfer_model.config import ModelConfig, load_preset, preset_json
 from deepinfer_model.loading.catalogue import TensorFormat, build_catalogue
 
-# ---- random checkpoints in stored formats (model-core §5, §6; catalogue order) --------------------------------------
-
-
-def _scale_tensor(exponents: torch.Tensor) -> torch.Tensor:
-    return (exponents + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
-
-
-def _fp8_block(shape: tuple[int, int], std: float, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    rows, cols = shape
-    blocks = (math.ceil(rows / 32), math.ceil(cols / 32))
-    exponents = math.floor(math.log2(std)) - 4 + torch.randint(0, 2, blocks, generator=g)
-    unit = ref.ue8m0_to_float(_scale_tensor(exponents)).repeat_interleave(32, 0)[:rows].repeat_interleave(32, 1)
-    codes = (torch.randn(shape, generator=g) * std / unit[:, :cols]).clamp(-448, 448).to(torch.float8_e4m3fn)
-    return codes, _scale_tensor(exponents)
-
-
-def _fp8_rows(shape: tuple[int, int], g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    rows, cols = shape
-    exponents = -4 + torch.randint(0, 2, (rows, cols // 32), generator=g)
-    unit = ref.ue8m0_to_float(_scale_tensor(exponents)).repeat_interleave(32, 1)
-    return (torch.randn(shape, generator=g) / unit).clamp(-448, 448).to(torch.float8_e4m3fn), _scale_tensor(exponents)
-
-
-def _mxfp4(logical: tuple[int, int], std: float, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    rows, cols = logical
-    codes = torch.randint(0, 16, (rows, cols), generator=g, dtype=torch.int64)
-    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8).view(torch.int8)
-    exponents = round(math.log2(std / 2.9)) + torch.randint(0, 2, (rows, cols // 32), generator=g)
-    return packed, _scale_tensor(exponents)
-
-
-def _hc_base(name: str, hc_mult: int, layer: int) -> torch.Tensor:
-    """Initial values of model-core §10.12 (read-mix favours stream ``layer mod m``, comb near identity)."""
-    m = hc_mult
-    if name.endswith("hc_head_base"):
-        base = torch.full((m,), -3.0)
-        base[layer % m] = 3.0
-        return base
-    pre = torch.full((m,), -3.0)
-    pre[layer % m] = 3.0
-    comb = torch.full((m, m), -3.0).fill_diagonal_(3.0)
-    return torch.cat([pre, torch.zeros(m), comb.flatten()])
+# ---- random checkpoints in stored formats, from the checkpoint writer ----------------------------------------------
 
 
 def random_checkpoint(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random text-model tensors of every catalogue entry (vision tower left out), in their stored formats."""
-    g = torch.Generator().manual_seed(seed)
-    text = config.text
-    out: dict[str, torch.Tensor] = {}
+    """The writer's random value of every text-model catalogue tensor (vision tower left out), HF names."""
+    weights: dict[str, torch.Tensor] = {}
     for entry in build_catalogue(config):
-        name = entry.name
-        if name.startswith(("vision.", "aligner.")) or entry.format is TensorFormat.SCALE:
-            continue
-        stem = name.removesuffix(".weight")
-        layer = int(name.split(".")[1]) if name.startswith(("layers.", "mtp.")) else text.num_hidden_layers
-        fmt, shape = entry.format, entry.shape
-        if fmt is TensorFormat.FP8_BLOCK:
-            out[name], out[f"{stem}.scale"] = _fp8_block(entry.logical_shape, shape[1] ** -0.5, g)  # type: ignore[arg-type]
-        elif fmt is TensorFormat.FP8_ROW:
-            out[name], out[f"{stem}.scale"] = _fp8_rows(shape, g)  # type: ignore[arg-type]
-        elif fmt is TensorFormat.MXFP4:
-            logical = entry.logical_shape
-            out[name], out[f"{stem}.scale"] = _mxfp4(logical, logical[1] ** -0.5, g)  # type: ignore[arg-type]
-        elif fmt is TensorFormat.F32:
-            if name.endswith("_base"):
-                out[name] = _hc_base(name, text.hc_mult, layer)
-            elif name.endswith("_fn"):
-                out[name] = torch.randn(shape, generator=g) * 0.05
-            elif name.endswith("_scale"):
-                out[name] = torch.full(shape, 0.1)
-            else:  # attention sinks and router biases
-                out[name] = torch.randn(shape, generator=g) * 0.5
-        elif name.endswith(("norm.weight", "q_weight", "k_weight")):
-            out[name] = (1 + 0.1 * torch.randn(shape, generator=g)).to(torch.bfloat16)
-        elif len(shape) == 1 or name in ("embed.weight",) or name.endswith("markov_head.embed.weight"):
-            out[name] = torch.randn(shape, generator=g).to(torch.bfloat16)
-        else:
-            out[name] = (torch.randn(shape, generator=g) * shape[-1] ** -0.5).to(torch.bfloat16)
-    return out
+        if entry.format is not TensorFormat.SCALE and not entry.name.startswith(("vision.", "aligner.")):
+            weights.update(tensor_pair(entry, config, seed))
+    return weights
 
 
 def tiny_vocabulary(config: ModelConfig) -> ref.EngramVocabulary:
-    """A compressed vocabulary with collisions: token ``t`` has key ``t mod 700`` (pad stays its own key)."""
-    return ref.EngramVocabulary.from_keys([f"k{t % 700}" for t in range(config.text.vocab_size)], pad_token_id=2)
+    """The Engram vocabulary of the synthetic checkpoint's tokenizer (model-core §12.2)."""
+    return ref.engram_vocabulary_from_tokenizer(build_tokenizer(config))
 
 
 class RecordingWeights(Mapping[str, torch.Tensor]):
@@ -143,7 +75,10 @@ def tiny_weights(tiny: ModelConfig) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def tiny_tokens(tiny: ModelConfig) -> torch.Tensor:
-    return torch.randint(0, tiny.text.vocab_size, (80,), generator=torch.Generator().manual_seed(2))
+    text = "Sphinx of black quartz, judge my vow; the five boxing wizards jump quickly. " * 8
+    ids = torch.tensor(build_tokenizer(tiny).encode(text).ids, dtype=torch.int64)
+    assert ids.shape[0] >= 80
+    return ids[:80]
 
 
 @pytest.fixture(scope="module")
