@@ -63,3 +63,13 @@ def fresh_platform() -> Iterator[None]:
     _registry.reset()
     yield
     _registry.reset()
+
+
+@pytest.fixture(params=["nvidia", "ascend"])
+def fast_backend(request: pytest.FixtureRequest) -> tuple[_registry.Backend, str]:
+    """Each fast backend with the device its tensors live on: Triton (interpreter on CPU, or CUDA) and the
+    Ascend implementations through the CPU torch_npu double."""
+    if request.param == "nvidia":
+        return _registry.Backend.NVIDIA, request.getfixturevalue("triton_device")
+    request.getfixturevalue("npu_double")
+    return _registry.Backend.ASCEND, "cpu"

@@ -1,0 +1,79 @@
+"""The numerics helpers in deepinfer_kernels.testing: each check must fail on the case it exists for."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from deepinfer_kernels.testing import (
+    assert_bitwise_equal,
+    assert_close,
+    cosine_difference,
+    random_e4m3,
+    random_mxfp4_packed,
+    random_normal,
+    random_ue8m0,
+    random_uniform,
+)
+
+
+def test_cosine_difference() -> None:
+    a = torch.tensor([1.0, 2.0, 3.0])
+    assert cosine_difference(a, a) == 0.0
+    assert cosine_difference(torch.zeros(3), torch.zeros(3)) == 0.0
+    assert math.isclose(cosine_difference(a, -a), 2.0)
+    assert 0.0 < cosine_difference(a, a * 1.01) < 1e-4
+    with pytest.raises(ValueError, match="shape mismatch"):
+        cosine_difference(a, a[:2])
+
+
+def test_assert_close_checks_nonfinite_positions_first() -> None:
+    expected = torch.tensor([1.0, math.nan, math.inf, -math.inf])
+    assert_close(expected.clone(), expected, rtol=0.0, atol=0.0)
+    with pytest.raises(AssertionError, match="NaN positions differ"):
+        assert_close(torch.tensor([math.nan, 1.0, math.inf, -math.inf]), expected, rtol=1.0, atol=1.0)
+    with pytest.raises(AssertionError, match=r"\+inf positions differ"):
+        assert_close(torch.tensor([1.0, math.nan, 5.0, -math.inf]), expected, rtol=1.0, atol=10.0)
+    with pytest.raises(AssertionError, match="-inf positions differ"):
+        assert_close(torch.tensor([1.0, math.nan, math.inf, 5.0]), expected, rtol=1.0, atol=10.0)
+
+
+def test_assert_close_tolerances() -> None:
+    expected = torch.tensor([100.0, 0.0])
+    assert_close(torch.tensor([101.0, 0.5]), expected, rtol=0.01, atol=0.5)
+    with pytest.raises(AssertionError, match="1 of 2 elements out of tolerance"):
+        assert_close(torch.tensor([102.0, 0.5]), expected, rtol=0.01, atol=0.5)
+    with pytest.raises(AssertionError, match="shape mismatch"):
+        assert_close(torch.zeros(3), torch.zeros(2), rtol=0.0, atol=0.0)
+
+
+def test_assert_bitwise_equal() -> None:
+    a = torch.tensor([1.0, -0.0])
+    assert_bitwise_equal(a, a.clone())
+    with pytest.raises(AssertionError, match="1 of 2 elements differ"):
+        assert_bitwise_equal(a, torch.tensor([1.0, 0.0]))  # −0 and +0 differ in their bytes
+    with pytest.raises(AssertionError, match="dtype mismatch"):
+        assert_bitwise_equal(a, a.double())
+    q = torch.tensor([1.0, 2.0]).to(torch.float8_e4m3fn)
+    assert_bitwise_equal(q, q.clone())
+
+
+def test_builders_are_seeded_and_leave_global_rng_alone() -> None:
+    torch.manual_seed(0)
+    before = torch.rand(1)
+    torch.manual_seed(0)
+    first = random_normal((4, 5), seed=3, dtype=torch.bfloat16)
+    assert torch.equal(torch.rand(1), before)
+    assert torch.equal(first, random_normal((4, 5), seed=3, dtype=torch.bfloat16))
+    assert not torch.equal(first, random_normal((4, 5), seed=4, dtype=torch.bfloat16))
+    u = random_uniform((1000,), seed=1, low=-2.0, high=3.0)
+    assert u.min() >= -2.0 and u.max() < 3.0
+    e4m3 = random_e4m3((4096,), seed=2)
+    assert e4m3.dtype == torch.float8_e4m3fn and torch.isfinite(e4m3.float()).all()
+    scales = random_ue8m0((1000,), seed=5, low=120, high=130).view(torch.uint8)
+    assert scales.min() >= 120 and scales.max() <= 130
+    assert random_mxfp4_packed((3, 16), seed=6).dtype == torch.int8
+    with pytest.raises(ValueError, match="UE8M0 bytes"):
+        random_ue8m0((2,), seed=1, low=0, high=255)
