@@ -239,8 +239,10 @@ def test_worked_example_compressed_rows(example):
         for layer, num_rows in [(1, c2_rows), (3, c1_rows), (5, c1_rows)]:
             rows = _rows(output, layer, t)
             assert len(rows) == 4 and rows <= set(range(num_rows)), (layer, t)
-    # Decode step 1 (t = 37) may pick row 18, which its own token completes.
-    assert (output.selected_rows[1][:, None, :] == torch.arange(40)[:, None]).any(-1).sum() > 0
+    # §12.3 final state: layer 1 holds rows 0–19 (row 18 completed by token 37), layer 3 rows 0–39.
+    assert output.compressed_keys.keys() == output.index_keys.keys() == {1, 3}
+    assert output.compressed_keys[1].shape[0] == output.index_keys[1].shape[0] == 20
+    assert output.compressed_keys[3].shape[0] == output.index_keys[3].shape[0] == 40
     # Index consumers reuse their source's rows verbatim; layer 5 runs its own indexer.
     assert torch.equal(output.selected_rows[2], output.selected_rows[1])
     assert torch.equal(output.selected_rows[4], output.selected_rows[3])
@@ -295,6 +297,14 @@ def test_cache_contents_have_the_storage_shapes(tiny, tiny_output):
     # FP4 (e2m1 × E4M3 scale, groups of 16) rows take at most 8 magnitudes per group up to scale.
     row = tiny_output.compressed_keys[1][7].view(-1, 16)
     assert all(len(set(group.abs().tolist())) <= 8 for group in row)
+
+
+def test_worked_example_draft_keys(example):
+    """dspark §8 decode step 1: p* = 37, B = 2 → both slots see context 22–37 and draft keys 38–39."""
+    config, weights, output = example
+    draft = ref.reference_dspark_forward(config, weights, output.target_features[:38], anchor_token=5)
+    assert draft.context_positions.tolist() == list(range(22, 38))
+    assert draft.positions.tolist() == [38, 39]
 
 
 # ---- variants ------------------------------------------------------------------------------------------------------

@@ -1440,10 +1440,13 @@ class DSparkOutput:
     Attributes:
         hidden: ``[B, H]`` BF16 pre-norm hidden ``h_k`` of the draft slots (after the final mHC collapse).
         positions: ``[B]`` int64 slot positions ``p* + 1 + k``.
+        context_positions: ``[min(W, p*+1)]`` int64 positions of the context keys every slot attends
+            (``max(0, p*−W+1) … p*``), besides the ``B`` draft keys.
     """
 
     hidden: Tensor
     positions: Tensor
+    context_positions: Tensor
 
 
 def _dspark_attention(
@@ -1514,7 +1517,7 @@ def reference_dspark_forward(
         )
     assert pending is not None
     hidden = _collapse(text, w, f"mtp.{text.num_nextn_predict_layers - 1}.", pending, read_mix)
-    return DSparkOutput(hidden, positions)
+    return DSparkOutput(hidden, positions, context)
 
 
 def reference_dspark_heads(
