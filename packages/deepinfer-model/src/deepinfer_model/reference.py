@@ -1248,7 +1248,7 @@ def _attention_layer(
         rows = _selected_rows(text, w, layer, x, q_latent, state, rope)
         state.selected_rows[layer] = rows
         kv_source = sparse_source_map(text.kv_source_layer_ids, text.num_hidden_layers)[layer]
-        compressed = state.compressed_keys[kv_source]
+        compressed = _source(state.compressed_keys, kv_source, layer, "compressed rows")
         padded = torch.cat([compressed, torch.zeros(1, compressed.shape[1])])
         keys = torch.cat([keys, padded[torch.where(rows >= 0, rows, compressed.shape[0])]], dim=1)
         mask = torch.cat([mask, rows >= 0], dim=1)
