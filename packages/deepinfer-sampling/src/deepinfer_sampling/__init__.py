@@ -32,5 +32,25 @@ __all__ = [
 ]
 
 # --- structured output (deepinfer_sampling.structured): imports and __all__ additions below this line ---
+# Not re-exported: importing xgrammar costs seconds, so `import deepinfer_sampling.structured` only where grammars
+# are used (the engine does it on the first request with so_args).
 
 # --- speculative verification (deepinfer_sampling.speculative): imports and __all__ additions below this line ---
+
+from deepinfer_sampling.speculative import (
+    DecodeCostCurve,
+    VerificationOutput,
+    redistribute_verified_drafts,
+    schedule_num_verified_drafts,
+    verify_greedy,
+    verify_rejection,
+)
+
+__all__ += [
+    "DecodeCostCurve",
+    "VerificationOutput",
+    "redistribute_verified_drafts",
+    "schedule_num_verified_drafts",
+    "verify_greedy",
+    "verify_rejection",
+]
