@@ -54,8 +54,9 @@ def _moe(groups, placement, weights, hidden, topk_ids, topk_weights, local_weigh
     return expert_parallel_moe(hidden, physical_ids, topk_weights, _grouped_linear(local_weights), dispatcher)
 
 
-def _ep_worker(rank, world_size, num_logical, num_redundant, shuffle_seed):
-    config = ParallelConfig(world_size=world_size, data_parallel_size=world_size, expert_parallel_size=world_size)
+def _ep_worker(rank, world_size, num_logical, num_redundant, shuffle_seed, ep_size=None):
+    ep_size = world_size if ep_size is None else ep_size
+    config = ParallelConfig(world_size=world_size, data_parallel_size=world_size, expert_parallel_size=ep_size)
     groups = ParallelGroups.build(config, rank)
     layout = config.expert_layout(num_logical, num_redundant)
     weights, per_rank = _problem(world_size, num_logical, seed=0)
@@ -81,5 +82,12 @@ def test_redundant_experts_give_the_same_result(run_ranks, world_size):
     # 6 logical experts + redundant replicas in a shuffled placement: every replica of an expert holds its weights,
     # so which replica a token reaches must not matter.
     for same_shape, err in run_ranks(world_size, _ep_worker, 6, 2, 3):
+        assert same_shape
+        assert err <= ATOL
+
+
+def test_expert_parallel_subgroups_inside_a_larger_world(run_ranks):
+    # World of 4 with EP groups {0, 1} and {2, 3}: two independent dispatch/combine exchanges side by side.
+    for same_shape, err in run_ranks(4, _ep_worker, 6, 0, 5, 2):
         assert same_shape
         assert err <= ATOL
