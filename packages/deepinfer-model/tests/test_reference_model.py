@@ -287,6 +287,16 @@ def test_yoco_consumer_kv_source_compresses_the_shared_hidden(tiny_tokens):
     assert not torch.equal(changed.compressed_keys[5], base.compressed_keys[5])
 
 
+def test_forward_without_yoco(tiny_tokens):
+    """The only ratio-1 entry is the DSpark block's, so YOCO is off and every layer compresses its own input."""
+    config = _variant(compress_ratios=[0, 2, 2, 0, 2, 2, 2, 1])
+    assert config.text.n_prefill_layer == config.text.num_hidden_layers
+    weights = random_checkpoint(config, seed=7)
+    output = ref.reference_forward_full(config, weights, tiny_tokens[:24], tiny_vocabulary(config))
+    assert torch.isfinite(output.logits).all()
+    assert output.compressed_keys[4].shape[0] == 12
+
+
 def test_cache_contents_have_the_storage_shapes(tiny, tiny_output):
     text = tiny.text
     assert sorted(tiny_output.swa_keys) == list(range(text.num_hidden_layers))
