@@ -25,6 +25,7 @@ names in ``LoadedCheckpoint.vision``.
 from __future__ import annotations
 
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +39,7 @@ from deepinfer_model.loading.hf_names import InternalTarget, hf_to_internal, is_
 from deepinfer_model.loading.safetensors_io import SAFETENSORS_TO_TORCH, read_tensor_into
 
 _VISION_PREFIXES = ("vision.", "aligner.")
+_READ_THREADS = 8  # concurrent shard readers
 
 
 @dataclass(frozen=True)
@@ -149,15 +151,25 @@ def check_coverage(checkpoint: CheckpointDir, entries: tuple[CatalogueEntry, ...
 
 
 def _read_all(checkpoint: CheckpointDir, jobs: list[tuple[str, torch.Tensor]]) -> None:
-    """Fill destinations from the shards, one open file per shard, in file order."""
+    """Fill destinations from the shards: one open file per shard, in file order, shards read concurrently.
+
+    ``readinto`` releases the GIL, so threads overlap the I/O of different shards.
+    """
     by_shard: dict[str, list[tuple[int, str, torch.Tensor]]] = defaultdict(list)
     for name, out in jobs:
         by_shard[checkpoint.weight_map[name]].append((checkpoint.record(name).offset, name, out))
-    for shard, items in by_shard.items():
+
+    def read_shard(shard: str) -> None:
         path = checkpoint.path / shard
         with path.open("rb") as f:
-            for _, name, out in sorted(items, key=lambda item: item[0]):
+            for _, name, out in sorted(by_shard[shard], key=lambda item: item[0]):
                 read_tensor_into(f, path, name, checkpoint.record(name), out)
+
+    if not by_shard:
+        return
+    with ThreadPoolExecutor(max_workers=min(_READ_THREADS, len(by_shard))) as pool:
+        for future in [pool.submit(read_shard, shard) for shard in by_shard]:
+            future.result()
 
 
 def _internal_jobs(
