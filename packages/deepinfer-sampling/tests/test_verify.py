@@ -257,3 +257,42 @@ def test_verification_does_not_sync_with_the_host():
     cpu = verify_rejection(target, drafts, draft_probs, num_drafts, seeds, positions)
     assert torch.equal(out.num_accepted_draft_tokens.cpu(), cpu.num_accepted_draft_tokens)
     assert greedy.output_token_ids.shape == out.output_token_ids.shape
+
+
+def test_verification_on_the_samplers_processed_distribution():
+    """Target rows processed by the sampler (grammar bitmask, temperature, top-k): the emitted first token follows
+    the processed distribution, and grammar-invalid drafts are never accepted."""
+    from deepinfer_sampling import Sampler, SamplerConfig, SamplingBatch, SamplingParams, SamplingRow, request_seed
+    from deepinfer_sampling.structured import allocate_token_bitmask
+
+    num_requests = 8000
+    g = torch.Generator().manual_seed(21)
+    params = SamplingParams(temperature=0.7, top_k=4, seq_seed=5)
+    rows = [
+        SamplingRow(params, request_seed(5, index_in_call=r, engine_seed=0, request_counter=0), position=100 + j)
+        for r in range(num_requests)
+        for j in range(K + 1)
+    ]
+    batch = SamplingBatch.build(rows, V, "cpu")
+    logits = torch.randn(K + 1, V, generator=g).repeat(num_requests, 1)
+    bitmask = allocate_token_bitmask(len(rows), V)
+    bitmask[:, 0] = (1 << 7) - 1  # the grammar allows tokens 0..6 only
+    target, invalid = Sampler(SamplerConfig(backend="reference"), V, "cpu").processed_logprobs(logits, batch, bitmask)
+    assert not invalid.any()
+    draft = _softmax(torch.randn(K, V, generator=g))  # puts mass on grammar-invalid tokens too
+    drafts = torch.stack([torch.multinomial(draft[j], num_requests, True, generator=g) for j in range(K)], dim=1)
+    draft_rows = torch.cat([drafts, torch.full((num_requests, 1), -1)], dim=1).flatten()
+    out = verify_rejection(
+        target,
+        draft_rows,
+        torch.cat([draft, torch.zeros(1, V)]).repeat(num_requests, 1),
+        torch.full((num_requests,), K),
+        batch.seeds,
+        batch.positions,
+    )
+    tokens = out.output_token_ids.view(num_requests, K + 1)
+    _assert_distribution(tokens[:, 0], torch.exp(target[0]), "processed position 0")
+    emitted = tokens[tokens >= 0]
+    assert (emitted < 7).all()
+    accepted_drafts = drafts[torch.arange(K)[None, :] < out.num_accepted_draft_tokens[:, None]]
+    assert (accepted_drafts < 7).all() and accepted_drafts.numel() > 0
