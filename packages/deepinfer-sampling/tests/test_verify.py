@@ -8,7 +8,7 @@ import pytest
 import torch
 from scipy import stats
 
-from deepinfer_sampling.speculative import row_layout, verify_greedy, verify_rejection
+from deepinfer_sampling.speculative import redistribute_verified_drafts, row_layout, verify_greedy, verify_rejection
 
 V = 10
 K = 3
@@ -252,11 +252,14 @@ def test_verification_does_not_sync_with_the_host():
     try:
         out = verify_rejection(*tensors)
         greedy = verify_greedy(tensors[0], tensors[1], tensors[3])
+        confidences = torch.rand(32, K, device="cuda")
+        redistributed = redistribute_verified_drafts(confidences, confidences[:, 0] > 0.2, 40)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     cpu = verify_rejection(target, drafts, draft_probs, num_drafts, seeds, positions)
     assert torch.equal(out.num_accepted_draft_tokens.cpu(), cpu.num_accepted_draft_tokens)
     assert greedy.output_token_ids.shape == out.output_token_ids.shape
+    assert int(redistributed.sum()) == 40
 
 
 def test_verification_on_the_samplers_processed_distribution():
