@@ -374,3 +374,17 @@ def test_apply_token_bitmask_rejects_bad_shapes():
         apply_token_bitmask_(torch.zeros(2, 40), allocate_token_bitmask(3, 40))
     with pytest.raises(ValueError, match="too few"):
         apply_token_bitmask_(torch.zeros(2, 80), allocate_token_bitmask(2, 40))
+
+
+def test_service_accepts_the_params_spec(info):
+    from deepinfer_sampling import SamplingParams
+
+    params = SamplingParams(
+        so_args={"schema_type": "regex", "schema": "x+", "trigger_token_ids": [T1], "bound_token_id": BOUND}
+    )
+    service = GrammarCompilationService(info, StructuredOutputConfig())
+    service.submit("r", params.so_args)
+    matcher = _poll_all(service, 1)["r"].matcher
+    assert matcher is not None and matcher.mode == MatcherMode.FREE
+    assert matcher.accept_token(BOUND) and _allowed(matcher) == {T1}
+    service.shutdown()
