@@ -229,7 +229,7 @@ def test_engram_needs_pad_token_at_two(tiny_dir: Path, tmp_path: Path) -> None:
     ckpt = copy_of(tiny_dir, tmp_path)
     text = (ckpt / "tokenizer.json").read_text().replace("<｜▁pad▁｜>", "<｜▁pad2▁｜>")
     (ckpt / "tokenizer.json").write_text(text)
-    with pytest.raises(CheckpointError, match=r"has id None.*require id 2"):
+    with pytest.raises(CheckpointError, match=r"has id None; Engram requires id 2"):
         load_checkpoint_dir(ckpt)
 
 
@@ -260,3 +260,16 @@ def test_hf_named_loading_matches_internal_layout(tiny_dir: Path) -> None:
 
 def raw(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().view(-1).view(torch.uint8)
+
+
+def test_release_policy_checks_the_tokenizer(tiny_dir: Path, tmp_path: Path) -> None:
+    ckpt = copy_of(tiny_dir, tmp_path)
+    config = json.loads((ckpt / "config.json").read_text())
+    config["tokenizer_compatibility"] = "release"
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"placeholder '<\|place_holder_mm_span_0000\|>' would get id 1024"):
+        load_checkpoint_dir(ckpt)
+    settings = json.loads((ckpt / "tokenizer_config.json").read_text())
+    (ckpt / "tokenizer_config.json").write_text(json.dumps({**settings, "add_eos_token": True}))
+    with pytest.raises(CheckpointError, match=r"tokenizer_config\.json: add_eos_token = True"):
+        load_checkpoint_dir(ckpt)

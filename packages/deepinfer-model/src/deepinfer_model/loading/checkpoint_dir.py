@@ -5,7 +5,7 @@ caller-supplied local copy (the engine passes the value of ``DEEPINFER_HF_MODEL_
 environment) or a Hugging Face Hub snapshot. ``open_checkpoint_dir`` checks the files of §1 (``config.json``,
 ``model.safetensors.index.json``, every shard the index names, ``tokenizer.json``, ``tokenizer_config.json``), parses
 every shard header, checks that each indexed tensor is in its shard, and applies the tokenizer rules that the config
-alone cannot check (§2.7 rule 5, the release policy of §3).
+alone cannot check (§2.7 rule 5, the release policy of §3; ``tokenizer_policy``).
 """
 
 from __future__ import annotations
@@ -20,15 +20,13 @@ from deepinfer_model.config import ModelConfig
 from deepinfer_model.loading.errors import CheckpointError
 from deepinfer_model.loading.hf_names import MODEL_PREFIX, strip_model_prefix
 from deepinfer_model.loading.safetensors_io import ShardHeader, TensorRecord, read_header
+from deepinfer_model.loading.tokenizer_policy import check_tokenizer_files
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 LOCAL_DIR_VARIABLE = "DEEPINFER_HF_MODEL_DIR"
-BOS_TOKEN = "<｜begin▁of▁sentence｜>"
-EOS_TOKEN = "<｜end▁of▁sentence｜>"
-PAD_TOKEN = "<｜▁pad▁｜>"
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 _DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.py", "*.model", "*.txt"]
 
@@ -155,29 +153,6 @@ def _read_shards(directory: Path, weight_map: Mapping[str, str], stored: Mapping
     return shards
 
 
-def _check_tokenizer(directory: Path, config: ModelConfig) -> None:
-    from tokenizers import Tokenizer
-
-    path = _require_file(directory, TOKENIZER_FILE, "the tokenizer, also used by the Engram vocabulary compression")
-    _require_file(directory, TOKENIZER_CONFIG_FILE, "tokenizer class and BOS/EOS policy")
-    try:
-        tokenizer = Tokenizer.from_file(str(path))
-    except Exception as exc:  # the tokenizers library raises a bare Exception subclass on malformed files
-        raise CheckpointError(f"cannot load {path}: {exc}") from exc
-    required: dict[str, int] = {}
-    if config.text.engram_enabled:
-        required[PAD_TOKEN] = 2
-    if config.tokenizer_compatibility == "release":
-        required.update({BOS_TOKEN: 0, EOS_TOKEN: 1, PAD_TOKEN: 2})
-    for token, expected in required.items():
-        actual = tokenizer.token_to_id(token)
-        if actual != expected:
-            raise CheckpointError(
-                f"{path}: token {token!r} has id {actual}, the {config.tokenizer_compatibility} tokenizer policy"
-                f"{' and Engram' if config.text.engram_enabled else ''} require id {expected} (model-core §3, §2.7)"
-            )
-
-
 def open_checkpoint_dir(directory: str | Path) -> CheckpointDir:
     """Validate a local checkpoint directory and read every shard header (no tensor data is read).
 
@@ -197,5 +172,7 @@ def open_checkpoint_dir(directory: str | Path) -> CheckpointDir:
     index_path = _require_file(path, INDEX_FILE, "required even for a single shard")
     weight_map, stored = _normalize_names(index_path, _read_weight_map(index_path))
     shards = _read_shards(path, weight_map, stored)
-    _check_tokenizer(path, config)
+    tokenizer = _require_file(path, TOKENIZER_FILE, "the tokenizer, also used by the Engram vocabulary compression")
+    settings = _require_file(path, TOKENIZER_CONFIG_FILE, "tokenizer class and BOS/EOS policy")
+    check_tokenizer_files(tokenizer, settings, config)
     return CheckpointDir(path=path, config=config, weight_map=weight_map, stored_names=stored, shards=shards)
