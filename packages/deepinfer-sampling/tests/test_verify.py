@@ -299,3 +299,29 @@ def test_verification_on_the_samplers_processed_distribution():
     assert (emitted < 7).all()
     accepted_drafts = drafts[torch.arange(K)[None, :] < out.num_accepted_draft_tokens[:, None]]
     assert (accepted_drafts < 7).all() and accepted_drafts.numel() > 0
+
+
+def test_request_without_drafts_gets_the_plain_samplers_token():
+    """The fresh row draws from stream SAMPLE, so verifying zero drafts equals normal sampling bit for bit."""
+    from deepinfer_sampling import Sampler, SamplerConfig, SamplingBatch, SamplingParams, SamplingRow, request_seed
+
+    g = torch.Generator().manual_seed(4)
+    params = SamplingParams(temperature=0.9, top_p=0.8, seq_seed=77)
+    rows = [
+        SamplingRow(params, request_seed(77, index_in_call=r, engine_seed=0, request_counter=0), 30 + r)
+        for r in range(64)
+    ]
+    batch = SamplingBatch.build(rows, V, "cpu")
+    logits = torch.randn(64, V, generator=g)
+    sampler = Sampler(SamplerConfig(backend="reference"), V, "cpu")
+    target, _ = sampler.processed_logprobs(logits, batch)
+    out = verify_rejection(
+        target,
+        torch.full((64,), -1),
+        torch.zeros(64, V),
+        torch.zeros(64, dtype=torch.int64),
+        batch.seeds,
+        batch.positions,
+    )
+    assert torch.equal(out.output_token_ids, sampler(logits, batch).token_ids)
+    assert (out.num_accepted_draft_tokens == 0).all()

@@ -22,7 +22,8 @@ Glossary:
 
 Each request emits ``a_b + 1`` tokens: its accepted drafts then the recovered or bonus token. Every random draw is
 keyed by (request seed, row position, stream) through ``seeds.py`` — accept uniforms use ``RandomStream.ACCEPT``,
-recovered tokens ``RECOVERED``, bonus tokens ``BONUS`` — so results never depend on the batch's composition. q is the
+recovered tokens ``RECOVERED``, bonus tokens ``SAMPLE`` (runtime.md §2.4 stream case 0: a request verifying no drafts
+gets exactly the token the plain sampler would give it) — so results never depend on the batch's composition. q is the
 sampler's processed distribution (``Sampler.processed_logprobs``: masks incl. the grammar bitmask, temperature,
 top-k/top-p), so a grammar-invalid draft has q(x) = 0 and is always rejected, and greedy rows (one-hot q) reduce to
 argmax matching. Golden (forced) rows accept a draft iff it equals the forced id and emit the forced id. Everything
@@ -189,7 +190,7 @@ def verify_rejection(
     residual = residual / torch.where(scale > 0, scale, 1.0)
     # A verify row without a draft (id −1) has nothing to correct for: it samples q like a fresh row.
     weights = torch.where((layout.is_fresh | (draft_token_ids < 0))[:, None], target_probs, residual)
-    stream = torch.where(layout.is_fresh, int(RandomStream.BONUS), int(RandomStream.RECOVERED))
+    stream = torch.where(layout.is_fresh, int(RandomStream.SAMPLE), int(RandomStream.RECOVERED))
     sampled = inverse_cdf_sample(weights, random_bits(seeds, positions, stream, 1)[:, 0])
     candidates = torch.where(sampled >= 0, sampled, target_logprobs.argmax(dim=-1))
     candidates = torch.where(accepted, draft_token_ids, candidates)
