@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from deepinfer_kernels import _registry
-from deepinfer_kernels.platform import triton_interpreter_enabled
+from deepinfer_kernels.platform import Accelerator, current_accelerator, triton_interpreter_enabled
 from deepinfer_kernels.testing_npu_double import NpuDouble, install_npu_double, real_torch_npu_available
 
 
@@ -73,3 +73,12 @@ def fast_backend(request: pytest.FixtureRequest) -> tuple[_registry.Backend, str
         return _registry.Backend.NVIDIA, request.getfixturevalue("triton_device")
     request.getfixturevalue("npu_double")
     return _registry.Backend.ASCEND, "cpu"
+
+
+@pytest.fixture
+def op_device() -> str:
+    """Device for calling the public ops under the session's accelerator: CUDA when compiled Triton runs them."""
+    accelerator = current_accelerator()
+    if accelerator is Accelerator.NVIDIA and not triton_interpreter_enabled():
+        return "cuda"
+    return "cpu"

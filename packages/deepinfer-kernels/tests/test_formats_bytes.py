@@ -9,21 +9,14 @@ import pytest
 import torch
 
 import deepinfer_kernels as dk
-from deepinfer_kernels.platform import Accelerator, current_accelerator, triton_interpreter_enabled
-
-
-def _device() -> str:
-    if current_accelerator() is Accelerator.NVIDIA and not triton_interpreter_enabled():
-        return "cuda"
-    return "cpu"
 
 
 def _bytes(t: torch.Tensor) -> list[int]:
     return t.cpu().contiguous().view(torch.uint8).flatten().tolist()
 
 
-def test_ue8m0_decode_by_hand() -> None:
-    raw = torch.tensor([0, 1, 120, 126, 127, 128, 130, 254], dtype=torch.uint8, device=_device())
+def test_ue8m0_decode_by_hand(op_device: str) -> None:
+    raw = torch.tensor([0, 1, 120, 126, 127, 128, 130, 254], dtype=torch.uint8, device=op_device)
     expected = [2.0**-127, 2.0**-126, 2.0**-7, 0.5, 1.0, 2.0, 8.0, 2.0**127]
     assert dk.ue8m0_to_float(raw).cpu().tolist() == expected
     assert dk.ue8m0_to_float(raw.view(torch.float8_e8m0fnu)).cpu().tolist() == expected
@@ -31,7 +24,7 @@ def test_ue8m0_decode_by_hand() -> None:
     assert raw.view(torch.float8_e8m0fnu).float().cpu().tolist() == expected
 
 
-def test_e4m3_encoding_by_hand() -> None:
+def test_e4m3_encoding_by_hand(op_device: str) -> None:
     # One group with amax exactly 448 → a/448 = 1 → e = 0, scale byte 127, q = e4m3(x) directly.
     values = [
         448.0,  # 0 1111 110 = 0x7E (max)
@@ -49,7 +42,7 @@ def test_e4m3_encoding_by_hand() -> None:
     ]
     x = torch.zeros(32)
     x[: len(values)] = torch.tensor(values)
-    q, scale = dk.quantize_fp8_per_token_group(x[None].to(_device()))
+    q, scale = dk.quantize_fp8_per_token_group(x[None].to(op_device))
     expected = [0x7E, 0x38, 0xC0, 0x01, 0x07, 0x08, 0x38, 0x3A, 0x80, 0x00, 0x02, 0xC5] + [0] * 20
     assert _bytes(q) == expected
     assert _bytes(scale) == [127]
@@ -64,21 +57,21 @@ def test_e4m3_encoding_by_hand() -> None:
         (0.0, 105, 0x00),  # amax floor 1e−4: ⌈log2(1e−4/448)⌉ = ⌈−22.09⌉ = −22
     ],
 )
-def test_fp8_scale_rule_by_hand(amax: float, scale_byte: int, amax_code: int) -> None:
+def test_fp8_scale_rule_by_hand(op_device: str, amax: float, scale_byte: int, amax_code: int) -> None:
     x = torch.zeros(1, 64)
     x[0, 5] = amax
     x[0, 32:] = 1.0  # second group: amax 1 → byte 119
-    q, scale = dk.quantize_fp8_per_token_group(x.to(_device()))
+    q, scale = dk.quantize_fp8_per_token_group(x.to(op_device))
     assert _bytes(scale) == [scale_byte, 119]
     assert _bytes(q)[5] == amax_code
     assert _bytes(q)[32] == 0x78
 
 
-def test_fp8_block_by_hand() -> None:
+def test_fp8_block_by_hand(op_device: str) -> None:
     w = torch.zeros(40, 33)
     w[0, 0] = 1.0  # block (0, 0): amax 1 → byte 119, code 0x78
     w[35, 32] = -896.0  # block (1, 1): e = 1 → byte 128, −448 → 0xFE
-    q, scale = dk.quantize_fp8_block(w.to(_device()))
+    q, scale = dk.quantize_fp8_block(w.to(op_device))
     assert _bytes(scale) == [119, 105, 105, 128]
     assert _bytes(q[0, 0]) == [0x78]
     assert _bytes(q[35, 32]) == [0xFE]
@@ -88,20 +81,20 @@ def test_fp8_block_by_hand() -> None:
     one = torch.tensor([[0x38]], dtype=torch.uint8).view(torch.float8_e4m3fn)
     assert (
         dk.dequantize_fp8_block(
-            one.to(_device()), torch.tensor([[130]], dtype=torch.uint8).view(torch.float8_e8m0fnu).to(_device())
+            one.to(op_device), torch.tensor([[130]], dtype=torch.uint8).view(torch.float8_e8m0fnu).to(op_device)
         ).item()
         == 8.0
     )
 
 
-def test_e2m1_mxfp4_by_hand() -> None:
+def test_e2m1_mxfp4_by_hand(op_device: str) -> None:
     # amax 6 → a/6 = 1 → e = 0, scale byte 127; codes straight from the §5.3 table.
     values = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.5, -6.0]
     values += [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.0]  # ties go to the even code
     expected_codes = [0, 1, 2, 3, 4, 5, 6, 7, 9, 15, 0, 2, 2, 4, 4, 6, 6, 8]
     w = torch.zeros(1, 32)
     w[0, : len(values)] = torch.tensor(values)
-    packed, scale = dk.quantize_mxfp4(w.to(_device()))
+    packed, scale = dk.quantize_mxfp4(w.to(op_device))
     codes = expected_codes + [0] * (32 - len(expected_codes))
     expected_bytes = [codes[2 * j] | (codes[2 * j + 1] << 4) for j in range(16)]
     assert expected_bytes[:9] == [0x10, 0x32, 0x54, 0x76, 0xF9, 0x20, 0x42, 0x64, 0x86]
@@ -110,11 +103,11 @@ def test_e2m1_mxfp4_by_hand() -> None:
     assert _bytes(scale) == [127]
 
 
-def test_mxfp4_decode_by_hand() -> None:
+def test_mxfp4_decode_by_hand(op_device: str) -> None:
     packed = torch.zeros(1, 16, dtype=torch.uint8)
     packed[0, :3] = torch.tensor([0x10, 0x7F, 0xA9])  # (0, 0.5), (−6, 6)... low nibble first
     scale = torch.tensor([[128]], dtype=torch.uint8).view(torch.float8_e8m0fnu)  # ×2
-    out = dk.dequantize_mxfp4(packed.view(torch.int8).to(_device()), scale.to(_device()))
+    out = dk.dequantize_mxfp4(packed.view(torch.int8).to(op_device), scale.to(op_device))
     # 0x10: low 0 → 0, high 1 → 0.5; 0x7F: low 15 → −6, high 7 → 6; 0xA9: low 9 → −0.5, high 10 → −1.
     assert out[0, :6].cpu().tolist() == [0.0, 1.0, -12.0, 12.0, -1.0, -2.0]
     assert out[0, 6:].abs().sum().item() == 0.0

@@ -26,9 +26,9 @@ pytestmark = [
 ]
 
 
-def _both(op: str, inputs: tuple[torch.Tensor, ...], outputs: tuple[torch.Tensor, ...]):
+def _both(op: str, inputs: tuple[torch.Tensor | float, ...], outputs: tuple[torch.Tensor, ...]):
     gpu_out = tuple(torch.empty_like(o, device="cuda") for o in outputs)
-    implementation(op, Backend.NVIDIA)(*(t.cuda() for t in inputs), *gpu_out)
+    implementation(op, Backend.NVIDIA)(*(t.cuda() if isinstance(t, torch.Tensor) else t for t in inputs), *gpu_out)
     torch.cuda.synchronize()
     ref_out = tuple(torch.empty_like(o) for o in outputs)
     implementation(op, Backend.REFERENCE)(*inputs, *ref_out)
@@ -39,7 +39,7 @@ def _both(op: str, inputs: tuple[torch.Tensor, ...], outputs: tuple[torch.Tensor
 def test_rms_norm_gpu(shape: tuple[int, int]) -> None:
     x = random_normal(shape, seed=1, dtype=torch.bfloat16, std=3.0)
     w = random_normal(shape[-1:], seed=2, dtype=torch.bfloat16)
-    (gpu,), (ref,) = _both("rms_norm", (x, w), (torch.empty_like(x),))
+    (gpu,), (ref,) = _both("rms_norm", (x, w, 1e-6), (torch.empty_like(x),))
     assert_close(gpu, ref, rtol=2.0**-7, atol=1e-30)
 
 

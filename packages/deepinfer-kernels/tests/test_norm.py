@@ -55,16 +55,16 @@ def test_reference_matches_float64_formula() -> None:
     assert_close(out, xd * rho * weight.double(), rtol=2.0**-8 + 2.0**-20, atol=0.0)
 
 
-def test_public_op_shapes_and_empty() -> None:
-    x = random_normal((2, 3, 16), seed=3, dtype=torch.bfloat16)
-    weight = torch.ones(16, dtype=torch.bfloat16)
+def test_public_op_shapes_and_empty(op_device: str) -> None:
+    x = random_normal((2, 3, 16), seed=3, dtype=torch.bfloat16, device=op_device)
+    weight = torch.ones(16, dtype=torch.bfloat16, device=op_device)
     out = dk.rms_norm(x, weight, 1e-6)
-    assert out.shape == x.shape and out.dtype == torch.bfloat16
+    assert out.shape == x.shape and out.dtype == torch.bfloat16 and out.device == x.device
     expected = torch.empty(6, 16, dtype=torch.bfloat16)
-    implementation("rms_norm", Backend.REFERENCE)(x.view(6, 16), weight, 1e-6, expected)
+    implementation("rms_norm", Backend.REFERENCE)(x.view(6, 16).cpu(), weight.cpu(), 1e-6, expected)
     assert_close(out.view(6, 16), expected, rtol=2.0**-7, atol=1e-30)
-    assert dk.rms_norm(torch.empty(0, 16, dtype=torch.bfloat16), weight, 1e-6).shape == (0, 16)
-    strided = random_normal((16, 4), seed=4, dtype=torch.bfloat16).t()
+    assert dk.rms_norm(torch.empty(0, 16, dtype=torch.bfloat16, device=op_device), weight, 1e-6).shape == (0, 16)
+    strided = random_normal((16, 4), seed=4, dtype=torch.bfloat16, device=op_device).t()
     assert_close(dk.rms_norm(strided, weight, 1e-6), dk.rms_norm(strided.contiguous(), weight, 1e-6), rtol=0, atol=0)
 
 

@@ -103,10 +103,11 @@ def test_dequantize_mxfp4_parity(fast_backend: Fast, shape: tuple[int, int], out
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_fp8_group_roundtrip_and_tight_scales(dtype: torch.dtype) -> None:
+def test_fp8_group_roundtrip_and_tight_scales(op_device: str, dtype: torch.dtype) -> None:
     x = _with_outliers((9, 128), seed=19, dtype=dtype)
-    q, scale = dk.quantize_fp8_per_token_group(x)
-    back = dk.dequantize_fp8_per_token_group(q, scale)
+    q, scale = dk.quantize_fp8_per_token_group(x.to(op_device))
+    back = dk.dequantize_fp8_per_token_group(q, scale).cpu()
+    q = q.cpu()
     xf = x.float()
     amax = xf.view(9, 4, 32).abs().amax(-1).clamp_min(1e-4).repeat_interleave(32, dim=1)
     assert torch.all((back - xf).abs() <= xf.abs() / 16 + amax / 2**15)
@@ -117,37 +118,37 @@ def test_fp8_group_roundtrip_and_tight_scales(dtype: torch.dtype) -> None:
     assert torch.all(qf[above_floor] >= 224)
 
 
-def test_mxfp4_roundtrip() -> None:
+def test_mxfp4_roundtrip(op_device: str) -> None:
     w = _with_outliers((7, 96), seed=20, dtype=torch.float32)
-    packed, scale = dk.quantize_mxfp4(w)
-    back = dk.dequantize_mxfp4(packed, scale)
+    packed, scale = dk.quantize_mxfp4(w.to(op_device))
+    back = dk.dequantize_mxfp4(packed, scale).cpu()
     amax = w.view(7, 3, 32).abs().amax(-1).repeat_interleave(32, dim=1)
     assert torch.all((back - w).abs() <= w.abs() / 4 + amax / 12)
 
 
-def test_fp8_block_roundtrip() -> None:
+def test_fp8_block_roundtrip(op_device: str) -> None:
     w = random_normal((45, 70), seed=21, std=0.05)
-    q, scale = dk.quantize_fp8_block(w)
-    back = dk.dequantize_fp8_block(q, scale, out_dtype=torch.float32)
+    q, scale = dk.quantize_fp8_block(w.to(op_device))
+    back = dk.dequantize_fp8_block(q, scale, out_dtype=torch.float32).cpu()
     assert torch.all((back - w).abs() <= w.abs() / 16 + 2**-20)
 
 
-def test_empty_inputs() -> None:
-    q, scale = dk.quantize_fp8_block(torch.empty(0, 40))
+def test_empty_inputs(op_device: str) -> None:
+    q, scale = dk.quantize_fp8_block(torch.empty(0, 40, device=op_device))
     assert q.shape == (0, 40) and scale.shape == (0, 2)
     assert dk.dequantize_fp8_block(q, scale).shape == (0, 40)
-    q, scale = dk.quantize_fp8_per_token_group(torch.empty(0, 64, dtype=torch.bfloat16))
+    q, scale = dk.quantize_fp8_per_token_group(torch.empty(0, 64, dtype=torch.bfloat16, device=op_device))
     assert q.shape == (0, 64) and scale.shape == (0, 2)
     assert dk.dequantize_fp8_per_token_group(q, scale, out_dtype=torch.bfloat16).shape == (0, 64)
-    packed, scale = dk.quantize_mxfp4(torch.empty(0, 64))
+    packed, scale = dk.quantize_mxfp4(torch.empty(0, 64, device=op_device))
     assert packed.shape == (0, 32) and scale.shape == (0, 2)
     assert dk.dequantize_mxfp4(packed, scale).shape == (0, 64)
-    assert dk.ue8m0_to_float(torch.empty(0, dtype=torch.uint8)).shape == (0,)
+    assert dk.ue8m0_to_float(torch.empty(0, dtype=torch.uint8, device=op_device)).shape == (0,)
 
 
-def test_leading_dims_are_kept() -> None:
+def test_leading_dims_are_kept(op_device: str) -> None:
     x = random_normal((2, 3, 64), seed=22, dtype=torch.bfloat16)
-    q, scale = dk.quantize_fp8_per_token_group(x)
+    q, scale = (t.cpu() for t in dk.quantize_fp8_per_token_group(x.to(op_device)))
     assert q.shape == (2, 3, 64) and scale.shape == (2, 3, 2)
     ref_q = torch.empty(6, 64, dtype=torch.float8_e4m3fn)
     ref_s = torch.empty(6, 2, dtype=torch.float8_e8m0fnu)
@@ -156,9 +157,9 @@ def test_leading_dims_are_kept() -> None:
     assert_bitwise_equal(scale.view(6, 2), ref_s)
 
 
-def test_public_ops_match_reference_on_session_backend() -> None:
+def test_public_ops_match_reference_on_session_backend(op_device: str) -> None:
     w = random_normal((40, 64), seed=23)
-    q, scale = dk.quantize_fp8_block(w)
+    q, scale = (t.cpu() for t in dk.quantize_fp8_block(w.to(op_device)))
     ref_q = torch.empty_like(q)
     ref_s = torch.empty_like(scale)
     implementation("quantize_fp8_block", Backend.REFERENCE)(w, ref_q, ref_s)

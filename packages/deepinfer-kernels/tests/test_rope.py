@@ -87,27 +87,27 @@ def test_reference_is_the_interleaved_formula() -> None:
     assert out.flatten().tolist() == [0.0, 1.25, -4.0, 3.0]
 
 
-def test_inverse_rotation_round_trip() -> None:
-    x = random_normal((6, 2, 32), seed=5)
+def test_inverse_rotation_round_trip(op_device: str) -> None:
+    x = random_normal((6, 2, 32), seed=5, device=op_device)
     inv = dk.yarn_inverse_frequencies(32, 160000.0, 16.0, 1024, 32.0, 1.0)
     cos_table, sin_table = dk.rope_cos_sin(inv, 100)
     positions = torch.tensor([0, 1, 7, 50, 98, 99])
-    cos, sin = cos_table[positions], sin_table[positions]
+    cos, sin = cos_table[positions].to(op_device), sin_table[positions].to(op_device)
     rotated = dk.apply_rope(x, cos, sin)
     back = dk.apply_rope(rotated, cos, -sin)
     assert_close(back, x, rtol=0.0, atol=1e-5)
     assert torch.equal(rotated[0], x[0])  # position 0 is the identity
 
 
-def test_public_op_shapes_empty_and_2d() -> None:
-    cos, sin = _tables(3, 8, seed=6)
-    x2 = random_normal((3, 8), seed=7, dtype=torch.bfloat16)
+def test_public_op_shapes_empty_and_2d(op_device: str) -> None:
+    cos, sin = (t.to(op_device) for t in _tables(3, 8, seed=6))
+    x2 = random_normal((3, 8), seed=7, dtype=torch.bfloat16, device=op_device)
     x3 = x2[:, None, :]
     assert_bitwise_equal(dk.apply_rope(x2, cos, sin), dk.apply_rope(x3, cos, sin)[:, 0])
-    wide = random_normal((3, 2, 12), seed=8, dtype=torch.bfloat16)
+    wide = random_normal((3, 2, 12), seed=8, dtype=torch.bfloat16, device=op_device)
     sliced = wide[..., 4:]  # non-contiguous rope slice
     assert_bitwise_equal(dk.apply_rope(sliced, cos, sin), dk.apply_rope(sliced.contiguous(), cos, sin))
-    empty = dk.apply_rope(torch.empty(0, 2, 8), torch.empty(0, 4), torch.empty(0, 4))
+    empty = dk.apply_rope(*(torch.empty(shape, device=op_device) for shape in ((0, 2, 8), (0, 4), (0, 4))))
     assert empty.shape == (0, 2, 8)
 
 

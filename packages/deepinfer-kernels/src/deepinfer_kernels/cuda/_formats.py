@@ -7,6 +7,7 @@ GPU Triton supports and in the interpreter) and bit-exact with the PyTorch refer
   results; for results below 2^−6 the value times 2^9 is rounded to an integer with the 2^23 trick
   (adding 2^23 in FP32 rounds to nearest even). Codes saturate at 0x7E (448).
 - scale exponent: ``e = ((bits(max(amax, floor) / max) − 1) >> 23) + 1 − 127`` with an IEEE division.
+- negative zero is kept: signs are set on the bit pattern, never by unary minus (which Triton lowers to 0 − x).
 - bf16 outputs are rounded to nearest even in integer arithmetic (:func:`to_output_dtype`).
 """
 
@@ -75,6 +76,13 @@ def e4m3_encode(v):  # type: ignore[no-untyped-def]
 
 
 @triton.jit
+def _with_sign(magnitude, negative):
+    # Sets the sign bit directly: Triton lowers unary minus to 0 − x, which turns −0 into +0.
+    bits = magnitude.to(tl.int32, bitcast=True) | (negative.to(tl.int32) << 31)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def e4m3_decode(byte):  # type: ignore[no-untyped-def]
     c = byte.to(tl.int32) & 0xFF
     exponent = (c >> 3) & 0xF
@@ -83,7 +91,7 @@ def e4m3_decode(byte):  # type: ignore[no-untyped-def]
     subnormal = mantissa.to(tl.float32) * 0.001953125
     magnitude = tl.where(exponent == 0, subnormal, normal)
     magnitude = tl.where((c & 0x7F) == 0x7F, (0x7FC00000 + c * 0).to(tl.float32, bitcast=True), magnitude)
-    return tl.where((c & 0x80) != 0, -magnitude, magnitude)
+    return _with_sign(magnitude, (c & 0x80) != 0)
 
 
 @triton.jit
@@ -100,4 +108,4 @@ def e2m1_decode(code):  # type: ignore[no-untyped-def]
     mantissa = code & 1
     normal = (((exponent + 126) << 23) | (mantissa << 22)).to(tl.float32, bitcast=True)
     magnitude = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.5, normal)
-    return tl.where((code & 8) != 0, -magnitude, magnitude)
+    return _with_sign(magnitude, (code & 8) != 0)

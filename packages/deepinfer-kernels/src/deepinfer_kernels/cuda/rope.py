@@ -43,7 +43,8 @@ def _rope_kernel(  # type: ignore[no-untyped-def]
     x_base = x_ptr + token * stride_x_token + heads * stride_x_head + 2 * pairs
     x_even = tl.load(x_base, mask=mask, other=0.0).to(tl.float32)
     x_odd = tl.load(x_base + 1, mask=mask, other=0.0).to(tl.float32)
-    even = tl.fma(x_even, c, -(x_odd * s))
+    # Multiplying by −1 (not unary minus, which Triton lowers to 0 − x) keeps the sign of a zero product.
+    even = tl.fma(x_even, c, (x_odd * s) * -1.0)
     odd = tl.fma(x_even, s, x_odd * c)
     out_base = out_ptr + token * stride_out_token + heads * stride_out_head + 2 * pairs
     tl.store(out_base, to_output_dtype(even, out_ptr), mask=mask)
