@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer_sampling._devices import same_device
 from deepinfer_sampling.batch import SamplingBatch
 from deepinfer_sampling.penalties import apply_penalties
 
@@ -70,7 +71,8 @@ def allowed_from_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor
 def check_bitmask(bitmask: torch.Tensor, num_rows: int, vocab_size: int, device: torch.device) -> None:
     """Raises if `bitmask` is not int32 [num_rows, ceil(vocab_size / 32)] on `device`."""
     words = -(-vocab_size // BITS_PER_MASK_WORD)
-    if bitmask.dtype != torch.int32 or tuple(bitmask.shape) != (num_rows, words) or bitmask.device != device:
+    shape_ok = tuple(bitmask.shape) == (num_rows, words)
+    if bitmask.dtype != torch.int32 or not shape_ok or not same_device(bitmask.device, device):
         raise ValueError(
             f"bitmask must be int32 [{num_rows}, {words}] on {device}, "
             f"got {bitmask.dtype} {tuple(bitmask.shape)} on {bitmask.device}"

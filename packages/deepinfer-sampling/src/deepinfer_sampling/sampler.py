@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer_sampling import reference
+from deepinfer_sampling._devices import same_device
 from deepinfer_sampling.batch import SamplingBatch
 from deepinfer_sampling.config import SamplerConfig
 from deepinfer_sampling.logprobs import LOGPROB_FLOOR, sum_smaller_probs, top_logprobs
@@ -98,14 +99,14 @@ class Sampler:
 
     def _check(self, logits: torch.Tensor, batch: SamplingBatch, bitmask: torch.Tensor | None) -> None:
         expected = (batch.num_rows, self.vocab_size)
-        if logits.dim() != 2 or tuple(logits.shape) != expected or logits.device != self.device:
+        if logits.dim() != 2 or tuple(logits.shape) != expected or not same_device(logits.device, self.device):
             raise ValueError(
                 f"logits must be [{expected[0]}, {expected[1]}] on {self.device}, got "
                 f"{tuple(logits.shape)} on {logits.device}"
             )
         if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise TypeError(f"logits must be float32, bfloat16 or float16, got {logits.dtype}")
-        if batch.vocab_size != self.vocab_size or batch.device != self.device:
+        if batch.vocab_size != self.vocab_size or not same_device(batch.device, self.device):
             raise ValueError(
                 f"batch was built for vocab {batch.vocab_size} on {batch.device}, "
                 f"sampler has vocab {self.vocab_size} on {self.device}"

@@ -111,7 +111,10 @@ def _row_keys(seeds: torch.Tensor, positions: torch.Tensor, stream: int | torch.
     if seeds.shape != positions.shape or seeds.dim() != 1:
         raise ValueError(f"seeds and positions must both be [B], got {tuple(seeds.shape)} and {tuple(positions.shape)}")
     key = mix64(mix64(seeds) ^ (positions * _signed(_GOLDEN)))
-    return mix64(key + (torch.as_tensor(stream, dtype=torch.int64, device=seeds.device) + 1) * _signed(_STREAM_MUL))
+    if isinstance(stream, torch.Tensor):
+        return mix64(key + (stream.to(torch.int64) + 1) * _signed(_STREAM_MUL))
+    # A Python scalar offset: no host-to-device copy.
+    return mix64(key + _signed((int(stream) + 1) * _STREAM_MUL))
 
 
 def random_bits(seeds: torch.Tensor, positions: torch.Tensor, stream: int | torch.Tensor, num: int) -> torch.Tensor:
