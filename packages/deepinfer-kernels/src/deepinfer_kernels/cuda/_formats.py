@@ -76,7 +76,7 @@ def e4m3_encode(v):  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _with_sign(magnitude, negative):
+def _with_sign(magnitude, negative):  # type: ignore[no-untyped-def]
     # Sets the sign bit directly: Triton lowers unary minus to 0 − x, which turns −0 into +0.
     bits = magnitude.to(tl.int32, bitcast=True) | (negative.to(tl.int32) << 31)
     return bits.to(tl.float32, bitcast=True)
