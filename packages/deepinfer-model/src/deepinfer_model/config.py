@@ -1,9 +1,9 @@
 """Frozen, validated model configuration built from a Hugging Face ``config.json``.
 
-This module owns the parsing of the DeepSeek-V4.1-Flash ``config.json`` (model-core §2), every fail-fast validation
-rule of model-core §2.7 and model-attention §1.3, and the derived values the rest of the package reads: the §2.5
-internal values, the per-layer attention kind, the cross-layer sharing maps, the YOCO boundary, the Engram table
-sizes (model-core §12.4) and the DSpark block shapes.
+This module owns the configuration types of DeepSeek-V4.1-Flash (model-core §2) and the derived values the rest of
+the package reads: the §2.5 internal values, the per-layer attention kind, the cross-layer sharing maps, the YOCO
+boundary, the Engram table sizes (model-core §12.4) and the DSpark sizes. Key reading lives in ``_config_parse``;
+every fail-fast rule of model-core §2.7 and model-attention §1.3 lives in ``_config_checks`` and runs at construction.
 
 Field names of ``TextConfig``, ``QuantizationConfig`` and ``VisionConfig`` are exactly the HF keys. Keys the loader
 does not read (``transformers_version``, ``initializer_range``, ``engram_num_embeddings`` ...) are accepted and dropped.
@@ -485,11 +485,7 @@ def load_preset(name: str) -> ModelConfig:
     Raises:
         ValueError: unknown preset name (the message lists the known names).
     """
-    names = preset_names()
-    if name not in names:
-        raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(names)}")
-    data = json.loads(resources.files(PRESET_PACKAGE).joinpath(f"{name}.json").read_text(encoding="utf-8"))
-    return ModelConfig.from_dict(data)
+    return ModelConfig.from_dict(json.loads(preset_json(name)))
 
 
 def preset_json(name: str) -> str:
