@@ -147,3 +147,20 @@ def test_non_shifted_adds_hc_head() -> None:
     assert table["hc_head_fn"].shape == (4, 1024)
     assert table["mtp.0.hc_head_base"].shape == (4,)
     assert table["hc_head_scale"].shape == (1,)
+
+
+def test_optional_families_follow_the_config() -> None:
+    data = json.loads(preset_json("tiny"))
+    text = data["text_config"]
+    text.update(
+        n_shared_experts=0, engram_layer_ids=[], num_nextn_predict_layers=2, compress_ratios=[0, 2, 2, 0, 1, 1, 1, 0, 0]
+    )
+    table = by_name(build_catalogue(ModelConfig.from_dict(data)))
+    assert not any("shared_experts" in n or ".engram." in n for n in table)
+    assert "mtp.0.main_proj.weight" in table and "mtp.1.main_proj.weight" not in table
+    assert "mtp.1.markov_head.head.weight" in table and "mtp.0.markov_head.head.weight" not in table
+    assert "mtp.0.norm.weight" not in table and "mtp.1.main_norm.weight" not in table
+    data = json.loads(preset_json("tiny"))
+    data["text_config"]["num_nextn_predict_layers"] = 0
+    data["text_config"]["compress_ratios"] = [0, 2, 2, 0, 1, 1, 1]
+    assert not any(n.startswith("mtp.") for n in by_name(build_catalogue(ModelConfig.from_dict(data))))
