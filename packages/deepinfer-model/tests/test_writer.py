@@ -159,3 +159,20 @@ def test_tokenizer_matches_the_policy(tiny_dir: Path) -> None:
     settings = json.loads((tiny_dir / "tokenizer_config.json").read_text())
     assert settings["add_bos_token"] is True and settings["add_eos_token"] is False
     assert settings["pad_token"] == PAD_TOKEN
+
+
+def test_round_trip_without_optional_families(tmp_path: Path) -> None:
+    """No shared expert, no Engram, non-shifted mHC (HC head tensors), two DSpark blocks."""
+    data = micro_config().to_dict()
+    data["text_config"].update(n_shared_experts=0, engram_layer_ids=[], hc_shifted=False, num_nextn_predict_layers=2)
+    data["text_config"]["compress_ratios"] = [0, 1, 0, 0]
+    config = ModelConfig.from_dict(data)
+    loaded = load_checkpoint_dir(write_checkpoint(config, tmp_path / "ckpt", seed=2), hf_names=True).tensors
+    entries = {e.name: e for e in build_catalogue(config)}
+    assert set(loaded) == set(entries)
+    for entry in entries.values():
+        if entry.format is not TensorFormat.SCALE:
+            for name, expected in tensor_pair(entry, config, seed=2):
+                assert torch.equal(raw_bytes(loaded[name]), raw_bytes(expected)), name
+    assert loaded["hc_head_base"].tolist() == [-3.0, -3.0, 3.0, -3.0]  # +3 at L mod m = 2 (§10.12)
+    assert loaded["mtp.1.hc_head_base"].tolist() == [3.0, -3.0, -3.0, -3.0]  # runtime id 3, + 1
