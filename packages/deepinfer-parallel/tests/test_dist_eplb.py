@@ -59,7 +59,7 @@ def _forward(groups, placement, layer_weights, hidden, topk_ids, topk_weights, w
     return torch.stack(outs)
 
 
-def _rearrange_worker(rank, world_size):
+def _rearrange_worker(rank, world_size, num_p2p_groups):
     groups, layout, up, bias, (hidden, topk_ids, topk_weights) = _setup(rank, world_size)
     # Start with slots sorted by expert id descending, so the busy experts 5 and 3 share a rank and balancing has to
     # move weights between ranks.
@@ -79,7 +79,7 @@ def _rearrange_worker(rank, world_size):
         for layer in range(NUM_LAYERS)
     )
 
-    apply_placement(layer_weights, placement, new_p2l, groups.expert_parallel)
+    apply_placement(layer_weights, placement, new_p2l, groups.expert_parallel, num_p2p_groups)
     after = _forward(groups, placement, layer_weights, hidden, topk_ids, topk_weights)
     exact_weights = all(
         torch.equal(layer_weights[layer][0], up[layer][placement.local_logical_experts(layer, groups.ep_rank)])
@@ -96,9 +96,9 @@ def _rearrange_worker(rank, world_size):
     }
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_rearrangement_moves_weights_and_keeps_outputs(run_ranks, world_size):
-    for result in run_ranks(world_size, _rearrange_worker):
+@pytest.mark.parametrize(("world_size", "num_p2p_groups"), [(2, 1), (4, 1), (4, 3)])
+def test_rearrangement_moves_weights_and_keeps_outputs(run_ranks, world_size, num_p2p_groups):
+    for result in run_ranks(world_size, _rearrange_worker, num_p2p_groups):
         assert result["moved"] > 0, "the skewed load must move experts between ranks"
         assert result["exact_weights"]
         assert result["maps_in_place"]
