@@ -16,7 +16,11 @@ The manager tracks, per request, how many tokens it may write (`num_tokens`, gro
 Rollback of rejected draft tokens only lowers `num_tokens` (and drops a block that became empty): paged rows and
 ring entries are addressed by position, so later writes overwrite them (runtime §3.7). The rings hold
 `backtracking_tokens` extra entries, so a rollback may reach at most that far below the highest position ever
-reserved for the request; deeper rollbacks are refused.
+written for the request; deeper rollbacks are refused.
+
+Under asynchronous scheduling the next step's tokens are reserved before the rollback of the step in front of it is
+known; the device places them right after the kept tokens, so the whole reservation moves down with the rollback
+(`rollback(..., num_tokens_in_flight=...)`), and only positions a committed step really wrote count as written.
 
 Memory sizing: `num_blocks_for_budget` spends a byte budget on `num_state_slots` state slots first and the rest on
 blocks.
@@ -53,7 +57,7 @@ class _RequestCache:
     state_slot: int
     block_ids: list[int] = field(default_factory=list)
     num_tokens: int = 0
-    max_num_tokens: int = 0  # highest num_tokens since admission: bounds rollback depth
+    max_num_tokens: int = 0  # highest extent a committed step wrote (updated at rollback): bounds rollback depth
 
 
 class CacheManager:
@@ -174,35 +178,46 @@ class CacheManager:
         new_blocks = self._blocks.allocate(max(0, self.num_blocks_for_tokens(num_tokens) - first_new))
         cache.block_ids.extend(new_blocks)
         cache.num_tokens = max(cache.num_tokens, num_tokens)
-        cache.max_num_tokens = max(cache.max_num_tokens, cache.num_tokens)
         return AllocationResult(cache.state_slot, first_new, tuple(new_blocks))
 
-    def rollback(self, request_id: str, num_rejected_tokens: int) -> tuple[int, ...]:
-        """Forget the last `num_rejected_tokens` positions of the request (rejected draft tokens).
+    def rollback(self, request_id: str, num_rejected_tokens: int, num_tokens_in_flight: int = 0) -> tuple[int, ...]:
+        """Forget `num_rejected_tokens` rejected draft positions of the request.
+
+        Args:
+            request_id: the request.
+            num_rejected_tokens: rejected drafts at the end of the step being committed.
+            num_tokens_in_flight: tokens reserved after that step by a later step still in flight (asynchronous
+                scheduling); the device writes them right after the kept tokens, so they move down too.
 
         Returns:
-            The blocks released because they no longer hold any kept position.
+            The blocks released because they no longer hold any kept or reserved position.
 
         Raises:
             ValueError: the rollback would reach deeper than `max_backtracking_tokens` below the highest position
-                ever reserved for the request, or would leave it with no token.
+                ever written for the request, or would leave it with no token.
         """
         cache = self._get(request_id)
         if num_rejected_tokens < 0:
             raise ValueError(f"request {request_id!r}: num_rejected_tokens must be >= 0, got {num_rejected_tokens}")
-        kept = cache.num_tokens - num_rejected_tokens
+        if not 0 <= num_tokens_in_flight < cache.num_tokens:
+            raise ValueError(
+                f"request {request_id!r}: num_tokens_in_flight must be in 0 .. {cache.num_tokens - 1}, "
+                f"got {num_tokens_in_flight}"
+            )
+        written = cache.num_tokens - num_tokens_in_flight
+        kept = written - num_rejected_tokens
         if kept < 1:
-            raise ValueError(
-                f"request {request_id!r}: cannot roll back {num_rejected_tokens} of {cache.num_tokens} tokens"
-            )
+            raise ValueError(f"request {request_id!r}: cannot roll back {num_rejected_tokens} of {written} tokens")
+        high_water = max(cache.max_num_tokens, written)
         limit = self.spec.max_backtracking_tokens
-        if limit is not None and cache.max_num_tokens - kept > limit:
+        if limit is not None and high_water - kept > limit:
             raise ValueError(
-                f"request {request_id!r}: rolling back to {kept} tokens is {cache.max_num_tokens - kept} below the "
-                f"highest reserved position {cache.max_num_tokens}; the rings allow at most {limit}"
+                f"request {request_id!r}: rolling back to {kept} tokens is {high_water - kept} below the "
+                f"highest written position {high_water}; the rings allow at most {limit}"
             )
-        cache.num_tokens = kept
-        num_kept_blocks = self.num_blocks_for_tokens(kept)
+        cache.max_num_tokens = high_water
+        cache.num_tokens -= num_rejected_tokens
+        num_kept_blocks = self.num_blocks_for_tokens(cache.num_tokens)
         released = cache.block_ids[num_kept_blocks:]
         del cache.block_ids[num_kept_blocks:]
         self._blocks.free(released)

@@ -19,6 +19,14 @@ Positions of one scheduled request (`c` = num_computed_tokens before the step, `
     input:      known tokens (prompt/output) | draft tokens to verify
     sampling:   a token is sampled only when c + n - d reaches the request's known length (`samples_token`):
                 the runner then emits the accepted drafts (<= d) followed by one sampled token.
+
+Placeholders (asynchronous scheduling, see `deepinfer_engine.engine_core`): a request may be scheduled again while
+its previous step is still running on the device. Its inputs are then not known on the host: `input_token_ids`
+holds `PLACEHOLDER_TOKEN_ID` for each of its `num_placeholder_tokens` inputs, and the runner takes them from the
+previous step's results in device memory: the last token that step emitted for the request, then the first
+`num_placeholder_tokens - 1` draft tokens it proposed. `num_computed_tokens` is then optimistic (it assumes every
+draft of the previous step was accepted); the true first position is `num_computed_tokens` minus the number of
+drafts the previous step rejected for the request.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from dataclasses import dataclass
 from deepinfer_engine.request import FinishReason
 
 __all__ = [
+    "PLACEHOLDER_TOKEN_ID",
     "CompletionOutput",
     "ModelRunnerOutput",
     "RequestMetrics",
@@ -35,6 +44,9 @@ __all__ = [
     "ScheduledRequest",
     "SchedulerOutput",
 ]
+
+PLACEHOLDER_TOKEN_ID = -1
+"""Stands for an input token that only the device knows yet (see "Placeholders" above)."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +69,9 @@ class ScheduledRequest:
             exactly `first_new_block_index + len(new_block_ids)` blocks after this step's allocation (entries
             at and after this index that the runner knew before were released by a rollback).
         new_block_ids: blocks appended to the block table for this step (all blocks when `is_new`).
+        num_placeholder_tokens: inputs the runner takes from the previous step's results on the device (0, or all
+            inputs: the previous step's last emitted token, then `num_draft_tokens` of its draft tokens); when
+            non-zero, `num_computed_tokens` is optimistic (see the module docstring).
     """
 
     request_id: str
@@ -69,6 +84,7 @@ class ScheduledRequest:
     state_slot: int
     first_new_block_index: int
     new_block_ids: tuple[int, ...]
+    num_placeholder_tokens: int = 0
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -114,7 +130,9 @@ class ModelRunnerOutput:
         sampled_token_ids: per request, the accepted draft tokens followed by the one sampled token; empty when
             the request's `samples_token` was False.
         logprobs: per request, the logprob of each emitted token, or None when the runner computes none.
-        draft_token_ids: per request, draft tokens proposed for the next step, or None without a drafter.
+        draft_token_ids: per request, draft tokens proposed for the next step, or None without a drafter. Under
+            asynchronous scheduling the next step may verify up to `max_num_draft_tokens` of them as placeholders
+            before the host sees them, so a drafter proposes that many for every request it samples.
     """
 
     request_ids: tuple[str, ...]

@@ -14,9 +14,15 @@ Status state machine (runtime §6.3):
 
 A finished status is final. FINISHED_IGNORED is reachable only before the request ever ran.
 
+Under asynchronous scheduling a request may be scheduled while its previous step is still in flight; the scheduler
+then counts that step's sampled tokens as *output placeholders* (`num_output_placeholders`: the most tokens the
+steps in flight may still append) and `num_computed_tokens` optimistically assumes every draft is accepted. Both are
+corrected when the step's results are committed.
+
 Glossary:
 - draft tokens: tokens proposed by the drafter for the next step; verified by the target model, accepted ones are
   appended and rejected ones rolled back.
+- output placeholder: a generated token that a step in flight will append but the host does not know yet.
 """
 
 from __future__ import annotations
@@ -127,6 +133,7 @@ class Request:
         self.output_logprobs: list[float] = []
         self.num_computed_tokens = 0
         self.draft_token_ids: list[int] = []
+        self.num_output_placeholders = 0
         self._status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.error_message: str | None = None

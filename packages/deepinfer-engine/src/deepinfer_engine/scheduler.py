@@ -31,16 +31,30 @@ Driving loop (synchronous):
         scheduler_output = scheduler.schedule()
         runner_output = runner.execute(scheduler_output)     # an empty ModelRunnerOutput when nothing is scheduled
         outputs = scheduler.update_from_output(scheduler_output, runner_output, stop_checker)
+
+Asynchronous scheduling (runtime §6.9; driven by `deepinfer_engine.engine_core`): `schedule()` may be called once
+more before the previous step's `update_from_output`, and steps are committed in the order they were scheduled.
+A request whose sampling step is still in flight is scheduled with placeholders: one token (the one that step
+samples) plus `max_num_draft_tokens` drafts (the ones it proposes), all of them read by the runner on the device;
+its `num_computed_tokens` assumes the drafts in flight are accepted, and the cache reserves for that worst case. A
+request that the step in flight surely finishes (max_tokens, max_model_len) is not scheduled again; one that it
+finishes by a stop token is, and that extra result is discarded. When the step in flight cannot get its worst-case
+cache, it waits for the results instead of preempting itself. Cache of a request that finishes (or is aborted)
+while a step that computes it is in flight is freed only once that step is committed, so a step in flight never
+computes into cache the scheduler has handed out again; preemption frees at once (the space is needed now) and
+relies on the device running steps in launch order.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from deepinfer_engine.cache_manager import AllocationResult, CacheManager
 from deepinfer_engine.config import SchedulerConfig
 from deepinfer_engine.outputs import (
+    PLACEHOLDER_TOKEN_ID,
     CompletionOutput,
     ModelRunnerOutput,
     RequestMetrics,
@@ -55,6 +69,14 @@ __all__ = ["Scheduler", "StopChecker"]
 StopChecker = Callable[[Request], str | None]
 """Called after each token appended to a request (it is `request.last_token_id`) unless an earlier stop condition
 already finished the request; returns the stop string found in the request's detokenized text, or None."""
+
+
+@dataclass(frozen=True)
+class _StepInFlight:
+    """A scheduled step whose results are not committed yet."""
+
+    output: SchedulerOutput
+    requests: dict[str, ScheduledRequest]
 
 
 class Scheduler:
@@ -82,6 +104,8 @@ class Scheduler:
         self._finished_ids: set[str] = set()
         self._pending_outputs: list[RequestOutput] = []
         self._step = 0
+        self._in_flight: deque[_StepInFlight] = deque()
+        self._frees_after_step: dict[int, list[str]] = {}
 
     @property
     def num_waiting(self) -> int:
@@ -92,6 +116,11 @@ class Scheduler:
     def num_running(self) -> int:
         """Requests holding cache."""
         return len(self._running)
+
+    @property
+    def num_steps_in_flight(self) -> int:
+        """Steps scheduled whose results are not committed yet (at most 2, while scheduling ahead)."""
+        return len(self._in_flight)
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request is unfinished or an output is still to be returned."""
@@ -112,6 +141,11 @@ class Scheduler:
         """
         if request.request_id in self._requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        if self.cache_manager.has_request(request.request_id):
+            raise ValueError(
+                f"request id {request.request_id!r} still holds the cache of a finished request until the step in "
+                f"flight is committed; use a fresh id"
+            )
         if request.status is not RequestStatus.WAITING or request.num_computed_tokens != 0:
             raise ValueError(f"request {request.request_id!r} must be new (WAITING, nothing computed), got {request!r}")
         request.arrival_step = self._step
@@ -135,7 +169,16 @@ class Scheduler:
         self._pending_outputs.append(self._finish(request, status, self._step, error_message=error_message))
 
     def schedule(self) -> SchedulerOutput:
-        """Decide this step's work (see the module docstring)."""
+        """Decide this step's work (see the module docstring).
+
+        Raises:
+            RuntimeError: two steps are already in flight (commit the older one first).
+        """
+        if len(self._in_flight) > 1:
+            raise RuntimeError(
+                f"steps {[s.output.step for s in self._in_flight]} are in flight; commit the oldest with "
+                f"update_from_output before scheduling another"
+            )
         step = self._step
         self._step += 1
         budget = self.config.max_num_batched_tokens
@@ -144,13 +187,15 @@ class Scheduler:
         preempted: list[str] = []
 
         victims = sorted(self._running, key=self._victim_key, reverse=True)
-        serve = sorted(self._running, key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, self._victim_key(r)))
+        serve = sorted(self._running, key=lambda r: (self._num_remaining(r) > 1, self._victim_key(r)))
         for request in serve:
             if budget == 0:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
             num_new, num_drafts = self._num_new_tokens(request, budget)
+            if num_new == 0:
+                continue  # its step in flight must be committed first
             allocation = self._allocate_or_preempt(request, num_new, victims, scheduled_ids, preempted, step)
             if allocation is None:
                 continue  # the request itself was preempted
@@ -174,7 +219,9 @@ class Scheduler:
 
         finished_ids = frozenset(self._finished_ids)
         self._finished_ids.clear()
-        return SchedulerOutput(step, tuple(scheduled), finished_ids, tuple(preempted))
+        output = SchedulerOutput(step, tuple(scheduled), finished_ids, tuple(preempted))
+        self._in_flight.append(_StepInFlight(output, {s.request_id: s for s in scheduled}))
+        return output
 
     def update_from_output(
         self,
@@ -185,27 +232,38 @@ class Scheduler:
         """Commit the runner's results for `scheduler_output` and return this step's outputs.
 
         Outputs of requests that finished outside a step (ignored, aborted, failed) come first, then one per
-        scheduled request that emitted tokens, in batch order.
+        scheduled request that emitted tokens, in batch order. Steps are committed in the order they were
+        scheduled; nothing changes when the runner output is rejected.
 
         Args:
             scheduler_output: the output of the matching `schedule()` call.
             runner_output: the runner's results, index-aligned with `scheduler_output.scheduled_requests`.
             stop_checker: the engine's stop-string check (see `StopChecker`); None when no request has stop strings.
         """
+        if not self._in_flight or self._in_flight[0].output.step != scheduler_output.step:
+            in_flight = [s.output.step for s in self._in_flight]
+            raise ValueError(f"step {scheduler_output.step} is not the oldest step in flight {in_flight}")
         expected = tuple(s.request_id for s in scheduler_output.scheduled_requests)
         if runner_output.request_ids != expected:
             raise ValueError(f"runner output is for requests {runner_output.request_ids}, expected {expected}")
-        outputs, self._pending_outputs = self._pending_outputs, []
+        valid = []
         for index, scheduled in enumerate(scheduler_output.scheduled_requests):
             request = self._requests.get(scheduled.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # finished or preempted since it was scheduled: its result is void
+            self._check_result(request, scheduled, runner_output.sampled_token_ids[index])
+            valid.append((index, request, scheduled))
+        self._in_flight.popleft()
+        outputs, self._pending_outputs = self._pending_outputs, []
+        for index, request, scheduled in valid:
             sampled = runner_output.sampled_token_ids[index]
             logprobs = runner_output.logprobs[index] if runner_output.logprobs is not None else None
             drafts = runner_output.draft_token_ids[index] if runner_output.draft_token_ids is not None else ()
             output = self._commit(request, scheduled, sampled, logprobs, drafts, scheduler_output.step, stop_checker)
             if output is not None:
                 outputs.append(output)
+        for request_id in self._frees_after_step.pop(scheduler_output.step, ()):
+            self.cache_manager.free(request_id)
         return outputs
 
     def _victim_key(self, request: Request) -> tuple[int, int]:
@@ -230,24 +288,40 @@ class Scheduler:
                 if v.status is RequestStatus.RUNNING and v.request_id not in scheduled_ids and v is not request
             )
             victim = next(candidates, request)
+            if victim is request and request.num_output_placeholders:
+                return None  # its worst case does not fit: wait for the step in flight rather than lose it
             preempted.append(victim.request_id)
             self._preempt(victim, step)
             if victim is request:
                 return None
         return allocation
 
+    @staticmethod
+    def _num_remaining(request: Request) -> int:
+        """Known or in-flight tokens of the request whose cache is not written or reserved yet."""
+        return request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
+
     def _num_new_tokens(self, request: Request, budget: int) -> tuple[int, int]:
-        """Tokens to compute this step and how many of them are draft tokens."""
-        remaining = request.num_tokens - request.num_computed_tokens
+        """Tokens to compute this step and how many of them are draft tokens; (0, 0) to skip the request."""
+        remaining = self._num_remaining(request)
         num_drafts = 0
         if remaining == 1:
+            in_flight = request.num_output_placeholders > 0
+            # The step in flight appends at least one token.
+            min_num_outputs = request.num_output_tokens + in_flight
+            if in_flight and (
+                min_num_outputs >= request.stop.max_tokens or request.num_tokens + 1 > self.config.max_model_len
+            ):
+                return 0, 0  # the step in flight surely finishes it
+            # In flight, the drafts are the ones that step proposes (a drafter proposes max_num_draft_tokens).
+            num_available = self.config.max_num_draft_tokens if in_flight else len(request.draft_token_ids)
             # Drafts beyond the last token the request may still emit would be wasted.
             num_drafts = min(
-                len(request.draft_token_ids),
-                self.config.max_num_draft_tokens,
-                request.stop.max_tokens - request.num_output_tokens - 1,
+                num_available, self.config.max_num_draft_tokens, request.stop.max_tokens - min_num_outputs - 1
             )
         num_new = min(remaining + num_drafts, budget, self.config.max_model_len - request.num_computed_tokens)
+        if num_new <= 0:
+            return 0, 0  # optimistic positions of a request in flight reached max_model_len
         return num_new, max(0, num_new - remaining)
 
     def _scheduled(
@@ -260,9 +334,19 @@ class Scheduler:
         step: int,
     ) -> ScheduledRequest:
         start = request.num_computed_tokens
-        known = request.token_ids(start, start + num_new - num_drafts)
-        inputs = tuple(known + request.draft_token_ids[:num_drafts])
+        num_known = request.num_tokens + request.num_output_placeholders
+        num_placeholders = 0
+        if request.num_output_placeholders:
+            # Every input comes from the sampling step in flight, which covered all known tokens.
+            num_placeholders = num_new
+            inputs = (PLACEHOLDER_TOKEN_ID,) * num_new
+        else:
+            known = request.token_ids(start, start + num_new - num_drafts)
+            inputs = tuple(known + request.draft_token_ids[:num_drafts])
         request.num_computed_tokens += num_new
+        samples_token = request.num_computed_tokens - num_drafts >= num_known
+        if samples_token:
+            request.num_output_placeholders += 1 + num_drafts
         if request.first_scheduled_step is None:
             request.first_scheduled_step = step
         return ScheduledRequest(
@@ -271,11 +355,12 @@ class Scheduler:
             input_token_ids=inputs,
             num_computed_tokens=start,
             num_draft_tokens=num_drafts,
-            samples_token=request.num_computed_tokens - num_drafts >= request.num_tokens,
+            samples_token=samples_token,
             num_prompt_tokens=request.num_prompt_tokens,
             state_slot=allocation.state_slot,
             first_new_block_index=allocation.first_new_block_index,
             new_block_ids=allocation.new_block_ids,
+            num_placeholder_tokens=num_placeholders,
         )
 
     def _preempt(self, request: Request, step: int) -> None:
@@ -283,12 +368,49 @@ class Scheduler:
         self.cache_manager.free(request.request_id)
         request.num_computed_tokens = 0
         request.draft_token_ids = []
+        request.num_output_placeholders = 0
         request.num_preemptions += 1
         if self.config.stop_preempted_requests:
             self._pending_outputs.append(self._finish(request, RequestStatus.FINISHED_PREEMPTED, step))
             return
         request.set_status(RequestStatus.PREEMPTED)
         self._waiting.appendleft(request)
+
+    @staticmethod
+    def _verified_drafts(request: Request, scheduled: ScheduledRequest) -> tuple[int, ...]:
+        """The draft tokens the step verified for the request (placeholders: the ones committed before it)."""
+        num_drafts = scheduled.num_draft_tokens
+        if scheduled.num_placeholder_tokens:
+            return tuple(request.draft_token_ids[:num_drafts])
+        return scheduled.input_token_ids[len(scheduled.input_token_ids) - num_drafts :]
+
+    def _check_result(self, request: Request, scheduled: ScheduledRequest, sampled: tuple[int, ...]) -> None:
+        """Raise ValueError when the runner's tokens for one request cannot be the result of `scheduled`."""
+        request_id = request.request_id
+        if not scheduled.samples_token:
+            if sampled:
+                raise ValueError(f"request {request_id!r}: runner sampled {sampled} for a partial prompt chunk")
+            return
+        num_drafts = scheduled.num_draft_tokens
+        if not 1 <= len(sampled) <= num_drafts + 1:
+            raise ValueError(
+                f"request {request_id!r}: runner emitted {len(sampled)} tokens, expected 1 .. {num_drafts + 1}"
+            )
+        verified = self._verified_drafts(request, scheduled)
+        if len(verified) < num_drafts:
+            raise ValueError(
+                f"request {request_id!r}: the step verified {num_drafts} draft placeholders but the runner proposed "
+                f"only {len(verified)} drafts in the step before; a drafter must propose max_num_draft_tokens"
+            )
+        num_accepted = len(sampled) - 1
+        if tuple(sampled[:num_accepted]) != verified[:num_accepted]:
+            raise ValueError(
+                f"request {request_id!r}: accepted tokens {sampled[:num_accepted]} differ from the drafts {verified}"
+            )
+
+    def _num_tokens_in_later_steps(self, request_id: str) -> int:
+        """Tokens of the request reserved by steps in flight (the step being committed is no longer listed)."""
+        return sum(s.requests[request_id].num_scheduled_tokens for s in self._in_flight if request_id in s.requests)
 
     def _commit(
         self,
@@ -300,29 +422,20 @@ class Scheduler:
         step: int,
         stop_checker: StopChecker | None,
     ) -> RequestOutput | None:
-        """Append one request's emitted tokens; returns its output, or None for a prompt chunk that sampled nothing."""
+        """Append one request's emitted tokens (checked by `_check_result`); returns its output, or None for a
+        prompt chunk that sampled nothing."""
         request_id = request.request_id
         if not scheduled.samples_token:
-            if sampled:
-                raise ValueError(f"request {request_id!r}: runner sampled {sampled} for a partial prompt chunk")
             return None
         num_drafts = scheduled.num_draft_tokens
-        if not 1 <= len(sampled) <= num_drafts + 1:
-            raise ValueError(
-                f"request {request_id!r}: runner emitted {len(sampled)} tokens, expected 1 .. {num_drafts + 1}"
-            )
         num_accepted = len(sampled) - 1
-        verified = scheduled.input_token_ids[len(scheduled.input_token_ids) - num_drafts :]
-        if tuple(sampled[:num_accepted]) != verified[:num_accepted]:
-            raise ValueError(
-                f"request {request_id!r}: accepted tokens {sampled[:num_accepted]} differ from the drafts {verified}"
-            )
+        request.num_output_placeholders -= 1 + num_drafts
         request.num_verified_draft_tokens += num_drafts
         request.num_accepted_draft_tokens += num_accepted
         num_rejected = num_drafts - num_accepted
         if num_rejected:
             request.num_computed_tokens -= num_rejected
-            self.cache_manager.rollback(request_id, num_rejected)
+            self.cache_manager.rollback(request_id, num_rejected, self._num_tokens_in_later_steps(request_id))
         request.draft_token_ids = []
         if request.first_token_step is None:
             request.first_token_step = step
@@ -378,7 +491,7 @@ class Scheduler:
         elif request in self._waiting:
             self._waiting.remove(request)
         if self.cache_manager.has_request(request_id):
-            self.cache_manager.free(request_id)
+            self._release_cache(request_id)
         del self._requests[request_id]
         del self._arrival[request_id]
         self._finished_ids.add(request_id)
@@ -404,3 +517,11 @@ class Scheduler:
             metrics=metrics,
         )
         return RequestOutput(request_id, new_token_ids, new_logprobs, request.num_output_tokens, reason, completion)
+
+    def _release_cache(self, request_id: str) -> None:
+        """Free a finished request's cache now, or once the last step in flight that computes it is committed."""
+        steps = [s.output.step for s in self._in_flight if request_id in s.requests]
+        if steps:
+            self._frees_after_step.setdefault(max(steps), []).append(request_id)
+        else:
+            self.cache_manager.free(request_id)
