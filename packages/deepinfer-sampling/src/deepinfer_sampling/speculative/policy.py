@@ -154,9 +154,8 @@ def redistribute_verified_drafts(
     estimates = torch.where(in_previous_step[:, None], torch.cumprod(confidences, dim=1), 0.0).flatten()
     # Stable descending sort: ties keep flat (request-major) order, so each request's picks are a prefix.
     order = torch.sort(estimates, descending=True, stable=True).indices
-    picked = torch.zeros_like(estimates, dtype=torch.int64)
-    picked[order[:num_extra_rows]] = 1
-    return picked.view(num_requests, nextn).sum(dim=1)
+    rank = torch.empty_like(order).scatter_(0, order, torch.arange(order.shape[0], device=order.device))
+    return (rank < num_extra_rows).view(num_requests, nextn).sum(dim=1)
 
 
 def estimate_slope_ms(samples: Sequence[tuple[int, float]]) -> float:
