@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from deepinfer_kernels.testing import assert_bitwise_equal, assert_close
 from deepinfer_parallel.attention_dp import (
     exchange_token_layout,
     gather_tokens,
@@ -57,10 +58,10 @@ def _attention_dp_worker(rank, world_size):
     all_hidden = gather_tokens(hidden, layout, ep)
     all_ids = gather_tokens(topk_ids, layout, ep)
     all_weights = gather_tokens(topk_weights, layout, ep)
-    gathered_exact = torch.equal(all_hidden, torch.cat([h for h, _, _ in per_rank])) and torch.equal(
-        all_ids, torch.cat([i for _, i, _ in per_rank])
-    )
-    round_trip = torch.equal(scatter_tokens(all_hidden, layout), hidden)
+    assert_bitwise_equal(all_hidden, torch.cat([h for h, _, _ in per_rank]), message=f"rank {rank} gathered hidden")
+    assert_bitwise_equal(all_ids, torch.cat([i for _, i, _ in per_rank]), message=f"rank {rank} gathered ids")
+    # torch.equal: this rank may hold no tokens, and assert_bitwise_equal cannot take empty tensors yet.
+    assert torch.equal(scatter_tokens(all_hidden, layout), hidden), f"rank {rank}: round trip changed the tokens"
 
     # Each rank applies only its own experts (contiguous shares) to every gathered token; reduce-scatter sums them.
     per_rank_experts = NUM_EXPERTS // ep.size
@@ -72,19 +73,11 @@ def _attention_dp_worker(rank, world_size):
     expected = _apply_experts(
         hidden, topk_ids, topk_weights, weights, lambda ids: torch.ones_like(ids, dtype=torch.bool)
     )
-    err = float((out - expected).abs().max()) if out.numel() else 0.0
-
-    vote = max_over_ranks(hidden.shape[0], groups.data_parallel_cpu)
-    return gathered_exact, round_trip, tuple(out.shape) == tuple(hidden.shape), err, vote
+    assert_close(out, expected, rtol=0.0, atol=ATOL, message=f"rank {rank} gathered MoE")
+    return max_over_ranks(hidden.shape[0], groups.data_parallel_cpu)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_attention_dp_gather_moe_reduce_scatter_round_trip(run_ranks, world_size):
-    results = run_ranks(world_size, _attention_dp_worker)
-    max_tokens = max([5, 0, 7, 3][:world_size])
-    for gathered_exact, round_trip, same_shape, err, vote in results:
-        assert gathered_exact
-        assert round_trip
-        assert same_shape
-        assert err <= ATOL
-        assert vote == max_tokens
+    votes = run_ranks(world_size, _attention_dp_worker)
+    assert votes == [max([5, 0, 7, 3][:world_size])] * world_size

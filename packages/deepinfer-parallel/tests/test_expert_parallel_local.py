@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from deepinfer_kernels.testing import assert_close
 from deepinfer_parallel.config import ExpertLayoutConfig
 from deepinfer_parallel.expert_parallel import (
     AllToAllDispatcher,
@@ -75,7 +76,7 @@ def test_single_rank_moe_groups_rows_by_local_expert():
     dispatcher = AllToAllDispatcher(RankGroup.single(), num_local_experts=3)
     out = expert_parallel_moe(hidden, topk_ids, topk_weights, expert_fn, dispatcher)
     expected = (topk_weights * scales[topk_ids]).sum(dim=1, keepdim=True) * hidden
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-6)
+    assert_close(out, expected, atol=1e-5, rtol=1e-6)
     assert seen_counts == [[4, 4, 4]]
 
 

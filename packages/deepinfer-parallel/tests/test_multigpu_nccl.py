@@ -10,6 +10,7 @@ import pytest
 import torch
 from cp_attention import causal_mask, masked_attention, packed_metadata
 
+from deepinfer_kernels.testing import assert_bitwise_equal, assert_close
 from deepinfer_parallel.attention_dp import exchange_token_layout, gather_tokens, max_over_ranks, reduce_scatter_tokens
 from deepinfer_parallel.config import EplbConfig, ParallelConfig
 from deepinfer_parallel.context_parallel import (
@@ -40,9 +41,7 @@ def _moe_reference(hidden, topk_ids, topk_weights, weights):
 
 
 def _close(name, actual, expected):
-    err = float((actual - expected).abs().max()) if actual.numel() else 0.0
-    if actual.shape != expected.shape or err > ATOL:
-        raise AssertionError(f"{name}: shape {tuple(actual.shape)} vs {tuple(expected.shape)}, max error {err}")
+    assert_close(actual, expected, rtol=0.0, atol=ATOL, message=name)
 
 
 def _nccl_worker(rank, world_size):
@@ -79,8 +78,7 @@ def _nccl_worker(rank, world_size):
     _close("ep moe", expert_parallel_moe(hidden, physical, topk_weights, expert_fn, dispatcher), expected)
     new_p2l = rebalance_experts(window.sum_over_ranks(ep).cpu(), layout.num_redundant_experts, ep.size)
     apply_placement([local_weights], placement, new_p2l, ep, num_p2p_groups=2)
-    if not torch.equal(local_weights[0], weights[placement.local_logical_experts(0, ep.rank)]):
-        raise AssertionError("expert weights after rearrangement do not match the new placement")
+    assert_bitwise_equal(local_weights[0], weights[placement.local_logical_experts(0, ep.rank)], message="eplb weights")
     physical = map_to_physical(topk_ids, placement, 0, token_offset=ep.rank)
     _close("ep moe after eplb", expert_parallel_moe(hidden, physical, topk_weights, expert_fn, dispatcher), expected)
 
