@@ -21,18 +21,23 @@ import torch
 import xgrammar as xgr
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from deepinfer_sampling.speculative import verify_rejection
 from deepinfer_sampling.structured import (
     RequestGrammarMatcher,
+    StepMaskRequest,
     allocate_token_bitmask,
     apply_token_bitmask_,
     build_tokenizer_info,
     compile_structured_grammar,
+    fill_step_bitmask,
 )
 
 EOS = "<eos>"
 PADDED_VOCAB = 512  # LM-head width above the tokenizer size: padding columns must never be emitted
 MAX_STEPS = 2000
 SAMPLES_PER_GRAMMAR = 5
+NUM_DRAFTS = 3
+MAX_SPECULATIVE_STEPS = 150
 
 
 def _corpus(rng: random.Random) -> list[str]:
@@ -374,3 +379,77 @@ def test_validator_rejects_violations():
         _validate({"a": 1, "zzz": 2}, JSON_SCHEMAS[13], {})
     with pytest.raises(AssertionError):
         _validate("2024-13-30", JSON_SCHEMAS[8], {})
+
+
+def _speculative_generate(grammar: xgr.CompiledGrammar, tokenizer: Tokenizer, seed: int) -> tuple[str | None, int]:
+    """Decode with drafts: a drafter that is grammar-aware 70 % of the time proposes NUM_DRAFTS tokens, the target
+    (random logits under the step's bitmask) verifies them, and the committed tokens are fed back to the matcher.
+    Returns the decoded text (None if unfinished) and the number of accepted drafts."""
+    eos = tokenizer.token_to_id(EOS)
+    matcher = RequestGrammarMatcher(grammar, max_rollback_tokens=NUM_DRAFTS + 2)
+    generator = torch.Generator().manual_seed(seed)
+    scratch = allocate_token_bitmask(1, PADDED_VOCAB)
+    # The careless part of the drafter: uniform over the tokenizer's tokens (not the LM head's padding columns).
+    uniform = torch.zeros(PADDED_VOCAB)
+    uniform[: tokenizer.get_vocab_size()] = 1.0 / tokenizer.get_vocab_size()
+    committed: list[int] = []
+    output: list[int] = []
+    num_accepted_total = 0
+    for _ in range(MAX_SPECULATIVE_STEPS):
+        # Drafter: walk the grammar tentatively so most drafts are valid, then undo the walk.
+        drafts, draft_probs, walked = [], [], 0
+        for _ in range(NUM_DRAFTS):
+            matcher.fill_bitmask(scratch, 0)
+            guided = torch.randn(1, PADDED_VOCAB, generator=generator) * 2.0
+            apply_token_bitmask_(guided, scratch)
+            probs = 0.7 * torch.softmax(guided[0], dim=-1) + 0.3 * uniform
+            draft = int(torch.multinomial(probs, 1, generator=generator))
+            drafts.append(draft)
+            draft_probs.append(probs)
+            if walked == len(drafts) - 1 and matcher.accept_token(draft):
+                walked += 1
+        matcher.rollback(walked)
+        # Masks: feed last step's committed tokens, then one row per draft position.
+        bitmask = allocate_token_bitmask(NUM_DRAFTS + 1, PADDED_VOCAB)
+        failures = fill_step_bitmask(bitmask, [StepMaskRequest("r", matcher, 0, committed, drafts)])
+        assert failures == {}, failures
+        logits = torch.randn(NUM_DRAFTS + 1, PADDED_VOCAB, generator=generator) * 2.0
+        apply_token_bitmask_(logits, bitmask)
+        out = verify_rejection(
+            torch.log_softmax(logits, dim=-1),
+            torch.tensor([*drafts, -1]),
+            torch.stack([*draft_probs, uniform]),
+            torch.tensor([NUM_DRAFTS]),
+            torch.full((NUM_DRAFTS + 1,), seed, dtype=torch.int64),
+            len(output) + torch.arange(NUM_DRAFTS + 1),
+        )
+        emitted = [t for t in out.output_token_ids.tolist() if t >= 0]
+        num_accepted_total += int(out.num_accepted_draft_tokens)
+        if eos in emitted:  # stop conditions truncate at the stop token
+            emitted = emitted[: emitted.index(eos) + 1]
+        committed = emitted
+        output += emitted
+        if output[-1] == eos:
+            fill_step_bitmask(
+                allocate_token_bitmask(1, PADDED_VOCAB), [StepMaskRequest("r", matcher, 0, committed, [])]
+            )
+            assert matcher.is_terminated
+            return tokenizer.decode(output[:-1], skip_special_tokens=False), num_accepted_total
+    return None, num_accepted_total
+
+
+@pytest.mark.parametrize("index", [1, 2, 16, 24, 26])
+def test_speculative_decoding_under_a_grammar(index, compiler, tokenizer):
+    """Rejected drafts are rolled back, the recovered token is drawn from the masked target, and the committed
+    tokens always satisfy the grammar (fill_step_bitmask would report a failure otherwise)."""
+    schema = JSON_SCHEMAS[index]
+    grammar = compile_structured_grammar(compiler, "json_schema", json.dumps(schema))
+    finished, accepted = 0, 0
+    for seed in range(2):
+        text, num_accepted = _speculative_generate(grammar, tokenizer, 100 * index + seed)
+        accepted += num_accepted
+        if text is not None:
+            finished += 1
+            _validate(json.loads(text, strict=False), schema, schema.get("$defs", {}))
+    assert finished > 0
+    assert accepted > 0, "no draft was ever accepted; the test would not exercise acceptance"
