@@ -3,10 +3,11 @@
 Flow (runtime.md §4.2): the engine calls ``submit`` when a request with ``so_args`` arrives and does not schedule it
 yet; every step it calls ``poll``, which hands back a ``GrammarBuildResult`` for each finished build — either a ready
 ``RequestGrammarMatcher`` or a ``StructuredOutputError`` — ordered by submission (a slow build never holds back
-later ones that are done). A build fails (never raises into the
-engine) on an unsupported schema type, an invalid trigger/bound, an xgrammar compile error, or when it takes longer
-than ``compile_timeout_s`` from submission; the engine then finishes only that request with ``FINISHED_SO_FAILED``.
-A timed-out compile keeps running in its thread; its grammar still lands in the cache.
+later ones that are done). A build fails (never raises into the engine) on an unsupported schema type, an invalid
+trigger/bound, an xgrammar compile error, or when it takes longer than ``compile_timeout_s`` from submission; the
+engine then finishes only that request with ``FINISHED_SO_FAILED``. A timed-out compile keeps running in its thread
+(threads cannot be interrupted; ``shutdown`` waits for it); its grammar still lands in the cache. Pinning the compile
+threads to CPU cores is the engine's business.
 
 Schema types (``StructuredOutputSpec.schema_type`` in ``params.py``):
     ``json_schema``: JSON Schema text, compiled in xgrammar strict mode (no properties or items beyond those the
