@@ -15,6 +15,7 @@ def _groups_worker(rank, world_size, dp, cp, ep):
         world_size=world_size, data_parallel_size=dp, context_parallel_size=cp, expert_parallel_size=ep
     )
     groups = ParallelGroups.build(config, rank)
+    groups.warm_up(torch.device("cpu"))
     seen = {}
     for name in ("world", "context_parallel", "data_parallel", "data_parallel_cpu", "expert_parallel"):
         group = getattr(groups, name)

@@ -50,6 +50,7 @@ def _nccl_worker(rank, world_size):
     device = torch.device("cuda", rank)
     config = ParallelConfig(world_size=world_size, data_parallel_size=world_size, expert_parallel_size=world_size)
     groups = ParallelGroups.build(config, rank)
+    groups.warm_up(device)
     ep = groups.expert_parallel
     layout = config.expert_layout(NUM_LOGICAL, min_redundant_experts=2)
     gen = torch.Generator().manual_seed(0)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from deepinfer_parallel.config import ParallelConfig
@@ -156,6 +157,25 @@ class ParallelGroups:
         data_parallel_cpu = _member_group(data_parallel_rank_lists(config), rank, "gloo", config.world_size)
         expert_parallel = _member_group(expert_parallel_rank_lists(config), rank, None, config.world_size)
         return cls(config, world, context_parallel, data_parallel, data_parallel_cpu, expert_parallel)
+
+    def warm_up(self, device: torch.device) -> None:
+        """Run one all-reduce on every group (collective: every rank calls it, in the same order).
+
+        NCCL/HCCL create communicators lazily; warming them here keeps that cost (and the rule that a group's first
+        point-to-point batch must involve all its ranks) out of the first step.
+
+        Args:
+            device: the rank's device for the device groups (CPU for gloo worlds); the DP CPU twin uses CPU.
+        """
+        for group, where in (
+            (self.world, device),
+            (self.context_parallel, device),
+            (self.data_parallel, device),
+            (self.data_parallel_cpu, torch.device("cpu")),
+            (self.expert_parallel, device),
+        ):
+            if group.size > 1:
+                dist.all_reduce(torch.ones(1, device=where), group=group.process_group)
 
     @property
     def rank(self) -> int:
