@@ -156,8 +156,16 @@ def scatter_tokens(full: torch.Tensor, layout: DataParallelTokenLayout) -> torch
 
 
 def max_over_ranks(value: int, group: RankGroup) -> int:
-    """The largest `value` over the group: the DP vote (collective; use the gloo CPU group, e.g.
-    `ParallelGroups.data_parallel_cpu`, to keep it off the device)."""
+    """The largest `value` over the group: the DP vote (collective).
+
+    Args:
+        value: this rank's vote (e.g. 1 if it has unfinished requests).
+        group: a gloo group, e.g. `ParallelGroups.data_parallel_cpu`; the vote travels as a CPU tensor so it never
+            touches the device.
+
+    Returns:
+        The maximum over the group's ranks.
+    """
     tensor = torch.tensor([value], dtype=torch.int64)
     return int(all_reduce_(tensor, group, "max").item())
 

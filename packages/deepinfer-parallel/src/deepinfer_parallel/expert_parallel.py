@@ -254,7 +254,12 @@ class AllToAllDispatcher:
     """
 
     def __init__(self, group: RankGroup, num_local_experts: int) -> None:
-        """Args: group: the EP group; num_local_experts: physical slots per rank (>= 1)."""
+        """Create a dispatcher for one EP group.
+
+        Args:
+            group: the EP group.
+            num_local_experts: physical expert slots per rank (>= 1).
+        """
         if num_local_experts < 1:
             raise ValueError(f"num_local_experts must be >= 1, got {num_local_experts}")
         self.group = group

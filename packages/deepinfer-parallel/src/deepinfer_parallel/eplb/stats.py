@@ -25,8 +25,14 @@ class ExpertLoadWindow:
     def __init__(
         self, layout: ExpertLayoutConfig, num_layers: int, config: EplbConfig, device: torch.device | None = None
     ) -> None:
-        """Args: layout: expert counts; num_layers: MoE layers; config: window size and schedule; device: where
-        the counters live (the device the dispatch counts are on)."""
+        """Create zeroed counters.
+
+        Args:
+            layout: expert counts and EP size.
+            num_layers: MoE layers (>= 1).
+            config: window size and rearrangement schedule.
+            device: where the counters live (the device the dispatch counts are on); CPU when None.
+        """
         if num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {num_layers}")
         self.layout = layout
@@ -93,8 +99,11 @@ class ExpertLoadWindow:
         return all_reduce_(self.logical_load().contiguous(), group, "sum")
 
     def rearrangement_due(self) -> bool:
-        """Whether the counted steps so far reach a rearrangement point: first after
-        config.first_rearrangement_step counted steps, then every config.step_interval counted steps."""
+        """Whether the counted steps so far reach a rearrangement point.
+
+        The first comes after `config.first_rearrangement_step` counted steps, then one every `config.step_interval`
+        counted steps; never when rearrangement is disabled.
+        """
         if not self.config.enabled:
             return False
         first = self.config.first_rearrangement_step
