@@ -6,6 +6,7 @@ The backend is chosen once per op from ``DEEPINFER_ACCELERATOR`` (see ``deepinfe
 Importing this package touches neither the device nor the environment.
 """
 
+from deepinfer_kernels.gemm import fp8_block_gemm, mxfp4_gemm
 from deepinfer_kernels.norm import rms_norm
 from deepinfer_kernels.platform import Accelerator, current_accelerator
 from deepinfer_kernels.quant import (
@@ -26,6 +27,8 @@ __all__ = [
     "dequantize_fp8_block",
     "dequantize_fp8_per_token_group",
     "dequantize_mxfp4",
+    "fp8_block_gemm",
+    "mxfp4_gemm",
     "quantize_fp8_block",
     "quantize_fp8_per_token_group",
     "quantize_mxfp4",

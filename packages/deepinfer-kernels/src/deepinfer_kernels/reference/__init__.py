@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from deepinfer_kernels.reference import norm, quant, rope
+from deepinfer_kernels.reference import gemm, norm, quant, rope
 
 if TYPE_CHECKING:
     from deepinfer_kernels._registry import OpRegistry
@@ -26,3 +26,5 @@ def register(registry: OpRegistry) -> None:
     registry.register("dequantize_fp8_per_token_group", ref, quant.dequantize_fp8_per_token_group)
     registry.register("quantize_mxfp4", ref, quant.quantize_mxfp4)
     registry.register("dequantize_mxfp4", ref, quant.dequantize_mxfp4)
+    registry.register("fp8_block_gemm", ref, gemm.fp8_block_gemm)
+    registry.register("mxfp4_gemm", ref, gemm.mxfp4_gemm)

@@ -1,0 +1,94 @@
+"""Public quantized GEMMs: dynamic FP8 activation × FP8-block or MXFP4 weight, bf16 output (model-core §5.6).
+
+Only the reference exists so far (an exact emulation); on nvidia and ascend these ops fall back to it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer_kernels import _registry
+from deepinfer_kernels._checks import check_dtype, check_ndim_at_least, check_same_device, check_tensor
+
+__all__ = ["fp8_block_gemm", "mxfp4_gemm"]
+
+_ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)
+_GROUP = 32
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _check_activation(x: torch.Tensor, reduction: int) -> None:
+    check_tensor("x", x)
+    check_dtype("x", x.dtype, _ACTIVATION_DTYPES)
+    check_ndim_at_least("x", x, 1)
+    if x.shape[-1] != reduction:
+        raise ValueError(f"x has {x.shape[-1]} columns but the weight's reduction dimension is {reduction}")
+    if reduction % _GROUP:
+        raise ValueError(f"the reduction dimension ({reduction}) must be a multiple of {_GROUP}")
+
+
+def _run(op: str, x: torch.Tensor, weight_rows: int, *weight: torch.Tensor) -> torch.Tensor:
+    out = torch.empty((*x.shape[:-1], weight_rows), dtype=torch.bfloat16, device=x.device)
+    if out.numel() == 0:
+        return out
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    if rows.shape[1] == 0:
+        return out.zero_()
+    _registry.resolve(op)(rows, *(w.contiguous() for w in weight), out.view(-1, weight_rows))
+    return out
+
+
+def fp8_block_gemm(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """``y = bf16(x̂ · Ŵᵀ)``: x quantized per token and 32 columns (§5.5), weight in 32×32 FP8 blocks (§5.2).
+
+    Args:
+        x: [..., K] bf16 or fp32, ``K % 32 == 0``.
+        w_q: [N, K] float8_e4m3fn, same device.
+        w_scale: [⌈N/32⌉, K/32] float8_e8m0fnu, same device.
+
+    Returns:
+        [..., N] bf16.
+    """
+    check_tensor("w_q", w_q)
+    check_tensor("w_scale", w_scale)
+    check_dtype("w_q", w_q.dtype, (torch.float8_e4m3fn,))
+    check_dtype("w_scale", w_scale.dtype, (torch.float8_e8m0fnu,))
+    if w_q.dim() != 2:
+        raise ValueError(f"w_q must be 2-D [N, K], got shape {tuple(w_q.shape)}")
+    n, k = w_q.shape
+    _check_activation(x, k)
+    expected = (_cdiv(n, 32), k // 32)
+    if tuple(w_scale.shape) != expected:
+        raise ValueError(f"w_scale must have shape {expected} for w_q {tuple(w_q.shape)}, got {tuple(w_scale.shape)}")
+    check_same_device(x=x, w_q=w_q, w_scale=w_scale)
+    return _run("fp8_block_gemm", x, n, w_q, w_scale)
+
+
+def mxfp4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``y = bf16(x̂ · Ŵᵀ)``: x quantized per token and 32 columns (§5.5), weight MXFP4 (§5.3).
+
+    Args:
+        x: [..., K] bf16 or fp32, ``K % 32 == 0``.
+        packed: [N, K/2] int8 or uint8 (low nibble = even element), same device.
+        scale: [N, K/32] float8_e8m0fnu, same device.
+
+    Returns:
+        [..., N] bf16.
+    """
+    check_tensor("packed", packed)
+    check_tensor("scale", scale)
+    check_dtype("packed", packed.dtype, (torch.int8, torch.uint8))
+    check_dtype("scale", scale.dtype, (torch.float8_e8m0fnu,))
+    if packed.dim() != 2:
+        raise ValueError(f"packed must be 2-D [N, K/2], got shape {tuple(packed.shape)}")
+    n, k = packed.shape[0], packed.shape[1] * 2
+    _check_activation(x, k)
+    if tuple(scale.shape) != (n, k // 32):
+        raise ValueError(
+            f"scale must have shape {(n, k // 32)} for packed {tuple(packed.shape)}, got {tuple(scale.shape)}"
+        )
+    check_same_device(x=x, packed=packed, scale=scale)
+    return _run("mxfp4_gemm", x, n, packed.view(torch.int8), scale)
