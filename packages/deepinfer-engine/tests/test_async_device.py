@@ -113,6 +113,8 @@ class FakeDeviceRunner:
         self.events: list[tuple[str, int]] = []
         self.released_by: dict[int, str] = {}
         self.num_placeholder_tokens_resolved = 0
+        self.num_preempted_in_flight = 0  # preempted while the step computing them was still running
+        self._in_flight_ids: set[str] = set()
         self._cond = threading.Condition()
         self._num_launched = 0
         self._num_waited = 0
@@ -128,6 +130,9 @@ class FakeDeviceRunner:
 
     def execute(self, scheduler_output: SchedulerOutput) -> Launch:
         with self._cond:
+            if self._num_waited < self._num_launched:
+                self.num_preempted_in_flight += len(self._in_flight_ids & set(scheduler_output.preempted_request_ids))
+            self._in_flight_ids = {s.request_id for s in scheduler_output.scheduled_requests}
             launch = Launch(self._num_launched, scheduler_output)
             self._num_launched += 1
             self.events.append(("launch", launch.index))

@@ -6,7 +6,9 @@ See `deepinfer_engine.outputs` for the stage chain of one step.
 from deepinfer_engine.block_pool import BlockPool
 from deepinfer_engine.cache_manager import AllocationResult, CacheManager
 from deepinfer_engine.config import CacheConfig, SchedulerConfig
+from deepinfer_engine.engine_core import EngineCore, ModelRunnerProtocol
 from deepinfer_engine.outputs import (
+    PLACEHOLDER_TOKEN_ID,
     CompletionOutput,
     ModelRunnerOutput,
     RequestMetrics,
@@ -18,13 +20,16 @@ from deepinfer_engine.request import FinishReason, Request, RequestStatus, StopC
 from deepinfer_engine.scheduler import Scheduler, StopChecker
 
 __all__ = [
+    "PLACEHOLDER_TOKEN_ID",
     "AllocationResult",
     "BlockPool",
     "CacheConfig",
     "CacheManager",
     "CompletionOutput",
+    "EngineCore",
     "FinishReason",
     "ModelRunnerOutput",
+    "ModelRunnerProtocol",
     "Request",
     "RequestMetrics",
     "RequestOutput",
