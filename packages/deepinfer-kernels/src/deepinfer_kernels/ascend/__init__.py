@@ -6,20 +6,14 @@ are exercised on CPU through ``deepinfer_kernels.testing_npu_double``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from deepinfer_kernels._registry import Backend, OpRegistry
 from deepinfer_kernels.ascend import norm, quant, rope
-
-if TYPE_CHECKING:
-    from deepinfer_kernels._registry import OpRegistry
 
 __all__ = ["register"]
 
 
 def register(registry: OpRegistry) -> None:
     """Register the Ascend implementations (quantize_mxfp4 and ue8m0_to_float fall back to the reference)."""
-    from deepinfer_kernels._registry import Backend
-
     ascend = Backend.ASCEND
     registry.register("rms_norm", ascend, norm.rms_norm)
     registry.register("apply_rope", ascend, rope.apply_rope)

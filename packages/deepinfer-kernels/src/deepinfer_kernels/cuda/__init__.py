@@ -5,20 +5,14 @@ Imported only when the nvidia backend is selected, so importing ``deepinfer_kern
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from deepinfer_kernels._registry import Backend, OpRegistry
 from deepinfer_kernels.cuda import norm, quant, rope
-
-if TYPE_CHECKING:
-    from deepinfer_kernels._registry import OpRegistry
 
 __all__ = ["register"]
 
 
 def register(registry: OpRegistry) -> None:
     """Register the Triton implementations (quantize_mxfp4 and ue8m0_to_float fall back to the reference)."""
-    from deepinfer_kernels._registry import Backend
-
     nvidia = Backend.NVIDIA
     registry.register("rms_norm", nvidia, norm.rms_norm)
     registry.register("apply_rope", nvidia, rope.apply_rope)

@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from deepinfer_kernels._registry import Backend, OpRegistry
 from deepinfer_kernels.reference import gemm, norm, quant, rope
-
-if TYPE_CHECKING:
-    from deepinfer_kernels._registry import OpRegistry
 
 __all__ = ["register"]
 
 
 def register(registry: OpRegistry) -> None:
     """Register the reference implementation of every op."""
-    from deepinfer_kernels._registry import Backend
-
     ref = Backend.REFERENCE
     registry.register("rms_norm", ref, norm.rms_norm)
     registry.register("apply_rope", ref, rope.apply_rope)
