@@ -1,0 +1,211 @@
+"""Attention of every layer kind (model-attention §3): MLA-style low-rank q, one shared K=V vector per token in a
+sliding window, plus — on compressed layers — ``index_topk`` compressed rows chosen by the indexer.
+
+Per step and layer, in order (§11 rule 6): project q and the SWA KV; read the SWA history from the ring; write the
+chunk's tail into the ring; (kv source) form and store compressed rows; (index-K source) store index keys; (index
+source) select top-k rows, else reuse the source's; attend over ``window ∪ selected rows`` with the per-head sink;
+de-rotate; grouped ``wo_a``; ``wo_b``. Sharing roles come from the layer's ``LayerSpec``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deepinfer_model.config import LayerSpec, TextConfig
+from deepinfer_model.deepseek_v41.compressor import Compressor
+from deepinfer_model.deepseek_v41.context import StepContext, compressed_group
+from deepinfer_model.deepseek_v41.indexer import Indexer, IndexSelection
+from deepinfer_model.layers.linear import Fp8BlockLinear, Fp8GroupedLinear, make_parameter
+from deepinfer_model.layers.mode import ComputeMode, round_activation
+from deepinfer_model.layers.norm import RMSNorm
+from deepinfer_model.layers.rope import RotaryEmbedding
+
+__all__ = ["Attention", "sparse_attention"]
+
+
+def sparse_attention(
+    q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor, scale: float, mode: ComputeMode
+) -> torch.Tensor:
+    """One softmax per head over a per-query key list plus a sink logit with a zero value (K = V).
+
+    FP32 logits and statistics; in exact mode the unnormalized probabilities are rounded to BF16 before the value
+    product (as FlashMLA does; model-attention §3 step 6, A4) while the denominator keeps them in FP32.
+
+    Args:
+        q: [T, n_h, D] bf16/fp32.
+        keys: [T, N, D] fp32 dequantized keys (also the values).
+        valid: [T, N] bool.
+        sink: [n_h] fp32 sink logits.
+        scale: softmax scale ``D^−0.5``.
+        mode: compute mode.
+
+    Returns:
+        [T, n_h, D] fp32; zero for a query without valid keys.
+    """
+    logits = torch.einsum("thd,tnd->thn", q.float(), keys) * scale
+    logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+    peak = torch.maximum(logits.amax(dim=-1), sink[None, :])
+    probs = torch.exp(logits - peak[..., None])
+    denom = probs.sum(dim=-1) + torch.exp(sink[None, :] - peak)
+    weights = round_activation(probs, mode).float()
+    return torch.einsum("thn,tnd->thd", weights, keys) / denom[..., None]
+
+
+class Attention(nn.Module):
+    """``attn.*`` of one backbone or DSpark layer."""
+
+    def __init__(self, cfg: TextConfig, spec: LayerSpec, mode: ComputeMode, swa_group: str) -> None:
+        super().__init__()
+        self.spec = spec
+        self.mode = mode
+        self.swa_group = swa_group
+        self.n_heads = cfg.num_attention_heads
+        self.head_dim = cfg.head_dim
+        self.window = cfg.sliding_window
+        self.softmax_scale = cfg.softmax_scale
+        hidden, q_rank, eps = cfg.hidden_size, cfg.q_lora_rank, cfg.rms_norm_eps
+        self.wq_a = Fp8BlockLinear(hidden, q_rank, mode)
+        self.q_norm = RMSNorm(q_rank, eps, mode)
+        self.wq_b = Fp8BlockLinear(q_rank, self.n_heads * self.head_dim, mode)
+        self.wkv = Fp8BlockLinear(hidden, self.head_dim, mode)
+        self.kv_norm = RMSNorm(self.head_dim, eps, mode)
+        heads_per_group = self.n_heads // cfg.o_groups
+        self.wo_a = Fp8GroupedLinear(cfg.o_groups, heads_per_group * self.head_dim, cfg.o_lora_rank, mode)
+        self.wo_b = Fp8BlockLinear(cfg.o_groups * cfg.o_lora_rank, hidden, mode)
+        self.attn_sink = make_parameter((self.n_heads,), torch.float32)
+        yarn = None
+        if spec.uses_yarn and cfg.rope_scaling is not None:
+            s = cfg.rope_scaling
+            yarn = (s.factor, s.original_max_position_embeddings, s.beta_fast, s.beta_slow)
+        self.rope = RotaryEmbedding(cfg.qk_rope_head_dim, spec.rope_theta, yarn)
+        self.compressor = (
+            Compressor(hidden, self.head_dim, spec.compress_ratio, eps, mode) if spec.owns_compressor else None
+        )
+        self.indexer = (
+            Indexer(
+                hidden,
+                q_rank,
+                self.head_dim,
+                cfg.index_n_heads,
+                cfg.index_head_dim,
+                eps,
+                mode,
+                owns_query=spec.owns_indexer,
+                owns_key=spec.owns_index_k,
+            )
+            if spec.owns_indexer or spec.owns_index_k
+            else None
+        )
+        self.selection = (
+            IndexSelection(
+                layer_id=spec.layer_id,
+                ratio=spec.compress_ratio,
+                topk=cfg.index_topk,
+                index_k_layer=spec.index_k_source,
+                candidate_source=None if spec.is_candidate_source else spec.candidate_source,
+                candidate_topk_blocks=cfg.candidate_topk_blocks or 0,
+                candidate_block_size=cfg.candidate_block_size or 1,
+                produces_candidates=spec.is_candidate_source,
+            )
+            if spec.owns_indexer
+            else None
+        )
+
+    def forward(self, x: torch.Tensor, ctx: StepContext, compressor_input: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of one layer for the step's tokens.
+
+        Args:
+            x: [T, H] ``attn_norm`` output (activation dtype).
+            ctx: step context with metadata, state and cross-layer values.
+            compressor_input: [T, H] input of the compressor (the YOCO shared hidden on consumer kv sources);
+                defaults to ``x``.
+
+        Returns:
+            [T, H] activation dtype.
+        """
+        meta = ctx.meta
+        num_tokens = meta.num_tokens
+        q_latent = self.q_norm(self.wq_a(x))
+        q = self.rope.rotate(self.wq_b(q_latent).view(num_tokens, self.n_heads, self.head_dim), meta.positions)
+        swa_keys, swa_valid = self._swa_keys(x, ctx)
+        keys, valid = swa_keys, swa_valid
+        if self.spec.is_compressed:
+            comp_keys, comp_valid = self._compressed_keys(q_latent, x, ctx, compressor_input)
+            keys = torch.cat([swa_keys, comp_keys], dim=1)
+            valid = torch.cat([swa_valid, comp_valid], dim=1)
+        out = sparse_attention(q, keys, valid, self.attn_sink, self.softmax_scale, self.mode)
+        # De-rotation and both FP8 quantizations of the output path read FP32 values (§3 steps 7–8).
+        out = self.rope.rotate(out, meta.positions, inverse=True)
+        return self.wo_b(self.wo_a(out.reshape(num_tokens, -1)))
+
+    def _window_kv(self, x: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """SWA KV of the step's tokens: ``RoPE(kv_norm(x · wkvᵀ))``, encoded in the ring format.
+
+        Returns:
+            ``(encoded [T, bytes] uint8, dequantized [T, D] fp32)``.
+        """
+        kv = self.rope.rotate(self.kv_norm(self.wkv(x)), ctx.meta.positions)
+        codec = ctx.state.codec(self.swa_group)
+        encoded = codec.encode(kv)
+        return encoded, codec.decode(encoded)
+
+    def _write_window(self, encoded: torch.Tensor, ctx: StepContext) -> None:
+        """Store the last ``min(q_len, ring)`` tokens of every request in the ring (model-attention §10.1)."""
+        meta = ctx.meta
+        ring = ctx.state.ring_size(self.swa_group)
+        keep = meta.ring_write_tokens(ring)
+        rows = meta.ring_rows(meta.token_request[keep], meta.positions[keep], ring)
+        ctx.state.write_encoded(self.swa_group, self.spec.layer_id, rows, encoded[keep])
+
+    def store_window_keys(self, x: torch.Tensor, ctx: StepContext) -> None:
+        """Project and store window keys without attending (DSpark context keys, dspark.md §4).
+
+        Args:
+            x: [T, H] the projected target features (activation dtype).
+        """
+        encoded, _ = self._window_kv(x, ctx)
+        self._write_window(encoded, ctx)
+
+    def _swa_keys(self, x: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gather every query's window (history read before this step's ring write), then store the chunk's tail.
+
+        Returns:
+            ([T, W, D] fp32 keys, [T, W] bool validity).
+        """
+        meta, state = ctx.meta, ctx.state
+        encoded, kv_hat = self._window_kv(x, ctx)
+        ring = state.ring_size(self.swa_group)
+        offsets = torch.arange(self.window, device=kv_hat.device) - (self.window - 1)
+        positions = meta.positions[:, None] + offsets[None, :]
+        request = meta.token_request[:, None].expand_as(positions)
+        history = state.read(self.swa_group, self.spec.layer_id, meta.ring_rows(request, positions, ring))
+        in_chunk = meta.in_chunk(request, positions)
+        keys = torch.where(in_chunk[..., None], kv_hat[meta.chunk_index(request, positions)], history)
+        self._write_window(encoded, ctx)
+        return keys, positions >= 0
+
+    def _compressed_keys(
+        self, q_latent: torch.Tensor, x: torch.Tensor, ctx: StepContext, compressor_input: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the compressor / indexer roles of this layer and gather the selected rows.
+
+        Returns:
+            ([T, K, D] fp32 dequantized rows, [T, K] bool).
+        """
+        spec, meta, state = self.spec, ctx.meta, ctx.state
+        layer = spec.layer_id
+        if self.compressor is not None:
+            hidden = x if compressor_input is None else compressor_input
+            ctx.new_rows[layer] = self.compressor(hidden, ctx, layer, self.rope)
+        if spec.owns_index_k:
+            assert self.indexer is not None
+            self.indexer.write_keys(ctx.new_rows[spec.kv_source], spec.compress_ratio, ctx, layer, self.rope)
+        if self.selection is not None:
+            assert self.indexer is not None
+            ctx.topk[layer] = self.indexer.select(q_latent, x, ctx, self.rope, self.selection)
+        selected = ctx.topk[spec.index_source]
+        group = compressed_group(spec.compress_ratio)
+        request = meta.token_request[:, None].expand_as(selected)
+        rows = meta.paged_rows(request, selected, state.rows_per_block(group))
+        return state.read(group, spec.kv_source, rows), selected >= 0

@@ -1,0 +1,117 @@
+"""One decoder block (model-core §7.2, §8): optional Engram, attention and MoE sub-layers around the mHC trunk.
+
+The block runs the shifted mHC schedule: its attention input is read with the read-mix handed in (computed by the
+previous sub-layer), and it returns the trunk after its own MoE post together with the FFN read-mix for the next
+block.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deepinfer_model.config import LayerSpec, TextConfig
+from deepinfer_model.deepseek_v41.attention import Attention
+from deepinfer_model.deepseek_v41.context import StepContext
+from deepinfer_model.deepseek_v41.engram import Engram
+from deepinfer_model.deepseek_v41.hyper_connection import hc_mixes, hc_post, hc_read
+from deepinfer_model.deepseek_v41.moe import ExpertDispatch, MoE
+from deepinfer_model.layers.linear import make_parameter
+from deepinfer_model.layers.mode import ComputeMode
+from deepinfer_model.layers.norm import RMSNorm
+
+__all__ = ["DecoderBlock"]
+
+
+class DecoderBlock(nn.Module):
+    """``layers.{ℓ}`` (also the body of ``mtp.{i}``).
+
+    Args:
+        cfg: text config.
+        spec: the layer's structural spec.
+        mode: compute mode.
+        num_experts: routed experts of this block (``n_routed_experts`` or ``dspark_n_routed_experts``).
+        top_k: experts per token.
+        swa_group: cache group of the layer's SWA ring.
+        dispatch: expert dispatch seam.
+    """
+
+    def __init__(
+        self,
+        cfg: TextConfig,
+        spec: LayerSpec,
+        mode: ComputeMode,
+        num_experts: int,
+        top_k: int,
+        swa_group: str,
+        dispatch: ExpertDispatch,
+    ) -> None:
+        super().__init__()
+        self.spec = spec
+        self.mode = mode
+        self.cfg = cfg
+        mix, width = cfg.hc_mix_size, cfg.hc_norm_group_size
+        for side in ("attn", "ffn"):
+            setattr(self, f"hc_{side}_base", make_parameter((mix,), torch.float32))
+            setattr(self, f"hc_{side}_fn", make_parameter((mix, width), torch.float32))
+            setattr(self, f"hc_{side}_scale", make_parameter((3,), torch.float32))
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, mode)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, mode)
+        self.attn = Attention(cfg, spec, mode, swa_group)
+        self.ffn = MoE(
+            cfg.hidden_size,
+            cfg.moe_intermediate_size,
+            num_experts,
+            top_k,
+            cfg.n_shared_experts,
+            cfg.routed_scaling_factor,
+            cfg.swiglu_limit,
+            mode,
+            dispatch,
+        )
+        self.engram = Engram(cfg, spec.layer_id, mode) if spec.has_engram else None
+
+    def _mixes(self, side: str, trunk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        return hc_mixes(
+            trunk,
+            getattr(self, f"hc_{side}_fn"),
+            getattr(self, f"hc_{side}_scale"),
+            getattr(self, f"hc_{side}_base"),
+            cfg.rms_norm_eps,
+            cfg.hc_eps,
+            cfg.hc_sinkhorn_iters,
+            self.mode,
+        )
+
+    def forward(
+        self, trunk: torch.Tensor, read_mix: torch.Tensor, ctx: StepContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the block.
+
+        Args:
+            trunk: [T, m, H] activation dtype, after the previous block's post.
+            read_mix: [T, m] fp32 read-mix computed by the previous sub-layer (one-hot for the first block).
+            ctx: step context.
+
+        Returns:
+            ``(trunk after this block's MoE post [T, m, H], FFN read-mix [T, m])``.
+        """
+        layer = self.spec.layer_id
+        if self.engram is not None:
+            if ctx.engram_rows is None or ctx.engram_active is None or ctx.engram_vocab is None:
+                raise ValueError(f"layer {layer} has an Engram: the step needs engram_prefix_ids and an EngramVocab")
+            trunk = self.engram(trunk, ctx.engram_rows, ctx.engram_active, ctx.engram_vocab)
+        if layer in ctx.capture_layers:
+            ctx.features[layer] = trunk.float().mean(dim=1).to(self.mode.activation_dtype)
+        read_a, write_a, comb_a = self._mixes("attn", trunk)
+        x = self.attn_norm(hc_read(trunk, read_mix, self.mode))
+        compressor_input = None
+        if self.spec.is_yoco_consumer:
+            if ctx.shared_hidden is None:
+                ctx.shared_hidden = x
+            compressor_input = ctx.shared_hidden
+        trunk_ffn = hc_post(self.attn(x, ctx, compressor_input), trunk, write_a, comb_a, self.mode)
+        read_f, write_f, comb_f = self._mixes("ffn", trunk_ffn)
+        y = self.ffn(self.ffn_norm(hc_read(trunk_ffn, read_a, self.mode)))
+        return hc_post(y, trunk_ffn, write_f, comb_f, self.mode), read_f

@@ -1,0 +1,98 @@
+"""KV compressor of compressed kv-source layers (model-attention §4): forms one compressed row per ``c`` raw tokens
+and stores it, RoPE'd at the block's first position, in the layer's paged compressed cache.
+
+C1: the row is the token's latent. C2: per channel, a softmax over the block's two gate scores weights the two
+latents; tokens of a block that arrived in an earlier step are read back from the compressor state ring (FP32
+``(score, latent)`` of the last ``2 + BT − 1`` positions).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deepinfer_model.deepseek_v41.context import COMPRESSOR_GROUP, NewRows, StepContext, compressed_group
+from deepinfer_model.layers.linear import Bf16Linear
+from deepinfer_model.layers.mode import ComputeMode, round_activation
+from deepinfer_model.layers.norm import RMSNorm
+from deepinfer_model.layers.rope import RotaryEmbedding
+
+__all__ = ["Compressor"]
+
+
+class Compressor(nn.Module):
+    """``attn.compressor``: ``wkv`` (latent), ``wgate`` (score, ratio 2 only), ``norm``."""
+
+    def __init__(self, hidden: int, head_dim: int, ratio: int, eps: float, mode: ComputeMode) -> None:
+        super().__init__()
+        if ratio not in (1, 2):
+            raise ValueError(f"compress ratio must be 1 or 2, got {ratio}")
+        self.ratio = ratio
+        self.head_dim = head_dim
+        self.mode = mode
+        self.wkv = Bf16Linear(hidden, head_dim, mode, fp32_output=ratio == 2)
+        self.wgate = Bf16Linear(hidden, head_dim, mode, fp32_output=True) if ratio == 2 else None
+        self.norm = RMSNorm(head_dim, eps, mode)
+
+    def _new_rows(self, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows completed in this step: ``floor(q_start/c) … floor(context/c) − 1`` per request."""
+        meta = ctx.meta
+        first = torch.div(meta.q_start, self.ratio, rounding_mode="floor")
+        counts = torch.div(meta.context_lens, self.ratio, rounding_mode="floor") - first
+        request = torch.repeat_interleave(torch.arange(counts.shape[0], device=counts.device), counts)
+        starts = torch.cumsum(counts, 0) - counts
+        row = first[request] + torch.arange(request.shape[0], device=counts.device) - starts[request]
+        return request, row
+
+    def forward(self, hidden: torch.Tensor, ctx: StepContext, layer_id: int, rope: RotaryEmbedding) -> NewRows:
+        """Form, RoPE and store this step's compressed rows.
+
+        Args:
+            hidden: [T, H] activation dtype, the compressor input (own ``attn_norm`` output or YOCO shared hidden).
+            ctx: step context (metadata and state).
+            layer_id: this kv-source layer.
+            rope: the layer's RoPE.
+
+        Returns:
+            The new rows with their pre-RoPE values.
+        """
+        meta, state = ctx.meta, ctx.state
+        request, row = self._new_rows(ctx)
+        latent = self.wkv(hidden)
+        if self.wgate is None:
+            rows = latent[meta.chunk_index(request, row)]
+        else:
+            score = self.wgate(hidden)
+            rows = self._combine_c2(torch.cat([score, latent.float()], dim=-1), request, row, ctx, layer_id)
+        pre_rope = self.norm(rows)
+        keys = rope.rotate(pre_rope, row * self.ratio)
+        group = compressed_group(self.ratio)
+        state.write(group, layer_id, meta.paged_rows(request, row, state.rows_per_block(group)), keys)
+        return NewRows(request=request, row=row, pre_rope_kv=pre_rope)
+
+    def _combine_c2(
+        self, entries: torch.Tensor, request: torch.Tensor, row: torch.Tensor, ctx: StepContext, layer_id: int
+    ) -> torch.Tensor:
+        """Softmax-weighted latent of each new C2 row; then store the chunk's tail in the state ring.
+
+        Args:
+            entries: [T, 2D] fp32 ``(score | latent)`` of the chunk tokens.
+        """
+        meta, state = ctx.meta, ctx.state
+        ring = state.ring_size(COMPRESSOR_GROUP)
+        offsets = torch.arange(self.ratio, device=row.device)
+        positions = row[:, None] * self.ratio + offsets[None, :]
+        req = request[:, None].expand_as(positions)
+        from_chunk = entries[meta.chunk_index(req, positions)]
+        from_ring = state.read(COMPRESSOR_GROUP, layer_id, meta.ring_rows(req, positions, ring))
+        block = torch.where(meta.in_chunk(req, positions)[..., None], from_chunk, from_ring)
+        score, latent = block[..., : self.head_dim], block[..., self.head_dim :]
+        combined = (torch.softmax(score, dim=1) * latent).sum(dim=1)
+        keep = meta.ring_write_tokens(ring)
+        state.write(
+            COMPRESSOR_GROUP,
+            layer_id,
+            meta.ring_rows(meta.token_request[keep], meta.positions[keep], ring),
+            entries[keep],
+        )
+        return round_activation(combined, self.mode)

@@ -1,0 +1,164 @@
+"""Engram: hashed n-gram memory added to the trunk of selected layers (model-core §12).
+
+Per token: the suffix n-grams (orders 2 … ``N_g``) over the compressed vocabulary are hashed with ``h_e`` odd
+multiplier hashes into prime-sized sub-tables; the gathered FP8 rows are projected by ``engram.wkv`` into one key
+per stream and one shared value, and each stream adds the value through a sigmoid gate comparing it with its key.
+
+Glossary:
+    compressed vocabulary: token ids merged by normalized text (``EngramVocab``, built from ``tokenizer.json``).
+    n-gram row: compressed ids ``g_r`` of the tokens at positions ``p − r``, ``r = 0 … N_g − 1``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from deepinfer_kernels import dequantize_fp8_per_token_group
+from deepinfer_model.config import TextConfig
+from deepinfer_model.layers.linear import Fp8BlockLinear, make_parameter
+from deepinfer_model.layers.mode import ComputeMode, round_activation
+from deepinfer_model.state import StepMetadata
+
+__all__ = ["Engram", "EngramVocab", "hash_multipliers", "ngram_rows"]
+
+_GATE_FLOOR = 1e-6
+_SEED_STRIDE = 10007
+
+
+@dataclass(frozen=True)
+class EngramVocab:
+    """Compressed vocabulary of §12.2.
+
+    Attributes:
+        old_to_new: [V_t] int64 compressed id of every tokenizer id.
+        num_compressed: ``V_c``, number of distinct compressed ids.
+        pad_id: compressed id of the Engram pad token.
+    """
+
+    old_to_new: torch.Tensor
+    num_compressed: int
+    pad_id: int
+
+
+def hash_multipliers(layer_id: int, num_compressed: int, max_ngram: int) -> torch.Tensor:
+    """Odd int64 multipliers ``a_ℓ`` (§12.5) from NumPy's PCG64 seeded with ``10007·ℓ``. Returns: [N_g] int64."""
+    import numpy as np
+
+    bound = max(1, (2**63 - 1) // num_compressed // 2)
+    rng = np.random.default_rng(_SEED_STRIDE * layer_id)
+    values = 2 * rng.integers(0, bound, size=max_ngram, dtype=np.int64) + 1
+    return torch.tensor(values.tolist(), dtype=torch.int64)
+
+
+def ngram_rows(
+    meta: StepMetadata, input_ids: torch.Tensor, prefix_ids: torch.Tensor, vocab: EngramVocab, max_ngram: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compressed n-gram rows of the step's tokens (§12.3).
+
+    Args:
+        meta: step metadata.
+        input_ids: [T] int64.
+        prefix_ids: [R, N_g − 1] int64 tokens preceding each request's chunk.
+        vocab: compressed vocabulary.
+        max_ngram: ``N_g``.
+
+    Returns:
+        ``(rows [T, N_g] int64, active [T] bool)``; inactive tokens (current token outside the tokenizer
+        vocabulary) skip the Engram.
+    """
+    lookback = torch.arange(max_ngram, device=input_ids.device)
+    offset = (meta.positions - meta.q_start[meta.token_request])[:, None] - lookback[None, :]
+    token_index = (torch.arange(meta.num_tokens, device=input_ids.device)[:, None] - lookback[None, :]).clamp(min=0)
+    prefix_col = (offset + max_ngram - 1).clamp(min=0, max=max_ngram - 2)
+    from_prefix = prefix_ids[meta.token_request[:, None].expand_as(offset), prefix_col]
+    raw = torch.where(offset >= 0, input_ids[token_index], from_prefix)
+    table = vocab.old_to_new.to(raw.device)
+    known = (raw >= 0) & (raw < table.shape[0])
+    compressed = torch.where(known, table[torch.where(known, raw, 0)], -1)
+    before_start = (meta.positions[:, None] - lookback[None, :]) < 0
+    compressed = torch.where(before_start, vocab.pad_id, compressed)
+    truncated = torch.cummax((compressed < 0).to(torch.int64), dim=1).values.bool()
+    return torch.where(truncated, vocab.pad_id, compressed), compressed[:, 0] >= 0
+
+
+class EngramTable(nn.Module):
+    """FP8 n-gram table ``[R, d_e]`` with one UE8M0 scale per row and 32 columns (§5.4)."""
+
+    def __init__(self, num_rows: int, width: int) -> None:
+        super().__init__()
+        self.weight = make_parameter((num_rows, width), torch.float8_e4m3fn)
+        self.scale = make_parameter((num_rows, width // 32), torch.float8_e8m0fnu)
+
+
+class Engram(nn.Module):
+    """``layers.{ℓ}.engram``: FP8 table ``embed`` (per-row 1×32 scales), ``wkv``, ``q_weight``, ``k_weight``."""
+
+    sizes: torch.Tensor
+    offsets: torch.Tensor
+
+    def __init__(self, cfg: TextConfig, layer_id: int, mode: ComputeMode) -> None:
+        super().__init__()
+        if cfg.engram_max_ngram_size is None or cfg.engram_n_heads is None or cfg.engram_head_dim is None:
+            raise ValueError(f"layer {layer_id} has an Engram but the Engram config keys are missing")
+        self.layer_id = layer_id
+        self.mode = mode
+        self.max_ngram = cfg.engram_max_ngram_size
+        self.n_heads = cfg.engram_n_heads
+        self.hc_mult = cfg.hc_mult
+        self.hidden = cfg.hidden_size
+        self.eps = cfg.rms_norm_eps
+        sizes = cfg.engram_table_sizes[cfg.engram_layer_ids.index(layer_id)]
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        num_rows, width = sum(sizes), cfg.engram_head_dim
+        self.embed = EngramTable(num_rows, width)
+        self.wkv = Fp8BlockLinear(cfg.engram_input_width, (cfg.hc_mult + 1) * cfg.hidden_size, mode)
+        self.q_weight = make_parameter((cfg.hc_mult, cfg.hidden_size), torch.bfloat16)
+        self.k_weight = make_parameter((cfg.hc_mult, cfg.hidden_size), torch.bfloat16)
+        self.register_buffer("sizes", torch.tensor(sizes, dtype=torch.int64), persistent=False)
+        self.register_buffer("offsets", torch.tensor(offsets, dtype=torch.int64), persistent=False)
+
+    def table_indices(self, rows: torch.Tensor, multipliers: torch.Tensor) -> torch.Tensor:
+        """Hash (§12.6). Args: rows [T, N_g] int64; multipliers [N_g]. Returns: [T, (N_g−1)·h_e] int64 rows."""
+        mult = multipliers.to(rows.device)
+        h = rows[:, 0] * mult[0]
+        columns = []
+        for n in range(1, self.max_ngram):
+            h = torch.bitwise_xor(h, rows[:, n] * mult[n])
+            for j in range(self.n_heads):
+                col = (n - 1) * self.n_heads + j
+                columns.append(torch.remainder(h, self.sizes[col]) + self.offsets[col])
+        return torch.stack(columns, dim=1)
+
+    def forward(
+        self, trunk: torch.Tensor, rows: torch.Tensor, active: torch.Tensor, vocab: EngramVocab
+    ) -> torch.Tensor:
+        """Apply the Engram to the trunk (§12.7–12.8).
+
+        Args:
+            trunk: [T, m, H] activation dtype.
+            rows: [T, N_g] compressed n-gram rows.
+            active: [T] bool; inactive tokens are returned unchanged.
+            vocab: compressed vocabulary (``V_c`` seeds the multipliers).
+
+        Returns:
+            [T, m, H] activation dtype.
+        """
+        num_tokens = trunk.shape[0]
+        index = self.table_indices(rows, hash_multipliers(self.layer_id, vocab.num_compressed, self.max_ngram))
+        gathered = dequantize_fp8_per_token_group(self.embed.weight[index], self.embed.scale[index])
+        gathered = gathered.reshape(num_tokens, -1)
+        kv = self.wkv(gathered, prequantized=True).float().view(num_tokens, self.hc_mult + 1, self.hidden)
+        keys, value = kv[:, : self.hc_mult], kv[:, self.hc_mult]
+        x = trunk.float()
+        weight = self.q_weight.float() * self.k_weight.float()
+        a_x = torch.rsqrt(((x * x).sum(dim=-1) / self.hidden + self.eps).double()).float()
+        a_k = torch.rsqrt(((keys * keys).sum(dim=-1) / self.hidden + self.eps).double()).float()
+        z = (x * weight[None] * keys).sum(dim=-1) * a_x * a_k / math.sqrt(self.hidden)
+        # Copy-sign: z = +0 gives sigmoid(+1e-3), as the GPU kernel does (model-core §12.8, B5).
+        gate = torch.sigmoid(torch.copysign(torch.sqrt(torch.clamp(z.abs(), min=_GATE_FLOOR)), z))
+        updated = round_activation(x + gate[..., None] * value[:, None, :], self.mode)
+        return torch.where(active[:, None, None], updated, trunk)

@@ -1,0 +1,221 @@
+"""``DeepseekV41ForCausalLM``: the layered DeepSeek-V4.1-Flash text model the engine runs.
+
+Build from a ``ModelConfig`` on any device (``meta`` included), ``load_weights`` from ``(hf_name, tensor)`` pairs in
+stored formats, declare the cache groups with ``cache_spec``, allocate a ``ModelState`` and call
+``forward(batch, state)`` once per step. Each step: embed → expand to ``m`` streams → blocks → final read → RMSNorm →
+LM head (model-core §8); DSpark target features are captured on the way and the drafter's context keys written into
+its rings (dspark.md §4).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from deepinfer_model.cache_spec import CacheGroupSpec, CacheSpec
+from deepinfer_model.config import ModelConfig
+from deepinfer_model.deepseek_v41.block import DecoderBlock
+from deepinfer_model.deepseek_v41.context import (
+    COMPRESSOR_GROUP,
+    DSPARK_GROUP,
+    SWA_GROUP,
+    StepContext,
+    compressed_group,
+    index_k_group,
+)
+from deepinfer_model.deepseek_v41.dspark import DSparkBlock
+from deepinfer_model.deepseek_v41.engram import EngramVocab, ngram_rows
+from deepinfer_model.deepseek_v41.hyper_connection import hc_read, initial_read_mix
+from deepinfer_model.deepseek_v41.moe import ExpertDispatch, local_expert_dispatch
+from deepinfer_model.deepseek_v41.weight_loading import load_named_weights
+from deepinfer_model.forward_batch import ForwardBatch
+from deepinfer_model.layers.embedding import LMHead, VocabEmbedding
+from deepinfer_model.layers.mode import ComputeMode
+from deepinfer_model.layers.norm import RMSNorm
+from deepinfer_model.state import ModelState, StepMetadata
+from deepinfer_model.state.codecs import (
+    Fp4E4m3RowCodec,
+    Fp4Ue8m0RowCodec,
+    Fp8RowCodec,
+    RawFp32RowCodec,
+    RowCodec,
+)
+
+__all__ = ["DeepseekV41ForCausalLM"]
+
+
+class DeepseekV41ForCausalLM(nn.Module):
+    """The text model (backbone + DSpark blocks).
+
+    Args:
+        config: validated model config.
+        mode: compute mode (``EXACT`` for inference, ``FP32`` for parity tests).
+        engram_vocab: compressed vocabulary; required to run a model with Engram layers.
+        expert_dispatch: expert dispatch seam of every MoE.
+        max_backtracking_tokens: ``BT``, positions that can be rolled back (sizes the rings, ≥ 1).
+
+    Raises:
+        ValueError: ``hc_shifted`` is false (the non-shifted mHC schedule is not implemented) or ``BT < 1``.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        mode: ComputeMode = ComputeMode.EXACT,
+        engram_vocab: EngramVocab | None = None,
+        expert_dispatch: ExpertDispatch = local_expert_dispatch,
+        max_backtracking_tokens: int = 6,
+    ) -> None:
+        super().__init__()
+        cfg = config.text
+        if not cfg.hc_shifted:
+            raise ValueError("text_config.hc_shifted = false is not supported: only the shifted mHC schedule is built")
+        if max_backtracking_tokens < 1:
+            raise ValueError(f"max_backtracking_tokens must be >= 1, got {max_backtracking_tokens}")
+        self.config = config
+        self.mode = mode
+        self.engram_vocab = engram_vocab
+        self.max_backtracking_tokens = max_backtracking_tokens
+        backbone = cfg.layers[: cfg.num_hidden_layers]
+        self.embed = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, mode)
+        self.layers = nn.ModuleList(
+            DecoderBlock(cfg, spec, mode, cfg.n_routed_experts, cfg.num_experts_per_tok, SWA_GROUP, expert_dispatch)
+            for spec in backbone
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, mode)
+        self.head = LMHead(cfg.vocab_size, cfg.hidden_size)
+        self.mtp = nn.ModuleList(
+            DSparkBlock(cfg, spec, mode, index, DSPARK_GROUP, expert_dispatch)
+            for index, spec in enumerate(cfg.layers[cfg.num_hidden_layers :])
+        )
+
+    # ---- cache declaration -------------------------------------------------------------------------------------
+
+    def row_codecs(self) -> dict[str, RowCodec]:
+        """Row codec of every cache group this model may declare (by group name)."""
+        cfg = self.config.text
+        width, index_width = cfg.head_dim, cfg.index_head_dim
+        codecs: dict[str, RowCodec] = {COMPRESSOR_GROUP: RawFp32RowCodec(2 * width)}
+        for ratio in (1, 2):
+            if self.mode is ComputeMode.EXACT:
+                main: RowCodec = Fp4E4m3RowCodec(width) if cfg.use_fp4_sparse_kv else Fp8RowCodec(width)
+                codecs[compressed_group(ratio)] = main
+                codecs[index_k_group(ratio)] = Fp4Ue8m0RowCodec(index_width)
+            else:
+                codecs[compressed_group(ratio)] = RawFp32RowCodec(width)
+                codecs[index_k_group(ratio)] = RawFp32RowCodec(index_width)
+        swa: RowCodec = Fp8RowCodec(width) if self.mode is ComputeMode.EXACT else RawFp32RowCodec(width)
+        codecs[SWA_GROUP] = swa
+        codecs[DSPARK_GROUP] = swa
+        return codecs
+
+    def cache_spec(self) -> CacheSpec:
+        """The cache groups of model-attention §11 for this config and compute mode."""
+        cfg = self.config.text
+        codecs = self.row_codecs()
+        bt = self.max_backtracking_tokens
+        backbone = cfg.layers[: cfg.num_hidden_layers]
+        groups = [
+            CacheGroupSpec.sliding_window(
+                SWA_GROUP,
+                tuple(spec.layer_id for spec in backbone),
+                codecs[SWA_GROUP].bytes_per_row,
+                cfg.sliding_window,
+                bt,
+                torch.uint8,
+            )
+        ]
+        for ratio in (2, 1):
+            kv_layers = tuple(s.layer_id for s in backbone if s.owns_compressor and s.compress_ratio == ratio)
+            index_layers = tuple(s.layer_id for s in backbone if s.owns_index_k and s.compress_ratio == ratio)
+            if kv_layers:
+                name = compressed_group(ratio)
+                groups.append(CacheGroupSpec.paged(name, kv_layers, codecs[name].bytes_per_row, ratio, torch.uint8))
+            if index_layers:
+                name = index_k_group(ratio)
+                groups.append(CacheGroupSpec.paged(name, index_layers, codecs[name].bytes_per_row, ratio, torch.uint8))
+            if ratio == 2 and kv_layers:
+                groups.append(
+                    CacheGroupSpec.state(
+                        COMPRESSOR_GROUP, kv_layers, codecs[COMPRESSOR_GROUP].bytes_per_row, 2, bt, torch.uint8
+                    )
+                )
+        if cfg.num_nextn_predict_layers:
+            drafter = tuple(range(cfg.num_hidden_layers, cfg.num_runtime_layers))
+            groups.append(
+                CacheGroupSpec.sliding_window(
+                    DSPARK_GROUP, drafter, codecs[DSPARK_GROUP].bytes_per_row, cfg.sliding_window, bt, torch.uint8
+                )
+            )
+        return CacheSpec(tuple(groups))
+
+    def allocate_state(
+        self, block_size: int, num_blocks: int, num_state_slots: int, device: torch.device | str = "cpu"
+    ) -> ModelState:
+        """Zeroed cache pools for ``num_blocks`` pages of ``block_size`` tokens and ``num_state_slots`` requests."""
+        return ModelState.allocate(
+            self.cache_spec(), self.row_codecs(), block_size, num_blocks, num_state_slots, device
+        )
+
+    # ---- weights -----------------------------------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load stored-format checkpoint tensors by HF name, strictly (see ``weight_loading``)."""
+        load_named_weights(self, weights)
+
+    # ---- forward -----------------------------------------------------------------------------------------------
+
+    def forward(self, batch: ForwardBatch, state: ModelState) -> torch.Tensor:
+        """One step: compute every query token of the batch, update the caches, return logits.
+
+        Args:
+            batch: the step's tokens and cache addressing.
+            state: cache pools from ``allocate_state`` (updated in place).
+
+        Returns:
+            [N, V] fp32 logits of ``batch.logits_indices`` (every token when None).
+        """
+        cfg = self.config.text
+        meta = StepMetadata.from_batch(batch)
+        ctx = StepContext(meta=meta, state=state, capture_layers=frozenset(cfg.dspark_target_layer_ids))
+        if cfg.engram_enabled:
+            self._prepare_engram(batch, meta, ctx)
+        hidden = self.embed(batch.input_ids)
+        trunk = hidden[:, None, :].expand(-1, cfg.hc_mult, -1).contiguous()
+        read_mix = initial_read_mix(meta.num_tokens, cfg.hc_mult, hidden.device)
+        for block in self.layers:
+            trunk, read_mix = block(trunk, read_mix, ctx)
+        if len(self.mtp):
+            self._store_context_keys(ctx)
+        final = hc_read(trunk, read_mix, self.mode)
+        if batch.logits_indices is not None:
+            final = final[batch.logits_indices]
+        return self.head(self.norm(final))
+
+    def _prepare_engram(self, batch: ForwardBatch, meta: StepMetadata, ctx: StepContext) -> None:
+        cfg = self.config.text
+        assert cfg.engram_max_ngram_size is not None
+        if self.engram_vocab is None:
+            raise ValueError("this config has Engram layers: build the model with an EngramVocab")
+        prefix = batch.engram_prefix_ids
+        if prefix is None:
+            if bool((meta.q_start > 0).any()):
+                raise ValueError("engram_prefix_ids is required when a request does not start at position 0")
+            prefix = torch.full(
+                (batch.num_requests, cfg.engram_max_ngram_size - 1), -1, dtype=torch.int64, device=meta.positions.device
+            )
+        rows, active = ngram_rows(meta, batch.input_ids, prefix, self.engram_vocab, cfg.engram_max_ngram_size)
+        ctx.engram_rows, ctx.engram_active, ctx.engram_vocab = rows, active, self.engram_vocab
+
+    def _store_context_keys(self, ctx: StepContext) -> None:
+        """Write the drafter's context keys of the step's tokens into every DSpark ring (dspark.md §4)."""
+        cfg = self.config.text
+        features = torch.cat([ctx.features[layer] for layer in cfg.dspark_target_layer_ids], dim=-1)
+        first = self.mtp[0]
+        assert isinstance(first, DSparkBlock)
+        projected = first.project_features(features)
+        for block in self.mtp:
+            assert isinstance(block, DSparkBlock)
+            block.attn.store_window_keys(projected, ctx)

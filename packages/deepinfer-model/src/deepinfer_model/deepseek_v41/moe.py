@@ -1,0 +1,145 @@
+"""Mixture of experts of every block (model-core §13): ``sqrtsoftplus`` router with ``noaux_tc`` selection, MXFP4
+routed experts with clamped SwiGLU, optional FP8 shared expert.
+
+Expert dispatch goes through the ``ExpertDispatch`` seam: a callable that receives the quantized tokens, their
+routing and a per-expert compute function and returns the FP32 sum of the routed outputs. ``local_expert_dispatch``
+runs every expert on this rank; expert parallelism (``deepinfer_parallel``) plugs in a dispatch/combine version.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from deepinfer_model.layers.activation import swiglu_clamped
+from deepinfer_model.layers.linear import Fp8BlockLinear, Mxfp4ExpertStack, make_parameter
+from deepinfer_model.layers.mode import ComputeMode, fp8_round_trip, round_activation
+
+__all__ = ["ExpertCompute", "ExpertDispatch", "MoE", "RoutedExperts", "Router", "local_expert_dispatch"]
+
+# (expert id, inputs [n_e, H] fp32 FP8-dequantized, routing weights [n_e] fp32) -> outputs [n_e, H] act dtype
+ExpertCompute = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
+# (inputs [n, H], topk_ids [n, k], topk_weights [n, k], compute, bias [n, H] fp32) -> bias + routed sum [n, H] fp32
+ExpertDispatch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, ExpertCompute, torch.Tensor], torch.Tensor]
+
+_WEIGHT_NORM_EPS = 1e-20
+
+
+def local_expert_dispatch(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, compute: ExpertCompute, bias: torch.Tensor
+) -> torch.Tensor:
+    """Run every selected expert locally; add the outputs to ``bias`` in FP32, in top-k rank order (§13.6).
+
+    Args:
+        x: [n, H] fp32 expert inputs.
+        topk_ids: [n, k] int64 logical expert ids.
+        topk_weights: [n, k] fp32 routing weights.
+        compute: per-expert function.
+        bias: [n, H] fp32 added first (the shared-expert output, or zeros).
+
+    Returns:
+        [n, H] fp32.
+    """
+    routed = torch.zeros((*topk_ids.shape, x.shape[1]), dtype=torch.float32, device=x.device)
+    for expert in torch.unique(topk_ids).tolist():
+        tokens, rank = torch.nonzero(topk_ids == expert, as_tuple=True)
+        routed[tokens, rank] = compute(int(expert), x[tokens], topk_weights[tokens, rank]).float()
+    out = bias
+    for slot in range(topk_ids.shape[1]):
+        out = out + routed[:, slot]
+    return out
+
+
+class Router(nn.Module):
+    """``ffn.gate``: BF16 logits → ``sqrt(softplus)`` scores → biased top-k → normalized unbiased weights × ρ."""
+
+    def __init__(self, num_experts: int, hidden: int, top_k: int, scaling: float) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.scaling = scaling
+        self.weight = make_parameter((num_experts, hidden), torch.bfloat16)
+        self.bias = make_parameter((num_experts,), torch.float32)
+        self.bias_vl = make_parameter((num_experts,), torch.float32)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Args: x [n, H] (text tokens). Returns: ``(topk_ids [n, k] int64, topk_weights [n, k] fp32)``."""
+        logits = x.float() @ self.weight.float().t()  # FP32 logits, never rounded (§13.1)
+        scores = torch.sqrt(torch.where(logits > 20.0, logits, torch.log1p(torch.exp(logits))))
+        biased = scores + self.bias
+        # Stable descending sort: ties go to the lower expert index (§13.2).
+        order = torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, : self.top_k]
+        chosen = scores.gather(1, order)
+        weights = chosen / (chosen.sum(dim=-1, keepdim=True) + _WEIGHT_NORM_EPS) * self.scaling
+        return order, weights
+
+
+class RoutedExperts(nn.Module):
+    """MXFP4 experts: ``w13`` = ``[w1; w3]`` ``[E, 2I, H]`` and ``w2`` ``[E, H, I]`` (logical shapes)."""
+
+    def __init__(
+        self, num_experts: int, hidden: int, intermediate: int, limit: float | None, mode: ComputeMode
+    ) -> None:
+        super().__init__()
+        self.mode = mode
+        self.limit = limit
+        self.w13 = Mxfp4ExpertStack(num_experts, hidden, 2 * intermediate, (intermediate, intermediate), mode)
+        self.w2 = Mxfp4ExpertStack(num_experts, intermediate, hidden, (hidden,), mode)
+
+    def compute(self, expert: int, x_hat: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """One expert (§13.3). Args: x_hat [n_e, H] fp32; weights [n_e]. Returns: [n_e, H] activation dtype."""
+        gate_up = round_activation(x_hat @ self.w13.dequantized_weight(expert).t(), self.mode)
+        act = swiglu_clamped(gate_up, self.limit, weights)
+        return round_activation(fp8_round_trip(act, self.mode) @ self.w2.dequantized_weight(expert).t(), self.mode)
+
+
+class SharedExperts(nn.Module):
+    """FP8 shared expert block of width ``S·I`` (§13.5)."""
+
+    def __init__(self, hidden: int, intermediate: int, limit: float | None, mode: ComputeMode) -> None:
+        super().__init__()
+        self.mode = mode
+        self.limit = limit
+        self.w13 = Fp8BlockLinear(hidden, 2 * intermediate, mode, shard_sizes=(intermediate, intermediate))
+        self.w2 = Fp8BlockLinear(intermediate, hidden, mode)
+
+    def forward(self, x_hat: torch.Tensor) -> torch.Tensor:
+        """Args: x_hat [n, H] fp32 FP8-dequantized input. Returns: [n, H] activation dtype."""
+        act = swiglu_clamped(self.w13(x_hat, prequantized=True), self.limit)
+        return self.w2(act)
+
+
+class MoE(nn.Module):
+    """Router + routed experts + optional shared expert; ``MoE(x) = Σ_e y_e + y_s`` rounded once."""
+
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        num_experts: int,
+        top_k: int,
+        num_shared: int,
+        scaling: float,
+        limit: float | None,
+        mode: ComputeMode,
+        dispatch: ExpertDispatch = local_expert_dispatch,
+    ) -> None:
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok must be in [1, {num_experts}], got {top_k}")
+        self.mode = mode
+        self.dispatch = dispatch
+        self.gate = Router(num_experts, hidden, top_k, scaling)
+        self.experts = RoutedExperts(num_experts, hidden, intermediate, limit, mode)
+        self.shared_experts = SharedExperts(hidden, num_shared * intermediate, limit, mode) if num_shared > 0 else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Args: x [n, H] ``ffn_norm`` output (activation dtype). Returns: [n, H] activation dtype."""
+        topk_ids, topk_weights = self.gate(x)
+        x_hat = fp8_round_trip(x, self.mode)
+        if self.shared_experts is not None:
+            bias = self.shared_experts(x_hat).float()
+        else:
+            bias = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        return round_activation(self.dispatch(x_hat, topk_ids, topk_weights, self.experts.compute, bias), self.mode)

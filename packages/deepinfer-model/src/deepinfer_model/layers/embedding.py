@@ -1,0 +1,40 @@
+"""Token embedding (row gather, out-of-range ids give zero rows; model-core §9) and the BF16 LM head (§14)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deepinfer_model.layers.linear import make_parameter
+from deepinfer_model.layers.mode import ComputeMode
+
+__all__ = ["LMHead", "VocabEmbedding"]
+
+
+class VocabEmbedding(nn.Module):
+    """BF16 table ``[V, H]``."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, mode: ComputeMode) -> None:
+        super().__init__()
+        self.mode = mode
+        self.vocab_size = vocab_size
+        self.weight = make_parameter((vocab_size, hidden_size), torch.bfloat16)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Args: ids [n] int. Returns: [n, H] activation dtype; ids outside ``[0, V)`` give zeros."""
+        valid = (ids >= 0) & (ids < self.vocab_size)
+        rows = self.weight[torch.where(valid, ids, 0)]
+        rows = torch.where(valid[:, None], rows, torch.zeros_like(rows))
+        return rows.to(self.mode.activation_dtype)
+
+
+class LMHead(nn.Module):
+    """BF16 head ``[V, H]``; BF16 × BF16 with FP32 accumulation and FP32 logits."""
+
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.weight = make_parameter((vocab_size, hidden_size), torch.bfloat16)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """Args: h [n, H]. Returns: logits [n, V] fp32."""
+        return h.float() @ self.weight.float().t()

@@ -1,0 +1,260 @@
+"""Linear layers over the checkpoint's stored formats, each parameter with its own ``weight_loader``.
+
+- ``Bf16Linear``: BF16 weight; FP32 accumulation; BF16 (or FP32) output.
+- ``Fp8BlockLinear``: e4m3 weight with 32×32 UE8M0 block scales (model-core §5.2); in exact mode the input is
+  quantized per token in groups of 32 (§5.5) and the output rounded to BF16. ``shard_sizes`` makes it a merged
+  (row-concatenated) layer such as the shared expert's ``[w1; w3]`` (§4.5).
+- ``Fp8GroupedLinear``: the attention's grouped ``wo_a`` (model-attention §3 step 8).
+- ``Mxfp4ExpertStack``: the routed experts' MXFP4 matrices stacked over experts (§5.3, §4.7).
+
+Weight loaders: every parameter carries ``param.weight_loader(param, tensor, shard_id)`` which checks shape and dtype
+exactly (no casting, §4.4) and copies the tensor into its rows. ``shard_id`` is None for plain parameters, the shard
+index for merged layers and ``(expert, shard)`` for expert stacks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from deepinfer_kernels import dequantize_fp8_block, dequantize_mxfp4
+from deepinfer_model.layers.mode import ComputeMode, fp8_round_trip, round_activation
+
+__all__ = [
+    "Bf16Linear",
+    "Fp8BlockLinear",
+    "Fp8GroupedLinear",
+    "Mxfp4ExpertStack",
+    "WeightLoader",
+    "default_weight_loader",
+    "make_parameter",
+]
+
+FP8_BLOCK = 32
+MXFP4_GROUP = 32
+WeightLoader = Callable[[nn.Parameter, torch.Tensor, Any], None]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class _DequantizedCache:
+    """FP32 mode keeps dequantized weights (its definition: dequantize once, compute in FP32); exact mode
+    dequantizes per call, standing in for an FP8/FP4 GEMM that reads the stored format directly."""
+
+    def __init__(self, mode: ComputeMode) -> None:
+        self.enabled = mode is ComputeMode.FP32
+        self._values: dict[int, torch.Tensor] = {}
+
+    def get(self, key: int, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+        if not self.enabled:
+            return compute()
+        value = self._values.get(key)
+        if value is None:
+            value = self._values[key] = compute()
+        return value
+
+    def clear(self) -> None:
+        self._values.clear()
+
+
+def _check_loaded(param: nn.Parameter, target: torch.Tensor, loaded: torch.Tensor) -> None:
+    name = getattr(param, "hf_name", "parameter")
+    if loaded.dtype != target.dtype:
+        raise TypeError(f"{name}: checkpoint dtype {loaded.dtype} does not match the parameter dtype {target.dtype}")
+    if tuple(loaded.shape) != tuple(target.shape):
+        raise ValueError(
+            f"{name}: checkpoint shape {tuple(loaded.shape)} does not match the expected {tuple(target.shape)}"
+        )
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+    """Copy a whole tensor into ``param`` after an exact shape/dtype check.
+
+    Raises:
+        ValueError: ``shard_id`` is given, or the shape differs.
+        TypeError: the dtype differs.
+    """
+    if shard_id is not None:
+        raise ValueError(f"parameter takes no shard id, got {shard_id!r}")
+    _check_loaded(param, param.data, loaded)
+    param.data.copy_(loaded)
+
+
+def make_parameter(
+    shape: tuple[int, ...], dtype: torch.dtype, loader: WeightLoader = default_weight_loader
+) -> nn.Parameter:
+    """An uninitialised, frozen parameter on the current default device with a ``weight_loader`` attribute."""
+    param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+    param.weight_loader = loader  # type: ignore[attr-defined]
+    return param
+
+
+class Bf16Linear(nn.Module):
+    """``y = x · Wᵀ`` with a BF16 weight ``[out, in]``, FP32 accumulation.
+
+    Args:
+        in_features: input width.
+        out_features: output width.
+        mode: compute mode.
+        fp32_output: keep the FP32 accumulator (router logits, compressor projections) instead of rounding.
+    """
+
+    def __init__(self, in_features: int, out_features: int, mode: ComputeMode, fp32_output: bool = False) -> None:
+        super().__init__()
+        self.mode = mode
+        self.fp32_output = fp32_output
+        self.weight = make_parameter((out_features, in_features), torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Args: x [..., in] bf16/fp32. Returns: [..., out], fp32 if ``fp32_output`` else the activation dtype."""
+        y = x.float() @ self.weight.float().t()
+        return y if self.fp32_output else round_activation(y, self.mode)
+
+
+class Fp8BlockLinear(nn.Module):
+    """FP8 e4m3 weight ``[out, in]`` with UE8M0 scales ``[⌈out/32⌉, ⌈in/32⌉]``.
+
+    Args:
+        in_features: input width.
+        out_features: output width (sum of ``shard_sizes`` for a merged layer).
+        mode: compute mode.
+        shard_sizes: row counts of the checkpoint tensors concatenated into this weight (each a multiple of 32), or
+            None for a plain layer.
+    """
+
+    def __init__(
+        self, in_features: int, out_features: int, mode: ComputeMode, shard_sizes: tuple[int, ...] | None = None
+    ) -> None:
+        super().__init__()
+        if shard_sizes is not None and (
+            sum(shard_sizes) != out_features or any(size % FP8_BLOCK for size in shard_sizes)
+        ):
+            raise ValueError(
+                f"shard_sizes {shard_sizes} must be multiples of {FP8_BLOCK} summing to out_features {out_features}"
+            )
+        self.mode = mode
+        self.in_features = in_features
+        self.out_features = out_features
+        self.shard_sizes = shard_sizes
+        self.weight = make_parameter((out_features, in_features), torch.float8_e4m3fn, self._load_rows)
+        self.scale = make_parameter(
+            (_cdiv(out_features, FP8_BLOCK), _cdiv(in_features, FP8_BLOCK)), torch.float8_e8m0fnu, self._load_rows
+        )
+        self._cache = _DequantizedCache(mode)
+
+    def _load_rows(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        self._cache.clear()
+        if self.shard_sizes is None:
+            default_weight_loader(param, loaded, shard_id)
+            return
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.shard_sizes):
+            raise ValueError(f"shard id must be an int in [0, {len(self.shard_sizes)}), got {shard_id!r}")
+        divisor = 1 if param is self.weight else FP8_BLOCK
+        start = sum(self.shard_sizes[:shard_id]) // divisor
+        rows = self.shard_sizes[shard_id] // divisor
+        target = param.data[start : start + rows]
+        _check_loaded(param, target, loaded)
+        target.copy_(loaded)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The exact FP32 weight ``[out, in]``."""
+        return self._cache.get(0, lambda: dequantize_fp8_block(self.weight, self.scale))
+
+    def forward(self, x: torch.Tensor, prequantized: bool = False) -> torch.Tensor:
+        """Apply the layer.
+
+        Args:
+            x: [..., in] bf16/fp32.
+            prequantized: ``x`` already holds FP8-dequantized values (Engram rows); skip activation quantization.
+
+        Returns:
+            [..., out] in the activation dtype (BF16 exact / FP32).
+        """
+        x_hat = x.float() if prequantized else fp8_round_trip(x, self.mode)
+        return round_activation(x_hat @ self.dequantized_weight().t(), self.mode)
+
+
+class Fp8GroupedLinear(nn.Module):
+    """Grouped FP8 projection: group ``g`` maps input slice ``g`` (width ``in_per_group``) with rows
+    ``g·out_per_group … (g+1)·out_per_group − 1`` of the stored ``[groups·out_per_group, in_per_group]`` weight.
+
+    Its output stays FP32: the next FP8 GEMM quantizes it directly (model-attention §3 step 8).
+    """
+
+    def __init__(self, groups: int, in_per_group: int, out_per_group: int, mode: ComputeMode) -> None:
+        super().__init__()
+        self.mode = mode
+        self.groups = groups
+        self.in_per_group = in_per_group
+        self.out_per_group = out_per_group
+        out_features = groups * out_per_group
+        self._cache = _DequantizedCache(mode)
+        self.weight = make_parameter((out_features, in_per_group), torch.float8_e4m3fn, self._load)
+        self.scale = make_parameter(
+            (_cdiv(out_features, FP8_BLOCK), _cdiv(in_per_group, FP8_BLOCK)), torch.float8_e8m0fnu, self._load
+        )
+
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        self._cache.clear()
+        default_weight_loader(param, loaded, shard_id)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Args: x [n, groups·in_per_group] bf16/fp32. Returns: [n, groups·out_per_group] fp32."""
+        x_hat = fp8_round_trip(x, self.mode).view(-1, self.groups, self.in_per_group)
+        weight = self._cache.get(0, lambda: dequantize_fp8_block(self.weight, self.scale))
+        weight = weight.view(self.groups, self.out_per_group, -1)
+        return torch.einsum("ngi,goi->ngo", x_hat, weight).reshape(x.shape[0], -1)
+
+
+class Mxfp4ExpertStack(nn.Module):
+    """MXFP4 matrices of ``num_experts`` experts: packed ``[E, out, in/2]`` int8 and UE8M0 ``[E, out, in/32]``.
+
+    Args:
+        num_experts: number of experts stored.
+        in_features: logical input width (multiple of 32).
+        out_features: output width (sum of ``shard_sizes``).
+        shard_sizes: row counts of the per-expert checkpoint tensors merged along the rows (``(I, I)`` for
+            ``[w1; w3]``, ``(H,)`` for ``w2``).
+        mode: compute mode (FP32 mode keeps the dequantized experts).
+    """
+
+    def __init__(
+        self, num_experts: int, in_features: int, out_features: int, shard_sizes: tuple[int, ...], mode: ComputeMode
+    ) -> None:
+        super().__init__()
+        if in_features % MXFP4_GROUP or sum(shard_sizes) != out_features:
+            raise ValueError(
+                f"MXFP4 expert stack needs in_features % {MXFP4_GROUP} == 0 (got {in_features}) and shard_sizes "
+                f"{shard_sizes} summing to out_features {out_features}"
+            )
+        self.num_experts = num_experts
+        self.shard_sizes = shard_sizes
+        self._cache = _DequantizedCache(mode)
+        self.weight = make_parameter((num_experts, out_features, in_features // 2), torch.int8, self._load_expert)
+        self.scale = make_parameter(
+            (num_experts, out_features, in_features // MXFP4_GROUP), torch.float8_e8m0fnu, self._load_expert
+        )
+
+    def _load_expert(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        if not (isinstance(shard_id, tuple) and len(shard_id) == 2):
+            raise ValueError(f"expert parameters need shard id (expert, shard), got {shard_id!r}")
+        expert, shard = shard_id
+        self._cache.clear()
+        if not 0 <= expert < self.num_experts or not 0 <= shard < len(self.shard_sizes):
+            raise ValueError(
+                f"shard id {shard_id!r} out of range: experts 0..{self.num_experts - 1}, "
+                f"shards 0..{len(self.shard_sizes) - 1}"
+            )
+        start = sum(self.shard_sizes[:shard])
+        target = param.data[expert, start : start + self.shard_sizes[shard]]
+        _check_loaded(param, target, loaded)
+        target.copy_(loaded)
+
+    def dequantized_weight(self, expert: int) -> torch.Tensor:
+        """The exact FP32 weight ``[out, in]`` of one expert."""
+        return self._cache.get(expert, lambda: dequantize_mxfp4(self.weight[expert], self.scale[expert]))

@@ -1,0 +1,91 @@
+"""``StepMetadata``: index math shared by every layer of one forward step, derived once from a ``ForwardBatch``.
+
+It answers, for the step's tokens and for positions of their requests, "is this position part of the current chunk
+(read it from the freshly computed tensors) or history (read it from the cache)?", and where cache rows live:
+
+    paged row b of request r (c tokens/row, P = block_size / c rows per page):
+        flat = block_table[r, b // P] · P + b mod P                     (pool viewed as [num_blocks·P, bytes])
+    ring row of position p of request r (ring of S rows per state slot):
+        flat = state_slots[r] · S + p mod S                             (pool viewed as [num_slots·S, bytes])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer_model.forward_batch import ForwardBatch
+
+__all__ = ["StepMetadata"]
+
+
+@dataclass(frozen=True)
+class StepMetadata:
+    """Per-step indices (all int64 on the batch's device).
+
+    Attributes:
+        token_request: [T] request index of each token.
+        positions: [T] absolute positions.
+        q_start: [R] position of each request's first query token.
+        q_len: [R] query tokens per request.
+        cu_query_lens: [R + 1] token offsets.
+        context_lens: [R] tokens per request after the step.
+        block_table: [R, max_blocks] pages of the PAGED groups.
+        state_slots: [R] state slot of each request.
+    """
+
+    token_request: torch.Tensor
+    positions: torch.Tensor
+    q_start: torch.Tensor
+    q_len: torch.Tensor
+    cu_query_lens: torch.Tensor
+    context_lens: torch.Tensor
+    block_table: torch.Tensor
+    state_slots: torch.Tensor
+
+    @classmethod
+    def from_batch(cls, batch: ForwardBatch) -> StepMetadata:
+        cu = batch.cu_query_lens.long()
+        q_len = cu[1:] - cu[:-1]
+        context = batch.context_lens.long()
+        token_request = torch.repeat_interleave(torch.arange(batch.num_requests, device=cu.device), q_len)
+        return cls(
+            token_request=token_request,
+            positions=batch.positions.long(),
+            q_start=context - q_len,
+            q_len=q_len,
+            cu_query_lens=cu,
+            context_lens=context,
+            block_table=batch.block_table.long(),
+            state_slots=batch.state_slots.long(),
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+    def in_chunk(self, request: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """Whether ``position`` of ``request`` is computed in this step (any equal shapes; bool)."""
+        return position >= self.q_start[request]
+
+    def chunk_index(self, request: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """Token index of an in-chunk position (clamped into range for out-of-chunk ones; mask separately)."""
+        index = self.cu_query_lens[request] + position - self.q_start[request]
+        return index.clamp(0, max(self.num_tokens - 1, 0))
+
+    def ring_rows(self, request: torch.Tensor, position: torch.Tensor, ring_size: int) -> torch.Tensor:
+        """Flat ring row of ``position`` of ``request`` (positions must be ≥ 0 where used)."""
+        return self.state_slots[request] * ring_size + torch.remainder(position, ring_size)
+
+    def paged_rows(self, request: torch.Tensor, row: torch.Tensor, rows_per_block: int) -> torch.Tensor:
+        """Flat paged row of logical row ``row`` of ``request`` (rows must be ≥ 0 where used)."""
+        row = row.clamp(min=0)
+        pages = self.block_table[request, torch.div(row, rows_per_block, rounding_mode="floor")]
+        return pages * rows_per_block + torch.remainder(row, rows_per_block)
+
+    def ring_write_tokens(self, ring_size: int) -> torch.Tensor:
+        """[T] bool: the token is among the last ``min(q_len, ring_size)`` tokens of its request (prefill rule of
+        model-attention §10.1; older chunk tokens would be overwritten within the same write)."""
+        end = self.q_start[self.token_request] + self.q_len[self.token_request]
+        return self.positions >= end - ring_size

@@ -1,0 +1,171 @@
+"""Layers and model parts against the single-file reference (bitwise where both follow the same rounding points)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer_kernels import quantize_fp8_block, quantize_mxfp4
+from deepinfer_model import reference as ref
+from deepinfer_model.deepseek_v41.attention import sparse_attention
+from deepinfer_model.deepseek_v41.hyper_connection import hc_mixes, hc_post, hc_read
+from deepinfer_model.deepseek_v41.moe import Router
+from deepinfer_model.layers.activation import swiglu_clamped
+from deepinfer_model.layers.embedding import LMHead, VocabEmbedding
+from deepinfer_model.layers.linear import Bf16Linear, Fp8BlockLinear, Fp8GroupedLinear, Mxfp4ExpertStack
+from deepinfer_model.layers.mode import ComputeMode
+from deepinfer_model.layers.norm import RMSNorm
+from deepinfer_model.layers.rope import RotaryEmbedding
+
+EXACT, FP32 = ComputeMode.EXACT, ComputeMode.FP32
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _fp8_layer(out_features: int, in_features: int, mode: ComputeMode, seed: int = 0) -> Fp8BlockLinear:
+    layer = Fp8BlockLinear(in_features, out_features, mode)
+    q, s = quantize_fp8_block(torch.randn(out_features, in_features, generator=_gen(seed)) / in_features**0.5)
+    layer.weight.weight_loader(layer.weight, q)
+    layer.scale.weight_loader(layer.scale, s)
+    return layer
+
+
+def test_fp8_linear_exact_matches_reference_and_fp32_mode_skips_quantization() -> None:
+    x = torch.randn(5, 96, generator=_gen(1)).to(torch.bfloat16)
+    exact = _fp8_layer(64, 96, EXACT)
+    expected = (ref.fp8_quant_dequant(x) @ ref.dequantize_fp8_block(exact.weight, exact.scale).T).to(torch.bfloat16)
+    assert torch.equal(exact(x), expected)
+    fp32 = _fp8_layer(64, 96, FP32)
+    assert fp32(x).dtype == torch.float32
+    torch.testing.assert_close(fp32(x), x.float() @ fp32.dequantized_weight().T, rtol=1e-6, atol=1e-6)
+
+
+def test_merged_fp8_loader_places_shards_and_rejects_bad_input() -> None:
+    merged = Fp8BlockLinear(64, 128, EXACT, shard_sizes=(64, 64))
+    parts = [quantize_fp8_block(torch.randn(64, 64, generator=_gen(seed))) for seed in (2, 3)]
+    for shard, (q, s) in enumerate(parts):
+        merged.weight.weight_loader(merged.weight, q, shard)
+        merged.scale.weight_loader(merged.scale, s, shard)
+    full = torch.cat([ref.dequantize_fp8_block(q, s) for q, s in parts])
+    assert torch.equal(merged.dequantized_weight(), full)
+    with pytest.raises(ValueError, match="shard id"):
+        merged.weight.weight_loader(merged.weight, parts[0][0], 2)
+    with pytest.raises(TypeError, match="dtype"):
+        merged.weight.weight_loader(merged.weight, parts[0][0].float(), 0)
+    plain = Fp8BlockLinear(64, 64, EXACT)
+    with pytest.raises(ValueError, match="shape"):
+        plain.weight.weight_loader(plain.weight, torch.zeros(32, 64, dtype=torch.float8_e4m3fn))
+    with pytest.raises(ValueError, match="shard_sizes"):
+        Fp8BlockLinear(64, 96, EXACT, shard_sizes=(48, 48))
+
+
+def test_mxfp4_stack_dequantizes_like_the_reference() -> None:
+    stack = Mxfp4ExpertStack(num_experts=2, in_features=64, out_features=64, shard_sizes=(32, 32), mode=FP32)
+    expected = []
+    for expert in range(2):
+        halves = [quantize_mxfp4(torch.randn(32, 64, generator=_gen(10 * expert + s))) for s in range(2)]
+        for shard, (packed, scale) in enumerate(halves):
+            stack.weight.weight_loader(stack.weight, packed, (expert, shard))
+            stack.scale.weight_loader(stack.scale, scale, (expert, shard))
+        expected.append(torch.cat([ref.dequantize_mxfp4(p, s) for p, s in halves]))
+    for expert in range(2):
+        assert torch.equal(stack.dequantized_weight(expert), expected[expert])
+    with pytest.raises(ValueError, match="out of range"):
+        stack.weight.weight_loader(stack.weight, halves[0][0], (2, 0))
+
+
+def test_grouped_linear_keeps_fp32_and_matches_per_group_products() -> None:
+    layer = Fp8GroupedLinear(groups=2, in_per_group=64, out_per_group=32, mode=EXACT)
+    q, s = quantize_fp8_block(torch.randn(64, 64, generator=_gen(4)) / 8)
+    layer.weight.weight_loader(layer.weight, q)
+    layer.scale.weight_loader(layer.scale, s)
+    x = torch.randn(3, 128, generator=_gen(5))
+    w = ref.dequantize_fp8_block(q, s)
+    expected = torch.cat(
+        [ref.fp8_quant_dequant(x[:, g * 64 : (g + 1) * 64]) @ w[g * 32 : (g + 1) * 32].T for g in range(2)], 1
+    )
+    torch.testing.assert_close(layer(x), expected, rtol=1e-6, atol=1e-6)
+    assert layer(x).dtype == torch.float32
+
+
+def test_bf16_linear_norm_embedding_head() -> None:
+    x = torch.randn(4, 64, generator=_gen(6)).to(torch.bfloat16)
+    lin = Bf16Linear(64, 16, EXACT)
+    lin.weight.data.copy_(torch.randn(16, 64, generator=_gen(7)).to(torch.bfloat16))
+    assert torch.equal(lin(x), (x.float() @ lin.weight.float().T).to(torch.bfloat16))
+    norm = RMSNorm(64, 1e-6, EXACT)
+    norm.weight.data.copy_((1 + 0.1 * torch.randn(64, generator=_gen(8))).to(torch.bfloat16))
+    assert torch.equal(norm(x), ref.rms_norm(x, norm.weight, 1e-6))
+    embed = VocabEmbedding(10, 64, EXACT)
+    embed.weight.data.copy_(torch.randn(10, 64, generator=_gen(9)).to(torch.bfloat16))
+    rows = embed(torch.tensor([3, -1, 10]))
+    assert torch.equal(rows[0], embed.weight[3]) and not rows[1:].any()
+    head = LMHead(10, 64)
+    head.weight.data.copy_(embed.weight)
+    assert head(x).dtype == torch.float32 and head(x).shape == (4, 10)
+
+
+@pytest.mark.parametrize("yarn", [None, (4.0, 1024, 32.0, 1.0)])
+def test_rope_matches_reference_and_inverts(yarn: tuple[float, int, float, float] | None) -> None:
+    rope = RotaryEmbedding(64, 160000.0, yarn)
+    freqs = ref.rope_inv_freq(64, 160000.0) if yarn is None else ref.yarn_inv_freq(64, 160000.0, *yarn)
+    cos, sin = ref.rope_cos_sin(freqs, 300)
+    positions = torch.tensor([0, 5, 77, 299])
+    x = torch.randn(4, 3, 128, generator=_gen(10)).to(torch.bfloat16)
+    expected = torch.cat([x[..., :64], ref.apply_rope(x[..., 64:], cos[positions, None], sin[positions, None])], -1)
+    assert torch.equal(rope.rotate(x, positions), expected)
+    xf = x.float()
+    back = rope.rotate(rope.rotate(xf, positions), positions, inverse=True)
+    torch.testing.assert_close(back, xf, rtol=1e-5, atol=1e-5)
+
+
+def test_swiglu_clamps_and_weights() -> None:
+    t = torch.tensor([[30.0, -30.0, 30.0, 2.0]])
+    out = swiglu_clamped(t, 10.0, torch.tensor([0.5]))
+    gate = torch.tensor([10.0, -30.0])
+    up = torch.tensor([10.0, 2.0])
+    torch.testing.assert_close(out, (gate * torch.sigmoid(gate) * up * 0.5)[None], rtol=1e-6, atol=1e-6)
+    assert torch.equal(swiglu_clamped(t, None)[0, 0], torch.tensor(30.0) * torch.sigmoid(torch.tensor(30.0)) * 30.0)
+
+
+def test_hyper_connection_matches_reference_bitwise() -> None:
+    m, hidden = 4, 64
+    trunk = torch.randn(6, m, hidden, generator=_gen(11)).to(torch.bfloat16)
+    fn = 0.01 * torch.randn((2 + m) * m, m * hidden, generator=_gen(12))
+    base = torch.randn((2 + m) * m, generator=_gen(13))
+    scale = torch.tensor([0.5, 0.7, 0.9])
+    read, write, comb = hc_mixes(trunk, fn, scale, base, 1e-6, 1e-6, 20, EXACT)
+    mix = ref.hc_mix_logits(trunk, fn, 1e-6)
+    ref_read, ref_write, ref_comb = ref.hc_split_mixes(mix, base, scale, m, 1e-6, 20)
+    assert torch.equal(read, ref_read) and torch.equal(write, ref_write) and torch.equal(comb, ref_comb)
+    y = torch.randn(6, hidden, generator=_gen(14)).to(torch.bfloat16)
+    assert torch.equal(hc_read(trunk, read, EXACT), ref.hc_read(trunk, ref_read))
+    assert torch.equal(hc_post(y, trunk, write, comb, EXACT), ref.hc_post(y, trunk, ref_write, ref_comb))
+
+
+def test_router_matches_reference() -> None:
+    router = Router(num_experts=8, hidden=64, top_k=3, scaling=1.5)
+    router.weight.data.copy_(torch.randn(8, 64, generator=_gen(15)).to(torch.bfloat16))
+    router.bias.data.copy_(0.1 * torch.randn(8, generator=_gen(16)))
+    x = torch.randn(7, 64, generator=_gen(17)).to(torch.bfloat16)
+    ids, weights = router(x)
+    ref_ids, ref_weights = ref.moe_route(ref.router_scores(x.float() @ router.weight.float().T), router.bias, 3, 1.5)
+    assert torch.equal(ids, ref_ids) and torch.equal(weights, ref_weights)
+
+
+@pytest.mark.parametrize("mode", [EXACT, FP32])
+def test_sparse_attention_matches_reference_core(mode: ComputeMode) -> None:
+    q = torch.randn(5, 4, 32, generator=_gen(18)).to(torch.bfloat16)
+    keys = torch.randn(5, 9, 32, generator=_gen(19))
+    valid = torch.rand(5, 9, generator=_gen(20)) > 0.3
+    valid[2] = False
+    sink = torch.randn(4, generator=_gen(21))
+    out = sparse_attention(q, keys, valid, sink, 32**-0.5, mode)
+    assert not out[2].any()
+    expected = ref.attention_core(q, keys, valid, sink, 32**-0.5)
+    if mode is EXACT:
+        assert torch.equal(out, expected)
+    else:
+        torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)

@@ -1,0 +1,95 @@
+"""Model construction (tiny and the released config on the meta device), cache groups, strict weight loading."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from _layered_model_support import (
+    single_thread,  # noqa: F401  (autouse fixture)
+    tiny_config,
+    tiny_vocab,
+    tiny_weights,
+)
+
+from deepinfer_model.cache_spec import CacheGroupKind
+from deepinfer_model.config import ModelConfig
+from deepinfer_model.deepseek_v41.model import DeepseekV41ForCausalLM
+from deepinfer_model.layers.mode import ComputeMode
+from deepinfer_model.loading.catalogue import build_catalogue
+
+RELEASED_CONFIG = Path("/work/shared/spec/v41-flash-config.json")
+
+
+def _text_catalogue_elements(config: ModelConfig) -> int:
+    return sum(
+        entry.num_elements
+        for entry in build_catalogue(config)
+        if not entry.name.startswith(("vision.", "aligner.", "image_"))
+    )
+
+
+def test_tiny_parameters_cover_the_catalogue_exactly() -> None:
+    model = DeepseekV41ForCausalLM(tiny_config(), engram_vocab=tiny_vocab())
+    assert sum(p.numel() for p in model.parameters()) == _text_catalogue_elements(tiny_config())
+
+
+@pytest.mark.skipif(not RELEASED_CONFIG.exists(), reason="released config not present")
+def test_released_config_builds_on_meta() -> None:
+    config = ModelConfig.from_json(RELEASED_CONFIG)
+    with torch.device("meta"):
+        model = DeepseekV41ForCausalLM(config)
+    assert all(p.device.type == "meta" for p in model.parameters())
+    assert sum(p.numel() for p in model.parameters()) == _text_catalogue_elements(config)
+    spec = model.cache_spec()
+    swa = spec.group("swa")
+    assert swa.kind is CacheGroupKind.SLIDING_WINDOW and swa.bytes_per_row == 528 and swa.window == 128
+    assert spec.group("compressed_c2").bytes_per_row == 288 and spec.group("index_k_c1").bytes_per_row == 68
+    assert spec.group("compressor_c2").bytes_per_row == 4096
+    assert spec.group("compressed_c2").layer_ids == (2, 8, 14) and spec.group("compressed_c1").layer_ids == (20,)
+    assert spec.group("dspark_swa").layer_ids == (40, 41, 42)
+
+
+def test_tiny_cache_groups_follow_the_layer_roles() -> None:
+    model = DeepseekV41ForCausalLM(tiny_config(), engram_vocab=tiny_vocab(), max_backtracking_tokens=3)
+    spec = model.cache_spec()
+    assert spec.group("swa").layer_ids == tuple(range(7))
+    assert spec.group("compressed_c2").layer_ids == (1,)
+    assert spec.group("index_k_c2").layer_ids == (1,)
+    assert spec.group("compressor_c2").rows_per_request() == 2 + 3 - 1
+    assert spec.group("compressed_c1").layer_ids == (4,)
+    assert spec.max_backtracking_tokens == 3
+    fp32 = DeepseekV41ForCausalLM(tiny_config(), ComputeMode.FP32, tiny_vocab()).cache_spec()
+    assert fp32.group("swa").bytes_per_row == 4 * tiny_config().text.head_dim
+
+
+def test_load_weights_is_strict() -> None:
+    weights = tiny_weights()
+    model = DeepseekV41ForCausalLM(tiny_config(), engram_vocab=tiny_vocab())
+    model.load_weights((f"model.{name}", tensor) for name, tensor in weights.items())
+    assert torch.equal(
+        model.layers[1].attn.wq_a.weight.view(torch.uint8), weights["layers.1.attn.wq_a.weight"].view(torch.uint8)
+    )
+    missing = {k: v for k, v in weights.items() if k != "layers.2.ffn.experts.3.w3.scale"}
+    with pytest.raises(ValueError, match=r"not loaded.*experts\.w13\.scale shard \(3, 1\)"):
+        model.load_weights(missing.items())
+    with pytest.raises(ValueError, match="match no parameter"):
+        model.load_weights([*weights.items(), ("layers.0.attn.bogus.weight", torch.zeros(1))])
+    with pytest.raises(ValueError, match="given twice"):
+        model.load_weights([*weights.items(), ("norm.weight", weights["norm.weight"])])
+    with pytest.raises(TypeError, match="dtype"):
+        model.load_weights([(k, v.float() if k == "norm.weight" else v) for k, v in weights.items()])
+    with pytest.raises(ValueError, match="folded"):
+        model.load_weights([("layers.0.hc_attn_norm.weight", torch.zeros(1))])
+    skipped = [
+        ("vision.norm.weight", torch.zeros(1)),
+        ("image_start", torch.zeros(1)),
+        ("mtp.0.head.weight", torch.zeros(1)),
+    ]
+    model.load_weights([*weights.items(), *skipped])
+
+
+def test_rejects_unsupported_settings() -> None:
+    with pytest.raises(ValueError, match="max_backtracking_tokens"):
+        DeepseekV41ForCausalLM(tiny_config(), max_backtracking_tokens=0)

@@ -1,0 +1,60 @@
+"""Layered model vs the single-file reference on the tiny preset (random stored-format weights).
+
+The reference has no FP32 mode, so the comparison runs in exact mode. Both follow the same rounding points, so the
+logits agree bitwise on this machine; the stated tolerance (1e-5 of the largest |logit|) only leaves room for a
+different FP32 summation order on other hardware. The prompts pass the sliding window (64), make the indexer select
+(more rows than ``index_topk``) and activate the candidate-block restriction (more than 8 blocks of 4 C1 rows).
+"""
+
+from __future__ import annotations
+
+import torch
+from _layered_model_support import (
+    prompt,
+    single_thread,  # noqa: F401  (autouse fixture)
+    tiny_config,
+    tiny_model,
+    tiny_weights,
+)
+
+from deepinfer_model import reference as ref
+from deepinfer_model.checkpoint.tokenizer import build_tokenizer
+from deepinfer_model.forward_batch import ForwardBatch
+from deepinfer_model.layers.mode import ComputeMode
+
+RELATIVE_TOLERANCE = 1e-5
+
+
+def _reference(ids: torch.Tensor) -> torch.Tensor:
+    config = tiny_config()
+    vocabulary = ref.engram_vocabulary_from_tokenizer(build_tokenizer(config))
+    return ref.reference_forward(config, tiny_weights(), ids, vocabulary)
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    scale = expected.abs().max()
+    assert (actual - expected).abs().max() <= RELATIVE_TOLERANCE * scale
+    assert torch.equal(actual.argmax(-1), expected.argmax(-1))
+
+
+def test_full_prompt_matches_reference_in_exact_mode() -> None:
+    ids = prompt(130)
+    model = tiny_model(ComputeMode.EXACT)
+    state = model.allocate_state(block_size=16, num_blocks=9, num_state_slots=1)
+    table = torch.arange(9, dtype=torch.int32)[None, :]
+    with torch.no_grad():
+        logits = model(ForwardBatch.for_requests([ids.tolist()], [0], table, [0]), state)
+    _close(logits, _reference(ids))
+
+
+def test_two_requests_in_one_step_match_their_own_references() -> None:
+    first, second = prompt(70, seed=2), prompt(23, seed=3)
+    model = tiny_model(ComputeMode.EXACT)
+    state = model.allocate_state(block_size=8, num_blocks=20, num_state_slots=3)
+    # Interleaved pages and non-contiguous slots: addressing must follow the tables, not request order.
+    table = torch.tensor([[1, 3, 5, 7, 9, 11, 13, 15, 17, 19], [0, 2, 4, 6, -1, -1, -1, -1, -1, -1]], dtype=torch.int32)
+    batch = ForwardBatch.for_requests([first.tolist(), second.tolist()], [0, 0], table, [2, 0])
+    with torch.no_grad():
+        logits = model(batch, state)
+    _close(logits[:70], _reference(first))
+    _close(logits[70:], _reference(second))
