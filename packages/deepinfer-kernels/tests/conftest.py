@@ -40,6 +40,7 @@ def _session_accelerator() -> Iterator[None]:
 @pytest.fixture
 def triton_device() -> str:
     """Device for Triton kernel tests: "cpu" under the interpreter, "cuda" with a GPU; skips otherwise."""
+    pytest.importorskip("triton", reason="Triton is not installed (the 'nvidia' extra)")
     _registry.reset()
     if triton_interpreter_enabled():
         return "cpu"

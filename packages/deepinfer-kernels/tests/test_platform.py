@@ -50,6 +50,7 @@ def test_resolution_is_cached_until_cleared(monkeypatch: pytest.MonkeyPatch) -> 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
 def test_nvidia_without_gpu_needs_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("triton", reason="Triton is not installed (the 'nvidia' extra)")
     monkeypatch.setenv("DEEPINFER_ACCELERATOR", "nvidia")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(RuntimeError) as info:
@@ -60,6 +61,13 @@ def test_nvidia_without_gpu_needs_interpreter(monkeypatch: pytest.MonkeyPatch) -
     clear_accelerator_cache()
     assert triton_interpreter_enabled()
     assert current_accelerator() is Accelerator.NVIDIA
+
+
+def test_nvidia_without_triton_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DEEPINFER_ACCELERATOR", "nvidia")
+    monkeypatch.setitem(sys.modules, "triton", None)
+    with pytest.raises(RuntimeError, match="needs Triton, which is not importable"):
+        current_accelerator()
 
 
 def test_ascend_without_torch_npu_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
