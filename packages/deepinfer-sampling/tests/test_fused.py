@@ -59,7 +59,7 @@ def test_fused_matches_reference(rows_factory, batch_factory, vocab, max_block, 
     want_tokens, want_logprobs = reference_sample(z, batch, bits, exact_sums=True)
     forced = batch.forced_token_ids
     want_tokens = torch.where(forced >= 0, forced, want_tokens)
-    tokens, token_logprobs, logprobs = fused_sample(z, batch, bits, True, max_block=max_block)
+    tokens, token_logprobs, logprobs = fused_sample(z, batch, True, max_block=max_block)
     assert torch.equal(tokens, want_tokens)
     assert logprobs is not None
     assert torch.equal(torch.isinf(logprobs), torch.isinf(want_logprobs))
@@ -70,9 +70,9 @@ def test_fused_matches_reference(rows_factory, batch_factory, vocab, max_block, 
 
 
 def test_fused_without_logprobs_gives_the_same_tokens(rows_factory, batch_factory):
-    z, batch, bits = _inputs(rows_factory, batch_factory, 40, 5, seed=5, tie_grid=0.25)
-    with_lp = fused_sample(z, batch, bits, True, max_block=16)
-    without = fused_sample(z, batch, bits, False, max_block=16)
+    z, batch, _ = _inputs(rows_factory, batch_factory, 40, 5, seed=5, tie_grid=0.25)
+    with_lp = fused_sample(z, batch, True, max_block=16)
+    without = fused_sample(z, batch, False, max_block=16)
     assert without[2] is None
     assert torch.equal(with_lp[0], without[0]) and torch.equal(with_lp[1], without[1])
 
@@ -96,6 +96,6 @@ def test_sampler_backends_agree_end_to_end(rows_factory, batch_factory):
 
 
 def test_fused_rejects_tensors_it_cannot_use(rows_factory, batch_factory):
-    z, batch, bits = _inputs(rows_factory, batch_factory, 16, 2, seed=1, tie_grid=0.0)
+    z, batch, _ = _inputs(rows_factory, batch_factory, 16, 2, seed=1, tie_grid=0.0)
     with pytest.raises(ValueError, match="float32"):
-        fused_sample(z.double(), batch, bits, False)
+        fused_sample(z.double(), batch, False)

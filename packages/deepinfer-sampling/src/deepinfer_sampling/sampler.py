@@ -91,6 +91,8 @@ class Sampler:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self.backend = _resolve_backend(config)
+        # The fused backend is batch-invariant by construction; its torch epilogue must not undo that.
+        self._exact_sums = config.batch_invariant or self.backend == "triton"
         self._banned: torch.Tensor | None = None
         if config.banned_token_ids:
             banned = torch.zeros(vocab_size, dtype=torch.bool)
@@ -129,7 +131,7 @@ class Sampler:
         """
         self._check(logits, batch, bitmask)
         z, invalid = preprocess_logits(logits, batch, self._banned, bitmask, self.config.force_top_k)
-        logprobs = reference.processed_logprobs(z, batch, self.config.batch_invariant)
+        logprobs = reference.processed_logprobs(z, batch, self._exact_sums)
         return logprobs.masked_fill_(invalid[:, None], float("-inf")), invalid
 
     def __call__(
@@ -147,15 +149,15 @@ class Sampler:
         """
         self._check(logits, batch, bitmask)
         z, invalid = preprocess_logits(logits, batch, self._banned, bitmask, self.config.force_top_k)
-        bits = random_bits(batch.seeds, batch.positions, RandomStream.SAMPLE, 1)[:, 0]
         need_logprobs = batch.max_top_logprobs > 0 or self.config.compute_sum_smaller_probs
         logprobs: torch.Tensor | None
         if self.backend == "triton":
             from deepinfer_sampling.fused.triton_sampler import fused_sample
 
-            tokens, token_logprobs, logprobs = fused_sample(z, batch, bits, need_logprobs)
+            tokens, token_logprobs, logprobs = fused_sample(z, batch, need_logprobs)
         else:
-            sampled, logprobs = reference.sample(z, batch, bits, self.config.batch_invariant)
+            bits = random_bits(batch.seeds, batch.positions, RandomStream.SAMPLE, 1)[:, 0]
+            sampled, logprobs = reference.sample(z, batch, bits, self._exact_sums)
             forced = batch.forced_token_ids
             tokens = torch.where(forced >= 0, forced, sampled) if batch.has_forced_tokens else sampled
             token_logprobs = logprobs.gather(1, tokens.clamp(min=0)[:, None])[:, 0]
@@ -171,7 +173,7 @@ class Sampler:
             top_values = torch.empty((batch.num_rows, 0), dtype=torch.float32, device=self.device)
         smaller = None
         if self.config.compute_sum_smaller_probs and logprobs is not None:
-            smaller = sum_smaller_probs(logprobs, tokens, self.config.batch_invariant)
+            smaller = sum_smaller_probs(logprobs, tokens, self._exact_sums)
         return SamplerOutput(
             token_ids=tokens,
             logprobs=token_logprobs,

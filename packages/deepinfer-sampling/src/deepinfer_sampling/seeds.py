@@ -18,6 +18,9 @@ API for other modules (the speculative verifier uses ACCEPT, RECOVERED and BONUS
 - `uniforms(seeds[B], positions[B], stream, num) -> float32 [B, num]`, uniform over [0, 1) on a 2^-24 grid
   (so `u < p` accepts with probability exactly p rounded to that grid; p = 1 always accepts, p = 0 never);
 - `request_seed(seq_seed, ...)` on the host, to turn `SamplingParams.seq_seed` into the request seed.
+
+The fused Triton sampler (`fused/triton_sampler.py`) computes the same hash in uint64 inside its kernel; the
+fused-vs-reference tests check that both give identical draws.
 """
 
 from __future__ import annotations
@@ -114,7 +117,12 @@ def _row_keys(seeds: torch.Tensor, positions: torch.Tensor, stream: int | torch.
     if isinstance(stream, torch.Tensor):
         return mix64(key + (stream.to(torch.int64) + 1) * _signed(_STREAM_MUL))
     # A Python scalar offset: no host-to-device copy.
-    return mix64(key + _signed((int(stream) + 1) * _STREAM_MUL))
+    return mix64(key + _signed(stream_offset(stream)))
+
+
+def stream_offset(stream: int) -> int:
+    """(stream + 1)·φ' mod 2^64, the word a stream case adds to a row key (for kernels that hash in place)."""
+    return ((int(stream) + 1) * _STREAM_MUL) & _MASK64
 
 
 def random_bits(seeds: torch.Tensor, positions: torch.Tensor, stream: int | torch.Tensor, num: int) -> torch.Tensor:

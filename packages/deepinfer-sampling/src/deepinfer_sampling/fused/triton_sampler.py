@@ -13,9 +13,10 @@ Per row (non-greedy):
     pass     f'ᵢ = floor(exp(s − lse')·2^31) on kept tokens, r = scaled draw in [0, Σ f') (`inverse_cdf.py`),
              token = first i with CDF_i > r; optionally writes ℓ' = s − lse' (−inf outside the kept set)
 
-Greedy rows (T = 0) take the lowest-index argmax with a one-hot ℓ'. Golden tokens replace the sample. Token choices
-match the reference for the same `bits` except where float rounding of exp/log moves a CDF boundary past r (each
-fixed-point weight can differ by a few units of 2^-31); log-probs agree to float32 rounding.
+Greedy rows (T = 0) take the lowest-index argmax with a one-hot ℓ'. Golden tokens replace the sample. The random draw
+is `seeds.random_bits(seed, position, SAMPLE)` hashed in the kernel. Token choices match the reference except where
+float rounding of exp/log moves a CDF boundary past r (each fixed-point weight can differ by a few units of 2^-31);
+log-probs agree to float32 rounding.
 
 Runs on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1.
 """
@@ -30,8 +31,26 @@ import triton.language as tl
 
 from deepinfer_kernels.platform import triton_interpreter_enabled
 from deepinfer_sampling.batch import SamplingBatch
+from deepinfer_sampling.seeds import RandomStream, stream_offset
 
 MAX_BLOCK = 4096
+
+
+@triton.jit
+def _mix64(z):  # type: ignore[no-untyped-def]
+    """SplitMix64 finaliser on uint64 (the same function as `seeds.mix64`)."""
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB
+    return z ^ (z >> 31)
+
+
+@triton.jit
+def _sample_bits(seed, position, STREAM_OFFSET: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Draw 0 of `seeds.random_bits(seed, position, stream)`; STREAM_OFFSET = (stream + 1)·φ' mod 2^64."""
+    mixed_seed = _mix64(seed.to(tl.uint64, bitcast=True))
+    key = _mix64(mixed_seed ^ (position.to(tl.uint64, bitcast=True) * 0x9E3779B97F4A7C15))
+    key = _mix64(key + STREAM_OFFSET)
+    return (_mix64(key + 0x9E3779B97F4A7C15) >> 1).to(tl.int64, bitcast=True)
 
 
 @triton.jit
@@ -58,7 +77,7 @@ def _fixed_lse(  # type: ignore[no-untyped-def]
 ):
     """Σ floor(exp(s)·2^40) over kept columns, as a float32 log."""
     offs = tl.arange(0, BLOCK)
-    total = tl.zeros((), dtype=tl.int64)
+    total = tl.zeros((BLOCK,), dtype=tl.int64)
     seen_k = tl.zeros((), dtype=tl.int64)
     seen_p = tl.zeros((), dtype=tl.int64)
     for start in range(0, V, BLOCK):
@@ -69,8 +88,8 @@ def _fixed_lse(  # type: ignore[no-untyped-def]
         if TRUNCATE:
             kept, seen_k, seen_p = _kept(x, s, kept, t_k, n_k, t_p, mass_p, limit_p, log_min_p, seen_k, seen_p, lse)
         e = tl.where(kept, tl.exp(s), 0.0)
-        total += tl.sum(tl.floor(e * 1099511627776.0).to(tl.int64), axis=0)
-    return (tl.log(total.to(tl.float64)) - 40 * 0.6931471805599453).to(tl.float32)
+        total += tl.floor(e * 1099511627776.0).to(tl.int64)
+    return (tl.log(tl.sum(total, axis=0).to(tl.float64)) - 40 * 0.6931471805599453).to(tl.float32)
 
 
 @triton.jit
@@ -97,7 +116,8 @@ def _fused_sample_kernel(  # type: ignore[no-untyped-def]
     top_k_ptr,
     top_p_ptr,
     log_min_p_ptr,
-    bits_ptr,
+    seed_ptr,
+    position_ptr,
     forced_ptr,
     token_ptr,
     token_lp_ptr,
@@ -107,23 +127,27 @@ def _fused_sample_kernel(  # type: ignore[no-untyped-def]
     BLOCK: tl.constexpr,
     TRUNCATE: tl.constexpr,
     WRITE_LOGPROBS: tl.constexpr,
+    STREAM_OFFSET: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     z_row = z_ptr + row * stride_z
     offs = tl.arange(0, BLOCK)
     temperature = tl.load(temp_ptr + row)
     forced = tl.load(forced_ptr + row)
-    m = tl.full((), float("-inf"), tl.float32)
+    # Passes accumulate per-lane and reduce once at the end (exact for max, min and integer sums).
+    m_lanes = tl.full((BLOCK,), float("-inf"), tl.float32)
     for start in range(0, V, BLOCK):
         cols = start + offs
-        m = tl.maximum(m, tl.max(tl.load(z_row + cols, mask=cols < V, other=float("-inf")), axis=0))
+        m_lanes = tl.maximum(m_lanes, tl.load(z_row + cols, mask=cols < V, other=float("-inf")))
+    m = tl.max(m_lanes, axis=0)
 
     if temperature == 0.0:
-        best = tl.full((), V, tl.int64)
+        best_lanes = tl.full((BLOCK,), V, tl.int32)
         for start in range(0, V, BLOCK):
             cols = start + offs
             x = tl.load(z_row + cols, mask=cols < V, other=float("-inf"))
-            best = tl.minimum(best, tl.min(tl.where((x == m) & (cols < V), cols, V).to(tl.int64), axis=0))
+            best_lanes = tl.minimum(best_lanes, tl.where((x == m) & (cols < V), cols, V))
+        best = tl.min(best_lanes, axis=0).to(tl.int64)
         token = tl.where(forced >= 0, forced, best)
         tl.store(token_ptr + row, token)
         tl.store(token_lp_ptr + row, tl.where(token == best, 0.0, float("-inf")))
@@ -150,26 +174,26 @@ def _fused_sample_kernel(  # type: ignore[no-untyped-def]
                 for _ in range(32):
                     mid_k = (lo_k + hi_k) >> 1
                     mid_p = (lo_p + hi_p) >> 1
-                    count = tl.zeros((), dtype=tl.int64)
-                    mass = tl.zeros((), dtype=tl.int64)
+                    count = tl.zeros((BLOCK,), dtype=tl.int32)
+                    mass = tl.zeros((BLOCK,), dtype=tl.int64)
                     for start in range(0, V, BLOCK):
                         cols = start + offs
                         x = tl.load(z_row + cols, mask=cols < V, other=float("-inf"))
                         key = _keys(x).to(tl.int64)
                         p = tl.minimum(tl.exp(tl.math.div_rn(x - m, temperature) - lse), 1.0)
                         f = tl.floor(p * 2147483648.0).to(tl.int64)
-                        count += tl.sum(((key > mid_k) & (cols < V)).to(tl.int64), axis=0)
-                        mass += tl.sum(tl.where((key > mid_p) & (cols < V), f, 0), axis=0)
-                    ok_k = count < top_k
-                    ok_p = mass <= limit_p
+                        count += ((key > mid_k) & (cols < V)).to(tl.int32)
+                        mass += tl.where((key > mid_p) & (cols < V), f, 0)
+                    ok_k = tl.sum(count, axis=0).to(tl.int64) < top_k
+                    ok_p = tl.sum(mass, axis=0) <= limit_p
                     hi_k = tl.where(ok_k, mid_k, hi_k)
                     lo_k = tl.where(ok_k, lo_k, mid_k + 1)
                     hi_p = tl.where(ok_p, mid_p, hi_p)
                     lo_p = tl.where(ok_p, lo_p, mid_p + 1)
                 t_k = lo_k.to(tl.int32)
                 t_p = lo_p.to(tl.int32)
-                count = tl.zeros((), dtype=tl.int64)
-                mass_p = tl.zeros((), dtype=tl.int64)
+                count = tl.zeros((BLOCK,), dtype=tl.int32)
+                mass_lanes = tl.zeros((BLOCK,), dtype=tl.int64)
                 for start in range(0, V, BLOCK):
                     cols = start + offs
                     x = tl.load(z_row + cols, mask=cols < V, other=float("-inf"))
@@ -177,15 +201,16 @@ def _fused_sample_kernel(  # type: ignore[no-untyped-def]
                     f = tl.floor(tl.minimum(tl.exp(tl.math.div_rn(x - m, temperature) - lse), 1.0) * 2147483648.0).to(
                         tl.int64
                     )
-                    count += tl.sum(((key > t_k) & (cols < V)).to(tl.int64), axis=0)
-                    mass_p += tl.sum(tl.where((key > t_p) & (cols < V), f, 0), axis=0)
-                n_k = top_k - count
+                    count += ((key > t_k) & (cols < V)).to(tl.int32)
+                    mass_lanes += tl.where((key > t_p) & (cols < V), f, 0)
+                n_k = top_k - tl.sum(count, axis=0).to(tl.int64)
+                mass_p = tl.sum(mass_lanes, axis=0)
         else:
             lse = tl.zeros((), dtype=tl.float32)
         lse_kept = _fixed_lse(z_row, m, temperature, lse, t_k, n_k, t_p, mass_p, limit_p, log_min_p, V, BLOCK, TRUNCATE)
-        bits = tl.load(bits_ptr + row)
+        bits = _sample_bits(tl.load(seed_ptr + row), tl.load(position_ptr + row), STREAM_OFFSET)
         # Total fixed-point mass first, so r can be drawn before the CDF walk.
-        total = tl.zeros((), dtype=tl.int64)
+        total_lanes = tl.zeros((BLOCK,), dtype=tl.int64)
         seen_k = tl.zeros((), dtype=tl.int64)
         seen_p = tl.zeros((), dtype=tl.int64)
         for start in range(0, V, BLOCK):
@@ -196,14 +221,13 @@ def _fused_sample_kernel(  # type: ignore[no-untyped-def]
             if TRUNCATE:
                 kept, seen_k, seen_p = _kept(x, s, kept, t_k, n_k, t_p, mass_p, limit_p, log_min_p, seen_k, seen_p, lse)
             f = tl.where(kept, tl.floor(tl.minimum(tl.exp(s - lse_kept), 1.0) * 2147483648.0).to(tl.int64), 0)
-            total += tl.sum(f, axis=0)
-        total = tl.maximum(total, 1)
+            total_lanes += f
+        total = tl.maximum(tl.sum(total_lanes, axis=0), 1)
         uniform = (bits >> 10).to(tl.float64) * 1.1102230246251565e-16  # 2^-53
         r = tl.minimum(tl.floor(uniform * total.to(tl.float64)).to(tl.int64), total - 1)
         cdf = tl.zeros((), dtype=tl.int64)
-        token = tl.full((), -1, tl.int64)
-        token_lp = tl.full((), float("-inf"), tl.float32)
-        forced_lp = tl.full((), float("-inf"), tl.float32)
+        hit_lanes = tl.full((BLOCK,), V, tl.int32)
+        forced_lanes = tl.full((BLOCK,), float("-inf"), tl.float32)
         seen_k = tl.zeros((), dtype=tl.int64)
         seen_p = tl.zeros((), dtype=tl.int64)
         for start in range(0, V, BLOCK):
@@ -216,27 +240,29 @@ def _fused_sample_kernel(  # type: ignore[no-untyped-def]
             lp = tl.where(kept, s - lse_kept, float("-inf"))
             f = tl.where(kept, tl.floor(tl.minimum(tl.exp(lp), 1.0) * 2147483648.0).to(tl.int64), 0)
             inclusive = cdf + tl.cumsum(f, axis=0)
-            hit = tl.min(tl.where((inclusive > r) & (cols < V), cols, V).to(tl.int64), axis=0)
-            take = (token < 0) & (hit < V)
-            token_lp = tl.where(take, tl.sum(tl.where(cols == hit, lp, 0.0), axis=0), token_lp)
-            token = tl.where(take, hit, token)
-            forced_lp = tl.maximum(forced_lp, tl.max(tl.where(cols == forced, lp, float("-inf")), axis=0))
-            cdf += tl.sum(f, axis=0)
+            # The CDF only grows, so the sampled column is the lowest column anywhere with CDF > r.
+            hit_lanes = tl.minimum(hit_lanes, tl.where((inclusive > r) & (cols < V), cols, V))
+            forced_lanes = tl.maximum(forced_lanes, tl.where(cols == forced, lp, float("-inf")))
+            cdf = tl.max(inclusive, axis=0)
             if WRITE_LOGPROBS:
                 tl.store(lp_ptr + row * stride_lp + cols, lp, mask=cols < V)
+        token = tl.min(hit_lanes, axis=0).to(tl.int64)
+        # The sampled column is kept by construction; recompute its log-prob exactly as in the pass.
+        token_lp = tl.math.div_rn(tl.load(z_row + token) - m, temperature) - lse_kept
         tl.store(token_ptr + row, tl.where(forced >= 0, forced, token))
-        tl.store(token_lp_ptr + row, tl.where(forced >= 0, forced_lp, token_lp))
+        tl.store(token_lp_ptr + row, tl.where(forced >= 0, tl.max(forced_lanes, axis=0), token_lp))
 
 
 def fused_sample(
-    z: torch.Tensor, batch: SamplingBatch, bits: torch.Tensor, write_logprobs: bool, max_block: int = MAX_BLOCK
+    z: torch.Tensor, batch: SamplingBatch, write_logprobs: bool, max_block: int = MAX_BLOCK
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Samples every row of pre-processed logits (`masking.preprocess_logits`) in one kernel launch.
+
+    The random draw of each row is `seeds.random_bits(seed, position, RandomStream.SAMPLE)`, computed in the kernel.
 
     Args:
         z: float32 [B, V], contiguous rows, at least one finite value per row.
         batch: the step's sampling batch (temperature, top_k, top_p_threshold, log_min_p, forced_token_ids).
-        bits: int64 [B], 63-bit uniform integers.
         write_logprobs: also return the processed log-probs.
         max_block: largest number of columns a program handles at once (a power of two).
 
@@ -263,7 +289,8 @@ def fused_sample(
         batch.top_k,
         batch.top_p_threshold,
         batch.log_min_p,
-        bits,
+        batch.seeds,
+        batch.positions,
         batch.forced_token_ids,
         tokens,
         token_logprobs,
@@ -273,6 +300,7 @@ def fused_sample(
         BLOCK=block,
         TRUNCATE=batch.needs_truncation,
         WRITE_LOGPROBS=write_logprobs,
+        STREAM_OFFSET=stream_offset(RandomStream.SAMPLE),
         num_warps=8 if block >= 2048 else 4,
     )
     return tokens, token_logprobs, logprobs
