@@ -50,6 +50,25 @@ Choices where the spec leaves a point open (each follows what the spec attribute
     13. Indexer logits are rounded to BF16 before top-k and candidate-block scoring (attention §5.3, inferred);
         the C2 compressor softmax uses exact ``exp`` (the reference kernel's fast-math is not reproduced, A3).
     14. mHC read and post accumulate in FP32 in stream order without FMA; the FP32 mix GEMM sums in one pass.
+
+Precision (the ``precision`` keyword of the four entry points and of the building blocks that round):
+    ``"exact"`` (default) is everything above: the spec's numerics (model-core §5, §19, model-attention §8).
+    ``"fp32"`` is the same model with every rounding of an activation switched off, so that two implementations can
+    be compared up to FP32 summation order (in exact mode a one-ulp difference may flip a BF16 or FP8 rounding and
+    then grow). It changes exactly four kinds of point, each in one method of ``_Numerics``:
+        - every BF16 rounding point (norm outputs, GEMM outputs, mHC read and post, Engram update, MoE combine,
+          compressor latent, indexer weights and logits, attention probabilities, DSpark target features): the
+          value stays FP32, so every tensor documented as BF16 is FP32 instead;
+        - the dynamic 1×32 FP8 activation quantization in front of every FP8 GEMM: the GEMM reads the FP32 value;
+        - the TF32 rounding of the mHC ``fn`` operand: the GEMM is FP32;
+        - the KV storage formats (SWA and DSpark context keys FP8, compressed rows FP4/FP8, index keys FP4, and the
+          index query, which uses the index-key recipe): the vectors are kept in FP32.
+    It keeps: every weight dequantized from its stored format exactly as in exact mode (FP8 32×32 blocks, MXFP4,
+    BF16 and FP32 values read as FP32), the Engram table rows dequantized from FP8; FP32 accumulation everywhere
+    (torch's default ``"highest"`` FP32 matmul precision is assumed); ``ρ`` of RMSNorm correctly rounded to FP32
+    (choice 1) and the RoPE FMA evaluation (choice 3); the cap of candidate-block scores at the largest finite BF16;
+    and every discrete decision (indexer top-k, candidate blocks, expert routing) with the same rule, computed on
+    the FP32 values.
 """
 
 from __future__ import annotations
@@ -57,6 +76,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from tokenizers import Regex, Tokenizer, normalizers
@@ -67,6 +87,7 @@ from deepinfer_model.config import ModelConfig, TextConfig
 __all__ = [
     "DSparkOutput",
     "EngramVocabulary",
+    "Precision",
     "ReferenceOutput",
     "apply_rope",
     "attention_core",
@@ -112,6 +133,8 @@ __all__ = [
 
 F32 = torch.float32
 BF16 = torch.bfloat16
+
+Precision = Literal["exact", "fp32"]
 
 # ==================================================================================================================
 # 1. Number formats (model-core §5, model-attention §8)
@@ -300,6 +323,40 @@ def _dequantize_fp8_rows(rows: Tensor, scale: Tensor) -> Tensor:
     return (rows.to(F32).unflatten(-1, (scale.shape[-1], 32)) * ue8m0_to_float(scale)[..., None]).flatten(-2)
 
 
+@dataclass(frozen=True)
+class _Numerics:
+    """The four kinds of rounding point of the forward; in fp32 precision each one returns its input as FP32."""
+
+    precision: Precision
+
+    @property
+    def exact(self) -> bool:
+        return self.precision == "exact"
+
+    def bf16(self, x: Tensor) -> Tensor:
+        """A BF16 rounding point of model-core §19: BF16 in exact mode, unrounded FP32 in fp32 mode."""
+        return x.to(BF16) if self.exact else x.float()
+
+    def act_quant(self, x: Tensor) -> Tensor:
+        """The FP8 GEMM input (dynamic 1×32 FP8 activation quantization, §5.5), read back as FP32."""
+        return fp8_quant_dequant(x) if self.exact else x.float()
+
+    def tf32(self, x: Tensor) -> Tensor:
+        """An operand of the TF32 mHC mix GEMM (§5.6), as FP32."""
+        return round_to_tf32(x) if self.exact else x.float()
+
+    def store(self, x: Tensor, quantizer: Callable[[Tensor], Tensor]) -> Tensor:
+        """A vector as read back from its storage format ``quantizer`` (attention §8), as FP32."""
+        return quantizer(x) if self.exact else x.float()
+
+
+def _numerics(precision: Precision) -> _Numerics:
+    """The rounding points of ``precision``; anything but ``"exact"`` or ``"fp32"`` is an error."""
+    if precision not in ("exact", "fp32"):
+        raise ValueError(f"precision must be 'exact' or 'fp32', got {precision!r}")
+    return _Numerics(precision)
+
+
 # ==================================================================================================================
 # 2. Stored weights and linear layers (model-core §4, §5.6)
 # ==================================================================================================================
@@ -332,9 +389,9 @@ class _Weights:
         return dequantize_mxfp4(self[f"{prefix}.weight"], self[f"{prefix}.scale"])
 
 
-def _fp8_linear(x: Tensor, weight: Tensor) -> Tensor:
+def _fp8_linear(num: _Numerics, x: Tensor, weight: Tensor) -> Tensor:
     """``bf16(Q8(x) · Ŵᵀ)``: per-32 dynamic FP8 activation × dequantized weight, FP32 accumulation (§5.6)."""
-    return (fp8_quant_dequant(x) @ weight.T).to(BF16)
+    return num.bf16(num.act_quant(x) @ weight.T)
 
 
 def _bf16_linear(x: Tensor, weight: Tensor) -> Tensor:
@@ -353,7 +410,7 @@ def _inverse_rms(sum_squares: Tensor, width: int, eps: float) -> Tensor:
     return (1.0 / torch.sqrt(sum_squares.double() / width + eps_fp32)).float()
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor, eps: float, *, precision: Precision = "exact") -> Tensor:
     """RMSNorm over the last dimension, output BF16 (model-core §11).
 
     ``ρ = 1/sqrt(Σx²/d + ε)`` with an FP32 sum of squares and ``ρ`` correctly rounded to FP32; ``y = x·ρ·w`` in
@@ -363,13 +420,14 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
         x: ``[..., d]`` BF16 (or FP32).
         weight: ``[d]`` BF16.
         eps: ``rms_norm_eps``.
+        precision: ``"fp32"`` skips the BF16 rounding of ``y``.
 
     Returns:
-        ``[..., d]`` BF16.
+        ``[..., d]`` BF16 (FP32 in fp32 precision).
     """
     xf = x.float()
     rho = _inverse_rms((xf * xf).sum(-1, keepdim=True), xf.shape[-1], eps)
-    return (xf * rho * weight.float()).to(BF16)
+    return _numerics(precision).bf16(xf * rho * weight.float())
 
 
 # ==================================================================================================================
@@ -469,20 +527,21 @@ def _layer_rope_table(text: TextConfig, compressed: bool, num_positions: int) ->
 # ==================================================================================================================
 
 
-def hc_mix_logits(trunk: Tensor, fn: Tensor, eps: float) -> Tensor:
+def hc_mix_logits(trunk: Tensor, fn: Tensor, eps: float, *, precision: Precision = "exact") -> Tensor:
     """Token-dependent mix logits ``μ = γ · fn·z`` of model-core §10.2.
 
     Args:
-        trunk: ``[n, m, H]`` BF16.
-        fn: ``[rows, m·H]`` FP32 (norm weight folded in); multiplied in TF32.
+        trunk: ``[n, m, H]`` BF16 (FP32 in fp32 precision).
+        fn: ``[rows, m·H]`` FP32 (norm weight folded in); multiplied in TF32 (in FP32 in fp32 precision).
         eps: ``rms_norm_eps``.
+        precision: ``"fp32"`` skips the TF32 rounding of ``fn``.
 
     Returns:
         ``[n, rows]`` FP32.
     """
     z = trunk.float().flatten(1)
     gamma = _inverse_rms((z * z).sum(-1, keepdim=True), z.shape[-1], eps)
-    return (z @ round_to_tf32(fn).T) * gamma
+    return (z @ _numerics(precision).tf32(fn).T) * gamma
 
 
 def sinkhorn(logits: Tensor, iters: int, eps: float) -> Tensor:
@@ -527,34 +586,36 @@ def hc_split_mixes(
     return pre, post, sinkhorn(comb, sinkhorn_iters, hc_eps)
 
 
-def hc_read(trunk: Tensor, pre: Tensor) -> Tensor:
+def hc_read(trunk: Tensor, pre: Tensor, *, precision: Precision = "exact") -> Tensor:
     """``bf16(Σ_j P_j·X_j)`` accumulated in FP32 in stream order (model-core §10.5).
 
     Args:
-        trunk: ``[n, m, H]`` BF16.
+        trunk: ``[n, m, H]`` BF16 (FP32 in fp32 precision).
         pre: ``[n, m]`` FP32 read-mix.
+        precision: ``"fp32"`` skips the BF16 rounding.
 
     Returns:
-        ``[n, H]`` BF16.
+        ``[n, H]`` BF16 (FP32 in fp32 precision).
     """
     x = trunk.float()
     acc = pre[:, 0:1] * x[:, 0]
     for j in range(1, x.shape[1]):
         acc = acc + pre[:, j : j + 1] * x[:, j]
-    return acc.to(BF16)
+    return _numerics(precision).bf16(acc)
 
 
-def hc_post(output: Tensor, trunk: Tensor, post: Tensor, comb: Tensor) -> Tensor:
+def hc_post(output: Tensor, trunk: Tensor, post: Tensor, comb: Tensor, *, precision: Precision = "exact") -> Tensor:
     """``X'_o = bf16(Q_o·y + Σ_i C_io·X_i)`` in FP32, products added in stream order (model-core §10.6).
 
     Args:
-        output: ``[n, H]`` BF16 sub-layer output ``y``.
+        output: ``[n, H]`` BF16 sub-layer output ``y`` (FP32 in fp32 precision, as are the trunks).
         trunk: ``[n, m, H]`` BF16 trunk the sub-layer received.
         post: ``[n, m]`` FP32 write-mix ``Q``.
         comb: ``[n, m, m]`` FP32 comb ``C``.
+        precision: ``"fp32"`` skips the BF16 rounding.
 
     Returns:
-        ``[n, m, H]`` BF16 new trunk.
+        ``[n, m, H]`` BF16 new trunk (FP32 in fp32 precision).
     """
     x = trunk.float()
     y = output.float()
@@ -564,25 +625,35 @@ def hc_post(output: Tensor, trunk: Tensor, post: Tensor, comb: Tensor) -> Tensor
         for i in range(x.shape[1]):
             acc = acc + comb[:, i, o : o + 1] * x[:, i]
         streams.append(acc)
-    return torch.stack(streams, dim=1).to(BF16)
+    return _numerics(precision).bf16(torch.stack(streams, dim=1))
 
 
-def hc_head(trunk: Tensor, fn: Tensor, scale: Tensor, base: Tensor, eps: float, hc_eps: float) -> Tensor:
+def hc_head(
+    trunk: Tensor,
+    fn: Tensor,
+    scale: Tensor,
+    base: Tensor,
+    eps: float,
+    hc_eps: float,
+    *,
+    precision: Precision = "exact",
+) -> Tensor:
     """Non-shifted HC head: collapse the trunk with its own read-mix (model-core §10.9).
 
     Args:
-        trunk: ``[n, m, H]`` BF16.
+        trunk: ``[n, m, H]`` BF16 (FP32 in fp32 precision).
         fn: ``[m, m·H]`` FP32 (norm weight folded in).
         scale: ``[1]`` FP32.
         base: ``[m]`` FP32.
         eps: ``rms_norm_eps``.
         hc_eps: ``ε_hc``.
+        precision: ``"fp32"`` skips the TF32 and BF16 roundings.
 
     Returns:
-        ``[n, H]`` BF16.
+        ``[n, H]`` BF16 (FP32 in fp32 precision).
     """
-    pre = torch.sigmoid(hc_mix_logits(trunk, fn, eps) * scale[0] + base) + hc_eps
-    return hc_read(trunk, pre)
+    pre = torch.sigmoid(hc_mix_logits(trunk, fn, eps, precision=precision) * scale[0] + base) + hc_eps
+    return hc_read(trunk, pre, precision=precision)
 
 
 # ==================================================================================================================
@@ -836,18 +907,21 @@ def engram_hash(rows: Tensor, multipliers: Sequence[int], primes: Sequence[int],
     return torch.stack(columns, dim=1)
 
 
-def engram_gate(trunk: Tensor, kv: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float) -> Tensor:
+def engram_gate(
+    trunk: Tensor, kv: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float, *, precision: Precision = "exact"
+) -> Tensor:
     """Engram gate and update ``X_j ← bf16(X_j + g_j·v)`` (model-core §12.8).
 
     Args:
-        trunk: ``[n, m, H]`` BF16.
+        trunk: ``[n, m, H]`` BF16 (FP32 in fp32 precision, as is ``kv``).
         kv: ``[n, m+1, H]`` BF16: one key per stream, then the shared value.
         q_weight: ``[m, H]`` BF16.
         k_weight: ``[m, H]`` BF16.
         eps: ``rms_norm_eps``.
+        precision: ``"fp32"`` skips the BF16 rounding of the update.
 
     Returns:
-        ``[n, m, H]`` BF16.
+        ``[n, m, H]`` BF16 (FP32 in fp32 precision).
     """
     m, hidden = q_weight.shape
     x = trunk.float()
@@ -858,11 +932,17 @@ def engram_gate(trunk: Tensor, kv: Tensor, q_weight: Tensor, k_weight: Tensor, e
     a_k = _inverse_rms((keys * keys).sum(-1), hidden, eps)
     z = (x * w * keys).sum(-1) * a_x * a_k / math.sqrt(hidden)
     gate = torch.sigmoid(torch.copysign(torch.sqrt(z.abs().clamp_min(1e-6)), z))
-    return (x + gate[..., None] * value[:, None, :]).to(BF16)
+    return _numerics(precision).bf16(x + gate[..., None] * value[:, None, :])
 
 
 def _engram_layer(
-    text: TextConfig, w: _Weights, layer: int, trunk: Tensor, token_ids: Tensor, vocabulary: EngramVocabulary
+    text: TextConfig,
+    w: _Weights,
+    num: _Numerics,
+    layer: int,
+    trunk: Tensor,
+    token_ids: Tensor,
+    vocabulary: EngramVocabulary,
 ) -> Tensor:
     """Apply layer ``layer``'s Engram to the trunk (model-core §12.3–12.8)."""
     max_ngram, heads, _ = _engram_sizes(text)
@@ -878,8 +958,10 @@ def _engram_layer(
     if table.shape[0] < sum(primes):
         raise ValueError(f"{prefix}.embed.weight has {table.shape[0]} rows, the hash needs {sum(primes)}")
     gathered = _dequantize_fp8_rows(table[idx], table_scale[idx]).flatten(1)  # [n, (N_g-1)·h_e·d_e]
-    kv = (gathered @ w.fp8(f"{prefix}.wkv").T).to(BF16).unflatten(-1, (text.hc_mult + 1, text.hidden_size))
-    return engram_gate(trunk, kv, w[f"{prefix}.q_weight"], w[f"{prefix}.k_weight"], text.rms_norm_eps)
+    # The gathered rows are FP8 in storage already, so this FP8 GEMM has no activation quantization.
+    kv = num.bf16(gathered @ w.fp8(f"{prefix}.wkv").T).unflatten(-1, (text.hc_mult + 1, text.hidden_size))
+    q_weight, k_weight = w[f"{prefix}.q_weight"], w[f"{prefix}.k_weight"]
+    return engram_gate(trunk, kv, q_weight, k_weight, text.rms_norm_eps, precision=num.precision)
 
 
 # ==================================================================================================================
@@ -920,7 +1002,7 @@ def _swiglu(gate_up: Tensor, limit: float | None) -> Tensor:
     return gate / (1 + torch.exp(-gate)) * up
 
 
-def _moe(text: TextConfig, w: _Weights, prefix: str, x: Tensor, num_experts: int, top_k: int) -> Tensor:
+def _moe(text: TextConfig, w: _Weights, num: _Numerics, prefix: str, x: Tensor, num_experts: int, top_k: int) -> Tensor:
     """MoE of one block on the BF16 ``ffn_norm`` output ``x [n, H]``; returns BF16 ``[n, H]`` (§13)."""
     n, hidden = x.shape
     gate_weight = w[f"{prefix}.gate.weight"]
@@ -932,19 +1014,19 @@ def _moe(text: TextConfig, w: _Weights, prefix: str, x: Tensor, num_experts: int
     total = torch.zeros(n, hidden, dtype=F32)
     if text.n_shared_experts > 0:
         s = f"{prefix}.shared_experts"
-        gate_up = torch.cat([_fp8_linear(x, w.fp8(f"{s}.w1")), _fp8_linear(x, w.fp8(f"{s}.w3"))], dim=-1)
-        total = total + _fp8_linear(_swiglu(gate_up, text.swiglu_limit), w.fp8(f"{s}.w2")).float()
+        gate_up = torch.cat([_fp8_linear(num, x, w.fp8(f"{s}.w1")), _fp8_linear(num, x, w.fp8(f"{s}.w3"))], dim=-1)
+        total = total + _fp8_linear(num, _swiglu(gate_up, text.swiglu_limit), w.fp8(f"{s}.w2")).float()
     routed = torch.zeros(n, top_k, hidden, dtype=F32)
     for expert in torch.unique(experts).tolist():
         tokens, rank = torch.nonzero(experts == expert, as_tuple=True)
         e = f"{prefix}.experts.{expert}"
         w13 = torch.cat([w.mxfp4(f"{e}.w1"), w.mxfp4(f"{e}.w3")], dim=0)
-        gate_up = _fp8_linear(x[tokens], w13)
+        gate_up = _fp8_linear(num, x[tokens], w13)
         activation = _swiglu(gate_up, text.swiglu_limit) * weights[tokens, rank][:, None]
-        routed[tokens, rank] = _fp8_linear(activation, w.mxfp4(f"{e}.w2")).float()
+        routed[tokens, rank] = _fp8_linear(num, activation, w.mxfp4(f"{e}.w2")).float()
     for slot in range(top_k):
         total = total + routed[:, slot]
-    return total.to(BF16)
+    return num.bf16(total)
 
 
 # ==================================================================================================================
@@ -972,34 +1054,45 @@ def sparse_source_map(source_ids: Sequence[int], num_layers: int) -> list[int]:
     return mapping
 
 
-def compress_kv(hidden: Tensor, wkv: Tensor, wgate: Tensor | None, norm: Tensor, ratio: int, eps: float) -> Tensor:
+def compress_kv(
+    hidden: Tensor,
+    wkv: Tensor,
+    wgate: Tensor | None,
+    norm: Tensor,
+    ratio: int,
+    eps: float,
+    *,
+    precision: Precision = "exact",
+) -> Tensor:
     """Compressed rows before RoPE, ``pre_rope_kv`` (attention §4.1–4.2); one row per complete block of ``c`` tokens.
 
     Ratio ≥ 2: per channel, softmax over the block's tokens of the FP32 gate scores weights the FP32 latents; the
     FP32 sum is rounded to BF16. Ratio 1: the BF16 latent itself. Then RMSNorm with ``compressor.norm``.
 
     Args:
-        hidden: ``[n, H]`` BF16 compressor input.
+        hidden: ``[n, H]`` BF16 compressor input (FP32 in fp32 precision).
         wkv: ``[D, H]`` BF16 ``compressor.wkv``.
         wgate: ``[D, H]`` BF16 ``compressor.wgate`` for ratio ≥ 2, None for ratio 1.
         norm: ``[D]`` BF16 ``compressor.norm``.
         ratio: compress ratio ``c``.
         eps: ``rms_norm_eps``.
+        precision: ``"fp32"`` skips the BF16 roundings of the latent and of the norm output.
 
     Returns:
-        ``[n // c, D]`` BF16.
+        ``[n // c, D]`` BF16 (FP32 in fp32 precision).
     """
     if (ratio == 1) != (wgate is None):
         raise ValueError(f"compress ratio {ratio} needs {'no' if ratio == 1 else 'a'} compressor gate weight")
+    num = _numerics(precision)
     rows = hidden.shape[0] // ratio
     if wgate is None:
-        latent = _bf16_linear(hidden[:rows], wkv).to(BF16)
+        latent = num.bf16(_bf16_linear(hidden[:rows], wkv))
     else:
         blocks = hidden[: rows * ratio]
         score = _bf16_linear(blocks, wgate).unflatten(0, (rows, ratio))
         value = _bf16_linear(blocks, wkv).unflatten(0, (rows, ratio))
-        latent = (torch.softmax(score, dim=1) * value).sum(1).to(BF16)
-    return rms_norm(latent, norm, eps)
+        latent = num.bf16((torch.softmax(score, dim=1) * value).sum(1))
+    return rms_norm(latent, norm, eps, precision=precision)
 
 
 def _rope_rows(rows: Tensor, cos: Tensor, sin: Tensor, ratio: int) -> Tensor:
@@ -1008,19 +1101,20 @@ def _rope_rows(rows: Tensor, cos: Tensor, sin: Tensor, ratio: int) -> Tensor:
     return apply_rope(rows, cos[positions], sin[positions])
 
 
-def index_scores(query: Tensor, head_weights: Tensor, keys: Tensor) -> Tensor:
+def index_scores(query: Tensor, head_weights: Tensor, keys: Tensor, *, precision: Precision = "exact") -> Tensor:
     """Indexer logits ``I(t, b) = Σ_h w[t,h]·max(0, q̂[t,h]·û_b)`` in FP32, stored BF16 (attention §5.3).
 
     Args:
         query: ``[n, n_i, d_i]`` FP32 dequantized FP4 index queries.
         head_weights: ``[n, n_i]`` BF16 ``weights_proj`` output.
         keys: ``[R, d_i]`` FP32 dequantized FP4 index keys.
+        precision: ``"fp32"`` skips the BF16 rounding of the logits.
 
     Returns:
-        ``[n, R]`` BF16.
+        ``[n, R]`` BF16 (FP32 in fp32 precision).
     """
     dots = torch.einsum("thd,bd->thb", query, keys).clamp_min(0)
-    return (dots * head_weights.float()[..., None]).sum(1).to(BF16)
+    return _numerics(precision).bf16((dots * head_weights.float()[..., None]).sum(1))
 
 
 def select_topk(scores: Tensor, eligible: Tensor, k: int) -> Tensor:
@@ -1074,15 +1168,18 @@ def candidate_block_mask(scores: Tensor, valid: Tensor, block_size: int, num_blo
     return chosen.repeat_interleave(block_size, 1)[:, :num_rows] & valid
 
 
-def attention_core(query: Tensor, keys: Tensor, mask: Tensor, sink: Tensor, softmax_scale: float) -> Tensor:
+def attention_core(
+    query: Tensor, keys: Tensor, mask: Tensor, sink: Tensor, softmax_scale: float, *, precision: Precision = "exact"
+) -> Tensor:
     """One softmax per head over each query's keys plus the per-head sink; K = V (attention §3 step 6).
 
     Args:
-        query: ``[nq, n_h, D]`` BF16 (RoPE applied).
+        query: ``[nq, n_h, D]`` BF16 (RoPE applied; FP32 in fp32 precision).
         keys: ``[nq, nk, D]`` FP32 dequantized keys (also the values).
         mask: ``[nq, nk]`` bool, True = visible.
         sink: ``[n_h]`` FP32 sink logits (zero value vector).
         softmax_scale: ``D^−0.5``.
+        precision: ``"fp32"`` skips the BF16 rounding of the probabilities in the value product.
 
     Returns:
         ``[nq, n_h, D]`` FP32 (zeros for a query without visible keys).
@@ -1092,7 +1189,7 @@ def attention_core(query: Tensor, keys: Tensor, mask: Tensor, sink: Tensor, soft
     peak = torch.maximum(logits.amax(-1), sink[None, :])
     probs = torch.exp(logits - peak[..., None])
     denominator = probs.sum(-1) + torch.exp(sink[None, :] - peak)
-    numerator = torch.einsum("qhk,qkd->qhd", probs.to(BF16).float(), keys)
+    numerator = torch.einsum("qhk,qkd->qhd", _numerics(precision).bf16(probs).float(), keys)
     return numerator / denominator[..., None]
 
 
@@ -1108,7 +1205,7 @@ def swa_visibility(num_tokens: int, window: int) -> Tensor:
 
 
 def _project_query_and_key(
-    text: TextConfig, w: _Weights, prefix: str, x: Tensor, cos: Tensor, sin: Tensor
+    text: TextConfig, w: _Weights, num: _Numerics, prefix: str, x: Tensor, cos: Tensor, sin: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Q latent, heads and the layer's own SWA key (attention §3 steps 1–4).
 
@@ -1119,25 +1216,27 @@ def _project_query_and_key(
         q ``[n, n_h, D]`` BF16 roped; the FP8-read ``q_norm`` output ``[n, q_r]`` FP32 (indexer input);
         the SWA key ``[n, D]`` FP32 as read back from its FP8 storage.
     """
-    eps = text.rms_norm_eps
-    x_q = fp8_quant_dequant(x)
-    q_latent = rms_norm((x_q @ w.fp8(f"{prefix}.wq_a").T).to(BF16), w[f"{prefix}.q_norm.weight"], eps)
-    q_latent_q = fp8_quant_dequant(q_latent)
-    q = (q_latent_q @ w.fp8(f"{prefix}.wq_b").T).to(BF16).unflatten(-1, (text.num_attention_heads, text.head_dim))
+    eps, p = text.rms_norm_eps, num.precision
+    x_q = num.act_quant(x)
+    q_latent = rms_norm(num.bf16(x_q @ w.fp8(f"{prefix}.wq_a").T), w[f"{prefix}.q_norm.weight"], eps, precision=p)
+    q_latent_q = num.act_quant(q_latent)
+    q = num.bf16(q_latent_q @ w.fp8(f"{prefix}.wq_b").T).unflatten(-1, (text.num_attention_heads, text.head_dim))
     q = apply_rope(q, cos[:, None], sin[:, None])
-    kv = rms_norm((x_q @ w.fp8(f"{prefix}.wkv").T).to(BF16), w[f"{prefix}.kv_norm.weight"], eps)
-    return q, q_latent_q, fp8_quant_dequant(apply_rope(kv, cos, sin))
+    kv = rms_norm(num.bf16(x_q @ w.fp8(f"{prefix}.wkv").T), w[f"{prefix}.kv_norm.weight"], eps, precision=p)
+    return q, q_latent_q, num.store(apply_rope(kv, cos, sin), fp8_quant_dequant)
 
 
-def _attention_output(text: TextConfig, w: _Weights, prefix: str, out: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+def _attention_output(
+    text: TextConfig, w: _Weights, num: _Numerics, prefix: str, out: Tensor, cos: Tensor, sin: Tensor
+) -> Tensor:
     """De-rotate, grouped ``wo_a`` and ``wo_b`` (attention §3 steps 7–8): ``[n, n_h, D]`` FP32 → ``[n, H]`` BF16."""
     n = out.shape[0]
     groups = text.o_groups
     out = apply_rope(out, cos[:, None], sin[:, None], inverse=True).reshape(n, groups, -1)
     wo_a = w.fp8(f"{prefix}.wo_a")
     rank = wo_a.shape[0] // groups
-    grouped = [fp8_quant_dequant(out[:, g]) @ wo_a[g * rank : (g + 1) * rank].T for g in range(groups)]
-    return _fp8_linear(torch.cat(grouped, dim=-1), w.fp8(f"{prefix}.wo_b"))
+    grouped = [num.act_quant(out[:, g]) @ wo_a[g * rank : (g + 1) * rank].T for g in range(groups)]
+    return _fp8_linear(num, torch.cat(grouped, dim=-1), w.fp8(f"{prefix}.wo_b"))
 
 
 @dataclass
@@ -1165,7 +1264,14 @@ def _source(produced: Mapping[int, Tensor], source: int, layer: int, what: str) 
 
 
 def _selected_rows(
-    text: TextConfig, w: _Weights, layer: int, x: Tensor, q_latent: Tensor, state: _AttentionState, rope: _RopeTable
+    text: TextConfig,
+    w: _Weights,
+    num: _Numerics,
+    layer: int,
+    x: Tensor,
+    q_latent: Tensor,
+    state: _AttentionState,
+    rope: _RopeTable,
 ) -> Tensor:
     """Compressed rows attended by each query of a compressed layer: ``[n, K]`` int64, −1 padded (attention §4–§6).
 
@@ -1173,7 +1279,7 @@ def _selected_rows(
     (index-K source), indexer top-k (index source, restricted to candidate blocks after the candidate source).
     """
     prefix = f"layers.{layer}.attn"
-    eps = text.rms_norm_eps
+    eps, p = text.rms_norm_eps, num.precision
     n = x.shape[0]
     ratio = text.compress_ratios[layer]
     num_layers = text.num_hidden_layers
@@ -1186,26 +1292,25 @@ def _selected_rows(
             assert state.shared_hidden is not None  # set by the boundary layer, which runs first
             hidden = state.shared_hidden
         gate = w[f"{prefix}.compressor.wgate.weight"] if ratio > 1 else None
-        pre = compress_kv(
-            hidden, w[f"{prefix}.compressor.wkv.weight"], gate, w[f"{prefix}.compressor.norm.weight"], ratio, eps
-        )
+        wkv, norm = w[f"{prefix}.compressor.wkv.weight"], w[f"{prefix}.compressor.norm.weight"]
+        pre = compress_kv(hidden, wkv, gate, norm, ratio, eps, precision=p)
         roped = _rope_rows(pre, rope.cos, rope.sin, ratio)
         state.pre_rope_kv[layer] = pre
-        state.compressed_keys[layer] = (
-            fp4_e4m3_quant_dequant(roped) if text.use_fp4_sparse_kv else fp8_quant_dequant(roped)
-        )
+        storage = fp4_e4m3_quant_dequant if text.use_fp4_sparse_kv else fp8_quant_dequant
+        state.compressed_keys[layer] = num.store(roped, storage)
     if index_k_source == layer:
         pre = _source(state.pre_rope_kv, kv_source, layer, "compressed rows")
-        k = rms_norm(
-            _bf16_linear(pre, w[f"{prefix}.indexer.wk.weight"]).to(BF16), w[f"{prefix}.indexer.k_norm.weight"], eps
-        )
-        state.index_keys[layer] = fp4_ue8m0_quant_dequant(_rope_rows(k, rope.cos, rope.sin, ratio))
+        k = num.bf16(_bf16_linear(pre, w[f"{prefix}.indexer.wk.weight"]))
+        k = rms_norm(k, w[f"{prefix}.indexer.k_norm.weight"], eps, precision=p)
+        state.index_keys[layer] = num.store(_rope_rows(k, rope.cos, rope.sin, ratio), fp4_ue8m0_quant_dequant)
     if index_source == layer:
         shape = (text.index_n_heads, text.index_head_dim)
-        q_index = (q_latent @ w.fp8(f"{prefix}.indexer.wq_b").T).to(BF16).unflatten(-1, shape)
-        q_index = fp4_ue8m0_quant_dequant(apply_rope(q_index, rope.cos[:n, None], rope.sin[:n, None]))
-        head_weights = _bf16_linear(x, w[f"{prefix}.indexer.weights_proj.weight"]).to(BF16)
-        scores = index_scores(q_index, head_weights, _source(state.index_keys, index_k_source, layer, "index keys"))
+        q_index = num.bf16(q_latent @ w.fp8(f"{prefix}.indexer.wq_b").T).unflatten(-1, shape)
+        # The index query is quantized with the index-K storage recipe before scoring (attention §8).
+        q_index = num.store(apply_rope(q_index, rope.cos[:n, None], rope.sin[:n, None]), fp4_ue8m0_quant_dequant)
+        head_weights = num.bf16(_bf16_linear(x, w[f"{prefix}.indexer.weights_proj.weight"]))
+        index_keys = _source(state.index_keys, index_k_source, layer, "index keys")
+        scores = index_scores(q_index, head_weights, index_keys, precision=p)
         klen = (torch.arange(n) + 1) // ratio
         valid = torch.arange(scores.shape[1])[None, :] < klen[:, None]
         eligible = valid
@@ -1224,7 +1329,7 @@ def _selected_rows(
 
 
 def _attention_layer(
-    text: TextConfig, w: _Weights, layer: int, x: Tensor, state: _AttentionState, rope: _RopeTable
+    text: TextConfig, w: _Weights, num: _Numerics, layer: int, x: Tensor, state: _AttentionState, rope: _RopeTable
 ) -> Tensor:
     """One backbone attention sub-layer over a whole causal sequence (attention §3); records into ``state``.
 
@@ -1240,20 +1345,21 @@ def _attention_layer(
     if layer == text.n_prefill_layer:
         state.shared_hidden = x  # YOCO shared hidden: the boundary layer's attention input (attention §7.1)
     cos, sin = rope.cos[:n], rope.sin[:n]
-    q, q_latent, swa_keys = _project_query_and_key(text, w, prefix, x, cos, sin)
+    q, q_latent, swa_keys = _project_query_and_key(text, w, num, prefix, x, cos, sin)
     state.swa_keys[layer] = swa_keys
     keys = swa_keys.expand(n, n, -1)
     mask = swa_visibility(n, text.sliding_window)
     if text.compress_ratios[layer] > 0:
-        rows = _selected_rows(text, w, layer, x, q_latent, state, rope)
+        rows = _selected_rows(text, w, num, layer, x, q_latent, state, rope)
         state.selected_rows[layer] = rows
         kv_source = sparse_source_map(text.kv_source_layer_ids, text.num_hidden_layers)[layer]
         compressed = _source(state.compressed_keys, kv_source, layer, "compressed rows")
         padded = torch.cat([compressed, torch.zeros(1, compressed.shape[1])])
         keys = torch.cat([keys, padded[torch.where(rows >= 0, rows, compressed.shape[0])]], dim=1)
         mask = torch.cat([mask, rows >= 0], dim=1)
-    out = attention_core(q, keys, mask, w[f"{prefix}.attn_sink"], 1.0 / math.sqrt(text.head_dim))
-    return _attention_output(text, w, prefix, out, cos, sin)
+    scale = 1.0 / math.sqrt(text.head_dim)
+    out = attention_core(q, keys, mask, w[f"{prefix}.attn_sink"], scale, precision=num.precision)
+    return _attention_output(text, w, num, prefix, out, cos, sin)
 
 
 # ==================================================================================================================
@@ -1263,15 +1369,16 @@ def _attention_layer(
 _Pending = tuple[Tensor, Tensor, Tensor, Tensor]  # (sub-layer output, trunk it received, write-mix, comb)
 
 
-def _mixes(text: TextConfig, w: _Weights, name: str, trunk: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _mixes(text: TextConfig, w: _Weights, num: _Numerics, name: str, trunk: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """``(P, Q, C)`` of the mHC parameters ``{name}_fn/_base/_scale`` on ``trunk``."""
-    mix = hc_mix_logits(trunk, w[f"{name}_fn"], text.rms_norm_eps)
+    mix = hc_mix_logits(trunk, w[f"{name}_fn"], text.rms_norm_eps, precision=num.precision)
     return hc_split_mixes(mix, w[f"{name}_base"], w[f"{name}_scale"], text.hc_mult, text.hc_eps, text.hc_sinkhorn_iters)
 
 
 def _decoder_layer(
     text: TextConfig,
     w: _Weights,
+    num: _Numerics,
     prefix: str,
     trunk: Tensor,
     read_mix: Tensor,
@@ -1289,21 +1396,25 @@ def _decoder_layer(
     Returns:
         the pending FFN post (applied at the start of the next block) and the FFN read-mix ``P_f``.
     """
-    eps = text.rms_norm_eps
-    pre_a, post_a, comb_a = _mixes(text, w, f"{prefix}.hc_attn", trunk)
-    x_attn = rms_norm(hc_read(trunk, read_mix if text.hc_shifted else pre_a), w[f"{prefix}.attn_norm.weight"], eps)
-    trunk_ffn = hc_post(attention(x_attn), trunk, post_a, comb_a)
-    pre_f, post_f, comb_f = _mixes(text, w, f"{prefix}.hc_ffn", trunk_ffn)
-    x_ffn = rms_norm(hc_read(trunk_ffn, pre_a if text.hc_shifted else pre_f), w[f"{prefix}.ffn_norm.weight"], eps)
-    y_ffn = _moe(text, w, f"{prefix}.ffn", x_ffn, num_experts, top_k)
+    eps, p = text.rms_norm_eps, num.precision
+    pre_a, post_a, comb_a = _mixes(text, w, num, f"{prefix}.hc_attn", trunk)
+    read_a = hc_read(trunk, read_mix if text.hc_shifted else pre_a, precision=p)
+    x_attn = rms_norm(read_a, w[f"{prefix}.attn_norm.weight"], eps, precision=p)
+    trunk_ffn = hc_post(attention(x_attn), trunk, post_a, comb_a, precision=p)
+    pre_f, post_f, comb_f = _mixes(text, w, num, f"{prefix}.hc_ffn", trunk_ffn)
+    read_f = hc_read(trunk_ffn, pre_a if text.hc_shifted else pre_f, precision=p)
+    x_ffn = rms_norm(read_f, w[f"{prefix}.ffn_norm.weight"], eps, precision=p)
+    y_ffn = _moe(text, w, num, f"{prefix}.ffn", x_ffn, num_experts, top_k)
     return (y_ffn, trunk_ffn, post_f, comb_f), pre_f
 
 
-def _collapse(text: TextConfig, w: _Weights, head_prefix: str, pending: _Pending, read_mix: Tensor) -> Tensor:
+def _collapse(
+    text: TextConfig, w: _Weights, num: _Numerics, head_prefix: str, pending: _Pending, read_mix: Tensor
+) -> Tensor:
     """Last post, then the final read-mix (shifted) or the HC head (non-shifted): ``[n, H]`` BF16 (§8 step 3)."""
-    trunk = hc_post(*pending)
+    trunk = hc_post(*pending, precision=num.precision)
     if text.hc_shifted:
-        return hc_read(trunk, read_mix)
+        return hc_read(trunk, read_mix, precision=num.precision)
     return hc_head(
         trunk,
         w[f"{head_prefix}hc_head_fn"],
@@ -1311,10 +1422,11 @@ def _collapse(text: TextConfig, w: _Weights, head_prefix: str, pending: _Pending
         w[f"{head_prefix}hc_head_base"],
         text.rms_norm_eps,
         text.hc_eps,
+        precision=num.precision,
     )
 
 
-def _expand(w: _Weights, token_ids: Tensor, text: TextConfig) -> tuple[Tensor, Tensor]:
+def _expand(w: _Weights, num: _Numerics, token_ids: Tensor, text: TextConfig) -> tuple[Tensor, Tensor]:
     """Embedding copied into the ``m`` streams (BF16 ``[n, m, H]``) and the one-hot stream-0 read-mix ``[n, m]``."""
     if token_ids.dtype != torch.int64 or token_ids.dim() != 1:
         raise TypeError(
@@ -1325,7 +1437,7 @@ def _expand(w: _Weights, token_ids: Tensor, text: TextConfig) -> tuple[Tensor, T
     bad = (token_ids < 0) | (token_ids >= text.vocab_size)
     if bool(bad.any()):
         raise ValueError(f"token id {int(token_ids[bad][0])} is outside the text vocabulary [0, {text.vocab_size})")
-    embedding = w["embed.weight"][token_ids]
+    embedding = num.bf16(w["embed.weight"][token_ids])  # exact either way: the table is BF16
     trunk = embedding[:, None, :].expand(-1, text.hc_mult, -1).contiguous()
     read_mix = torch.zeros(token_ids.shape[0], text.hc_mult, dtype=F32)
     read_mix[:, 0] = 1.0
@@ -1336,7 +1448,7 @@ def _expand(w: _Weights, token_ids: Tensor, text: TextConfig) -> tuple[Tensor, T
 class ReferenceOutput:
     """Everything ``reference_forward_full`` computes that tests and the drafter need.
 
-    Attributes:
+    Attributes (BF16 tensors are FP32 in fp32 precision; stored keys are then the unquantized FP32 values):
         logits: ``[n, V]`` FP32.
         hidden: ``[n, H]`` BF16 collapsed hidden before the final norm.
         target_features: ``[n, T·H]`` BF16 DSpark target features (model-core §7.5), ``T`` = number of targets.
@@ -1364,6 +1476,8 @@ def reference_forward_full(
     weights: Mapping[str, Tensor],
     token_ids: Tensor,
     engram_vocabulary: EngramVocabulary | None = None,
+    *,
+    precision: Precision = "exact",
 ) -> ReferenceOutput:
     """One full-sequence causal forward of one request (prefill of positions ``0 … n−1``), model-core §8.
 
@@ -1372,16 +1486,18 @@ def reference_forward_full(
         weights: HF-named checkpoint tensors in stored formats (``model.`` prefix optional).
         token_ids: ``[n]`` int64 ids in ``[0, V)``.
         engram_vocabulary: compressed Engram vocabulary; required when the model has Engram layers.
+        precision: ``"exact"`` (the spec's numerics) or ``"fp32"`` (see "Precision" in the module docstring).
 
     Returns:
         logits, collapsed hidden, DSpark target features, the compressed rows each query attended and the keys a
         cache would hold.
     """
     text = config.text
+    num = _numerics(precision)
     w = _Weights(weights)
     if text.engram_layer_ids and engram_vocabulary is None:
         raise ValueError(f"Engram layers {list(text.engram_layer_ids)} need an engram_vocabulary")
-    trunk, read_mix = _expand(w, token_ids, text)
+    trunk, read_mix = _expand(w, num, token_ids, text)
     n = token_ids.shape[0]
     tables = {False: _layer_rope_table(text, False, n), True: _layer_rope_table(text, True, n)}
     state = _AttentionState()
@@ -1389,22 +1505,22 @@ def reference_forward_full(
     pending: _Pending | None = None
     for layer in range(text.num_hidden_layers):
         if pending is not None:
-            trunk = hc_post(*pending)
+            trunk = hc_post(*pending, precision=precision)
         if layer in text.engram_layer_ids:
             assert engram_vocabulary is not None
-            trunk = _engram_layer(text, w, layer, trunk, token_ids, engram_vocabulary)
+            trunk = _engram_layer(text, w, num, layer, trunk, token_ids, engram_vocabulary)
         if layer in text.dspark_target_layer_ids:
-            features[layer] = trunk.float().mean(1).to(BF16)
+            features[layer] = num.bf16(trunk.float().mean(1))
 
         def attention(x: Tensor, layer: int = layer) -> Tensor:
-            return _attention_layer(text, w, layer, x, state, tables[text.compress_ratios[layer] > 0])
+            return _attention_layer(text, w, num, layer, x, state, tables[text.compress_ratios[layer] > 0])
 
         pending, read_mix = _decoder_layer(
-            text, w, f"layers.{layer}", trunk, read_mix, attention, text.n_routed_experts, text.num_experts_per_tok
+            text, w, num, f"layers.{layer}", trunk, read_mix, attention, text.n_routed_experts, text.num_experts_per_tok
         )
     assert pending is not None
-    hidden = _collapse(text, w, "", pending, read_mix)
-    logits = _bf16_linear(rms_norm(hidden, w["norm.weight"], text.rms_norm_eps), w["head.weight"])
+    hidden = _collapse(text, w, num, "", pending, read_mix)
+    logits = _bf16_linear(rms_norm(hidden, w["norm.weight"], text.rms_norm_eps, precision=precision), w["head.weight"])
     target_features = torch.cat([features[t] for t in text.dspark_target_layer_ids], dim=-1)
     return ReferenceOutput(
         logits,
@@ -1423,9 +1539,11 @@ def reference_forward(
     weights: Mapping[str, Tensor],
     token_ids: Tensor,
     engram_vocabulary: EngramVocabulary | None = None,
+    *,
+    precision: Precision = "exact",
 ) -> Tensor:
     """Logits ``[n, V]`` FP32 of one full causal forward; see ``reference_forward_full`` for the arguments."""
-    return reference_forward_full(config, weights, token_ids, engram_vocabulary).logits
+    return reference_forward_full(config, weights, token_ids, engram_vocabulary, precision=precision).logits
 
 
 # ==================================================================================================================
@@ -1438,7 +1556,8 @@ class DSparkOutput:
     """Result of one draft forward.
 
     Attributes:
-        hidden: ``[B, H]`` BF16 pre-norm hidden ``h_k`` of the draft slots (after the final mHC collapse).
+        hidden: ``[B, H]`` BF16 (FP32 in fp32 precision) pre-norm hidden ``h_k`` of the draft slots (after the final
+            mHC collapse).
         positions: ``[B]`` int64 slot positions ``p* + 1 + k``.
         context_positions: ``[min(W, p*+1)]`` int64 positions of the context keys every slot attends
             (``max(0, p*−W+1) … p*``), besides the ``B`` draft keys.
@@ -1450,15 +1569,23 @@ class DSparkOutput:
 
 
 def _dspark_attention(
-    text: TextConfig, w: _Weights, prefix: str, x: Tensor, context_keys: Tensor, positions: Tensor, rope: _RopeTable
+    text: TextConfig,
+    w: _Weights,
+    num: _Numerics,
+    prefix: str,
+    x: Tensor,
+    context_keys: Tensor,
+    positions: Tensor,
+    rope: _RopeTable,
 ) -> Tensor:
     """Drafter attention: every slot sees the context keys and all draft keys, non-causal (dspark §5 step 4)."""
     cos, sin = rope.cos[positions], rope.sin[positions]
-    q, _, draft_keys = _project_query_and_key(text, w, prefix, x, cos, sin)
+    q, _, draft_keys = _project_query_and_key(text, w, num, prefix, x, cos, sin)
     keys = torch.cat([context_keys, draft_keys]).expand(x.shape[0], -1, -1)
     mask = torch.ones(keys.shape[:2], dtype=torch.bool)
-    out = attention_core(q, keys, mask, w[f"{prefix}.attn_sink"], 1.0 / math.sqrt(text.head_dim))
-    return _attention_output(text, w, prefix, out, cos, sin)
+    scale = 1.0 / math.sqrt(text.head_dim)
+    out = attention_core(q, keys, mask, w[f"{prefix}.attn_sink"], scale, precision=num.precision)
+    return _attention_output(text, w, num, prefix, out, cos, sin)
 
 
 def reference_dspark_forward(
@@ -1467,6 +1594,8 @@ def reference_dspark_forward(
     target_features: Tensor,
     anchor_token: int,
     num_slots: int | None = None,
+    *,
+    precision: Precision = "exact",
 ) -> DSparkOutput:
     """Draft forward of the DSpark blocks after the last accepted token ``p* = n_ctx − 1`` (dspark §4–§5).
 
@@ -1476,9 +1605,11 @@ def reference_dspark_forward(
     Args:
         config: the model configuration (``num_nextn_predict_layers`` ≥ 1).
         weights: HF-named stored tensors (``mtp.{i}.*`` plus the shared ``embed.weight``).
-        target_features: ``[n_ctx, T·H]`` BF16 features of positions ``0 … p*`` (``ReferenceOutput.target_features``).
+        target_features: ``[n_ctx, T·H]`` BF16 features of positions ``0 … p*`` (``ReferenceOutput.target_features``;
+            FP32 in fp32 precision).
         anchor_token: the golden token ``g`` placed at position ``p* + 1``.
         num_slots: draft block length ``B`` (defaults to ``dspark_block_size``).
+        precision: ``"exact"`` or ``"fp32"`` (see "Precision" in the module docstring).
 
     Returns:
         the slots' pre-norm hidden states and positions.
@@ -1492,31 +1623,42 @@ def reference_dspark_forward(
     slots = text.dspark_block_size if num_slots is None else num_slots
     if slots < 1:
         raise ValueError(f"num_slots must be >= 1, got {slots}")
+    num = _numerics(precision)
     w = _Weights(weights)
     eps = text.rms_norm_eps
     last = target_features.shape[0] - 1
     context = torch.arange(max(0, last - text.sliding_window + 1), last + 1)
     positions = torch.arange(last + 1, last + 1 + slots)
     rope = _layer_rope_table(text, False, last + 1 + slots)
-    main = rms_norm(_fp8_linear(target_features[context], w.fp8("mtp.0.main_proj")), w["mtp.0.main_norm.weight"], eps)
+    main = _fp8_linear(num, target_features[context], w.fp8("mtp.0.main_proj"))
+    main = rms_norm(main, w["mtp.0.main_norm.weight"], eps, precision=precision)
     tokens = torch.tensor([anchor_token] + [text.dspark_noise_token_id] * (slots - 1), dtype=torch.int64)
-    trunk, read_mix = _expand(w, tokens, text)
+    trunk, read_mix = _expand(w, num, tokens, text)
     pending: _Pending | None = None
     for block in range(text.num_nextn_predict_layers):
         prefix = f"mtp.{block}"
         if pending is not None:
-            trunk = hc_post(*pending)
-        kv = rms_norm(_fp8_linear(main, w.fp8(f"{prefix}.attn.wkv")), w[f"{prefix}.attn.kv_norm.weight"], eps)
-        context_keys = fp8_quant_dequant(apply_rope(kv, rope.cos[context], rope.sin[context]))
+            trunk = hc_post(*pending, precision=precision)
+        kv = _fp8_linear(num, main, w.fp8(f"{prefix}.attn.wkv"))
+        kv = rms_norm(kv, w[f"{prefix}.attn.kv_norm.weight"], eps, precision=precision)
+        context_keys = num.store(apply_rope(kv, rope.cos[context], rope.sin[context]), fp8_quant_dequant)
 
         def attention(x: Tensor, prefix: str = prefix, context_keys: Tensor = context_keys) -> Tensor:
-            return _dspark_attention(text, w, f"{prefix}.attn", x, context_keys, positions, rope)
+            return _dspark_attention(text, w, num, f"{prefix}.attn", x, context_keys, positions, rope)
 
         pending, read_mix = _decoder_layer(
-            text, w, prefix, trunk, read_mix, attention, text.dspark_n_routed_experts, text.dspark_num_experts_per_tok
+            text,
+            w,
+            num,
+            prefix,
+            trunk,
+            read_mix,
+            attention,
+            text.dspark_n_routed_experts,
+            text.dspark_num_experts_per_tok,
         )
     assert pending is not None
-    hidden = _collapse(text, w, f"mtp.{text.num_nextn_predict_layers - 1}.", pending, read_mix)
+    hidden = _collapse(text, w, num, f"mtp.{text.num_nextn_predict_layers - 1}.", pending, read_mix)
     return DSparkOutput(hidden, positions, context)
 
 
@@ -1526,6 +1668,8 @@ def reference_dspark_heads(
     hidden: Tensor,
     previous_tokens: Tensor,
     temperatures: float | Sequence[float] = 1.0,
+    *,
+    precision: Precision = "exact",
 ) -> tuple[Tensor, Tensor]:
     """Draft logits and confidences of the slots given each slot's previous token (dspark §6).
 
@@ -1535,9 +1679,10 @@ def reference_dspark_heads(
     Args:
         config: the model configuration.
         weights: HF-named stored tensors.
-        hidden: ``[B, H]`` BF16 from ``reference_dspark_forward``.
+        hidden: ``[B, H]`` BF16 from ``reference_dspark_forward`` (FP32 in fp32 precision).
         previous_tokens: ``[B]`` int64, ``[g, d_0, …, d_{B−2}]``.
         temperatures: one confidence temperature or one per slot (each clamped to ≥ 1e−5).
+        precision: ``"fp32"`` skips the BF16 rounding of the final norm output.
 
     Returns:
         logits ``[B, V]`` FP32 and confidences ``[B]`` FP32.
@@ -1545,12 +1690,13 @@ def reference_dspark_heads(
     text = config.text
     w = _Weights(weights)
     last = f"mtp.{text.num_nextn_predict_layers - 1}"
-    logits = _bf16_linear(rms_norm(hidden, w[f"{last}.norm.weight"], text.rms_norm_eps), w["head.weight"])
+    normed = rms_norm(hidden, w[f"{last}.norm.weight"], text.rms_norm_eps, precision=precision)
+    logits = _bf16_linear(normed, w["head.weight"])
     features = hidden
     if text.dspark_markov_rank > 0:
         markov = w[f"{last}.markov_head.embed.weight"][previous_tokens]
         logits = logits + _bf16_linear(markov, w[f"{last}.markov_head.head.weight"])
-        features = torch.cat([hidden, markov], dim=-1)
+        features = torch.cat([hidden, markov.to(hidden.dtype)], dim=-1)
     tau = torch.tensor(temperatures, dtype=F32).clamp_min(1e-5)
     if tau.dim() == 1 and tau.shape[0] != hidden.shape[0]:
         raise ValueError(f"got {tau.shape[0]} confidence temperatures for {hidden.shape[0]} draft slots")
