@@ -19,7 +19,7 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -55,8 +55,11 @@ def fake_drafts(history: list[int], seed: int | None, num_drafts: int) -> tuple[
     return tuple(drafts)
 
 
-def reference_tokens(request: Request, max_model_len: int, seed: int | None) -> list[int]:
-    """What `request` generates with no scheduler involved (stop conditions of runtime §6.8)."""
+def reference_tokens(
+    request: Request, max_model_len: int, seed: int | None, stops_at: Callable[[int], bool] | None = None
+) -> list[int]:
+    """What `request` generates with no scheduler involved (stop conditions of runtime §6.8; `stops_at` plays the
+    engine's stop-string check on the last token)."""
     history = request.prompt_token_ids
     output: list[int] = []
     stop = request.stop
@@ -66,7 +69,9 @@ def reference_tokens(request: Request, max_model_len: int, seed: int | None) -> 
         output.append(token)
         if token == stop.eos_token_id and not stop.ignore_eos:
             return output
-        if token in stop.stop_token_ids or len(history) > max_model_len or len(output) >= stop.max_tokens:
+        if token in stop.stop_token_ids or (stops_at is not None and stops_at(token)):
+            return output
+        if len(history) > max_model_len or len(output) >= stop.max_tokens:
             return output
 
 

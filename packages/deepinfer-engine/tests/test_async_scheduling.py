@@ -1,8 +1,8 @@
 """Asynchronous scheduling gives the outputs of synchronous scheduling, token for token.
 
-Hundreds of random requests (greedy and seeded sampling, EOS / stop-token / max_tokens / max_model_len stops,
-draft tokens) run through `EngineCore` twice, under cache pressure (preemption with recompute) and with aborts
-issued between steps — in asynchronous mode while the aborted request is usually in flight. The fake device
+Hundreds of random requests (greedy and seeded sampling; EOS, stop-token, stop-string, max_tokens and max_model_len
+stops; draft tokens) run through `EngineCore` twice, under cache pressure (preemption with recompute) and with
+aborts issued between steps — in asynchronous mode while the aborted request is usually in flight. The fake device
 (test_async_device.py) resolves placeholders from its own memory and checks every KV read against its shadow.
 """
 
@@ -19,8 +19,19 @@ MAX_MODEL_LEN = 160
 BLOCK_SIZE = 8
 
 
+def stops_at(token):
+    """The stop string "<23>" of requests that have one appears with any token divisible by 23."""
+    return token % 23 == 0
+
+
+def reference(spec):
+    request_id, kwargs, sampling_seed, _, stop_string = spec
+    checker = stops_at if stop_string else None
+    return reference_tokens(make_request(request_id, **kwargs), MAX_MODEL_LEN, sampling_seed, checker)
+
+
 def random_specs(seed, count):
-    """(request kwargs, sampling seed, abort after this many tokens or None) per request."""
+    """(request id, request kwargs, sampling seed, abort after this many tokens or None, has a stop string)."""
     rng = random.Random(seed)
     specs = []
     for i in range(count):
@@ -40,8 +51,9 @@ def random_specs(seed, count):
         elif kind < 0.5:
             kwargs["eos_token_id"] = probe[0]
             kwargs["ignore_eos"] = True
+        stop_string = 0.5 <= kind < 0.6
         abort_after = rng.randint(0, 10) if rng.random() < 0.1 else None
-        specs.append((request_id, kwargs, sampling_seed, abort_after))
+        specs.append((request_id, kwargs, sampling_seed, abort_after, stop_string))
     return specs
 
 
@@ -55,12 +67,17 @@ def run(specs, async_scheduling, num_draft_tokens, num_blocks, seed):
         max_num_draft_tokens=num_draft_tokens,
         num_state_slots=24,
     )
-    seeds = {request_id: sampling_seed for request_id, _, sampling_seed, _ in specs}
+    seeds = {spec[0]: spec[2] for spec in specs}
+    stop_string_ids = {spec[0] for spec in specs if spec[4]}
+
+    def stop_checker(request):
+        return "<23>" if request.request_id in stop_string_ids and stops_at(request.last_token_id) else None
+
     runner = FakeDeviceRunner(BLOCK_SIZE, num_draft_tokens, seeds, delay_s=0.0002)
-    core = EngineCore(scheduler, runner, async_scheduling=async_scheduling)
+    core = EngineCore(scheduler, runner, async_scheduling=async_scheduling, stop_checker=stop_checker)
     rng = random.Random(seed)
     pending = list(specs)
-    abort_after = {request_id: limit for request_id, _, _, limit in specs if limit is not None}
+    abort_after = {spec[0]: spec[3] for spec in specs if spec[3] is not None}
     tokens = {}
     finished = {}
     num_aborts_in_flight = 0
@@ -68,7 +85,7 @@ def run(specs, async_scheduling, num_draft_tokens, num_blocks, seed):
     while pending or core.has_unfinished_requests():
         for _ in range(rng.randint(0, 6)):
             if pending:
-                request_id, kwargs, _, _ = pending.pop(0)
+                request_id, kwargs, *_ = pending.pop(0)
                 core.add_request(make_request(request_id, **kwargs))
         for request_id, limit in list(abort_after.items()):
             if request_id not in finished and len(tokens.get(request_id, ())) >= limit:
@@ -100,16 +117,17 @@ def run(specs, async_scheduling, num_draft_tokens, num_blocks, seed):
 @pytest.mark.parametrize("num_draft_tokens", [0, 3])
 def test_async_outputs_equal_sync_outputs_under_pressure_with_stops_and_aborts(num_draft_tokens):
     specs = random_specs(num_draft_tokens, 300)
-    sync_tokens, sync_finished, sync_placeholders, _ = run(specs, False, num_draft_tokens, 60, seed=5)
-    async_tokens, async_finished, async_placeholders, in_flight = run(specs, True, num_draft_tokens, 60, 5)
+    sync_tokens, sync_finished, sync_placeholders, _ = run(specs, False, num_draft_tokens, 50, seed=5)
+    async_tokens, async_finished, async_placeholders, in_flight = run(specs, True, num_draft_tokens, 50, 5)
 
-    assert set(sync_finished) == set(async_finished) == {request_id for request_id, _, _, _ in specs}
+    assert set(sync_finished) == set(async_finished) == {spec[0] for spec in specs}
     assert sync_placeholders == 0 and async_placeholders > 0
     num_aborts_in_flight, num_preempted_in_flight = in_flight
     assert num_aborts_in_flight > 0 and num_preempted_in_flight > 0
     reasons = set()
-    for request_id, kwargs, sampling_seed, abort_after in specs:
-        expected = reference_tokens(make_request(request_id, **kwargs), MAX_MODEL_LEN, sampling_seed)
+    for spec in specs:
+        request_id, abort_after = spec[0], spec[3]
+        expected = reference(spec)
         for tokens, finished in ((sync_tokens, sync_finished), (async_tokens, async_finished)):
             got = tokens.get(request_id, [])
             reason = finished[request_id].finish_reason
@@ -123,6 +141,7 @@ def test_async_outputs_equal_sync_outputs_under_pressure_with_stops_and_aborts(n
             assert async_finished[request_id].finish_reason is sync_finished[request_id].finish_reason
             assert async_finished[request_id].stop_reason == sync_finished[request_id].stop_reason
     assert {FinishReason.STOP, FinishReason.LENGTH, FinishReason.ABORT} <= reasons
+    assert any(c.stop_reason == "<23>" for c in async_finished.values())
     for finished in (sync_finished, async_finished):
         assert sum(c.metrics.num_preemptions for c in finished.values()) > 10
         if num_draft_tokens:

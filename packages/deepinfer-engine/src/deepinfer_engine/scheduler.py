@@ -308,7 +308,7 @@ class Scheduler:
         if remaining == 1:
             in_flight = request.num_output_placeholders > 0
             # The step in flight appends at least one token.
-            min_num_outputs = request.num_output_tokens + in_flight
+            min_num_outputs = request.num_output_tokens + int(in_flight)
             if in_flight and (
                 min_num_outputs >= request.stop.max_tokens or request.num_tokens + 1 > self.config.max_model_len
             ):
