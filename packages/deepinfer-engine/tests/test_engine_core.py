@@ -127,3 +127,37 @@ def test_async_is_the_default():
     runner = FakeDeviceRunner(block_size=16)
     assert EngineCore(make_scheduler(), runner).async_scheduling
     runner.close()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_stop_preempted_requests_and_ignored_requests(async_scheduling):
+    core = make_core(
+        async_scheduling,
+        num_draft_tokens=1,
+        num_blocks=9,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        max_model_len=40,
+        stop_preempted_requests=True,
+    )
+    requests = [make_request(i, prompt_len=4 + 3 * i, max_tokens=12) for i in range(6)]
+    for request in requests:
+        core.add_request(request)
+    core.add_request(make_request("long", prompt_len=41))
+    tokens = {}
+    reasons = {}
+    for step in run_steps(core):
+        for request_id, new_tokens, reason in step:
+            tokens.setdefault(request_id, []).extend(new_tokens)
+            if reason is not None:
+                reasons[request_id] = reason
+    assert reasons.pop("long") is FinishReason.PROMPT_LENGTH_EXCEEDED
+    assert FinishReason.INSUFFICIENT_SYSTEM_RESOURCE in reasons.values()
+    for request in requests:
+        expected = reference_tokens(
+            make_request(request.request_id, prompt_len=request.num_prompt_tokens, max_tokens=12), 40, None
+        )
+        got = tokens.get(request.request_id, [])
+        assert got == (expected if reasons[request.request_id] is FinishReason.LENGTH else expected[: len(got)])
+    manager = core.scheduler.cache_manager
+    assert manager.num_free_blocks == manager.num_usable_blocks and not manager.request_ids
