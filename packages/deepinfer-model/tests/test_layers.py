@@ -169,3 +169,32 @@ def test_sparse_attention_matches_reference_core(mode: ComputeMode) -> None:
         assert torch.equal(out, expected)
     else:
         torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
+
+
+def test_engram_vocab_hash_and_rows_match_reference() -> None:
+    from deepinfer_model.checkpoint.tokenizer import build_tokenizer
+    from deepinfer_model.config import load_preset
+    from deepinfer_model.deepseek_v41.engram import hash_multipliers, ngram_rows
+    from deepinfer_model.deepseek_v41.engram_vocab import engram_vocab_from_tokenizer, normalize_engram_key
+    from deepinfer_model.forward_batch import ForwardBatch
+    from deepinfer_model.state import StepMetadata
+
+    config = load_preset("tiny")
+    tokenizer = build_tokenizer(config)
+    vocab = engram_vocab_from_tokenizer(tokenizer)
+    expected = ref.engram_vocabulary_from_tokenizer(tokenizer)
+    assert torch.equal(vocab.old_to_new, expected.old_to_new)
+    assert (vocab.num_compressed, vocab.pad_id) == (expected.num_compressed, expected.pad_id)
+    assert normalize_engram_key("  Héllo\t\n") == "hello" and normalize_engram_key(" \n ") == " "
+    assert hash_multipliers(2, 1000, 3).tolist() == ref.engram_hash_multipliers(2, 3, 1000)
+    # Worked example of model-core §12.9.
+    assert hash_multipliers(0, 1000, 3).tolist() == [5874934615388535, 2488343231644625, 377914054924497]
+    ids = torch.tensor([5, 7, 2000, 9, 4, 1])
+    compressed = torch.where(ids < vocab.old_to_new.shape[0], vocab.old_to_new[ids.clamp(max=1023)], -1)
+    full = ref.engram_ngram_rows(compressed, 3, vocab.pad_id)
+    # The same rows for a chunk starting at position 3 whose prefix holds positions 1 and 2.
+    batch = ForwardBatch.for_requests(
+        [ids[3:].tolist()], [3], torch.zeros(1, 1, dtype=torch.int32), [0], torch.tensor([[7, 2000]])
+    )
+    rows, active = ngram_rows(StepMetadata.from_batch(batch), batch.input_ids, batch.engram_prefix_ids, vocab, 3)
+    assert torch.equal(rows, full[3:]) and active.all()

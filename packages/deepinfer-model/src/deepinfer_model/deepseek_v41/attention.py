@@ -128,12 +128,11 @@ class Attention(nn.Module):
         num_tokens = meta.num_tokens
         q_latent = self.q_norm(self.wq_a(x))
         q = self.rope.rotate(self.wq_b(q_latent).view(num_tokens, self.n_heads, self.head_dim), meta.positions)
-        swa_keys, swa_valid = self._swa_keys(x, ctx)
-        keys, valid = swa_keys, swa_valid
+        keys, valid = self._draft_keys(x, ctx) if ctx.draft else self._swa_keys(x, ctx)
         if self.spec.is_compressed:
             comp_keys, comp_valid = self._compressed_keys(q_latent, x, ctx, compressor_input)
-            keys = torch.cat([swa_keys, comp_keys], dim=1)
-            valid = torch.cat([swa_valid, comp_valid], dim=1)
+            keys = torch.cat([keys, comp_keys], dim=1)
+            valid = torch.cat([valid, comp_valid], dim=1)
         out = sparse_attention(q, keys, valid, self.attn_sink, self.softmax_scale, self.mode)
         # De-rotation and both FP8 quantizations of the output path read FP32 values (§3 steps 7–8).
         out = self.rope.rotate(out, meta.positions, inverse=True)
@@ -184,6 +183,27 @@ class Attention(nn.Module):
         keys = torch.where(in_chunk[..., None], kv_hat[meta.chunk_index(request, positions)], history)
         self._write_window(encoded, ctx)
         return keys, positions >= 0
+
+    def _draft_keys(self, x: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys of a DSpark draft block (dspark.md §5 step 4): the ``W`` context keys before the block, read from the
+        ring, then every draft key of the same request (non-causal); the draft keys are then stored in the ring.
+
+        Returns:
+            ([T, W + B, D] fp32 keys, [T, W + B] bool validity), ``B`` the longest block of the step.
+        """
+        meta, state = ctx.meta, ctx.state
+        encoded, kv_hat = self._window_kv(x, ctx)
+        ring = state.ring_size(self.swa_group)
+        request = meta.token_request
+        offsets = torch.arange(self.window, device=kv_hat.device) - self.window
+        context = meta.q_start[request][:, None] + offsets[None, :]
+        history = state.read(self.swa_group, self.spec.layer_id, meta.ring_rows(request[:, None], context, ring))
+        block = int(meta.q_len.max().item()) if meta.num_tokens else 0
+        slots = torch.arange(block, device=kv_hat.device)[None, :]
+        in_block = slots < meta.q_len[request][:, None]
+        drafts = kv_hat[(meta.cu_query_lens[request][:, None] + slots).clamp(max=max(meta.num_tokens - 1, 0))]
+        self._write_window(encoded, ctx)
+        return torch.cat([history, drafts], dim=1), torch.cat([context >= 0, in_block], dim=1)
 
     def _compressed_keys(
         self, q_latent: torch.Tensor, x: torch.Tensor, ctx: StepContext, compressor_input: torch.Tensor | None

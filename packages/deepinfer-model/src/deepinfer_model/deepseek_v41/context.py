@@ -65,6 +65,7 @@ class StepContext:
         engram_vocab: the compressed vocabulary.
         capture_layers: layers whose incoming trunk mean is captured (DSpark target features).
         features: layer → [T, H] captured mean of the trunk entering the layer's attention.
+        draft: the step is a DSpark draft forward (each request's tokens are one non-causal draft block).
     """
 
     meta: StepMetadata
@@ -78,3 +79,4 @@ class StepContext:
     engram_vocab: EngramVocab | None = None
     capture_layers: frozenset[int] = frozenset()
     features: dict[int, torch.Tensor] = field(default_factory=dict)
+    draft: bool = False

@@ -17,6 +17,7 @@ from torch import nn
 from deepinfer_model.config import LayerSpec, TextConfig
 from deepinfer_model.deepseek_v41.block import DecoderBlock
 from deepinfer_model.deepseek_v41.moe import ExpertDispatch
+from deepinfer_model.layers.embedding import LMHead
 from deepinfer_model.layers.linear import Fp8BlockLinear, make_parameter
 from deepinfer_model.layers.mode import ComputeMode
 from deepinfer_model.layers.norm import RMSNorm
@@ -58,19 +59,19 @@ class ConfidenceHead(nn.Module):
         super().__init__()
         self.proj = _Weight((1, hidden + rank))
 
-    def forward(self, hidden: torch.Tensor, prev_embedding: torch.Tensor, temperature: float) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, prev_embedding: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
         """``σ(clamp((h·w_h + e·w_m) / τ, −60, 60))``.
 
         Args:
             hidden: [n, H] pre-final-norm drafter hidden.
             prev_embedding: [n, R_m] Markov embedding of the previous token.
-            temperature: τ (≥ 1e−5).
+            temperature: [n] fp32 τ per row (clamped to ≥ 1e−5).
 
         Returns:
             [n] fp32 confidences.
         """
         features = torch.cat([hidden.float(), prev_embedding.float()], dim=-1)
-        logit = (features @ self.proj.weight.float().t()).squeeze(-1) / max(temperature, 1e-5)
+        logit = (features @ self.proj.weight.float().t()).squeeze(-1) / temperature.clamp(min=1e-5)
         return torch.sigmoid(logit.clamp(-_CONFIDENCE_CLAMP, _CONFIDENCE_CLAMP))
 
 
@@ -97,6 +98,27 @@ class DSparkBlock(DecoderBlock):
         self.norm = RMSNorm(hidden, cfg.rms_norm_eps, mode) if last else None
         self.markov_head = MarkovHead(cfg.vocab_size, cfg.dspark_markov_rank) if last else None
         self.confidence_head = ConfidenceHead(hidden, cfg.dspark_markov_rank) if last else None
+
+    def heads(
+        self, hidden: torch.Tensor, previous_tokens: torch.Tensor, temperature: torch.Tensor, lm_head: LMHead
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft logits and confidences of draft slots (dspark.md §6 step 2, one sequential step).
+
+        Args:
+            hidden: [n, H] pre-norm drafter hidden ``h_k``.
+            previous_tokens: [n] int64 previous token of each slot (``g`` for slot 0, else the previous draft).
+            temperature: [n] fp32 confidence temperatures ``τ_k``.
+            lm_head: the backbone's (tied) LM head.
+
+        Returns:
+            ``(logits [n, V] fp32, confidences [n] fp32)``.
+        """
+        if self.norm is None or self.markov_head is None or self.confidence_head is None:
+            raise RuntimeError("only the last DSpark block owns the final norm and the heads")
+        logits = lm_head(self.norm(hidden))
+        prev = self.markov_head.previous_embedding(previous_tokens)
+        logits = logits + self.markov_head.bias(prev)
+        return logits, self.confidence_head(hidden, prev, temperature)
 
     def project_features(self, features: torch.Tensor) -> torch.Tensor:
         """``m = RMSNorm(F · main_projᵀ; main_norm)`` (dspark.md §4 step 1). Args: features [T, n_t·H].

@@ -194,6 +194,49 @@ class DeepseekV41ForCausalLM(nn.Module):
             final = final[batch.logits_indices]
         return self.head(self.norm(final))
 
+    def draft_forward(self, batch: ForwardBatch, state: ModelState) -> torch.Tensor:
+        """DSpark draft forward (dspark.md §5): every request's tokens form one non-causal draft block.
+
+        The runner lays out each request's block as tokens ``[g, N, …, N]`` at positions ``p* + 1 … p* + B``
+        (``context_lens = p* + 1 + B``), ``p*`` the last accepted position, whose context keys the main forward
+        already wrote; the draft keys overwrite ring rows ``p* + 1 … p* + B``.
+
+        Args:
+            batch: the draft step (no logits selection, no Engram).
+            state: cache pools (the DSpark rings are read and written).
+
+        Returns:
+            [T, H] pre-norm hidden ``h_k`` of every slot (activation dtype).
+        """
+        if not len(self.mtp):
+            raise ValueError("the model has no DSpark blocks (num_nextn_predict_layers = 0)")
+        cfg = self.config.text
+        meta = StepMetadata.from_batch(batch)
+        ctx = StepContext(meta=meta, state=state, draft=True)
+        hidden = self.embed(batch.input_ids)
+        trunk = hidden[:, None, :].expand(-1, cfg.hc_mult, -1).contiguous()
+        read_mix = initial_read_mix(meta.num_tokens, cfg.hc_mult, hidden.device)
+        for block in self.mtp:
+            trunk, read_mix = block(trunk, read_mix, ctx)
+        return hc_read(trunk, read_mix, self.mode)
+
+    def draft_heads(
+        self, hidden: torch.Tensor, previous_tokens: torch.Tensor, temperature: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft logits and confidences (dspark.md §6) of draft slots; see ``DSparkBlock.heads``.
+
+        Args:
+            hidden: [n, H] from ``draft_forward``.
+            previous_tokens: [n] int64 previous token of each slot.
+            temperature: [n] fp32 confidence temperatures.
+
+        Returns:
+            ``(logits [n, V] fp32, confidences [n] fp32)``.
+        """
+        last = self.mtp[-1]
+        assert isinstance(last, DSparkBlock)
+        return last.heads(hidden, previous_tokens, temperature, self.head)
+
     def _prepare_engram(self, batch: ForwardBatch, meta: StepMetadata, ctx: StepContext) -> None:
         cfg = self.config.text
         assert cfg.engram_max_ngram_size is not None

@@ -1,0 +1,66 @@
+"""DSpark drafter: context keys written by the main forward, the draft forward over the drafter rings and the heads,
+against the reference's draft forward (both precisions)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _layered_model_support import (
+    prompt,
+    single_thread,  # noqa: F401  (autouse fixture)
+    tiny_config,
+    tiny_model,
+    tiny_vocab,
+    tiny_weights,
+)
+
+from deepinfer_model import reference as ref
+from deepinfer_model.checkpoint.tokenizer import build_tokenizer
+from deepinfer_model.forward_batch import ForwardBatch
+from deepinfer_model.layers.mode import ComputeMode
+
+MODES = [(ComputeMode.EXACT, "exact"), (ComputeMode.FP32, "fp32")]
+
+
+@pytest.mark.parametrize(("mode", "precision"), MODES)
+def test_draft_forward_and_heads_match_reference(mode: ComputeMode, precision: ref.Precision) -> None:
+    config = tiny_config()
+    text = config.text
+    ids = prompt(75, seed=12)
+    anchor, block = 17, text.dspark_block_size
+    model = tiny_model(mode)
+    state = model.allocate_state(block_size=8, num_blocks=11, num_state_slots=2)
+    table = torch.arange(11, dtype=torch.int32)[None, :]
+    with torch.no_grad():
+        model(ForwardBatch.for_requests([ids.tolist()], [0], table, [1]), state)
+        draft = ForwardBatch.for_requests([[anchor] + [text.dspark_noise_token_id] * (block - 1)], [75], table, [1])
+        hidden = model.draft_forward(draft, state)
+        previous = torch.tensor([anchor, 5, 9, 11])
+        temperature = torch.tensor([1.0, 2.0, 0.5, 1.0])
+        logits, confidence = model.draft_heads(hidden, previous, temperature)
+
+    vocabulary = ref.engram_vocabulary_from_tokenizer(build_tokenizer(config))
+    full = ref.reference_forward_full(config, tiny_weights(), ids, vocabulary, precision=precision)
+    expected = ref.reference_dspark_forward(config, tiny_weights(), full.target_features, anchor, precision=precision)
+    ref_logits, ref_confidence = ref.reference_dspark_heads(
+        config, tiny_weights(), expected.hidden, previous, temperature.tolist(), precision=precision
+    )
+    scale = expected.hidden.float().abs().max()
+    assert (hidden.float() - expected.hidden.float()).abs().max() <= 1e-5 * scale
+    assert (logits - ref_logits).abs().max() <= 1e-5 * ref_logits.abs().max()
+    torch.testing.assert_close(confidence, ref_confidence, rtol=1e-5, atol=1e-6)
+
+
+def test_draft_forward_needs_dspark_blocks() -> None:
+    from deepinfer_model.config import ModelConfig
+    from deepinfer_model.deepseek_v41.model import DeepseekV41ForCausalLM
+
+    data = tiny_config().to_dict()
+    data["text_config"]["num_nextn_predict_layers"] = 0
+    data["text_config"]["compress_ratios"] = data["text_config"]["compress_ratios"][:-1]
+    model = DeepseekV41ForCausalLM(ModelConfig.from_dict(data), engram_vocab=tiny_vocab())
+    assert "dspark_swa" not in {group.name for group in model.cache_spec().groups}
+    state = model.allocate_state(block_size=8, num_blocks=1, num_state_slots=1)
+    batch = ForwardBatch.for_requests([[1]], [0], torch.zeros(1, 1, dtype=torch.int32), [0])
+    with pytest.raises(ValueError, match="no DSpark blocks"):
+        model.draft_forward(batch, state)
