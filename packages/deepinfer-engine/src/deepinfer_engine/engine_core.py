@@ -21,8 +21,15 @@ N+1 is committed. `step()` with no unfinished request left only collects the ste
     while core.has_unfinished_requests():
         outputs += core.step()
 
-drains everything. Determinism requires sampling keyed by (request seed, position) (sampling package) so that the
-tokens do not depend on the batch a request lands in.
+drains everything.
+
+The two modes batch requests differently (a step may carry an extra round or a skipped request, and the draft count
+of a request in flight is planned from bounds), so equality needs a runner whose emitted token at a position does not
+depend on the batch: sampling keyed by (request seed, position) (sampling package), and, with draft tokens at
+temperature > 0, verification that does not depend on how many drafts a step verifies. Greedy verification has
+that property; rejection sampling (runtime §3.3) draws verify rows and the fresh row from different streams, so there
+the two modes agree in distribution but can differ in the last few tokens before max_tokens or max_model_len (where
+asynchronous mode plans drafts from bounds) — as synchronous mode itself differs after a preemption recompute.
 """
 
 from __future__ import annotations
