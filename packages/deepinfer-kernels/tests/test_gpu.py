@@ -83,3 +83,12 @@ def test_mxfp4_gpu() -> None:
     s = random_ue8m0((512, 64), seed=9)
     (out_gpu,), (out_ref,) = _both("dequantize_mxfp4", (packed, s), (torch.empty((512, 2048), dtype=torch.bfloat16),))
     assert_bitwise_equal(out_gpu, out_ref)
+
+
+def test_quantize_mxfp4_gpu() -> None:
+    w = random_normal((512, 2048), seed=10, dtype=torch.bfloat16) * torch.logspace(-4, 2, 2048).to(torch.bfloat16)
+    packed = torch.empty((512, 1024), dtype=torch.int8)
+    s = torch.empty((512, 64), dtype=torch.float8_e8m0fnu)
+    (p_gpu, s_gpu), (p_ref, s_ref) = _both("quantize_mxfp4", (w,), (packed, s))
+    assert_bitwise_equal(p_gpu, p_ref)
+    assert_bitwise_equal(s_gpu, s_ref)

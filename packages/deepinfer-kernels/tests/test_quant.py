@@ -187,3 +187,17 @@ def test_wrapper_validation() -> None:
         dk.dequantize_fp8_per_token_group(q, torch.ones(40, 3).to(torch.float8_e8m0fnu))
     with pytest.raises(TypeError, match="scale has dtype"):
         dk.ue8m0_to_float(torch.zeros(3))
+
+
+@pytest.mark.parametrize("shape", [(1, 32), (17, 96), (33, 64)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quantize_mxfp4_triton_parity(triton_device: str, shape: tuple[int, int], dtype: torch.dtype) -> None:
+    rows, cols = shape
+    w = _with_outliers(shape, seed=24, dtype=dtype)
+    w[0, :32] = 0.0  # an all-zero group takes the FP4 amax floor
+    w[-1, -1] = -0.0
+    packed = torch.empty((rows, cols // 2), dtype=torch.int8)
+    scale = torch.empty((rows, cols // 32), dtype=torch.float8_e8m0fnu)
+    (p_fast, s_fast), (p_ref, s_ref) = _run("quantize_mxfp4", Backend.NVIDIA, triton_device, (w,), (packed, scale))
+    assert_bitwise_equal(p_fast, p_ref, "packed")
+    assert_bitwise_equal(s_fast, s_ref, "scale")

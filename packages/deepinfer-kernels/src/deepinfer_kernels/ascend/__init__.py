@@ -13,7 +13,8 @@ __all__ = ["register"]
 
 
 def register(registry: OpRegistry) -> None:
-    """Register the Ascend implementations (quantize_mxfp4 and ue8m0_to_float fall back to the reference)."""
+    """Register the Ascend implementations (quantize_mxfp4, ue8m0_to_float and the GEMMs fall
+    back to the reference)."""
     ascend = Backend.ASCEND
     registry.register("rms_norm", ascend, norm.rms_norm)
     registry.register("apply_rope", ascend, rope.apply_rope)

@@ -12,7 +12,7 @@ __all__ = ["register"]
 
 
 def register(registry: OpRegistry) -> None:
-    """Register the Triton implementations (quantize_mxfp4 and ue8m0_to_float fall back to the reference)."""
+    """Register the Triton implementations (ue8m0_to_float and the GEMMs fall back to the reference)."""
     nvidia = Backend.NVIDIA
     registry.register("rms_norm", nvidia, norm.rms_norm)
     registry.register("apply_rope", nvidia, rope.apply_rope)
@@ -20,4 +20,5 @@ def register(registry: OpRegistry) -> None:
     registry.register("dequantize_fp8_block", nvidia, quant.dequantize_fp8_block)
     registry.register("quantize_fp8_per_token_group", nvidia, quant.quantize_fp8_per_token_group)
     registry.register("dequantize_fp8_per_token_group", nvidia, quant.dequantize_fp8_per_token_group)
+    registry.register("quantize_mxfp4", nvidia, quant.quantize_mxfp4)
     registry.register("dequantize_mxfp4", nvidia, quant.dequantize_mxfp4)

@@ -22,6 +22,7 @@ import triton.language as tl
 __all__ = [
     "ceil_pow2_exponent",
     "e2m1_decode",
+    "e2m1_encode",
     "e4m3_decode",
     "e4m3_encode",
     "exp2_int",
@@ -109,3 +110,20 @@ def e2m1_decode(code):  # type: ignore[no-untyped-def]
     normal = (((exponent + 126) << 23) | (mantissa << 22)).to(tl.float32, bitcast=True)
     magnitude = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.5, normal)
     return _with_sign(magnitude, (code & 8) != 0)
+
+
+@triton.jit
+def e2m1_encode(v):  # type: ignore[no-untyped-def]
+    # Nearest e2m1 grid point, ties to the even code: strict comparisons where the lower neighbour's code is
+    # even, inclusive where the upper one's is (same table as the reference's e2m1_encode).
+    a = tl.abs(v)
+    code = (
+        (a > 0.25).to(tl.int32)
+        + (a >= 0.75).to(tl.int32)
+        + (a > 1.25).to(tl.int32)
+        + (a >= 1.75).to(tl.int32)
+        + (a > 2.5).to(tl.int32)
+        + (a >= 3.5).to(tl.int32)
+        + (a > 5.0).to(tl.int32)
+    )
+    return code | (((v.to(tl.int32, bitcast=True) >> 31) & 1) << 3)

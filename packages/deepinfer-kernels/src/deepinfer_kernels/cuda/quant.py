@@ -15,6 +15,7 @@ import triton.language as tl
 
 from deepinfer_kernels.cuda._formats import (
     e2m1_decode,
+    e2m1_encode,
     e4m3_decode,
     e4m3_encode,
     exp2_int,
@@ -30,12 +31,15 @@ __all__ = [
     "dequantize_mxfp4",
     "quantize_fp8_block",
     "quantize_fp8_per_token_group",
+    "quantize_mxfp4",
 ]
 
 _BLOCK = 32
 _ROWS_PER_PROGRAM = 16
 _FP8_AMAX_FLOOR: tl.constexpr = tl.constexpr(1e-4)
 _E4M3_MAX: tl.constexpr = tl.constexpr(448.0)
+_FP4_AMAX_FLOOR: tl.constexpr = tl.constexpr(6.0 * 2.0**-126)
+_E2M1_MAX: tl.constexpr = tl.constexpr(6.0)
 
 
 @triton.jit
@@ -114,6 +118,26 @@ def _dequantize_mxfp4_kernel(  # type: ignore[no-untyped-def]
     high = e2m1_decode(raw >> 4) * factor
     tl.store(out_base, to_output_dtype(low, out_ptr), mask=mask)
     tl.store(out_base + 1, to_output_dtype(high, out_ptr), mask=mask)
+
+
+@triton.jit
+def _quantize_mxfp4_kernel(  # type: ignore[no-untyped-def]
+    w_ptr, packed_ptr, scale_ptr, rows, stride_w, stride_packed, stride_scale, BLOCK_ROWS: tl.constexpr
+):
+    group = tl.program_id(1)
+    r = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
+    byte_index = group * 16 + tl.arange(0, 16)[None, :]
+    row_mask = r < rows
+    mask = row_mask[:, None]
+    w_base = w_ptr + r[:, None] * stride_w + 2 * byte_index
+    even = tl.load(w_base, mask=mask, other=0.0).to(tl.float32)
+    odd = tl.load(w_base + 1, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(even), axis=1), tl.max(tl.abs(odd), axis=1))
+    exponent = scale_exponent(amax, _FP4_AMAX_FLOOR, _E2M1_MAX)
+    multiplier = exp2_int(-exponent)[:, None]
+    byte = e2m1_encode(even * multiplier) | (e2m1_encode(odd * multiplier) << 4)
+    tl.store(packed_ptr + r[:, None] * stride_packed + byte_index, byte.to(tl.uint8), mask=mask)
+    tl.store(scale_ptr + r * stride_scale + group, (exponent + 127).to(tl.uint8), mask=row_mask)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -221,5 +245,28 @@ def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, out: torch.Tenso
         packed.stride(0),
         scale.stride(0),
         out.stride(0),
+        BLOCK_ROWS=_ROWS_PER_PROGRAM,
+    )
+
+
+def quantize_mxfp4(w: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> None:
+    """Triton MXFP4 quantization; one program per (16 rows, 32 columns) (contract of ``reference.quant``).
+
+    Args:
+        w: [out, in] bf16/fp16/fp32, contiguous, ``in % 32 == 0``.
+        packed: [out, in / 2] int8, contiguous; written (low nibble = even element).
+        scale: [out, in / 32] float8_e8m0fnu, contiguous; written.
+    """
+    check_launchable(w=w, packed=packed, scale=scale)
+    rows = w.shape[0]
+    grid = (triton.cdiv(rows, _ROWS_PER_PROGRAM), scale.shape[1])
+    _quantize_mxfp4_kernel[grid](
+        w,
+        _bytes(packed),
+        _bytes(scale),
+        rows,
+        w.stride(0),
+        packed.stride(0),
+        scale.stride(0),
         BLOCK_ROWS=_ROWS_PER_PROGRAM,
     )
