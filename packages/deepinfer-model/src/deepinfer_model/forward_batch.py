@@ -39,6 +39,8 @@ class ForwardBatch:
         engram_prefix_ids: [R, N_g − 1] int64 token ids at positions ``q_start − N_g + 1 … q_start − 1`` of each
             request (entries for negative positions are ignored), or None when the model has no Engram.
         logits_indices: [N] int64 token indices whose logits are returned, or None for every token.
+        max_query_len: host int, the longest query of the step (None: read from the tensors, a device sync).
+        max_context_len: host int, the longest ``context_lens`` entry (None: read from the tensors, a device sync).
     """
 
     input_ids: torch.Tensor
@@ -49,6 +51,8 @@ class ForwardBatch:
     state_slots: torch.Tensor
     engram_prefix_ids: torch.Tensor | None = None
     logits_indices: torch.Tensor | None = None
+    max_query_len: int | None = None
+    max_context_len: int | None = None
 
     def __post_init__(self) -> None:
         num_tokens = self.input_ids.shape[0]
@@ -107,4 +111,6 @@ class ForwardBatch:
             block_table=block_table,
             state_slots=torch.tensor(state_slots, dtype=torch.int32),
             engram_prefix_ids=engram_prefix_ids,
+            max_query_len=max(lens, default=0),
+            max_context_len=max((s + n for s, n in zip(start_positions, lens, strict=True)), default=0),
         )

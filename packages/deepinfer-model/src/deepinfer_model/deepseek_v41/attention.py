@@ -198,7 +198,7 @@ class Attention(nn.Module):
         offsets = torch.arange(self.window, device=kv_hat.device) - self.window
         context = meta.q_start[request][:, None] + offsets[None, :]
         history = state.read(self.swa_group, self.spec.layer_id, meta.ring_rows(request[:, None], context, ring))
-        block = int(meta.q_len.max().item()) if meta.num_tokens else 0
+        block = meta.max_query_len
         slots = torch.arange(block, device=kv_hat.device)[None, :]
         in_block = slots < meta.q_len[request][:, None]
         drafts = kv_hat[(meta.cu_query_lens[request][:, None] + slots).clamp(max=max(meta.num_tokens - 1, 0))]

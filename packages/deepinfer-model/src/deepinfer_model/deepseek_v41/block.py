@@ -1,8 +1,8 @@
 """One decoder block (model-core §7.2, §8): optional Engram, attention and MoE sub-layers around the mHC trunk.
 
-The block runs the shifted mHC schedule: its attention input is read with the read-mix handed in (computed by the
-previous sub-layer), and it returns the trunk after its own MoE post together with the FFN read-mix for the next
-block.
+Shifted mHC schedule (default): the attention input is read with the read-mix handed in (computed by the previous
+sub-layer) and the FFN input with the attention read-mix; non-shifted: each sub-layer reads with its own read-mix.
+The block returns the trunk after its own MoE post together with its FFN read-mix.
 """
 
 from __future__ import annotations
@@ -14,13 +14,33 @@ from deepinfer_model.config import LayerSpec, TextConfig
 from deepinfer_model.deepseek_v41.attention import Attention
 from deepinfer_model.deepseek_v41.context import StepContext
 from deepinfer_model.deepseek_v41.engram import Engram
-from deepinfer_model.deepseek_v41.hyper_connection import hc_mixes, hc_post, hc_read
+from deepinfer_model.deepseek_v41.hyper_connection import hc_head, hc_mixes, hc_post, hc_read
 from deepinfer_model.deepseek_v41.moe import ExpertDispatch, MoE
 from deepinfer_model.layers.linear import make_parameter
 from deepinfer_model.layers.mode import ComputeMode
 from deepinfer_model.layers.norm import RMSNorm
 
-__all__ = ["DecoderBlock"]
+__all__ = ["DecoderBlock", "HCHeadParameters"]
+
+
+class HCHeadParameters(nn.Module):
+    """Mixin registering ``hc_head_base`` ``[m]``, ``hc_head_fn`` ``[m, m·H]``, ``hc_head_scale`` ``[1]`` (FP32) on the
+    owning module (the model, or the last DSpark block) when ``hc_shifted`` is false."""
+
+    def add_hc_head(self, cfg: TextConfig) -> None:
+        if cfg.hc_shifted:
+            return
+        self.hc_head_base = make_parameter((cfg.hc_mult,), torch.float32)
+        self.hc_head_fn = make_parameter((cfg.hc_mult, cfg.hc_norm_group_size), torch.float32)
+        self.hc_head_scale = make_parameter((1,), torch.float32)
+
+    def collapse(self, trunk: torch.Tensor, read_mix: torch.Tensor, cfg: TextConfig, mode: ComputeMode) -> torch.Tensor:
+        """The final hidden ``[T, H]`` of a trunk after its last post: last read-mix (shifted) or the HC head."""
+        if cfg.hc_shifted:
+            return hc_read(trunk, read_mix, mode)
+        return hc_head(
+            trunk, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, cfg.rms_norm_eps, cfg.hc_eps, mode
+        )
 
 
 class DecoderBlock(nn.Module):
@@ -91,7 +111,8 @@ class DecoderBlock(nn.Module):
 
         Args:
             trunk: [T, m, H] activation dtype, after the previous block's post.
-            read_mix: [T, m] fp32 read-mix computed by the previous sub-layer (one-hot for the first block).
+            read_mix: [T, m] fp32 read-mix computed by the previous sub-layer (one-hot for the first block; unused
+                by the non-shifted schedule).
             ctx: step context.
 
         Returns:
@@ -105,7 +126,8 @@ class DecoderBlock(nn.Module):
         if layer in ctx.capture_layers:
             ctx.features[layer] = trunk.float().mean(dim=1).to(self.mode.activation_dtype)
         read_a, write_a, comb_a = self._mixes("attn", trunk)
-        x = self.attn_norm(hc_read(trunk, read_mix, self.mode))
+        shifted = self.cfg.hc_shifted
+        x = self.attn_norm(hc_read(trunk, read_mix if shifted else read_a, self.mode))
         compressor_input = None
         if self.spec.is_yoco_consumer:
             if ctx.shared_hidden is None:
@@ -113,5 +135,5 @@ class DecoderBlock(nn.Module):
             compressor_input = ctx.shared_hidden
         trunk_ffn = hc_post(self.attn(x, ctx, compressor_input), trunk, write_a, comb_a, self.mode)
         read_f, write_f, comb_f = self._mixes("ffn", trunk_ffn)
-        y = self.ffn(self.ffn_norm(hc_read(trunk_ffn, read_a, self.mode)))
+        y = self.ffn(self.ffn_norm(hc_read(trunk_ffn, read_a if shifted else read_f, self.mode)))
         return hc_post(y, trunk_ffn, write_f, comb_f, self.mode), read_f

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from deepinfer_model.config import LayerSpec, TextConfig
-from deepinfer_model.deepseek_v41.block import DecoderBlock
+from deepinfer_model.deepseek_v41.block import DecoderBlock, HCHeadParameters
 from deepinfer_model.deepseek_v41.moe import ExpertDispatch
 from deepinfer_model.layers.embedding import LMHead
 from deepinfer_model.layers.linear import Fp8BlockLinear, make_parameter
@@ -75,7 +75,7 @@ class ConfidenceHead(nn.Module):
         return torch.sigmoid(logit.clamp(-_CONFIDENCE_CLAMP, _CONFIDENCE_CLAMP))
 
 
-class DSparkBlock(DecoderBlock):
+class DSparkBlock(DecoderBlock, HCHeadParameters):
     """``mtp.{i}``: a decoder block, plus ``main_proj``/``main_norm`` (first block) and ``norm``, the Markov and the
     confidence head (last block)."""
 
@@ -98,6 +98,8 @@ class DSparkBlock(DecoderBlock):
         self.norm = RMSNorm(hidden, cfg.rms_norm_eps, mode) if last else None
         self.markov_head = MarkovHead(cfg.vocab_size, cfg.dspark_markov_rank) if last else None
         self.confidence_head = ConfidenceHead(hidden, cfg.dspark_markov_rank) if last else None
+        if last:
+            self.add_hc_head(cfg)
 
     def heads(
         self, hidden: torch.Tensor, previous_tokens: torch.Tensor, temperature: torch.Tensor, lm_head: LMHead

@@ -120,6 +120,15 @@ class Engram(nn.Module):
         self.k_weight = make_parameter((cfg.hc_mult, cfg.hidden_size), torch.bfloat16)
         self.register_buffer("sizes", torch.tensor(sizes, dtype=torch.int64), persistent=False)
         self.register_buffer("offsets", torch.tensor(offsets, dtype=torch.int64), persistent=False)
+        self._multipliers: dict[int, torch.Tensor] = {}
+
+    def multipliers(self, num_compressed: int) -> torch.Tensor:
+        """Hash multipliers for a compressed vocabulary of ``num_compressed`` ids (computed once). Returns [N_g]."""
+        cached = self._multipliers.get(num_compressed)
+        if cached is None:
+            cached = hash_multipliers(self.layer_id, num_compressed, self.max_ngram).to(self.sizes.device)
+            self._multipliers[num_compressed] = cached
+        return cached
 
     def table_indices(self, rows: torch.Tensor, multipliers: torch.Tensor) -> torch.Tensor:
         """Hash (§12.6). Args: rows [T, N_g] int64; multipliers [N_g]. Returns: [T, (N_g−1)·h_e] int64 rows."""
@@ -148,7 +157,7 @@ class Engram(nn.Module):
             [T, m, H] activation dtype.
         """
         num_tokens = trunk.shape[0]
-        index = self.table_indices(rows, hash_multipliers(self.layer_id, vocab.num_compressed, self.max_ngram))
+        index = self.table_indices(rows, self.multipliers(vocab.num_compressed))
         gathered = dequantize_fp8_per_token_group(self.embed.weight[index], self.embed.scale[index])
         gathered = gathered.reshape(num_tokens, -1)
         kv = self.wkv(gathered, prequantized=True).float().view(num_tokens, self.hc_mult + 1, self.hidden)

@@ -6,8 +6,9 @@ Glossary:
     write-mix ``Q`` ``[n, m]``: how a sub-layer output is written back to each stream.
     comb ``C`` ``[n, m, m]``: doubly-stochastic (Sinkhorn) stream mixing, source ``i`` → destination ``j``.
 
-In the shifted schedule (``hc_shifted``, the only one this model implements) a sub-layer reads its input with the
-read-mix computed by the previous sub-layer; the very first read is a one-hot on stream 0.
+In the shifted schedule (``hc_shifted``, the default) a sub-layer reads its input with the read-mix computed by the
+previous sub-layer (the very first read is a one-hot on stream 0) and the network ends with the last read-mix; in the
+non-shifted schedule a sub-layer reads with its own read-mix and an HC head collapses the trunk at the end (§10.9).
 """
 
 from __future__ import annotations
@@ -16,7 +17,16 @@ import torch
 
 from deepinfer_model.layers.mode import ComputeMode, round_activation
 
-__all__ = ["HCMixes", "hc_mixes", "hc_post", "hc_read", "initial_read_mix", "round_to_tf32"]
+__all__ = [
+    "HCMixes",
+    "hc_head",
+    "hc_mix_logits",
+    "hc_mixes",
+    "hc_post",
+    "hc_read",
+    "initial_read_mix",
+    "round_to_tf32",
+]
 
 HC_POST_MULT = 2.0
 
@@ -28,6 +38,35 @@ def round_to_tf32(x: torch.Tensor) -> torch.Tensor:
     bits = x.float().contiguous().view(torch.int32)
     lsb = (bits >> 13) & 1
     return ((bits + 0xFFF + lsb) & ~0x1FFF).view(torch.float32)
+
+
+def hc_mix_logits(trunk: torch.Tensor, fn: torch.Tensor, rms_eps: float, mode: ComputeMode) -> torch.Tensor:
+    """``μ = γ · fn·z`` (§10.2): ``fn`` applied to the RMS-normalized flattened trunk.
+
+    Args: trunk [n, m, H]; fn [rows, m·H] fp32. Returns: [n, rows] fp32.
+    """
+    z = trunk.reshape(trunk.shape[0], -1).float()
+    mean_square = (z * z).sum(dim=-1, keepdim=True) / z.shape[-1]
+    gamma = torch.rsqrt((mean_square + rms_eps).double()).float()
+    weight = round_to_tf32(fn) if mode is ComputeMode.EXACT else fn.float()
+    return (z @ weight.t()) * gamma
+
+
+def hc_head(
+    trunk: torch.Tensor,
+    fn: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    rms_eps: float,
+    hc_eps: float,
+    mode: ComputeMode,
+) -> torch.Tensor:
+    """Non-shifted HC head (§10.9): collapse the trunk with its own read-mix.
+
+    Args: trunk [n, m, H]; fn [m, m·H]; scale [1]; base [m]. Returns: [n, H] activation dtype.
+    """
+    read = torch.sigmoid(hc_mix_logits(trunk, fn, rms_eps, mode) * scale[0] + base) + hc_eps
+    return hc_read(trunk, read, mode)
 
 
 def hc_mixes(
@@ -58,15 +97,11 @@ def hc_mixes(
     Returns:
         ``(P, Q, C)``: [n, m], [n, m], [n, m, m] fp32.
     """
-    n, m, _ = trunk.shape
-    z = trunk.reshape(n, -1).float()
-    mean_square = (z * z).sum(dim=-1, keepdim=True) / z.shape[-1]
-    gamma = torch.rsqrt((mean_square + rms_eps).double()).float()
-    weight = round_to_tf32(fn) if mode is ComputeMode.EXACT else fn.float()
-    mu = (z @ weight.t()) * gamma
+    m = trunk.shape[1]
+    mu = hc_mix_logits(trunk, fn, rms_eps, mode)
     read = torch.sigmoid(mu[:, :m] * scale[0] + base[:m]) + hc_eps
     write = torch.sigmoid(mu[:, m : 2 * m] * scale[1] + base[m : 2 * m]) * HC_POST_MULT
-    logits = (mu[:, 2 * m :] * scale[2] + base[2 * m :]).view(n, m, m)
+    logits = (mu[:, 2 * m :] * scale[2] + base[2 * m :]).view(-1, m, m)
     comb = torch.softmax(logits, dim=-1) + hc_eps
     comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
     for _ in range(sinkhorn_iters - 1):

@@ -95,7 +95,7 @@ class Indexer(nn.Module):
             how: selection parameters.
 
         Returns:
-            [T, K] int64 logical row indices in ascending order of score rank, −1 = none.
+            [T, K] int64 logical row indices in ascending order, −1 = none (at the end).
         """
         if self.wq_b is None or self.weights_proj is None:
             raise RuntimeError("select() needs an index-source indexer")
@@ -107,7 +107,7 @@ class Indexer(nn.Module):
         q = codec.decode(codec.encode(q.reshape(-1, self.index_dim))).view(num_tokens, self.n_heads, -1)
         weights = self.weights_proj(hidden).float()
         klen = torch.div(meta.positions + 1, how.ratio, rounding_mode="floor")
-        max_rows = int(klen.max().item()) if num_tokens else 0
+        max_rows = meta.max_context_len // how.ratio
         rows = torch.arange(max_rows, device=klen.device)[None, :].expand(num_tokens, -1)
         valid = rows < klen[:, None]
         request = meta.token_request[:, None].expand_as(rows)
@@ -140,11 +140,18 @@ class Indexer(nn.Module):
 
 
 def _topk_rows(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the ``k`` largest valid scores per row (ties → lower index), −1 padded. Returns [T, k] int64."""
+    """The ``k`` largest valid scores per row (ties → lower index), returned as indices in ascending order (as the
+    reference kernel's ``sorted_index``; it fixes the attention's summation order), −1 padded at the end.
+
+    Returns:
+        [T, k] int64.
+    """
+    num_rows = scores.shape[1]
     masked = torch.where(valid, scores, float("-inf"))
     order = torch.sort(masked, dim=-1, descending=True, stable=True).indices[:, :k]
-    picked_valid = valid.gather(1, order)
-    result = torch.where(picked_valid, order, -1)
+    chosen = torch.where(valid.gather(1, order), order, num_rows)
+    chosen = torch.sort(chosen, dim=-1).values
+    result = torch.where(chosen < num_rows, chosen, -1)
     if result.shape[1] < k:
         pad = torch.full((result.shape[0], k - result.shape[1]), -1, dtype=result.dtype, device=result.device)
         result = torch.cat([result, pad], dim=1)

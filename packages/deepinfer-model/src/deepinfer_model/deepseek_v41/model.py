@@ -16,7 +16,7 @@ from torch import nn
 
 from deepinfer_model.cache_spec import CacheGroupSpec, CacheSpec
 from deepinfer_model.config import ModelConfig
-from deepinfer_model.deepseek_v41.block import DecoderBlock
+from deepinfer_model.deepseek_v41.block import DecoderBlock, HCHeadParameters
 from deepinfer_model.deepseek_v41.context import (
     COMPRESSOR_GROUP,
     DSPARK_GROUP,
@@ -27,7 +27,7 @@ from deepinfer_model.deepseek_v41.context import (
 )
 from deepinfer_model.deepseek_v41.dspark import DSparkBlock
 from deepinfer_model.deepseek_v41.engram import EngramVocab, ngram_rows
-from deepinfer_model.deepseek_v41.hyper_connection import hc_read, initial_read_mix
+from deepinfer_model.deepseek_v41.hyper_connection import initial_read_mix
 from deepinfer_model.deepseek_v41.moe import ExpertDispatch, local_expert_dispatch
 from deepinfer_model.deepseek_v41.weight_loading import load_named_weights
 from deepinfer_model.forward_batch import ForwardBatch
@@ -46,7 +46,7 @@ from deepinfer_model.state.codecs import (
 __all__ = ["DeepseekV41ForCausalLM"]
 
 
-class DeepseekV41ForCausalLM(nn.Module):
+class DeepseekV41ForCausalLM(HCHeadParameters):
     """The text model (backbone + DSpark blocks).
 
     Args:
@@ -57,7 +57,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         max_backtracking_tokens: ``BT``, positions that can be rolled back (sizes the rings, ≥ 1).
 
     Raises:
-        ValueError: ``hc_shifted`` is false (the non-shifted mHC schedule is not implemented) or ``BT < 1``.
+        ValueError: ``BT < 1``.
     """
 
     def __init__(
@@ -70,8 +70,6 @@ class DeepseekV41ForCausalLM(nn.Module):
     ) -> None:
         super().__init__()
         cfg = config.text
-        if not cfg.hc_shifted:
-            raise ValueError("text_config.hc_shifted = false is not supported: only the shifted mHC schedule is built")
         if max_backtracking_tokens < 1:
             raise ValueError(f"max_backtracking_tokens must be >= 1, got {max_backtracking_tokens}")
         self.config = config
@@ -86,6 +84,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, mode)
         self.head = LMHead(cfg.vocab_size, cfg.hidden_size)
+        self.add_hc_head(cfg)
         self.mtp = nn.ModuleList(
             DSparkBlock(cfg, spec, mode, index, DSPARK_GROUP, expert_dispatch)
             for index, spec in enumerate(cfg.layers[cfg.num_hidden_layers :])
@@ -189,7 +188,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             trunk, read_mix = block(trunk, read_mix, ctx)
         if len(self.mtp):
             self._store_context_keys(ctx)
-        final = hc_read(trunk, read_mix, self.mode)
+        final = self.collapse(trunk, read_mix, cfg, self.mode)
         if batch.logits_indices is not None:
             final = final[batch.logits_indices]
         return self.head(self.norm(final))
@@ -218,7 +217,9 @@ class DeepseekV41ForCausalLM(nn.Module):
         read_mix = initial_read_mix(meta.num_tokens, cfg.hc_mult, hidden.device)
         for block in self.mtp:
             trunk, read_mix = block(trunk, read_mix, ctx)
-        return hc_read(trunk, read_mix, self.mode)
+        last = self.mtp[-1]
+        assert isinstance(last, DSparkBlock)
+        return last.collapse(trunk, read_mix, cfg, self.mode)
 
     def draft_heads(
         self, hidden: torch.Tensor, previous_tokens: torch.Tensor, temperature: torch.Tensor

@@ -33,6 +33,8 @@ class StepMetadata:
         context_lens: [R] tokens per request after the step.
         block_table: [R, max_blocks] pages of the PAGED groups.
         state_slots: [R] state slot of each request.
+        max_query_len: host int, longest query of the step.
+        max_context_len: host int, longest context after the step.
     """
 
     token_request: torch.Tensor
@@ -43,13 +45,23 @@ class StepMetadata:
     context_lens: torch.Tensor
     block_table: torch.Tensor
     state_slots: torch.Tensor
+    max_query_len: int
+    max_context_len: int
 
     @classmethod
     def from_batch(cls, batch: ForwardBatch) -> StepMetadata:
         cu = batch.cu_query_lens.long()
         q_len = cu[1:] - cu[:-1]
         context = batch.context_lens.long()
-        token_request = torch.repeat_interleave(torch.arange(batch.num_requests, device=cu.device), q_len)
+        token_request = torch.repeat_interleave(
+            torch.arange(batch.num_requests, device=cu.device), q_len, output_size=batch.num_tokens
+        )
+        max_query = batch.max_query_len
+        if max_query is None:
+            max_query = int(q_len.max().item()) if batch.num_requests else 0
+        max_context = batch.max_context_len
+        if max_context is None:
+            max_context = int(context.max().item()) if batch.num_requests else 0
         return cls(
             token_request=token_request,
             positions=batch.positions.long(),
@@ -59,6 +71,8 @@ class StepMetadata:
             context_lens=context,
             block_table=batch.block_table.long(),
             state_slots=batch.state_slots.long(),
+            max_query_len=max_query,
+            max_context_len=max_context,
         )
 
     @property
