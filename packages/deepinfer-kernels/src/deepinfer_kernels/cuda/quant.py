@@ -108,16 +108,15 @@ def _dequantize_mxfp4_kernel(  # type: ignore[no-untyped-def]
 ):
     group = tl.program_id(1)
     r = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
-    byte_index = group * 16 + tl.arange(0, 16)[None, :]
     row_mask = r < rows
     mask = row_mask[:, None]
+    byte_index = group * 16 + tl.arange(0, 16)[None, :]
     raw = tl.load(packed_ptr + r[:, None] * stride_packed + byte_index, mask=mask, other=0).to(tl.int32) & 0xFF
     factor = ue8m0_decode(tl.load(scale_ptr + r * stride_scale + group, mask=row_mask, other=127))[:, None]
-    out_base = out_ptr + r[:, None] * stride_out + 2 * byte_index
-    low = e2m1_decode(raw & 0xF) * factor
-    high = e2m1_decode(raw >> 4) * factor
-    tl.store(out_base, to_output_dtype(low, out_ptr), mask=mask)
-    tl.store(out_base + 1, to_output_dtype(high, out_ptr), mask=mask)
+    # Interleave (low, high) nibbles in registers so the 32 outputs of a group are stored contiguously.
+    values = tl.reshape(tl.join(e2m1_decode(raw & 0xF), e2m1_decode(raw >> 4)), (BLOCK_ROWS, 32)) * factor
+    columns = group * 32 + tl.arange(0, 32)[None, :]
+    tl.store(out_ptr + r[:, None] * stride_out + columns, to_output_dtype(values, out_ptr), mask=mask)
 
 
 @triton.jit
@@ -126,17 +125,15 @@ def _quantize_mxfp4_kernel(  # type: ignore[no-untyped-def]
 ):
     group = tl.program_id(1)
     r = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
-    byte_index = group * 16 + tl.arange(0, 16)[None, :]
     row_mask = r < rows
     mask = row_mask[:, None]
-    w_base = w_ptr + r[:, None] * stride_w + 2 * byte_index
-    even = tl.load(w_base, mask=mask, other=0.0).to(tl.float32)
-    odd = tl.load(w_base + 1, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(even), axis=1), tl.max(tl.abs(odd), axis=1))
-    exponent = scale_exponent(amax, _FP4_AMAX_FLOOR, _E2M1_MAX)
-    multiplier = exp2_int(-exponent)[:, None]
-    byte = e2m1_encode(even * multiplier) | (e2m1_encode(odd * multiplier) << 4)
-    tl.store(packed_ptr + r[:, None] * stride_packed + byte_index, byte.to(tl.uint8), mask=mask)
+    columns = group * 32 + tl.arange(0, 32)[None, :]
+    w = tl.load(w_ptr + r[:, None] * stride_w + columns, mask=mask, other=0.0).to(tl.float32)
+    exponent = scale_exponent(tl.max(tl.abs(w), axis=1), _FP4_AMAX_FLOOR, _E2M1_MAX)
+    codes = e2m1_encode(w * exp2_int(-exponent)[:, None])
+    even, odd = tl.split(tl.reshape(codes, (BLOCK_ROWS, 16, 2)))
+    byte_index = group * 16 + tl.arange(0, 16)[None, :]
+    tl.store(packed_ptr + r[:, None] * stride_packed + byte_index, (even | (odd << 4)).to(tl.uint8), mask=mask)
     tl.store(scale_ptr + r * stride_scale + group, (exponent + 127).to(tl.uint8), mask=row_mask)
 
 

@@ -24,31 +24,32 @@ def _rope_kernel(  # type: ignore[no-untyped-def]
     sin_ptr,
     out_ptr,
     num_heads,
-    half,
+    rope_dim,
     stride_x_token,
     stride_x_head,
     stride_out_token,
     stride_out_head,
     stride_table,
     BLOCK_HEADS: tl.constexpr,
-    BLOCK_PAIRS: tl.constexpr,
+    BLOCK_DIM: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)[:, None]
-    pairs = tl.arange(0, BLOCK_PAIRS)[None, :]
-    pair_mask = pairs < half
-    mask = (heads < num_heads) & pair_mask
+    dims = tl.arange(0, BLOCK_DIM)[None, :]
+    mask = (heads < num_heads) & (dims < rope_dim)
+    # Contiguous rows are loaded once and split into (even, odd) lanes in registers.
+    x = tl.load(x_ptr + token * stride_x_token + heads * stride_x_head + dims, mask=mask, other=0.0)
+    x_even, x_odd = tl.split(tl.reshape(x.to(tl.float32), (BLOCK_HEADS, BLOCK_DIM // 2, 2)))
+    pairs = tl.arange(0, BLOCK_DIM // 2)[None, :]
+    pair_mask = 2 * pairs < rope_dim
     c = tl.load(cos_ptr + token * stride_table + pairs, mask=pair_mask, other=0.0)
     s = tl.load(sin_ptr + token * stride_table + pairs, mask=pair_mask, other=0.0)
-    x_base = x_ptr + token * stride_x_token + heads * stride_x_head + 2 * pairs
-    x_even = tl.load(x_base, mask=mask, other=0.0).to(tl.float32)
-    x_odd = tl.load(x_base + 1, mask=mask, other=0.0).to(tl.float32)
     # Multiplying by −1 (not unary minus, which Triton lowers to 0 − x) keeps the sign of a zero product.
     even = tl.fma(x_even, c, (x_odd * s) * -1.0)
     odd = tl.fma(x_even, s, x_odd * c)
-    out_base = out_ptr + token * stride_out_token + heads * stride_out_head + 2 * pairs
-    tl.store(out_base, to_output_dtype(even, out_ptr), mask=mask)
-    tl.store(out_base + 1, to_output_dtype(odd, out_ptr), mask=mask)
+    rotated = tl.reshape(tl.join(even, odd), (BLOCK_HEADS, BLOCK_DIM))
+    out_offsets = token * stride_out_token + heads * stride_out_head + dims
+    tl.store(out_ptr + out_offsets, to_output_dtype(rotated, out_ptr), mask=mask)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> None:
@@ -62,7 +63,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch
     """
     check_launchable(x=x, cos=cos, sin=sin, out=out)
     num_tokens, num_heads, rope_dim = x.shape
-    half = rope_dim // 2
     block_heads = min(triton.next_power_of_2(num_heads), _HEADS_PER_PROGRAM)
     grid = (num_tokens, triton.cdiv(num_heads, block_heads))
     _rope_kernel[grid](
@@ -71,12 +71,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch
         sin,
         out,
         num_heads,
-        half,
+        rope_dim,
         x.stride(0),
         x.stride(1),
         out.stride(0),
         out.stride(1),
         cos.stride(0),
         BLOCK_HEADS=block_heads,
-        BLOCK_PAIRS=triton.next_power_of_2(half),
+        BLOCK_DIM=max(triton.next_power_of_2(rope_dim), 2),
     )
