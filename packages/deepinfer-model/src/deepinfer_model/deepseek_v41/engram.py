@@ -43,6 +43,12 @@ class EngramVocab:
     num_compressed: int
     pad_id: int
 
+    def to(self, device: torch.device | str) -> EngramVocab:
+        """The same vocabulary with its table on ``device`` (self when already there)."""
+        if self.old_to_new.device == torch.device(device):
+            return self
+        return EngramVocab(self.old_to_new.to(device), self.num_compressed, self.pad_id)
+
 
 def hash_multipliers(layer_id: int, num_compressed: int, max_ngram: int) -> torch.Tensor:
     """Odd int64 multipliers ``a_ℓ`` (§12.5) from NumPy's PCG64 seeded with ``10007·ℓ``. Returns: [N_g] int64."""
@@ -63,7 +69,7 @@ def ngram_rows(
         meta: step metadata.
         input_ids: [T] int64.
         prefix_ids: [R, N_g − 1] int64 tokens preceding each request's chunk.
-        vocab: compressed vocabulary.
+        vocab: compressed vocabulary, on the tokens' device.
         max_ngram: ``N_g``.
 
     Returns:
@@ -76,7 +82,7 @@ def ngram_rows(
     prefix_col = (offset + max_ngram - 1).clamp(min=0, max=max_ngram - 2)
     from_prefix = prefix_ids[meta.token_request[:, None].expand_as(offset), prefix_col]
     raw = torch.where(offset >= 0, input_ids[token_index], from_prefix)
-    table = vocab.old_to_new.to(raw.device)
+    table = vocab.old_to_new
     known = (raw >= 0) & (raw < table.shape[0])
     compressed = torch.where(known, table[torch.where(known, raw, 0)], -1)
     before_start = (meta.positions[:, None] - lookback[None, :]) < 0

@@ -250,6 +250,8 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
             prefix = torch.full(
                 (batch.num_requests, cfg.engram_max_ngram_size - 1), -1, dtype=torch.int64, device=meta.positions.device
             )
+        # Keep the table on the step's device once instead of copying it every step.
+        self.engram_vocab = self.engram_vocab.to(batch.input_ids.device)
         rows, active = ngram_rows(meta, batch.input_ids, prefix, self.engram_vocab, cfg.engram_max_ngram_size)
         ctx.engram_rows, ctx.engram_active, ctx.engram_vocab = rows, active, self.engram_vocab
 
