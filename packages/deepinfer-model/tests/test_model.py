@@ -93,3 +93,29 @@ def test_load_weights_is_strict() -> None:
 def test_rejects_unsupported_settings() -> None:
     with pytest.raises(ValueError, match="max_backtracking_tokens"):
         DeepseekV41ForCausalLM(tiny_config(), max_backtracking_tokens=0)
+
+
+def test_checkpoint_directory_to_model_end_to_end(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer
+
+    from deepinfer_model import reference as ref
+    from deepinfer_model.checkpoint.writer import write_checkpoint
+    from deepinfer_model.deepseek_v41.engram_vocab import engram_vocab_from_tokenizer
+    from deepinfer_model.forward_batch import ForwardBatch
+    from deepinfer_model.loading.load import load_checkpoint_dir
+
+    directory = write_checkpoint(tiny_config(), tmp_path, seed=4, max_shard_bytes=5_000_000)
+    checkpoint = load_checkpoint_dir(directory, hf_names=True)
+    vocab = engram_vocab_from_tokenizer(Tokenizer.from_file(str(directory / "tokenizer.json")))
+    model = DeepseekV41ForCausalLM(checkpoint.config, ComputeMode.FP32, vocab)
+    model.load_weights(checkpoint.tensors.items())
+    ids = torch.arange(3, 40) * 7 % checkpoint.config.text.vocab_size
+    state = model.allocate_state(block_size=16, num_blocks=3, num_state_slots=1)
+    batch = ForwardBatch.for_requests([ids.tolist()], [0], torch.arange(3, dtype=torch.int32)[None, :], [0])
+    batch = ForwardBatch(**{**batch.__dict__, "logits_indices": torch.tensor([0, 36])})
+    with torch.no_grad():
+        logits = model(batch, state)
+    vocabulary = ref.EngramVocabulary(vocab.old_to_new, vocab.num_compressed, vocab.pad_id)
+    expected = ref.reference_forward(checkpoint.config, checkpoint.tensors, ids, vocabulary, precision="fp32")
+    assert logits.shape == (2, checkpoint.config.text.vocab_size)
+    assert (logits - expected[[0, 36]]).abs().max() <= 1e-5 * expected.abs().max()
