@@ -22,17 +22,18 @@ if not torch.cuda.is_available():
 
 from deepinfer_kernels import _registry
 from deepinfer_kernels.platform import Accelerator, current_accelerator, triton_interpreter_enabled
-from deepinfer_kernels.testing_npu_double import NpuDouble, install_npu_double, real_torch_npu_available
+from deepinfer_kernels.testing_npu_double import (
+    NpuDouble,
+    accelerator_test_session,
+    install_npu_double,
+    real_torch_npu_available,
+)
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _session_accelerator() -> Iterator[None]:
     _registry.reset()
-    wants_double = os.environ.get("DEEPINFER_ACCELERATOR", "").strip().lower() == "ascend"
-    if wants_double and not real_torch_npu_available():
-        with install_npu_double():
-            yield
-    else:
+    with accelerator_test_session():
         yield
     _registry.reset()
 

@@ -26,6 +26,7 @@ __all__ = [
     "Accelerator",
     "clear_accelerator_cache",
     "current_accelerator",
+    "requested_accelerator",
     "triton_interpreter_enabled",
 ]
 
@@ -92,6 +93,24 @@ def _check_ascend() -> None:
         ) from exc
 
 
+def requested_accelerator() -> Accelerator | None:
+    """The accelerator ``DEEPINFER_ACCELERATOR`` asks for, or None when unset (auto-detect); no availability check.
+
+    Raises:
+        ValueError: the variable holds a value other than nvidia, ascend or cpu.
+    """
+    raw = os.environ.get(ACCELERATOR_ENV_VAR, "").strip()
+    if not raw:
+        return None
+    try:
+        return Accelerator(raw.lower())
+    except ValueError:
+        raise ValueError(
+            f"{ACCELERATOR_ENV_VAR}={raw!r} is not a known accelerator; allowed values are {_allowed_values()} "
+            "(or leave it unset to auto-detect)."
+        ) from None
+
+
 @functools.cache
 def current_accelerator() -> Accelerator:
     """Resolve the accelerator once from ``DEEPINFER_ACCELERATOR`` (or auto-detection) and cache it.
@@ -103,20 +122,13 @@ def current_accelerator() -> Accelerator:
         ValueError: ``DEEPINFER_ACCELERATOR`` holds a value other than nvidia, ascend or cpu.
         RuntimeError: the requested accelerator cannot run here (the message says how to fix it).
     """
-    raw = os.environ.get(ACCELERATOR_ENV_VAR, "").strip()
-    if not raw:
+    accelerator = requested_accelerator()
+    if accelerator is None:
         if torch.cuda.is_available():
             return Accelerator.NVIDIA
         if _npu_available():
             return Accelerator.ASCEND
         return Accelerator.CPU
-    try:
-        accelerator = Accelerator(raw.lower())
-    except ValueError:
-        raise ValueError(
-            f"{ACCELERATOR_ENV_VAR}={raw!r} is not a known accelerator; allowed values are {_allowed_values()} "
-            "(or leave it unset to auto-detect)."
-        ) from None
     if accelerator is Accelerator.NVIDIA:
         _check_nvidia()
     elif accelerator is Accelerator.ASCEND:

@@ -19,8 +19,9 @@ Signatures and semantics follow the op-plugin documentation and schema
   ``src_type=292`` (x float8_e4m3fn) and ``296`` (x uint8, two e2m1 codes per byte, low nibble first),
   ``dst_type`` 15 (bfloat16) or 5 (float16), one scale per 32 elements of the last axis.
 
-Use :func:`install_npu_double` (a context manager) to place it in ``sys.modules["torch_npu"]``; tests'
-``conftest.py`` does so when ``DEEPINFER_ACCELERATOR=ascend`` and no real torch_npu is importable.
+Use :func:`install_npu_double` (a context manager) to place it in ``sys.modules["torch_npu"]``. Every package's
+``tests/conftest.py`` wraps its session in :func:`accelerator_test_session`, which does so when
+``DEEPINFER_ACCELERATOR=ascend`` and no real torch_npu is importable.
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["NpuDouble", "install_npu_double", "real_torch_npu_available"]
+from deepinfer_kernels.platform import Accelerator, requested_accelerator
+
+__all__ = ["NpuDouble", "accelerator_test_session", "install_npu_double", "real_torch_npu_available"]
 
 # torch_npu dtype codes used by the MX ops (op-plugin's TORCH_DTYPE_ENUM_VALUE_TO_SCALAR_TYPE_MAP).
 _FLOAT8_E4M3FN = 292
@@ -246,3 +249,14 @@ def install_npu_double() -> Iterator[NpuDouble]:
             sys.modules.pop("torch_npu", None)
         else:
             sys.modules["torch_npu"] = previous  # type: ignore[assignment]
+
+
+@contextmanager
+def accelerator_test_session() -> Iterator[None]:
+    """A package test session under the requested target: the double stands in for torch_npu when the ascend
+    target is requested on a machine without a real one; otherwise nothing changes."""
+    if requested_accelerator() is Accelerator.ASCEND and not real_torch_npu_available():
+        with install_npu_double():
+            yield
+    else:
+        yield

@@ -1,0 +1,20 @@
+"""Test session setup for deepinfer-engine under the accelerator target the session requests.
+
+nox runs these tests with ``DEEPINFER_ACCELERATOR=nvidia`` (Triton kernels in Triton's interpreter on CPU tensors
+when no GPU is present; nox sets ``TRITON_INTERPRET=1``) and with ``DEEPINFER_ACCELERATOR=ascend`` (the torch_npu
+call sites run against the CPU test double of ``deepinfer_kernels.testing_npu_double`` when no NPU is present).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from deepinfer_kernels.testing_npu_double import accelerator_test_session
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _accelerator_target() -> Iterator[None]:
+    with accelerator_test_session():
+        yield
