@@ -19,11 +19,13 @@ from deepinfer_model.checkpoint.tokenizer import build_tokenizer
 from deepinfer_model.forward_batch import ForwardBatch
 from deepinfer_model.layers.mode import ComputeMode
 
-MODES = [(ComputeMode.EXACT, "exact"), (ComputeMode.FP32, "fp32")]
+# FP32 mode: summation order only. Exact mode: the kernels' GEMMs accumulate differently from the oracle, which can
+# flip a BF16/FP8 rounding (observed equal here; the bound allows a flip).
+MODES = [(ComputeMode.EXACT, "exact", 1e-2), (ComputeMode.FP32, "fp32", 1e-5)]
 
 
-@pytest.mark.parametrize(("mode", "precision"), MODES)
-def test_draft_forward_and_heads_match_reference(mode: ComputeMode, precision: ref.Precision) -> None:
+@pytest.mark.parametrize(("mode", "precision", "tolerance"), MODES)
+def test_draft_forward_and_heads_match_reference(mode: ComputeMode, precision: ref.Precision, tolerance: float) -> None:
     config = tiny_config()
     text = config.text
     ids = prompt(75, seed=12)
@@ -46,9 +48,9 @@ def test_draft_forward_and_heads_match_reference(mode: ComputeMode, precision: r
         config, tiny_weights(), expected.hidden, previous, temperature.tolist(), precision=precision
     )
     scale = expected.hidden.float().abs().max()
-    assert (hidden.float() - expected.hidden.float()).abs().max() <= 1e-5 * scale
-    assert (logits - ref_logits).abs().max() <= 1e-5 * ref_logits.abs().max()
-    torch.testing.assert_close(confidence, ref_confidence, rtol=1e-5, atol=1e-6)
+    assert (hidden.float() - expected.hidden.float()).abs().max() <= tolerance * scale
+    assert (logits - ref_logits).abs().max() <= tolerance * ref_logits.abs().max()
+    torch.testing.assert_close(confidence, ref_confidence, rtol=tolerance, atol=tolerance / 10)
 
 
 def test_draft_forward_needs_dspark_blocks() -> None:

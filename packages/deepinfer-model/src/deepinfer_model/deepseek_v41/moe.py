@@ -15,11 +15,11 @@ from torch import nn
 
 from deepinfer_model.layers.activation import swiglu_clamped
 from deepinfer_model.layers.linear import Fp8BlockLinear, Mxfp4ExpertStack, make_parameter
-from deepinfer_model.layers.mode import ComputeMode, fp8_round_trip, round_activation
+from deepinfer_model.layers.mode import ComputeMode, round_activation
 
 __all__ = ["ExpertCompute", "ExpertDispatch", "MoE", "RoutedExperts", "Router", "local_expert_dispatch"]
 
-# (expert id, inputs [n_e, H] fp32 FP8-dequantized, routing weights [n_e] fp32) -> outputs [n_e, H] act dtype
+# (expert id, inputs [n_e, H] activation dtype, routing weights [n_e] fp32) -> outputs [n_e, H] activation dtype
 ExpertCompute = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 # (inputs [n, H], topk_ids [n, k], topk_weights [n, k], compute, bias [n, H] fp32) -> bias + routed sum [n, H] fp32
 ExpertDispatch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, ExpertCompute, torch.Tensor], torch.Tensor]
@@ -33,7 +33,7 @@ def local_expert_dispatch(
     """Run every selected expert locally; add the outputs to ``bias`` in FP32, in top-k rank order (§13.6).
 
     Args:
-        x: [n, H] fp32 expert inputs.
+        x: [n, H] expert inputs (the ``ffn_norm`` output, activation dtype).
         topk_ids: [n, k] int64 logical expert ids.
         topk_weights: [n, k] fp32 routing weights.
         compute: per-expert function.
@@ -87,11 +87,13 @@ class RoutedExperts(nn.Module):
         self.w13 = Mxfp4ExpertStack(num_experts, hidden, 2 * intermediate, (intermediate, intermediate), mode)
         self.w2 = Mxfp4ExpertStack(num_experts, intermediate, hidden, (hidden,), mode)
 
-    def compute(self, expert: int, x_hat: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """One expert (§13.3). Args: x_hat [n_e, H] fp32; weights [n_e]. Returns: [n_e, H] activation dtype."""
-        gate_up = round_activation(x_hat @ self.w13.dequantized_weight(expert).t(), self.mode)
-        act = swiglu_clamped(gate_up, self.limit, weights)
-        return round_activation(fp8_round_trip(act, self.mode) @ self.w2.dequantized_weight(expert).t(), self.mode)
+    def compute(self, expert: int, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """One expert (§13.3): the routing weight multiplies the SwiGLU output before ``w2`` and its FP8 cast.
+
+        Args: x [n_e, H] activation dtype; weights [n_e] fp32. Returns: [n_e, H] activation dtype.
+        """
+        act = swiglu_clamped(self.w13(x, expert), self.limit, weights)
+        return round_activation(self.w2(act, expert), self.mode)
 
 
 class SharedExperts(nn.Module):
@@ -104,10 +106,9 @@ class SharedExperts(nn.Module):
         self.w13 = Fp8BlockLinear(hidden, 2 * intermediate, mode, shard_sizes=(intermediate, intermediate))
         self.w2 = Fp8BlockLinear(intermediate, hidden, mode)
 
-    def forward(self, x_hat: torch.Tensor) -> torch.Tensor:
-        """Args: x_hat [n, H] fp32 FP8-dequantized input. Returns: [n, H] activation dtype."""
-        act = swiglu_clamped(self.w13(x_hat, prequantized=True), self.limit)
-        return self.w2(act)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Args: x [n, H] activation dtype. Returns: [n, H] activation dtype."""
+        return self.w2(swiglu_clamped(self.w13(x), self.limit))
 
 
 class MoE(nn.Module):
@@ -137,9 +138,8 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Args: x [n, H] ``ffn_norm`` output (activation dtype). Returns: [n, H] activation dtype."""
         topk_ids, topk_weights = self.gate(x)
-        x_hat = fp8_round_trip(x, self.mode)
         if self.shared_experts is not None:
-            bias = self.shared_experts(x_hat).float()
+            bias = self.shared_experts(x).float()
         else:
             bias = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        return round_activation(self.dispatch(x_hat, topk_ids, topk_weights, self.experts.compute, bias), self.mode)
+        return round_activation(self.dispatch(x, topk_ids, topk_weights, self.experts.compute, bias), self.mode)

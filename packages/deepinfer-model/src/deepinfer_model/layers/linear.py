@@ -1,11 +1,13 @@
 """Linear layers over the checkpoint's stored formats, each parameter with its own ``weight_loader``.
 
 - ``Bf16Linear``: BF16 weight; FP32 accumulation; BF16 (or FP32) output.
-- ``Fp8BlockLinear``: e4m3 weight with 32×32 UE8M0 block scales (model-core §5.2); in exact mode the input is
-  quantized per token in groups of 32 (§5.5) and the output rounded to BF16. ``shard_sizes`` makes it a merged
+- ``Fp8BlockLinear``: e4m3 weight with 32×32 UE8M0 block scales (model-core §5.2); exact mode runs the kernels'
+  ``fp8_block_gemm`` (input quantized per token in groups of 32, §5.5; BF16 output), FP32 mode a plain FP32 GEMM
+  with the dequantized weight. ``shard_sizes`` makes it a merged
   (row-concatenated) layer such as the shared expert's ``[w1; w3]`` (§4.5).
 - ``Fp8GroupedLinear``: the attention's grouped ``wo_a`` (model-attention §3 step 8).
-- ``Mxfp4ExpertStack``: the routed experts' MXFP4 matrices stacked over experts (§5.3, §4.7).
+- ``Mxfp4ExpertStack``: the routed experts' MXFP4 matrices stacked over experts (§5.3, §4.7); exact mode runs the
+  kernels' ``mxfp4_gemm``.
 
 Weight loaders: every parameter carries ``param.weight_loader(param, tensor, shard_id)`` which checks shape and dtype
 exactly (no casting, §4.4) and copies the tensor into its rows. ``shard_id`` is None for plain parameters, the shard
@@ -20,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from deepinfer_kernels import dequantize_fp8_block, dequantize_mxfp4
+from deepinfer_kernels import dequantize_fp8_block, dequantize_mxfp4, fp8_block_gemm, mxfp4_gemm
 from deepinfer_model.layers.mode import ComputeMode, fp8_round_trip, round_activation
 
 __all__ = [
@@ -175,8 +177,9 @@ class Fp8BlockLinear(nn.Module):
         Returns:
             [..., out] in the activation dtype (BF16 exact / FP32).
         """
-        x_hat = x.float() if prequantized else fp8_round_trip(x, self.mode)
-        return round_activation(x_hat @ self.dequantized_weight().t(), self.mode)
+        if self.mode is ComputeMode.EXACT and not prequantized:
+            return fp8_block_gemm(x, self.weight, self.scale)
+        return round_activation(x.float() @ self.dequantized_weight().t(), self.mode)
 
 
 class Fp8GroupedLinear(nn.Module):
@@ -232,6 +235,7 @@ class Mxfp4ExpertStack(nn.Module):
                 f"MXFP4 expert stack needs in_features % {MXFP4_GROUP} == 0 (got {in_features}) and shard_sizes "
                 f"{shard_sizes} summing to out_features {out_features}"
             )
+        self.mode = mode
         self.num_experts = num_experts
         self.shard_sizes = shard_sizes
         self._cache = _DequantizedCache(mode)
@@ -254,6 +258,20 @@ class Mxfp4ExpertStack(nn.Module):
         target = param.data[expert, start : start + self.shard_sizes[shard]]
         _check_loaded(param, target, loaded)
         target.copy_(loaded)
+
+    def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        """Apply expert ``expert``'s matrix.
+
+        Args:
+            x: [n, in] bf16/fp32.
+            expert: expert index.
+
+        Returns:
+            [n, out]: exact mode BF16 ``bf16(x̂ · Ŵᵀ)`` with FP8 activations (§5.6); FP32 mode FP32.
+        """
+        if self.mode is ComputeMode.FP32:
+            return x.float() @ self.dequantized_weight(expert).t()
+        return mxfp4_gemm(x, self.weight[expert], self.scale[expert])
 
     def dequantized_weight(self, expert: int) -> torch.Tensor:
         """The exact FP32 weight ``[out, in]`` of one expert."""
