@@ -6,7 +6,8 @@ Per row (non-greedy):
 
     pass 1   m = max z
     pass 2   lse = log Σ floor(exp(s)·2^40) − 40·ln 2,  s = (z − m)/T
-    passes   (only with top-k or top-p) 32 bisection steps over the order-preserving int32 key of z find
+    pass     (only with top-k or top-p) fᵢ = floor(exp(s − lse)·2^31) into a per-row uint32 scratch, then
+    passes   32 bisection steps over the order-preserving int32 key of z find
              t_k = min{v : #(key > v) < K} and t_p = min{v : Σ_{key > v} fᵢ <= P}, fᵢ = floor(exp(s − lse)·2^31);
              ties at t_k / t_p are kept in ascending id order while the count / fixed-point mass allows
     pass     lse' = log Σ_kept floor(exp(s)·2^40) − 40·ln 2
@@ -51,6 +52,12 @@ def _sample_bits(seed, position, STREAM_OFFSET: tl.constexpr):  # type: ignore[n
     key = _mix64(mixed_seed ^ (position.to(tl.uint64, bitcast=True) * 0x9E3779B97F4A7C15))
     key = _mix64(key + STREAM_OFFSET)
     return (_mix64(key + 0x9E3779B97F4A7C15) >> 1).to(tl.int64, bitcast=True)
+
+
+@triton.jit
+def _load_mass(f_row, cols, V):  # type: ignore[no-untyped-def]
+    bits = tl.load(f_row + cols, mask=cols < V, other=0)
+    return bits.to(tl.uint32, bitcast=True).to(tl.int64)
 
 
 @triton.jit
@@ -123,6 +130,8 @@ def _fused_sample_kernel(  # type: ignore[no-untyped-def]
     token_lp_ptr,
     lp_ptr,
     stride_lp,
+    scratch_ptr,
+    stride_scratch,
     V,
     BLOCK: tl.constexpr,
     TRUNCATE: tl.constexpr,
@@ -167,6 +176,16 @@ def _fused_sample_kernel(  # type: ignore[no-untyped-def]
         if TRUNCATE:
             lse = _fixed_lse(z_row, m, temperature, 0.0, t_k, n_k, t_p, mass_p, limit_p, log_min_p, V, BLOCK, False)
             if (top_k < V) | (limit_p < 2147483648):
+                # The fixed-point masses do not change during the search: compute them once into the row's
+                # scratch (uint32 bits in int32 storage; fᵢ <= 2^31) so each search pass only streams z and f.
+                f_row = scratch_ptr + row * stride_scratch
+                for start in range(0, V, BLOCK):
+                    cols = start + offs
+                    x = tl.load(z_row + cols, mask=cols < V, other=float("-inf"))
+                    p = tl.minimum(tl.exp(tl.math.div_rn(x - m, temperature) - lse), 1.0)
+                    f = tl.floor(p * 2147483648.0).to(tl.int64)
+                    tl.store(f_row + cols, f.to(tl.uint32).to(tl.int32, bitcast=True), mask=cols < V)
+                tl.debug_barrier()  # the search passes may read elements other threads wrote
                 lo_k = tl.full((), -2147483648, tl.int64)
                 hi_k = tl.full((), 2147483647, tl.int64)
                 lo_p = lo_k
@@ -180,8 +199,7 @@ def _fused_sample_kernel(  # type: ignore[no-untyped-def]
                         cols = start + offs
                         x = tl.load(z_row + cols, mask=cols < V, other=float("-inf"))
                         key = _keys(x).to(tl.int64)
-                        p = tl.minimum(tl.exp(tl.math.div_rn(x - m, temperature) - lse), 1.0)
-                        f = tl.floor(p * 2147483648.0).to(tl.int64)
+                        f = _load_mass(f_row, cols, V)
                         count += ((key > mid_k) & (cols < V)).to(tl.int32)
                         mass += tl.where((key > mid_p) & (cols < V), f, 0)
                     ok_k = tl.sum(count, axis=0).to(tl.int64) < top_k
@@ -198,9 +216,7 @@ def _fused_sample_kernel(  # type: ignore[no-untyped-def]
                     cols = start + offs
                     x = tl.load(z_row + cols, mask=cols < V, other=float("-inf"))
                     key = _keys(x)
-                    f = tl.floor(tl.minimum(tl.exp(tl.math.div_rn(x - m, temperature) - lse), 1.0) * 2147483648.0).to(
-                        tl.int64
-                    )
+                    f = _load_mass(f_row, cols, V)
                     count += ((key > t_k) & (cols < V)).to(tl.int32)
                     mass_lanes += tl.where((key > t_p) & (cols < V), f, 0)
                 n_k = top_k - tl.sum(count, axis=0).to(tl.int64)
@@ -282,6 +298,8 @@ def fused_sample(
         return tokens, token_logprobs, logprobs
     block = min(triton.next_power_of_2(vocab), max_block)
     out = logprobs if logprobs is not None else z
+    # Per-row fixed-point masses for the threshold search, only needed when some row truncates.
+    scratch = torch.empty(z.shape if batch.needs_truncation else (1, 1), dtype=torch.int32, device=z.device)
     _fused_sample_kernel[(num_rows,)](
         z,
         z.stride(0),
@@ -296,6 +314,8 @@ def fused_sample(
         token_logprobs,
         out,
         out.stride(0),
+        scratch,
+        scratch.stride(0),
         vocab,
         BLOCK=block,
         TRUNCATE=batch.needs_truncation,
