@@ -87,7 +87,7 @@ def _fixed_lse(  # type: ignore[no-untyped-def]
     total = tl.zeros((BLOCK,), dtype=tl.int64)
     seen_k = tl.zeros((), dtype=tl.int64)
     seen_p = tl.zeros((), dtype=tl.int64)
-    for start in range(0, V, BLOCK):
+    for start in tl.range(0, V, BLOCK, num_stages=3):
         cols = start + offs
         x = tl.load(z_row + cols, mask=cols < V, other=float("-inf"))
         s = tl.math.div_rn(x - m, temperature)
@@ -145,14 +145,14 @@ def _fused_sample_kernel(  # type: ignore[no-untyped-def]
     forced = tl.load(forced_ptr + row)
     # Passes accumulate per-lane and reduce once at the end (exact for max, min and integer sums).
     m_lanes = tl.full((BLOCK,), float("-inf"), tl.float32)
-    for start in range(0, V, BLOCK):
+    for start in tl.range(0, V, BLOCK, num_stages=3):
         cols = start + offs
         m_lanes = tl.maximum(m_lanes, tl.load(z_row + cols, mask=cols < V, other=float("-inf")))
     m = tl.max(m_lanes, axis=0)
 
     if temperature == 0.0:
         best_lanes = tl.full((BLOCK,), V, tl.int32)
-        for start in range(0, V, BLOCK):
+        for start in tl.range(0, V, BLOCK, num_stages=3):
             cols = start + offs
             x = tl.load(z_row + cols, mask=cols < V, other=float("-inf"))
             best_lanes = tl.minimum(best_lanes, tl.where((x == m) & (cols < V), cols, V))
@@ -161,7 +161,7 @@ def _fused_sample_kernel(  # type: ignore[no-untyped-def]
         tl.store(token_ptr + row, token)
         tl.store(token_lp_ptr + row, tl.where(token == best, 0.0, float("-inf")))
         if WRITE_LOGPROBS:
-            for start in range(0, V, BLOCK):
+            for start in tl.range(0, V, BLOCK, num_stages=3):
                 cols = start + offs
                 tl.store(lp_ptr + row * stride_lp + cols, tl.where(cols == best, 0.0, float("-inf")), mask=cols < V)
     else:
@@ -179,7 +179,7 @@ def _fused_sample_kernel(  # type: ignore[no-untyped-def]
                 # The fixed-point masses do not change during the search: compute them once into the row's
                 # scratch (uint32 bits in int32 storage; fᵢ <= 2^31) so each search pass only streams z and f.
                 f_row = scratch_ptr + row * stride_scratch
-                for start in range(0, V, BLOCK):
+                for start in tl.range(0, V, BLOCK, num_stages=3):
                     cols = start + offs
                     x = tl.load(z_row + cols, mask=cols < V, other=float("-inf"))
                     p = tl.minimum(tl.exp(tl.math.div_rn(x - m, temperature) - lse), 1.0)
@@ -195,7 +195,7 @@ def _fused_sample_kernel(  # type: ignore[no-untyped-def]
                     mid_p = (lo_p + hi_p) >> 1
                     count = tl.zeros((BLOCK,), dtype=tl.int32)
                     mass = tl.zeros((BLOCK,), dtype=tl.int64)
-                    for start in range(0, V, BLOCK):
+                    for start in tl.range(0, V, BLOCK, num_stages=3):
                         cols = start + offs
                         x = tl.load(z_row + cols, mask=cols < V, other=float("-inf"))
                         key = _keys(x).to(tl.int64)
@@ -212,7 +212,7 @@ def _fused_sample_kernel(  # type: ignore[no-untyped-def]
                 t_p = lo_p.to(tl.int32)
                 count = tl.zeros((BLOCK,), dtype=tl.int32)
                 mass_lanes = tl.zeros((BLOCK,), dtype=tl.int64)
-                for start in range(0, V, BLOCK):
+                for start in tl.range(0, V, BLOCK, num_stages=3):
                     cols = start + offs
                     x = tl.load(z_row + cols, mask=cols < V, other=float("-inf"))
                     key = _keys(x)
@@ -229,7 +229,7 @@ def _fused_sample_kernel(  # type: ignore[no-untyped-def]
         total_lanes = tl.zeros((BLOCK,), dtype=tl.int64)
         seen_k = tl.zeros((), dtype=tl.int64)
         seen_p = tl.zeros((), dtype=tl.int64)
-        for start in range(0, V, BLOCK):
+        for start in tl.range(0, V, BLOCK, num_stages=3):
             cols = start + offs
             x = tl.load(z_row + cols, mask=cols < V, other=float("-inf"))
             s = tl.math.div_rn(x - m, temperature)
@@ -246,7 +246,7 @@ def _fused_sample_kernel(  # type: ignore[no-untyped-def]
         forced_lanes = tl.full((BLOCK,), float("-inf"), tl.float32)
         seen_k = tl.zeros((), dtype=tl.int64)
         seen_p = tl.zeros((), dtype=tl.int64)
-        for start in range(0, V, BLOCK):
+        for start in tl.range(0, V, BLOCK, num_stages=3):
             cols = start + offs
             x = tl.load(z_row + cols, mask=cols < V, other=float("-inf"))
             s = tl.math.div_rn(x - m, temperature)
