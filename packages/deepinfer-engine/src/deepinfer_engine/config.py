@@ -1,14 +1,25 @@
-"""Frozen configuration of the scheduler and the cache manager.
+"""Frozen configuration of the engine: scheduler, cache, and the `EngineConfig` that composes every package's config.
 
 `SchedulerConfig` bounds what one step may schedule; `CacheConfig` fixes the cache geometry the cache manager hands
-out (the number of blocks itself is derived from a memory budget by `CacheManager.from_memory_budget`).
+out (the number of blocks itself is derived from a memory budget by `CacheManager.num_blocks_for_budget`).
+`EngineConfig` is built once at the entrypoint from `LLM` keyword arguments and the environment
+(`deepinfer_engine.engine_args.build_engine_config`); nothing below the entrypoint reads either.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
-__all__ = ["CacheConfig", "SchedulerConfig"]
+from deepinfer_sampling.config import SamplerConfig
+
+if TYPE_CHECKING:  # importing xgrammar takes seconds; only engines with structured requests pay for it
+    from deepinfer_sampling.structured.compiler import StructuredOutputConfig
+
+__all__ = ["CacheConfig", "EngineConfig", "Precision", "SchedulerConfig"]
+
+Precision = Literal["exact", "fp32"]
 
 
 @dataclass(frozen=True)
@@ -65,3 +76,44 @@ class CacheConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_state_slots < 2:
             raise ValueError(f"num_state_slots must be >= 2 (slot 0 is reserved), got {self.num_state_slots}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one engine instance runs with.
+
+    Attributes:
+        model_dir: the resolved checkpoint directory.
+        tokenizer_dir: directory of `tokenizer.json`.
+        scheduler: step limits (max_model_len included).
+        cache: block size and state slots.
+        num_blocks: cache blocks including the null block 0.
+        sampler: sampler settings.
+        structured_output: grammar compilation settings.
+        seed: engine seed; request seeds without `seq_seed` derive from it and the request counter.
+        precision: "exact" (the checkpoint's numerics) or "fp32" (FP32 activations and caches; parity tests).
+        device: torch device the model and caches live on ("cpu", "cuda", "cuda:1", ...).
+        async_scheduling: schedule step N+1 while step N runs (runtime §6.9).
+        enforce_eager: never capture CUDA graphs.
+        engram_pad_token_id: raw pad id of Engram n-gram windows.
+    """
+
+    model_dir: Path
+    tokenizer_dir: Path
+    scheduler: SchedulerConfig
+    cache: CacheConfig
+    num_blocks: int
+    sampler: SamplerConfig
+    structured_output: StructuredOutputConfig
+    seed: int = 0
+    precision: Precision = "exact"
+    device: str = "cpu"
+    async_scheduling: bool = True
+    enforce_eager: bool = False
+    engram_pad_token_id: int = 2
+
+    def __post_init__(self) -> None:
+        if self.num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {self.num_blocks}")
+        if self.precision not in ("exact", "fp32"):
+            raise ValueError(f"precision must be 'exact' or 'fp32', got {self.precision!r}")

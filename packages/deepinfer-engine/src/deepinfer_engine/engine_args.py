@@ -1,0 +1,210 @@
+"""`EngineArgs`: the keyword arguments of `LLM(...)`, and how they and the environment become one `EngineConfig`.
+
+`EngineArgs` holds what a user may pass, validated on construction (each error names the argument, its value and
+what is allowed). `build_engine_config` folds in the parsed environment (`deepinfer_engine.envs.read_env`, read once
+by the entrypoint) and what only the loaded checkpoint and the cache budget can tell (vocabulary, position limit,
+number of cache blocks):
+
+- `max_model_len` defaults to the checkpoint's `max_position_embeddings`, capped by `MAX_MODEL_LEN_CAP` and by the
+  tokens the whole cache can hold (so a default request can always run alone).
+- `max_num_batched_tokens` defaults to `max(min(max_model_len, DEFAULT_MAX_NUM_BATCHED_TOKENS), max_num_seqs)`;
+  prompts longer than it are prefilled in chunks.
+- state slots = `int(max_num_seqs * DEEPINFER_NUM_STATE_SLOTS_RATIO) + 1` (runtime §6.7).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from deepinfer_engine.cache_manager import CacheManager
+from deepinfer_engine.config import CacheConfig, EngineConfig, Precision, SchedulerConfig
+from deepinfer_engine.envs import EnvSettings
+from deepinfer_model.cache_spec import CacheSpec
+from deepinfer_sampling.config import SamplerConfig
+
+__all__ = ["DEFAULT_CPU_CACHE_MEMORY_BYTES", "MAX_MODEL_LEN_CAP", "EngineArgs", "build_engine_config"]
+
+MAX_MODEL_LEN_CAP = 131072
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+DEFAULT_CPU_CACHE_MEMORY_BYTES = 256 * 1024**2
+_PARALLEL_SIZES = ("tensor_parallel_size", "data_parallel_size", "expert_parallel_size", "context_parallel_size")
+
+
+def _positive_int(name: str, value: object, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        allowed = "a positive int or None" if allow_none else "a positive int"
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """User-facing engine arguments (the keyword arguments of `LLM`).
+
+    Attributes:
+        model: checkpoint directory or Hugging Face repo id; None for the built-in tiny checkpoint.
+        tokenizer: tokenizer directory; None for the checkpoint directory.
+        revision: Hub revision of `model`.
+        seed: engine seed.
+        max_model_len: most positions per request; None derives it (module docstring).
+        gpu_memory_utilization: fraction of device memory the engine may use (weights, activations, cache); CUDA.
+        cache_memory_bytes: explicit cache budget in bytes; None: derived from `gpu_memory_utilization` on CUDA,
+            `DEFAULT_CPU_CACHE_MEMORY_BYTES` on CPU.
+        num_cache_blocks: cache blocks (null block included) instead of what the budget holds (tests, tuning).
+        block_size: raw tokens per cache block; must be a multiple of every compression ratio.
+        max_num_seqs: most requests holding cache at once.
+        max_num_batched_tokens: token budget of one step; None derives it.
+        tensor_parallel_size, data_parallel_size, expert_parallel_size, context_parallel_size: only 1 is wired.
+        enforce_eager: never capture CUDA graphs.
+        precision: "exact" or "fp32" (FP32 activations and caches, for parity with the reference model).
+        device: "cpu", "cuda" or "cuda:N"; None picks CUDA when the kernels platform is NVIDIA.
+        async_scheduling: overrides DEEPINFER_ZERO_OVERHEAD_SCHEDULING when not None.
+        cache_dir: where the built-in tiny checkpoint is written; None for ~/.cache/deepinfer.
+    """
+
+    model: str | None = None
+    tokenizer: str | None = None
+    revision: str | None = None
+    seed: int = 0
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.9
+    cache_memory_bytes: int | None = None
+    num_cache_blocks: int | None = None
+    block_size: int = 128
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    context_parallel_size: int = 1
+    enforce_eager: bool = False
+    precision: Precision = "exact"
+    device: str | None = None
+    async_scheduling: bool | None = None
+    cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        _positive_int("max_model_len", self.max_model_len, allow_none=True)
+        _positive_int("cache_memory_bytes", self.cache_memory_bytes, allow_none=True)
+        _positive_int("block_size", self.block_size)
+        _positive_int("num_cache_blocks", self.num_cache_blocks, allow_none=True)
+        if self.num_cache_blocks is not None and self.num_cache_blocks < 2:
+            raise ValueError(f"num_cache_blocks must be >= 2 (block 0 is reserved), got {self.num_cache_blocks}")
+        _positive_int("max_num_seqs", self.max_num_seqs)
+        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens, allow_none=True)
+        utilization = self.gpu_memory_utilization
+        if isinstance(utilization, bool) or not isinstance(utilization, int | float) or not 0 < utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")
+        for name in _PARALLEL_SIZES:
+            value = getattr(self, name)
+            _positive_int(name, value)
+            if value != 1:
+                raise ValueError(
+                    f"{name}={value}: multi-rank execution is not wired into the engine yet; only 1 is supported"
+                )
+        if self.precision not in ("exact", "fp32"):
+            raise ValueError(f"precision must be 'exact' or 'fp32', got {self.precision!r}")
+        if self.device is not None and not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N' (or None to detect), got {self.device!r}")
+
+    @classmethod
+    def from_kwargs(cls, model: str | None, kwargs: dict[str, Any]) -> EngineArgs:
+        """Build from `LLM(model, **kwargs)`; an unknown keyword is a `TypeError` listing the known ones."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine arguments {unknown}; known: {sorted(known - {'model'})}")
+        return cls(model=model, **kwargs)
+
+
+def build_engine_config(
+    args: EngineArgs,
+    env: EnvSettings,
+    *,
+    model_dir: Path,
+    device: str,
+    max_position_embeddings: int,
+    cache_spec: CacheSpec,
+    cache_budget_bytes: int,
+) -> EngineConfig:
+    """The engine's frozen config.
+
+    Args:
+        args: the user's arguments.
+        env: the parsed environment.
+        model_dir: the resolved checkpoint directory.
+        device: the device the engine runs on.
+        max_position_embeddings: the checkpoint's position limit.
+        cache_spec: the model's cache groups.
+        cache_budget_bytes: bytes the cache (state slots and blocks) may take.
+
+    Raises:
+        ValueError: `max_model_len` exceeds the checkpoint's limit or what the cache can hold, or the budget does
+            not hold the state slots and two blocks.
+    """
+    from deepinfer_sampling.structured.compiler import StructuredOutputConfig
+
+    num_state_slots = int(args.max_num_seqs * env["DEEPINFER_NUM_STATE_SLOTS_RATIO"]) + 1
+    cache = CacheConfig(block_size=args.block_size, num_state_slots=num_state_slots)
+    if args.num_cache_blocks is not None:
+        num_blocks = args.num_cache_blocks
+    else:
+        num_blocks = CacheManager.num_blocks_for_budget(cache_spec, cache, cache_budget_bytes)
+
+    cache_tokens = (num_blocks - 1) * args.block_size
+    if args.max_model_len is None:
+        # The longest sequence can reach max_model_len + 1 tokens (runtime §6.8), so leave room for it.
+        max_model_len = min(max_position_embeddings, MAX_MODEL_LEN_CAP, cache_tokens - 1)
+    else:
+        max_model_len = args.max_model_len
+        if max_model_len > max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the checkpoint's max_position_embeddings="
+                f"{max_position_embeddings}"
+            )
+        if max_model_len + 1 > cache_tokens:
+            raise ValueError(
+                f"max_model_len={max_model_len} does not fit the cache: {num_blocks - 1} blocks of "
+                f"{args.block_size} tokens hold {cache_tokens}; raise the cache budget or lower max_model_len"
+            )
+    if max_model_len < 1:
+        raise ValueError(f"the cache of {num_blocks - 1} blocks is too small to hold any request")
+    max_num_batched_tokens = args.max_num_batched_tokens
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = max(min(max_model_len, DEFAULT_MAX_NUM_BATCHED_TOKENS), args.max_num_seqs)
+    scheduler = SchedulerConfig(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        max_num_draft_tokens=0,
+        stop_preempted_requests=False,
+    )
+    cache_limit = env["DEEPINFER_XGRAMMAR_CACHE_LIMIT_BYTES"]
+    structured = StructuredOutputConfig(
+        num_compile_threads=env["DEEPINFER_SO_BUILDER_CPUS"],
+        compile_timeout_s=env["DEEPINFER_XGRAMMAR_TIMEOUT"],
+        cache_limit_bytes=0 if env["DEEPINFER_XGRAMMAR_DISABLE_CACHE"] else (cache_limit if cache_limit > 0 else None),
+    )
+    async_scheduling = env["DEEPINFER_ZERO_OVERHEAD_SCHEDULING"]
+    if args.async_scheduling is not None:
+        async_scheduling = args.async_scheduling
+    return EngineConfig(
+        model_dir=model_dir,
+        tokenizer_dir=Path(args.tokenizer) if args.tokenizer is not None else model_dir,
+        scheduler=scheduler,
+        cache=cache,
+        num_blocks=num_blocks,
+        sampler=SamplerConfig(batch_invariant=env["DEEPINFER_BATCH_INVARIANT"]),
+        structured_output=structured,
+        seed=args.seed,
+        precision=args.precision,
+        device=device,
+        async_scheduling=async_scheduling,
+        enforce_eager=args.enforce_eager,
+        engram_pad_token_id=env["DEEPINFER_ENGRAM_PAD_TOKEN"],
+    )

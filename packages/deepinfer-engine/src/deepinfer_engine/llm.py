@@ -1,0 +1,448 @@
+"""`LLM`: offline batch generation — tokenize → add requests → step until done → detokenize.
+
+    llm = LLM()                                   # the built-in tiny checkpoint; LLM("/path/or/hub-id") otherwise
+    outputs = llm.generate(["Hello", "Bonjour"], SamplingParams(max_tokens=32))
+    print(outputs[0].text, outputs[0].finish_reason)
+
+Construction reads the environment once (`deepinfer_engine.envs.read_env`), resolves the checkpoint
+(`deepinfer_engine.model_source`), loads the model and tokenizer, sizes the cache and builds the scheduler, the
+model runner and the engine core (`EngineConfig` holds every setting).
+
+`generate` returns exactly one `GenerateOutput` per prompt, in input order. A prompt that cannot run — empty, token
+ids outside the vocabulary, parameters that fail validation, a grammar that fails to compile, a prompt longer than
+`max_model_len` — finishes with an error finish reason and a message; every other request is unaffected. Requests
+with structured output are admitted once their grammar has compiled (compiled in the background, runtime §4.2).
+
+Seeds: each request's seed is `deepinfer_sampling.request_seed(seq_seed, index_in_call=prompt index,
+engine_seed=seed, request_counter=request number)`, so a `SamplingParams` shared by many prompts still gives each its
+own random stream, and the same `seq_seed` reproduces a call exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from deepinfer_engine.cache_manager import CacheManager
+from deepinfer_engine.config import EngineConfig
+from deepinfer_engine.engine_args import EngineArgs, build_engine_config
+from deepinfer_engine.engine_core import EngineCore
+from deepinfer_engine.envs import read_env
+from deepinfer_engine.generate_output import GenerateMetrics, GenerateOutput
+from deepinfer_engine.model_loading import cache_budget_bytes, load_model
+from deepinfer_engine.model_runner import ModelRunner, StepHandle
+from deepinfer_engine.model_source import resolve_checkpoint
+from deepinfer_engine.outputs import CompletionOutput, RequestOutput
+from deepinfer_engine.request import FinishReason, Request, StopCriteria
+from deepinfer_engine.scheduler import Scheduler
+from deepinfer_engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from deepinfer_sampling import SamplingParams, request_seed
+
+__all__ = ["LLM"]
+
+ParamsLike = SamplingParams | Mapping[str, Any] | None
+
+
+@dataclasses.dataclass
+class _Live:
+    """Bookkeeping of one request of the current `generate` call."""
+
+    index: int
+    prompt: str | None
+    params: SamplingParams
+    request: Request
+    arrival: float
+    first_token: float | None = None
+
+
+class _Progress:
+    """The tqdm bar over requests with live generated tokens/s, and the end-of-call summary line."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.enabled = enabled
+        self.start = time.perf_counter()
+        self.num_prompt_tokens = 0
+        self.num_generated_tokens = 0
+        self.bar = tqdm(total=total, desc="generate", unit="req", disable=not enabled, dynamic_ncols=True)
+
+    def update(self, num_new_tokens: int, num_finished: int) -> None:
+        self.num_generated_tokens += num_new_tokens
+        if num_finished:
+            self.bar.update(num_finished)
+        elapsed = time.perf_counter() - self.start
+        self.bar.set_postfix_str(f"{self.num_generated_tokens / max(elapsed, 1e-9):.1f} tok/s", refresh=False)
+
+    def close(self, num_requests: int) -> None:
+        self.bar.close()
+        if not self.enabled:
+            return
+        wall = time.perf_counter() - self.start
+        print(
+            f"generate: {num_requests} requests, {self.num_prompt_tokens} prompt tokens, "
+            f"{self.num_generated_tokens} generated tokens in {wall:.2f} s "
+            f"({self.num_generated_tokens / max(wall, 1e-9):.1f} generated tok/s, "
+            f"{(self.num_prompt_tokens + self.num_generated_tokens) / max(wall, 1e-9):.1f} total tok/s)",
+            file=sys.stderr,
+        )
+
+
+class LLM:
+    """Offline engine over one checkpoint.
+
+    Args:
+        model: checkpoint directory or Hugging Face repo id; None for the built-in tiny checkpoint (written on
+            first use into ~/.cache/deepinfer, or `cache_dir`).
+        **kwargs: any `deepinfer_engine.engine_args.EngineArgs` field (tokenizer, seed, max_model_len,
+            gpu_memory_utilization, cache_memory_bytes, block_size, max_num_seqs, max_num_batched_tokens, parallel
+            sizes, enforce_eager, precision, device, async_scheduling, cache_dir, num_cache_blocks).
+
+    Raises:
+        TypeError: an unknown keyword argument.
+        ValueError: an invalid argument or environment variable (the message names it).
+        deepinfer_model.loading.errors.CheckpointError: the checkpoint cannot be found or is incomplete.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        args = EngineArgs.from_kwargs(model, kwargs)
+        env = read_env()
+        cache_root = Path(args.cache_dir) if args.cache_dir is not None else None
+        model_dir = resolve_checkpoint(
+            args.model, local_model_dir=env["DEEPINFER_HF_MODEL_DIR"], revision=args.revision, cache_root=cache_root
+        )
+        device = torch.device(args.device if args.device is not None else _default_device())
+        self.tokenizer = Tokenizer(args.tokenizer if args.tokenizer is not None else model_dir)
+        self.model = load_model(model_dir, self.tokenizer, args.precision, device, env["DEEPINFER_ENGRAM_PAD_TOKEN"])
+        text = self.model.config.text
+        spec = self.model.cache_spec()
+        budget = 0  # unused when the number of blocks is given
+        if args.num_cache_blocks is None:
+            budget = cache_budget_bytes(
+                self.model,
+                device,
+                explicit_bytes=args.cache_memory_bytes,
+                gpu_memory_utilization=args.gpu_memory_utilization,
+                profile_num_tokens=args.max_num_batched_tokens or min(text.max_position_embeddings, 8192),
+                profile_num_logits=args.max_num_seqs,
+                block_size=args.block_size,
+            )
+        self.config: EngineConfig = build_engine_config(
+            args,
+            env,
+            model_dir=model_dir,
+            device=str(device),
+            max_position_embeddings=text.max_position_embeddings,
+            cache_spec=spec,
+            cache_budget_bytes=budget,
+        )
+        config = self.config
+        state = self.model.allocate_state(
+            config.cache.block_size, config.num_blocks, config.cache.num_state_slots, device
+        )
+        self.cache_manager = CacheManager(spec, config.cache, config.num_blocks)
+        self.scheduler = Scheduler(config.scheduler, self.cache_manager)
+        self.runner = ModelRunner(self.model, state, config)
+        self.core: EngineCore[StepHandle] = EngineCore(
+            self.scheduler, self.runner, async_scheduling=config.async_scheduling, stop_checker=self._check_stop
+        )
+        self.vocab_size = text.vocab_size
+        self.eos_token_id = self.tokenizer.eos_token_id
+        if self.eos_token_id is None:
+            self.eos_token_id = self.model.config.eos_token_id
+        self._request_counter = 0
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._grammar_service: Any = None
+
+    # ---- public API ------------------------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | None = None,
+        sampling_params: ParamsLike | Sequence[ParamsLike] = None,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[GenerateOutput]:
+        """Generate for every prompt; one output per prompt, in input order.
+
+        Args:
+            prompts: a text prompt or a list of them.
+            sampling_params: one `SamplingParams` (or dict of its fields) for all prompts, or one per prompt; None
+                for the defaults.
+            prompt_token_ids: token-id prompts; when both are given they must have equal lengths and ids win.
+            use_tqdm: show a progress bar and print a summary line to stderr at the end.
+
+        Raises:
+            ValueError: no prompts, mismatched list lengths. (Problems of one prompt do not raise: that prompt's
+                output carries the error.)
+        """
+        texts, ids = _normalize_prompts(prompts, prompt_token_ids)
+        num = len(ids)
+        per_prompt = _per_prompt_params(sampling_params, num)
+        results: list[GenerateOutput | None] = [None] * num
+        live: dict[str, _Live] = {}
+        pending: dict[str, _Live] = {}
+        progress = _Progress(num, use_tqdm)
+        for index in range(num):
+            rejected = self._add(index, texts[index], ids[index], per_prompt[index], live, pending, progress)
+            if rejected is not None:
+                results[index] = rejected
+                progress.update(0, 1)
+        try:
+            while pending or self.core.has_unfinished_requests():
+                if pending:
+                    wait_s = 0.0 if self.core.has_unfinished_requests() else 0.05
+                    for index, rejected in self._admit_compiled(pending, live, wait_s):
+                        results[index] = rejected
+                        progress.update(0, 1)
+                if not self.core.has_unfinished_requests():
+                    continue
+                for output in self.core.step():
+                    self._collect(output, live, results, progress)
+                for request_id, failure in self.runner.take_failures().items():
+                    if request_id in live and not live[request_id].request.is_finished:
+                        self.scheduler.finish_request(request_id, failure.status, failure.message)
+        finally:
+            progress.close(num)
+        assert all(r is not None for r in results), "a request finished without an output"
+        return [r for r in results if r is not None]
+
+    def close(self) -> None:
+        """Stop the grammar compile threads."""
+        if self._grammar_service is not None:
+            self._grammar_service.shutdown()
+            self._grammar_service = None
+
+    # ---- adding requests -------------------------------------------------------------------------------------
+
+    def _add(
+        self,
+        index: int,
+        text: str | None,
+        token_ids: Sequence[int] | None,
+        params_like: ParamsLike,
+        live: dict[str, _Live],
+        pending: dict[str, _Live],
+        progress: _Progress,
+    ) -> GenerateOutput | None:
+        """Validate and queue one prompt; returns its output at once when it is rejected."""
+        request_id = str(self._request_counter)
+        self._request_counter += 1
+        now = time.perf_counter()
+        try:
+            params = _as_params(params_like)
+            ids = list(token_ids) if token_ids is not None else self.tokenizer.encode(text or "")
+            self._check_prompt(ids)
+            if params.n != 1:
+                raise ValueError(f"n={params.n}: LLM.generate returns one sample per prompt; only n=1 is supported")
+            if params.prompt_logprobs:
+                raise ValueError("prompt_logprobs=True is not supported by the engine yet")
+        except (TypeError, ValueError) as exc:
+            prompt_ids = tuple(token_ids) if isinstance(token_ids, Sequence) else ()
+            return _rejected(request_id, text, prompt_ids, FinishReason.ERROR, str(exc), now)
+        if self.eos_token_id is not None:
+            params = dataclasses.replace(params, eos_id=self.eos_token_id)
+        stop = StopCriteria(
+            max_tokens=params.max_tokens,
+            eos_token_id=self.eos_token_id,
+            ignore_eos=params.ignore_eos,
+            stop_token_ids=frozenset(params.stop_token_ids),
+        )
+        request = Request(request_id, ids, stop)
+        progress.num_prompt_tokens += len(ids)
+        entry = _Live(index, text, params, request, now)
+        if params.stop:
+            self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
+        if params.so_args is not None:
+            self._grammars().submit(request_id, params.so_args)
+            pending[request_id] = entry
+            return None
+        self._enqueue(entry, None, live)
+        return None
+
+    def _check_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:8]} are outside the vocabulary [0, {self.vocab_size})")
+
+    def _enqueue(self, entry: _Live, matcher: object | None, live: dict[str, _Live]) -> None:
+        request = entry.request
+        seed = request_seed(
+            entry.params.seq_seed,
+            index_in_call=entry.index,
+            engine_seed=self.config.seed,
+            request_counter=int(request.request_id),
+        )
+        self.runner.add_request(request.request_id, entry.params, seed, request.prompt_token_ids, matcher)
+        live[request.request_id] = entry
+        self.core.add_request(request)
+
+    def _grammars(self) -> Any:
+        if self._grammar_service is None:
+            from deepinfer_sampling.structured import GrammarCompilationService, build_tokenizer_info
+
+            info = build_tokenizer_info(
+                self.tokenizer.encoded_vocab(),
+                self.tokenizer.vocab_type,  # type: ignore[arg-type]
+                self.vocab_size,
+                [self.eos_token_id] if self.eos_token_id is not None else [],
+            )
+            self._grammar_service = GrammarCompilationService(info, self.config.structured_output)
+        return self._grammar_service
+
+    def _admit_compiled(
+        self, pending: dict[str, _Live], live: dict[str, _Live], wait_s: float
+    ) -> list[tuple[int, GenerateOutput]]:
+        """Enqueue requests whose grammar compiled; returns outputs of those whose compilation failed."""
+        failed = []
+        for result in self._grammars().poll(wait_s):
+            entry = pending.pop(result.request_id)
+            if result.matcher is not None:
+                self._enqueue(entry, result.matcher, live)
+                continue
+            message = f"structured output failed ({result.error.kind}): {result.error.message}"
+            request = entry.request
+            output = _rejected(
+                request.request_id,
+                entry.prompt,
+                tuple(request.prompt_token_ids),
+                FinishReason.STRUCTURED_OUTPUT_FAILED,
+                message,
+                entry.arrival,
+            )
+            failed.append((entry.index, output))
+        return failed
+
+    # ---- collecting outputs ----------------------------------------------------------------------------------
+
+    def _check_stop(self, request: Request) -> str | None:
+        detokenizer = self._detokenizers.get(request.request_id)
+        return detokenizer.append(request.last_token_id) if detokenizer is not None else None
+
+    def _collect(
+        self,
+        output: RequestOutput,
+        live: dict[str, _Live],
+        results: list[GenerateOutput | None],
+        progress: _Progress,
+    ) -> None:
+        entry = live.get(output.request_id)
+        if entry is None:
+            return
+        now = time.perf_counter()
+        if output.new_token_ids and entry.first_token is None:
+            entry.first_token = now
+        progress.update(len(output.new_token_ids), int(output.completion is not None))
+        if output.completion is None:
+            return
+        del live[output.request_id]
+        self._detokenizers.pop(output.request_id, None)
+        results[entry.index] = self._final(entry, output.completion, now)
+
+    def _final(self, entry: _Live, completion: CompletionOutput, now: float) -> GenerateOutput:
+        tokens = completion.token_ids
+        text = self.tokenizer.decode(list(tokens))
+        if isinstance(completion.stop_reason, str) and completion.stop_reason in text:
+            text = text[: text.index(completion.stop_reason)]
+        top = self.runner.top_logprobs(completion.request_id, len(tokens)) if entry.params.top_logprobs else []
+        message = completion.error_message
+        if completion.finish_reason is FinishReason.PROMPT_LENGTH_EXCEEDED:
+            message = (
+                f"prompt of {len(completion.prompt_token_ids)} tokens exceeds max_model_len="
+                f"{self.config.scheduler.max_model_len}, or its longest sequence cannot fit in the cache"
+            )
+        decode_rate = None
+        if entry.first_token is not None and len(tokens) > 1 and now > entry.first_token:
+            decode_rate = (len(tokens) - 1) / (now - entry.first_token)
+        metrics = GenerateMetrics(
+            num_prompt_tokens=len(completion.prompt_token_ids),
+            num_generated_tokens=len(tokens),
+            time_to_first_token_s=None if entry.first_token is None else entry.first_token - entry.arrival,
+            decode_tokens_per_s=decode_rate,
+            wall_time_s=now - entry.arrival,
+            num_preemptions=completion.metrics.num_preemptions,
+            num_accepted_draft_tokens=completion.metrics.num_accepted_draft_tokens,
+        )
+        return GenerateOutput(
+            request_id=completion.request_id,
+            prompt=entry.prompt,
+            prompt_token_ids=completion.prompt_token_ids,
+            text=text,
+            token_ids=tokens,
+            logprobs=completion.logprobs or (),
+            top_logprobs=tuple(top) if top else tuple(() for _ in tokens),
+            finish_reason=completion.finish_reason,
+            stop_reason=completion.stop_reason,
+            error_message=message,
+            metrics=metrics,
+        )
+
+
+def _default_device() -> str:
+    from deepinfer_kernels.platform import Accelerator, current_accelerator
+
+    return "cuda" if current_accelerator() is Accelerator.NVIDIA else "cpu"
+
+
+def _normalize_prompts(
+    prompts: str | Sequence[str] | None, prompt_token_ids: Sequence[Sequence[int]] | None
+) -> tuple[list[str | None], list[Sequence[int] | None]]:
+    """Text and token-id lists of equal length (ids win when both are given, runtime §1.1)."""
+    if prompts is None and prompt_token_ids is None:
+        raise ValueError("generate needs prompts or prompt_token_ids, got neither")
+    texts: list[str | None] = [prompts] if isinstance(prompts, str) else list(prompts or [])
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise TypeError(f"prompts[{i}] must be a str, got {type(text).__name__}")
+    ids: list[Sequence[int] | None] = list(prompt_token_ids) if prompt_token_ids is not None else []
+    if prompts is not None and prompt_token_ids is not None and len(texts) != len(ids):
+        raise ValueError(f"prompts has {len(texts)} entries but prompt_token_ids has {len(ids)}; they must match")
+    if prompt_token_ids is None:
+        ids = [None] * len(texts)
+    if prompts is None:
+        texts = [None] * len(ids)
+    return texts, ids
+
+
+def _per_prompt_params(sampling_params: ParamsLike | Sequence[ParamsLike], num: int) -> list[ParamsLike]:
+    if isinstance(sampling_params, Sequence) and not isinstance(sampling_params, str):
+        if len(sampling_params) != num:
+            raise ValueError(f"{len(sampling_params)} sampling params for {num} prompts; give one or one per prompt")
+        return list(sampling_params)
+    return [sampling_params] * num
+
+
+def _as_params(params: ParamsLike) -> SamplingParams:
+    if params is None:
+        return SamplingParams()
+    if isinstance(params, SamplingParams):
+        return params
+    if isinstance(params, Mapping):
+        return SamplingParams(**{k: v for k, v in params.items() if v is not None})
+    raise TypeError(f"sampling params must be a SamplingParams, a dict or None, got {type(params).__name__}")
+
+
+def _rejected(
+    request_id: str,
+    prompt: str | None,
+    prompt_token_ids: tuple[int, ...],
+    reason: FinishReason,
+    message: str,
+    arrival: float,
+) -> GenerateOutput:
+    """The output of a request that never ran."""
+    metrics = GenerateMetrics(
+        num_prompt_tokens=len(prompt_token_ids),
+        num_generated_tokens=0,
+        time_to_first_token_s=None,
+        decode_tokens_per_s=None,
+        wall_time_s=time.perf_counter() - arrival,
+    )
+    return GenerateOutput(request_id, prompt, prompt_token_ids, "", (), (), (), reason, None, message, metrics)

@@ -1,0 +1,362 @@
+"""The model runner: `SchedulerOutput` → persistent buffers → `ForwardBatch` → model → `Sampler` → results.
+
+`ModelRunner` implements `deepinfer_engine.engine_core.ModelRunnerProtocol`. One `execute`:
+
+1. drop the state of finished and preempted requests; start new ones; apply block-table deltas (cut at
+   `first_new_block_index`, extend by `new_block_ids`);
+2. fill the host buffers, copy them without blocking, resolve input ids through the on-device token history
+   (placeholders read the token the step in flight sampled, `deepinfer_engine.input_batch`);
+3. launch the forward for the last token of every request that samples;
+4. launch sampling (`deepinfer_sampling.Sampler`), write the sampled tokens into the history, start the copies of
+   the results to pinned host memory and record an event.
+
+`wait` blocks on that event and builds the `ModelRunnerOutput`. Nothing in `execute` synchronizes with the device.
+
+Host-dependent sampling. Two inputs of sampling need the request's earlier tokens on the host: structured output
+(the grammar matcher must have accepted every earlier token before it can fill the bitmask) and penalties (token
+counts). Under asynchronous scheduling step N+1 is launched before step N's token reaches the host, so for a step
+that has such a row sampling is *deferred*: its forward is launched in `execute`, and its sampling right after the
+previous step's results arrive, at the end of `wait(previous)` — before the following `execute` launches anything
+that reads the history. The bitmask is filled on the CPU while the forward runs (runtime §4.4); without a step in
+flight sampling follows the forward at once.
+
+Failures of one request never stop the step: a grammar that rejects a committed token, or a row with nothing left to
+sample (every logit masked), is reported by `take_failures`; the engine finishes that request with an error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from deepinfer_engine.config import EngineConfig
+from deepinfer_engine.input_batch import StepBuffers
+from deepinfer_engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from deepinfer_engine.request import RequestStatus
+from deepinfer_model.deepseek_v41.model import DeepseekV41ForCausalLM
+from deepinfer_model.state import ModelState
+from deepinfer_sampling import Sampler, SamplingBatch, SamplingParams, SamplingRow
+
+__all__ = ["ModelRunner", "RequestFailure", "StepHandle"]
+
+TopLogprobs = tuple[tuple[int, float], ...]
+
+
+@dataclass(frozen=True)
+class RequestFailure:
+    """Why the runner could not serve a request; the engine finishes it with `status`."""
+
+    status: RequestStatus
+    message: str
+
+
+@dataclass
+class _RunnerRequest:
+    """The runner's view of one request (kept across preemptions; dropped when it finishes)."""
+
+    params: SamplingParams
+    seed: int
+    prompt_len: int
+    matcher: object | None  # deepinfer_sampling.structured.RequestGrammarMatcher (imported only when used)
+    tokens: list[int]  # host copy of the known tokens by position (prompt, then sampled ones)
+    top_logprobs: dict[int, TopLogprobs] = field(default_factory=dict)  # position -> alternatives
+    num_fed: int = 0  # tokens the matcher has accepted
+    slot: int = 0
+    block_ids: list[int] = field(default_factory=list)
+
+    @property
+    def needs_host_history(self) -> bool:
+        return self.matcher is not None or self.params.has_penalties
+
+
+@dataclass
+class _SampledStep:
+    token_ids: torch.Tensor  # [S] int64 host
+    logprobs: torch.Tensor  # [S] float32 host
+    top_ids: torch.Tensor  # [S, N] int64 host
+    top_values: torch.Tensor  # [S, N] float32 host
+    event: torch.cuda.Event | None
+
+
+@dataclass
+class StepHandle:
+    """A launched step: what `wait` needs to report it."""
+
+    scheduler_output: SchedulerOutput
+    sample_indices: list[int]  # index into scheduled_requests of each sampling row
+    sample_positions: list[int]  # position each row samples
+    logits: torch.Tensor | None = None  # [S, V] fp32 while sampling is deferred
+    sampled: _SampledStep | None = None
+    waited: bool = False
+
+
+class ModelRunner:
+    """Runs scheduled steps of one model on one device.
+
+    Args:
+        model: the loaded model.
+        state: its cache pools (`config.num_blocks` blocks, `config.cache.num_state_slots` slots).
+        config: the engine config.
+    """
+
+    def __init__(self, model: DeepseekV41ForCausalLM, state: ModelState, config: EngineConfig) -> None:
+        if config.scheduler.max_num_draft_tokens:
+            raise ValueError("the model runner does not run draft tokens yet; max_num_draft_tokens must be 0")
+        self.model = model
+        self.state = state
+        self.config = config
+        self.device = torch.device(config.device)
+        text = model.config.text
+        self.vocab_size = text.vocab_size
+        self.sampler = Sampler(config.sampler, self.vocab_size, self.device)
+        sched = config.scheduler
+        block_size = config.cache.block_size
+        self.buffers = StepBuffers(
+            max_num_tokens=sched.max_num_batched_tokens,
+            max_num_requests=sched.max_num_seqs,
+            max_blocks_per_request=-(-(sched.max_model_len + 2) // block_size),
+            num_state_slots=config.cache.num_state_slots,
+            max_positions=sched.max_model_len + 2,
+            ngram_context=(text.engram_max_ngram_size or 1) - 1 if text.engram_enabled else 0,
+            device=self.device,
+        )
+        self._requests: dict[str, _RunnerRequest] = {}
+        self._failures: dict[str, RequestFailure] = {}
+        self._unwaited: list[StepHandle] = []
+
+    # ---- requests --------------------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        params: SamplingParams,
+        seed: int,
+        prompt_token_ids: Sequence[int],
+        matcher: object | None = None,
+    ) -> None:
+        """Register a request before the scheduler first schedules it.
+
+        Args:
+            request_id: its id.
+            params: its sampling parameters.
+            seed: its request seed (`deepinfer_sampling.request_seed`).
+            prompt_token_ids: its prompt.
+            matcher: its `RequestGrammarMatcher` when it has structured output.
+        """
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} is already registered with the runner")
+        self._requests[request_id] = _RunnerRequest(
+            params=params, seed=seed, prompt_len=len(prompt_token_ids), matcher=matcher, tokens=list(prompt_token_ids)
+        )
+
+    def top_logprobs(self, request_id: str, num_tokens: int) -> list[TopLogprobs]:
+        """Alternatives of the request's first `num_tokens` generated tokens (empty tuples where none were asked)."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return [()] * num_tokens
+        start = request.prompt_len
+        return [request.top_logprobs.get(start + i, ()) for i in range(num_tokens)]
+
+    def take_failures(self) -> dict[str, RequestFailure]:
+        """Requests the runner failed since the last call (the engine finishes them)."""
+        failures, self._failures = self._failures, {}
+        return failures
+
+    # ---- the protocol ----------------------------------------------------------------------------------------
+
+    def execute(self, scheduler_output: SchedulerOutput) -> StepHandle:
+        """Launch one step without blocking (see the module docstring)."""
+        for request_id in scheduler_output.finished_request_ids:
+            self._requests.pop(request_id, None)
+        handle = StepHandle(scheduler_output, [], [])
+        if scheduler_output.is_empty:
+            self._unwaited.append(handle)
+            return handle
+        with torch.inference_mode():
+            logits = self._forward(scheduler_output, handle)
+            handle.logits = logits
+            if not self._must_defer(handle):
+                self._sample(handle)
+        self._unwaited.append(handle)
+        return handle
+
+    def wait(self, handle: StepHandle) -> ModelRunnerOutput:
+        """Block until `handle`'s step finished and report its results."""
+        if not self._unwaited or self._unwaited[0] is not handle:
+            raise RuntimeError("wait must be called once per step, in launch order")
+        self._unwaited.pop(0)
+        handle.waited = True
+        scheduler_output = handle.scheduler_output
+        if handle.logits is not None and handle.sampled is None:
+            with torch.inference_mode():
+                self._sample(handle)
+        sampled_per_request: list[tuple[int, ...]] = [()] * len(scheduler_output.scheduled_requests)
+        logprobs_per_request: list[tuple[float, ...]] = [()] * len(scheduler_output.scheduled_requests)
+        if handle.sampled is not None:
+            sampled = handle.sampled
+            if sampled.event is not None:
+                sampled.event.synchronize()
+            tokens = sampled.token_ids.tolist()
+            logprobs = sampled.logprobs.tolist()
+            for row, (index, position) in enumerate(zip(handle.sample_indices, handle.sample_positions, strict=True)):
+                scheduled = scheduler_output.scheduled_requests[index]
+                token = tokens[row]
+                self._record(scheduled.request_id, position, token, sampled, row)
+                if token < 0:
+                    self._failures[scheduled.request_id] = RequestFailure(
+                        RequestStatus.FINISHED_ERROR,
+                        "no token could be sampled: every logit was masked or not finite",
+                    )
+                    token = 0
+                sampled_per_request[index] = (token,)
+                logprobs_per_request[index] = (logprobs[row],)
+        if self._unwaited and self._unwaited[0].logits is not None and self._unwaited[0].sampled is None:
+            with torch.inference_mode():
+                self._sample(self._unwaited[0])  # deferred sampling of the next step (module docstring)
+        request_ids = tuple(s.request_id for s in scheduler_output.scheduled_requests)
+        return ModelRunnerOutput(request_ids, tuple(sampled_per_request), tuple(logprobs_per_request))
+
+    # ---- step parts ------------------------------------------------------------------------------------------
+
+    def _forward(self, scheduler_output: SchedulerOutput, handle: StepHandle) -> torch.Tensor:
+        host = self.buffers.host_set(scheduler_output.step)
+        num_tokens = 0
+        max_query = max_context = 0
+        for index, scheduled in enumerate(scheduler_output.scheduled_requests):
+            request = self._start(scheduled)
+            n = scheduled.num_scheduled_tokens
+            start = scheduled.num_computed_tokens
+            end = start + n
+            host.token_ids[num_tokens : num_tokens + n] = torch.tensor(scheduled.input_token_ids, dtype=torch.int64)
+            host.token_slots[num_tokens : num_tokens + n] = request.slot
+            host.positions[num_tokens : num_tokens + n] = torch.arange(start, end, dtype=torch.int64)
+            if scheduled.num_placeholder_tokens == 0:
+                request.tokens[start:end] = scheduled.input_token_ids
+            num_tokens += n
+            host.cu_query_lens[index + 1] = num_tokens
+            host.context_lens[index] = end
+            host.state_slots[index] = request.slot
+            table = host.block_table[index]
+            table.zero_()
+            table[: len(request.block_ids)] = torch.tensor(request.block_ids, dtype=torch.int32)
+            max_query, max_context = max(max_query, n), max(max_context, end)
+            if scheduled.samples_token:
+                host.logits_rows[len(handle.sample_indices)] = num_tokens - 1
+                handle.sample_indices.append(index)
+                handle.sample_positions.append(end)
+        host.cu_query_lens[0] = 0
+        num_requests = len(scheduler_output.scheduled_requests)
+        batch = self.buffers.upload(host, num_tokens, num_requests, len(handle.sample_indices), max_query, max_context)
+        logits: torch.Tensor = self.model(batch, self.state)
+        return logits
+
+    def _start(self, scheduled: ScheduledRequest) -> _RunnerRequest:
+        """Apply a scheduled request's slot and block-table delta; returns its runner state."""
+        request = self._requests.get(scheduled.request_id)
+        if request is None:
+            raise KeyError(f"request {scheduled.request_id!r} was scheduled but never registered with the runner")
+        if scheduled.is_new:
+            request.slot = scheduled.state_slot
+            request.block_ids = []
+        del request.block_ids[scheduled.first_new_block_index :]
+        request.block_ids.extend(scheduled.new_block_ids)
+        if len(request.block_ids) > self.buffers.max_blocks_per_request:
+            raise RuntimeError(
+                f"request {scheduled.request_id!r} holds {len(request.block_ids)} blocks; the block table has room "
+                f"for {self.buffers.max_blocks_per_request}"
+            )
+        return request
+
+    def _must_defer(self, handle: StepHandle) -> bool:
+        if not self._unwaited:
+            return False
+        scheduled = handle.scheduler_output.scheduled_requests
+        return any(self._requests[scheduled[i].request_id].needs_host_history for i in handle.sample_indices)
+
+    def _sample(self, handle: StepHandle) -> None:
+        logits = handle.logits
+        assert logits is not None
+        scheduled = handle.scheduler_output.scheduled_requests
+        rows = []
+        bitmask_rows: list[tuple[int, _RunnerRequest, str, int]] = []
+        for row, (index, position) in enumerate(zip(handle.sample_indices, handle.sample_positions, strict=True)):
+            request_id = scheduled[index].request_id
+            request = self._requests[request_id]
+            outputs: Sequence[int] = ()
+            if request.params.has_penalties:
+                outputs = request.tokens[request.prompt_len : position]
+            rows.append(
+                SamplingRow(
+                    params=request.params,
+                    seed=request.seed,
+                    position=position,
+                    num_generated_tokens=position - request.prompt_len,
+                    output_token_ids=outputs,
+                    prompt_token_ids=request.tokens[: request.prompt_len] if request.params.has_penalties else (),
+                )
+            )
+            if request.matcher is not None:
+                bitmask_rows.append((row, request, request_id, position))
+        batch = SamplingBatch.build(rows, self.vocab_size, self.device)
+        bitmask = self._bitmask(bitmask_rows, len(rows)) if bitmask_rows else None
+        output = self.sampler(logits, batch, bitmask)
+        slots = torch.tensor(
+            [self._requests[scheduled[i].request_id].slot for i in handle.sample_indices], dtype=torch.int64
+        ).to(self.device, non_blocking=True)
+        positions = torch.tensor(handle.sample_positions, dtype=torch.int64).to(self.device, non_blocking=True)
+        self.buffers.record_sampled(slots, positions, output.token_ids)
+        handle.sampled = _to_host(output.token_ids, output.logprobs, output.top_logprob_token_ids, output.top_logprobs)
+        handle.logits = None
+
+    def _bitmask(self, rows: list[tuple[int, _RunnerRequest, str, int]], num_rows: int) -> torch.Tensor:
+        """Advance each structured request's matcher to its sampling position and fill its mask row (CPU)."""
+        from deepinfer_sampling.structured import StepMaskRequest, allocate_token_bitmask, fill_step_bitmask
+
+        mask = allocate_token_bitmask(num_rows, self.vocab_size, pin_memory=self.device.type == "cuda")
+        requests = []
+        for row, request, request_id, position in rows:
+            matcher = request.matcher
+            target = position - request.prompt_len
+            if request.num_fed > target:  # a discarded in-flight token was fed before a preemption
+                matcher.rollback(request.num_fed - target)  # type: ignore[attr-defined]
+                request.num_fed = target
+            committed = request.tokens[request.prompt_len + request.num_fed : position]
+            request.num_fed = target
+            requests.append(StepMaskRequest(request_id, matcher, row, committed, ()))  # type: ignore[arg-type]
+        for request_id, error in fill_step_bitmask(mask, requests).items():
+            self._failures[request_id] = RequestFailure(
+                RequestStatus.FINISHED_STRUCTURED_OUTPUT_FAILED,
+                f"structured output failed ({error.kind}): {error.message}",
+            )
+        return mask.to(self.device, non_blocking=True)
+
+    def _record(self, request_id: str, position: int, token: int, sampled: _SampledStep, row: int) -> None:
+        request = self._requests.get(request_id)
+        if request is None:
+            return
+        if position < len(request.tokens):
+            request.tokens[position] = token
+            del request.tokens[position + 1 :]
+        else:
+            request.tokens.append(token)
+        num_top = request.params.top_logprobs
+        if num_top:
+            ids = sampled.top_ids[row, :num_top].tolist()
+            values = sampled.top_values[row, :num_top].tolist()
+            request.top_logprobs[position] = tuple(zip(ids, values, strict=True))
+
+
+def _to_host(
+    token_ids: torch.Tensor, logprobs: torch.Tensor, top_ids: torch.Tensor, top_values: torch.Tensor
+) -> _SampledStep:
+    """Start the device-to-host copies of a step's results; the event marks their completion."""
+    if token_ids.device.type != "cuda":
+        return _SampledStep(token_ids.clone(), logprobs.clone(), top_ids.clone(), top_values.clone(), None)
+    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (token_ids, logprobs, top_ids, top_values)]
+    for dst, src in zip(host, (token_ids, logprobs, top_ids, top_values), strict=True):
+        dst.copy_(src, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return _SampledStep(host[0], host[1], host[2], host[3], event)
