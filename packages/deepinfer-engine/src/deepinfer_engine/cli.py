@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from deepinfer_sampling.params import StructuredOutputSpec
+
 __all__ = ["build_parser", "main"]
 
 
@@ -40,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _schema(text: str | None) -> dict[str, Any] | None:
+def _schema(text: str | None) -> StructuredOutputSpec | None:
     if text is None:
         return None
     if text.startswith("@"):
@@ -53,7 +55,7 @@ def _schema(text: str | None) -> dict[str, Any] | None:
         json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"--json-schema is not valid JSON: {exc}") from None
-    return {"schema_type": "json_schema", "schema": text}
+    return StructuredOutputSpec(schema_type="json_schema", schema=text)
 
 
 def _generate(args: argparse.Namespace) -> int:
