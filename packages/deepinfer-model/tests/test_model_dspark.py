@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 from _layered_model_support import (
+    model_test_setup,  # noqa: F401  (autouse fixture)
     prompt,
-    single_thread,  # noqa: F401  (autouse fixture)
     tiny_config,
     tiny_model,
     tiny_vocab,

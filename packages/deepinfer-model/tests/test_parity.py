@@ -15,9 +15,9 @@ import json
 import pytest
 import torch
 from _layered_model_support import (
+    model_test_setup,  # noqa: F401  (autouse fixture)
     prompt,
     random_weights,
-    single_thread,  # noqa: F401  (autouse fixture)
     tiny_config,
     tiny_model,
     tiny_vocab,
