@@ -66,3 +66,31 @@ def test_draft_forward_needs_dspark_blocks() -> None:
     batch = ForwardBatch.for_requests([[1]], [0], torch.zeros(1, 1, dtype=torch.int32), [0])
     with pytest.raises(ValueError, match="no DSpark blocks"):
         model.draft_forward(batch, state)
+
+
+def test_draft_blocks_of_two_requests_are_independent() -> None:
+    text = tiny_config().text
+    model = tiny_model(ComputeMode.FP32)
+    first, second = prompt(30, seed=16), prompt(12, seed=17)
+    table = torch.tensor([[0, 2, 4, 6], [1, 3, 5, 7]], dtype=torch.int32)
+    noise = [text.dspark_noise_token_id] * 3
+
+    def drafts(requests: list[int]) -> list[torch.Tensor]:
+        state = model.allocate_state(block_size=8, num_blocks=8, num_state_slots=2)
+        prompts = [first, second]
+        with torch.no_grad():
+            model(
+                ForwardBatch.for_requests(
+                    [prompts[r].tolist() for r in requests], [0] * len(requests), table[requests], requests
+                ),
+                state,
+            )
+            batch = ForwardBatch.for_requests(
+                [[5 + r, *noise] for r in requests], [len(prompts[r]) for r in requests], table[requests], requests
+            )
+            hidden = model.draft_forward(batch, state)
+        return list(hidden.split(4))
+
+    both = drafts([0, 1])
+    torch.testing.assert_close(both[0], drafts([0])[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(both[1], drafts([1])[0], rtol=1e-5, atol=1e-5)
