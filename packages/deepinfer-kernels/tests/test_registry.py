@@ -91,3 +91,37 @@ def test_resolution_happens_once_per_op() -> None:
     registry.clear_resolution_cache()
     registry.resolve("rms_norm")
     assert len(calls) == 2
+
+
+def test_cpu_tensors_use_the_reference_on_a_fast_backend(npu_double: NpuDouble) -> None:
+    from deepinfer_kernels.ascend import norm as ascend_norm
+    from deepinfer_kernels.reference import norm as reference_norm
+
+    registry = _registry_for(Accelerator.ASCEND)
+    assert registry.resolve("rms_norm", "cpu") is reference_norm.rms_norm
+    assert registry.resolve("rms_norm", "npu") is ascend_norm.rms_norm
+    assert registry.resolve("rms_norm") is ascend_norm.rms_norm
+
+
+def test_nvidia_backend_serves_cuda_tensors_only(triton_device: str) -> None:
+    from deepinfer_kernels.cuda import norm as cuda_norm
+    from deepinfer_kernels.reference import norm as reference_norm
+
+    registry = _registry_for(Accelerator.NVIDIA)
+    assert registry.resolve("rms_norm", "cuda") is cuda_norm.rms_norm
+    assert registry.resolve("rms_norm", "cpu") is reference_norm.rms_norm
+
+
+def test_public_op_on_cpu_tensors_never_reaches_the_npu(npu_double: NpuDouble) -> None:
+    import torch
+
+    from deepinfer_kernels import _registry, rms_norm
+    from deepinfer_kernels.platform import clear_accelerator_cache
+
+    _registry.reset()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DEEPINFER_ACCELERATOR", "ascend")
+        clear_accelerator_cache()
+        rms_norm(torch.ones(2, 32), torch.ones(32), 1e-6)
+    _registry.reset()
+    assert npu_double.calls == []

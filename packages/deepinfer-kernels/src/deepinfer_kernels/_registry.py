@@ -6,9 +6,13 @@ each backend package has a ``register(registry)`` function that lists its functi
 found by scanning names. A backend package is imported only when that backend is first needed, so
 importing ``deepinfer_kernels`` never imports Triton or torch_npu.
 
-Resolution happens once per op: the first call of :func:`resolve` for an op picks the implementation
-for :func:`deepinfer_kernels.platform.current_accelerator` and caches it. If the accelerator's backend
-has no implementation of that op, the reference is used and one INFO line is logged for that op.
+Resolution happens once per (op, device type): the first call of :func:`resolve` picks the implementation
+for :func:`deepinfer_kernels.platform.current_accelerator` and caches it. A fast backend serves tensors on its
+own device (nvidia: ``cuda``, ascend: ``npu``); tensors elsewhere — CPU tensors on any machine — are served by the
+reference, which is the CPU fallback path the nox sessions of the model and engine packages run on machines without
+the hardware. (Kernel tests reach the Triton kernels on CPU tensors in Triton's interpreter, and the Ascend
+implementations through the torch_npu test double, with :func:`implementation`.) If the accelerator's backend has
+no implementation of an op, the reference is used and one INFO line is logged for that op.
 """
 
 from __future__ import annotations
@@ -50,6 +54,10 @@ _ACCELERATOR_TO_BACKEND: dict[Accelerator, Backend] = {
 }
 
 
+# The device type whose tensors each fast backend computes on.
+_BACKEND_DEVICE_TYPE: dict[Backend, str] = {Backend.NVIDIA: "cuda", Backend.ASCEND: "npu"}
+
+
 def backend_for(accelerator: Accelerator) -> Backend:
     """The implementation family used on ``accelerator``."""
     return _ACCELERATOR_TO_BACKEND[accelerator]
@@ -62,7 +70,7 @@ class OpRegistry:
         self._accelerator = accelerator
         self._impls: dict[str, dict[Backend, Impl]] = {}
         self._loaded: set[Backend] = set()
-        self._resolved: dict[str, Impl] = {}
+        self._resolved: dict[tuple[str, str | None], Impl] = {}
 
     def register(self, op: str, backend: Backend, impl: Impl) -> None:
         """Record ``impl`` as ``backend``'s implementation of ``op``.
@@ -115,8 +123,13 @@ class OpRegistry:
             raise ValueError(f"op {op!r} has no {backend.value!r} implementation; it has: {available}")
         return impl
 
-    def resolve(self, op: str) -> Impl:
-        """The implementation of ``op`` for the current accelerator, chosen on the first call and cached.
+    def resolve(self, op: str, device_type: str | None = None) -> Impl:
+        """The implementation of ``op`` for the current accelerator and ``device_type``, chosen once and cached.
+
+        Args:
+            op: the op name.
+            device_type: ``torch.device.type`` of the op's tensors; None means the accelerator's own device.
+                Tensors not on the fast backend's device are served by the reference.
 
         Falls back to the reference (logging one INFO line for this op) when the accelerator's backend has
         no implementation of ``op``.
@@ -124,10 +137,12 @@ class OpRegistry:
         Raises:
             ValueError: ``op`` is unknown.
         """
-        cached = self._resolved.get(op)
+        cached = self._resolved.get((op, device_type))
         if cached is not None:
             return cached
         backend = backend_for(self._accelerator())
+        if device_type is not None and _BACKEND_DEVICE_TYPE.get(backend, device_type) != device_type:
+            backend = Backend.REFERENCE
         self._load(backend)
         impls = self._impls.get(op)
         if impls is None or Backend.REFERENCE not in impls:
@@ -136,7 +151,7 @@ class OpRegistry:
         if impl is None:
             logger.info("deepinfer_kernels: op %r has no %r implementation; using the reference", op, backend.value)
             impl = impls[Backend.REFERENCE]
-        self._resolved[op] = impl
+        self._resolved[(op, device_type)] = impl
         return impl
 
     def clear_resolution_cache(self) -> None:
@@ -147,9 +162,9 @@ class OpRegistry:
 _REGISTRY = OpRegistry()
 
 
-def resolve(op: str) -> Impl:
-    """The process-wide registry's implementation of ``op`` for the current accelerator."""
-    return _REGISTRY.resolve(op)
+def resolve(op: str, device_type: str | None = None) -> Impl:
+    """The process-wide registry's implementation of ``op`` for the current accelerator and ``device_type``."""
+    return _REGISTRY.resolve(op, device_type)
 
 
 def implementation(op: str, backend: Backend) -> Impl:

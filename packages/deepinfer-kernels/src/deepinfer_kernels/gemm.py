@@ -37,7 +37,7 @@ def _run(op: str, x: torch.Tensor, weight_rows: int, *weight: torch.Tensor) -> t
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     if rows.shape[1] == 0:
         return out.zero_()
-    _registry.resolve(op)(rows, *(w.contiguous() for w in weight), out.view(-1, weight_rows))
+    _registry.resolve(op, rows.device.type)(rows, *(w.contiguous() for w in weight), out.view(-1, weight_rows))
     return out
 
 

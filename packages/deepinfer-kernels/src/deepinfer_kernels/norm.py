@@ -48,5 +48,5 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.numel() == 0:
         return out
     rows = x.reshape(-1, hidden).contiguous()
-    _registry.resolve("rms_norm")(rows, weight.contiguous(), float(eps), out.view(-1, hidden))
+    _registry.resolve("rms_norm", x.device.type)(rows, weight.contiguous(), float(eps), out.view(-1, hidden))
     return out

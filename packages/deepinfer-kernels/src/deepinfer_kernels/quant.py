@@ -70,7 +70,7 @@ def ue8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
     check_dtype("scale", scale.dtype, (torch.float8_e8m0fnu, torch.uint8))
     out = torch.empty(scale.shape, dtype=torch.float32, device=scale.device)
     if scale.numel():
-        _registry.resolve("ue8m0_to_float")(scale.contiguous(), out)
+        _registry.resolve("ue8m0_to_float", out.device.type)(scale.contiguous(), out)
     return out
 
 
@@ -93,7 +93,7 @@ def quantize_fp8_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device=w.device)
     scale = torch.empty((_cdiv(rows, _BLOCK), _cdiv(cols, _BLOCK)), dtype=torch.float8_e8m0fnu, device=w.device)
     if w.numel():
-        _registry.resolve("quantize_fp8_block")(w.contiguous(), q, scale)
+        _registry.resolve("quantize_fp8_block", q.device.type)(w.contiguous(), q, scale)
     return q, scale
 
 
@@ -119,7 +119,7 @@ def dequantize_fp8_block(q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.
     check_same_device(q=q, scale=scale)
     out = torch.empty((rows, cols), dtype=out_dtype, device=q.device)
     if q.numel():
-        _registry.resolve("dequantize_fp8_block")(q.contiguous(), scale.contiguous(), out)
+        _registry.resolve("dequantize_fp8_block", out.device.type)(q.contiguous(), scale.contiguous(), out)
     return out
 
 
@@ -149,7 +149,9 @@ def quantize_fp8_per_token_group(x: torch.Tensor, group_size: int = 32) -> tuple
     scale = torch.empty((*x.shape[:-1], width // group_size), dtype=torch.float8_e8m0fnu, device=x.device)
     if x.numel():
         rows = x.reshape(-1, width).contiguous()
-        _registry.resolve("quantize_fp8_per_token_group")(rows, q.view(-1, width), scale.view(-1, width // group_size))
+        _registry.resolve("quantize_fp8_per_token_group", q.device.type)(
+            rows, q.view(-1, width), scale.view(-1, width // group_size)
+        )
     return q, scale
 
 
@@ -185,7 +187,7 @@ def dequantize_fp8_per_token_group(
     check_same_device(q=q, scale=scale)
     out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
     if q.numel():
-        _registry.resolve("dequantize_fp8_per_token_group")(
+        _registry.resolve("dequantize_fp8_per_token_group", out.device.type)(
             q.reshape(-1, width).contiguous(), scale.reshape(-1, num_groups).contiguous(), out.view(-1, width)
         )
     return out
@@ -213,7 +215,7 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     packed = torch.empty((rows, cols // 2), dtype=torch.int8, device=w.device)
     scale = torch.empty((rows, cols // _BLOCK), dtype=torch.float8_e8m0fnu, device=w.device)
     if w.numel():
-        _registry.resolve("quantize_mxfp4")(w.contiguous(), packed, scale)
+        _registry.resolve("quantize_mxfp4", packed.device.type)(w.contiguous(), packed, scale)
     return packed, scale
 
 
@@ -243,5 +245,7 @@ def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, out_dtype: torch
     check_same_device(packed=packed, scale=scale)
     out = torch.empty((rows, half_cols * 2), dtype=out_dtype, device=packed.device)
     if packed.numel():
-        _registry.resolve("dequantize_mxfp4")(packed.contiguous().view(torch.int8), scale.contiguous(), out)
+        _registry.resolve("dequantize_mxfp4", out.device.type)(
+            packed.contiguous().view(torch.int8), scale.contiguous(), out
+        )
     return out

@@ -169,5 +169,5 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
         return out
     num_tokens = x.shape[0]
     x3 = x.reshape(num_tokens, -1, rope_dim).contiguous()
-    _registry.resolve("apply_rope")(x3, cos.contiguous(), sin.contiguous(), out.view(x3.shape))
+    _registry.resolve("apply_rope", x3.device.type)(x3, cos.contiguous(), sin.contiguous(), out.view(x3.shape))
     return out

@@ -42,8 +42,8 @@ class SamplerConfig:
 
     Attributes:
         backend: "reference" (plain PyTorch, any device), "triton" (fused kernels; CUDA, or CPU under
-            TRITON_INTERPRET=1) or "auto" (triton when `deepinfer_kernels.platform` reports NVIDIA, else reference;
-            resolved once when the `Sampler` is built).
+            TRITON_INTERPRET=1) or "auto" (triton for CUDA logits when `deepinfer_kernels.platform` reports NVIDIA, else
+            reference; resolved once when the `Sampler` is built).
         batch_invariant: a row's outputs are bit-identical whatever the batch size and row position. The fused
             path always is (one program per row, fixed traversal); the reference path then sums probability mass in
             64-bit fixed point (exact, order-free) instead of torch's float reductions.

@@ -66,12 +66,13 @@ class SamplerOutput:
     sum_smaller_probs: torch.Tensor | None
 
 
-def _resolve_backend(config: SamplerConfig) -> str:
+def _resolve_backend(config: SamplerConfig, device: torch.device) -> str:
     if config.backend != "auto":
         return config.backend
     from deepinfer_kernels.platform import Accelerator, current_accelerator
 
-    return "triton" if current_accelerator() is Accelerator.NVIDIA else "reference"
+    # Like the kernels' registry: the fused kernels serve CUDA tensors; CPU tensors take the reference path.
+    return "triton" if device.type == "cuda" and current_accelerator() is Accelerator.NVIDIA else "reference"
 
 
 class Sampler:
@@ -90,7 +91,7 @@ class Sampler:
         self.config = config
         self.vocab_size = vocab_size
         self.device = torch.device(device)
-        self.backend = _resolve_backend(config)
+        self.backend = _resolve_backend(config, self.device)
         # The fused backend is batch-invariant by construction; its torch epilogue must not undo that.
         self._exact_sums = config.batch_invariant or self.backend == "triton"
         self._banned: torch.Tensor | None = None
