@@ -26,17 +26,12 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.8)
     args = parser.parse_args()
 
-    try:
-        from deepinfer_engine import LLM, SamplingParams
-    except ImportError:
-        # The engine package exists but its LLM entry point has not landed yet (see the README's feature table).
-        print("deepinfer-engine: the engine is not built yet; LLM.generate arrives with the engine issue.")
-        return
+    from deepinfer_engine import LLM, SamplingParams
 
     llm = LLM(model=args.model)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seq_seed=0)
     for prompt, output in zip(PROMPTS, llm.generate(PROMPTS, params), strict=True):
-        print(f"{prompt!r} -> {output.text!r}")
+        print(f"{prompt!r} -> {output.text!r} ({output.finish_reason.value}, {len(output.token_ids)} tokens)")
 
 
 if __name__ == "__main__":
