@@ -198,3 +198,16 @@ def test_engram_vocab_hash_and_rows_match_reference() -> None:
     )
     rows, active = ngram_rows(StepMetadata.from_batch(batch), batch.input_ids, batch.engram_prefix_ids, vocab, 3)
     assert torch.equal(rows, full[3:]) and active.all()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 20014, 140098, 2**40 + 5])
+def test_pcg64_bounded_integers_match_numpy(seed: int) -> None:
+    import numpy as np
+
+    from deepinfer_model.deepseek_v41._pcg64 import bounded_int64s
+
+    for bound in (2**32 + 1, 35672076256399, 4611686018427387903):
+        expected = np.random.default_rng(seed).integers(0, bound, size=7, dtype=np.int64).tolist()
+        assert bounded_int64s(seed, bound, 7) == expected
+    with pytest.raises(ValueError, match="bound"):
+        bounded_int64s(seed, 2**31, 1)

@@ -19,6 +19,7 @@ from torch import nn
 
 from deepinfer_kernels import dequantize_fp8_per_token_group
 from deepinfer_model.config import TextConfig
+from deepinfer_model.deepseek_v41._pcg64 import bounded_int64s
 from deepinfer_model.layers.linear import Fp8BlockLinear, make_parameter
 from deepinfer_model.layers.mode import ComputeMode, round_activation
 from deepinfer_model.state import StepMetadata
@@ -51,13 +52,11 @@ class EngramVocab:
 
 
 def hash_multipliers(layer_id: int, num_compressed: int, max_ngram: int) -> torch.Tensor:
-    """Odd int64 multipliers ``a_ℓ`` (§12.5) from NumPy's PCG64 seeded with ``10007·ℓ``. Returns: [N_g] int64."""
-    import numpy as np
-
+    """Odd int64 multipliers ``a_ℓ = 2·r + 1`` (§12.5), ``r`` drawn by NumPy's ``default_rng(10007·ℓ)`` below
+    ``B = max(1, ⌊⌊(2^63 − 1) / V_c⌋ / 2⌋)`` (reproduced without NumPy). Returns: [N_g] int64."""
     bound = max(1, (2**63 - 1) // num_compressed // 2)
-    rng = np.random.default_rng(_SEED_STRIDE * layer_id)
-    values = 2 * rng.integers(0, bound, size=max_ngram, dtype=np.int64) + 1
-    return torch.tensor(values.tolist(), dtype=torch.int64)
+    values = bounded_int64s(_SEED_STRIDE * layer_id, bound, max_ngram)
+    return torch.tensor([2 * value + 1 for value in values], dtype=torch.int64)
 
 
 def ngram_rows(
