@@ -302,13 +302,17 @@ class ModelRunner:
         batch = SamplingBatch.build(rows, self.vocab_size, self.device)
         bitmask = self._bitmask(bitmask_rows, len(rows)) if bitmask_rows else None
         output = self.sampler(logits, batch, bitmask)
-        slots = torch.tensor(
-            [self._requests[scheduled[i].request_id].slot for i in handle.sample_indices], dtype=torch.int64
-        ).to(self.device, non_blocking=True)
-        positions = torch.tensor(handle.sample_positions, dtype=torch.int64).to(self.device, non_blocking=True)
-        self.buffers.record_sampled(slots, positions, output.token_ids)
+        slots = [self._requests[scheduled[i].request_id].slot for i in handle.sample_indices]
+        self.buffers.record_sampled(self._to_device(slots), self._to_device(handle.sample_positions), output.token_ids)
         handle.sampled = _to_host(output.token_ids, output.logprobs, output.top_logprob_token_ids, output.top_logprobs)
         handle.logits = None
+
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        """int64 [len(values)] on the device, copied from pinned memory without blocking on CUDA."""
+        host = torch.tensor(values, dtype=torch.int64)
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def _bitmask(self, rows: list[tuple[int, _RunnerRequest, str, int]], num_rows: int) -> torch.Tensor:
         """Advance each structured request's matcher to its sampling position and fill its mask row (CPU)."""

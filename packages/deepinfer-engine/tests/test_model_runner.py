@@ -1,0 +1,115 @@
+"""The model runner on its own: protocol misuse errors, and on CUDA (gpu-marked) parity with the reference, async ==
+sync and no host-device synchronization inside `execute`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from llm_support import make_llm, random_prompts, reference_greedy
+
+from deepinfer_engine import LLM, SamplingParams
+from deepinfer_engine.model_runner import StepHandle
+from deepinfer_engine.outputs import ScheduledRequest, SchedulerOutput
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(autouse=True)
+def single_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("deepinfer-cache")
+
+
+@pytest.fixture(scope="module")
+def llm(root: Path) -> LLM:
+    return make_llm(root)
+
+
+def _one_request_step(step: int, request_id: str) -> SchedulerOutput:
+    scheduled = ScheduledRequest(
+        request_id=request_id,
+        is_new=True,
+        input_token_ids=(5, 6, 7),
+        num_computed_tokens=0,
+        num_draft_tokens=0,
+        samples_token=True,
+        num_prompt_tokens=3,
+        state_slot=1,
+        first_new_block_index=0,
+        new_block_ids=(1,),
+    )
+    return SchedulerOutput(step, (scheduled,), frozenset(), ())
+
+
+def test_unregistered_request_is_an_error(llm: LLM) -> None:
+    with pytest.raises(KeyError, match="never registered with the runner"):
+        llm.runner.execute(_one_request_step(10_000, "never-added"))
+
+
+def test_wait_out_of_launch_order_is_an_error(llm: LLM) -> None:
+    runner = llm.runner
+    runner.add_request("runner-a", GREEDY, 1, [5, 6, 7])
+    runner.add_request("runner-b", GREEDY, 2, [5, 6, 7])
+    first = runner.execute(_one_request_step(20_000, "runner-a"))
+    second = runner.execute(_one_request_step(20_001, "runner-b"))
+    with pytest.raises(RuntimeError, match="in launch order"):
+        runner.wait(second)
+    a, b = runner.wait(first), runner.wait(second)
+    assert a.request_ids == ("runner-a",) and len(a.sampled_token_ids[0]) == 1
+    assert a.sampled_token_ids == b.sampled_token_ids  # same prompt, greedy: the same token
+    done = SchedulerOutput(20_002, (), frozenset({"runner-a", "runner-b"}), ())
+    assert runner.wait(runner.execute(done)).request_ids == ()
+    assert runner.top_logprobs("runner-a", 2) == [(), ()]
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_greedy_equals_reference(root: Path) -> None:
+    prompts = random_prompts(8, 3, 40, seed=4)
+    expected = reference_greedy(root, prompts, GREEDY.max_tokens)
+    engine = make_llm(root, device="cuda", precision="fp32")
+    outputs = engine.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+    assert [list(o.token_ids) for o in outputs] == expected
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_async_equals_sync_with_seeds(root: Path) -> None:
+    prompts = random_prompts(12, 2, 50, seed=5)
+    params = [SamplingParams(temperature=0.8, max_tokens=6, seq_seed=i, top_logprobs=2) for i in range(12)]
+    results = []
+    for async_scheduling in (False, True):
+        engine = make_llm(root, device="cuda", async_scheduling=async_scheduling, num_cache_blocks=30, block_size=8)
+        outputs = engine.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        results.append([(o.token_ids, o.top_logprobs) for o in outputs])
+    assert results[0] == results[1]
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_execute_never_synchronizes(root: Path) -> None:
+    engine = make_llm(root, device="cuda", async_scheduling=True)
+    runner = engine.runner
+    execute = runner.execute
+
+    def guarded(scheduler_output: SchedulerOutput) -> StepHandle:
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return execute(scheduler_output)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    runner.execute = guarded  # type: ignore[method-assign]
+    outputs = engine.generate(prompt_token_ids=random_prompts(6, 2, 20, seed=6), sampling_params=GREEDY, use_tqdm=False)
+    assert all(o.ok for o in outputs)
