@@ -105,7 +105,7 @@ def test_checkpoint_directory_to_model_end_to_end(tmp_path: Path) -> None:
     from deepinfer_model.loading.load import load_checkpoint_dir
 
     directory = write_checkpoint(tiny_config(), tmp_path, seed=4, max_shard_bytes=5_000_000)
-    checkpoint = load_checkpoint_dir(directory, hf_names=True)
+    checkpoint = load_checkpoint_dir(directory)
     vocab = engram_vocab_from_tokenizer(Tokenizer.from_file(str(directory / "tokenizer.json")))
     model = DeepseekV41ForCausalLM(checkpoint.config, ComputeMode.FP32, vocab)
     model.load_weights(checkpoint.tensors.items())

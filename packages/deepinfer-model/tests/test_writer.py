@@ -16,7 +16,6 @@ from deepinfer_model.checkpoint.tokenizer import BOS_TOKEN, EOS_TOKEN, IMAGE_TOK
 from deepinfer_model.checkpoint.writer import tensor_pair, write_checkpoint
 from deepinfer_model.config import ModelConfig, load_preset, preset_json
 from deepinfer_model.loading.catalogue import TensorFormat, build_catalogue
-from deepinfer_model.loading.hf_names import hf_to_internal
 from deepinfer_model.loading.load import load_checkpoint_dir
 
 
@@ -72,13 +71,7 @@ def test_round_trip_is_bit_exact_for_every_format(tiny_dir: Path) -> None:
         if entry.format is TensorFormat.SCALE:
             continue
         for name, expected in tensor_pair(entry, config, seed=11):
-            target = hf_to_internal(name)
-            assert target is not None
-            dest = loaded[target.name]
-            if target.expert is not None:
-                dest = dest[target.expert]
-            rows = expected.shape[0]
-            dest = dest[target.part * rows : (target.part + 1) * rows]
+            dest = loaded[name]
             assert dest.dtype == expected.dtype, name
             assert torch.equal(raw_bytes(dest), raw_bytes(expected)), name
         checked.add(entry.format)
@@ -167,7 +160,7 @@ def test_round_trip_without_optional_families(tmp_path: Path) -> None:
     data["text_config"].update(n_shared_experts=0, engram_layer_ids=[], hc_shifted=False, num_nextn_predict_layers=2)
     data["text_config"]["compress_ratios"] = [0, 1, 0, 0]
     config = ModelConfig.from_dict(data)
-    loaded = load_checkpoint_dir(write_checkpoint(config, tmp_path / "ckpt", seed=2), hf_names=True).tensors
+    loaded = load_checkpoint_dir(write_checkpoint(config, tmp_path / "ckpt", seed=2)).tensors
     entries = {e.name: e for e in build_catalogue(config)}
     assert set(loaded) == set(entries)
     for entry in entries.values():

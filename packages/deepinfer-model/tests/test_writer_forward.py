@@ -16,7 +16,7 @@ from deepinfer_model.reference import engram_vocabulary_from_tokenizer, referenc
 
 def test_tiny_checkpoint_forward_stays_order_one(tmp_path: Path) -> None:
     directory = write_checkpoint(load_preset("tiny"), tmp_path / "tiny", seed=1)
-    checkpoint = load_checkpoint_dir(directory, hf_names=True)
+    checkpoint = load_checkpoint_dir(directory)
     tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
     token_ids = torch.tensor(tokenizer.encode(corpus_text()).ids[:256])
     assert token_ids.numel() == 256

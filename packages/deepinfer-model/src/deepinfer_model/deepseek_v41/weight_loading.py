@@ -1,33 +1,33 @@
 """Strict loading of stored-format checkpoint tensors into a module tree through per-parameter ``weight_loader``s.
 
-Every tensor is mapped with ``map_hf_name`` and handed to its parameter's loader (which checks shape and dtype
-exactly). Coverage is strict both ways: a tensor that maps to no parameter, a tensor loaded twice, or a parameter
-(or shard of a merged/expert parameter) left unloaded raises ``ValueError`` naming the first offenders.
+Every tensor is mapped with ``loading.hf_names.map_hf_name`` (the one name table) and handed to its parameter's
+loader (which checks shape and dtype exactly). Coverage is strict both ways: a tensor that maps to no parameter, a
+tensor loaded twice, or a parameter (or shard of a merged/expert parameter) left unloaded raises ``ValueError``
+naming the first offenders.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 from torch import nn
 
-from deepinfer_model.deepseek_v41.weight_names import map_hf_name
 from deepinfer_model.layers.linear import Fp8BlockLinear, Mxfp4ExpertStack, default_weight_loader
+from deepinfer_model.loading.hf_names import ShardId, map_hf_name
 
 __all__ = ["expected_shards", "load_named_weights"]
 
 _SHOWN = 5
 
 
-def expected_shards(module: nn.Module) -> dict[str, set[Any]]:
+def expected_shards(module: nn.Module) -> dict[str, set[ShardId]]:
     """Parameter name → the shard ids that must be loaded into it (``{None}`` for plain parameters)."""
-    expected: dict[str, set[Any]] = {name: {None} for name, _ in module.named_parameters()}
+    expected: dict[str, set[ShardId]] = {name: {None} for name, _ in module.named_parameters()}
     for prefix, sub in module.named_modules():
         dot = f"{prefix}." if prefix else ""
         if isinstance(sub, Fp8BlockLinear) and sub.shard_sizes is not None:
-            shards: set[Any] = set(range(len(sub.shard_sizes)))
+            shards: set[ShardId] = set(range(len(sub.shard_sizes)))
         elif isinstance(sub, Mxfp4ExpertStack):
             shards = {(e, s) for e in range(sub.num_experts) for s in range(len(sub.shard_sizes))}
         else:
@@ -46,7 +46,7 @@ def load_named_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Ten
     """
     params = dict(module.named_parameters())
     expected = expected_shards(module)
-    loaded: dict[str, set[Any]] = {name: set() for name in params}
+    loaded: dict[str, set[ShardId]] = {name: set() for name in params}
     unknown: list[str] = []
     for hf_name, tensor in weights:
         target = map_hf_name(hf_name)
