@@ -112,7 +112,6 @@ def main() -> None:
     parser.add_argument("--output-lens", type=_ints, default=None, help="comma-separated output lengths")
     parser.add_argument("--batch-sizes", type=_ints, default=None, help="comma-separated batch sizes")
     parser.add_argument("--precision", choices=("exact", "fp32"), default="exact")
-    parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--cpu-threads", type=int, default=None, help="torch intra-op threads on CPU")
     parser.add_argument("--out", type=pathlib.Path, default=None, help="JSON path (default: benchmarks/results/)")
     args = parser.parse_args()
@@ -135,7 +134,6 @@ def main() -> None:
         device=llm_probe_device,
         max_num_seqs=max(batch_sizes),
         precision=args.precision,
-        enforce_eager=args.enforce_eager,
         max_model_len=max(prompt_lens) + max(output_lens) + 1,
     )
     label = _device_label(llm.config.device)
@@ -157,7 +155,7 @@ def main() -> None:
         "model": str(llm.config.model_dir) if args.model is not None else "built-in tiny",
         "device": label,
         "precision": args.precision,
-        "enforce_eager": args.enforce_eager,
+        "enforce_eager": llm.config.enforce_eager,
         "async_scheduling": llm.config.async_scheduling,
         "torch": torch.__version__,
         "python": platform.python_version(),

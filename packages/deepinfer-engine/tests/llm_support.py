@@ -40,7 +40,7 @@ def random_prompts(num: int, min_len: int, max_len: int, seed: int) -> list[list
 def reference_greedy(root: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """Greedy continuation of each prompt by re-running the FP32 reference on the growing sequence (no EOS stop)."""
     directory = tiny_dir(root)
-    checkpoint = load_checkpoint_dir(directory, hf_names=True)
+    checkpoint = load_checkpoint_dir(directory)
     vocabulary = engram_vocabulary_from_tokenizer(Tokenizer.from_file(str(directory / "tokenizer.json")))
     results = []
     for prompt in prompts:

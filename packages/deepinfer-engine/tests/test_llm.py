@@ -141,6 +141,7 @@ def test_max_model_len_defaults_from_the_checkpoint(llm: LLM) -> None:
         ({"max_model_len": 10**6}, "exceeds the checkpoint's max_position_embeddings"),
         ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization must be in"),
         ({"block_size": 0}, "block_size must be a positive int"),
+        ({"enforce_eager": False}, "CUDA graph capture is not implemented yet"),
     ],
 )
 def test_bad_engine_arguments(root: Path, kwargs: dict[str, object], message: str) -> None:
@@ -151,3 +152,26 @@ def test_bad_engine_arguments(root: Path, kwargs: dict[str, object], message: st
 def test_unknown_engine_argument(root: Path) -> None:
     with pytest.raises(TypeError, match="unknown engine arguments \\['bogus'\\]"):
         make_llm(root, bogus=1)
+
+
+def test_sampler_environment_variables_are_wired(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    prompts = random_prompts(3, 4, 12, seed=7)
+    greedy = make_llm(root, precision="fp32").generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+    first_tokens = sorted({o.token_ids[0] for o in greedy})
+    monkeypatch.setenv("DEEPINFER_SAMPLER_FORCE_TOPK", "1")
+    monkeypatch.setenv("DEEPINFER_DECODE_TOKEN_BLACKLIST", ",".join(str(t) for t in first_tokens))
+    engine = make_llm(root, precision="fp32")
+    assert engine.config.sampler.force_top_k == 1
+    sampled = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seq_seed=3)
+    outputs = engine.generate(prompt_token_ids=prompts, sampling_params=sampled, use_tqdm=False)
+    # Top-1 forcing makes sampling deterministic: the best token that is not banned.
+    assert all(o.token_ids[0] not in first_tokens for o in outputs)
+    again = engine.generate(
+        prompt_token_ids=prompts,
+        sampling_params=SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seq_seed=4),
+        use_tqdm=False,
+    )
+    assert [o.token_ids for o in again] == [o.token_ids for o in outputs]
+    monkeypatch.setenv("DEEPINFER_DECODE_TOKEN_BLACKLIST", "9..3")
+    with pytest.raises(ValueError, match=r"DEEPINFER_DECODE_TOKEN_BLACKLIST='9\.\.3' is invalid"):
+        make_llm(root)

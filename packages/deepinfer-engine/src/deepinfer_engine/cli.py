@@ -35,7 +35,6 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-model-len", type=int, default=None)
     gen.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: detect)")
     gen.add_argument("--precision", choices=("exact", "fp32"), default="exact")
-    gen.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
     gen.add_argument("--cache-dir", default=None, help="where the built-in tiny checkpoint is written")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     gen.add_argument("--no-progress", action="store_true", help="no progress bar or summary")
@@ -70,7 +69,7 @@ def _generate(args: argparse.Namespace) -> int:
         seq_seed=args.seed,
         so_args=_schema(args.json_schema),
     )
-    engine_args: dict[str, Any] = {"precision": args.precision, "enforce_eager": args.enforce_eager}
+    engine_args: dict[str, Any] = {"precision": args.precision}
     if args.max_model_len is not None:
         engine_args["max_model_len"] = args.max_model_len
     if args.device is not None:

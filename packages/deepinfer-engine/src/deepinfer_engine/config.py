@@ -94,7 +94,7 @@ class EngineConfig:
         precision: "exact" (the checkpoint's numerics) or "fp32" (FP32 activations and caches; parity tests).
         device: torch device the model and caches live on ("cpu", "cuda", "cuda:1", ...).
         async_scheduling: schedule step N+1 while step N runs (runtime §6.9).
-        enforce_eager: never capture CUDA graphs.
+        enforce_eager: never capture CUDA graphs (always True for now, see `EngineArgs`).
         engram_pad_token_id: raw pad id of Engram n-gram windows.
     """
 
@@ -109,7 +109,7 @@ class EngineConfig:
     precision: Precision = "exact"
     device: str = "cpu"
     async_scheduling: bool = True
-    enforce_eager: bool = False
+    enforce_eager: bool = True
     engram_pad_token_id: int = 2
 
     def __post_init__(self) -> None:

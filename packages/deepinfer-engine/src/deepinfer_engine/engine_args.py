@@ -22,7 +22,7 @@ from deepinfer_engine.cache_manager import CacheManager
 from deepinfer_engine.config import CacheConfig, EngineConfig, Precision, SchedulerConfig
 from deepinfer_engine.envs import EnvSettings
 from deepinfer_model.cache_spec import CacheSpec
-from deepinfer_sampling.config import SamplerConfig
+from deepinfer_sampling.config import SamplerConfig, parse_token_blacklist
 
 __all__ = ["DEFAULT_CPU_CACHE_MEMORY_BYTES", "MAX_MODEL_LEN_CAP", "EngineArgs", "build_engine_config"]
 
@@ -58,7 +58,8 @@ class EngineArgs:
         max_num_seqs: most requests holding cache at once.
         max_num_batched_tokens: token budget of one step; None derives it.
         tensor_parallel_size, data_parallel_size, expert_parallel_size, context_parallel_size: only 1 is wired.
-        enforce_eager: never capture CUDA graphs.
+        enforce_eager: never capture CUDA graphs. Only True is supported for now: the model's MoE dispatch
+            synchronizes with the host, so decode steps cannot be captured yet.
         precision: "exact" or "fp32" (FP32 activations and caches, for parity with the reference model).
         device: "cpu", "cuda" or "cuda:N"; None picks CUDA when the kernels platform is NVIDIA.
         async_scheduling: overrides DEEPINFER_ZERO_OVERHEAD_SCHEDULING when not None.
@@ -80,7 +81,7 @@ class EngineArgs:
     data_parallel_size: int = 1
     expert_parallel_size: int = 1
     context_parallel_size: int = 1
-    enforce_eager: bool = False
+    enforce_eager: bool = True
     precision: Precision = "exact"
     device: str | None = None
     async_scheduling: bool | None = None
@@ -109,6 +110,11 @@ class EngineArgs:
                 )
         if self.precision not in ("exact", "fp32"):
             raise ValueError(f"precision must be 'exact' or 'fp32', got {self.precision!r}")
+        if self.enforce_eager is not True:
+            raise ValueError(
+                f"enforce_eager={self.enforce_eager!r}: CUDA graph capture is not implemented yet (the model's MoE "
+                "dispatch synchronizes with the host); only enforce_eager=True is supported"
+            )
         if self.device is not None and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N' (or None to detect), got {self.device!r}")
 
@@ -199,7 +205,7 @@ def build_engine_config(
         scheduler=scheduler,
         cache=cache,
         num_blocks=num_blocks,
-        sampler=SamplerConfig(batch_invariant=env["DEEPINFER_BATCH_INVARIANT"]),
+        sampler=_sampler_config(env),
         structured_output=structured,
         seed=args.seed,
         precision=args.precision,
@@ -207,4 +213,17 @@ def build_engine_config(
         async_scheduling=async_scheduling,
         enforce_eager=args.enforce_eager,
         engram_pad_token_id=env["DEEPINFER_ENGRAM_PAD_TOKEN"],
+    )
+
+
+def _sampler_config(env: EnvSettings) -> SamplerConfig:
+    text = env["DEEPINFER_DECODE_TOKEN_BLACKLIST"]
+    try:
+        banned = parse_token_blacklist(text)
+    except ValueError as exc:
+        raise ValueError(f"environment variable DEEPINFER_DECODE_TOKEN_BLACKLIST={text!r} is invalid: {exc}") from None
+    return SamplerConfig(
+        batch_invariant=env["DEEPINFER_BATCH_INVARIANT"],
+        banned_token_ids=banned,
+        force_top_k=env["DEEPINFER_SAMPLER_FORCE_TOPK"],
     )

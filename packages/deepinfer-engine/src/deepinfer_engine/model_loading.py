@@ -40,7 +40,7 @@ def load_model(
         deepinfer_model.loading.errors.CheckpointError / CoverageError: the checkpoint is incomplete or corrupt.
         ValueError: the tokenizer does not fit the model's Engram rules.
     """
-    checkpoint = load_checkpoint_dir(model_dir, hf_names=True)
+    checkpoint = load_checkpoint_dir(model_dir)
     config: ModelConfig = checkpoint.config
     vocab = None
     if config.text.engram_enabled:
