@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import os
 from collections.abc import Iterator
 from functools import cache
 
@@ -23,21 +22,13 @@ from deepinfer_model.loading.catalogue import TensorFormat, build_catalogue
 
 @pytest.fixture(autouse=True)
 def model_test_setup() -> Iterator[None]:
-    """One intra-op thread (the tiny model's many small ops are slower with thread hand-offs, badly so on a busy
-    2-core machine) and, when the session targets Triton's interpreter (``TRITON_INTERPRET=1``, no GPU), the PyTorch
-    reference kernels: interpreting every kernel of whole-model forwards takes tens of minutes, and the kernels'
-    own tests cover the interpreted paths. Everything is restored afterwards."""
-    from deepinfer_kernels import _registry
-
+    """One intra-op thread: the tiny model's many small ops are slower with thread hand-offs, badly so on a busy
+    2-core machine. The kernels registry serves CPU tensors with the reference implementations under every
+    accelerator target, so whole-model forwards take the same time under ``nvidia`` (``TRITON_INTERPRET=1``),
+    ``ascend`` and ``cpu``."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
-    with pytest.MonkeyPatch.context() as patch:
-        if os.environ.get("TRITON_INTERPRET") == "1":
-            patch.setenv("DEEPINFER_ACCELERATOR", "cpu")
-            patch.delenv("TRITON_INTERPRET")
-            _registry.reset()
-        yield
-    _registry.reset()
+    yield
     torch.set_num_threads(before)
 
 
