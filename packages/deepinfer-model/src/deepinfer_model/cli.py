@@ -7,6 +7,12 @@ Commands:
         Print the layer map (kind, sharing sources, Engram, YOCO side, RoPE) and parameter counts and bytes per
         storage format. With ``--model`` the checkpoint directory is validated first (headers and coverage; no tensor
         data is read).
+    logits --model DIR --token-ids 1,2,3 --out FILE.safetensors [--dtype float32|bfloat16]
+        One full forward of the layered model over the token ids (one request, prefilled from position 0) and write
+        the logits of every position as tensor ``logits`` [num_tokens, vocab_size] float32. ``--dtype float32``
+        runs ``ComputeMode.FP32`` (FP32 activations and caches, the parity-test numerics); ``bfloat16`` (the default)
+        runs ``ComputeMode.EXACT``, the inference numerics (BF16 activations, FP8/FP4 caches). Meant for small
+        checkpoints: the model is built and run on the CPU.
 
 Errors print one line starting with ``error:`` and exit with status 2; there is no traceback.
 """
@@ -171,6 +177,34 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def parse_token_ids(value: str) -> list[int]:
+    """``"1,2,3"`` → ``[1, 2, 3]``; raise ``ValueError`` naming the bad item."""
+    items = [item.strip() for item in value.split(",")]
+    ids = []
+    for item in items:
+        try:
+            ids.append(int(item))
+        except ValueError:
+            raise ValueError(
+                f"--token-ids {value!r}: {item!r} is not an integer (expected comma-separated ids, e.g. 1,2,3)"
+            ) from None
+    return ids
+
+
+def _logits(args: argparse.Namespace) -> int:
+    from safetensors.torch import save_file
+
+    from deepinfer_model.full_forward import checkpoint_logits
+    from deepinfer_model.layers.mode import ComputeMode
+
+    token_ids = parse_token_ids(args.token_ids)
+    mode = ComputeMode.FP32 if args.dtype == "float32" else ComputeMode.EXACT
+    logits = checkpoint_logits(args.model, token_ids, mode)
+    save_file({"logits": logits.contiguous()}, str(args.out))
+    print(f"wrote {args.out}: logits {list(logits.shape)} float32 ({mode.value} mode)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deepinfer-model", description="DeepSeek-V4.1-Flash model tools")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -185,6 +219,17 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--model", help="checkpoint directory (validated, tensors not read)")
     source.add_argument("--config", help="preset name or config.json path")
     inspect.set_defaults(handler=_inspect)
+    logits = commands.add_parser("logits", help="run one full forward and write the logits of every position")
+    logits.add_argument("--model", required=True, help="checkpoint directory")
+    logits.add_argument("--token-ids", required=True, help="comma-separated token ids, e.g. 1,2,3")
+    logits.add_argument("--out", required=True, help="output .safetensors file (tensor 'logits')")
+    logits.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="bfloat16",
+        help="float32: FP32 compute mode; bfloat16: exact (inference) mode (default)",
+    )
+    logits.set_defaults(handler=_logits)
     return parser
 
 
