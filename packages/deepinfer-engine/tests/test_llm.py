@@ -175,3 +175,29 @@ def test_sampler_environment_variables_are_wired(root: Path, monkeypatch: pytest
     monkeypatch.setenv("DEEPINFER_DECODE_TOKEN_BLACKLIST", "9..3")
     with pytest.raises(ValueError, match=r"DEEPINFER_DECODE_TOKEN_BLACKLIST='9\.\.3' is invalid"):
         make_llm(root)
+
+
+def test_concurrent_first_use_of_the_tiny_checkpoint(tmp_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    # A first write elsewhere loads the kernels registry, whose lazy first load is not thread-safe.
+    tiny_dir(tmp_path / "warm-up")
+    cold = tmp_path / "cold"
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        directories = list(pool.map(lambda _: tiny_dir(cold), range(3)))
+    assert len(set(directories)) == 1
+    assert [p.name for p in cold.iterdir()] == [directories[0].name]
+
+
+def test_hub_id_resolves_through_deepinfer_hf_model_dir(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DEEPINFER_HF_MODEL_DIR", str(tiny_dir(root)))
+    engine = make_llm(root, model="deepseek-ai/not-downloaded")
+    assert engine.config.model_dir == tiny_dir(root)
+
+
+def test_progress_bar_and_summary_line(llm: LLM, capsys: pytest.CaptureFixture[str]) -> None:
+    llm.generate(prompt_token_ids=[[5, 6], [7, 8, 9]], sampling_params=GREEDY, use_tqdm=True)
+    err = capsys.readouterr().err
+    assert "generate: 2 requests, 5 prompt tokens, 6 generated tokens in " in err and "tok/s" in err
+    llm.generate(prompt_token_ids=[[5, 6]], sampling_params=GREEDY, use_tqdm=False)
+    assert capsys.readouterr().err == ""

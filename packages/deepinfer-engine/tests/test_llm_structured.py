@@ -121,3 +121,24 @@ def test_structured_requests_survive_preemption(root: Path) -> None:
     assert [o.token_ids for o in pressured] == [o.token_ids for o in roomy]
     for output in pressured:
         _check(json.loads(output.text))
+
+
+def test_a_row_with_nothing_left_to_sample_fails_only_its_request(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Ban every token whose text starts with "x": the grammar "x+" then allows nothing at the first step, so the
+    # runner cannot sample for that request; it finishes with an error while the others complete.
+    probe = make_llm(root, precision="fp32")
+    vocab = probe.tokenizer.vocab_size
+    banned = [t for t in range(3, vocab) if probe.tokenizer.decode([t]).startswith("x")]
+    assert banned
+    monkeypatch.setenv("DEEPINFER_DECODE_TOKEN_BLACKLIST", ",".join(map(str, banned)))
+    llm = make_llm(root, precision="fp32")
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+        SamplingParams(max_tokens=4, so_args={"schema_type": "regex", "schema": "x+"}),
+        SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+    ]
+    before, stuck, after = llm.generate(["a", "b", "c"], params, use_tqdm=False)
+    assert stuck.finish_reason is FinishReason.ERROR
+    assert stuck.error_message == "no token could be sampled: every logit was masked or not finite"
+    assert before.ok and after.ok and len(before.token_ids) == len(after.token_ids) == 4
+    assert llm.cache_manager.num_free_blocks == llm.cache_manager.num_usable_blocks

@@ -50,6 +50,7 @@ def load_model(
             config, ComputeMode(precision), vocab, max_backtracking_tokens=_BACKTRACKING_TOKENS
         )
     model.load_weights(checkpoint.tensors.items())
+    model.to(device)  # buffers built from host data during construction follow the parameters
     model.eval()
     return model
 

@@ -203,13 +203,13 @@ class ModelRunner:
             for row, (index, position) in enumerate(zip(handle.sample_indices, handle.sample_positions, strict=True)):
                 scheduled = scheduler_output.scheduled_requests[index]
                 token = tokens[row]
-                self._record(scheduled.request_id, position, token, sampled, row)
-                if token < 0:
+                if token < 0:  # the history holds 0 there too (`StepBuffers.record_sampled`)
                     self._failures[scheduled.request_id] = RequestFailure(
                         RequestStatus.FINISHED_ERROR,
                         "no token could be sampled: every logit was masked or not finite",
                     )
                     token = 0
+                self._record(scheduled.request_id, position, token, sampled, row)
                 sampled_per_request[index] = (token,)
                 logprobs_per_request[index] = (logprobs[row],)
         if self._unwaited and self._unwaited[0].logits is not None and self._unwaited[0].sampled is None:
@@ -321,6 +321,8 @@ class ModelRunner:
         mask = allocate_token_bitmask(num_rows, self.vocab_size, pin_memory=self.device.type == "cuda")
         requests = []
         for row, request, request_id, position in rows:
+            if request_id in self._failures:
+                continue  # already failed: the engine finishes it after this step; its row stays unmasked
             matcher = request.matcher
             target = position - request.prompt_len
             if request.num_fed > target:  # a discarded in-flight token was fed before a preemption
