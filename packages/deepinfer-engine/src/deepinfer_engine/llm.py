@@ -21,15 +21,14 @@ own random stream, and the same `seq_seed` reproduces a call exactly.
 from __future__ import annotations
 
 import dataclasses
-import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from tqdm import tqdm
 
+from deepinfer_engine._prompts import ParamsLike, as_params, normalize_prompts, per_prompt_params
 from deepinfer_engine.cache_manager import CacheManager
 from deepinfer_engine.config import EngineConfig
 from deepinfer_engine.engine_args import EngineArgs, build_engine_config
@@ -40,14 +39,16 @@ from deepinfer_engine.model_loading import cache_budget_bytes, load_model
 from deepinfer_engine.model_runner import ModelRunner, StepHandle
 from deepinfer_engine.model_source import resolve_checkpoint
 from deepinfer_engine.outputs import CompletionOutput, RequestOutput
+from deepinfer_engine.progress import GenerateProgress
 from deepinfer_engine.request import FinishReason, Request, StopCriteria
 from deepinfer_engine.scheduler import Scheduler
 from deepinfer_engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from deepinfer_sampling import SamplingParams, request_seed
 
-__all__ = ["LLM"]
+if TYPE_CHECKING:  # importing xgrammar takes seconds; it is imported on the first structured request
+    from deepinfer_sampling.structured import GrammarCompilationService, RequestGrammarMatcher
 
-ParamsLike = SamplingParams | Mapping[str, Any] | None
+__all__ = ["LLM"]
 
 
 @dataclasses.dataclass
@@ -60,37 +61,6 @@ class _Live:
     request: Request
     arrival: float
     first_token: float | None = None
-
-
-class _Progress:
-    """The tqdm bar over requests with live generated tokens/s, and the end-of-call summary line."""
-
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.enabled = enabled
-        self.start = time.perf_counter()
-        self.num_prompt_tokens = 0
-        self.num_generated_tokens = 0
-        self.bar = tqdm(total=total, desc="generate", unit="req", disable=not enabled, dynamic_ncols=True)
-
-    def update(self, num_new_tokens: int, num_finished: int) -> None:
-        self.num_generated_tokens += num_new_tokens
-        if num_finished:
-            self.bar.update(num_finished)
-        elapsed = time.perf_counter() - self.start
-        self.bar.set_postfix_str(f"{self.num_generated_tokens / max(elapsed, 1e-9):.1f} tok/s", refresh=False)
-
-    def close(self, num_requests: int) -> None:
-        self.bar.close()
-        if not self.enabled:
-            return
-        wall = time.perf_counter() - self.start
-        print(
-            f"generate: {num_requests} requests, {self.num_prompt_tokens} prompt tokens, "
-            f"{self.num_generated_tokens} generated tokens in {wall:.2f} s "
-            f"({self.num_generated_tokens / max(wall, 1e-9):.1f} generated tok/s, "
-            f"{(self.num_prompt_tokens + self.num_generated_tokens) / max(wall, 1e-9):.1f} total tok/s)",
-            file=sys.stderr,
-        )
 
 
 class LLM:
@@ -157,7 +127,7 @@ class LLM:
             self.eos_token_id = self.model.config.eos_token_id
         self._request_counter = 0
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self._grammar_service: Any = None
+        self._grammar_service: GrammarCompilationService | None = None
 
     # ---- public API ------------------------------------------------------------------------------------------
 
@@ -181,13 +151,13 @@ class LLM:
             ValueError: no prompts, mismatched list lengths. (Problems of one prompt do not raise: that prompt's
                 output carries the error.)
         """
-        texts, ids = _normalize_prompts(prompts, prompt_token_ids)
+        texts, ids = normalize_prompts(prompts, prompt_token_ids)
         num = len(ids)
-        per_prompt = _per_prompt_params(sampling_params, num)
+        per_prompt = per_prompt_params(sampling_params, num)
         results: list[GenerateOutput | None] = [None] * num
         live: dict[str, _Live] = {}
         pending: dict[str, _Live] = {}
-        progress = _Progress(num, use_tqdm)
+        progress = GenerateProgress(num, use_tqdm)
         for index in range(num):
             rejected = self._add(index, texts[index], ids[index], per_prompt[index], live, pending, progress)
             if rejected is not None:
@@ -228,14 +198,14 @@ class LLM:
         params_like: ParamsLike,
         live: dict[str, _Live],
         pending: dict[str, _Live],
-        progress: _Progress,
+        progress: GenerateProgress,
     ) -> GenerateOutput | None:
         """Validate and queue one prompt; returns its output at once when it is rejected."""
         request_id = str(self._request_counter)
         self._request_counter += 1
         now = time.perf_counter()
         try:
-            params = _as_params(params_like)
+            params = as_params(params_like)
             ids = list(token_ids) if token_ids is not None else self.tokenizer.encode(text or "")
             self._check_prompt(ids)
             if params.n != 1:
@@ -272,7 +242,7 @@ class LLM:
         if bad:
             raise ValueError(f"prompt token ids {bad[:8]} are outside the vocabulary [0, {self.vocab_size})")
 
-    def _enqueue(self, entry: _Live, matcher: object | None, live: dict[str, _Live]) -> None:
+    def _enqueue(self, entry: _Live, matcher: RequestGrammarMatcher | None, live: dict[str, _Live]) -> None:
         request = entry.request
         seed = request_seed(
             entry.params.seq_seed,
@@ -284,13 +254,13 @@ class LLM:
         live[request.request_id] = entry
         self.core.add_request(request)
 
-    def _grammars(self) -> Any:
+    def _grammars(self) -> GrammarCompilationService:
         if self._grammar_service is None:
             from deepinfer_sampling.structured import GrammarCompilationService, build_tokenizer_info
 
             info = build_tokenizer_info(
                 self.tokenizer.encoded_vocab(),
-                self.tokenizer.vocab_type,  # type: ignore[arg-type]
+                self.tokenizer.vocab_type,
                 self.vocab_size,
                 [self.eos_token_id] if self.eos_token_id is not None else [],
             )
@@ -307,7 +277,9 @@ class LLM:
             if result.matcher is not None:
                 self._enqueue(entry, result.matcher, live)
                 continue
-            message = f"structured output failed ({result.error.kind}): {result.error.message}"
+            error = result.error
+            assert error is not None  # a build result carries exactly one of matcher and error
+            message = f"structured output failed ({error.kind}): {error.message}"
             request = entry.request
             output = _rejected(
                 request.request_id,
@@ -331,7 +303,7 @@ class LLM:
         output: RequestOutput,
         live: dict[str, _Live],
         results: list[GenerateOutput | None],
-        progress: _Progress,
+        progress: GenerateProgress,
     ) -> None:
         entry = live.get(output.request_id)
         if entry is None:
@@ -389,44 +361,6 @@ def _default_device() -> str:
     from deepinfer_kernels.platform import Accelerator, current_accelerator
 
     return "cuda" if current_accelerator() is Accelerator.NVIDIA else "cpu"
-
-
-def _normalize_prompts(
-    prompts: str | Sequence[str] | None, prompt_token_ids: Sequence[Sequence[int]] | None
-) -> tuple[list[str | None], list[Sequence[int] | None]]:
-    """Text and token-id lists of equal length (ids win when both are given, runtime §1.1)."""
-    if prompts is None and prompt_token_ids is None:
-        raise ValueError("generate needs prompts or prompt_token_ids, got neither")
-    texts: list[str | None] = [prompts] if isinstance(prompts, str) else list(prompts or [])
-    for i, text in enumerate(texts):
-        if not isinstance(text, str):
-            raise TypeError(f"prompts[{i}] must be a str, got {type(text).__name__}")
-    ids: list[Sequence[int] | None] = list(prompt_token_ids) if prompt_token_ids is not None else []
-    if prompts is not None and prompt_token_ids is not None and len(texts) != len(ids):
-        raise ValueError(f"prompts has {len(texts)} entries but prompt_token_ids has {len(ids)}; they must match")
-    if prompt_token_ids is None:
-        ids = [None] * len(texts)
-    if prompts is None:
-        texts = [None] * len(ids)
-    return texts, ids
-
-
-def _per_prompt_params(sampling_params: ParamsLike | Sequence[ParamsLike], num: int) -> list[ParamsLike]:
-    if isinstance(sampling_params, Sequence) and not isinstance(sampling_params, str):
-        if len(sampling_params) != num:
-            raise ValueError(f"{len(sampling_params)} sampling params for {num} prompts; give one or one per prompt")
-        return list(sampling_params)
-    return [sampling_params] * num
-
-
-def _as_params(params: ParamsLike) -> SamplingParams:
-    if params is None:
-        return SamplingParams()
-    if isinstance(params, SamplingParams):
-        return params
-    if isinstance(params, Mapping):
-        return SamplingParams(**{k: v for k, v in params.items() if v is not None})
-    raise TypeError(f"sampling params must be a SamplingParams, a dict or None, got {type(params).__name__}")
 
 
 def _rejected(

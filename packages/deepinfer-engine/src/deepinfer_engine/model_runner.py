@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -38,6 +39,9 @@ from deepinfer_engine.request import RequestStatus
 from deepinfer_model.deepseek_v41.model import DeepseekV41ForCausalLM
 from deepinfer_model.state import ModelState
 from deepinfer_sampling import Sampler, SamplingBatch, SamplingParams, SamplingRow
+
+if TYPE_CHECKING:  # importing xgrammar takes seconds; only structured requests need it at run time
+    from deepinfer_sampling.structured import RequestGrammarMatcher
 
 __all__ = ["ModelRunner", "RequestFailure", "StepHandle"]
 
@@ -59,7 +63,7 @@ class _RunnerRequest:
     params: SamplingParams
     seed: int
     prompt_len: int
-    matcher: object | None  # deepinfer_sampling.structured.RequestGrammarMatcher (imported only when used)
+    matcher: RequestGrammarMatcher | None
     tokens: list[int]  # host copy of the known tokens by position (prompt, then sampled ones)
     top_logprobs: dict[int, TopLogprobs] = field(default_factory=dict)  # position -> alternatives
     num_fed: int = 0  # tokens the matcher has accepted
@@ -134,7 +138,7 @@ class ModelRunner:
         params: SamplingParams,
         seed: int,
         prompt_token_ids: Sequence[int],
-        matcher: object | None = None,
+        matcher: RequestGrammarMatcher | None = None,
     ) -> None:
         """Register a request before the scheduler first schedules it.
 
@@ -324,13 +328,14 @@ class ModelRunner:
             if request_id in self._failures:
                 continue  # already failed: the engine finishes it after this step; its row stays unmasked
             matcher = request.matcher
+            assert matcher is not None
             target = position - request.prompt_len
             if request.num_fed > target:  # a discarded in-flight token was fed before a preemption
-                matcher.rollback(request.num_fed - target)  # type: ignore[attr-defined]
+                matcher.rollback(request.num_fed - target)
                 request.num_fed = target
             committed = request.tokens[request.prompt_len + request.num_fed : position]
             request.num_fed = target
-            requests.append(StepMaskRequest(request_id, matcher, row, committed, ()))  # type: ignore[arg-type]
+            requests.append(StepMaskRequest(request_id, matcher, row, committed, ()))
         for request_id, error in fill_step_bitmask(mask, requests).items():
             self._failures[request_id] = RequestFailure(
                 RequestStatus.FINISHED_STRUCTURED_OUTPUT_FAILED,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -99,7 +99,7 @@ class Tokenizer:
         return spelled
 
     @property
-    def vocab_type(self) -> str:
+    def vocab_type(self) -> Literal["raw", "byte_fallback", "byte_level"]:
         """How `encoded_vocab` maps to bytes: "byte_level" (GPT-2 style), "byte_fallback" or "raw"."""
         text = json.dumps(self._raw.get("decoder"))
         if "ByteLevel" in text:

@@ -1,0 +1,52 @@
+"""Normalising the arguments of `LLM.generate`: prompt lists, per-prompt sampling parameters."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from deepinfer_sampling import SamplingParams
+
+__all__ = ["ParamsLike", "as_params", "normalize_prompts", "per_prompt_params"]
+
+ParamsLike = SamplingParams | Mapping[str, Any] | None
+
+
+def normalize_prompts(
+    prompts: str | Sequence[str] | None, prompt_token_ids: Sequence[Sequence[int]] | None
+) -> tuple[list[str | None], list[Sequence[int] | None]]:
+    """Text and token-id lists of equal length (ids win when both are given, runtime §1.1)."""
+    if prompts is None and prompt_token_ids is None:
+        raise ValueError("generate needs prompts or prompt_token_ids, got neither")
+    texts: list[str | None] = [prompts] if isinstance(prompts, str) else list(prompts or [])
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise TypeError(f"prompts[{i}] must be a str, got {type(text).__name__}")
+    ids: list[Sequence[int] | None] = list(prompt_token_ids) if prompt_token_ids is not None else []
+    if prompts is not None and prompt_token_ids is not None and len(texts) != len(ids):
+        raise ValueError(f"prompts has {len(texts)} entries but prompt_token_ids has {len(ids)}; they must match")
+    if prompt_token_ids is None:
+        ids = [None] * len(texts)
+    if prompts is None:
+        texts = [None] * len(ids)
+    return texts, ids
+
+
+def per_prompt_params(sampling_params: ParamsLike | Sequence[ParamsLike], num: int) -> list[ParamsLike]:
+    """One parameters entry per prompt (a single entry is shared)."""
+    if isinstance(sampling_params, Sequence) and not isinstance(sampling_params, str):
+        if len(sampling_params) != num:
+            raise ValueError(f"{len(sampling_params)} sampling params for {num} prompts; give one or one per prompt")
+        return list(sampling_params)
+    return [sampling_params] * num
+
+
+def as_params(params: ParamsLike) -> SamplingParams:
+    """A validated `SamplingParams` (dict entries whose value is None are dropped, runtime §1.2)."""
+    if params is None:
+        return SamplingParams()
+    if isinstance(params, SamplingParams):
+        return params
+    if isinstance(params, Mapping):
+        return SamplingParams(**{k: v for k, v in params.items() if v is not None})
+    raise TypeError(f"sampling params must be a SamplingParams, a dict or None, got {type(params).__name__}")

@@ -1,0 +1,49 @@
+"""Progress of one `LLM.generate` call: a tqdm bar over requests with live generated tokens/s, and a one-line
+summary on stderr at the end (requests, prompt and generated tokens, wall time, tokens/s)."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from tqdm import tqdm
+
+__all__ = ["GenerateProgress"]
+
+
+class GenerateProgress:
+    """The bar and the summary of one call.
+
+    Args:
+        total: requests of the call.
+        enabled: show the bar and print the summary.
+    """
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.enabled = enabled
+        self.start = time.perf_counter()
+        self.num_prompt_tokens = 0
+        self.num_generated_tokens = 0
+        self.bar = tqdm(total=total, desc="generate", unit="req", disable=not enabled, dynamic_ncols=True)
+
+    def update(self, num_new_tokens: int, num_finished: int) -> None:
+        """Count newly generated tokens and finished requests."""
+        self.num_generated_tokens += num_new_tokens
+        if num_finished:
+            self.bar.update(num_finished)
+        elapsed = time.perf_counter() - self.start
+        self.bar.set_postfix_str(f"{self.num_generated_tokens / max(elapsed, 1e-9):.1f} tok/s", refresh=False)
+
+    def close(self, num_requests: int) -> None:
+        """Close the bar and print the summary line."""
+        self.bar.close()
+        if not self.enabled:
+            return
+        wall = time.perf_counter() - self.start
+        print(
+            f"generate: {num_requests} requests, {self.num_prompt_tokens} prompt tokens, "
+            f"{self.num_generated_tokens} generated tokens in {wall:.2f} s "
+            f"({self.num_generated_tokens / max(wall, 1e-9):.1f} generated tok/s, "
+            f"{(self.num_prompt_tokens + self.num_generated_tokens) / max(wall, 1e-9):.1f} total tok/s)",
+            file=sys.stderr,
+        )
