@@ -123,3 +123,20 @@ def test_cuda_execute_never_synchronizes(root: Path) -> None:
     runner.model.forward = unguarded_forward  # type: ignore[method-assign]
     outputs = engine.generate(prompt_token_ids=random_prompts(6, 2, 20, seed=6), sampling_params=GREEDY, use_tqdm=False)
     assert all(o.ok for o in outputs)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_structured_output_is_valid_json(root: Path) -> None:
+    import json
+
+    pattern = r'\{"color":"(red|green|blue)","ok":(true|false)\}'
+    params = [
+        SamplingParams(temperature=1.0, max_tokens=40, seq_seed=i, so_args={"schema_type": "regex", "schema": pattern})
+        for i in range(6)
+    ]
+    for async_scheduling in (False, True):
+        engine = make_llm(root, device="cuda", async_scheduling=async_scheduling)
+        for output in engine.generate(["JSON:"] * 6, params, use_tqdm=False):
+            value = json.loads(output.text)
+            assert value["color"] in ("red", "green", "blue") and isinstance(value["ok"], bool)
