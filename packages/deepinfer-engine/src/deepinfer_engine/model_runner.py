@@ -93,7 +93,7 @@ class StepHandle:
     sample_positions: list[int]  # position each row samples
     logits: torch.Tensor | None = None  # [S, V] fp32 while sampling is deferred
     sampled: _SampledStep | None = None
-    waited: bool = False
+    forward_done: torch.cuda.Event | None = None  # CUDA: the step's uploads and forward completed
 
 
 class ModelRunner:
@@ -191,7 +191,9 @@ class ModelRunner:
         if not self._unwaited or self._unwaited[0] is not handle:
             raise RuntimeError("wait must be called once per step, in launch order")
         self._unwaited.pop(0)
-        handle.waited = True
+        if handle.forward_done is not None:
+            # Also for steps that sample nothing: the host buffers they uploaded from are reused two steps later.
+            handle.forward_done.synchronize()
         scheduler_output = handle.scheduler_output
         if handle.logits is not None and handle.sampled is None:
             with torch.inference_mode():
@@ -254,6 +256,9 @@ class ModelRunner:
         num_requests = len(scheduler_output.scheduled_requests)
         batch = self.buffers.upload(host, num_tokens, num_requests, len(handle.sample_indices), max_query, max_context)
         logits: torch.Tensor = self.model(batch, self.state)
+        if self.device.type == "cuda":
+            handle.forward_done = torch.cuda.Event()
+            handle.forward_done.record()
         return logits
 
     def _start(self, scheduled: ScheduledRequest) -> _RunnerRequest:
