@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 from functools import cache
 
-import pytest
 import torch
 
 from deepinfer_model.checkpoint.tokenizer import build_tokenizer
@@ -18,18 +16,6 @@ from deepinfer_model.deepseek_v41.model import DeepseekV41ForCausalLM
 from deepinfer_model.forward_batch import ForwardBatch
 from deepinfer_model.layers.mode import ComputeMode
 from deepinfer_model.loading.catalogue import TensorFormat, build_catalogue
-
-
-@pytest.fixture(autouse=True)
-def model_test_setup() -> Iterator[None]:
-    """One intra-op thread: the tiny model's many small ops are slower with thread hand-offs, badly so on a busy
-    2-core machine. The kernels registry serves CPU tensors with the reference implementations under every
-    accelerator target, so whole-model forwards take the same time under ``nvidia`` (``TRITON_INTERPRET=1``),
-    ``ascend`` and ``cpu``."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:

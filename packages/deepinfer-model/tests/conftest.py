@@ -3,6 +3,9 @@
 nox runs these tests with ``DEEPINFER_ACCELERATOR=nvidia`` (Triton kernels in Triton's interpreter on CPU tensors
 when no GPU is present; nox sets ``TRITON_INTERPRET=1``) and with ``DEEPINFER_ACCELERATOR=ascend`` (the torch_npu
 call sites run against the CPU test double of ``deepinfer_kernels.testing_npu_double`` when no NPU is present).
+The kernels registry serves CPU tensors with the reference implementations under every target, so the model tests
+take the same time under each. The whole session runs torch on one intra-op thread: the tiny model's many small ops
+are slower with thread hand-offs, badly so on a busy 2-core machine.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 from deepinfer_kernels.testing_npu_double import accelerator_test_session
 
@@ -18,3 +22,11 @@ from deepinfer_kernels.testing_npu_double import accelerator_test_session
 def _accelerator_target() -> Iterator[None]:
     with accelerator_test_session():
         yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

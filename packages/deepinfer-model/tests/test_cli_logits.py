@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from _layered_model_support import model_test_setup  # noqa: F401  (autouse fixture)
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 

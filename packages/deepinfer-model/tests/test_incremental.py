@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 from _layered_model_support import (
     chunk_batch,
-    model_test_setup,  # noqa: F401  (autouse fixture)
     prompt,
     run_chunks,
     tiny_model,

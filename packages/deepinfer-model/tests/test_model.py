@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 import torch
 from _layered_model_support import (
-    model_test_setup,  # noqa: F401  (autouse fixture)
     tiny_config,
     tiny_vocab,
     tiny_weights,

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 from _layered_model_support import (
-    model_test_setup,  # noqa: F401  (autouse fixture)
     prompt,
     tiny_config,
     tiny_model,

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from _layered_model_support import model_test_setup  # noqa: F401  (autouse fixture)
 
 from deepinfer_model.config import ModelConfig, load_preset
 from deepinfer_model.deepseek_v41.model import DeepseekV41ForCausalLM

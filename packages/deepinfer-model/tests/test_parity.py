@@ -15,7 +15,6 @@ import json
 import pytest
 import torch
 from _layered_model_support import (
-    model_test_setup,  # noqa: F401  (autouse fixture)
     prompt,
     random_weights,
     tiny_config,

@@ -6,23 +6,12 @@ The reference model spells its math out independently; these tests pin both defi
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
 import deepinfer_kernels as kernels
 from deepinfer_kernels import testing
 from deepinfer_model import reference as ref
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _single_thread() -> Iterator[None]:
-    """Tiny tensors run fastest on one thread; the test machine's cores are shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _normal(shape: tuple[int, ...], seed: int, scale: float = 1.0) -> torch.Tensor:

@@ -54,15 +54,6 @@ class RecordingWeights(Mapping[str, torch.Tensor]):
         return len(self._weights)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _single_thread() -> Iterator[None]:
-    """Tiny matrices run fastest on one thread; the test machine's cores are shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def tiny() -> ModelConfig:
     return load_preset("tiny")

@@ -9,7 +9,6 @@ compressor and the attention core.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -18,15 +17,6 @@ from tokenizers import Tokenizer, models
 
 from deepinfer_model import reference as ref
 from deepinfer_model.config import load_preset
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _single_thread() -> Iterator[None]:
-    """Tiny tensors run fastest on one thread; the test machine's cores are shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _gen(seed: int) -> torch.Generator:
