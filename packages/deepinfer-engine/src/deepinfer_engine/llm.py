@@ -277,6 +277,7 @@ class LLM:
             if result.matcher is not None:
                 self._enqueue(entry, result.matcher, live)
                 continue
+            self._detokenizers.pop(result.request_id, None)
             error = result.error
             assert error is not None  # a build result carries exactly one of matcher and error
             message = f"structured output failed ({error.kind}): {error.message}"
