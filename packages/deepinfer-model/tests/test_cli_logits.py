@@ -78,5 +78,13 @@ def test_missing_model_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture
     assert capsys.readouterr().err == f"error: checkpoint directory {missing} does not exist or is not a directory\n"
 
 
+def test_missing_output_directory_is_one_line(
+    tiny_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "no" / "logits.safetensors"
+    assert main(["logits", "--model", str(tiny_dir), "--token-ids", "1,2", "--out", str(out)]) == 2
+    assert capsys.readouterr().err == f"error: --out {str(out)!r}: directory {str(out.parent)!r} does not exist\n"
+
+
 def test_parse_token_ids() -> None:
     assert parse_token_ids("1, 2,3") == [1, 2, 3]

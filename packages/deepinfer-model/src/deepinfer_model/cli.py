@@ -198,10 +198,13 @@ def _logits(args: argparse.Namespace) -> int:
     from deepinfer_model.layers.mode import ComputeMode
 
     token_ids = parse_token_ids(args.token_ids)
+    out = Path(args.out)
+    if not out.parent.is_dir():
+        raise ValueError(f"--out {args.out!r}: directory {str(out.parent)!r} does not exist")
     mode = ComputeMode.FP32 if args.dtype == "float32" else ComputeMode.EXACT
     logits = checkpoint_logits(args.model, token_ids, mode)
-    save_file({"logits": logits.contiguous()}, str(args.out))
-    print(f"wrote {args.out}: logits {list(logits.shape)} float32 ({mode.value} mode)")
+    save_file({"logits": logits.contiguous()}, str(out))
+    print(f"wrote {out}: logits {list(logits.shape)} float32 ({mode.value} mode)")
     return 0
 
 
