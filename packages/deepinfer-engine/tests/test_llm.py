@@ -201,3 +201,39 @@ def test_progress_bar_and_summary_line(llm: LLM, capsys: pytest.CaptureFixture[s
     assert "generate: 2 requests, 5 prompt tokens, 6 generated tokens in " in err and "tok/s" in err
     llm.generate(prompt_token_ids=[[5, 6]], sampling_params=GREEDY, use_tqdm=False)
     assert capsys.readouterr().err == ""
+
+
+def test_prompt_logprobs_match_the_reference_across_prefill_chunks(root: Path) -> None:
+    from tokenizers import Tokenizer
+
+    from deepinfer_model.loading.load import load_checkpoint_dir
+    from deepinfer_model.reference import engram_vocabulary_from_tokenizer, reference_forward
+
+    prompts = random_prompts(3, 20, 40, seed=8)
+    engine = make_llm(root, precision="fp32", max_num_batched_tokens=16)  # prompts are prefilled in chunks
+    params = [
+        SamplingParams(temperature=1.0, max_tokens=2, prompt_logprobs=True, seq_seed=1),
+        SamplingParams(temperature=0.5, top_k=5, max_tokens=2, prompt_logprobs=True, seq_seed=2),
+        SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=True),
+    ]
+    outputs = engine.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    directory = tiny_dir(root)
+    checkpoint = load_checkpoint_dir(directory)
+    vocabulary = engram_vocabulary_from_tokenizer(Tokenizer.from_file(str(directory / "tokenizer.json")))
+    for prompt, output in zip(prompts, outputs, strict=True):
+        logits = reference_forward(
+            checkpoint.config, checkpoint.tensors, torch.tensor(prompt), vocabulary, precision="fp32"
+        )
+        assert output.prompt_logprobs is not None and len(output.prompt_logprobs) == len(prompt) - 1
+        got = torch.tensor(output.prompt_logprobs)
+        targets = torch.tensor(prompt[1:])
+        if output is outputs[0]:
+            expected = torch.log_softmax(logits[:-1], dim=-1).gather(1, targets[:, None])[:, 0]
+            torch.testing.assert_close(got, expected.clamp(min=-9999.0), rtol=0, atol=1e-4)
+        elif output is outputs[1]:
+            in_top5 = (logits[:-1].topk(5, dim=-1).indices == targets[:, None]).any(-1)
+            assert torch.equal(got > -9999.0, in_top5)
+        else:
+            best = logits[:-1].argmax(-1) == targets
+            assert torch.equal(got == 0.0, best) and torch.all((got == 0.0) | (got == -9999.0))
+    assert make_llm(root).generate(prompt_token_ids=prompts[:1], use_tqdm=False)[0].prompt_logprobs is None

@@ -51,6 +51,8 @@ class GenerateOutput:
         logprobs: processed log-prob of each generated token.
         top_logprobs: per generated token, the `top_logprobs` best (token id, log-prob) pairs; empty tuples when
             none were asked for.
+        prompt_logprobs: processed log-probs of prompt tokens 1 … P−1 under the request's own sampling parameters
+            (runtime §2.6), when asked for with `prompt_logprobs=True`; else None.
         finish_reason: why it ended.
         stop_reason: the stop token id or stop string that ended it, else None.
         error_message: what went wrong, for error finish reasons (and prompt_length_exceeded).
@@ -64,6 +66,7 @@ class GenerateOutput:
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...]
+    prompt_logprobs: tuple[float, ...] | None
     finish_reason: FinishReason
     stop_reason: int | str | None
     error_message: str | None

@@ -12,7 +12,7 @@ and (on CUDA) graph replays see fixed addresses:
     context_lens [R]  int32                   → context_lens                         context_lens [R]
     block_table  [R, B] int32 (0 = null)      → block_table                          block_table [R, B]
     state_slots  [R]  int32                   → state_slots                          state_slots [R]
-    logits_rows  [R]  int64                   → logits_indices                       logits_indices [S]
+    logits_rows  [R+T] int64                  → logits_indices                       logits_indices [S (+ Q)]
 
 A step fills host set `step % 2` and copies it with non-blocking copies; the set it overwrites belongs to step − 2,
 whose copies have completed (its results were waited for before this step was built).
@@ -91,7 +91,7 @@ class StepBuffers:
                 context_lens=host(max_num_requests, dtype=torch.int32),
                 block_table=host(max_num_requests, max_blocks_per_request, dtype=torch.int32),
                 state_slots=host(max_num_requests, dtype=torch.int32),
-                logits_rows=host(max_num_requests, dtype=torch.int64),
+                logits_rows=host(max_num_requests + max_num_tokens, dtype=torch.int64),
             )
             for _ in range(2)
         ]
@@ -107,7 +107,7 @@ class StepBuffers:
         self.context_lens = dev(max_num_requests, dtype=torch.int32)
         self.block_table = dev(max_num_requests, max_blocks_per_request, dtype=torch.int32)
         self.state_slots = dev(max_num_requests, dtype=torch.int32)
-        self.logits_indices = dev(max_num_requests, dtype=torch.int64)
+        self.logits_indices = dev(max_num_requests + max_num_tokens, dtype=torch.int64)
         self.history = dev(num_state_slots, max_positions, dtype=torch.int64)
         self._ngram_offsets = torch.arange(-ngram_context, 0, dtype=torch.int64, device=device)
 
@@ -124,7 +124,8 @@ class StepBuffers:
             host: the step's filled host set.
             num_tokens: T, tokens of the step.
             num_requests: R, requests of the step.
-            num_logits: S, logits rows the step samples from (`logits_rows[:S]`).
+            num_logits: logits rows the step needs (`logits_rows[:num_logits]`): S sampling rows, then Q prompt
+                rows of requests that asked for prompt logprobs.
             max_query_len: longest query of the step (host int, saves a device sync in the model).
             max_context: longest context after the step (host int).
         """

@@ -210,8 +210,6 @@ class LLM:
             self._check_prompt(ids)
             if params.n != 1:
                 raise ValueError(f"n={params.n}: LLM.generate returns one sample per prompt; only n=1 is supported")
-            if params.prompt_logprobs:
-                raise ValueError("prompt_logprobs=True is not supported by the engine yet")
         except (TypeError, ValueError) as exc:
             prompt_ids = tuple(token_ids) if isinstance(token_ids, Sequence) else ()
             return _rejected(request_id, text, prompt_ids, FinishReason.ERROR, str(exc), now)
@@ -351,6 +349,9 @@ class LLM:
             token_ids=tokens,
             logprobs=completion.logprobs or (),
             top_logprobs=tuple(top) if top else tuple(() for _ in tokens),
+            prompt_logprobs=tuple(self.runner.prompt_logprobs(completion.request_id))
+            if entry.params.prompt_logprobs
+            else None,
             finish_reason=completion.finish_reason,
             stop_reason=completion.stop_reason,
             error_message=message,
@@ -380,4 +381,4 @@ def _rejected(
         decode_tokens_per_s=None,
         wall_time_s=time.perf_counter() - arrival,
     )
-    return GenerateOutput(request_id, prompt, prompt_token_ids, "", (), (), (), reason, None, message, metrics)
+    return GenerateOutput(request_id, prompt, prompt_token_ids, "", (), (), (), None, reason, None, message, metrics)

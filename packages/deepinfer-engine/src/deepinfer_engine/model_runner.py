@@ -20,6 +20,11 @@ previous step's results arrive, at the end of `wait(previous)` — before the fo
 that reads the history. The bitmask is filled on the CPU while the forward runs (runtime §4.4); without a step in
 flight sampling follows the forward at once.
 
+Prompt logprobs (runtime §2.6): for a request that asks for them, every prompt position of each prefill chunk that
+has a next prompt token gets a logits row too (after the sampling rows); the processed log-prob of that next token
+under the request's own temperature/top-k/top-p is computed right after the forward and reported by
+`prompt_logprobs` (accumulated across chunks; recomputed identically after a preemption).
+
 Failures of one request never stop the step: a grammar that rejects a committed token, or a row with nothing left to
 sample (every logit masked), is reported by `take_failures`; the engine finishes that request with an error.
 """
@@ -38,7 +43,7 @@ from deepinfer_engine.outputs import ModelRunnerOutput, ScheduledRequest, Schedu
 from deepinfer_engine.request import RequestStatus
 from deepinfer_model.deepseek_v41.model import DeepseekV41ForCausalLM
 from deepinfer_model.state import ModelState
-from deepinfer_sampling import Sampler, SamplingBatch, SamplingParams, SamplingRow
+from deepinfer_sampling import LOGPROB_FLOOR, Sampler, SamplingBatch, SamplingParams, SamplingRow
 
 if TYPE_CHECKING:  # importing xgrammar takes seconds; only structured requests need it at run time
     from deepinfer_sampling.structured import RequestGrammarMatcher
@@ -66,6 +71,7 @@ class _RunnerRequest:
     matcher: RequestGrammarMatcher | None
     tokens: list[int]  # host copy of the known tokens by position (prompt, then sampled ones)
     top_logprobs: dict[int, TopLogprobs] = field(default_factory=dict)  # position -> alternatives
+    prompt_logprobs: dict[int, float] = field(default_factory=dict)  # prompt position -> log-prob of its token
     num_fed: int = 0  # tokens the matcher has accepted
     slot: int = 0
     block_ids: list[int] = field(default_factory=list)
@@ -94,6 +100,8 @@ class StepHandle:
     logits: torch.Tensor | None = None  # [S, V] fp32 while sampling is deferred
     sampled: _SampledStep | None = None
     forward_done: torch.cuda.Event | None = None  # CUDA: the step's uploads and forward completed
+    prompt_rows: list[tuple[str, int]] = field(default_factory=list)  # (request, prompt position) per prompt row
+    prompt_values: torch.Tensor | None = None  # [Q] float32 host, filled by the copy `forward_done` covers
 
 
 class ModelRunner:
@@ -163,6 +171,13 @@ class ModelRunner:
         start = request.prompt_len
         return [request.top_logprobs.get(start + i, ()) for i in range(num_tokens)]
 
+    def prompt_logprobs(self, request_id: str) -> list[float]:
+        """Processed log-probs of prompt tokens 1 … P−1 of a request that asked for them (runtime §2.6)."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return []
+        return [request.prompt_logprobs[p] for p in range(1, request.prompt_len) if p in request.prompt_logprobs]
+
     def take_failures(self) -> dict[str, RequestFailure]:
         """Requests the runner failed since the last call (the engine finishes them)."""
         failures, self._failures = self._failures, {}
@@ -195,6 +210,11 @@ class ModelRunner:
             # Also for steps that sample nothing: the host buffers they uploaded from are reused two steps later.
             handle.forward_done.synchronize()
         scheduler_output = handle.scheduler_output
+        if handle.prompt_values is not None:
+            for (request_id, position), value in zip(handle.prompt_rows, handle.prompt_values.tolist(), strict=True):
+                request = self._requests.get(request_id)
+                if request is not None:
+                    request.prompt_logprobs[position] = value
         if handle.logits is not None and handle.sampled is None:
             with torch.inference_mode():
                 self._sample(handle)
@@ -253,13 +273,54 @@ class ModelRunner:
                 handle.sample_indices.append(index)
                 handle.sample_positions.append(end)
         host.cu_query_lens[0] = 0
+        num_samples = len(handle.sample_indices)
+        num_logits = self._add_prompt_rows(scheduler_output, handle, host.logits_rows, num_samples)
         num_requests = len(scheduler_output.scheduled_requests)
-        batch = self.buffers.upload(host, num_tokens, num_requests, len(handle.sample_indices), max_query, max_context)
+        batch = self.buffers.upload(host, num_tokens, num_requests, num_logits, max_query, max_context)
         logits: torch.Tensor = self.model(batch, self.state)
+        if handle.prompt_rows:
+            self._prompt_logprobs(logits[num_samples:], handle)
         if self.device.type == "cuda":
             handle.forward_done = torch.cuda.Event()
             handle.forward_done.record()
-        return logits
+        return logits[:num_samples]
+
+    def _add_prompt_rows(
+        self, scheduler_output: SchedulerOutput, handle: StepHandle, logits_rows: torch.Tensor, num_rows: int
+    ) -> int:
+        """Append a logits row for each computed prompt position whose next prompt token exists; returns the rows."""
+        offset = 0
+        for scheduled in scheduler_output.scheduled_requests:
+            request = self._requests[scheduled.request_id]
+            start = scheduled.num_computed_tokens
+            last = min(start + scheduled.num_scheduled_tokens, request.prompt_len - 1)  # exclusive
+            if request.params.prompt_logprobs and start < last:
+                count = last - start
+                logits_rows[num_rows : num_rows + count] = torch.arange(offset, offset + count, dtype=torch.int64)
+                handle.prompt_rows.extend((scheduled.request_id, p + 1) for p in range(start, last))
+                num_rows += count
+            offset += scheduled.num_scheduled_tokens
+        return num_rows
+
+    def _prompt_logprobs(self, logits: torch.Tensor, handle: StepHandle) -> None:
+        """Processed log-prob of each prompt row's next prompt token; copied to the host without blocking.
+
+        Args:
+            logits: [Q, V] fp32, one row per `handle.prompt_rows` entry.
+        """
+        rows, targets = [], []
+        for request_id, position in handle.prompt_rows:
+            request = self._requests[request_id]
+            rows.append(SamplingRow(params=request.params, seed=request.seed, position=position))
+            targets.append(request.tokens[position])
+        batch = SamplingBatch.build(rows, self.vocab_size, self.device)
+        logprobs, _ = self.sampler.processed_logprobs(logits, batch)
+        values = logprobs.gather(1, self._to_device(targets)[:, None])[:, 0].clamp(min=LOGPROB_FLOOR)
+        if self.device.type != "cuda":
+            handle.prompt_values = values.clone()
+            return
+        handle.prompt_values = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        handle.prompt_values.copy_(values, non_blocking=True)
 
     def _start(self, scheduled: ScheduledRequest) -> _RunnerRequest:
         """Apply a scheduled request's slot and block-table delta; returns its runner state."""
