@@ -32,7 +32,6 @@ sample (every logit masked), is reported by `take_failures`; the engine finishes
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -41,6 +40,14 @@ from deepinfer_engine.config import EngineConfig
 from deepinfer_engine.input_batch import StepBuffers
 from deepinfer_engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from deepinfer_engine.request import RequestStatus
+from deepinfer_engine.runner_state import (
+    RequestFailure,
+    RunnerRequest,
+    SampledStep,
+    StepHandle,
+    TopLogprobs,
+    copy_to_host,
+)
 from deepinfer_model.deepseek_v41.model import DeepseekV41ForCausalLM
 from deepinfer_model.state import ModelState
 from deepinfer_sampling import LOGPROB_FLOOR, Sampler, SamplingBatch, SamplingParams, SamplingRow
@@ -49,59 +56,6 @@ if TYPE_CHECKING:  # importing xgrammar takes seconds; only structured requests 
     from deepinfer_sampling.structured import RequestGrammarMatcher
 
 __all__ = ["ModelRunner", "RequestFailure", "StepHandle"]
-
-TopLogprobs = tuple[tuple[int, float], ...]
-
-
-@dataclass(frozen=True)
-class RequestFailure:
-    """Why the runner could not serve a request; the engine finishes it with `status`."""
-
-    status: RequestStatus
-    message: str
-
-
-@dataclass
-class _RunnerRequest:
-    """The runner's view of one request (kept across preemptions; dropped when it finishes)."""
-
-    params: SamplingParams
-    seed: int
-    prompt_len: int
-    matcher: RequestGrammarMatcher | None
-    tokens: list[int]  # host copy of the known tokens by position (prompt, then sampled ones)
-    top_logprobs: dict[int, TopLogprobs] = field(default_factory=dict)  # position -> alternatives
-    prompt_logprobs: dict[int, float] = field(default_factory=dict)  # prompt position -> log-prob of its token
-    num_fed: int = 0  # tokens the matcher has accepted
-    slot: int = 0
-    block_ids: list[int] = field(default_factory=list)
-
-    @property
-    def needs_host_history(self) -> bool:
-        return self.matcher is not None or self.params.has_penalties
-
-
-@dataclass
-class _SampledStep:
-    token_ids: torch.Tensor  # [S] int64 host
-    logprobs: torch.Tensor  # [S] float32 host
-    top_ids: torch.Tensor  # [S, N] int64 host
-    top_values: torch.Tensor  # [S, N] float32 host
-    event: torch.cuda.Event | None
-
-
-@dataclass
-class StepHandle:
-    """A launched step: what `wait` needs to report it."""
-
-    scheduler_output: SchedulerOutput
-    sample_indices: list[int]  # index into scheduled_requests of each sampling row
-    sample_positions: list[int]  # position each row samples
-    logits: torch.Tensor | None = None  # [S, V] fp32 while sampling is deferred
-    sampled: _SampledStep | None = None
-    forward_done: torch.cuda.Event | None = None  # CUDA: the step's uploads and forward completed
-    prompt_rows: list[tuple[str, int]] = field(default_factory=list)  # (request, prompt position) per prompt row
-    prompt_values: torch.Tensor | None = None  # [Q] float32 host, filled by the copy `forward_done` covers
 
 
 class ModelRunner:
@@ -134,7 +88,7 @@ class ModelRunner:
             ngram_context=(text.engram_max_ngram_size or 1) - 1 if text.engram_enabled else 0,
             device=self.device,
         )
-        self._requests: dict[str, _RunnerRequest] = {}
+        self._requests: dict[str, RunnerRequest] = {}
         self._failures: dict[str, RequestFailure] = {}
         self._unwaited: list[StepHandle] = []
 
@@ -159,7 +113,7 @@ class ModelRunner:
         """
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already registered with the runner")
-        self._requests[request_id] = _RunnerRequest(
+        self._requests[request_id] = RunnerRequest(
             params=params, seed=seed, prompt_len=len(prompt_token_ids), matcher=matcher, tokens=list(prompt_token_ids)
         )
 
@@ -322,7 +276,7 @@ class ModelRunner:
         handle.prompt_values = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
         handle.prompt_values.copy_(values, non_blocking=True)
 
-    def _start(self, scheduled: ScheduledRequest) -> _RunnerRequest:
+    def _start(self, scheduled: ScheduledRequest) -> RunnerRequest:
         """Apply a scheduled request's slot and block-table delta; returns its runner state."""
         request = self._requests.get(scheduled.request_id)
         if request is None:
@@ -350,7 +304,7 @@ class ModelRunner:
         assert logits is not None
         scheduled = handle.scheduler_output.scheduled_requests
         rows = []
-        bitmask_rows: list[tuple[int, _RunnerRequest, str, int]] = []
+        bitmask_rows: list[tuple[int, RunnerRequest, str, int]] = []
         for row, (index, position) in enumerate(zip(handle.sample_indices, handle.sample_positions, strict=True)):
             request_id = scheduled[index].request_id
             request = self._requests[request_id]
@@ -374,7 +328,9 @@ class ModelRunner:
         output = self.sampler(logits, batch, bitmask)
         slots = [self._requests[scheduled[i].request_id].slot for i in handle.sample_indices]
         self.buffers.record_sampled(self._to_device(slots), self._to_device(handle.sample_positions), output.token_ids)
-        handle.sampled = _to_host(output.token_ids, output.logprobs, output.top_logprob_token_ids, output.top_logprobs)
+        handle.sampled = copy_to_host(
+            output.token_ids, output.logprobs, output.top_logprob_token_ids, output.top_logprobs
+        )
         handle.logits = None
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
@@ -384,7 +340,7 @@ class ModelRunner:
             return host
         return host.pin_memory().to(self.device, non_blocking=True)
 
-    def _bitmask(self, rows: list[tuple[int, _RunnerRequest, str, int]], num_rows: int) -> torch.Tensor:
+    def _bitmask(self, rows: list[tuple[int, RunnerRequest, str, int]], num_rows: int) -> torch.Tensor:
         """Advance each structured request's matcher to its sampling position and fill its mask row (CPU)."""
         from deepinfer_sampling.structured import StepMaskRequest, allocate_token_bitmask, fill_step_bitmask
 
@@ -409,7 +365,7 @@ class ModelRunner:
             )
         return mask.to(self.device, non_blocking=True)
 
-    def _record(self, request_id: str, position: int, token: int, sampled: _SampledStep, row: int) -> None:
+    def _record(self, request_id: str, position: int, token: int, sampled: SampledStep, row: int) -> None:
         request = self._requests.get(request_id)
         if request is None:
             return
@@ -423,17 +379,3 @@ class ModelRunner:
             ids = sampled.top_ids[row, :num_top].tolist()
             values = sampled.top_values[row, :num_top].tolist()
             request.top_logprobs[position] = tuple(zip(ids, values, strict=True))
-
-
-def _to_host(
-    token_ids: torch.Tensor, logprobs: torch.Tensor, top_ids: torch.Tensor, top_values: torch.Tensor
-) -> _SampledStep:
-    """Start the device-to-host copies of a step's results; the event marks their completion."""
-    if token_ids.device.type != "cuda":
-        return _SampledStep(token_ids.clone(), logprobs.clone(), top_ids.clone(), top_values.clone(), None)
-    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (token_ids, logprobs, top_ids, top_values)]
-    for dst, src in zip(host, (token_ids, logprobs, top_ids, top_values), strict=True):
-        dst.copy_(src, non_blocking=True)
-    event = torch.cuda.Event()
-    event.record()
-    return _SampledStep(host[0], host[1], host[2], host[3], event)

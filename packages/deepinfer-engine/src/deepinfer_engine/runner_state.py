@@ -1,0 +1,99 @@
+"""State records of the model runner: its view of each request, a launched step, a request failure.
+
+`RunnerRequest` is kept per request from registration until the request finishes (across preemptions: a preempted
+request keeps its host token record, logprobs and grammar matcher; its cache addressing is reset when it is
+scheduled again as new). `StepHandle` is what `ModelRunner.execute` returns and `ModelRunner.wait` consumes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from deepinfer_engine.outputs import SchedulerOutput
+from deepinfer_engine.request import RequestStatus
+from deepinfer_sampling import SamplingParams
+
+if TYPE_CHECKING:  # importing xgrammar takes seconds; only structured requests need it at run time
+    from deepinfer_sampling.structured import RequestGrammarMatcher
+
+__all__ = ["RequestFailure", "RunnerRequest", "SampledStep", "StepHandle", "TopLogprobs", "copy_to_host"]
+
+TopLogprobs = tuple[tuple[int, float], ...]
+
+
+@dataclass(frozen=True)
+class RequestFailure:
+    """Why the runner could not serve a request; the engine finishes it with `status`."""
+
+    status: RequestStatus
+    message: str
+
+
+@dataclass
+class RunnerRequest:
+    """The runner's view of one request (kept across preemptions; dropped when it finishes)."""
+
+    params: SamplingParams
+    seed: int
+    prompt_len: int
+    matcher: RequestGrammarMatcher | None
+    tokens: list[int]  # host copy of the known tokens by position (prompt, then sampled ones)
+    top_logprobs: dict[int, TopLogprobs] = field(default_factory=dict)  # position -> alternatives
+    prompt_logprobs: dict[int, float] = field(default_factory=dict)  # prompt position -> log-prob of its token
+    num_fed: int = 0  # tokens the matcher has accepted
+    slot: int = 0
+    block_ids: list[int] = field(default_factory=list)
+
+    @property
+    def needs_host_history(self) -> bool:
+        """Whether sampling needs the request's earlier tokens on the host (grammar or penalties)."""
+        return self.matcher is not None or self.params.has_penalties
+
+
+@dataclass
+class SampledStep:
+    """A step's sampling results in host memory (pinned on CUDA); valid once `event` completed."""
+
+    token_ids: torch.Tensor  # [S] int64 host
+    logprobs: torch.Tensor  # [S] float32 host
+    top_ids: torch.Tensor  # [S, N] int64 host
+    top_values: torch.Tensor  # [S, N] float32 host
+    event: torch.cuda.Event | None
+
+
+@dataclass
+class StepHandle:
+    """A launched step: what `wait` needs to report it."""
+
+    scheduler_output: SchedulerOutput
+    sample_indices: list[int]  # index into scheduled_requests of each sampling row
+    sample_positions: list[int]  # position each row samples
+    logits: torch.Tensor | None = None  # [S, V] fp32 while sampling is deferred
+    sampled: SampledStep | None = None
+    forward_done: torch.cuda.Event | None = None  # CUDA: the step's uploads and forward completed
+    prompt_rows: list[tuple[str, int]] = field(default_factory=list)  # (request, prompt position) per prompt row
+    prompt_values: torch.Tensor | None = None  # [Q] float32 host, filled by the copy `forward_done` covers
+
+
+def copy_to_host(
+    token_ids: torch.Tensor, logprobs: torch.Tensor, top_ids: torch.Tensor, top_values: torch.Tensor
+) -> SampledStep:
+    """Start the device-to-host copies of a step's results; the event marks their completion.
+
+    Args:
+        token_ids: [S] int64 sampled tokens.
+        logprobs: [S] float32 their processed log-probs.
+        top_ids: [S, N] int64 best tokens per row.
+        top_values: [S, N] float32 their log-probs.
+    """
+    if token_ids.device.type != "cuda":
+        return SampledStep(token_ids.clone(), logprobs.clone(), top_ids.clone(), top_values.clone(), None)
+    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (token_ids, logprobs, top_ids, top_values)]
+    for dst, src in zip(host, (token_ids, logprobs, top_ids, top_values), strict=True):
+        dst.copy_(src, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return SampledStep(host[0], host[1], host[2], host[3], event)
