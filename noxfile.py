@@ -4,7 +4,7 @@ Every test session runs in its own uv-built environment that holds exactly one p
 dependencies (resolved through the committed ``uv.lock``) and the root ``dev`` group (test tools only), so a
 dependency a package forgot to declare fails there.
 
-    nox -t test                       all per-package x accelerator-target test sessions + workspace checks
+    nox -t test                       all per-package x accelerator-target test sessions, slow tests, workspace checks
     nox -s "tests(kernels, nvidia)"   one package under one target
     nox -s lint typecheck build gpu   the other sessions
 
@@ -73,6 +73,15 @@ def tests(session: nox.Session, package: str, target: str) -> None:
     if target == "nvidia":
         env["TRITON_INTERPRET"] = "1"
     _pytest(session, [f"packages/deepinfer-{package}/tests"], env, "not slow and not gpu")
+
+
+@nox.session(python=PYTHON, tags=["test"])
+def slow(session: nox.Session) -> None:
+    """Tests marked slow (long end-to-end runs), all packages, on the reference kernels."""
+    _sync(session, "--all-packages", "--group", "dev")
+    paths = [f"packages/deepinfer-{p}/tests" for p in PACKAGES]
+    for path in paths:
+        _pytest(session, [path], {"DEEPINFER_ACCELERATOR": "cpu"}, "slow and not gpu")
 
 
 @nox.session(python=PYTHON, tags=["test"])

@@ -125,3 +125,20 @@ def test_public_op_on_cpu_tensors_never_reaches_the_npu(npu_double: NpuDouble) -
         rms_norm(torch.ones(2, 32), torch.ones(32), 1e-6)
     _registry.reset()
     assert npu_double.calls == []
+
+
+def test_first_resolution_from_many_threads_registers_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    registry = _registry_for(Accelerator.CPU)
+    register = registry.register
+
+    def slow_register(*args: object) -> None:
+        time.sleep(0.002)  # widen the window in which an unguarded second loader would register again
+        register(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(registry, "register", slow_register)
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        impls = list(pool.map(lambda _: registry.resolve("quantize_mxfp4"), range(32)))
+    assert all(impl is reference_quant.quantize_mxfp4 for impl in impls)

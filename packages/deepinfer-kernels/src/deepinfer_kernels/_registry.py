@@ -20,6 +20,7 @@ from __future__ import annotations
 import enum
 import importlib
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -71,6 +72,7 @@ class OpRegistry:
         self._impls: dict[str, dict[Backend, Impl]] = {}
         self._loaded: set[Backend] = set()
         self._resolved: dict[tuple[str, str | None], Impl] = {}
+        self._load_lock = threading.RLock()
 
     def register(self, op: str, backend: Backend, impl: Impl) -> None:
         """Record ``impl`` as ``backend``'s implementation of ``op``.
@@ -96,11 +98,16 @@ class OpRegistry:
     def _load(self, backend: Backend) -> None:
         if backend in self._loaded:
             return
-        if backend is not Backend.REFERENCE:
-            self._load(Backend.REFERENCE)
-        module = importlib.import_module(_BACKEND_PACKAGES[backend])
-        module.register(self)
-        self._loaded.add(backend)
+        # Two threads resolving their first op at once (e.g. a checkpoint writer and a test) must not both
+        # register the backend; re-entrant because a fast backend loads the reference first.
+        with self._load_lock:
+            if backend in self._loaded:
+                return
+            if backend is not Backend.REFERENCE:
+                self._load(Backend.REFERENCE)
+            module = importlib.import_module(_BACKEND_PACKAGES[backend])
+            module.register(self)
+            self._loaded.add(backend)
 
     def _known_ops(self) -> list[str]:
         return sorted(op for op, impls in self._impls.items() if Backend.REFERENCE in impls)
