@@ -88,3 +88,17 @@ def test_missing_output_directory_is_one_line(
 
 def test_parse_token_ids() -> None:
     assert parse_token_ids("1, 2,3") == [1, 2, 3]
+
+
+def test_rms_reports_o1_activations_for_every_block(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # The writer's magnitudes (docs/model.md, "Checkpoint writer") are chosen so the trunk stays O(1) layer by layer.
+    assert main(["rms", "--model", str(tiny_dir), "--num-tokens", "48", "--seed", "3"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("layer")]
+    values = [float(line.split(":")[1]) for line in lines]
+    assert len(values) == load_preset("tiny").text.num_hidden_layers
+    assert all(0.1 < value < 10.0 for value in values), values
+
+
+def test_rms_rejects_an_empty_prompt(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["rms", "--model", str(tiny_dir), "--num-tokens", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --num-tokens must be >= 1, got 0"

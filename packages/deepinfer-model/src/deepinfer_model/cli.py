@@ -14,6 +14,10 @@ Commands:
         runs ``ComputeMode.EXACT``, the inference numerics (BF16 activations, FP8/FP4 caches). Meant for small
         checkpoints: the model is built and run on the CPU.
 
+    rms --model DIR [--num-tokens N] [--seed N] [--dtype float32|bfloat16]
+        Prefill N random in-vocabulary tokens (seeded) and print the root-mean-square of every block's output trunk:
+        the check that a checkpoint's weight magnitudes (e.g. one from ``write-checkpoint``) keep activations O(1).
+
 Errors print one line starting with ``error:`` and exit with status 2; there is no traceback.
 """
 
@@ -208,6 +212,26 @@ def _logits(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rms(args: argparse.Namespace) -> int:
+    import torch
+
+    from deepinfer_model.full_forward import checkpoint_layer_rms
+    from deepinfer_model.layers.mode import ComputeMode
+    from deepinfer_model.loading.checkpoint_dir import open_checkpoint_dir
+
+    if args.num_tokens < 1:
+        raise ValueError(f"--num-tokens must be >= 1, got {args.num_tokens}")
+    vocab_size = open_checkpoint_dir(args.model).config.text.vocab_size
+    generator = torch.Generator().manual_seed(args.seed)
+    token_ids = torch.randint(0, vocab_size, (args.num_tokens,), generator=generator).tolist()
+    mode = ComputeMode.FP32 if args.dtype == "float32" else ComputeMode.EXACT
+    rms = checkpoint_layer_rms(args.model, token_ids, mode)
+    print(f"block output RMS over {args.num_tokens} random tokens (seed {args.seed}, {mode.value} mode):")
+    for layer, value in enumerate(rms):
+        print(f"  layer {layer:>3}: {value:.4f}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deepinfer-model", description="DeepSeek-V4.1-Flash model tools")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -233,6 +257,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="float32: FP32 compute mode; bfloat16: exact (inference) mode (default)",
     )
     logits.set_defaults(handler=_logits)
+    rms = commands.add_parser("rms", help="print each block's output RMS over a random prefill")
+    rms.add_argument("--model", required=True, help="checkpoint directory")
+    rms.add_argument("--num-tokens", type=int, default=64, help="random prompt length (default 64)")
+    rms.add_argument("--seed", type=int, default=0, help="prompt seed (default 0)")
+    rms.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16", help="as for logits")
+    rms.set_defaults(handler=_rms)
     return parser
 
 
