@@ -118,13 +118,28 @@ def build(session: nox.Session) -> None:
         venv = Path(session.create_tmp()) / f"only-{package}"
         session.run("uv", "venv", "--quiet", "--clear", "--python", sys.executable, str(venv), external=True)
         python = str(venv / "bin" / "python")
-        # Siblings are not on PyPI yet: they resolve from the freshly built wheels beside this one.
+        # Siblings are not on PyPI yet: they resolve from the freshly built wheels beside this one. Every version is
+        # still 0.1.0, so uv's cache must not serve a wheel built from an older tree.
+        refresh = [arg for p in PACKAGES for arg in ("--refresh-package", f"deepinfer-{p}")]
         session.run(
-            "uv", "pip", "install", "--quiet", "--python", python, "--find-links", str(dist), str(wheel), external=True
+            "uv",
+            "pip",
+            "install",
+            "--quiet",
+            "--python",
+            python,
+            *refresh,
+            "--find-links",
+            str(dist),
+            str(wheel),
+            external=True,
         )
-        session.run(
-            python, "-c", f"import deepinfer_{package}; print(deepinfer_{package}.__name__, 'imports')", external=True
+        # Resolve every public name: lazily exported names import their modules (and so their dependencies) too.
+        check = (
+            f"import deepinfer_{package} as p; names = [getattr(p, n) for n in p.__all__]; "
+            "print(p.__name__, 'imports with', len(names), 'public names')"
         )
+        session.run(python, "-c", check, external=True)
 
 
 @nox.session(python=PYTHON, tags=["gpu"])
