@@ -4,13 +4,14 @@ Every test session runs in its own uv-built environment that holds exactly one p
 dependencies (resolved through the committed ``uv.lock``) and the root ``dev`` group (test tools only), so a
 dependency a package forgot to declare fails there.
 
-    nox -t test                       all per-package x accelerator-target test sessions, slow tests, workspace checks
+    nox -t test                       everything CI runs: per-package x target tests, slow tests, workspace checks,
+                                      lint, typecheck and the wheel build
     nox -s "tests(kernels, nvidia)"   one package under one target
     nox -s lint typecheck build gpu   the other sessions
 
 Accelerator targets: ``nvidia`` runs Triton kernels under the Triton interpreter on CPU tensors when no CUDA
 device is present; ``ascend`` runs the torch_npu call sites against the test double of
-``deepinfer_kernels.testing`` when no NPU is present (docs/hardware.md says what ran on real hardware).
+``deepinfer_kernels.testing_npu_double`` when no NPU is present (docs/hardware.md says what ran on real hardware).
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def workspace(session: nox.Session) -> None:
     _pytest(session, ["tests"], {}, "not slow")
 
 
-@nox.session(python=PYTHON, tags=["check"])
+@nox.session(python=PYTHON, tags=["test", "check"])
 def lint(session: nox.Session) -> None:
     """ruff lint + format check over the whole tree."""
     _sync(session, "--only-group", "dev")
@@ -101,14 +102,14 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "format", "--check", ".")
 
 
-@nox.session(python=PYTHON, tags=["check"])
+@nox.session(python=PYTHON, tags=["test", "check"])
 def typecheck(session: nox.Session) -> None:
     """mypy over every package's sources."""
     _sync(session, "--all-packages", "--group", "dev")
     session.run("mypy", *[f"packages/deepinfer-{p}/src" for p in PACKAGES])
 
 
-@nox.session(python=PYTHON, tags=["check"])
+@nox.session(python=PYTHON, tags=["test", "check"])
 def build(session: nox.Session) -> None:
     """Build every wheel, install each alone into a fresh environment with its declared dependencies, import it."""
     dist = ROOT / "dist"
