@@ -349,10 +349,20 @@ def test_json_schema_outputs_validate(index, compiler, tokenizer):
         _validate(value, schema, schema.get("$defs", {}))
 
 
-def test_any_json_object(compiler, tokenizer):
-    grammar = compile_structured_grammar(compiler, "json", '{"type": "object"}')
-    for text in _completed(grammar, tokenizer, 7):
-        assert isinstance(json.loads(text, strict=False), dict)
+def test_json_with_an_empty_schema_is_any_json_object(compiler, tokenizer):
+    grammar = compile_structured_grammar(compiler, "json", "")
+    values = [json.loads(text, strict=False) for text in _completed(grammar, tokenizer, 7)]
+    assert all(isinstance(value, dict) for value in values)
+    assert xgr.GrammarMatcher(grammar).accept_string('{"a": [1, "x"], "b": null}')
+    assert not xgr.GrammarMatcher(grammar).accept_string("[1, 2]")
+
+
+def test_json_with_a_schema_is_the_json_schema_alias(compiler, tokenizer):
+    schema = '{"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}'
+    grammar = compile_structured_grammar(compiler, "json", schema)
+    for text in _completed(grammar, tokenizer, 11):
+        value = json.loads(text, strict=False)
+        assert set(value) == {"n"} and isinstance(value["n"], int)
 
 
 @pytest.mark.parametrize("pattern", REGEXES)

@@ -86,9 +86,10 @@ class StructuredOutputSpec:
     """What a request's output must match; compiled by `deepinfer_sampling.structured`.
 
     Attributes:
-        schema_type: "json_schema" (schema is JSON Schema text), "json" (the reference's name for the same thing),
-            "regex" (a regular expression) or "ebnf" (an xgrammar EBNF grammar).
-        schema: the schema, regex or grammar text; non-empty.
+        schema_type: "json_schema" (schema is JSON Schema text), "json" (with a schema: the reference's name for
+            json_schema; with an empty schema: any JSON object), "regex" (a regular expression) or "ebnf" (an
+            xgrammar EBNF grammar).
+        schema: the schema, regex or grammar text; non-empty except for "json" (any JSON object).
         trigger_token_ids: output is unconstrained until this exact token sequence has been generated; empty means
             constrained from the first token. The trigger tokens themselves are not fed to the grammar.
         bound_token_id: if generated while the trigger is pending, the remaining trigger tokens are forced. Requires
@@ -103,8 +104,11 @@ class StructuredOutputSpec:
     def __post_init__(self) -> None:
         if self.schema_type not in SCHEMA_TYPES:
             raise ValueError(f"so_args.schema_type must be one of {SCHEMA_TYPES}, got {self.schema_type!r}")
-        if not isinstance(self.schema, str) or not self.schema:
-            raise ValueError(f"so_args.schema must be a non-empty str, got {self.schema!r}")
+        if not isinstance(self.schema, str) or (not self.schema and self.schema_type != "json"):
+            raise ValueError(
+                f"so_args.schema must be a non-empty str for schema_type {self.schema_type!r} (only 'json' accepts "
+                f"an empty schema, meaning any JSON object), got {self.schema!r}"
+            )
         object.__setattr__(
             self, "trigger_token_ids", _token_id_tuple("so_args.trigger_token_ids", self.trigger_token_ids)
         )

@@ -32,6 +32,7 @@ from deepinfer_sampling.structured.cache import CompiledGrammarCache
 from deepinfer_sampling.structured.matcher import RequestGrammarMatcher
 
 SCHEMA_TYPES = ("json_schema", "json", "regex", "ebnf")
+_ANY_OBJECT_SCHEMA = '{"type": "object"}'
 StructuredOutputErrorKind = Literal["invalid_spec", "compile_error", "timeout", "runtime_error"]
 
 
@@ -118,6 +119,9 @@ def compile_structured_grammar(
         ValueError: on an unknown schema type.
         RuntimeError: when xgrammar cannot parse or convert the grammar.
     """
+    if schema_type == "json" and not grammar_text.strip():
+        # Any JSON object, with any properties.
+        return compiler.compile_json_schema(_ANY_OBJECT_SCHEMA, strict_mode=False)
     if schema_type in ("json_schema", "json"):
         return compiler.compile_json_schema(grammar_text, strict_mode=True)
     if schema_type == "regex":
@@ -236,8 +240,9 @@ class GrammarCompilationService:
 
     def _build(self, spec: StructuredOutputSpecLike) -> tuple[RequestGrammarMatcher, float]:
         """Worker body: cached or fresh grammar → matcher, plus the time it finished."""
-        # "json" and "json_schema" compile the same way, so they share cache entries.
-        key = ("json_schema" if spec.schema_type == "json" else spec.schema_type, spec.schema)
+        # "json" with a schema compiles as "json_schema", so they share cache entries; an empty "json" stays apart.
+        is_schema_alias = spec.schema_type == "json" and spec.schema.strip()
+        key = ("json_schema" if is_schema_alias else spec.schema_type, spec.schema)
         grammar = self.cache.get(key)
         if grammar is None:
             grammar = compile_structured_grammar(self._compiler, *key)
