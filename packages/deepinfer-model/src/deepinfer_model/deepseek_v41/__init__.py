@@ -5,6 +5,7 @@ the paged incremental state. Import ``DeepseekV41ForCausalLM`` from here.
 
 from deepinfer_model.deepseek_v41.engram import EngramVocab
 from deepinfer_model.deepseek_v41.engram_vocab import engram_vocab_from_tokenizer
+from deepinfer_model.deepseek_v41.expert_parallel import ExpertParallelMoE
 from deepinfer_model.deepseek_v41.model import DeepseekV41ForCausalLM
 from deepinfer_model.deepseek_v41.moe import ExpertCompute, ExpertDispatch, local_expert_dispatch
 
@@ -13,6 +14,7 @@ __all__ = [
     "EngramVocab",
     "ExpertCompute",
     "ExpertDispatch",
+    "ExpertParallelMoE",
     "engram_vocab_from_tokenizer",
     "local_expert_dispatch",
 ]

@@ -7,6 +7,8 @@ The block returns the trunk after its own MoE post together with its FFN read-mi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -54,6 +56,7 @@ class DecoderBlock(nn.Module):
         top_k: experts per token.
         swa_group: cache group of the layer's SWA ring.
         dispatch: expert dispatch seam.
+        local_experts: routed experts (logical ids per stored slot) this rank holds; None holds all.
     """
 
     def __init__(
@@ -65,6 +68,7 @@ class DecoderBlock(nn.Module):
         top_k: int,
         swa_group: str,
         dispatch: ExpertDispatch,
+        local_experts: Sequence[int] | None = None,
     ) -> None:
         super().__init__()
         self.spec = spec
@@ -88,6 +92,7 @@ class DecoderBlock(nn.Module):
             cfg.swiglu_limit,
             mode,
             dispatch,
+            local_experts,
         )
         self.engram = Engram(cfg, spec.layer_id, mode) if spec.has_engram else None
 

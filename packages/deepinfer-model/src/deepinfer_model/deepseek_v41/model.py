@@ -27,6 +27,7 @@ from deepinfer_model.deepseek_v41.context import (
 )
 from deepinfer_model.deepseek_v41.dspark import DSparkBlock
 from deepinfer_model.deepseek_v41.engram import EngramVocab, ngram_rows
+from deepinfer_model.deepseek_v41.expert_parallel import ExpertParallelMoE
 from deepinfer_model.deepseek_v41.hyper_connection import initial_read_mix
 from deepinfer_model.deepseek_v41.moe import ExpertDispatch, local_expert_dispatch
 from deepinfer_model.deepseek_v41.weight_loading import load_named_weights
@@ -53,11 +54,15 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
         config: validated model config.
         mode: compute mode (``EXACT`` for inference, ``FP32`` for parity tests).
         engram_vocab: compressed vocabulary; required to run a model with Engram layers.
-        expert_dispatch: expert dispatch seam of every MoE.
+        expert_dispatch: expert dispatch seam of every MoE that ``expert_parallel`` does not cover (all of them when
+            it is None, else the DSpark blocks).
         max_backtracking_tokens: ``BT``, positions that can be rolled back (sizes the rings, ≥ 1).
+        expert_parallel: shards the backbone's routed experts over an EP group: each block stores only this rank's
+            experts (``load_weights`` skips the others) and dispatches tokens over the group. None keeps every
+            expert here.
 
     Raises:
-        ValueError: ``BT < 1``.
+        ValueError: ``BT < 1``, or an ``expert_parallel`` placement that does not match the config.
     """
 
     def __init__(
@@ -67,11 +72,14 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
         engram_vocab: EngramVocab | None = None,
         expert_dispatch: ExpertDispatch = local_expert_dispatch,
         max_backtracking_tokens: int = 6,
+        expert_parallel: ExpertParallelMoE | None = None,
     ) -> None:
         super().__init__()
         cfg = config.text
         if max_backtracking_tokens < 1:
             raise ValueError(f"max_backtracking_tokens must be >= 1, got {max_backtracking_tokens}")
+        if expert_parallel is not None:
+            expert_parallel.check_model(cfg)
         self.config = config
         self.mode = mode
         self.engram_vocab = engram_vocab
@@ -79,8 +87,17 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
         backbone = cfg.layers[: cfg.num_hidden_layers]
         self.embed = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, mode)
         self.layers = nn.ModuleList(
-            DecoderBlock(cfg, spec, mode, cfg.n_routed_experts, cfg.num_experts_per_tok, SWA_GROUP, expert_dispatch)
-            for spec in backbone
+            DecoderBlock(
+                cfg,
+                spec,
+                mode,
+                cfg.n_routed_experts,
+                cfg.num_experts_per_tok,
+                SWA_GROUP,
+                expert_dispatch if expert_parallel is None else expert_parallel.layer_dispatch(index),
+                None if expert_parallel is None else expert_parallel.local_experts(index),
+            )
+            for index, spec in enumerate(backbone)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, mode)
         self.head = LMHead(cfg.vocab_size, cfg.hidden_size)

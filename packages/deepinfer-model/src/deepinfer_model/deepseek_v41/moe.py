@@ -3,12 +3,13 @@ routed experts with clamped SwiGLU, optional FP8 shared expert.
 
 Expert dispatch goes through the ``ExpertDispatch`` seam: a callable that receives the quantized tokens, their
 routing and a per-expert compute function and returns the FP32 sum of the routed outputs. ``local_expert_dispatch``
-runs every expert on this rank; expert parallelism (``deepinfer_parallel``) plugs in a dispatch/combine version.
+runs every expert on this rank; ``deepseek_v41.expert_parallel`` plugs in the dispatch/combine version over
+``deepinfer_parallel``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -76,16 +77,28 @@ class Router(nn.Module):
 
 
 class RoutedExperts(nn.Module):
-    """MXFP4 experts: ``w13`` = ``[w1; w3]`` ``[E, 2I, H]`` and ``w2`` ``[E, H, I]`` (logical shapes)."""
+    """MXFP4 experts: ``w13`` = ``[w1; w3]`` ``[E, 2I, H]`` and ``w2`` ``[E, H, I]`` (logical shapes).
+
+    ``local_experts`` (logical ids, one per stored slot) keeps only an expert-parallel rank's experts; ``compute``
+    then accepts only those ids. None keeps all ``num_experts``.
+    """
 
     def __init__(
-        self, num_experts: int, hidden: int, intermediate: int, limit: float | None, mode: ComputeMode
+        self,
+        num_experts: int,
+        hidden: int,
+        intermediate: int,
+        limit: float | None,
+        mode: ComputeMode,
+        local_experts: Sequence[int] | None = None,
     ) -> None:
         super().__init__()
         self.mode = mode
         self.limit = limit
-        self.w13 = Mxfp4ExpertStack(num_experts, hidden, 2 * intermediate, (intermediate, intermediate), mode)
-        self.w2 = Mxfp4ExpertStack(num_experts, intermediate, hidden, (hidden,), mode)
+        self.w13 = Mxfp4ExpertStack(
+            num_experts, hidden, 2 * intermediate, (intermediate, intermediate), mode, local_experts
+        )
+        self.w2 = Mxfp4ExpertStack(num_experts, intermediate, hidden, (hidden,), mode, local_experts)
 
     def compute(self, expert: int, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """One expert (§13.3): the routing weight multiplies the SwiGLU output before ``w2`` and its FP8 cast.
@@ -112,7 +125,11 @@ class SharedExperts(nn.Module):
 
 
 class MoE(nn.Module):
-    """Router + routed experts + optional shared expert; ``MoE(x) = Σ_e y_e + y_s`` rounded once."""
+    """Router + routed experts + optional shared expert; ``MoE(x) = Σ_e y_e + y_s`` rounded once.
+
+    Under expert parallelism ``dispatch`` moves tokens to the ranks holding their experts and ``local_experts``
+    (logical ids per stored slot) keeps only this rank's routed experts; router and shared expert stay whole.
+    """
 
     def __init__(
         self,
@@ -125,6 +142,7 @@ class MoE(nn.Module):
         limit: float | None,
         mode: ComputeMode,
         dispatch: ExpertDispatch = local_expert_dispatch,
+        local_experts: Sequence[int] | None = None,
     ) -> None:
         super().__init__()
         if not 0 < top_k <= num_experts:
@@ -132,7 +150,7 @@ class MoE(nn.Module):
         self.mode = mode
         self.dispatch = dispatch
         self.gate = Router(num_experts, hidden, top_k, scaling)
-        self.experts = RoutedExperts(num_experts, hidden, intermediate, limit, mode)
+        self.experts = RoutedExperts(num_experts, hidden, intermediate, limit, mode, local_experts)
         self.shared_experts = SharedExperts(hidden, num_shared * intermediate, limit, mode) if num_shared > 0 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

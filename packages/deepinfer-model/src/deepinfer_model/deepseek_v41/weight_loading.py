@@ -3,7 +3,8 @@
 Every tensor is mapped with ``loading.hf_names.map_hf_name`` (the one name table) and handed to its parameter's
 loader (which checks shape and dtype exactly). Coverage is strict both ways: a tensor that maps to no parameter, a
 tensor loaded twice, or a parameter (or shard of a merged/expert parameter) left unloaded raises ``ValueError``
-naming the first offenders.
+naming the first offenders. The one exception: tensors of routed experts an expert-parallel rank does not hold
+(``Mxfp4ExpertStack.local_experts``) are skipped.
 """
 
 from __future__ import annotations
@@ -29,12 +30,26 @@ def expected_shards(module: nn.Module) -> dict[str, set[ShardId]]:
         if isinstance(sub, Fp8BlockLinear) and sub.shard_sizes is not None:
             shards: set[ShardId] = set(range(len(sub.shard_sizes)))
         elif isinstance(sub, Mxfp4ExpertStack):
-            shards = {(e, s) for e in range(sub.num_experts) for s in range(len(sub.shard_sizes))}
+            shards = {(e, s) for e in set(sub.local_experts) for s in range(len(sub.shard_sizes))}
         else:
             continue
         expected[f"{dot}weight"] = shards
         expected[f"{dot}scale"] = set(shards)
     return expected
+
+
+def _held_elsewhere(module: nn.Module) -> dict[str, set[ShardId]]:
+    """Parameter name → shards of experts this (expert-parallel) rank does not hold: skipped, never an error."""
+    elsewhere: dict[str, set[ShardId]] = {}
+    for prefix, sub in module.named_modules():
+        if isinstance(sub, Mxfp4ExpertStack):
+            dot = f"{prefix}." if prefix else ""
+            shards: set[ShardId] = {
+                (e, s) for e in range(sub.num_experts) if not sub.holds(e) for s in range(len(sub.shard_sizes))
+            }
+            elsewhere[f"{dot}weight"] = shards
+            elsewhere[f"{dot}scale"] = set(shards)
+    return elsewhere
 
 
 def load_named_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -46,6 +61,7 @@ def load_named_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Ten
     """
     params = dict(module.named_parameters())
     expected = expected_shards(module)
+    elsewhere = _held_elsewhere(module)
     loaded: dict[str, set[ShardId]] = {name: set() for name in params}
     unknown: list[str] = []
     for hf_name, tensor in weights:
@@ -54,6 +70,8 @@ def load_named_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Ten
             continue
         name, shard = target
         param = params.get(name)
+        if param is not None and shard in elsewhere.get(name, set()):
+            continue
         if param is None or shard not in expected[name]:
             unknown.append(hf_name)
             continue

@@ -16,7 +16,7 @@ index for merged layers and ``(expert, shard)`` for expert stacks.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -224,10 +224,18 @@ class Mxfp4ExpertStack(nn.Module):
         shard_sizes: row counts of the per-expert checkpoint tensors merged along the rows (``(I, I)`` for
             ``[w1; w3]``, ``(H,)`` for ``w2``).
         mode: compute mode (FP32 mode keeps the dequantized experts).
+        local_experts: logical expert held by each stored slot (an expert-parallel rank holds only its own; a
+            logical expert may fill several slots when it has replicas). None stores all ``num_experts`` in order.
     """
 
     def __init__(
-        self, num_experts: int, in_features: int, out_features: int, shard_sizes: tuple[int, ...], mode: ComputeMode
+        self,
+        num_experts: int,
+        in_features: int,
+        out_features: int,
+        shard_sizes: tuple[int, ...],
+        mode: ComputeMode,
+        local_experts: Sequence[int] | None = None,
     ) -> None:
         super().__init__()
         if in_features % MXFP4_GROUP or sum(shard_sizes) != out_features:
@@ -235,14 +243,31 @@ class Mxfp4ExpertStack(nn.Module):
                 f"MXFP4 expert stack needs in_features % {MXFP4_GROUP} == 0 (got {in_features}) and shard_sizes "
                 f"{shard_sizes} summing to out_features {out_features}"
             )
+        held = tuple(range(num_experts)) if local_experts is None else tuple(int(e) for e in local_experts)
+        if not held or any(not 0 <= e < num_experts for e in held):
+            raise ValueError(f"local_experts must be a non-empty list of ids in [0, {num_experts}), got {held}")
         self.mode = mode
         self.num_experts = num_experts
+        self.local_experts = held
         self.shard_sizes = shard_sizes
+        self._slots: dict[int, list[int]] = {}
+        for slot, expert in enumerate(held):
+            self._slots.setdefault(expert, []).append(slot)
         self._cache = _DequantizedCache(mode)
-        self.weight = make_parameter((num_experts, out_features, in_features // 2), torch.int8, self._load_expert)
+        self.weight = make_parameter((len(held), out_features, in_features // 2), torch.int8, self._load_expert)
         self.scale = make_parameter(
-            (num_experts, out_features, in_features // MXFP4_GROUP), torch.float8_e8m0fnu, self._load_expert
+            (len(held), out_features, in_features // MXFP4_GROUP), torch.float8_e8m0fnu, self._load_expert
         )
+
+    def holds(self, expert: int) -> bool:
+        """Whether logical expert ``expert`` is stored in this stack."""
+        return expert in self._slots
+
+    def _slot(self, expert: int) -> int:
+        slots = self._slots.get(expert)
+        if slots is None:
+            raise ValueError(f"expert {expert} is not held by this stack (it holds {sorted(self._slots)})")
+        return slots[0]
 
     def _load_expert(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         if not (isinstance(shard_id, tuple) and len(shard_id) == 2):
@@ -255,9 +280,12 @@ class Mxfp4ExpertStack(nn.Module):
                 f"shards 0..{len(self.shard_sizes) - 1}"
             )
         start = sum(self.shard_sizes[:shard])
-        target = param.data[expert, start : start + self.shard_sizes[shard]]
-        _check_loaded(param, target, loaded)
-        target.copy_(loaded)
+        # Every replica slot of the expert gets the same weights.
+        self._slot(expert)  # raises for an expert this stack does not hold
+        for slot in self._slots[expert]:
+            target = param.data[slot, start : start + self.shard_sizes[shard]]
+            _check_loaded(param, target, loaded)
+            target.copy_(loaded)
 
     def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
         """Apply expert ``expert``'s matrix.
@@ -271,8 +299,10 @@ class Mxfp4ExpertStack(nn.Module):
         """
         if self.mode is ComputeMode.FP32:
             return x.float() @ self.dequantized_weight(expert).t()
-        return mxfp4_gemm(x, self.weight[expert], self.scale[expert])
+        slot = self._slot(expert)
+        return mxfp4_gemm(x, self.weight[slot], self.scale[slot])
 
     def dequantized_weight(self, expert: int) -> torch.Tensor:
-        """The exact FP32 weight ``[out, in]`` of one expert."""
-        return self._cache.get(expert, lambda: dequantize_mxfp4(self.weight[expert], self.scale[expert]))
+        """The exact FP32 weight ``[out, in]`` of one (logical) expert."""
+        slot = self._slot(expert)
+        return self._cache.get(expert, lambda: dequantize_mxfp4(self.weight[slot], self.scale[slot]))

@@ -1,0 +1,157 @@
+"""Expert parallelism of the layered model: routed experts sharded over an EP group, tokens moved by
+``deepinfer_parallel``'s dispatcher.
+
+``ExpertParallelMoE`` holds what one rank needs: its EP group, the expert placement (logical <-> physical maps of
+every backbone MoE layer, replicas included) and the token dispatcher. The model asks it, per backbone layer, which
+logical experts to store (``local_experts``) and which ``ExpertDispatch`` to call (``layer_dispatch``).
+
+One layer's dispatch (every EP rank calls it once per forward, also with zero tokens)::
+
+    x [n, H], topk logical ids [n, k], routing weights [n, k]
+      │ map_to_physical: one replica per routing choice
+      │ dispatcher.dispatch: received rows [m, H], local slot of each choice (-1 = elsewhere), weights
+      │ compute(logical expert, rows, weights) per held expert; the weight acts inside the expert, before w2 (§13.3)
+      ▼
+    per-choice outputs [m, k, H] (zeros for choices computed elsewhere)
+      │ dispatcher.combine: [n, k, H]; each choice is computed on exactly one rank, so the sum over ranks only adds
+      ▼ zeros and is exact
+    bias + Σ_j out[:, j] in top-k order, in FP32: the arithmetic of ``local_expert_dispatch``.
+
+Returning each choice's output (k rows per token rather than one weighted partial sum per rank, as
+``deepinfer_parallel.expert_parallel_moe`` does) costs k times the combine traffic, but keeps the single-process
+FP32 summation order, so the only difference from one process is the expert GEMMs seeing other row batches.
+
+Attention data parallelism needs nothing more: each DP rank runs attention on its own requests and the dispatcher
+exchanges whatever token counts the ranks hold. DSpark blocks are not sharded (they keep all their experts).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer_model.config import TextConfig
+from deepinfer_model.deepseek_v41.moe import ExpertCompute, ExpertDispatch
+from deepinfer_parallel.config import ExpertLayoutConfig
+from deepinfer_parallel.expert_parallel import AllToAllDispatcher, ExpertPlacement, TokenDispatcher, map_to_physical
+from deepinfer_parallel.groups import ParallelGroups, RankGroup
+
+__all__ = ["ExpertParallelMoE"]
+
+
+class ExpertParallelMoE:
+    """The routed experts of one EP rank and the dispatch that reaches everyone else's.
+
+    Args:
+        group: the EP group (``ParallelGroups.expert_parallel``).
+        placement: maps of every backbone MoE layer; ``placement.layout.expert_parallel_size`` must be the group
+            size.
+        dispatcher: transport over ``group`` with ``placement.layout.num_local_experts`` slots per rank.
+
+    Raises:
+        ValueError: the group, placement and dispatcher disagree on sizes.
+    """
+
+    def __init__(self, group: RankGroup, placement: ExpertPlacement, dispatcher: TokenDispatcher) -> None:
+        layout = placement.layout
+        if layout.expert_parallel_size != group.size:
+            raise ValueError(
+                f"placement is laid out for expert_parallel_size={layout.expert_parallel_size}, the EP group has "
+                f"{group.size} ranks; they must be equal"
+            )
+        if dispatcher.num_local_experts != layout.num_local_experts:
+            raise ValueError(
+                f"dispatcher has {dispatcher.num_local_experts} local expert slots, the placement "
+                f"{layout.num_local_experts} ({layout.num_physical_experts} physical experts over {group.size} ranks)"
+            )
+        self.group = group
+        self.placement = placement
+        self.dispatcher = dispatcher
+
+    @classmethod
+    def create(
+        cls, groups: ParallelGroups, num_logical_experts: int, num_layers: int, num_redundant_experts: int = 0
+    ) -> ExpertParallelMoE:
+        """The start-up placement (``ExpertPlacement.initial``) with an all-to-all dispatcher over the EP group.
+
+        Args:
+            groups: this rank's groups.
+            num_logical_experts: routed experts per layer (``n_routed_experts``).
+            num_layers: backbone MoE layers (``num_hidden_layers``).
+            num_redundant_experts: replica slots; logical + redundant must be a multiple of the EP size.
+
+        Raises:
+            ValueError: the physical expert count does not divide over the EP ranks.
+        """
+        layout = ExpertLayoutConfig(num_logical_experts, num_redundant_experts, groups.config.expert_parallel_size)
+        placement = ExpertPlacement.initial(layout, num_layers)
+        dispatcher = AllToAllDispatcher(groups.expert_parallel, layout.num_local_experts)
+        return cls(groups.expert_parallel, placement, dispatcher)
+
+    def check_model(self, cfg: TextConfig) -> None:
+        """Raise ``ValueError`` unless the placement covers ``cfg``'s backbone MoE layers and routed experts."""
+        layout = self.placement.layout
+        if layout.num_logical_experts != cfg.n_routed_experts or self.placement.num_layers != cfg.num_hidden_layers:
+            raise ValueError(
+                f"expert placement covers {self.placement.num_layers} layers of {layout.num_logical_experts} experts, "
+                f"the model has {cfg.num_hidden_layers} backbone layers of {cfg.n_routed_experts} routed experts"
+            )
+
+    def local_experts(self, layer: int) -> tuple[int, ...]:
+        """Logical expert held by each of this rank's physical slots of backbone layer ``layer``."""
+        return tuple(int(e) for e in self.placement.local_logical_experts(layer, self.group.rank).tolist())
+
+    def layer_dispatch(self, layer: int) -> ExpertDispatch:
+        """The ``ExpertDispatch`` of backbone layer ``layer`` (see ``dispatch``)."""
+        if not 0 <= layer < self.placement.num_layers:
+            raise ValueError(f"layer must be in [0, {self.placement.num_layers}), got {layer}")
+
+        def dispatch(
+            x: torch.Tensor,
+            topk_ids: torch.Tensor,
+            topk_weights: torch.Tensor,
+            compute: ExpertCompute,
+            bias: torch.Tensor,
+        ) -> torch.Tensor:
+            return self.dispatch(layer, x, topk_ids, topk_weights, compute, bias)
+
+        return dispatch
+
+    def dispatch(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        compute: ExpertCompute,
+        bias: torch.Tensor,
+    ) -> torch.Tensor:
+        """Routed experts of this rank's tokens over the EP group (collective: every EP rank calls it).
+
+        Args:
+            layer: backbone MoE layer (index into the placement).
+            x: [n, H] expert inputs, activation dtype (n may be 0).
+            topk_ids: [n, k] int64 logical expert ids.
+            topk_weights: [n, k] fp32 routing weights.
+            compute: this rank's experts (accepts the logical ids of ``local_experts(layer)``).
+            bias: [n, H] fp32 added first (the shared-expert output, or zeros).
+
+        Returns:
+            [n, H] fp32: bias + the routed outputs summed in top-k order.
+        """
+        rank = self.group.rank
+        physical = map_to_physical(topk_ids, self.placement, layer, token_offset=rank)
+        received = self.dispatcher.dispatch(x, physical, topk_weights)
+        slots = received.topk_local_ids
+        held = self.placement.local_logical_experts(layer, rank).to(slots.device)
+        logical = torch.where(slots >= 0, held[slots.clamp(min=0)], -1)
+        rows_in = received.hidden_states
+        out = rows_in.new_zeros((*slots.shape, rows_in.shape[1]))
+        # One call per held logical expert over all its received choices, as local_expert_dispatch does.
+        for expert in torch.unique(logical[logical >= 0]).tolist():
+            rows, choice = torch.nonzero(logical == expert, as_tuple=True)
+            out[rows, choice] = compute(int(expert), rows_in[rows], received.topk_weights[rows, choice]).to(out.dtype)
+        combined = self.dispatcher.combine(out, received)
+        result = bias
+        for rank_in_topk in range(topk_ids.shape[1]):
+            result = result + combined[:, rank_in_topk].float()
+        return result
