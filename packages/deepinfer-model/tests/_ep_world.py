@@ -7,6 +7,7 @@ and ranks that do not answer in time are terminated.
 
 from __future__ import annotations
 
+import pickle
 import queue
 import time
 import traceback
@@ -27,7 +28,9 @@ def _rank_main(rank: int, world_size: int, port: int, fn: Callable[..., Any], ar
     try:
         init_distributed(rank, world_size, "127.0.0.1", port, "gloo", _COLLECTIVE_TIMEOUT_S)
         try:
-            out.put((rank, True, fn(rank, world_size, *args)))
+            # Plain pickle bytes: the queue's own pickler would pass tensors as shared-memory handles that die with
+            # this process, which may exit before the parent reads them.
+            out.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
         finally:
             destroy_distributed()
     except BaseException:
@@ -74,4 +77,4 @@ def run_world(world_size: int, fn: Callable[..., Any], *args: Any, timeout_s: fl
         silent = sorted(set(range(world_size)) - set(results) - set(failures))
         report = "\n".join(f"--- rank {rank} ---\n{tb}" for rank, tb in sorted(failures.items()))
         raise AssertionError(f"ranks failed: {sorted(failures)}, no answer from: {silent}\n{report}")
-    return [results[rank] for rank in range(world_size)]
+    return [pickle.loads(results[rank]) for rank in range(world_size)]

@@ -3,10 +3,11 @@ with and without attention data parallelism) against the single-process forward 
 
 Every rank stores only its own experts (loaded from the full checkpoint, the others skipped) and reaches the others
 through ``ExpertParallelMoE``'s all-to-all dispatch. The per-choice combine keeps the single-process FP32 summation
-order, so the ranks' logits differ from one process only where an expert GEMM sees a different row batch; on CPU
-the results come out bitwise equal. Stated tolerances: FP32 mode 1e-5 relative to the largest logit; exact mode
-(BF16 activations, FP8/FP4 GEMMs) 1e-2 relative, i.e. a few BF16 ulps should a GEMM round differently in a batch of
-another size.
+order, so the ranks' logits differ from one process only where an expert GEMM sees a different row batch.
+
+Tolerances (relative to the largest reference logit): FP32 mode 1e-5 (measured: at most 9.4e-7; CPU FP32 GEMMs are
+not row-batch invariant, and an expert sees other ranks' rows); exact mode 1e-2, a few BF16 ulps in case a GEMM
+rounds differently in another batch (measured: bitwise equal on CPU).
 """
 
 from __future__ import annotations
@@ -82,23 +83,22 @@ def _check(world_size: int, mode_name: str, num_redundant: int, placement_seed: 
     assert held == set(range(tiny_config().text.n_routed_experts)), f"experts held over all ranks: {sorted(held)}"
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("mode_name", ["FP32", "EXACT"])
+# Each (world size, mode) pair appears somewhere below; the full cross product would double the file's run time.
+@pytest.mark.parametrize(("world_size", "mode_name"), [(2, "FP32"), (4, "EXACT")])
 def test_expert_parallel_same_batch_matches_single_process(world_size: int, mode_name: str) -> None:
     _check(world_size, mode_name, num_redundant=0, placement_seed=None, own=False)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("mode_name", ["FP32", "EXACT"])
+@pytest.mark.parametrize(("world_size", "mode_name"), [(2, "EXACT"), (4, "FP32"), (4, "EXACT")])
 def test_attention_data_parallel_with_expert_parallel(world_size: int, mode_name: str) -> None:
     # Each rank has its own request (different prompt and length); tokens meet only in the MoE dispatch.
     _check(world_size, mode_name, num_redundant=0, placement_seed=None, own=True)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_redundant_experts_in_a_shuffled_placement(world_size: int) -> None:
+@pytest.mark.parametrize(("world_size", "mode_name"), [(2, "FP32"), (4, "EXACT")])
+def test_redundant_experts_in_a_shuffled_placement(world_size: int, mode_name: str) -> None:
     # 8 logical + 4 replicas, shuffled per layer: which replica a choice reaches must not change the result.
-    _check(world_size, "EXACT", num_redundant=4, placement_seed=7, own=True)
+    _check(world_size, mode_name, num_redundant=4, placement_seed=7, own=True)
 
 
 def _sizes_rank(rank: int, world_size: int) -> str:
