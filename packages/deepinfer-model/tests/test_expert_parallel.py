@@ -101,6 +101,37 @@ def test_redundant_experts_in_a_shuffled_placement(world_size: int, mode_name: s
     _check(world_size, mode_name, num_redundant=4, placement_seed=7, own=True)
 
 
+def _moe_inputs(rank: int) -> torch.Tensor:
+    """[n, H] fp32 MoE inputs of a rank; ranks 1 and 3 are idle (zero tokens), as attention-DP ranks can be."""
+    generator = torch.Generator().manual_seed(100 + rank)
+    return torch.randn([6, 0, 4, 0][rank], tiny_config().text.hidden_size, generator=generator)
+
+
+def _idle_rank(rank: int, world_size: int) -> list[torch.Tensor]:
+    groups = ParallelGroups.build(ParallelConfig(world_size, world_size, 1, world_size), rank)
+    model = DeepseekV41ForCausalLM(
+        tiny_config(), ComputeMode.FP32, tiny_vocab(), expert_parallel=_expert_parallel(groups, 0, None)
+    )
+    model.load_weights(tiny_weights().items())
+    with torch.no_grad():
+        return [block.ffn(_moe_inputs(rank)) for block in model.layers]
+
+
+@pytest.mark.parametrize("world_size", [4])
+def test_idle_ranks_take_part_in_the_moe(world_size: int) -> None:
+    # Every MoE layer on every rank, some ranks with zero tokens: the busy ranks still get their experts' results.
+    results = run_world(world_size, _idle_rank)
+    reference = tiny_model(ComputeMode.FP32)
+    with torch.no_grad():
+        for rank, outputs in enumerate(results):
+            for layer, (out, block) in enumerate(zip(outputs, reference.layers, strict=True)):
+                expected = block.ffn(_moe_inputs(rank))
+                assert out.shape == expected.shape
+                if expected.numel():
+                    error = float((out - expected).abs().max() / expected.abs().max())
+                    assert error <= TOLERANCE["FP32"], f"rank {rank} layer {layer}: relative error {error:.3g}"
+
+
 def _sizes_rank(rank: int, world_size: int) -> str:
     groups = ParallelGroups.build(ParallelConfig(world_size, world_size, 1, world_size), rank)
     with pytest.raises(ValueError, match="do not divide") as info:
