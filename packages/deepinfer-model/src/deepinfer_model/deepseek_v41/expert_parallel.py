@@ -69,7 +69,12 @@ class ExpertParallelMoE:
 
     @classmethod
     def create(
-        cls, groups: ParallelGroups, num_logical_experts: int, num_layers: int, num_redundant_experts: int = 0
+        cls,
+        groups: ParallelGroups,
+        num_logical_experts: int,
+        num_layers: int,
+        num_redundant_experts: int = 0,
+        device: torch.device | None = None,
     ) -> ExpertParallelMoE:
         """The start-up placement (``ExpertPlacement.initial``) with an all-to-all dispatcher over the EP group.
 
@@ -78,12 +83,13 @@ class ExpertParallelMoE:
             num_logical_experts: routed experts per layer (``n_routed_experts``).
             num_layers: backbone MoE layers (``num_hidden_layers``).
             num_redundant_experts: replica slots; logical + redundant must be a multiple of the EP size.
+            device: where the placement maps live (the device of the routed tokens); CPU when None.
 
         Raises:
             ValueError: the physical expert count does not divide over the EP ranks.
         """
         layout = ExpertLayoutConfig(num_logical_experts, num_redundant_experts, groups.config.expert_parallel_size)
-        placement = ExpertPlacement.initial(layout, num_layers)
+        placement = ExpertPlacement.initial(layout, num_layers, device)
         dispatcher = AllToAllDispatcher(groups.expert_parallel, layout.num_local_experts)
         return cls(groups.expert_parallel, placement, dispatcher)
 
