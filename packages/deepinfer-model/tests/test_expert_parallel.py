@@ -132,6 +132,42 @@ def test_idle_ranks_take_part_in_the_moe(world_size: int) -> None:
                     assert error <= TOLERANCE["FP32"], f"rank {rank} layer {layer}: relative error {error:.3g}"
 
 
+def _rebalance_rank(rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    groups = ParallelGroups.build(ParallelConfig(world_size, world_size, 1, world_size), rank)
+    ep = _expert_parallel(groups, 4, None)
+    model = DeepseekV41ForCausalLM(tiny_config(), ComputeMode.EXACT, tiny_vocab(), expert_parallel=ep)
+    model.load_weights(tiny_weights().items())
+    ids, bounds = _requests(rank)
+    before = run_chunks(model, ids, bounds)
+    # A new placement (as EPLB would choose): the same seeded per-layer shuffle on every rank.
+    generator = torch.Generator().manual_seed(21)
+    current = ep.placement.physical_to_logical
+    new = torch.stack([row[torch.randperm(row.numel(), generator=generator)] for row in current])
+    moes = [block.ffn for block in model.layers]
+    ep.rebalance(moes, new)
+    weights = tiny_weights()
+    for layer, moe in enumerate(moes):
+        stack = moe.experts.w2
+        assert stack.local_experts == ep.local_experts(layer)
+        for slot, expert in enumerate(stack.local_experts):
+            stored = weights[f"layers.{layer}.ffn.experts.{expert}.w2.weight"]
+            assert torch.equal(stack.weight[slot], stored), f"layer {layer} slot {slot} does not hold expert {expert}"
+    assert torch.equal(ep.placement.physical_to_logical, new)
+    return before, run_chunks(model, ids, bounds)
+
+
+def test_rebalancing_moves_expert_weights_and_keeps_the_logits() -> None:
+    # EPLB on the real model: weights move between 2 ranks (8 logical + 4 replicas), the forward is unchanged.
+    results = run_world(2, _rebalance_rank)
+    reference = tiny_model(ComputeMode.EXACT)
+    for rank, (before, after) in enumerate(results):
+        ids, bounds = _requests(rank)
+        expected = run_chunks(reference, ids, bounds)
+        for logits in (before, after):
+            error = float((logits - expected).abs().max() / expected.abs().max())
+            assert error <= TOLERANCE["EXACT"], f"rank {rank}: relative error {error:.3g}"
+
+
 def _sizes_rank(rank: int, world_size: int) -> str:
     groups = ParallelGroups.build(ParallelConfig(world_size, world_size, 1, world_size), rank)
     with pytest.raises(ValueError, match="do not divide") as info:

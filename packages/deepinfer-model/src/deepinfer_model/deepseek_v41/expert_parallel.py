@@ -23,15 +23,19 @@ FP32 summation order, so the only difference from one process is the expert GEMM
 
 Attention data parallelism needs nothing more: each DP rank runs attention on its own requests and the dispatcher
 exchanges whatever token counts the ranks hold. DSpark blocks are not sharded (they keep all their experts).
+``rebalance`` installs an EPLB placement: the slots' weights move between ranks and the experts learn their new ids.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from deepinfer_model.config import TextConfig
-from deepinfer_model.deepseek_v41.moe import ExpertCompute, ExpertDispatch
+from deepinfer_model.deepseek_v41.moe import ExpertCompute, ExpertDispatch, MoE
 from deepinfer_parallel.config import ExpertLayoutConfig
+from deepinfer_parallel.eplb.rebalance import apply_placement
 from deepinfer_parallel.expert_parallel import AllToAllDispatcher, ExpertPlacement, TokenDispatcher, map_to_physical
 from deepinfer_parallel.groups import ParallelGroups, RankGroup
 
@@ -105,6 +109,31 @@ class ExpertParallelMoE:
     def local_experts(self, layer: int) -> tuple[int, ...]:
         """Logical expert held by each of this rank's physical slots of backbone layer ``layer``."""
         return tuple(int(e) for e in self.placement.local_logical_experts(layer, self.group.rank).tolist())
+
+    def rebalance(self, moes: Sequence[MoE], new_physical_to_logical: torch.Tensor, num_p2p_groups: int = 1) -> None:
+        """Install a new expert placement (EPLB): move this rank's expert weights, then update the maps and every
+        layer's local experts (collective over the EP group; every rank passes the same placement).
+
+        Args:
+            moes: the backbone MoE of every layer, in layer order (``[block.ffn for block in model.layers]``).
+            new_physical_to_logical: [num_layers, num_physical] int64 placement (e.g. from
+                ``deepinfer_parallel.eplb.policy``).
+            num_p2p_groups: transfer buckets per layer (>= 1).
+        """
+        if len(moes) != self.placement.num_layers:
+            raise ValueError(f"got {len(moes)} MoE layers, the placement covers {self.placement.num_layers}")
+        # Byte views: the P2P transfer and row copies then need no FP4/UE8M0 support, and write the parameters.
+        layer_weights = [
+            [
+                tensor.data.view(torch.uint8)
+                for stack in (moe.experts.w13, moe.experts.w2)
+                for tensor in stack.parameters()
+            ]
+            for moe in moes
+        ]
+        apply_placement(layer_weights, self.placement, new_physical_to_logical, self.group, num_p2p_groups)
+        for layer, moe in enumerate(moes):
+            moe.experts.set_local_experts(self.local_experts(layer))
 
     def layer_dispatch(self, layer: int) -> ExpertDispatch:
         """The ``ExpertDispatch`` of backbone layer ``layer`` (see ``dispatch``)."""

@@ -100,6 +100,11 @@ class RoutedExperts(nn.Module):
         )
         self.w2 = Mxfp4ExpertStack(num_experts, intermediate, hidden, (hidden,), mode, local_experts)
 
+    def set_local_experts(self, local_experts: Sequence[int]) -> None:
+        """Logical expert of each stored slot after the slots' weights were rewritten (see ``Mxfp4ExpertStack``)."""
+        self.w13.set_local_experts(local_experts)
+        self.w2.set_local_experts(local_experts)
+
     def compute(self, expert: int, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """One expert (§13.3): the routing weight multiplies the SwiGLU output before ``w2`` and its FP8 cast.
 

@@ -243,21 +243,37 @@ class Mxfp4ExpertStack(nn.Module):
                 f"MXFP4 expert stack needs in_features % {MXFP4_GROUP} == 0 (got {in_features}) and shard_sizes "
                 f"{shard_sizes} summing to out_features {out_features}"
             )
-        held = tuple(range(num_experts)) if local_experts is None else tuple(int(e) for e in local_experts)
-        if not held or any(not 0 <= e < num_experts for e in held):
-            raise ValueError(f"local_experts must be a non-empty list of ids in [0, {num_experts}), got {held}")
+        held = tuple(range(num_experts)) if local_experts is None else tuple(local_experts)
         self.mode = mode
         self.num_experts = num_experts
-        self.local_experts = held
         self.shard_sizes = shard_sizes
-        self._slots: dict[int, list[int]] = {}
-        for slot, expert in enumerate(held):
-            self._slots.setdefault(expert, []).append(slot)
         self._cache = _DequantizedCache(mode)
+        self.local_experts: tuple[int, ...] = ()
+        self._slots: dict[int, list[int]] = {}
+        self.set_local_experts(held, len(held))
         self.weight = make_parameter((len(held), out_features, in_features // 2), torch.int8, self._load_expert)
         self.scale = make_parameter(
             (len(held), out_features, in_features // MXFP4_GROUP), torch.float8_e8m0fnu, self._load_expert
         )
+
+    def set_local_experts(self, local_experts: Sequence[int], num_slots: int | None = None) -> None:
+        """Say which logical expert each stored slot holds (after expert-parallel load balancing moved the weights).
+
+        Args:
+            local_experts: logical id per slot, in ``[0, num_experts)``; as many as the stack has slots.
+            num_slots: slot count to check against (the stored count when None).
+        """
+        held = tuple(int(e) for e in local_experts)
+        slots = self.weight.shape[0] if num_slots is None else num_slots
+        if not held or len(held) != slots or any(not 0 <= e < self.num_experts for e in held):
+            raise ValueError(
+                f"local_experts must list {slots} (>= 1) ids in [0, {self.num_experts}), one per slot, got {held}"
+            )
+        self.local_experts = held
+        self._slots = {}
+        for slot, expert in enumerate(held):
+            self._slots.setdefault(expert, []).append(slot)
+        self._cache.clear()
 
     def holds(self, expert: int) -> bool:
         """Whether logical expert ``expert`` is stored in this stack."""
