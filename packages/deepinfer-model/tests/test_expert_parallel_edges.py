@@ -1,5 +1,5 @@
 """Expert parallelism of the layered model at its edges: idle (zero-token) ranks, an EPLB rearrangement of the
-model's expert weights, and sizes that do not fit (gloo worlds of CPU ranks; tolerances as in
+model's expert weights, sharded DSpark blocks, and sizes that do not fit (gloo worlds of CPU ranks; tolerances as in
 ``test_expert_parallel``).
 """
 
@@ -9,9 +9,10 @@ import pytest
 import torch
 from _ep_world import run_world
 from _expert_parallel_support import TOLERANCE, expert_parallel, requests
-from _layered_model_support import run_chunks, tiny_config, tiny_model, tiny_vocab, tiny_weights
+from _layered_model_support import prompt, run_chunks, tiny_config, tiny_model, tiny_vocab, tiny_weights
 
 from deepinfer_model.deepseek_v41 import DeepseekV41ForCausalLM, ExpertParallelMoE
+from deepinfer_model.forward_batch import ForwardBatch
 from deepinfer_model.layers.mode import ComputeMode
 from deepinfer_parallel.config import ExpertLayoutConfig, ParallelConfig
 from deepinfer_parallel.expert_parallel import AllToAllDispatcher, ExpertPlacement
@@ -85,6 +86,45 @@ def test_rebalancing_moves_expert_weights_and_keeps_the_logits() -> None:
             assert error <= TOLERANCE["EXACT"], f"rank {rank}: relative error {error:.3g}"
 
 
+def _draft_hidden(model: DeepseekV41ForCausalLM, index: int) -> torch.Tensor:
+    """Prefill request ``index`` (its own prompt), then one DSpark draft block after it: [block, H]."""
+    text = tiny_config().text
+    ids = prompt(20 + 4 * index, seed=40 + index)
+    state = model.allocate_state(block_size=8, num_blocks=8, num_state_slots=1)
+    table = torch.arange(8, dtype=torch.int32)[None, :]
+    block = [17] + [text.dspark_noise_token_id] * (text.dspark_block_size - 1)
+    with torch.no_grad():
+        model(ForwardBatch.for_requests([ids.tolist()], [0], table, [0]), state)
+        return model.draft_forward(ForwardBatch.for_requests([block], [ids.numel()], table, [0]), state)
+
+
+def _draft_rank(rank: int, world_size: int) -> torch.Tensor:
+    text = tiny_config().text
+    groups = ParallelGroups.build(ParallelConfig(world_size, world_size, 1, world_size), rank)
+    draft_ep = ExpertParallelMoE.create(groups, text.dspark_n_routed_experts, text.num_nextn_predict_layers)
+    model = DeepseekV41ForCausalLM(
+        tiny_config(),
+        ComputeMode.FP32,
+        tiny_vocab(),
+        expert_parallel=expert_parallel(groups, 0, None),
+        draft_expert_parallel=draft_ep,
+    )
+    model.load_weights(tiny_weights().items())
+    for block in model.mtp:
+        assert block.ffn.experts.w13.weight.shape[0] == text.dspark_n_routed_experts // world_size
+    return _draft_hidden(model, rank)
+
+
+def test_dspark_blocks_sharded_too() -> None:
+    # Backbone and DSpark experts both sharded over 2 ranks, each rank its own request: the draft hidden states match.
+    results = run_world(2, _draft_rank)
+    reference = tiny_model(ComputeMode.FP32)
+    for rank, hidden in enumerate(results):
+        expected = _draft_hidden(reference, rank)
+        error = float((hidden - expected).abs().max() / expected.abs().max())
+        assert error <= TOLERANCE["FP32"], f"rank {rank}: relative error {error:.3g}"
+
+
 def _sizes_rank(rank: int, world_size: int) -> str:
     groups = ParallelGroups.build(ParallelConfig(world_size, world_size, 1, world_size), rank)
     with pytest.raises(ValueError, match="do not divide") as info:
@@ -107,6 +147,8 @@ def test_mismatched_sizes_raise() -> None:
     wrong_layers = ExpertParallelMoE.create(groups, text.n_routed_experts, text.num_hidden_layers + 1)
     with pytest.raises(ValueError, match="backbone layers"):
         DeepseekV41ForCausalLM(tiny_config(), ComputeMode.FP32, tiny_vocab(), expert_parallel=wrong_layers)
+    with pytest.raises(ValueError, match="DSpark blocks"):
+        DeepseekV41ForCausalLM(tiny_config(), ComputeMode.FP32, tiny_vocab(), draft_expert_parallel=wrong_layers)
     layout = ExpertLayoutConfig(text.n_routed_experts, 0, 2)
     placement = ExpertPlacement.initial(layout, text.num_hidden_layers)
     with pytest.raises(ValueError, match="expert_parallel_size=2"):

@@ -11,6 +11,8 @@ Glossary:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -87,9 +89,17 @@ class DSparkBlock(DecoderBlock, HCHeadParameters):
         index: int,
         swa_group: str,
         dispatch: ExpertDispatch,
+        local_experts: Sequence[int] | None = None,
     ) -> None:
         super().__init__(
-            cfg, spec, mode, cfg.dspark_n_routed_experts, cfg.dspark_num_experts_per_tok, swa_group, dispatch
+            cfg,
+            spec,
+            mode,
+            cfg.dspark_n_routed_experts,
+            cfg.dspark_num_experts_per_tok,
+            swa_group,
+            dispatch,
+            local_experts,
         )
         hidden = cfg.hidden_size
         first, last = index == 0, index == cfg.num_nextn_predict_layers - 1

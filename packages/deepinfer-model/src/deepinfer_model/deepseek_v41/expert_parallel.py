@@ -22,7 +22,7 @@ Returning each choice's output (k rows per token rather than one weighted partia
 FP32 summation order, so the only difference from one process is the expert GEMMs seeing other row batches.
 
 Attention data parallelism needs nothing more: each DP rank runs attention on its own requests and the dispatcher
-exchanges whatever token counts the ranks hold. DSpark blocks are not sharded (they keep all their experts).
+exchanges whatever token counts the ranks hold. The DSpark blocks (another expert count) take a second instance.
 ``rebalance`` installs an EPLB placement: the slots' weights move between ranks and the experts learn their new ids.
 """
 
@@ -32,7 +32,6 @@ from collections.abc import Sequence
 
 import torch
 
-from deepinfer_model.config import TextConfig
 from deepinfer_model.deepseek_v41.moe import ExpertCompute, ExpertDispatch, MoE
 from deepinfer_parallel.config import ExpertLayoutConfig
 from deepinfer_parallel.eplb.rebalance import apply_placement
@@ -97,13 +96,19 @@ class ExpertParallelMoE:
         dispatcher = AllToAllDispatcher(groups.expert_parallel, layout.num_local_experts)
         return cls(groups.expert_parallel, placement, dispatcher)
 
-    def check_model(self, cfg: TextConfig) -> None:
-        """Raise ``ValueError`` unless the placement covers ``cfg``'s backbone MoE layers and routed experts."""
+    def check_covers(self, num_layers: int, num_experts: int, what: str) -> None:
+        """Raise ``ValueError`` unless the placement covers ``num_layers`` MoE layers of ``num_experts`` experts.
+
+        Args:
+            num_layers: MoE layers the model gives this placement.
+            num_experts: routed experts of each of those layers.
+            what: those layers, for the message (e.g. "backbone layers").
+        """
         layout = self.placement.layout
-        if layout.num_logical_experts != cfg.n_routed_experts or self.placement.num_layers != cfg.num_hidden_layers:
+        if layout.num_logical_experts != num_experts or self.placement.num_layers != num_layers:
             raise ValueError(
                 f"expert placement covers {self.placement.num_layers} layers of {layout.num_logical_experts} experts, "
-                f"the model has {cfg.num_hidden_layers} backbone layers of {cfg.n_routed_experts} routed experts"
+                f"the model's {what} are {num_layers} layers of {num_experts} routed experts"
             )
 
     def local_experts(self, layer: int) -> tuple[int, ...]:

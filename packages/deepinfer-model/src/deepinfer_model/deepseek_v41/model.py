@@ -54,12 +54,13 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
         config: validated model config.
         mode: compute mode (``EXACT`` for inference, ``FP32`` for parity tests).
         engram_vocab: compressed vocabulary; required to run a model with Engram layers.
-        expert_dispatch: expert dispatch seam of every MoE that ``expert_parallel`` does not cover (all of them when
-            it is None, else the DSpark blocks).
+        expert_dispatch: expert dispatch seam of every MoE that no expert-parallel argument covers.
         max_backtracking_tokens: ``BT``, positions that can be rolled back (sizes the rings, ≥ 1).
         expert_parallel: shards the backbone's routed experts over an EP group: each block stores only this rank's
             experts (``load_weights`` skips the others) and dispatches tokens over the group. None keeps every
             expert here.
+        draft_expert_parallel: the same for the DSpark blocks' routed experts (a placement of
+            ``num_nextn_predict_layers`` layers of ``dspark_n_routed_experts``); None keeps them all here.
 
     Raises:
         ValueError: ``BT < 1``, or an ``expert_parallel`` placement that does not match the config.
@@ -73,13 +74,18 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
         expert_dispatch: ExpertDispatch = local_expert_dispatch,
         max_backtracking_tokens: int = 6,
         expert_parallel: ExpertParallelMoE | None = None,
+        draft_expert_parallel: ExpertParallelMoE | None = None,
     ) -> None:
         super().__init__()
         cfg = config.text
         if max_backtracking_tokens < 1:
             raise ValueError(f"max_backtracking_tokens must be >= 1, got {max_backtracking_tokens}")
         if expert_parallel is not None:
-            expert_parallel.check_model(cfg)
+            expert_parallel.check_covers(cfg.num_hidden_layers, cfg.n_routed_experts, "backbone layers")
+        if draft_expert_parallel is not None:
+            draft_expert_parallel.check_covers(
+                cfg.num_nextn_predict_layers, cfg.dspark_n_routed_experts, "DSpark blocks"
+            )
         self.config = config
         self.mode = mode
         self.engram_vocab = engram_vocab
@@ -103,7 +109,15 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
         self.head = LMHead(cfg.vocab_size, cfg.hidden_size)
         self.add_hc_head(cfg)
         self.mtp = nn.ModuleList(
-            DSparkBlock(cfg, spec, mode, index, DSPARK_GROUP, expert_dispatch)
+            DSparkBlock(
+                cfg,
+                spec,
+                mode,
+                index,
+                DSPARK_GROUP,
+                expert_dispatch if draft_expert_parallel is None else draft_expert_parallel.layer_dispatch(index),
+                None if draft_expert_parallel is None else draft_expert_parallel.local_experts(index),
+            )
             for index, spec in enumerate(cfg.layers[cfg.num_hidden_layers :])
         )
 
