@@ -30,6 +30,7 @@ MAX_MODEL_LEN_CAP = 131072
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 DEFAULT_CPU_CACHE_MEMORY_BYTES = 256 * 1024**2
 _PARALLEL_SIZES = ("tensor_parallel_size", "data_parallel_size", "expert_parallel_size", "context_parallel_size")
+_WIRED_PARALLEL_SIZES = ("data_parallel_size", "expert_parallel_size")
 
 
 def _positive_int(name: str, value: object, allow_none: bool = False) -> None:
@@ -57,7 +58,8 @@ class EngineArgs:
         block_size: raw tokens per cache block; must be a multiple of every compression ratio.
         max_num_seqs: most requests holding cache at once.
         max_num_batched_tokens: token budget of one step; None derives it.
-        tensor_parallel_size, data_parallel_size, expert_parallel_size, context_parallel_size: only 1 is wired.
+        data_parallel_size, expert_parallel_size: attention-DP ranks and EP ranks (`deepinfer_engine.executor`).
+        tensor_parallel_size, context_parallel_size: only 1 is wired.
         enforce_eager: never capture CUDA graphs. Only True is supported for now: the model's MoE dispatch
             synchronizes with the host, so decode steps cannot be captured yet.
         precision: "exact" or "fp32" (FP32 activations and caches, for parity with the reference model).
@@ -104,7 +106,7 @@ class EngineArgs:
         for name in _PARALLEL_SIZES:
             value = getattr(self, name)
             _positive_int(name, value)
-            if value != 1:
+            if value != 1 and name not in _WIRED_PARALLEL_SIZES:
                 raise ValueError(
                     f"{name}={value}: multi-rank execution is not wired into the engine yet; only 1 is supported"
                 )

@@ -16,6 +16,12 @@ with structured output are admitted once their grammar has compiled (compiled in
 Seeds: each request's seed is `deepinfer_sampling.request_seed(seq_seed, index_in_call=prompt index,
 engine_seed=seed, request_counter=request number)`, so a `SamplingParams` shared by many prompts still gives each its
 own random stream, and the same `seq_seed` reproduces a call exactly.
+
+Parallel: with `data_parallel_size` or `expert_parallel_size` > 1 the engine runs in rank processes
+(`deepinfer_engine.executor`: prompts assigned to attention-DP ranks round-robin, routed experts sharded over the EP
+ranks, ranks stepping in lockstep — `deepinfer_engine.worker`); request ids and seeds are those of one process, so
+greedy and seeded outputs match it. The LLM process then holds only the tokenizer (no `model`, `runner` or
+`config`), and no progress bar is shown.
 """
 
 from __future__ import annotations
@@ -32,8 +38,8 @@ from deepinfer_engine._prompts import ParamsLike, as_params, normalize_prompts, 
 from deepinfer_engine.cache_manager import CacheManager
 from deepinfer_engine.config import EngineConfig
 from deepinfer_engine.engine_args import EngineArgs, build_engine_config
-from deepinfer_engine.engine_core import EngineCore
-from deepinfer_engine.envs import read_env
+from deepinfer_engine.engine_core import EngineCore, ModelRunnerProtocol
+from deepinfer_engine.envs import EnvSettings, read_env
 from deepinfer_engine.generate_output import GenerateMetrics, GenerateOutput
 from deepinfer_engine.model_loading import cache_budget_bytes, load_model
 from deepinfer_engine.model_runner import ModelRunner, StepHandle
@@ -43,9 +49,13 @@ from deepinfer_engine.progress import GenerateProgress
 from deepinfer_engine.request import FinishReason, Request, StopCriteria
 from deepinfer_engine.scheduler import Scheduler
 from deepinfer_engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from deepinfer_engine.worker import LockstepRunner
+from deepinfer_model.deepseek_v41.expert_parallel import ExpertParallelMoE
+from deepinfer_parallel.groups import RankGroup
 from deepinfer_sampling import SamplingParams, request_seed
 
 if TYPE_CHECKING:  # importing xgrammar takes seconds; it is imported on the first structured request
+    from deepinfer_engine.executor import ParallelExecutor
     from deepinfer_sampling.structured import GrammarCompilationService, RequestGrammarMatcher
 
 __all__ = ["LLM"]
@@ -86,9 +96,44 @@ class LLM:
         model_dir = resolve_checkpoint(
             args.model, local_model_dir=env["DEEPINFER_HF_MODEL_DIR"], revision=args.revision, cache_root=cache_root
         )
+        self._executor: ParallelExecutor | None = None
+        self._request_counter = 0
+        self._grammar_service: GrammarCompilationService | None = None
+        if args.data_parallel_size > 1 or args.expert_parallel_size > 1:
+            # Imported here: the executor's rank processes import this module.
+            from deepinfer_engine.executor import ParallelExecutor
+
+            self.tokenizer = Tokenizer(args.tokenizer if args.tokenizer is not None else model_dir)
+            self._executor = ParallelExecutor(args, model_dir)
+            return
+        self._build(args, env, model_dir, None, None)
+
+    @classmethod
+    def for_rank(
+        cls, args: EngineArgs, model_dir: Path, expert_parallel: ExpertParallelMoE, vote_group: RankGroup
+    ) -> LLM:
+        """The engine of one rank of a parallel world (`deepinfer_engine.worker`): its own scheduler, cache and
+        runner, the experts `expert_parallel` places here, and steps kept in lockstep over `vote_group`."""
+        llm = cls.__new__(cls)
+        llm._executor = None
+        llm._request_counter = 0
+        llm._grammar_service = None
+        llm._build(args, read_env(), model_dir, expert_parallel, vote_group)
+        return llm
+
+    def _build(
+        self,
+        args: EngineArgs,
+        env: EnvSettings,
+        model_dir: Path,
+        expert_parallel: ExpertParallelMoE | None,
+        vote_group: RankGroup | None,
+    ) -> None:
         device = torch.device(args.device if args.device is not None else _default_device())
         self.tokenizer = Tokenizer(args.tokenizer if args.tokenizer is not None else model_dir)
-        self.model = load_model(model_dir, self.tokenizer, args.precision, device, env["DEEPINFER_ENGRAM_PAD_TOKEN"])
+        self.model = load_model(
+            model_dir, self.tokenizer, args.precision, device, env["DEEPINFER_ENGRAM_PAD_TOKEN"], expert_parallel
+        )
         text = self.model.config.text
         spec = self.model.cache_spec()
         budget = 0  # unused when the number of blocks is given
@@ -118,16 +163,23 @@ class LLM:
         self.cache_manager = CacheManager(spec, config.cache, config.num_blocks)
         self.scheduler = Scheduler(config.scheduler, self.cache_manager)
         self.runner = ModelRunner(self.model, state, config)
+        self._lockstep: LockstepRunner | None = None
+        core_runner: ModelRunnerProtocol[StepHandle] = self.runner
+        if vote_group is not None:
+            self._lockstep = LockstepRunner(self.runner, self.model, state, vote_group)
+            core_runner = self._lockstep
         self.core: EngineCore[StepHandle] = EngineCore(
-            self.scheduler, self.runner, async_scheduling=config.async_scheduling, stop_checker=self._check_stop
+            self.scheduler,
+            core_runner,
+            # One forward per step on every rank: the asynchronous loop's collect-only steps would break lockstep.
+            async_scheduling=config.async_scheduling and self._lockstep is None,
+            stop_checker=self._check_stop,
         )
         self.vocab_size = text.vocab_size
         self.eos_token_id = self.tokenizer.eos_token_id
         if self.eos_token_id is None:
             self.eos_token_id = self.model.config.eos_token_id
-        self._request_counter = 0
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self._grammar_service: GrammarCompilationService | None = None
 
     # ---- public API ------------------------------------------------------------------------------------------
 
@@ -154,23 +206,51 @@ class LLM:
         texts, ids = normalize_prompts(prompts, prompt_token_ids)
         num = len(ids)
         per_prompt = per_prompt_params(sampling_params, num)
-        results: list[GenerateOutput | None] = [None] * num
+        first_request_id = self._request_counter
+        self._request_counter += num
+        if self._executor is not None:
+            return self._executor.generate(texts, ids, per_prompt, first_request_id)
+        return self.run_prompts(list(range(num)), texts, ids, per_prompt, first_request_id, use_tqdm)
+
+    def run_prompts(
+        self,
+        indices: Sequence[int],
+        texts: Sequence[str | None],
+        ids: Sequence[Sequence[int] | None],
+        params: Sequence[ParamsLike],
+        first_request_id: int,
+        use_tqdm: bool,
+    ) -> list[GenerateOutput]:
+        """Run some prompts of one `generate` call to completion; one output per prompt, in the given order.
+
+        Args:
+            indices: each prompt's index in the call (it keys the request seed; the request id is
+                `first_request_id + index`).
+            texts, ids, params: each prompt's text, token ids and sampling parameters (aligned with `indices`).
+            first_request_id: the request number of the call's first prompt.
+            use_tqdm: show a progress bar.
+        """
+        results: dict[int, GenerateOutput] = {}
         live: dict[str, _Live] = {}
         pending: dict[str, _Live] = {}
-        progress = GenerateProgress(num, use_tqdm)
-        for index in range(num):
-            rejected = self._add(index, texts[index], ids[index], per_prompt[index], live, pending, progress)
+        progress = GenerateProgress(len(indices), use_tqdm)
+        for index, text, token_ids, params_like in zip(indices, texts, ids, params, strict=True):
+            rejected = self._add(
+                index, str(first_request_id + index), text, token_ids, params_like, live, pending, progress
+            )
             if rejected is not None:
                 results[index] = rejected
                 progress.update(0, 1)
         try:
-            while pending or self.core.has_unfinished_requests():
+            while self._any_busy(bool(pending) or self.core.has_unfinished_requests()):
                 if pending:
                     wait_s = 0.0 if self.core.has_unfinished_requests() else 0.05
                     for index, rejected in self._admit_compiled(pending, live, wait_s):
                         results[index] = rejected
                         progress.update(0, 1)
                 if not self.core.has_unfinished_requests():
+                    if self._lockstep is not None:
+                        self._lockstep.pad_step()
                     continue
                 for output in self.core.step():
                     self._collect(output, live, results, progress)
@@ -178,21 +258,28 @@ class LLM:
                     if request_id in live and not live[request_id].request.is_finished:
                         self.scheduler.finish_request(request_id, failure.status, failure.message)
         finally:
-            progress.close(num)
-        assert all(r is not None for r in results), "a request finished without an output"
-        return [r for r in results if r is not None]
+            progress.close(len(indices))
+        assert len(results) == len(indices), "a request finished without an output"
+        return [results[index] for index in indices]
 
     def close(self) -> None:
-        """Stop the grammar compile threads."""
+        """Stop the grammar compile threads and the rank processes."""
         if self._grammar_service is not None:
             self._grammar_service.shutdown()
             self._grammar_service = None
+        if self._executor is not None:
+            self._executor.close()
+
+    def _any_busy(self, busy: bool) -> bool:
+        """Whether this engine (or, on a rank, any rank) has work left."""
+        return self._lockstep.any_busy(busy) if self._lockstep is not None else busy
 
     # ---- adding requests -------------------------------------------------------------------------------------
 
     def _add(
         self,
         index: int,
+        request_id: str,
         text: str | None,
         token_ids: Sequence[int] | None,
         params_like: ParamsLike,
@@ -201,8 +288,6 @@ class LLM:
         progress: GenerateProgress,
     ) -> GenerateOutput | None:
         """Validate and queue one prompt; returns its output at once when it is rejected."""
-        request_id = str(self._request_counter)
-        self._request_counter += 1
         now = time.perf_counter()
         try:
             params = as_params(params_like)
@@ -301,7 +386,7 @@ class LLM:
         self,
         output: RequestOutput,
         live: dict[str, _Live],
-        results: list[GenerateOutput | None],
+        results: dict[int, GenerateOutput],
         progress: GenerateProgress,
     ) -> None:
         entry = live.get(output.request_id)

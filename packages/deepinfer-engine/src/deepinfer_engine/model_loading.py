@@ -21,6 +21,7 @@ from deepinfer_engine.engine_args import DEFAULT_CPU_CACHE_MEMORY_BYTES
 from deepinfer_engine.tokenizer import Tokenizer
 from deepinfer_model.config import ModelConfig
 from deepinfer_model.deepseek_v41.engram_vocab import engram_vocab_from_tokenizer
+from deepinfer_model.deepseek_v41.expert_parallel import ExpertParallelMoE
 from deepinfer_model.deepseek_v41.model import DeepseekV41ForCausalLM
 from deepinfer_model.forward_batch import ForwardBatch
 from deepinfer_model.layers.mode import ComputeMode
@@ -32,9 +33,17 @@ _BACKTRACKING_TOKENS = 1  # no draft tokens are verified yet; the rings need the
 
 
 def load_model(
-    model_dir: Path, tokenizer: Tokenizer, precision: Precision, device: torch.device, engram_pad_token_id: int
+    model_dir: Path,
+    tokenizer: Tokenizer,
+    precision: Precision,
+    device: torch.device,
+    engram_pad_token_id: int,
+    expert_parallel: ExpertParallelMoE | None = None,
 ) -> DeepseekV41ForCausalLM:
     """The checkpoint's model on `device`, weights loaded, in eval mode.
+
+    With `expert_parallel` the model keeps (and loads) only this rank's routed experts and reaches the others over
+    the EP group; None keeps every expert in this process.
 
     Raises:
         deepinfer_model.loading.errors.CheckpointError / CoverageError: the checkpoint is incomplete or corrupt.
@@ -47,7 +56,11 @@ def load_model(
         vocab = engram_vocab_from_tokenizer(tokenizer.hf_tokenizer, engram_pad_token_id).to(device)
     with torch.device(device):
         model = DeepseekV41ForCausalLM(
-            config, ComputeMode(precision), vocab, max_backtracking_tokens=_BACKTRACKING_TOKENS
+            config,
+            ComputeMode(precision),
+            vocab,
+            max_backtracking_tokens=_BACKTRACKING_TOKENS,
+            expert_parallel=expert_parallel,
         )
     model.load_weights(checkpoint.tensors.items())
     model.to(device)  # buffers built from host data during construction follow the parameters

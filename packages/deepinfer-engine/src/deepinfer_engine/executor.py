@@ -1,0 +1,147 @@
+"""The driver of a data-/expert-parallel `LLM`: starts the rank processes, shares out requests, gathers outputs.
+
+`ParallelExecutor` validates the sizes (`worker.parallel_config`, and that the routed experts divide over the EP
+ranks), then starts one process per rank (`worker.rank_main`) forming a CPU gloo world on a free localhost port;
+each rank loads the model with only its own routed experts. `generate` assigns the call's prompts to the DP ranks
+round-robin — prompt i goes to rank i mod dp — sends every rank its share (possibly empty: idle ranks still step in
+lockstep), and returns the outputs in input order. Request ids and seeds are those of one process (prompt index and
+request number of the call), so the per-request random streams do not depend on the rank.
+
+Progress bars are not shown in parallel mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import weakref
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from typing import Any
+
+from deepinfer_engine._prompts import ParamsLike
+from deepinfer_engine.engine_args import EngineArgs
+from deepinfer_engine.generate_output import GenerateOutput
+from deepinfer_engine.worker import parallel_config, rank_main
+from deepinfer_model.loading.checkpoint_dir import open_checkpoint_dir
+from deepinfer_parallel.config import ExpertLayoutConfig
+from deepinfer_parallel.launcher import find_free_port
+
+__all__ = ["ParallelExecutor", "assign_round_robin"]
+
+_JOIN_TIMEOUT_S = 10.0
+
+
+def assign_round_robin(num_prompts: int, num_ranks: int) -> list[list[int]]:
+    """Prompt indices of each DP rank: prompt i goes to rank i mod `num_ranks`.
+
+    Raises:
+        ValueError: `num_prompts` < 0 or `num_ranks` < 1.
+    """
+    if num_prompts < 0 or num_ranks < 1:
+        raise ValueError(f"need num_prompts >= 0 and num_ranks >= 1, got {num_prompts} and {num_ranks}")
+    return [list(range(rank, num_prompts, num_ranks)) for rank in range(num_ranks)]
+
+
+def _shutdown(procs: list[BaseProcess], conns: list[Connection]) -> None:
+    for conn in conns:
+        with contextlib.suppress(OSError):  # the rank already exited
+            conn.send(None)
+    for proc in procs:
+        proc.join(timeout=_JOIN_TIMEOUT_S)
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(timeout=_JOIN_TIMEOUT_S)
+    for conn in conns:
+        conn.close()
+
+
+class ParallelExecutor:
+    """Rank processes of one parallel `LLM` (see the module docstring).
+
+    Args:
+        args: the engine arguments (every rank builds its engine from them).
+        model_dir: the resolved checkpoint directory.
+
+    Raises:
+        ValueError: the EP size does not divide the DP size, or the routed experts do not divide over the EP ranks
+            (the message names the sizes).
+        RuntimeError: a rank failed to start (its traceback is in the message).
+    """
+
+    def __init__(self, args: EngineArgs, model_dir: Path) -> None:
+        config = parallel_config(args)
+        num_experts = open_checkpoint_dir(model_dir).config.text.n_routed_experts
+        try:
+            ExpertLayoutConfig(num_experts, 0, config.expert_parallel_size)
+        except ValueError as exc:
+            raise ValueError(
+                f"expert_parallel_size={config.expert_parallel_size} does not divide the model's "
+                f"n_routed_experts={num_experts}: {exc}"
+            ) from exc
+        self.num_ranks = config.world_size
+        ctx = mp.get_context("spawn")
+        port = find_free_port()
+        self._procs: list[BaseProcess] = []
+        self._conns: list[Connection] = []
+        # Shut the ranks down when the executor is collected, even without `close`.
+        self._finalizer = weakref.finalize(self, _shutdown, self._procs, self._conns)
+        for rank in range(self.num_ranks):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=rank_main, args=(rank, port, args, model_dir, child), daemon=True)
+            proc.start()
+            child.close()
+            self._procs.append(proc)
+            self._conns.append(parent)
+        for rank in range(self.num_ranks):
+            self._receive(rank)
+
+    def generate(
+        self,
+        texts: Sequence[str | None],
+        ids: Sequence[Sequence[int] | None],
+        params: Sequence[ParamsLike],
+        first_request_id: int,
+    ) -> list[GenerateOutput]:
+        """Run one `LLM.generate` call over the ranks; one output per prompt, in input order.
+
+        Args:
+            texts, ids, params: each prompt's text, token ids and sampling parameters.
+            first_request_id: the request number of the call's first prompt.
+
+        Raises:
+            RuntimeError: a rank failed (its traceback is in the message).
+        """
+        shares = assign_round_robin(len(ids), self.num_ranks)
+        for conn, share in zip(self._conns, shares, strict=True):
+            conn.send(
+                (
+                    share,
+                    [texts[i] for i in share],
+                    [ids[i] for i in share],
+                    [params[i] for i in share],
+                    first_request_id,
+                )
+            )
+        results: list[GenerateOutput | None] = [None] * len(ids)
+        for rank, share in enumerate(shares):
+            for index, output in zip(share, self._receive(rank), strict=True):
+                results[index] = output
+        return [r for r in results if r is not None]
+
+    def close(self) -> None:
+        """Stop the rank processes."""
+        self._finalizer()
+
+    def _receive(self, rank: int) -> Any:
+        try:
+            status, payload = self._conns[rank].recv()
+        except EOFError as exc:
+            self.close()
+            raise RuntimeError(f"rank {rank} exited without answering") from exc
+        if status == "error":
+            self.close()
+            raise RuntimeError(f"rank {rank} of {self.num_ranks} failed:\n{payload}")
+        return payload

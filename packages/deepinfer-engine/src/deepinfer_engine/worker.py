@@ -1,0 +1,158 @@
+"""One rank of a data-/expert-parallel world: its lockstep runner and its process main loop.
+
+Every rank owns an engine over its share of the requests (its own scheduler, cache and model runner) and the
+routed experts the EP placement gives it. The ranks meet in every MoE layer's all-to-all, so each rank must run
+exactly one model forward per step, in lockstep with the others:
+
+- the loop continues while *any* rank has unfinished work (`LockstepRunner.any_busy`, a MAX vote over the DP group,
+  runtime §7.2);
+- a rank with nothing to compute in a step (no requests left, or a schedule that came out empty) runs a *padding
+  forward* instead: one token at position 0 in the null block 0 and the never-used state slot 0, whose logits are
+  discarded. The model cannot run a forward of zero tokens (its Engram layers reshape an empty tensor), so one token
+  is the smallest step that still enters every MoE all-to-all; the null block and slot 0 are never read by a real
+  request;
+- ranks step synchronously (no asynchronous scheduling), so every `EngineCore.step` launches exactly one forward.
+
+`rank_main` is the entry point of a rank process started by `deepinfer_engine.executor.ParallelExecutor`.
+"""
+
+from __future__ import annotations
+
+import traceback
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import torch
+
+from deepinfer_engine.engine_args import EngineArgs
+from deepinfer_engine.model_runner import ModelRunner, StepHandle
+from deepinfer_engine.outputs import ModelRunnerOutput, SchedulerOutput
+from deepinfer_model.deepseek_v41.expert_parallel import ExpertParallelMoE
+from deepinfer_model.deepseek_v41.model import DeepseekV41ForCausalLM
+from deepinfer_model.forward_batch import ForwardBatch
+from deepinfer_model.loading.checkpoint_dir import open_checkpoint_dir
+from deepinfer_model.state import ModelState
+from deepinfer_parallel.attention_dp import max_over_ranks
+from deepinfer_parallel.config import ParallelConfig
+from deepinfer_parallel.groups import ParallelGroups, RankGroup
+from deepinfer_parallel.launcher import destroy_distributed, init_distributed
+
+__all__ = ["LockstepRunner", "padding_batch", "rank_main"]
+
+_MASTER_ADDR = "127.0.0.1"
+_COLLECTIVE_TIMEOUT_S = 600.0
+
+
+def padding_batch(model: DeepseekV41ForCausalLM, device: torch.device) -> ForwardBatch:
+    """A one-token batch that writes only the null block 0 and the never-used state slot 0.
+
+    Returns:
+        The batch: token id 0 at position 0, block table [1, 1] int32 = 0, state slot 0, one logits row.
+    """
+    text = model.config.text
+    one = torch.zeros(1, dtype=torch.int64, device=device)
+    prefix = None
+    if text.engram_enabled:
+        prefix = torch.full((1, (text.engram_max_ngram_size or 1) - 1), -1, dtype=torch.int64, device=device)
+    return ForwardBatch(
+        input_ids=one,
+        positions=one.clone(),
+        cu_query_lens=torch.tensor([0, 1], dtype=torch.int32, device=device),
+        context_lens=torch.ones(1, dtype=torch.int32, device=device),
+        block_table=torch.zeros((1, 1), dtype=torch.int32, device=device),
+        state_slots=torch.zeros(1, dtype=torch.int32, device=device),
+        engram_prefix_ids=prefix,
+        logits_indices=one.clone(),
+        max_query_len=1,
+        max_context_len=1,
+    )
+
+
+class LockstepRunner:
+    """A model runner that runs one forward per step on every rank (see the module docstring).
+
+    Args:
+        runner: this rank's model runner.
+        model: its model (expert-parallel).
+        state: its cache pools.
+        vote_group: the group that votes on unfinished work (the DP group over gloo).
+    """
+
+    def __init__(
+        self, runner: ModelRunner, model: DeepseekV41ForCausalLM, state: ModelState, vote_group: RankGroup
+    ) -> None:
+        self.runner = runner
+        self.model = model
+        self.state = state
+        self.vote_group = vote_group
+        self._padding = padding_batch(model, runner.device)
+
+    def any_busy(self, busy: bool) -> bool:
+        """Whether any rank of the vote group has unfinished work (collective: every rank calls it once a step)."""
+        return max_over_ranks(int(busy), self.vote_group) > 0
+
+    def pad_step(self) -> None:
+        """Run the padding forward of a step in which this rank computes nothing; its logits are discarded."""
+        with torch.inference_mode():
+            self.model(self._padding, self.state)
+
+    def execute(self, scheduler_output: SchedulerOutput) -> StepHandle:
+        """`ModelRunner.execute`, with a padding forward when the schedule is empty."""
+        if scheduler_output.is_empty:
+            self.pad_step()
+        return self.runner.execute(scheduler_output)
+
+    def wait(self, handle: StepHandle) -> ModelRunnerOutput:
+        """`ModelRunner.wait`."""
+        return self.runner.wait(handle)
+
+
+def parallel_config(args: EngineArgs) -> ParallelConfig:
+    """The world of `args`: one process per attention-DP rank (cp = 1).
+
+    `data_parallel_size=1` with `expert_parallel_size=N` means N attention-DP ranks (runtime §6.1: EP alone implies
+    as many DP ranks).
+
+    Raises:
+        ValueError: the EP size does not divide the DP size (the message names both).
+    """
+    dp = args.data_parallel_size if args.data_parallel_size > 1 else args.expert_parallel_size
+    try:
+        return ParallelConfig(world_size=dp, data_parallel_size=dp, expert_parallel_size=args.expert_parallel_size)
+    except ValueError as exc:
+        raise ValueError(
+            f"data_parallel_size={args.data_parallel_size}, expert_parallel_size={args.expert_parallel_size}: {exc}"
+        ) from exc
+
+
+def rank_main(rank: int, port: int, args: EngineArgs, model_dir: Path, conn: Connection) -> None:
+    """Entry point of one rank process: join the world, build the rank's engine, serve `generate` shares.
+
+    Protocol over `conn`: the rank sends ("ready", None) once built (or ("error", traceback)); then for each
+    received `(indices, texts, ids, params, first_request_id)` it sends ("ok", outputs) or ("error", traceback);
+    None ends the loop.
+    """
+    from deepinfer_engine.llm import LLM  # here, not at the top: llm imports this module
+
+    config = parallel_config(args)
+    try:
+        init_distributed(rank, config.world_size, _MASTER_ADDR, port, "gloo", _COLLECTIVE_TIMEOUT_S)
+    except Exception:
+        conn.send(("error", traceback.format_exc()))
+        return
+    try:
+        text = open_checkpoint_dir(model_dir).config.text
+        groups = ParallelGroups.build(config, rank)
+        expert_parallel = ExpertParallelMoE.create(groups, text.n_routed_experts, text.num_hidden_layers)
+        llm = LLM.for_rank(args, model_dir, expert_parallel, groups.data_parallel_cpu)
+        conn.send(("ready", None))
+        while (message := conn.recv()) is not None:
+            indices, texts, ids, params, first_request_id = message
+            try:
+                conn.send(("ok", llm.run_prompts(indices, texts, ids, params, first_request_id, use_tqdm=False)))
+            except Exception:
+                conn.send(("error", traceback.format_exc()))
+    except Exception:
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        destroy_distributed()
