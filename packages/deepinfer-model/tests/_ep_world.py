@@ -2,13 +2,16 @@
 
 Ranks are forked from a fork server that imported torch and the model once, so a world of 4 starts in about a
 second. Each call forms a new world on a free localhost port; a rank that raises fails the call with its traceback,
-and ranks that do not answer in time are terminated.
+and ranks that do not answer in time are terminated. Under the ascend target without an NPU the parent runs with the
+torch_npu test double in ``sys.modules``; a rank process cannot inherit that, so each rank installs its own double.
 """
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import queue
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -17,24 +20,28 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from deepinfer_kernels.testing_npu_double import NpuDouble, install_npu_double
 from deepinfer_parallel.launcher import destroy_distributed, find_free_port, init_distributed
 
 _PRELOAD = ["torch", "torch.distributed", "deepinfer_parallel", "deepinfer_model.deepseek_v41", "_ep_world"]
 _COLLECTIVE_TIMEOUT_S = 30.0
 
 
-def _rank_main(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], out: Any) -> None:
+def _rank_main(
+    rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], out: Any, npu_double: bool
+) -> None:
     torch.set_num_threads(1)
-    try:
-        init_distributed(rank, world_size, "127.0.0.1", port, "gloo", _COLLECTIVE_TIMEOUT_S)
+    with install_npu_double() if npu_double else contextlib.nullcontext():
         try:
-            # Plain pickle bytes: the queue's own pickler would pass tensors as shared-memory handles that die with
-            # this process, which may exit before the parent reads them.
-            out.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
-        finally:
-            destroy_distributed()
-    except BaseException:
-        out.put((rank, False, traceback.format_exc()))
+            init_distributed(rank, world_size, "127.0.0.1", port, "gloo", _COLLECTIVE_TIMEOUT_S)
+            try:
+                # Plain pickle bytes: the queue's own pickler would pass tensors as shared-memory handles that die
+                # with this process, which may exit before the parent reads them.
+                out.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
+            finally:
+                destroy_distributed()
+        except BaseException:
+            out.put((rank, False, traceback.format_exc()))
 
 
 def run_world(world_size: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 60.0) -> list[Any]:
@@ -46,8 +53,9 @@ def run_world(world_size: int, fn: Callable[..., Any], *args: Any, timeout_s: fl
     ctx.set_forkserver_preload(_PRELOAD)
     out = ctx.Queue()
     port = find_free_port()
+    npu_double = isinstance(sys.modules.get("torch_npu"), NpuDouble)
     procs = [
-        ctx.Process(target=_rank_main, args=(rank, world_size, port, fn, args, out), daemon=True)
+        ctx.Process(target=_rank_main, args=(rank, world_size, port, fn, args, out, npu_double), daemon=True)
         for rank in range(world_size)
     ]
     for proc in procs:
