@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 from deepinfer_kernels.testing_npu_double import accelerator_test_session
 
@@ -18,3 +19,12 @@ from deepinfer_kernels.testing_npu_double import accelerator_test_session
 def _accelerator_target() -> Iterator[None]:
     with accelerator_test_session():
         yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _single_thread() -> Iterator[None]:
+    """The tiny model's many small ops run faster on one torch thread on a busy 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

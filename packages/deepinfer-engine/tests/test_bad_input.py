@@ -3,26 +3,16 @@ problem; every other request of the call completes normally and no request is dr
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from llm_support import make_llm
 
 from deepinfer_engine import LLM, FinishReason, GenerateOutput, SamplingParams
 
 GOOD = [5, 6, 7, 8]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
-
-
-@pytest.fixture(autouse=True)
-def single_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

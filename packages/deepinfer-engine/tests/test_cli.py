@@ -5,21 +5,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from deepinfer_engine.cli import main
-
-
-@pytest.fixture(autouse=True)
-def single_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _args(tmp_path: Path, *extra: str) -> list[str]:

@@ -5,22 +5,12 @@ runs by default."""
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 from llm_support import VOCAB_SIZE, make_llm
 
 from deepinfer_engine import LLM, SamplingParams
-
-
-@pytest.fixture(autouse=True)
-def single_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _workload(num: int, seed: int) -> tuple[list[list[int]], list[SamplingParams]]:

@@ -3,7 +3,6 @@ preemption), seeds, async == sync, logprobs, stop conditions, the tiny-checkpoin
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -11,15 +10,6 @@ import torch
 from llm_support import EOS, make_llm, random_prompts, reference_greedy, tiny_dir
 
 from deepinfer_engine import LLM, FinishReason, SamplingParams
-
-
-@pytest.fixture(autouse=True)
-def single_thread() -> Iterator[None]:
-    """The tiny model's many small ops run faster on one thread on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -4,11 +4,9 @@ failures (bad schema, compile timeout) finish only their request with a clear er
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 from llm_support import make_llm
 
 from deepinfer_engine import FinishReason, SamplingParams
@@ -23,14 +21,6 @@ SCHEMA = json.dumps(
 )
 # Compact JSON as a regex: the random tiny model cannot wander into whitespace, so every request completes.
 COMPACT_JSON = r'\{"color":"(red|green|blue)","ok":(true|false)\}'
-
-
-@pytest.fixture(autouse=True)
-def single_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

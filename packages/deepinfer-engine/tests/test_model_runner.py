@@ -3,7 +3,6 @@ sync and no host-device synchronization inside `execute`."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,14 +15,6 @@ from deepinfer_engine.outputs import ScheduledRequest, SchedulerOutput
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-@pytest.fixture(autouse=True)
-def single_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

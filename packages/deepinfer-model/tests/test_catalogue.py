@@ -6,36 +6,12 @@ import json
 from pathlib import Path
 
 import pytest
+from _spec20 import spec20_dict
 
 from deepinfer_model.config import ModelConfig, load_preset, preset_json
 from deepinfer_model.loading.catalogue import CatalogueEntry, build_catalogue, summarize
 
 SPEC_DIR = Path(__file__).resolve().parents[3].parent / "shared" / "spec"
-
-
-def spec20_config() -> ModelConfig:
-    """model-core §20.1 (the tiny preset differs: 7 layers and a candidate source)."""
-    data = json.loads(preset_json("tiny"))
-    text = data["text_config"]
-    text.update(
-        num_hidden_layers=6,
-        compress_ratios=[0, 2, 2, 1, 2, 0, 0],
-        index_source_layer_ids=[1, 2, 3, 4, 5],
-        index_k_source_layer_ids=[1, 3, 4, 5],
-        kv_source_layer_ids=[1, 3, 4, 5],
-        candidate_source_layer_id=None,
-        dspark_target_layer_ids=[1, 4],
-    )
-    del text["candidate_topk_blocks"], text["candidate_block_size"]
-    data["vision_config"] = {
-        "hidden_size": 1024,
-        "patch_size": 14,
-        "downsample_ratio": 2,
-        "max_image_tokens": 1024,
-        "min_pixels": 3136,
-        "max_wh_ratio": 10,
-    }
-    return ModelConfig.from_dict(data)
 
 
 def by_name(entries: tuple[CatalogueEntry, ...]) -> dict[str, CatalogueEntry]:
@@ -109,7 +85,7 @@ def test_release_spot_checks() -> None:
 
 
 def test_spec20_has_836_tensors() -> None:
-    entries = build_catalogue(spec20_config())
+    entries = build_catalogue(ModelConfig.from_dict(spec20_dict()))
     assert len(entries) == 836
     table = by_name(entries)
     assert sum(n.startswith(("vision.", "aligner.")) for n in table) == 263

@@ -9,36 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _spec20 import spec20_dict
 
 from deepinfer_model.config import LayerKind, ModelConfig, load_preset, preset_json, preset_names
 
 SPEC_DIR = Path(__file__).resolve().parents[3].parent / "shared" / "spec"
 RELEASE_CONFIG = SPEC_DIR / "v41-flash-config.json"
-
-
-def spec20_dict() -> dict[str, Any]:
-    """The worked tiny configuration of model-core §20.1, verbatim."""
-    data = json.loads(preset_json("tiny"))
-    text = data["text_config"]
-    text.update(
-        num_hidden_layers=6,
-        compress_ratios=[0, 2, 2, 1, 2, 0, 0],
-        index_source_layer_ids=[1, 2, 3, 4, 5],
-        index_k_source_layer_ids=[1, 3, 4, 5],
-        kv_source_layer_ids=[1, 3, 4, 5],
-        candidate_source_layer_id=None,
-        dspark_target_layer_ids=[1, 4],
-    )
-    del text["candidate_topk_blocks"], text["candidate_block_size"]
-    data["vision_config"] = {
-        "hidden_size": 1024,
-        "patch_size": 14,
-        "downsample_ratio": 2,
-        "max_image_tokens": 1024,
-        "min_pixels": 3136,
-        "max_wh_ratio": 10,
-    }
-    return data
 
 
 def tiny_dict() -> dict[str, Any]:

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from _spec20 import SPEC20_VISION_CONFIG
 
 from deepinfer_model.checkpoint.tokenizer import tokenizer_config, tokenizer_json
 from deepinfer_model.config import ModelConfig, preset_json
@@ -27,14 +28,7 @@ TEXT_SHARD = "model-text.safetensors"
 
 def vision_config() -> ModelConfig:
     data: dict[str, Any] = json.loads(preset_json("tiny"))
-    data["vision_config"] = {
-        "hidden_size": 1024,
-        "patch_size": 14,
-        "downsample_ratio": 2,
-        "max_image_tokens": 1024,
-        "min_pixels": 3136,
-        "max_wh_ratio": 10,
-    }
+    data["vision_config"] = dict(SPEC20_VISION_CONFIG)
     return ModelConfig.from_dict(data)
 
 
