@@ -7,6 +7,7 @@ Importing this package touches neither the device nor the environment.
 """
 
 from deepinfer_kernels.gemm import fp8_block_gemm, mxfp4_gemm
+from deepinfer_kernels.grouped_gemm import mxfp4_grouped_gemm
 from deepinfer_kernels.norm import rms_norm
 from deepinfer_kernels.platform import Accelerator, current_accelerator
 from deepinfer_kernels.quant import (
@@ -29,6 +30,7 @@ __all__ = [
     "dequantize_mxfp4",
     "fp8_block_gemm",
     "mxfp4_gemm",
+    "mxfp4_grouped_gemm",
     "quantize_fp8_block",
     "quantize_fp8_per_token_group",
     "quantize_mxfp4",

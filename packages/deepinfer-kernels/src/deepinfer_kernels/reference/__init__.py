@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from deepinfer_kernels._registry import Backend, OpRegistry
-from deepinfer_kernels.reference import gemm, norm, quant, rope
+from deepinfer_kernels.reference import gemm, grouped_gemm, norm, quant, rope
 
 __all__ = ["register"]
 
@@ -22,3 +22,4 @@ def register(registry: OpRegistry) -> None:
     registry.register("dequantize_mxfp4", ref, quant.dequantize_mxfp4)
     registry.register("fp8_block_gemm", ref, gemm.fp8_block_gemm)
     registry.register("mxfp4_gemm", ref, gemm.mxfp4_gemm)
+    registry.register("mxfp4_grouped_gemm", ref, grouped_gemm.mxfp4_grouped_gemm)

@@ -1,0 +1,77 @@
+"""Public grouped MXFP4 GEMM for MoE experts: each row multiplied by its own expert's weight (model-core §5.6).
+
+Row ``m`` of the result is exactly what ``mxfp4_gemm(x[m:m+1], packed[e], scale[e])`` returns for
+``e = expert_ids[m]``; rows with ``expert_ids[m] == -1`` (no local expert) are zero.
+
+Expert ids are checked only where checking is free of a host synchronization: the reference implementation (CPU
+tensors, or any device without a fast kernel) raises ValueError for ids outside ``[-1, E)``. The Triton kernel does
+not check them, because that would stall the host and break CUDA graph capture; there any id outside ``[0, E)``
+yields a zero row, like ``-1``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer_kernels import _registry
+from deepinfer_kernels._checks import check_dtype, check_same_device, check_tensor
+
+__all__ = ["mxfp4_grouped_gemm"]
+
+_ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)
+_GROUP = 32
+
+
+def mxfp4_grouped_gemm(
+    x: torch.Tensor, expert_ids: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor
+) -> torch.Tensor:
+    """``y[m] = bf16(x̂[m] · Ŵ[expert_ids[m]]ᵀ)``: x quantized per token and 32 columns (§5.5), weights MXFP4 (§5.3).
+
+    Sync-free on the nvidia backend (safe inside CUDA graph capture); see the module docstring for how expert ids
+    outside ``[-1, E)`` are treated per backend.
+
+    Args:
+        x: [M, K] bf16 or fp32, ``K % 32 == 0``.
+        expert_ids: [M] int64 in ``[-1, E)``; ``-1`` means the row belongs to no local expert.
+        packed: [E, N, K/2] int8 or uint8 (low nibble = even element), same device.
+        scale: [E, N, K/32] float8_e8m0fnu, same device.
+
+    Returns:
+        [M, N] bf16; rows with ``expert_ids == -1`` are zero.
+
+    Raises:
+        TypeError: a tensor has the wrong dtype.
+        ValueError: shapes disagree, tensors are on different devices, or (reference only) an id is out of range.
+    """
+    for name, value in (("x", x), ("expert_ids", expert_ids), ("packed", packed), ("scale", scale)):
+        check_tensor(name, value)
+    check_dtype("x", x.dtype, _ACTIVATION_DTYPES)
+    check_dtype("expert_ids", expert_ids.dtype, (torch.int64,))
+    check_dtype("packed", packed.dtype, (torch.int8, torch.uint8))
+    check_dtype("scale", scale.dtype, (torch.float8_e8m0fnu,))
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [M, K], got shape {tuple(x.shape)}")
+    if packed.dim() != 3:
+        raise ValueError(f"packed must be 3-D [E, N, K/2], got shape {tuple(packed.shape)}")
+    experts, n, k = packed.shape[0], packed.shape[1], packed.shape[2] * 2
+    if x.shape[1] != k:
+        raise ValueError(f"x has {x.shape[1]} columns but packed {tuple(packed.shape)} has reduction dimension {k}")
+    if k % _GROUP:
+        raise ValueError(f"the reduction dimension ({k}) must be a multiple of {_GROUP}")
+    if tuple(scale.shape) != (experts, n, k // _GROUP):
+        raise ValueError(
+            f"scale must have shape {(experts, n, k // _GROUP)} for packed {tuple(packed.shape)}, "
+            f"got {tuple(scale.shape)}"
+        )
+    if tuple(expert_ids.shape) != (x.shape[0],):
+        raise ValueError(
+            f"expert_ids must have shape ({x.shape[0]},) (one id per row of x), got {tuple(expert_ids.shape)}"
+        )
+    check_same_device(x=x, expert_ids=expert_ids, packed=packed, scale=scale)
+    out = torch.zeros((x.shape[0], n), dtype=torch.bfloat16, device=x.device)
+    if out.numel() == 0 or k == 0:
+        return out
+    _registry.resolve("mxfp4_grouped_gemm", x.device.type)(
+        x.contiguous(), expert_ids.contiguous(), packed.contiguous().view(torch.int8), scale.contiguous(), out
+    )
+    return out

@@ -1,0 +1,43 @@
+"""Reference grouped MXFP4 GEMM: the rows of each present expert through the reference ``mxfp4_gemm``.
+
+Loops over the experts that occur (a host synchronization; the reference is the oracle, not a fast path) and
+checks that every expert id lies in ``[-1, E)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer_kernels.reference.gemm import mxfp4_gemm
+
+__all__ = ["mxfp4_grouped_gemm"]
+
+
+def mxfp4_grouped_gemm(
+    x: torch.Tensor, expert_ids: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out: torch.Tensor
+) -> None:
+    """``out[m] = bf16(x̂[m] · Ŵ[expert_ids[m]]ᵀ)``, zero where ``expert_ids[m] == -1``.
+
+    Args:
+        x: [M, K] bf16/fp32 activation, ``K % 32 == 0``.
+        expert_ids: [M] int64 in ``[-1, E)``.
+        packed: [E, N, K/2] int8 (low nibble = even element).
+        scale: [E, N, K/32] float8_e8m0fnu.
+        out: [M, N] bf16; written (every row).
+
+    Raises:
+        ValueError: an expert id is outside ``[-1, E)``.
+    """
+    experts = packed.shape[0]
+    bad = (expert_ids < -1) | (expert_ids >= experts)
+    if bool(bad.any()):
+        row = int(torch.nonzero(bad)[0, 0])
+        raise ValueError(
+            f"expert_ids[{row}] is {int(expert_ids[row])}; allowed: -1 (no local expert) or 0..{experts - 1}"
+        )
+    out.zero_()
+    for expert in torch.unique(expert_ids[expert_ids >= 0]).tolist():
+        rows = torch.nonzero(expert_ids == expert).squeeze(1)
+        product = torch.empty((rows.numel(), out.shape[1]), dtype=out.dtype, device=out.device)
+        mxfp4_gemm(x[rows], packed[expert], scale[expert], product)
+        out[rows] = product

@@ -1,0 +1,84 @@
+"""mxfp4_grouped_gemm: every row equals mxfp4_gemm of that row with its expert's weight; -1 rows are zero."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import deepinfer_kernels as dk
+from deepinfer_kernels.testing import assert_bitwise_equal, random_mxfp4_packed, random_normal, random_ue8m0
+
+
+def _experts(experts: int, n: int, k: int, seed: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    packed = random_mxfp4_packed((experts, n, k // 2), seed=seed, device=device)
+    scale = random_ue8m0((experts, n, k // 32), seed=seed + 1, low=118, high=126, device=device)
+    return packed, scale
+
+
+def _per_row(x: torch.Tensor, ids: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    rows = []
+    for m, expert in enumerate(ids.tolist()):
+        if expert < 0:
+            rows.append(torch.zeros(1, packed.shape[1], dtype=torch.bfloat16, device=x.device))
+        else:
+            rows.append(dk.mxfp4_gemm(x[m : m + 1], packed[expert], scale[expert]))
+    return torch.cat(rows) if rows else torch.empty(0, packed.shape[1], dtype=torch.bfloat16, device=x.device)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_matches_per_row_gemm(op_device: str, dtype: torch.dtype) -> None:
+    experts, n, k, m = 5, 24, 96, 13
+    packed, scale = _experts(experts, n, k, seed=1, device=op_device)
+    x = random_normal((m, k), seed=3, dtype=dtype, device=op_device)
+    # Expert 3 has no rows, -1 rows belong to no local expert, rows of one expert are not contiguous.
+    ids = torch.tensor([0, 4, -1, 0, 1, 2, 4, -1, 1, 0, 2, 4, 0], device=op_device)
+    y = dk.mxfp4_grouped_gemm(x, ids, packed, scale)
+    assert y.shape == (m, n) and y.dtype == torch.bfloat16
+    assert_bitwise_equal(y.cpu(), _per_row(x, ids, packed, scale).cpu())
+    assert torch.all(y[ids == -1] == 0)
+
+
+def test_replicated_experts_and_uint8(op_device: str) -> None:
+    packed, scale = _experts(1, 16, 64, seed=4, device=op_device)
+    packed, scale = packed.expand(3, -1, -1).contiguous(), scale.expand(3, -1, -1).contiguous()
+    x = random_normal((4, 64), seed=5, dtype=torch.bfloat16, device=op_device).repeat(2, 1)
+    ids = torch.tensor([0, 1, 2, 0, 2, 1, 0, 0], device=op_device)
+    y = dk.mxfp4_grouped_gemm(x, ids, packed.view(torch.uint8), scale)
+    # Replicas of one expert give identical rows for identical inputs.
+    assert_bitwise_equal(y[:4].cpu(), y[4:].cpu())
+    assert_bitwise_equal(y.cpu(), _per_row(x, ids, packed, scale).cpu())
+
+
+def test_empty_and_all_unassigned(op_device: str) -> None:
+    packed, scale = _experts(2, 8, 32, seed=6, device=op_device)
+    x = random_normal((3, 32), seed=7, dtype=torch.bfloat16, device=op_device)
+    empty = dk.mxfp4_grouped_gemm(x[:0], torch.empty(0, dtype=torch.int64, device=op_device), packed, scale)
+    assert empty.shape == (0, 8) and empty.dtype == torch.bfloat16
+    none = dk.mxfp4_grouped_gemm(x, torch.full((3,), -1, device=op_device), packed, scale)
+    assert torch.equal(none.cpu(), torch.zeros(3, 8, dtype=torch.bfloat16))
+
+
+def test_validation() -> None:
+    packed, scale = _experts(2, 8, 64, seed=8, device="cpu")
+    x = random_normal((3, 64), seed=9, dtype=torch.bfloat16)
+    ids = torch.tensor([0, 1, -1])
+    with pytest.raises(ValueError, match=r"expert_ids\[1\] is 2; allowed: -1 \(no local expert\) or 0\.\.1"):
+        dk.mxfp4_grouped_gemm(x, torch.tensor([0, 2, 0]), packed, scale)
+    with pytest.raises(ValueError, match=r"expert_ids\[0\] is -2"):
+        dk.mxfp4_grouped_gemm(x, torch.tensor([-2, 0, 0]), packed, scale)
+    with pytest.raises(TypeError, match=r"expert_ids has dtype torch\.int32"):
+        dk.mxfp4_grouped_gemm(x, ids.int(), packed, scale)
+    with pytest.raises(TypeError, match=r"x has dtype torch\.float16"):
+        dk.mxfp4_grouped_gemm(x.half(), ids, packed, scale)
+    with pytest.raises(ValueError, match="expert_ids must have shape"):
+        dk.mxfp4_grouped_gemm(x, ids[:2], packed, scale)
+    with pytest.raises(ValueError, match="x has 32 columns"):
+        dk.mxfp4_grouped_gemm(x[:, :32], ids, packed, scale)
+    with pytest.raises(ValueError, match="packed must be 3-D"):
+        dk.mxfp4_grouped_gemm(x, ids, packed[0], scale)
+    with pytest.raises(ValueError, match="scale must have shape"):
+        dk.mxfp4_grouped_gemm(x, ids, packed, scale[:1])
+    with pytest.raises(ValueError, match="multiple of 32"):
+        dk.mxfp4_grouped_gemm(x[:, :48], ids, packed[:, :, :24], scale)
+    with pytest.raises(ValueError, match="x must be 2-D"):
+        dk.mxfp4_grouped_gemm(x[None], ids, packed, scale)
