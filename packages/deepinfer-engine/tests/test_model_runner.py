@@ -76,20 +76,21 @@ def test_cuda_greedy_equals_reference(root: Path) -> None:
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.xfail(
-    reason="failed on an H200 (2026-11-29): async and sync outputs diverged at temperature 0.8 under cache pressure; "
-    "not yet diagnosed (the CPU version of this check passes)",
-    strict=False,
-)
 def test_cuda_async_equals_sync_with_seeds(root: Path) -> None:
+    # Under cache pressure the asynchronous schedule differs from the synchronous one (it reserves the in-flight
+    # token), so GPU kernels see other batch rows and log-probs may differ by float rounding (9.5e-7 seen on an
+    # H200); sampled tokens and the top-logprob token ids must still be identical.
     prompts = random_prompts(12, 2, 50, seed=5)
     params = [SamplingParams(temperature=0.8, max_tokens=6, seq_seed=i, top_logprobs=2) for i in range(12)]
     results = []
     for async_scheduling in (False, True):
         engine = make_llm(root, device="cuda", async_scheduling=async_scheduling, num_cache_blocks=30, block_size=8)
-        outputs = engine.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-        results.append([(o.token_ids, o.top_logprobs) for o in outputs])
-    assert results[0] == results[1]
+        results.append(engine.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False))
+    for sync, overlapped in zip(*results, strict=True):
+        assert sync.token_ids == overlapped.token_ids
+        for sync_top, async_top in zip(sync.top_logprobs, overlapped.top_logprobs, strict=True):
+            assert [t for t, _ in sync_top] == [t for t, _ in async_top]
+            assert max(abs(a - b) for (_, a), (_, b) in zip(sync_top, async_top, strict=True)) <= 1e-5
 
 
 @pytest.mark.gpu

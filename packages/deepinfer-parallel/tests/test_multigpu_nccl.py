@@ -1,6 +1,7 @@
 """The same code paths on CUDA tensors over NCCL (one process per GPU): EP, EPLB, attention DP, CP, collectives.
 
-Needs at least two CUDA devices; skipped otherwise. Each rank checks its own results against single-process math
+Runs on two GPUs (marked multigpu) and as a world of one on a single GPU (marked gpu: the NCCL path of world size 1);
+each is skipped without enough CUDA devices. Each rank checks its own results against single-process math
 and raises on a mismatch, which `spawn` re-raises here.
 """
 
@@ -25,8 +26,6 @@ from deepinfer_parallel.eplb.stats import ExpertLoadWindow
 from deepinfer_parallel.expert_parallel import AllToAllDispatcher, ExpertPlacement, expert_parallel_moe, map_to_physical
 from deepinfer_parallel.groups import ParallelGroups
 from deepinfer_parallel.launcher import spawn
-
-pytestmark = pytest.mark.multigpu
 
 HIDDEN, TOP_K, NUM_LOGICAL = 16, 3, 6
 # fp32 on GPU: TF32 is off for these einsums/matmuls (set below), so only summation order differs.
@@ -111,6 +110,13 @@ def _nccl_worker(rank, world_size):
     _close("context parallel", out, full)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a CUDA device")
+def test_nccl_paths_world_of_one():
+    spawn(_nccl_worker, 1, backend="nccl", timeout_s=120.0)
+
+
+@pytest.mark.multigpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_nccl_paths_on_two_gpus():
     spawn(_nccl_worker, 2, backend="nccl", timeout_s=120.0)
