@@ -15,8 +15,9 @@ Usage:
     python benchmarks/offline_throughput.py                               # built-in tiny checkpoint, device present
     python benchmarks/offline_throughput.py --model /path/to/V4.1-Flash --prompt-lens 128,1024 --batch-sizes 1,64
 
-Writes benchmarks/results/offline_throughput-<device>.json and, when matplotlib is installed, a PNG plot of output
-tokens/s against batch size next to it (without matplotlib only the JSON is written).
+Prints a table last. Writes benchmarks/results/offline_throughput-<device>[-eager].json and, when matplotlib is
+installed, a PNG plot of output tokens/s against batch size next to it (without matplotlib only the JSON is written).
+`--enforce-eager` gives the eager baseline on CUDA (its files get the `-eager` suffix).
 """
 
 from __future__ import annotations
@@ -75,6 +76,19 @@ def _run_point(llm: Any, prompt_len: int, output_len: int, batch_size: int, seed
     }
 
 
+def _print_table(results: list[dict[str, Any]]) -> None:
+    header = ("prompt", 7), ("output", 7), ("batch", 6), ("out tok/s", 11), ("total tok/s", 12), ("TTFT s", 8)
+    print(" ".join(f"{name:>{width}}" for name, width in header), f"{'decode tok/s':>13}")
+    for r in results:
+        ttft = r["mean_time_to_first_token_s"]
+        decode = r["mean_decode_tokens_per_s"]
+        print(
+            f"{r['prompt_len']:>7} {r['output_len']:>7} {r['batch_size']:>6} {r['output_tokens_per_s']:>11.1f} "
+            f"{r['total_tokens_per_s']:>12.1f} {ttft if ttft is not None else float('nan'):>8.3f} "
+            f"{decode if decode is not None else float('nan'):>13.1f}"
+        )
+
+
 def _plot(results: list[dict[str, Any]], path: pathlib.Path, title: str) -> bool:
     try:
         import matplotlib
@@ -113,6 +127,9 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=_ints, default=None, help="comma-separated batch sizes")
     parser.add_argument("--precision", choices=("exact", "fp32"), default="exact")
     parser.add_argument("--cpu-threads", type=int, default=None, help="torch intra-op threads on CPU")
+    parser.add_argument(
+        "--enforce-eager", action="store_true", help="never capture CUDA graphs (the eager baseline on CUDA)"
+    )
     parser.add_argument("--out", type=pathlib.Path, default=None, help="JSON path (default: benchmarks/results/)")
     args = parser.parse_args()
 
@@ -129,8 +146,10 @@ def main() -> None:
     prompt_lens = args.prompt_lens or ([128, 1024] if on_cuda else [16, 64])
     output_lens = args.output_lens or ([128] if on_cuda else [8, 32])
     batch_sizes = args.batch_sizes or ([1, 8, 32, 128, 256] if on_cuda else [1, 4, 16])
+    engine_kwargs: dict[str, Any] = {"enforce_eager": True} if args.enforce_eager else {}
     llm = LLM(
         args.model,
+        **engine_kwargs,
         device=llm_probe_device,
         max_num_seqs=max(batch_sizes),
         precision=args.precision,
@@ -149,7 +168,9 @@ def main() -> None:
                     f"ttft {point['mean_time_to_first_token_s'] or 0:.3f} s",
                     flush=True,
                 )
-    out = args.out or RESULTS / f"offline_throughput-{label}.json"
+    _print_table(results)
+    suffix = "-eager" if args.enforce_eager and on_cuda else ""
+    out = args.out or RESULTS / f"offline_throughput-{label}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     record = {
         "model": str(llm.config.model_dir) if args.model is not None else "built-in tiny",
