@@ -1,6 +1,7 @@
 """Public quantized GEMMs: dynamic FP8 activation × FP8-block or MXFP4 weight, bf16 output (model-core §5.6).
 
-Only the reference exists so far (an exact emulation); on nvidia and ascend these ops fall back to it.
+Implementations: the reference (an exact emulation, FP64 sums), Triton on nvidia (``cuda.gemm``, FP32 sums); ascend
+falls back to the reference.
 """
 
 from __future__ import annotations

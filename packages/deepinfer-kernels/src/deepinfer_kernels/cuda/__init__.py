@@ -6,13 +6,13 @@ Imported only when the nvidia backend is selected, so importing ``deepinfer_kern
 from __future__ import annotations
 
 from deepinfer_kernels._registry import Backend, OpRegistry
-from deepinfer_kernels.cuda import norm, quant, rope
+from deepinfer_kernels.cuda import gemm, grouped_gemm, norm, quant, rope
 
 __all__ = ["register"]
 
 
 def register(registry: OpRegistry) -> None:
-    """Register the Triton implementations (ue8m0_to_float and the GEMMs fall back to the reference)."""
+    """Register the Triton implementations (ue8m0_to_float falls back to the reference)."""
     nvidia = Backend.NVIDIA
     registry.register("rms_norm", nvidia, norm.rms_norm)
     registry.register("apply_rope", nvidia, rope.apply_rope)
@@ -22,3 +22,6 @@ def register(registry: OpRegistry) -> None:
     registry.register("dequantize_fp8_per_token_group", nvidia, quant.dequantize_fp8_per_token_group)
     registry.register("quantize_mxfp4", nvidia, quant.quantize_mxfp4)
     registry.register("dequantize_mxfp4", nvidia, quant.dequantize_mxfp4)
+    registry.register("fp8_block_gemm", nvidia, gemm.fp8_block_gemm)
+    registry.register("mxfp4_gemm", nvidia, gemm.mxfp4_gemm)
+    registry.register("mxfp4_grouped_gemm", nvidia, grouped_gemm.mxfp4_grouped_gemm)

@@ -1,0 +1,105 @@
+"""Triton grouped MXFP4 GEMM without host synchronization (safe inside CUDA graph capture).
+
+Rows are grouped by expert on the device with fixed-size tensors only (shapes depend on M and E, never on the
+ids): a stable sort gives the expert-sorted row order, a scatter-add the per-expert row counts, cumulative sums the
+row and tile offsets, and a ``searchsorted`` of every tile index of the worst-case grid gives each tile's expert.
+The grid has ``cdiv(M, BLOCK_M) + min(E, M)`` row tiles — the most that ``Σ_e cdiv(count_e, BLOCK_M)`` can be —
+and tiles past the real count exit at once. Tiles read their rows through the sort order and write results back to
+the original rows, so nothing is permuted in memory. Ids outside ``[0, E)`` (``-1`` included) are put in a bucket
+no tile serves, so their rows keep the zeros the caller initialized ``out`` with.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from deepinfer_kernels.cuda._launch import check_launchable
+from deepinfer_kernels.cuda.gemm import block_config, dot_in_bf16, mxfp4_kernel, quantized_activation
+
+__all__ = ["expert_tiles", "mxfp4_grouped_gemm"]
+
+
+def expert_tiles(
+    expert_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tile tables of the grouped GEMM, built with device ops of fixed output sizes (no host sync).
+
+    Args:
+        expert_ids: [M] int64; ids outside ``[0, num_experts)`` are served by no tile.
+        num_experts: E.
+        block_m: rows per tile.
+
+    Returns:
+        order: [M] int64, the stable expert-sorted order of the rows (position → original row);
+        tile_expert: [T] int64, each tile's expert, ``num_experts`` for a tile with no work;
+        tile_start, tile_end: [T] int64, the tile's half-open range of positions in ``order``;
+        where ``T = cdiv(M, block_m) + min(E, M)``.
+    """
+    m = expert_ids.numel()
+    device = expert_ids.device
+    valid = (expert_ids >= 0) & (expert_ids < num_experts)
+    bucket = torch.where(valid, expert_ids, num_experts)
+    order = torch.sort(bucket, stable=True).indices
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, bucket, torch.ones_like(bucket))
+    counts = counts[:num_experts]
+    row_end = torch.cumsum(counts, 0)
+    tiles = (counts + block_m - 1) // block_m
+    tile_end_per_expert = torch.cumsum(tiles, 0)
+    tile = torch.arange(triton.cdiv(m, block_m) + min(num_experts, m), dtype=torch.int64, device=device)
+    tile_expert = torch.searchsorted(tile_end_per_expert, tile, right=True)
+    expert = tile_expert.clamp(max=num_experts - 1)
+    first_tile = tile_end_per_expert[expert] - tiles[expert]
+    tile_start = row_end[expert] - counts[expert] + (tile - first_tile) * block_m
+    return order, tile_expert, tile_start, torch.minimum(tile_start + block_m, row_end[expert])
+
+
+def mxfp4_grouped_gemm(
+    x: torch.Tensor, expert_ids: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out: torch.Tensor
+) -> None:
+    """Triton ``out[m] = bf16(x̂[m] · Ŵ[expert_ids[m]]ᵀ)`` (contract of ``reference.grouped_gemm``), sync-free.
+
+    Args:
+        x: [M, K] bf16/fp32, contiguous, ``K % 32 == 0``.
+        expert_ids: [M] int64; rows with an id outside ``[0, E)`` are left as they are in ``out``.
+        packed: [E, N, K/2] int8, contiguous (low nibble = even element).
+        scale: [E, N, K/32] float8_e8m0fnu, contiguous.
+        out: [M, N] bf16, contiguous, zero-initialized by the caller; written.
+    """
+    check_launchable(x=x, expert_ids=expert_ids, packed=packed, scale=scale, out=out)
+    (m, k), (experts, n) = x.shape, packed.shape[:2]
+    q, q_scale = quantized_activation(x)
+    # Rows per expert are unknown without a sync; the mean sizes the tiles.
+    cfg = block_config(triton.cdiv(m, experts))
+    order, tile_expert, tile_start, tile_end = expert_tiles(expert_ids, experts, cfg.block_m)
+    grid = (tile_expert.numel(), triton.cdiv(n, cfg.block_n))
+    mxfp4_kernel[grid](
+        q.view(torch.uint8),
+        q_scale.view(torch.uint8),
+        packed.view(torch.uint8),
+        scale.view(torch.uint8),
+        out,
+        order,
+        tile_expert,
+        tile_start,
+        tile_end,
+        m,
+        n,
+        k,
+        experts,
+        q.stride(0),
+        q_scale.stride(0),
+        packed.stride(0),
+        packed.stride(1),
+        scale.stride(0),
+        scale.stride(1),
+        out.stride(0),
+        GROUPED=True,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        DOT_BF16=dot_in_bf16(),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )

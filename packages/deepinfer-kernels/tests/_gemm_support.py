@@ -1,0 +1,56 @@
+"""Shared tolerance for the quantized-GEMM kernel tests (Triton vs the FP64-accumulating reference).
+
+Both results are the same exact products ``x̂_i · ŵ_i`` summed and rounded to bf16; they differ only in how the sum
+is accumulated: the reference sums in FP64 (exact for these inputs) and rounds to FP32 then bf16, the kernel sums in
+FP32 in its own order and rounds to bf16. With ``S = Σ|x̂_i · ŵ_i|`` the FP32 sum is within ``K·2^−24·S`` of the
+exact one (the recursive-summation bound), and the two bf16 roundings add at most one bf16 ulp of the reference:
+
+    |y − y_ref| ≤ ulp_bf16(y_ref) + K · 2^−24 · S
+
+The Triton interpreter (NumPy FP32 matmul) meets this with every element bitwise equal on the interpreter test
+shapes; on a GPU, elements whose FP32 sum lands near a bf16 rounding boundary differ by one ulp.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import deepinfer_kernels as dk
+
+__all__ = ["abs_product", "assert_gemm_close", "dequantized_activation"]
+
+
+def dequantized_activation(x: torch.Tensor) -> torch.Tensor:
+    """x̂ of §5.5 as FP64 on x's device, [M, K]."""
+    q, scale = dk.quantize_fp8_per_token_group(x)
+    return dk.dequantize_fp8_per_token_group(q, scale, out_dtype=torch.float32).double()
+
+
+def abs_product(x_hat: torch.Tensor, w_hat: torch.Tensor) -> torch.Tensor:
+    """``S = |x̂|·|Ŵ|ᵀ`` in FP64: [M, K] × [N, K] → [M, N]."""
+    return x_hat.double().abs() @ w_hat.double().abs().t()
+
+
+def assert_gemm_close(actual: torch.Tensor, expected: torch.Tensor, magnitude: torch.Tensor, k: int) -> None:
+    """Assert ``|actual − expected| ≤ ulp_bf16(expected) + K·2^−24·S`` elementwise (on the CPU, in FP64).
+
+    Args:
+        actual: [M, N] bf16 from the kernel.
+        expected: [M, N] bf16 from the reference.
+        magnitude: [M, N] ``S`` from :func:`abs_product`.
+        k: the reduction length K.
+    """
+    a, e = actual.double().cpu(), expected.double().cpu()
+    if a.shape != e.shape or not torch.equal(torch.isfinite(a), torch.isfinite(e)):
+        raise AssertionError(f"shapes {tuple(a.shape)} vs {tuple(e.shape)} or non-finite positions differ")
+    _, exponent = torch.frexp(e)
+    ulp = torch.pow(2.0, exponent.double() - 8)  # frexp's mantissa is in [0.5, 1); bf16 keeps 8 significant bits
+    bound = ulp + k * 2.0**-24 * magnitude.double().cpu()
+    diff = torch.where(torch.isfinite(e), (a - e).abs(), 0.0)
+    bad = diff > bound
+    if bool(bad.any()):
+        m, n = torch.nonzero(bad)[0].tolist()
+        raise AssertionError(
+            f"{int(bad.sum())} of {bad.numel()} elements exceed the bound; first at ({m}, {n}): "
+            f"actual {a[m, n].item()!r}, expected {e[m, n].item()!r}, bound {bound[m, n].item()!r}"
+        )

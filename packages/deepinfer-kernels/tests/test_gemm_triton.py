@@ -1,0 +1,101 @@
+"""Triton quantized GEMMs (interpreter on CPU, or compiled on CUDA) vs the reference; tolerance in _gemm_support."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _gemm_support import abs_product, assert_gemm_close, dequantized_activation
+
+import deepinfer_kernels as dk
+from deepinfer_kernels._registry import Backend, implementation
+from deepinfer_kernels.testing import random_e4m3, random_mxfp4_packed, random_normal, random_ue8m0
+
+
+def _activation(m: int, k: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    """Normal rows whose 32-column groups span 2^−10 … 2^10, so activation scales differ between groups."""
+    spread = torch.logspace(-3, 3, k // 32).repeat_interleave(32).roll(seed)
+    return (random_normal((m, k), seed=seed) * spread).to(dtype)
+
+
+def _both(op: str, device: str, *inputs: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    fast = out.clone().to(device)
+    implementation(op, Backend.NVIDIA)(*(t.to(device) for t in inputs), fast)
+    ref = out.clone()
+    implementation(op, Backend.REFERENCE)(*inputs, ref)
+    return fast.cpu(), ref
+
+
+@pytest.mark.parametrize(("m", "n", "k", "dtype"), [(1, 40, 96, torch.bfloat16), (20, 70, 256, torch.float32)])
+def test_fp8_block_gemm_triton(triton_device: str, m: int, n: int, k: int, dtype: torch.dtype) -> None:
+    x = _activation(m, k, seed=m, dtype=dtype)
+    # Scale bytes 100…140 (2^−27 … 2^13) with every e4m3 code: the in-kernel bf16 dequantization must stay exact.
+    w_q = random_e4m3((n, k), seed=n)
+    w_scale = random_ue8m0((-(-n // 32), k // 32), seed=k)
+    fast, ref = _both("fp8_block_gemm", triton_device, x, w_q, w_scale, out=torch.empty(m, n, dtype=torch.bfloat16))
+    w_hat = dk.dequantize_fp8_block(w_q, w_scale, out_dtype=torch.float32).double()
+    assert_gemm_close(fast, ref, abs_product(dequantized_activation(x), w_hat), k)
+
+
+@pytest.mark.parametrize(("m", "n", "k", "dtype"), [(1, 40, 96, torch.float32), (20, 70, 256, torch.bfloat16)])
+def test_mxfp4_gemm_triton(triton_device: str, m: int, n: int, k: int, dtype: torch.dtype) -> None:
+    x = _activation(m, k, seed=m + 1, dtype=dtype)
+    packed = random_mxfp4_packed((n, k // 2), seed=n + 1)
+    scale = random_ue8m0((n, k // 32), seed=k + 1)
+    fast, ref = _both("mxfp4_gemm", triton_device, x, packed, scale, out=torch.empty(m, n, dtype=torch.bfloat16))
+    w_hat = dk.dequantize_mxfp4(packed, scale).double()
+    assert_gemm_close(fast, ref, abs_product(dequantized_activation(x), w_hat), k)
+
+
+def test_mxfp4_grouped_gemm_triton(triton_device: str) -> None:
+    experts, n, k = 6, 40, 128
+    packed = random_mxfp4_packed((experts, n, k // 2), seed=2)
+    scale = random_ue8m0((experts, n, k // 32), seed=3)
+    packed[5], scale[5] = packed[1], scale[1]  # expert 5 replicates expert 1
+    # Expert 3 has no rows; -1 rows have no expert; expert 0 has more rows than one 16-row tile.
+    ids = torch.tensor([0, 5, -1, 1, 0, 2, 0, 4, 0, 0, 1, 0, -1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 5, 0])
+    x = _activation(ids.numel(), k, seed=4, dtype=torch.bfloat16)
+    x[23] = x[3]  # same input through the replica
+    out = torch.zeros(ids.numel(), n, dtype=torch.bfloat16)
+    fast, ref = _both("mxfp4_grouped_gemm", triton_device, x, ids, packed, scale, out=out)
+    x_hat = dequantized_activation(x)
+    magnitude = torch.zeros(ids.numel(), n, dtype=torch.float64)
+    for m, expert in enumerate(ids.tolist()):
+        if expert >= 0:
+            magnitude[m] = abs_product(x_hat[m : m + 1], dk.dequantize_mxfp4(packed[expert], scale[expert]))[0]
+    assert_gemm_close(fast, ref, magnitude, k)
+    assert torch.equal(fast[ids < 0], torch.zeros(2, n, dtype=torch.bfloat16))
+    assert torch.equal(fast[23], fast[3])
+
+
+def test_grouped_triton_ids_outside_range_give_zero_rows(triton_device: str) -> None:
+    packed = random_mxfp4_packed((2, 32, 32), seed=5).to(triton_device)
+    scale = random_ue8m0((2, 32, 2), seed=6).to(triton_device)
+    x = random_normal((4, 64), seed=7, dtype=torch.bfloat16, device=triton_device)
+    out = torch.zeros(4, 32, dtype=torch.bfloat16, device=triton_device)
+    ids = torch.tensor([2, 0, -5, 1], device=triton_device)
+    implementation("mxfp4_grouped_gemm", Backend.NVIDIA)(x, ids, packed, scale, out)
+    assert torch.all(out[[0, 2]] == 0)
+    assert torch.all(out[[1, 3]] != 0)
+
+
+@pytest.mark.parametrize(("m", "experts", "block_m"), [(1, 256, 16), (50, 4, 16), (37, 8, 4), (9, 3, 64)])
+def test_expert_tiles_cover_each_routed_row_once(triton_device: str, m: int, experts: int, block_m: int) -> None:
+    from deepinfer_kernels.cuda.grouped_gemm import expert_tiles
+
+    ids = torch.randint(-1, experts, (m,), generator=torch.Generator().manual_seed(m))
+    order, tile_expert, start, end = expert_tiles(ids, experts, block_m)
+    assert tile_expert.numel() == -(-m // block_m) + min(experts, m)
+    bucket = torch.where(ids < 0, experts, ids)[order]
+    assert torch.equal(torch.sort(order).values, torch.arange(m))
+    # Stable: sorted by expert, original order within an expert.
+    assert torch.all((bucket[1:] > bucket[:-1]) | ((bucket[1:] == bucket[:-1]) & (order[1:] > order[:-1])))
+    served = []
+    for tile in range(tile_expert.numel()):
+        expert = int(tile_expert[tile])
+        if expert == experts:
+            continue
+        positions = range(int(start[tile]), int(end[tile]))
+        assert 0 < len(positions) <= block_m
+        assert all(int(ids[order[p]]) == expert for p in positions)
+        served.extend(int(order[p]) for p in positions)
+    assert sorted(served) == [r for r in range(m) if int(ids[r]) >= 0]

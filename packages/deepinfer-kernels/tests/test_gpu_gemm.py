@@ -1,0 +1,127 @@
+"""Compiled Triton GEMMs on a CUDA device at model sizes, vs the reference (run on the same device, FP64 sums).
+
+Tolerance: see _gemm_support (one bf16 ulp of the reference plus the FP32 accumulation bound).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _gemm_support import abs_product, assert_gemm_close, dequantized_activation
+
+import deepinfer_kernels as dk
+from deepinfer_kernels import _registry
+from deepinfer_kernels._registry import Backend, implementation
+from deepinfer_kernels.platform import triton_interpreter_enabled
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or triton_interpreter_enabled(),
+        reason="needs a CUDA device with compiled (non-interpreted) Triton",
+    ),
+]
+
+_K = 4096
+
+
+def _generator(seed: int) -> torch.Generator:
+    generator = torch.Generator(device="cuda")
+    generator.manual_seed(seed)
+    return generator
+
+
+def _activation(m: int, seed: int) -> torch.Tensor:
+    return torch.randn((m, _K), generator=_generator(seed), device="cuda").to(torch.bfloat16)
+
+
+def _bytes(shape: tuple[int, ...], seed: int, low: int = 0, high: int = 256) -> torch.Tensor:
+    return torch.randint(low, high, shape, generator=_generator(seed), device="cuda", dtype=torch.int32).to(torch.uint8)
+
+
+def _mxfp4(shape: tuple[int, ...], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random packed codes [..., N, K/2] int8 and scales [..., N, K/32] with bytes 118…126 (like real weights)."""
+    packed = _bytes((*shape, _K // 2), seed).view(torch.int8)
+    scale = _bytes((*shape, _K // 32), seed + 1, 118, 127).view(torch.float8_e8m0fnu)
+    return packed, scale
+
+
+def _run(op: str, backend: Backend, m: int, n: int, *inputs: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros(m, n, dtype=torch.bfloat16, device="cuda")
+    implementation(op, backend)(*inputs, out)
+    return out
+
+
+@pytest.mark.parametrize("m", [1, 64, 512])
+@pytest.mark.parametrize("n", [4096, 2048])
+def test_fp8_block_gemm_gpu(m: int, n: int) -> None:
+    x = _activation(m, seed=m)
+    w_q = (_bytes((n, _K), seed=n) & 0xF7).view(torch.float8_e4m3fn)  # clearing bit 3 avoids the NaN code 0x7F
+    w_scale = _bytes((n // 32, _K // 32), n + 1, 118, 127).view(torch.float8_e8m0fnu)
+    fast = _run("fp8_block_gemm", Backend.NVIDIA, m, n, x, w_q, w_scale)
+    ref = _run("fp8_block_gemm", Backend.REFERENCE, m, n, x, w_q, w_scale)
+    w_hat = dk.dequantize_fp8_block(w_q, w_scale, out_dtype=torch.float32)
+    assert_gemm_close(fast, ref, abs_product(dequantized_activation(x), w_hat), _K)
+
+
+@pytest.mark.parametrize("m", [1, 64, 512])
+@pytest.mark.parametrize("n", [4096, 2048])
+def test_mxfp4_gemm_gpu(m: int, n: int) -> None:
+    x = _activation(m, seed=m + 1)
+    packed, scale = _mxfp4((n,), seed=n + 2)
+    fast = _run("mxfp4_gemm", Backend.NVIDIA, m, n, x, packed, scale)
+    ref = _run("mxfp4_gemm", Backend.REFERENCE, m, n, x, packed, scale)
+    assert_gemm_close(fast, ref, abs_product(dequantized_activation(x), dk.dequantize_mxfp4(packed, scale)), _K)
+
+
+def _grouped_magnitude(x: torch.Tensor, ids: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    x_hat = dequantized_activation(x)
+    magnitude = torch.zeros(x.shape[0], packed.shape[1], dtype=torch.float64, device="cuda")
+    for expert in torch.unique(ids[ids >= 0]).tolist():
+        rows = torch.nonzero(ids == expert).squeeze(1)
+        magnitude[rows] = abs_product(x_hat[rows], dk.dequantize_mxfp4(packed[expert], scale[expert]))
+    return magnitude
+
+
+def _ids(m: int, experts: int, seed: int) -> torch.Tensor:
+    """Expert ids with about one row in eight unassigned (-1)."""
+    ids = torch.randint(0, experts, (m,), generator=_generator(seed), device="cuda")
+    drop = torch.randint(0, 8, (m,), generator=_generator(seed + 1), device="cuda") == 0
+    return torch.where(drop, -1, ids)
+
+
+@pytest.mark.parametrize("m", [1, 64, 512])
+@pytest.mark.parametrize("experts", [16, 256])
+def test_mxfp4_grouped_gemm_gpu(m: int, experts: int) -> None:
+    n = 2048
+    packed, scale = _mxfp4((experts, n), seed=experts)
+    x = _activation(m, seed=m + 3)
+    ids = _ids(m, experts, seed=m + experts)
+    fast = _run("mxfp4_grouped_gemm", Backend.NVIDIA, m, n, x, ids, packed, scale)
+    ref = _run("mxfp4_grouped_gemm", Backend.REFERENCE, m, n, x, ids, packed, scale)
+    assert_gemm_close(fast, ref, _grouped_magnitude(x, ids, packed, scale), _K)
+    assert torch.all(fast[ids < 0] == 0)
+
+
+def test_mxfp4_grouped_gemm_cuda_graph_replay() -> None:
+    _registry.reset()
+    assert _registry.resolve("mxfp4_grouped_gemm", "cuda") is implementation("mxfp4_grouped_gemm", Backend.NVIDIA)
+    experts, m, n = 32, 96, 2048
+    packed, scale = _mxfp4((experts, n), seed=5)
+    x = _activation(m, seed=6)
+    ids = _ids(m, experts, seed=7)
+    dk.mxfp4_grouped_gemm(x, ids, packed, scale)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = dk.mxfp4_grouped_gemm(x, ids, packed, scale)
+    for seed in (8, 9, 10):
+        ids.copy_(_ids(m, experts, seed=seed))
+        x.copy_(_activation(m, seed=seed + 100))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = _run("mxfp4_grouped_gemm", Backend.REFERENCE, m, n, x, ids, packed, scale)
+        assert_gemm_close(out, ref, _grouped_magnitude(x, ids, packed, scale), _K)
+    ids.fill_(-1)
+    graph.replay()
+    assert torch.all(out == 0)
