@@ -1,11 +1,12 @@
 """The driver of a data-/expert-parallel `LLM`: starts the rank processes, shares out requests, gathers outputs.
 
-`ParallelExecutor` validates the sizes (`worker.parallel_config`, and that the routed experts divide over the EP
-ranks), then starts one process per rank (`worker.rank_main`) forming a CPU gloo world on a free localhost port;
-each rank loads the model with only its own routed experts. `generate` assigns the call's prompts to the DP ranks
-round-robin — prompt i goes to rank i mod dp — sends every rank its share (possibly empty: idle ranks still step in
-lockstep), and returns the outputs in input order. Request ids and seeds are those of one process (prompt index and
-request number of the call), so the per-request random streams do not depend on the rank.
+`ParallelExecutor` validates the sizes (`worker.parallel_config`, that the routed experts divide over the EP ranks,
+and on CUDA that every rank gets its own visible GPU), then starts one process per rank (`worker.rank_main`) forming
+a world on a free localhost port — gloo on CPU; on CUDA rank r on GPU r with NCCL (plus a gloo group for the
+host-side vote); each rank loads the model with only its own routed experts. `generate` assigns the call's prompts
+to the DP ranks round-robin — prompt i goes to rank i mod dp — sends every rank its share (possibly empty: idle ranks
+still step in lockstep), and returns the outputs in input order. Request ids and seeds are those of one process
+(prompt index and request number of the call), so the per-request random streams do not depend on the rank.
 
 Progress bars are not shown in parallel mode.
 """
@@ -20,6 +21,8 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from deepinfer_engine._prompts import ParamsLike
 from deepinfer_engine.engine_args import EngineArgs
@@ -58,16 +61,34 @@ def _shutdown(procs: list[BaseProcess], conns: list[Connection]) -> None:
         conn.close()
 
 
+def _check_devices(device: str | None, num_ranks: int) -> None:
+    """Raise `ValueError` unless `device` can host `num_ranks` ranks (CPU: any number; CUDA: one visible GPU each)."""
+    if device == "cpu":
+        return
+    if device != "cuda":
+        raise ValueError(
+            f"device={device!r}: a data-/expert-parallel engine runs on 'cpu' or 'cuda' (rank r uses cuda:r; set "
+            "CUDA_VISIBLE_DEVICES to choose the GPUs)"
+        )
+    visible = torch.cuda.device_count()
+    if num_ranks > visible:
+        raise ValueError(
+            f"the parallel engine needs {num_ranks} ranks, one GPU each, but only {visible} CUDA device(s) are "
+            "visible; lower data_parallel_size / expert_parallel_size or make more GPUs visible"
+        )
+
+
 class ParallelExecutor:
     """Rank processes of one parallel `LLM` (see the module docstring).
 
     Args:
-        args: the engine arguments (every rank builds its engine from them).
+        args: the engine arguments (every rank builds its engine from them); `args.device` is the resolved engine
+            device, "cpu" or "cuda" (rank r then uses cuda:r).
         model_dir: the resolved checkpoint directory.
 
     Raises:
-        ValueError: the EP size does not divide the DP size, or the routed experts do not divide over the EP ranks
-            (the message names the sizes).
+        ValueError: the EP size does not divide the DP size, the routed experts do not divide over the EP ranks, the
+            device is not "cpu" or "cuda", or there are fewer visible GPUs than ranks (the message names the sizes).
         RuntimeError: a rank failed to start (its traceback is in the message).
     """
 
@@ -82,6 +103,7 @@ class ParallelExecutor:
                 f"n_routed_experts={num_experts}: {exc}"
             ) from exc
         self.num_ranks = config.world_size
+        _check_devices(args.device, self.num_ranks)
         ctx = mp.get_context("spawn")
         port = find_free_port()
         self._procs: list[BaseProcess] = []

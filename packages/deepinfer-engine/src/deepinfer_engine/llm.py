@@ -19,9 +19,9 @@ own random stream, and the same `seq_seed` reproduces a call exactly.
 
 Parallel: with `data_parallel_size` or `expert_parallel_size` > 1 the engine runs in rank processes
 (`deepinfer_engine.executor`: prompts assigned to attention-DP ranks round-robin, routed experts sharded over the EP
-ranks, ranks stepping in lockstep — `deepinfer_engine.worker`); request ids and seeds are those of one process, so
-greedy and seeded outputs match it. The LLM process then holds only the tokenizer (no `model`, `runner` or
-`config`), and no progress bar is shown.
+ranks, ranks stepping in lockstep — `deepinfer_engine.worker`; on CUDA rank r uses GPU r and NCCL); request ids and
+seeds are those of one process, so greedy and seeded outputs match it. The LLM process then holds only the tokenizer
+(no `model`, `runner` or `config`), and no progress bar is shown.
 """
 
 from __future__ import annotations
@@ -104,7 +104,8 @@ class LLM:
             from deepinfer_engine.executor import ParallelExecutor
 
             self.tokenizer = Tokenizer(args.tokenizer if args.tokenizer is not None else model_dir)
-            self._executor = ParallelExecutor(args, model_dir)
+            device = args.device if args.device is not None else _default_device()
+            self._executor = ParallelExecutor(dataclasses.replace(args, device=device), model_dir)
             return
         self._build(args, env, model_dir, None, None)
 

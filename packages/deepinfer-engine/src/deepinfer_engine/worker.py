@@ -18,6 +18,7 @@ exactly one model forward per step, in lockstep with the others:
 
 from __future__ import annotations
 
+import dataclasses
 import traceback
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -37,7 +38,7 @@ from deepinfer_parallel.config import ParallelConfig
 from deepinfer_parallel.groups import ParallelGroups, RankGroup
 from deepinfer_parallel.launcher import destroy_distributed, init_distributed
 
-__all__ = ["LockstepRunner", "padding_batch", "rank_main"]
+__all__ = ["LockstepRunner", "padding_batch", "rank_device", "rank_main"]
 
 _MASTER_ADDR = "127.0.0.1"
 _COLLECTIVE_TIMEOUT_S = 600.0
@@ -125,8 +126,31 @@ def parallel_config(args: EngineArgs) -> ParallelConfig:
         ) from exc
 
 
+def rank_device(device: str, rank: int) -> torch.device:
+    """The device of rank `rank` of a world whose engine device is `device`.
+
+    CPU ranks all use the CPU; on CUDA rank r uses GPU r (one GPU per rank).
+
+    Args:
+        device: the engine's device, "cpu" or "cuda" (resolved: not None, no index).
+        rank: global rank.
+
+    Raises:
+        ValueError: `device` is neither "cpu" nor "cuda".
+    """
+    if device == "cpu":
+        return torch.device("cpu")
+    if device == "cuda":
+        return torch.device("cuda", rank)
+    raise ValueError(f"the device of a parallel engine must be 'cpu' or 'cuda' (rank r uses cuda:r), got {device!r}")
+
+
 def rank_main(rank: int, port: int, args: EngineArgs, model_dir: Path, conn: Connection) -> None:
     """Entry point of one rank process: join the world, build the rank's engine, serve `generate` shares.
+
+    `args.device` is the resolved engine device ("cpu" or "cuda", see `rank_device`). CPU worlds use gloo; CUDA
+    worlds bind rank r to cuda:r before building anything and use NCCL for the tensor collectives, with the gloo
+    twin of the DP group (`ParallelGroups.data_parallel_cpu`) for the host-side vote on unfinished work.
 
     Protocol over `conn`: the rank sends ("ready", None) once built (or ("error", traceback)); then for each
     received `(indices, texts, ids, params, first_request_id)` it sends ("ok", outputs) or ("error", traceback);
@@ -136,14 +160,26 @@ def rank_main(rank: int, port: int, args: EngineArgs, model_dir: Path, conn: Con
 
     config = parallel_config(args)
     try:
-        init_distributed(rank, config.world_size, _MASTER_ADDR, port, "gloo", _COLLECTIVE_TIMEOUT_S)
+        device = rank_device(args.device or "cpu", rank)
+        backend = "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            backend = "nccl"
+            args = dataclasses.replace(args, device=str(device))
+        init_distributed(rank, config.world_size, _MASTER_ADDR, port, backend, _COLLECTIVE_TIMEOUT_S)
     except Exception:
         conn.send(("error", traceback.format_exc()))
         return
     try:
         text = open_checkpoint_dir(model_dir).config.text
         groups = ParallelGroups.build(config, rank)
-        expert_parallel = ExpertParallelMoE.create(groups, text.n_routed_experts, text.num_hidden_layers)
+        placement_device = None
+        if device.type == "cuda":
+            groups.warm_up(device)  # NCCL communicators are created lazily; not inside the first step
+            placement_device = device
+        expert_parallel = ExpertParallelMoE.create(
+            groups, text.n_routed_experts, text.num_hidden_layers, device=placement_device
+        )
         llm = LLM.for_rank(args, model_dir, expert_parallel, groups.data_parallel_cpu)
         conn.send(("ready", None))
         while (message := conn.recv()) is not None:
