@@ -61,10 +61,11 @@ def block_config(rows: int) -> BlockConfig:
     """Tiles for ``rows`` activation rows per weight (per expert for the grouped GEMM), chosen for SM90.
 
     Few rows (decode) make the GEMM weight-bandwidth bound: small M tiles waste less of the 16-row MMA minimum and
-    narrow N tiles spread the weight stream over more SMs. Many rows (prefill) use 128×128 tiles for reuse.
+    narrow N tiles spread the weight stream over more SMs (N = 4096 in 32-column tiles gives 128 programs for the
+    H200's 132 SMs). Many rows (prefill) use 128×128 tiles for reuse.
     """
     if rows <= 16:
-        return BlockConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
+        return BlockConfig(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=4)
     if rows <= 32:
         return BlockConfig(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=4)
     if rows <= 64:
