@@ -35,8 +35,19 @@ class Compressor(nn.Module):
         self.norm = RMSNorm(head_dim, eps, mode)
 
     def _new_rows(self, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows completed in this step: ``floor(q_start/c) … floor(context/c) − 1`` per request."""
+        """Rows completed in this step: ``floor(q_start/c) … floor(context/c) − 1`` per request.
+
+        A decode step instead yields one row per request, ``floor(q_start/c)`` (a static shape): for ``c = 2`` and an
+        even position that row is not complete yet and is written provisionally (see ``_combine_c2``). Nothing reads
+        it before it is complete: queries see rows ``< klen(t) = (t + 1) // c`` only (model-attention §4.3, every
+        reader masks the others), and the step that computes the block's last position forms and rewrites the row
+        before any layer reads it.
+        """
         meta = ctx.meta
+        if meta.is_decode:
+            return torch.arange(meta.q_start.shape[0], device=meta.q_start.device), torch.div(
+                meta.q_start, self.ratio, rounding_mode="floor"
+            )
         first = torch.div(meta.q_start, self.ratio, rounding_mode="floor")
         counts = torch.div(meta.context_lens, self.ratio, rounding_mode="floor") - first
         request = torch.repeat_interleave(torch.arange(counts.shape[0], device=counts.device), counts)
@@ -83,16 +94,14 @@ class Compressor(nn.Module):
         offsets = torch.arange(self.ratio, device=row.device)
         positions = row[:, None] * self.ratio + offsets[None, :]
         req = request[:, None].expand_as(positions)
+        # A provisional decode row (its block's last position is not computed yet) repeats the current token in
+        # place of the missing one: finite values, never read (``_new_rows``). A no-op for complete rows.
+        positions = torch.minimum(positions, meta.context_lens[req] - 1)
         from_chunk = entries[meta.chunk_index(req, positions)]
         from_ring = state.read(COMPRESSOR_GROUP, layer_id, meta.ring_rows(req, positions, ring))
         block = torch.where(meta.in_chunk(req, positions)[..., None], from_chunk, from_ring)
         score, latent = block[..., : self.head_dim], block[..., self.head_dim :]
         combined = (torch.softmax(score, dim=1) * latent).sum(dim=1)
-        keep = meta.ring_write_tokens(ring)
-        state.write(
-            COMPRESSOR_GROUP,
-            layer_id,
-            meta.ring_rows(meta.token_request[keep], meta.positions[keep], ring),
-            entries[keep],
-        )
+        tail_rows, keep = meta.ring_tail(ring)
+        state.write(COMPRESSOR_GROUP, layer_id, tail_rows, entries if keep is None else entries[keep])
         return round_activation(combined, self.mode)

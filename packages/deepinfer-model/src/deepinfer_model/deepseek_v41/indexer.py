@@ -132,9 +132,10 @@ class Indexer(nn.Module):
         padded = torch.full((num_tokens, num_blocks * size), float("-inf"), device=logits.device)
         padded[:, :max_rows] = torch.where(valid, logits.clamp(max=_BF16_MAX), float("-inf"))
         block_score = padded.view(num_tokens, num_blocks, size).amax(dim=-1)
-        last = torch.div(klen - 1, size, rounding_mode="floor")
-        has_rows = klen > 0
-        block_score[has_rows, last[has_rows]] = float("inf")
+        # Scatter rather than boolean indexing: no data-dependent shape, no host sync (CUDA graphs).
+        last = torch.div(klen - 1, size, rounding_mode="floor").clamp(min=0)[:, None]
+        kept = torch.where((klen > 0)[:, None], float("inf"), block_score.gather(1, last))
+        block_score.scatter_(1, last, kept)
         block_valid = block_score > float("-inf")
         return _topk_rows(block_score, block_valid, how.candidate_topk_blocks)
 

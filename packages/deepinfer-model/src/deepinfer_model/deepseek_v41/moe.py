@@ -5,6 +5,10 @@ Expert dispatch goes through the ``ExpertDispatch`` seam: a callable that receiv
 routing and a per-expert compute function and returns the FP32 sum of the routed outputs. ``local_expert_dispatch``
 runs every expert on this rank; ``deepseek_v41.expert_parallel`` plugs in the dispatch/combine version over
 ``deepinfer_parallel``.
+
+With the local dispatch in exact mode the MoE does not loop over experts: ``RoutedExperts.grouped_sum`` runs every
+(token, top-k choice) row through one grouped MXFP4 GEMM per matrix (``deepinfer_kernels.mxfp4_grouped_gemm``), which
+has static shapes and no host synchronization (CUDA graphs), with the same arithmetic as the per-expert loop.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from deepinfer_kernels import mxfp4_grouped_gemm
 from deepinfer_model.layers.activation import swiglu_clamped
 from deepinfer_model.layers.linear import Fp8BlockLinear, Mxfp4ExpertStack, make_parameter
 from deepinfer_model.layers.mode import ComputeMode, round_activation
@@ -83,6 +88,8 @@ class RoutedExperts(nn.Module):
     then accepts only those ids. None keeps all ``num_experts``.
     """
 
+    expert_slot: torch.Tensor
+
     def __init__(
         self,
         num_experts: int,
@@ -99,11 +106,47 @@ class RoutedExperts(nn.Module):
             num_experts, hidden, 2 * intermediate, (intermediate, intermediate), mode, local_experts
         )
         self.w2 = Mxfp4ExpertStack(num_experts, intermediate, hidden, (hidden,), mode, local_experts)
+        # Device lookup logical expert -> stored slot (-1: not held here), so grouped dispatch needs no host map.
+        self.register_buffer("expert_slot", self._slot_table(), persistent=False)
+
+    def _slot_table(self) -> torch.Tensor:
+        table = [-1] * self.w13.num_experts
+        for slot, expert in reversed(list(enumerate(self.w13.local_experts))):
+            table[expert] = slot  # the first slot of a replicated expert, as ``Mxfp4ExpertStack`` picks
+        return torch.tensor(table, dtype=torch.int64)
 
     def set_local_experts(self, local_experts: Sequence[int]) -> None:
         """Logical expert of each stored slot after the slots' weights were rewritten (see ``Mxfp4ExpertStack``)."""
         self.w13.set_local_experts(local_experts)
         self.w2.set_local_experts(local_experts)
+        self.expert_slot.copy_(self._slot_table())
+
+    def grouped_sum(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, bias: torch.Tensor
+    ) -> torch.Tensor:
+        """Every (token, top-k choice) row through grouped MXFP4 GEMMs, summed onto ``bias`` in top-k order (exact
+        mode; the arithmetic of ``local_expert_dispatch`` over ``compute``, without host synchronization).
+
+        Args:
+            x: [n, H] expert inputs (activation dtype).
+            topk_ids: [n, k] int64 logical expert ids (experts not held here contribute zero).
+            topk_weights: [n, k] fp32 routing weights.
+            bias: [n, H] fp32 added first.
+
+        Returns:
+            [n, H] fp32.
+        """
+        n, k = topk_ids.shape
+        slots = self.expert_slot[topk_ids.reshape(-1)]
+        rows = x[:, None, :].expand(n, k, x.shape[1]).reshape(n * k, x.shape[1])
+        gate_up = mxfp4_grouped_gemm(rows, slots, self.w13.weight, self.w13.scale)
+        act = swiglu_clamped(gate_up, self.limit, topk_weights.reshape(-1))
+        routed = round_activation(mxfp4_grouped_gemm(act, slots, self.w2.weight, self.w2.scale), self.mode)
+        routed = routed.float().view(n, k, -1)
+        out = bias
+        for choice in range(k):
+            out = out + routed[:, choice]
+        return out
 
     def compute(self, expert: int, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """One expert (§13.3): the routing weight multiplies the SwiGLU output before ``w2`` and its FP8 cast.
@@ -165,4 +208,8 @@ class MoE(nn.Module):
             bias = self.shared_experts(x).float()
         else:
             bias = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        return round_activation(self.dispatch(x, topk_ids, topk_weights, self.experts.compute, bias), self.mode)
+        if self.dispatch is local_expert_dispatch and self.mode is ComputeMode.EXACT:
+            routed = self.experts.grouped_sum(x, topk_ids, topk_weights, bias)
+        else:
+            routed = self.dispatch(x, topk_ids, topk_weights, self.experts.compute, bias)
+        return round_activation(routed, self.mode)

@@ -26,9 +26,9 @@ from deepinfer_kernels import (
 
 __all__ = ["Fp4E4m3RowCodec", "Fp4Ue8m0RowCodec", "Fp8RowCodec", "RawFp32RowCodec", "RowCodec"]
 
-_E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-# Rounding boundaries between consecutive e2m1 magnitudes; at a tie the even code wins, so the boundary belongs
-# to the upper code for odd boundary indices (0.75, 1.75, 3.5) and to the lower code otherwise.
+# Rounding boundaries between consecutive e2m1 magnitudes (0, 0.5, 1, 1.5, 2, 3, 4, 6); at a tie the even code
+# wins, so the boundary belongs to the upper code for odd boundary indices (0.75, 1.75, 3.5) and to the lower code
+# otherwise.
 _E2M1_BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 _FP4_E4M3_GROUP = 16
 _FP4_SCALE_FLOOR = 6.0 * 2.0**-9
@@ -114,8 +114,12 @@ def _e2m1_encode(y: torch.Tensor) -> torch.Tensor:
 
 
 def _e2m1_decode(code: torch.Tensor) -> torch.Tensor:
-    table = torch.tensor(_E2M1_MAGNITUDES, dtype=torch.float32, device=code.device)
-    value = table[(code & 7).long()]
+    # Computed, not looked up in a host-built table: a table copied to the device inside a step would break CUDA
+    # graph capture. Magnitude codes 0 … 7 are 0, 0.5 (subnormal) and (1 + m/2) · 2^(e−1) for e = code >> 1 ≥ 1.
+    magnitude = (code & 7).to(torch.int32)
+    exponent, mantissa = magnitude >> 1, (magnitude & 1).to(torch.float32)
+    normal = (1.0 + 0.5 * mantissa) * torch.exp2((exponent - 1).to(torch.float32))
+    value = torch.where(exponent == 0, 0.5 * mantissa, normal)
     return torch.where((code & 8) != 0, -value, value)
 
 

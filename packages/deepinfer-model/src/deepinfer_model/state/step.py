@@ -34,7 +34,8 @@ class StepMetadata:
         block_table: [R, max_blocks] pages of the PAGED groups.
         state_slots: [R] state slot of each request.
         max_query_len: host int, longest query of the step.
-        max_context_len: host int, longest context after the step.
+        max_context_len: host int, longest context after the step (a step may pass any larger bound: it only sizes
+            the indexer's row dimension, which a CUDA graph needs fixed).
     """
 
     token_request: torch.Tensor
@@ -53,12 +54,15 @@ class StepMetadata:
         cu = batch.cu_query_lens.long()
         q_len = cu[1:] - cu[:-1]
         context = batch.context_lens.long()
-        token_request = torch.repeat_interleave(
-            torch.arange(batch.num_requests, device=cu.device), q_len, output_size=batch.num_tokens
-        )
         max_query = batch.max_query_len
         if max_query is None:
             max_query = int(q_len.max().item()) if batch.num_requests else 0
+        if max_query == 1 and batch.num_tokens == batch.num_requests:
+            token_request = torch.arange(batch.num_requests, device=cu.device)
+        else:
+            token_request = torch.repeat_interleave(
+                torch.arange(batch.num_requests, device=cu.device), q_len, output_size=batch.num_tokens
+            )
         max_context = batch.max_context_len
         if max_context is None:
             max_context = int(context.max().item()) if batch.num_requests else 0
@@ -79,6 +83,15 @@ class StepMetadata:
     def num_tokens(self) -> int:
         return int(self.positions.shape[0])
 
+    @property
+    def is_decode(self) -> bool:
+        """Every request computes exactly one token (``max_query_len == 1``, known on the host).
+
+        Decode steps take static-shape code paths (no boolean-mask indexing, no data-dependent row counts), so the
+        same forward can be captured in a CUDA graph.
+        """
+        return self.max_query_len == 1 and self.num_tokens == int(self.q_len.shape[0])
+
     def in_chunk(self, request: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """Whether ``position`` of ``request`` is computed in this step (any equal shapes; bool)."""
         return position >= self.q_start[request]
@@ -97,6 +110,19 @@ class StepMetadata:
         row = row.clamp(min=0)
         pages = self.block_table[request, torch.div(row, rows_per_block, rounding_mode="floor")]
         return pages * rows_per_block + torch.remainder(row, rows_per_block)
+
+    def ring_tail(self, ring_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Flat ring rows the step stores (model-attention §10.1) and which tokens they hold.
+
+        Returns:
+            ``(rows [N] int64, keep)``: ``keep`` is the [T] bool mask of ``ring_write_tokens`` (then the rows belong
+            to ``tokens[keep]``), or None in a decode step, where every token is its request's ring tail and
+            ``rows`` has one entry per token (no data-dependent shape).
+        """
+        if self.is_decode:
+            return self.ring_rows(self.token_request, self.positions, ring_size), None
+        keep = self.ring_write_tokens(ring_size)
+        return self.ring_rows(self.token_request[keep], self.positions[keep], ring_size), keep
 
     def ring_write_tokens(self, ring_size: int) -> torch.Tensor:
         """[T] bool: the token is among the last ``min(q_len, ring_size)`` tokens of its request (prefill rule of

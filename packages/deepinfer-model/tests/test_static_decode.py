@@ -1,0 +1,129 @@
+"""Decode steps take static-shape paths (CUDA-graph friendly) with the exact results of the general path.
+
+A decode step (every request computes one token) writes every token's ring rows without a mask, forms one candidate
+compressed row per request (a provisional one for C2 blocks that are not complete yet), and the MoE runs its experts
+through grouped GEMMs. These tests run the same decode steps through the general path (``max_query_len`` given as a
+bound of 2, which keeps the step off the decode paths) and through the static path with the indexer sized by a fixed
+context bound, as a captured graph runs it, and require bitwise-equal logits for the real requests. Both runs carry
+the same placeholder requests (token 0 at position 0, null block 0, state slot 0) that pad a step to a graph size:
+padding itself changes the GEMMs' row count, which on CPU may move logits in the last bit, so it is held equal.
+"""
+
+from __future__ import annotations
+
+import torch
+from _layered_model_support import prompt, tiny_config, tiny_model
+
+from deepinfer_model.deepseek_v41.moe import RoutedExperts, local_expert_dispatch
+from deepinfer_model.forward_batch import ForwardBatch
+from deepinfer_model.layers.mode import ComputeMode
+
+_BLOCK_SIZE = 8
+_NUM_BLOCKS = 40
+_MAX_NGRAM = 3
+
+
+def _prefix(ids: torch.Tensor, start: int) -> list[int]:
+    before = ids[max(0, start - (_MAX_NGRAM - 1)) : start].tolist()
+    return [-1] * (_MAX_NGRAM - 1 - len(before)) + before
+
+
+def _decode_batch(
+    sequences: list[torch.Tensor],
+    positions: list[int],
+    table: torch.Tensor,
+    slots: list[int],
+    num_padding: int,
+    max_query_len: int,
+    max_context_len: int,
+) -> ForwardBatch:
+    """One token per request at ``positions``, then ``num_padding`` placeholder requests (token 0 at position 0,
+    null block 0, state slot 0)."""
+    ids = [int(seq[p]) for seq, p in zip(sequences, positions, strict=True)] + [0] * num_padding
+    pos = positions + [0] * num_padding
+    count = len(ids)
+    padded_table = torch.cat([table, torch.zeros((num_padding, table.shape[1]), dtype=torch.int32)])
+    prefixes = [_prefix(seq, p) for seq, p in zip(sequences, positions, strict=True)]
+    prefixes += [[-1] * (_MAX_NGRAM - 1)] * num_padding
+    return ForwardBatch(
+        input_ids=torch.tensor(ids, dtype=torch.int64),
+        positions=torch.tensor(pos, dtype=torch.int64),
+        cu_query_lens=torch.arange(count + 1, dtype=torch.int32),
+        context_lens=torch.tensor([p + 1 for p in pos], dtype=torch.int32),
+        block_table=padded_table,
+        state_slots=torch.tensor(slots + [0] * num_padding, dtype=torch.int32),
+        engram_prefix_ids=torch.tensor(prefixes, dtype=torch.int64),
+        max_query_len=max_query_len,
+        max_context_len=max_context_len,
+    )
+
+
+def test_padded_static_decode_equals_general_path_exact() -> None:
+    assert tiny_config().text.engram_max_ngram_size == _MAX_NGRAM
+    model = tiny_model(ComputeMode.EXACT)
+    # Three requests; block 0 and slot 0 stay unused by them (the placeholders' null block and slot).
+    lengths, decode_steps = [41, 34, 7], 30
+    sequences = [prompt(n + decode_steps, seed=20 + i) for i, n in enumerate(lengths)]
+    table = torch.tensor([[1 + r + 3 * b for b in range(12)] for r in range(3)], dtype=torch.int32)
+    slots = [1, 2, 3]
+    general = model.allocate_state(_BLOCK_SIZE, _NUM_BLOCKS, num_state_slots=4)
+    static = model.allocate_state(_BLOCK_SIZE, _NUM_BLOCKS, num_state_slots=4)
+    bound = 12 * _BLOCK_SIZE
+    with torch.no_grad():
+        prefill = ForwardBatch.for_requests(
+            [seq[:n].tolist() for seq, n in zip(sequences, lengths, strict=True)],
+            [0, 0, 0],
+            table,
+            slots,
+            engram_prefix_ids=torch.full((3, _MAX_NGRAM - 1), -1, dtype=torch.int64),
+        )
+        model(prefill, general)
+        model(prefill, static)
+        for step in range(decode_steps):
+            positions = [n + step for n in lengths]
+            expected = model(
+                _decode_batch(
+                    sequences, positions, table, slots, 5, max_query_len=2, max_context_len=max(positions) + 1
+                ),
+                general,
+            )
+            actual = model(
+                _decode_batch(sequences, positions, table, slots, 5, max_query_len=1, max_context_len=bound), static
+            )
+            assert actual.shape[0] == 8
+            assert torch.equal(actual[:3], expected[:3]), f"decode step {step} differs"
+
+
+def test_grouped_expert_sum_equals_per_expert_loop() -> None:
+    model = tiny_model(ComputeMode.EXACT)
+    layer = model.layers[1]
+    moe = layer.ffn
+    generator = torch.Generator().manual_seed(3)
+    x = (torch.randn(37, tiny_config().text.hidden_size, generator=generator) * 2).to(torch.bfloat16)
+    topk_ids, topk_weights = moe.gate(x)
+    bias = torch.randn(x.shape, generator=generator)
+    with torch.no_grad():
+        grouped = moe.experts.grouped_sum(x, topk_ids, topk_weights, bias)
+        loop = local_expert_dispatch(x, topk_ids, topk_weights, moe.experts.compute, bias)
+    assert torch.equal(grouped, loop)
+
+
+def test_grouped_expert_sum_maps_logical_experts_to_slots() -> None:
+    model = tiny_model(ComputeMode.EXACT)
+    experts = model.layers[0].ffn.experts
+    experts.set_local_experts([3, 0, 1, 2, 7, 6, 5, 4])  # a permutation: slot i now claims another expert's weights
+    assert experts.expert_slot.tolist() == [1, 2, 3, 0, 7, 6, 5, 4]
+    x = torch.randn(5, tiny_config().text.hidden_size, generator=torch.Generator().manual_seed(4))
+    topk_ids = torch.tensor([[0, 3], [4, 1], [2, 7], [5, 6], [6, 0]])
+    weights = torch.rand(5, 2, generator=torch.Generator().manual_seed(5))
+    bias = torch.zeros(x.shape)
+    with torch.no_grad():
+        grouped = experts.grouped_sum(x.to(torch.bfloat16), topk_ids, weights, bias)
+        loop = local_expert_dispatch(x.to(torch.bfloat16), topk_ids, weights, experts.compute, bias)
+    assert torch.equal(grouped, loop)
+
+
+def test_expert_slot_table_marks_experts_not_held() -> None:
+    text = tiny_config().text
+    experts = RoutedExperts(8, text.hidden_size, text.moe_intermediate_size, 10.0, ComputeMode.EXACT, [5, 2, 5])
+    assert experts.expert_slot.tolist() == [-1, -1, 1, -1, -1, 0, -1, -1]
