@@ -151,11 +151,8 @@ class Attention(nn.Module):
 
     def _write_window(self, encoded: torch.Tensor, ctx: StepContext) -> None:
         """Store the last ``min(q_len, ring)`` tokens of every request in the ring (model-attention §10.1)."""
-        meta = ctx.meta
-        ring = ctx.state.ring_size(self.swa_group)
-        keep = meta.ring_write_tokens(ring)
-        rows = meta.ring_rows(meta.token_request[keep], meta.positions[keep], ring)
-        ctx.state.write_encoded(self.swa_group, self.spec.layer_id, rows, encoded[keep])
+        rows, keep = ctx.meta.ring_tail(ctx.state.ring_size(self.swa_group))
+        ctx.state.write_encoded(self.swa_group, self.spec.layer_id, rows, encoded if keep is None else encoded[keep])
 
     def store_window_keys(self, x: torch.Tensor, ctx: StepContext) -> None:
         """Project and store window keys without attending (DSpark context keys, dspark.md §4).
