@@ -15,6 +15,7 @@ from torch import nn
 from deepinfer_model.config import LayerSpec, TextConfig
 from deepinfer_model.deepseek_v41.compressor import Compressor
 from deepinfer_model.deepseek_v41.context import StepContext, compressed_group
+from deepinfer_model.deepseek_v41.context_parallel import ContextParallelContext, context_parallel_keys
 from deepinfer_model.deepseek_v41.indexer import Indexer, IndexSelection
 from deepinfer_model.layers.linear import Fp8BlockLinear, Fp8GroupedLinear, make_parameter
 from deepinfer_model.layers.mode import ComputeMode, round_activation
@@ -128,11 +129,14 @@ class Attention(nn.Module):
         num_tokens = meta.num_tokens
         q_latent = self.q_norm(self.wq_a(x))
         q = self.rope.rotate(self.wq_b(q_latent).view(num_tokens, self.n_heads, self.head_dim), meta.positions)
-        keys, valid = self._draft_keys(x, ctx) if ctx.draft else self._swa_keys(x, ctx)
-        if self.spec.is_compressed:
-            comp_keys, comp_valid = self._compressed_keys(q_latent, x, ctx, compressor_input)
-            keys = torch.cat([keys, comp_keys], dim=1)
-            valid = torch.cat([valid, comp_valid], dim=1)
+        if isinstance(ctx, ContextParallelContext):
+            keys, valid = context_parallel_keys(self, q_latent, x, ctx, compressor_input)
+        else:
+            keys, valid = self._draft_keys(x, ctx) if ctx.draft else self._swa_keys(x, ctx)
+            if self.spec.is_compressed:
+                comp_keys, comp_valid = self._compressed_keys(q_latent, x, ctx, compressor_input)
+                keys = torch.cat([keys, comp_keys], dim=1)
+                valid = torch.cat([valid, comp_valid], dim=1)
         out = sparse_attention(q, keys, valid, self.attn_sink, self.softmax_scale, self.mode)
         # De-rotation and both FP8 quantizations of the output path read FP32 values (§3 steps 7–8).
         out = self.rope.rotate(out, meta.positions, inverse=True)

@@ -25,6 +25,7 @@ from deepinfer_model.deepseek_v41.context import (
     compressed_group,
     index_k_group,
 )
+from deepinfer_model.deepseek_v41.context_parallel import context_parallel_forward, splits_step
 from deepinfer_model.deepseek_v41.dspark import DSparkBlock
 from deepinfer_model.deepseek_v41.engram import EngramVocab, ngram_rows
 from deepinfer_model.deepseek_v41.expert_parallel import ExpertParallelMoE
@@ -43,6 +44,7 @@ from deepinfer_model.state.codecs import (
     RawFp32RowCodec,
     RowCodec,
 )
+from deepinfer_parallel.groups import RankGroup
 
 __all__ = ["DeepseekV41ForCausalLM"]
 
@@ -61,6 +63,9 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
             expert here.
         draft_expert_parallel: the same for the DSpark blocks' routed experts (a placement of
             ``num_nextn_predict_layers`` layers of ``dspark_n_routed_experts``); None keeps them all here.
+        context_parallel: the CP group prefill steps are split over (``deepseek_v41.context_parallel``; every rank
+            of the group runs the same steps). None or a group of one runs every step whole. Also settable as the
+            ``context_parallel`` attribute after construction.
 
     Raises:
         ValueError: ``BT < 1``, or an ``expert_parallel`` placement that does not match the config.
@@ -75,6 +80,7 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
         max_backtracking_tokens: int = 6,
         expert_parallel: ExpertParallelMoE | None = None,
         draft_expert_parallel: ExpertParallelMoE | None = None,
+        context_parallel: RankGroup | None = None,
     ) -> None:
         super().__init__()
         cfg = config.text
@@ -90,6 +96,7 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
         self.mode = mode
         self.engram_vocab = engram_vocab
         self.max_backtracking_tokens = max_backtracking_tokens
+        self.context_parallel = context_parallel
         backbone = cfg.layers[: cfg.num_hidden_layers]
         self.embed = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, mode)
         self.layers = nn.ModuleList(
@@ -200,6 +207,9 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
     def forward(self, batch: ForwardBatch, state: ModelState) -> torch.Tensor:
         """One step: compute every query token of the batch, update the caches, return logits.
 
+        With a ``context_parallel`` group, a step with a prefill chunk is split over the group (a collective: every
+        CP rank calls ``forward`` with the same batch) and returns the same logits on every rank.
+
         Args:
             batch: the step's tokens and cache addressing.
             state: cache pools from ``allocate_state`` (updated in place).
@@ -207,18 +217,20 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
         Returns:
             [N, V] fp32 logits of ``batch.logits_indices`` (every token when None).
         """
+        if self.context_parallel is not None and splits_step(batch, self.context_parallel.size):
+            return context_parallel_forward(self, batch, state, self.context_parallel)
         cfg = self.config.text
         meta = StepMetadata.from_batch(batch)
         ctx = StepContext(meta=meta, state=state, capture_layers=frozenset(cfg.dspark_target_layer_ids))
         if cfg.engram_enabled:
-            self._prepare_engram(batch, meta, ctx)
+            self.prepare_engram(batch, meta, ctx)
         hidden = self.embed(batch.input_ids)
         trunk = hidden[:, None, :].expand(-1, cfg.hc_mult, -1).contiguous()
         read_mix = initial_read_mix(meta.num_tokens, cfg.hc_mult, hidden.device)
         for block in self.layers:
             trunk, read_mix = block(trunk, read_mix, ctx)
         if len(self.mtp):
-            self._store_context_keys(ctx)
+            self.store_context_keys(ctx)
         final = self.collapse(trunk, read_mix, cfg, self.mode)
         if batch.logits_indices is not None:
             final = final[batch.logits_indices]
@@ -269,7 +281,8 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
         assert isinstance(last, DSparkBlock)
         return last.heads(hidden, previous_tokens, temperature, self.head)
 
-    def _prepare_engram(self, batch: ForwardBatch, meta: StepMetadata, ctx: StepContext) -> None:
+    def prepare_engram(self, batch: ForwardBatch, meta: StepMetadata, ctx: StepContext) -> None:
+        """Set the step's compressed n-gram rows (and the vocabulary) on ``ctx`` from ``batch``'s tokens."""
         cfg = self.config.text
         assert cfg.engram_max_ngram_size is not None
         if self.engram_vocab is None:
@@ -286,7 +299,7 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
         rows, active = ngram_rows(meta, batch.input_ids, prefix, self.engram_vocab, cfg.engram_max_ngram_size)
         ctx.engram_rows, ctx.engram_active, ctx.engram_vocab = rows, active, self.engram_vocab
 
-    def _store_context_keys(self, ctx: StepContext) -> None:
+    def store_context_keys(self, ctx: StepContext) -> None:
         """Write the drafter's context keys of the step's tokens into every DSpark ring (dspark.md §4)."""
         cfg = self.config.text
         features = torch.cat([ctx.features[layer] for layer in cfg.dspark_target_layer_ids], dim=-1)

@@ -1,0 +1,225 @@
+"""Balanced context parallelism (CP) of prefill steps for the layered model (runtime §7.2).
+
+Every rank of a CP group runs the same step (same batch, same cache layout, its own copy of the full cache). In a
+step that splits (``splits_step``: some request has at least ``2·cp`` query tokens), each request's chunk is cut into
+``2·cp`` blocks and CP rank ``r`` computes blocks ``r`` and ``2·cp − 1 − r`` (``deepinfer_parallel.balanced_split``;
+padding rows repeat token 0 and are dropped again). Everything per token — embedding, Engram, hyper-connections,
+q projections, attention of the query, output projections, MoE — runs on the rank's local rows only.
+
+Attention needs the keys of every chunk token. Each layer all-gathers its attention input (the ``attn_norm``
+output, and the YOCO shared hidden where a consumer layer owns a compressor) into original token order, so every
+rank forms the SWA KV, compressed rows and index keys of *all* chunk tokens and writes the *full* cache state —
+decode steps (and steps that do not split) then run the ordinary path on the same batch on every rank. Since every
+rank holds all keys, a local query attends over its complete key set in one softmax; no partial results need a
+log-sum-exp merge. DSpark target features and the final hidden are gathered to token order too, so the drafter's
+context keys are written for every token and every rank returns the same logits rows.
+
+The index math uses two views of the step: the *full* ``StepMetadata`` (cache writes, chunk-relative addressing) and
+a *local* one whose per-token arrays (``positions``, ``token_request``) hold only the rank's rows while the
+per-request arrays are unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from deepinfer_model.deepseek_v41.context import StepContext, compressed_group
+from deepinfer_model.deepseek_v41.hyper_connection import initial_read_mix
+from deepinfer_model.forward_batch import ForwardBatch
+from deepinfer_model.state import ModelState, StepMetadata
+from deepinfer_parallel.context_parallel import ContextParallelSplit, all_gather_to_token_order, balanced_split
+from deepinfer_parallel.groups import RankGroup
+
+if TYPE_CHECKING:
+    from deepinfer_model.deepseek_v41.attention import Attention
+    from deepinfer_model.deepseek_v41.model import DeepseekV41ForCausalLM
+
+__all__ = [
+    "ContextParallelContext",
+    "context_parallel_forward",
+    "context_parallel_keys",
+    "splits_step",
+]
+
+
+def splits_step(batch: ForwardBatch, cp_size: int) -> bool:
+    """Whether a step is split over a CP group of ``cp_size`` ranks: ``cp_size > 1`` and some request computes at
+    least ``2·cp_size`` tokens (a prefill chunk). Decode and short verify steps run whole on every rank."""
+    if cp_size == 1:
+        return False
+    longest = batch.max_query_len
+    if longest is None:
+        cu = batch.cu_query_lens.long()
+        longest = int((cu[1:] - cu[:-1]).max().item()) if batch.num_requests else 0
+    return longest >= 2 * cp_size
+
+
+@dataclass(kw_only=True)
+class ContextParallelContext(StepContext):
+    """The step context of one CP rank in a split step; ``meta`` is the local view (see the module docstring).
+
+    Attributes:
+        full: context over every token of the step (full metadata, the same state); used for cache writes.
+        group: the CP group.
+        split: which packed-batch token each rank's local row holds.
+        local_index: [T_local] int64 packed-batch index of each local row (0 on padding rows).
+        shared_hidden_full: [T, H] the gathered YOCO shared hidden, once a consumer kv source needed it.
+    """
+
+    full: StepContext
+    group: RankGroup
+    split: ContextParallelSplit
+    local_index: torch.Tensor
+    shared_hidden_full: torch.Tensor | None = None
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """All-gather every rank's local rows ``[T_local, ...]`` into packed-batch order ``[T, ...]`` (collective)."""
+        return all_gather_to_token_order(local.contiguous(), self.split, self.group)
+
+
+def _local_context(
+    batch: ForwardBatch, state: ModelState, group: RankGroup, capture_layers: frozenset[int]
+) -> ContextParallelContext:
+    full_meta = StepMetadata.from_batch(batch)
+    split = balanced_split(full_meta.q_len.tolist(), group.size)
+    local_index = split.token_index[group.rank].to(full_meta.positions.device)
+    local_meta = dataclasses.replace(
+        full_meta, token_request=full_meta.token_request[local_index], positions=full_meta.positions[local_index]
+    )
+    full = StepContext(meta=full_meta, state=state)
+    return ContextParallelContext(
+        meta=local_meta,
+        state=state,
+        capture_layers=capture_layers,
+        full=full,
+        group=group,
+        split=split,
+        local_index=local_index,
+    )
+
+
+def context_parallel_forward(
+    model: DeepseekV41ForCausalLM, batch: ForwardBatch, state: ModelState, group: RankGroup
+) -> torch.Tensor:
+    """``model.forward`` of a split step on one CP rank (collective over ``group``: every rank calls it).
+
+    Args:
+        model: the model (the same weights on every CP rank).
+        batch: the step, identical on every CP rank.
+        state: this rank's cache pools (updated for every token of the step).
+        group: the CP group.
+
+    Returns:
+        [N, V] fp32 logits of ``batch.logits_indices`` (every token when None), the same rows on every rank.
+    """
+    cfg = model.config.text
+    ctx = _local_context(batch, state, group, frozenset(cfg.dspark_target_layer_ids))
+    if cfg.engram_enabled:
+        # n-grams look back across block boundaries: derive them over the whole chunk, then keep the local rows.
+        model.prepare_engram(batch, ctx.full.meta, ctx.full)
+        assert ctx.full.engram_rows is not None and ctx.full.engram_active is not None
+        ctx.engram_rows = ctx.full.engram_rows[ctx.local_index]
+        ctx.engram_active = ctx.full.engram_active[ctx.local_index]
+        ctx.engram_vocab = ctx.full.engram_vocab
+    hidden = model.embed(batch.input_ids[ctx.local_index])
+    trunk = hidden[:, None, :].expand(-1, cfg.hc_mult, -1).contiguous()
+    read_mix = initial_read_mix(ctx.meta.num_tokens, cfg.hc_mult, hidden.device)
+    for block in model.layers:
+        trunk, read_mix = block(trunk, read_mix, ctx)
+    if len(model.mtp):
+        ctx.full.features = {layer: ctx.gather(feature) for layer, feature in ctx.features.items()}
+        model.store_context_keys(ctx.full)
+    final = ctx.gather(model.collapse(trunk, read_mix, cfg, model.mode))
+    if batch.logits_indices is not None:
+        final = final[batch.logits_indices]
+    return model.head(model.norm(final))
+
+
+def context_parallel_keys(
+    attn: Attention,
+    q_latent: torch.Tensor,
+    x: torch.Tensor,
+    ctx: ContextParallelContext,
+    compressor_input: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys of the rank's local queries in a split step (collective over the CP group); the rest of
+    ``Attention.forward`` (q, softmax, output projections) runs unchanged on the local rows.
+
+    Args:
+        attn: the layer.
+        q_latent: [T_local, q_r] ``q_norm`` output of the local rows.
+        x: [T_local, H] the local rows of the ``attn_norm`` output (activation dtype).
+        ctx: the split step's context.
+        compressor_input: [T_local, H] local rows of the YOCO shared hidden on consumer layers, else None.
+
+    Returns:
+        ([T_local, W (+ K), D] fp32 window keys then selected compressed rows, [T_local, W (+ K)] bool validity).
+    """
+    x_full = ctx.gather(x)
+    keys, valid = _window_keys(attn, x_full, ctx)
+    if attn.spec.is_compressed:
+        comp_keys, comp_valid = _compressed_keys(attn, q_latent, x, x_full, ctx, compressor_input)
+        keys = torch.cat([keys, comp_keys], dim=1)
+        valid = torch.cat([valid, comp_valid], dim=1)
+    return keys, valid
+
+
+def _window_keys(
+    attn: Attention, x_full: torch.Tensor, ctx: ContextParallelContext
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Window keys of the local queries: chunk keys from the SWA KV of every chunk token, older ones from the ring
+    (read before this step's write); then the chunk's tail is written to the ring.
+
+    Returns:
+        ([T_local, W, D] fp32 keys, [T_local, W] bool validity).
+    """
+    meta, full_meta, state = ctx.meta, ctx.full.meta, ctx.state
+    encoded, kv_hat = attn._window_kv(x_full, ctx.full)
+    ring = state.ring_size(attn.swa_group)
+    offsets = torch.arange(attn.window, device=kv_hat.device) - (attn.window - 1)
+    positions = meta.positions[:, None] + offsets[None, :]
+    request = meta.token_request[:, None].expand_as(positions)
+    history = state.read(attn.swa_group, attn.spec.layer_id, full_meta.ring_rows(request, positions, ring))
+    in_chunk = full_meta.in_chunk(request, positions)
+    keys = torch.where(in_chunk[..., None], kv_hat[full_meta.chunk_index(request, positions)], history)
+    attn._write_window(encoded, ctx.full)
+    return keys, positions >= 0
+
+
+def _compressed_keys(
+    attn: Attention,
+    q_latent: torch.Tensor,
+    x: torch.Tensor,
+    x_full: torch.Tensor,
+    ctx: ContextParallelContext,
+    compressor_input: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compressed rows and index keys from every chunk token; top-k selection for the local queries only.
+
+    Returns:
+        ([T_local, K, D] fp32 dequantized rows, [T_local, K] bool).
+    """
+    spec, meta, state = attn.spec, ctx.meta, ctx.state
+    layer = spec.layer_id
+    if attn.compressor is not None:
+        hidden = x_full
+        if compressor_input is not None:
+            if ctx.shared_hidden_full is None:
+                ctx.shared_hidden_full = ctx.gather(compressor_input)
+            hidden = ctx.shared_hidden_full
+        ctx.new_rows[layer] = attn.compressor(hidden, ctx.full, layer, attn.rope)
+    if spec.owns_index_k:
+        assert attn.indexer is not None
+        attn.indexer.write_keys(ctx.new_rows[spec.kv_source], spec.compress_ratio, ctx.full, layer, attn.rope)
+    if attn.selection is not None:
+        assert attn.indexer is not None
+        ctx.topk[layer] = attn.indexer.select(q_latent, x, ctx, attn.rope, attn.selection)
+    selected = ctx.topk[spec.index_source]
+    group = compressed_group(spec.compress_ratio)
+    request = meta.token_request[:, None].expand_as(selected)
+    rows = meta.paged_rows(request, selected, state.rows_per_block(group))
+    return state.read(group, spec.kv_source, rows), selected >= 0

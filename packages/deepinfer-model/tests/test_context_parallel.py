@@ -1,0 +1,146 @@
+"""Balanced context-parallel prefill of the layered model on real gloo worlds of 2 and 4 CPU ranks against the
+single-process forward of the same steps.
+
+Three requests run two prefill steps (lengths 37 / 6 / 2, then 43 more tokens of request 0 continuing from its
+cached history past the 64-token window, one decode token of request 1 and 11 more of request 2: chunks that do not
+divide by 2·cp and chunks shorter than 2·cp) and then three greedy decode steps. The tiny preset has C2 and C1
+compressed layers, YOCO consumers, Engram layers and a DSpark block, so every cache-writing path is split. Every CP
+rank must return the logits of one process for every token, and pick the same greedy tokens.
+
+Tolerances (relative to the largest reference logit): FP32 mode 1e-5 (measured: at most 9.6e-7; a rank's GEMMs see
+other row batches than one process's); exact mode 1e-2, a few BF16 ulps in case a GEMM rounds differently in another
+row batch (measured: bitwise equal on CPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import cache
+
+import pytest
+import torch
+from _ep_world import run_world
+from _layered_model_support import prompt, tiny_config, tiny_model, tiny_vocab, tiny_weights
+
+from deepinfer_model.deepseek_v41 import DeepseekV41ForCausalLM, ExpertParallelMoE
+from deepinfer_model.deepseek_v41.context_parallel import splits_step
+from deepinfer_model.forward_batch import ForwardBatch
+from deepinfer_model.layers.mode import ComputeMode
+from deepinfer_parallel.config import ParallelConfig
+from deepinfer_parallel.context_parallel import balanced_split
+from deepinfer_parallel.groups import ParallelGroups
+
+TOLERANCE = {"FP32": 1e-5, "EXACT": 1e-2}
+_PREFILL = [[(0, 0, 37), (1, 0, 6), (2, 0, 2)], [(0, 37, 80), (1, 6, 7), (2, 2, 13)]]
+_DECODE_STEPS = 3
+_PAGES_PER_REQUEST = 16
+_BLOCK_SIZE = 8
+
+
+def _prompts(seed: int) -> list[torch.Tensor]:
+    return [prompt(80, seed), prompt(7, seed + 1), prompt(13, seed + 2)]
+
+
+def _batch(tokens: list[list[int]], starts: list[int], history: list[list[int]]) -> ForwardBatch:
+    """Requests 0..2 computing ``tokens[r]`` from ``starts[r]``; ``history[r]`` are their earlier tokens."""
+    keep = tiny_config().text.engram_max_ngram_size - 1
+    prefix = [[-1] * (keep - len(h[-keep:])) + h[-keep:] for h in history]
+    table = torch.arange(3 * _PAGES_PER_REQUEST, dtype=torch.int32).view(3, _PAGES_PER_REQUEST)
+    return ForwardBatch.for_requests(tokens, starts, table, [0, 1, 2], engram_prefix_ids=torch.tensor(prefix))
+
+
+def run_schedule(model: DeepseekV41ForCausalLM, seed: int) -> tuple[list[torch.Tensor], list[list[int]], list[int]]:
+    """Run the module docstring's steps.
+
+    Returns:
+        (logits of every step [T_step, V], greedy tokens of each request, rows the first layer's attention computed
+        in each step).
+    """
+    prompts = _prompts(seed)
+    state = model.allocate_state(_BLOCK_SIZE, 3 * _PAGES_PER_REQUEST, 3)
+    rows: list[int] = []
+    handle = model.layers[0].attn.register_forward_hook(lambda _m, args, _o: rows.append(int(args[0].shape[0])))
+    sequences: list[list[int]] = [[], [], []]
+    outputs: list[torch.Tensor] = []
+    greedy: list[list[int]] = [[], [], []]
+    with torch.no_grad():
+        for step in _PREFILL:
+            tokens = [prompts[r][start:end].tolist() for r, start, end in step]
+            batch = _batch(tokens, [start for _, start, _ in step], sequences)
+            outputs.append(model(batch, state))
+            for r, _, end in step:
+                sequences[r] = prompts[r][:end].tolist()
+        last = torch.tensor([0, *batch.cu_query_lens[1:].tolist()])[1:] - 1
+        for _ in range(_DECODE_STEPS):
+            picks = outputs[-1][last].argmax(dim=-1).tolist()
+            for r, token in enumerate(picks):
+                greedy[r].append(token)
+            batch = _batch([[t] for t in picks], [len(s) for s in sequences], sequences)
+            batch = dataclasses.replace(batch, logits_indices=torch.arange(3))
+            outputs.append(model(batch, state))
+            last = torch.arange(3)
+            for r, token in enumerate(picks):
+                sequences[r].append(token)
+    handle.remove()
+    return outputs, greedy, rows
+
+
+def _rank(
+    rank: int, world_size: int, mode_name: str, dp: int, ep: int
+) -> tuple[list[torch.Tensor], list[list[int]], list[int]]:
+    config = ParallelConfig(
+        world_size=world_size, data_parallel_size=dp, context_parallel_size=world_size // dp, expert_parallel_size=ep
+    )
+    groups = ParallelGroups.build(config, rank)
+    text = tiny_config().text
+    expert_parallel = None
+    if ep > 1:
+        expert_parallel = ExpertParallelMoE.create(groups, text.n_routed_experts, text.num_hidden_layers)
+    model = DeepseekV41ForCausalLM(
+        tiny_config(),
+        ComputeMode[mode_name],
+        tiny_vocab(),
+        expert_parallel=expert_parallel,
+        context_parallel=groups.context_parallel,
+    )
+    model.load_weights(tiny_weights().items())
+    return run_schedule(model, seed=5 + groups.dp_rank)
+
+
+@cache
+def _reference(mode_name: str, seed: int) -> tuple[list[torch.Tensor], list[list[int]], list[int]]:
+    return run_schedule(tiny_model(ComputeMode[mode_name]), seed)
+
+
+def _check(world_size: int, mode_name: str, dp: int = 1, ep: int = 1) -> None:
+    cp = world_size // dp
+    results = run_world(world_size, _rank, mode_name, dp, ep)
+    references = [_reference(mode_name, seed=5 + d) for d in range(dp)]
+    expected_rows = [balanced_split([end - start for _, start, end in step], cp).num_local_tokens for step in _PREFILL]
+    for rank, (logits, greedy, rows) in enumerate(results):
+        ref_logits, ref_greedy, ref_rows = references[rank // cp]
+        assert rows == expected_rows + ref_rows[len(_PREFILL) :], f"rank {rank}: attention rows per step {rows}"
+        assert greedy == ref_greedy, f"rank {rank}: greedy tokens {greedy} != one process {ref_greedy}"
+        for step, (got, want) in enumerate(zip(logits, ref_logits, strict=True)):
+            assert got.shape == want.shape
+            error = float((got - want).abs().max() / want.abs().max())
+            assert error <= TOLERANCE[mode_name], f"rank {rank} step {step}: relative error {error:.3g}"
+
+
+@pytest.mark.parametrize(("world_size", "mode_name"), [(2, "FP32"), (2, "EXACT"), (4, "EXACT")])
+def test_context_parallel_prefill_matches_single_process(world_size: int, mode_name: str) -> None:
+    _check(world_size, mode_name)
+
+
+def test_data_parallel_times_context_parallel_with_expert_parallel() -> None:
+    # Ranks 0-1 and 2-3 are two CP groups (DP ranks 0 and 1) with their own requests; experts sharded over all 4.
+    _check(4, "EXACT", dp=2, ep=4)
+
+
+def test_which_steps_split() -> None:
+    table = torch.zeros((2, 1), dtype=torch.int32)
+    prefill = ForwardBatch.for_requests([[1, 2, 3, 4], [5]], [0, 9], table, [0, 1])
+    decode = ForwardBatch.for_requests([[1], [5]], [4, 9], table, [0, 1])
+    short = ForwardBatch.for_requests([[1, 2, 3], [5]], [0, 9], table, [0, 1])
+    assert splits_step(prefill, 2) and not splits_step(decode, 2) and not splits_step(short, 2)
+    assert not splits_step(prefill, 1)
