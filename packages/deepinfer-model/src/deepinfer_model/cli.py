@@ -1,8 +1,11 @@
 """Command line of ``deepinfer-model`` (also ``python -m deepinfer_model``).
 
 Commands:
-    write-checkpoint --config PRESET_OR_CONFIG_JSON --out DIR [--seed N] [--max-shard-bytes N]
-        Write a random checkpoint of the configuration in the released format (``checkpoint.writer``).
+    write-checkpoint --config PRESET_OR_CONFIG_JSON --out DIR [--seed N] [--max-shard-bytes N] [--fast-experts]
+            [--workers N]
+        Write a random checkpoint of the configuration in the released format (``checkpoint.writer``) and print its
+        size and parameter count. ``--fast-experts`` draws the MXFP4 experts directly in stored form and
+        ``--workers`` writes shards in parallel: what makes real-width presets (``v41-flash-scaled``) quick to write.
     inspect (--model DIR | --config PRESET_OR_CONFIG_JSON)
         Print the layer map (kind, sharing sources, Engram, YOCO side, RoPE) and parameter counts and bytes per
         storage format. With ``--model`` the checkpoint directory is validated first (headers and coverage; no tensor
@@ -161,8 +164,20 @@ def _write(args: argparse.Namespace) -> int:
     free = shutil.disk_usage(probe).free
     if size > free:
         raise ValueError(f"the checkpoint needs {size:,} bytes but {probe} has only {free:,} bytes free")
-    write_checkpoint(config, out, seed=args.seed, max_shard_bytes=args.max_shard_bytes)
-    print(f"wrote {out}: {len(build_catalogue(config)):,} tensors, {size:,} bytes (seed {args.seed})")
+    write_checkpoint(
+        config,
+        out,
+        seed=args.seed,
+        max_shard_bytes=args.max_shard_bytes,
+        fast_experts=args.fast_experts,
+        num_workers=args.workers,
+    )
+    entries = build_catalogue(config)
+    parameters = sum(summarize(entries).parameters_by_format.values())
+    print(
+        f"wrote {out}: {len(entries):,} tensors, {size:,} bytes (seed {args.seed}); {size / 1e9:.2f} GB, "
+        f"{parameters:,} parameters"
+    )
     return 0
 
 
@@ -240,6 +255,10 @@ def build_parser() -> argparse.ArgumentParser:
     write.add_argument("--out", required=True, help="output directory")
     write.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     write.add_argument("--max-shard-bytes", type=int, default=4 * 1024**3, help="shard size limit in bytes")
+    write.add_argument(
+        "--fast-experts", action="store_true", help="draw MXFP4 experts directly in stored form (large checkpoints)"
+    )
+    write.add_argument("--workers", type=int, default=1, help="shards written in parallel (default 1)")
     write.set_defaults(handler=_write)
     inspect = commands.add_parser("inspect", help="print the layer map and the size per storage format")
     source = inspect.add_mutually_exclusive_group(required=True)

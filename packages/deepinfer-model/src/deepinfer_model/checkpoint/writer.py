@@ -22,13 +22,23 @@ on the sharding or on other tensors. Initialisation (chosen so every activation 
     hc_*_fn                                         N(0, 0.01²) (small, so mixes start near §10.12)
     hc_head_* (non-shifted only)                    base −3 except +3 at (layer count) mod m; fn N(0, 0.01²)
     vision biases                                   0
+
+Large checkpoints (real widths, hundreds of experts) spend nearly all their time quantizing MXFP4 experts. With
+``fast_experts=True`` each MXFP4 weight is drawn directly in its stored form instead: uniformly random e2m1 codes
+(random packed bytes) and one UE8M0 scale 2^e for the whole tensor, e = round(log2(in^-0.5 / σ_code)) with
+σ_code = sqrt(mean of the 16 squared code values) ≈ 2.93, so the weight's standard deviation stays ≈ in^-0.5. The
+format, names, shapes and dtypes are unchanged; only the values differ from the default draw. ``num_workers`` > 1
+builds and writes shards in parallel threads (each tensor's value depends only on its name and the seed, so the
+files are identical for any number of workers).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import zlib
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -44,6 +54,8 @@ DEFAULT_MAX_SHARD_BYTES = 4 * 1024**3
 _HC_LOGIT = 3.0  # §10.12 magnitude of the initial read and comb logits
 _HC_SCALE = 0.01
 _HC_FN_STD = 0.01
+_FP4_CODE_RMS = math.sqrt(sum(v * v for v in (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)) / 8)  # e2m1, uniform codes
+_UE8M0_BIAS = 127
 
 
 def _generator(seed: int, name: str) -> torch.Generator:
@@ -100,13 +112,33 @@ def _plain_value(entry: CatalogueEntry, config: ModelConfig, gen: torch.Generato
     return _normal(shape, shape[-1] ** -0.5, gen)
 
 
-def tensor_pair(entry: CatalogueEntry, config: ModelConfig, seed: int) -> list[tuple[str, torch.Tensor]]:
+def _direct_mxfp4(logical_shape: tuple[int, ...], gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random MXFP4 weight drawn in stored form (module docstring, ``fast_experts``).
+
+    Returns:
+        packed [N, K/2] int8 (uniformly random bytes, i.e. two uniform e2m1 codes each) and scale [N, K/32]
+        float8_e8m0fnu (one value for the whole tensor).
+    """
+    rows, cols = logical_shape
+    num_bytes = rows * cols // 2
+    # 8 random bytes per draw: int64 over its full range (the byte count is a multiple of 16 since K % 32 == 0).
+    words = torch.empty(num_bytes // 8, dtype=torch.int64).random_(-(2**63), None, generator=gen)
+    packed = words.view(torch.int8).view(rows, cols // 2)
+    exponent = round(math.log2(cols**-0.5 / _FP4_CODE_RMS))
+    scale = torch.full((rows, cols // 32), _UE8M0_BIAS + exponent, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    return packed, scale
+
+
+def tensor_pair(
+    entry: CatalogueEntry, config: ModelConfig, seed: int, fast_experts: bool = False
+) -> list[tuple[str, torch.Tensor]]:
     """Random stored-format value(s) for one catalogue weight: the weight and, if it has one, its scale.
 
     Args:
         entry: a non-scale catalogue entry.
         config: the model configuration.
         seed: checkpoint seed.
+        fast_experts: draw MXFP4 weights directly in stored form (module docstring).
 
     Returns:
         ``[(name, tensor)]`` or ``[(weight name, weight), (scale name, scale)]``; dtypes as in the catalogue.
@@ -115,6 +147,8 @@ def tensor_pair(entry: CatalogueEntry, config: ModelConfig, seed: int) -> list[t
     stem = entry.name[: -len(".weight")] if entry.name.endswith(".weight") else entry.name
     if entry.format is TensorFormat.FP8_BLOCK:
         weight, scale = quantize_fp8_block(_normal(entry.logical_shape, entry.logical_shape[1] ** -0.5, gen))
+    elif entry.format is TensorFormat.MXFP4 and fast_experts:
+        weight, scale = _direct_mxfp4(entry.logical_shape, gen)
     elif entry.format is TensorFormat.MXFP4:
         weight, scale = quantize_mxfp4(_normal(entry.logical_shape, entry.logical_shape[1] ** -0.5, gen))
     elif entry.format is TensorFormat.FP8_ROW:
@@ -151,35 +185,58 @@ def _plan_shards(entries: tuple[CatalogueEntry, ...], max_shard_bytes: int) -> l
     return shards
 
 
+def _write_one_shard(
+    path: Path, units: list[list[CatalogueEntry]], config: ModelConfig, seed: int, fast_experts: bool
+) -> tuple[int, list[str]]:
+    """Build and write one shard; returns its tensor bytes and tensor names (in file order)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for unit in units:
+        tensors.update(tensor_pair(unit[0], config, seed, fast_experts))
+    return write_shard(path, tensors, {"format": "pt"}), list(tensors)
+
+
 def write_checkpoint(
-    config: ModelConfig, out_dir: str | Path, *, seed: int = 0, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+    config: ModelConfig,
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    fast_experts: bool = False,
+    num_workers: int = 1,
 ) -> Path:
     """Write a random checkpoint of ``config`` in the released format (see the module docstring).
 
     Args:
         config: any valid configuration.
         out_dir: destination directory; created if needed; existing checkpoint files in it are overwritten.
-        seed: weight seed; the same (config, seed) gives byte-identical files.
+        seed: weight seed; the same (config, seed, fast_experts) gives byte-identical files.
         max_shard_bytes: upper bound per shard (a single larger weight+scale unit gets a shard of its own).
+        fast_experts: draw MXFP4 weights directly in stored form (module docstring); for real-width checkpoints.
+        num_workers: shards built and written at once (threads, >= 1); each holds one shard in memory.
 
     Returns:
         The output directory.
     """
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+        raise ValueError(f"num_workers must be a positive int, got {num_workers!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     entries = build_catalogue(config)
     plan = _plan_shards(entries, max_shard_bytes)
+    names = [f"model-{number:05d}-of-{len(plan):05d}.safetensors" for number in range(1, len(plan) + 1)]
+    with ThreadPoolExecutor(max_workers=num_workers) as pool:
+        futures = [
+            pool.submit(_write_one_shard, out / name, units, config, seed, fast_experts)
+            for name, units in zip(names, plan, strict=True)
+        ]
+        written = [future.result() for future in futures]
     weight_map: dict[str, str] = {}
     total = 0
-    for number, units in enumerate(plan, start=1):
-        shard = f"model-{number:05d}-of-{len(plan):05d}.safetensors"
-        tensors: dict[str, torch.Tensor] = {}
-        for unit in units:
-            tensors.update(tensor_pair(unit[0], config, seed))
-        total += write_shard(out / shard, tensors, {"format": "pt"})
-        weight_map.update(dict.fromkeys(tensors, shard))
+    for name, (num_bytes, tensor_names) in zip(names, written, strict=True):
+        total += num_bytes
+        weight_map.update(dict.fromkeys(tensor_names, name))
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
     (out / CONFIG_FILE).write_text(json.dumps(config.to_dict(), indent=2) + "\n", encoding="utf-8")
