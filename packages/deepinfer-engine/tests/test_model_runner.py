@@ -96,8 +96,8 @@ def test_cuda_async_equals_sync_with_seeds(root: Path) -> None:
 @pytest.mark.gpu
 @needs_cuda
 def test_cuda_execute_never_synchronizes(root: Path) -> None:
-    # The runner's own work (buffers, uploads, sampling, result copies) must not synchronize. The model forward is
-    # excluded: deepinfer_model's local MoE dispatch reads expert ids on the host (torch.unique().tolist()).
+    # The runner's own work (buffers, uploads, graph replays, sampling, result copies) must not synchronize. The
+    # eager model forward is excluded: prefill steps index with data-dependent boolean masks.
     engine = make_llm(root, device="cuda", async_scheduling=True)
     runner = engine.runner
     execute, forward = runner.execute, runner.model.forward

@@ -94,7 +94,8 @@ class EngineConfig:
         precision: "exact" (the checkpoint's numerics) or "fp32" (FP32 activations and caches; parity tests).
         device: torch device the model and caches live on ("cpu", "cuda", "cuda:1", ...).
         async_scheduling: schedule step N+1 while step N runs (runtime §6.9).
-        enforce_eager: never capture CUDA graphs (always True for now, see `EngineArgs`).
+        enforce_eager: never capture CUDA graphs (see `EngineArgs`); graphs are only captured on CUDA devices.
+        cudagraph_batch_size_interval: spacing of the decode graph sizes (runtime §6.10), >= 1.
         engram_pad_token_id: raw pad id of Engram n-gram windows.
     """
 
@@ -110,6 +111,7 @@ class EngineConfig:
     device: str = "cpu"
     async_scheduling: bool = True
     enforce_eager: bool = True
+    cudagraph_batch_size_interval: int = 8
     engram_pad_token_id: int = 2
 
     def __post_init__(self) -> None:
@@ -117,3 +119,5 @@ class EngineConfig:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {self.num_blocks}")
         if self.precision not in ("exact", "fp32"):
             raise ValueError(f"precision must be 'exact' or 'fp32', got {self.precision!r}")
+        if self.cudagraph_batch_size_interval < 1:
+            raise ValueError(f"cudagraph_batch_size_interval must be >= 1, got {self.cudagraph_batch_size_interval}")

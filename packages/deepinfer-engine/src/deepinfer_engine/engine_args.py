@@ -60,8 +60,10 @@ class EngineArgs:
         max_num_batched_tokens: token budget of one step; None derives it.
         data_parallel_size, expert_parallel_size: attention-DP ranks and EP ranks (`deepinfer_engine.executor`).
         tensor_parallel_size, context_parallel_size: only 1 is wired.
-        enforce_eager: never capture CUDA graphs. Only True is supported for now: the model's MoE dispatch
-            synchronizes with the host, so decode steps cannot be captured yet.
+        enforce_eager: never capture CUDA graphs (also set by DEEPINFER_ENFORCE_EAGER). When False (the default)
+            an engine on a CUDA device captures its decode forwards at start and replays them for pure decode
+            steps (`deepinfer_engine.cuda_graphs`); on CPU, in "fp32" precision and under expert parallelism every
+            step runs eagerly whatever this says.
         precision: "exact" or "fp32" (FP32 activations and caches, for parity with the reference model).
         device: "cpu", "cuda" or "cuda:N"; None picks CUDA when the kernels platform is NVIDIA.
         async_scheduling: overrides DEEPINFER_ZERO_OVERHEAD_SCHEDULING when not None.
@@ -83,7 +85,7 @@ class EngineArgs:
     data_parallel_size: int = 1
     expert_parallel_size: int = 1
     context_parallel_size: int = 1
-    enforce_eager: bool = True
+    enforce_eager: bool = False
     precision: Precision = "exact"
     device: str | None = None
     async_scheduling: bool | None = None
@@ -112,11 +114,8 @@ class EngineArgs:
                 )
         if self.precision not in ("exact", "fp32"):
             raise ValueError(f"precision must be 'exact' or 'fp32', got {self.precision!r}")
-        if self.enforce_eager is not True:
-            raise ValueError(
-                f"enforce_eager={self.enforce_eager!r}: CUDA graph capture is not implemented yet (the model's MoE "
-                "dispatch synchronizes with the host); only enforce_eager=True is supported"
-            )
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
         if self.device is not None and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N' (or None to detect), got {self.device!r}")
 
@@ -213,7 +212,8 @@ def build_engine_config(
         precision=args.precision,
         device=device,
         async_scheduling=async_scheduling,
-        enforce_eager=args.enforce_eager,
+        enforce_eager=args.enforce_eager or env["DEEPINFER_ENFORCE_EAGER"],
+        cudagraph_batch_size_interval=env["DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL"],
         engram_pad_token_id=env["DEEPINFER_ENGRAM_PAD_TOKEN"],
     )
 

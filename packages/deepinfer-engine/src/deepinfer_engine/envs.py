@@ -121,7 +121,6 @@ class EnvVar:
 _S, _U, _NA = EnvStatus.SUPPORTED, EnvStatus.UNSUPPORTED, EnvStatus.NOT_APPLICABLE
 _NO_SPEC = "speculative decoding (DSpark drafts) is not wired into the engine yet"
 _NO_EPLB = "EPLB rearrangement is not wired into the engine yet"
-_NO_GRAPHS = "CUDA graphs are not captured yet"
 
 # One declaration per line reads as a table; the formatter would spread each over seven lines.
 # fmt: off
@@ -164,10 +163,12 @@ ENV_VARS: tuple[EnvVar, ...] = (
            _at_least(0, _parse_int), _S, "SamplerConfig.force_top_k"),
     EnvVar("DEEPINFER_DECODE_TOKEN_BLACKLIST", "str", "", "banned token ids, e.g. 0..3,7",
            _parse_str, _S, "SamplerConfig.banned_token_ids"),
+    EnvVar("DEEPINFER_ENFORCE_EAGER", "bool", False, "never capture CUDA graphs (decode steps run eagerly)",
+           _parse_bool, _S, "EngineConfig.enforce_eager (or the enforce_eager argument)"),
     EnvVar("DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL", "int", 8, "decode graph size spacing",
-           _at_least(1, _parse_int), _U, _NO_GRAPHS),
+           _at_least(1, _parse_int), _S, "EngineConfig.cudagraph_batch_size_interval"),
     EnvVar("DEEPINFER_DFLASH_CUDAGRAPH_BATCH_SIZE_INTERVAL", "int", 8, "drafter graph size spacing",
-           _at_least(1, _parse_int), _U, _NO_GRAPHS),
+           _at_least(1, _parse_int), _U, _NO_SPEC),
     EnvVar("DEEPINFER_EXPERT_COUNT_WINDOW_SIZE", "int", 100, "EPLB statistics window in steps",
            _at_least(0, _parse_int), _U, _NO_EPLB),
     EnvVar("DEEPINFER_EXPERT_REARRANGEMENT_STEP_INTERVAL", "int", 0, "EPLB period in steps; 0 disables",

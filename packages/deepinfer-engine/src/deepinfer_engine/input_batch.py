@@ -21,7 +21,11 @@ The *token history* `[num_state_slots, max_model_len + 2]` int64 (device) holds,
 position of the request that owns the slot: host-known inputs are written into it at the start of each step, and
 sampled tokens right after sampling. A placeholder input (asynchronous scheduling) is read from it, which is how the
 token sampled by the step in flight reaches the next step without a host round trip; Engram n-gram prefixes are
-gathered from it too. A slot's rows are rewritten from position 0 whenever a new request takes the slot.
+gathered from it too (into the persistent `engram_prefix` [R, N_g − 1]). A slot's rows are rewritten from position 0
+whenever a new request takes the slot.
+
+A decode step replayed from a CUDA graph (`deepinfer_engine.cuda_graphs`) is padded to the graph's size with
+placeholder requests (`pad_decode`) before the upload, so the graph reads every row it was captured with.
 """
 
 from __future__ import annotations
@@ -108,6 +112,7 @@ class StepBuffers:
         self.block_table = dev(max_num_requests, max_blocks_per_request, dtype=torch.int32)
         self.state_slots = dev(max_num_requests, dtype=torch.int32)
         self.logits_indices = dev(max_num_requests + max_num_tokens, dtype=torch.int64)
+        self.engram_prefix = dev(max_num_requests, ngram_context, dtype=torch.int64)
         self.history = dev(num_state_slots, max_positions, dtype=torch.int64)
         self._ngram_offsets = torch.arange(-ngram_context, 0, dtype=torch.int64, device=device)
 
@@ -152,7 +157,8 @@ class StepBuffers:
             q_len = (self.cu_query_lens[1 : r + 1] - self.cu_query_lens[:r]).long()
             prefix_positions = (context - q_len)[:, None] + self._ngram_offsets[None, :]
             gathered = self.history[self.state_slots[:r].long()[:, None], prefix_positions.clamp(min=0)]
-            prefix = torch.where(prefix_positions >= 0, gathered, -1)
+            self.engram_prefix[:r] = torch.where(prefix_positions >= 0, gathered, -1)
+            prefix = self.engram_prefix[:r]
         return ForwardBatch(
             input_ids=self.input_ids[:t],
             positions=self.positions[:t],
@@ -165,6 +171,20 @@ class StepBuffers:
             max_query_len=max_query_len,
             max_context_len=max_context,
         )
+
+    def pad_decode(self, host: HostStep, num_requests: int, num_logits: int, size: int) -> None:
+        """Extend a filled decode step (one token per request) to `size` requests with placeholders.
+
+        A placeholder is token 0 at position 0 in the null block 0 and the never-used state slot 0 (its writes land
+        only there and its logits are discarded); logits rows `num_logits … size − 1` point at token 0.
+        """
+        r = num_requests
+        for buffer in (host.token_ids, host.token_slots, host.positions, host.state_slots):
+            buffer[r:size] = 0
+        host.context_lens[r:size] = 1
+        host.block_table[r:size] = 0
+        host.cu_query_lens[r + 1 : size + 1] = torch.arange(r + 1, size + 1, dtype=torch.int32)
+        host.logits_rows[num_logits:size] = 0
 
     def record_sampled(self, slots: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor) -> None:
         """Write sampled tokens into the history (device, no sync).

@@ -12,6 +12,10 @@
 
 `wait` blocks on that event and builds the `ModelRunnerOutput`. Nothing in `execute` synchronizes with the device.
 
+CUDA graphs (`deepinfer_engine.cuda_graphs`): unless `enforce_eager`, a CUDA runner whose experts are all local
+captures decode forwards at start; a pure decode step without prompt-logprob rows is padded to a graph size and
+replayed, every other step runs eagerly. `close` releases the graphs.
+
 Host-dependent sampling. Two inputs of sampling need the request's earlier tokens on the host: structured output
 (the grammar matcher must have accepted every earlier token before it can fill the bitmask) and penalties (token
 counts). Under asynchronous scheduling step N+1 is launched before step N's token reaches the host, so for a step
@@ -37,6 +41,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from deepinfer_engine.config import EngineConfig
+from deepinfer_engine.cuda_graphs import DecodeGraphs, graph_sizes, supports_graphs
 from deepinfer_engine.input_batch import StepBuffers
 from deepinfer_engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from deepinfer_engine.request import RequestStatus
@@ -91,6 +96,17 @@ class ModelRunner:
         self._requests: dict[str, RunnerRequest] = {}
         self._failures: dict[str, RequestFailure] = {}
         self._unwaited: list[StepHandle] = []
+        self.graphs: DecodeGraphs | None = None
+        if not config.enforce_eager and supports_graphs(model, self.device):
+            sizes = graph_sizes(sched.max_num_seqs, config.cudagraph_batch_size_interval)
+            self.graphs = DecodeGraphs(model, state, self.buffers, sizes, sched.max_model_len + 2)
+            self.graphs.capture()
+
+    def close(self) -> None:
+        """Release the CUDA graphs (call before tearing down process groups)."""
+        if self.graphs is not None:
+            self.graphs.close()
+            self.graphs = None
 
     # ---- requests --------------------------------------------------------------------------------------------
 
@@ -230,8 +246,15 @@ class ModelRunner:
         num_samples = len(handle.sample_indices)
         num_logits = self._add_prompt_rows(scheduler_output, handle, host.logits_rows, num_samples)
         num_requests = len(scheduler_output.scheduled_requests)
-        batch = self.buffers.upload(host, num_tokens, num_requests, num_logits, max_query, max_context)
-        logits: torch.Tensor = self.model(batch, self.state)
+        size = None
+        if self.graphs is not None and max_query == 1 and num_logits == num_samples:
+            size = self.graphs.size_for(num_requests, max_context)
+        if size is not None:
+            assert self.graphs is not None
+            logits = self.graphs.replay(host, num_requests, num_logits, size)
+        else:
+            batch = self.buffers.upload(host, num_tokens, num_requests, num_logits, max_query, max_context)
+            logits = self.model(batch, self.state)
         if handle.prompt_rows:
             self._prompt_logprobs(logits[num_samples:], handle)
         if self.device.type == "cuda":
