@@ -1,13 +1,16 @@
 """Triton quantized GEMMs: FP8 activation × FP8-block or MXFP4 weight, bf16 output (model-core §5.5/§5.6).
 
 The activation is quantized per token and 32 columns by the Triton quantizer of ``cuda.quant`` (bit-exact with the
-reference). Inside the GEMM both operands are decoded from their bytes (integer arithmetic, ``cuda._formats``) and
-multiplied by their power-of-two UE8M0 scales to bf16, which is exact: an e4m3 value has 4 significant bits and an
-e2m1 value 2, so with a power-of-two scale the product is representable in bf16 (8 bits, FP32's exponent range) as
-long as it stays inside bf16's range, i.e. ``2^−133 ≤ |value| < 2^128``. Activation scales are ``≥ 2^−22`` by the
-1e−4 amax floor, and real weight scale bytes are far from the ends of the UE8M0 range, so the assumption holds for
-any checkpoint; the tests compare against the FP64 reference. ``tl.dot`` then accumulates in FP32 and the result is
-rounded to bf16 once (nearest even). Only the FP32 accumulation order differs from the reference.
+reference). Inside the GEMM both operands are decoded from their bytes and multiplied by their power-of-two UE8M0
+scales, then rounded to bf16 for ``tl.dot``; every step is exact. Decoding places a code's bits into an fp16 (the
+e4m3 magnitude bits at bits 7–13 give the value times 2^−8, the e2m1 bits at 9–11 the value times 2^−14, subnormal
+codes included, since fp16 keeps subnormals), widens it to FP32 and multiplies by ``2^(b − 127 + 8)`` resp.
+``2^(b − 127 + 14)`` built from its bits. An e4m3 value has 4 significant bits and an e2m1 value 2, so the scaled value
+is a bf16 number as long as it stays inside the normal range. That holds for every scale byte ``b`` the kernels can
+meet in practice, and is the stated assumption: weight scale bytes in ``[10, 240]`` (2^−117 … 2^113; real checkpoints
+use about 2^−20 … 2^0) and activation scale bytes, which the quantizer keeps in ``[105, 246]``. The tests check the
+result against the FP64 reference with scale bytes 100 … 140. ``tl.dot`` then accumulates in FP32 and the result is
+rounded to bf16 once (nearest even): only the FP32 accumulation order differs from the reference.
 
 Under ``TRITON_INTERPRET=1`` the operands stay FP32 (``DOT_BF16=False``): Triton's interpreter stores bf16 as raw
 uint16 and its ``tl.dot`` multiplies those integers. The values are the same (bf16-exact, hence also TF32-exact), so
@@ -29,13 +32,14 @@ import triton
 import triton.language as tl
 
 from deepinfer_kernels.cuda import quant
-from deepinfer_kernels.cuda._formats import e2m1_decode, e4m3_decode, to_output_dtype, ue8m0_decode
+from deepinfer_kernels.cuda._formats import to_output_dtype
 from deepinfer_kernels.cuda._launch import check_launchable
 from deepinfer_kernels.platform import triton_interpreter_enabled
 
 __all__ = [
     "BlockConfig",
     "block_config",
+    "deinterleaved_activation",
     "dot_in_bf16",
     "fp8_block_gemm",
     "mxfp4_gemm",
@@ -60,7 +64,8 @@ class BlockConfig:
 def block_config(rows: int) -> BlockConfig:
     """Tiles for ``rows`` activation rows per weight (per expert for the grouped GEMM), chosen for SM90.
 
-    Few rows (decode) make the GEMM weight-bandwidth bound: small M tiles waste less of the 16-row MMA minimum and
+    Every choice compiles for SM90 without register spills (checked with ptxas for sm_90a). Few rows (decode) make
+    the GEMM weight-bandwidth bound: small M tiles waste less of the 16-row MMA minimum and
     narrow N tiles spread the weight stream over more SMs (N = 4096 in 32-column tiles gives 128 programs for the
     H200's 132 SMs). Many rows (prefill) use 128×128 tiles for reuse.
     """
@@ -72,7 +77,7 @@ def block_config(rows: int) -> BlockConfig:
         return BlockConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=4)
     if rows <= 256:
         return BlockConfig(block_m=64, block_n=128, block_k=128, num_warps=8, num_stages=3)
-    return BlockConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+    return BlockConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3)
 
 
 def dot_in_bf16() -> bool:
@@ -89,15 +94,45 @@ def _operand(value, DOT_BF16: tl.constexpr):  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _activation_tile(  # type: ignore[no-untyped-def]
-    q_ptr, qs_ptr, rows, row_mask, k0, K, stride_q, stride_qs, BLOCK_K: tl.constexpr, DOT_BF16: tl.constexpr
-):
-    # x̂ for [BLOCK_M, BLOCK_K] as a dot operand (exact, see the module docstring); masked entries are 0.
-    cols = k0 + tl.arange(0, BLOCK_K)
-    mask = row_mask[:, None] & (cols < K)[None, :]
-    q = tl.load(q_ptr + rows[:, None] * stride_q + cols[None, :], mask=mask, other=0)
-    s = tl.load(qs_ptr + rows[:, None] * stride_qs + (cols // 32)[None, :], mask=mask, other=127)
-    return _operand(e4m3_decode(q) * ue8m0_decode(s), DOT_BF16)
+def _pow2(scale_bytes, bias: tl.constexpr):  # type: ignore[no-untyped-def]
+    # 2^(b − 127 + bias) built from its FP32 bits; a normal number for scale bytes b ≤ 254 − bias.
+    return (((scale_bytes.to(tl.int32) & 0xFF) + bias) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _half(bits):  # type: ignore[no-untyped-def]
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _e4m3_tile(raw, scale_bytes, ROWS: tl.constexpr, COLS: tl.constexpr):  # type: ignore[no-untyped-def]
+    # raw [ROWS, G, W] e4m3 bytes (W bytes of each of G scale groups), scale_bytes [ROWS, G] → [ROWS, COLS = G·W]
+    # FP32 values.
+    # The magnitude bits shifted into an fp16 are the e4m3 value times 2^−8, subnormals included (fp16 arithmetic
+    # keeps subnormals), so one multiply by 2^(b − 127 + 8) finishes the decode. 0x7F / 0xFF are NaN in e4m3.
+    c = raw.to(tl.int32) & 0xFF
+    magnitude = c & 0x7F
+    value = _half((magnitude << 7) | ((c & 0x80) << 8)) * _pow2(scale_bytes, 8)[:, :, None]
+    value = tl.where(magnitude == 0x7F, (0x7FC00000 + c * 0).to(tl.float32, bitcast=True), value)
+    return tl.reshape(value, (ROWS, COLS))
+
+
+@triton.jit
+def _e2m1_half_bits(code):  # type: ignore[no-untyped-def]
+    # An e2m1 code's exponent and mantissa bits placed at fp16's bits 9–11 give the value times 2^−14 (code 1 = 0.5
+    # becomes an fp16 subnormal); its sign bit goes to bit 15.
+    return ((code & 0x7) << 9) | ((code & 0x8) << 12)
+
+
+@triton.jit
+def _e2m1_tiles(raw, scale_bytes, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):  # type: ignore[no-untyped-def]
+    # raw [ROWS, BLOCK_K/32, 16] packed bytes, scale_bytes [ROWS, BLOCK_K/32] → the even (low-nibble) and odd
+    # (high-nibble) elements as two [ROWS, BLOCK_K/2] FP32 tiles, column j of group g = element g·32 + 2j (+1).
+    b = raw.to(tl.int32) & 0xFF
+    factor = _pow2(scale_bytes, 14)[:, :, None]
+    even = tl.reshape(_half(_e2m1_half_bits(b & 0xF)) * factor, (ROWS, BLOCK_K // 2))
+    odd = tl.reshape(_half(_e2m1_half_bits(b >> 4)) * factor, (ROWS, BLOCK_K // 2))
+    return even, odd
 
 
 @triton.jit
@@ -131,15 +166,27 @@ def _fp8_block_kernel(  # type: ignore[no-untyped-def]
     n_offsets = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n_offsets < N
     n_rows = n_offsets.to(tl.int64)
+    groups = tl.arange(0, BLOCK_K // 32)
+    within = groups[:, None] * 32 + tl.arange(0, 32)[None, :]
+    q_ptrs = q_ptr + rows[:, None, None] * stride_q + within[None, :, :]
+    qs_ptrs = qs_ptr + rows[:, None] * stride_qs + groups[None, :]
+    w_ptrs = w_ptr + n_rows[:, None, None] * stride_w + within[None, :, :]
+    ws_ptrs = ws_ptr + (n_rows // 32)[:, None] * stride_ws + groups[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        a = _activation_tile(q_ptr, qs_ptr, rows, row_mask, k0, K, stride_q, stride_qs, BLOCK_K, DOT_BF16)
-        cols = k0 + tl.arange(0, BLOCK_K)
-        mask = n_mask[:, None] & (cols < K)[None, :]
-        w = tl.load(w_ptr + n_rows[:, None] * stride_w + cols[None, :], mask=mask, other=0)
-        s = tl.load(ws_ptr + (n_rows // 32)[:, None] * stride_ws + (cols // 32)[None, :], mask=mask, other=127)
-        b = _operand(e4m3_decode(w) * ue8m0_decode(s), DOT_BF16)
-        acc = tl.dot(a, tl.trans(b), acc)
+        # K is a multiple of 32, so whole 32-column groups are in or out of range.
+        group_mask = (k0 + groups * 32 < K)[None, :]
+        a_mask = row_mask[:, None] & group_mask
+        q = tl.load(q_ptrs, mask=a_mask[:, :, None], other=0)
+        a = _e4m3_tile(q, tl.load(qs_ptrs, mask=a_mask, other=0), BLOCK_M, BLOCK_K)
+        w_mask = n_mask[:, None] & group_mask
+        w = tl.load(w_ptrs, mask=w_mask[:, :, None], other=0)
+        b = _e4m3_tile(w, tl.load(ws_ptrs, mask=w_mask, other=0), BLOCK_N, BLOCK_K)
+        acc = tl.dot(_operand(a, DOT_BF16), tl.trans(_operand(b, DOT_BF16)), acc)
+        q_ptrs += BLOCK_K
+        qs_ptrs += BLOCK_K // 32
+        w_ptrs += BLOCK_K
+        ws_ptrs += BLOCK_K // 32
     _store_tile(out_ptr, acc, rows, row_mask, n_offsets, N, stride_out)
 
 
@@ -192,20 +239,31 @@ def mxfp4_kernel(  # type: ignore[no-untyped-def]
     n_offsets = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n_offsets < N
     n_rows = n_offsets.to(tl.int64)
+    # The activation arrives de-interleaved per 32-column group (16 even columns, then 16 odd ones; see
+    # mxfp4_gemm), so each nibble plane of the packed weight meets contiguous activation bytes: the product is the sum
+    # of an even-column and an odd-column dot, with no interleaving of decoded nibbles in registers.
+    groups = tl.arange(0, BLOCK_K // 32)
+    sixteen = tl.arange(0, 16)
+    q_ptrs = q_ptr + rows[:, None, None] * stride_q + (groups[:, None] * 32 + sixteen[None, :])[None, :, :]
+    qs_ptrs = qs_ptr + rows[:, None] * stride_qs + groups[None, :]
+    p_ptrs = packed_ptr + n_rows[:, None, None] * stride_p + (groups[:, None] * 16 + sixteen[None, :])[None, :, :]
+    s_ptrs = ws_ptr + n_rows[:, None] * stride_s + groups[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        a = _activation_tile(q_ptr, qs_ptr, rows, row_mask, k0, K, stride_q, stride_qs, BLOCK_K, DOT_BF16)
-        byte_cols = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        byte_mask = n_mask[:, None] & (byte_cols < K // 2)[None, :]
-        raw = tl.load(packed_ptr + n_rows[:, None] * stride_p + byte_cols[None, :], mask=byte_mask, other=0)
-        raw = raw.to(tl.int32) & 0xFF
-        # Low nibble = even element, high = odd: joining on a new last axis and flattening interleaves them.
-        codes = tl.reshape(tl.join(raw & 0xF, raw >> 4), (BLOCK_N, BLOCK_K))
-        cols = k0 + tl.arange(0, BLOCK_K)
-        mask = n_mask[:, None] & (cols < K)[None, :]
-        s = tl.load(ws_ptr + n_rows[:, None] * stride_s + (cols // 32)[None, :], mask=mask, other=127)
-        b = _operand(e2m1_decode(codes) * ue8m0_decode(s), DOT_BF16)
-        acc = tl.dot(a, tl.trans(b), acc)
+        group_mask = (k0 + groups * 32 < K)[None, :]
+        a_mask = row_mask[:, None] & group_mask
+        a_scale = tl.load(qs_ptrs, mask=a_mask, other=0)
+        a_even = _e4m3_tile(tl.load(q_ptrs, mask=a_mask[:, :, None], other=0), a_scale, BLOCK_M, BLOCK_K // 2)
+        a_odd = _e4m3_tile(tl.load(q_ptrs + 16, mask=a_mask[:, :, None], other=0), a_scale, BLOCK_M, BLOCK_K // 2)
+        w_mask = n_mask[:, None] & group_mask
+        raw = tl.load(p_ptrs, mask=w_mask[:, :, None], other=0)
+        b_even, b_odd = _e2m1_tiles(raw, tl.load(s_ptrs, mask=w_mask, other=0), BLOCK_N, BLOCK_K)
+        acc = tl.dot(_operand(a_even, DOT_BF16), tl.trans(_operand(b_even, DOT_BF16)), acc)
+        acc = tl.dot(_operand(a_odd, DOT_BF16), tl.trans(_operand(b_odd, DOT_BF16)), acc)
+        q_ptrs += BLOCK_K
+        qs_ptrs += BLOCK_K // 32
+        p_ptrs += BLOCK_K // 2
+        s_ptrs += BLOCK_K // 32
     _store_tile(out_ptr, acc, rows, row_mask, n_offsets, N, stride_out)
 
 
@@ -258,6 +316,19 @@ def fp8_block_gemm(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, ou
     )
 
 
+def deinterleaved_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantized_activation` with each 32-column group's codes reordered for ``mxfp4_kernel``.
+
+    Returns:
+        (codes [M, K] uint8 where group g holds columns g·32, g·32+2, …, g·32+30, then g·32+1, …, g·32+31;
+        scale [M, K/32] uint8 UE8M0 bytes).
+    """
+    q, scale = quantized_activation(x)
+    rows, cols = q.shape
+    codes = q.view(torch.uint8).view(rows, cols // 32, 16, 2).transpose(2, 3).reshape(rows, cols)
+    return codes, scale.view(torch.uint8)
+
+
 def mxfp4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
     """Triton ``out = bf16(x̂ · Ŵᵀ)`` for an MXFP4 weight (contract of ``reference.gemm.mxfp4_gemm``).
 
@@ -269,14 +340,14 @@ def mxfp4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out: 
     """
     check_launchable(x=x, packed=packed, scale=scale, out=out)
     (m, k), n = x.shape, packed.shape[0]
-    q, q_scale = quantized_activation(x)
+    codes, q_scale = deinterleaved_activation(x)
     cfg = block_config(m)
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))
     # The routing-table pointers are unused when GROUPED is False; any tensor of the right device fills them.
     unused = packed
     mxfp4_kernel[grid](
-        q.view(torch.uint8),
-        q_scale.view(torch.uint8),
+        codes,
+        q_scale,
         packed.view(torch.uint8),
         scale.view(torch.uint8),
         out,
@@ -288,7 +359,7 @@ def mxfp4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out: 
         n,
         k,
         1,
-        q.stride(0),
+        codes.stride(0),
         q_scale.stride(0),
         0,
         packed.stride(0),

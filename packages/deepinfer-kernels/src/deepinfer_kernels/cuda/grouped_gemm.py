@@ -15,7 +15,7 @@ import torch
 import triton
 
 from deepinfer_kernels.cuda._launch import check_launchable
-from deepinfer_kernels.cuda.gemm import block_config, dot_in_bf16, mxfp4_kernel, quantized_activation
+from deepinfer_kernels.cuda.gemm import block_config, deinterleaved_activation, dot_in_bf16, mxfp4_kernel
 
 __all__ = ["expert_tiles", "mxfp4_grouped_gemm"]
 
@@ -69,14 +69,14 @@ def mxfp4_grouped_gemm(
     """
     check_launchable(x=x, expert_ids=expert_ids, packed=packed, scale=scale, out=out)
     (m, k), (experts, n) = x.shape, packed.shape[:2]
-    q, q_scale = quantized_activation(x)
+    codes, q_scale = deinterleaved_activation(x)
     # Rows per expert are unknown without a sync; the mean sizes the tiles.
     cfg = block_config(triton.cdiv(m, experts))
     order, tile_expert, tile_start, tile_end = expert_tiles(expert_ids, experts, cfg.block_m)
     grid = (tile_expert.numel(), triton.cdiv(n, cfg.block_n))
     mxfp4_kernel[grid](
-        q.view(torch.uint8),
-        q_scale.view(torch.uint8),
+        codes,
+        q_scale,
         packed.view(torch.uint8),
         scale.view(torch.uint8),
         out,
@@ -88,7 +88,7 @@ def mxfp4_grouped_gemm(
         n,
         k,
         experts,
-        q.stride(0),
+        codes.stride(0),
         q_scale.stride(0),
         packed.stride(0),
         packed.stride(1),
