@@ -39,8 +39,11 @@ class ForwardBatch:
         engram_prefix_ids: [R, N_g − 1] int64 token ids at positions ``q_start − N_g + 1 … q_start − 1`` of each
             request (entries for negative positions are ignored), or None when the model has no Engram.
         logits_indices: [N] int64 token indices whose logits are returned, or None for every token.
-        max_query_len: host int, the longest query of the step (None: read from the tensors, a device sync).
-        max_context_len: host int, the longest ``context_lens`` entry (None: read from the tensors, a device sync).
+        max_query_len: host int, the longest query of the step (None: read from the tensors, a device sync). 1
+            (every request computes one token) selects the model's static-shape decode paths.
+        max_context_len: host int, the longest ``context_lens`` entry or any larger bound (None: read from the
+            tensors, a device sync). It sizes the indexer's row dimension, so a fixed bound keeps every shape of a
+            decode step fixed (CUDA graphs); at most ``block_table.shape[1] · block_size``.
     """
 
     input_ids: torch.Tensor
