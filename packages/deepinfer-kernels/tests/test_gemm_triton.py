@@ -99,3 +99,35 @@ def test_expert_tiles_cover_each_routed_row_once(triton_device: str, m: int, exp
         assert all(int(ids[order[p]]) == expert for p in positions)
         served.extend(int(order[p]) for p in positions)
     assert sorted(served) == [r for r in range(m) if int(ids[r]) >= 0]
+
+
+@pytest.mark.parametrize(("scale_byte", "x_exponent"), [(10, 100), (127, 0), (240, -10)])
+def test_weight_scale_range_edges(triton_device: str, scale_byte: int, x_exponent: int) -> None:
+    """In-kernel bf16 dequantization is exact for weight scale bytes across the documented range [10, 240] (the
+    activation is sized so the products stay finite and normal)."""
+    m, n, k = 2, 32, 64
+    x = (random_normal((m, k), seed=scale_byte) * 2.0**x_exponent).to(torch.bfloat16)
+    x_hat = dequantized_activation(x)
+    scale_bytes = torch.full((n, k // 32), scale_byte, dtype=torch.uint8)
+    w_q = random_e4m3((n, k), seed=8)
+    w_scale = scale_bytes[:1].view(torch.float8_e8m0fnu)
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    fast, ref = _both("fp8_block_gemm", triton_device, x, w_q, w_scale, out=out)
+    w_hat = dk.dequantize_fp8_block(w_q, w_scale, out_dtype=torch.float32)
+    assert torch.isfinite(ref.float()).all() and (ref != 0).any()
+    assert_gemm_close(fast, ref, abs_product(x_hat, w_hat), k)
+    packed = random_mxfp4_packed((n, k // 2), seed=9)
+    scale = scale_bytes.view(torch.float8_e8m0fnu)
+    fast, ref = _both("mxfp4_gemm", triton_device, x, packed, scale, out=out)
+    assert torch.isfinite(ref.float()).all() and (ref != 0).any()
+    assert_gemm_close(fast, ref, abs_product(x_hat, dk.dequantize_mxfp4(packed, scale)), k)
+
+
+def test_nan_weight_code_gives_nan_column(triton_device: str) -> None:
+    x = random_normal((3, 64), seed=10, dtype=torch.bfloat16)
+    w_q = random_e4m3((40, 64), seed=11)
+    w_q.view(torch.uint8)[5, 7] = 0x7F
+    w_scale = random_ue8m0((2, 2), seed=12, low=120, high=127)
+    fast, ref = _both("fp8_block_gemm", triton_device, x, w_q, w_scale, out=torch.empty(3, 40, dtype=torch.bfloat16))
+    assert torch.isnan(ref[:, 5]).all() and torch.isnan(fast[:, 5]).all()
+    assert not torch.isnan(fast[:, :5]).any() and not torch.isnan(fast[:, 6:]).any()
