@@ -76,6 +76,9 @@ def test_grouped_triton_ids_outside_range_give_zero_rows(triton_device: str) -> 
     implementation("mxfp4_grouped_gemm", Backend.NVIDIA)(x, ids, packed, scale, out)
     assert torch.all(out[[0, 2]] == 0)
     assert torch.all(out[[1, 3]] != 0)
+    out.zero_()
+    implementation("mxfp4_grouped_gemm", Backend.NVIDIA)(x, ids, packed[:0], scale[:0], out)  # no local experts
+    assert torch.all(out == 0)
 
 
 @pytest.mark.parametrize(("m", "experts", "block_m"), [(1, 256, 16), (50, 4, 16), (37, 8, 4), (9, 3, 64)])

@@ -69,6 +69,8 @@ def mxfp4_grouped_gemm(
     """
     check_launchable(x=x, expert_ids=expert_ids, packed=packed, scale=scale, out=out)
     (m, k), (experts, n) = x.shape, packed.shape[:2]
+    if experts == 0:
+        return  # no local experts: every row stays zero
     codes, q_scale = deinterleaved_activation(x)
     # Rows per expert are unknown without a sync; the mean sizes the tiles.
     cfg = block_config(triton.cdiv(m, experts))
