@@ -30,7 +30,7 @@ MAX_MODEL_LEN_CAP = 131072
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 DEFAULT_CPU_CACHE_MEMORY_BYTES = 256 * 1024**2
 _PARALLEL_SIZES = ("tensor_parallel_size", "data_parallel_size", "expert_parallel_size", "context_parallel_size")
-_WIRED_PARALLEL_SIZES = ("data_parallel_size", "expert_parallel_size")
+_WIRED_PARALLEL_SIZES = ("data_parallel_size", "expert_parallel_size", "context_parallel_size")
 
 
 def _positive_int(name: str, value: object, allow_none: bool = False) -> None:
@@ -59,7 +59,8 @@ class EngineArgs:
         max_num_seqs: most requests holding cache at once.
         max_num_batched_tokens: token budget of one step; None derives it.
         data_parallel_size, expert_parallel_size: attention-DP ranks and EP ranks (`deepinfer_engine.executor`).
-        tensor_parallel_size, context_parallel_size: only 1 is wired.
+        context_parallel_size: CP ranks per DP rank; prefill chunks are split over them (runtime §7.2).
+        tensor_parallel_size: only 1 is wired.
         enforce_eager: never capture CUDA graphs (also set by DEEPINFER_ENFORCE_EAGER). When False (the default)
             an engine on a CUDA device captures its decode forwards at start and replays them for pure decode
             steps (`deepinfer_engine.cuda_graphs`); on CPU, in "fp32" precision and under expert parallelism every

@@ -1,11 +1,14 @@
-"""The driver of a data-/expert-parallel `LLM`: starts the rank processes, shares out requests, gathers outputs.
+"""The driver of a data-/expert-/context-parallel `LLM`: starts the rank processes, shares out requests, gathers
+outputs.
 
 `ParallelExecutor` validates the sizes (`worker.parallel_config`, that the routed experts divide over the EP ranks,
 and on CUDA that every rank gets its own visible GPU), then starts one process per rank (`worker.rank_main`) forming
 a world on a free localhost port — gloo on CPU; on CUDA rank r on GPU r with NCCL (plus a gloo group for the
 host-side vote); each rank loads the model with only its own routed experts. `generate` assigns the call's prompts
-to the DP ranks round-robin — prompt i goes to rank i mod dp — sends every rank its share (possibly empty: idle ranks
-still step in lockstep), and returns the outputs in input order. Request ids and seeds are those of one process
+to the DP ranks round-robin — prompt i goes to DP rank i mod dp — sends every rank its DP rank's share (possibly
+empty: idle ranks still step in lockstep; the cp ranks of one DP rank all get the same share and run the same steps),
+and returns CP rank 0's outputs in input order, after checking that the other CP ranks generated the same tokens.
+Request ids and seeds are those of one process
 (prompt index and request number of the call), so the per-request random streams do not depend on the rank.
 
 Progress bars are not shown in parallel mode.
@@ -103,6 +106,7 @@ class ParallelExecutor:
                 f"n_routed_experts={num_experts}: {exc}"
             ) from exc
         self.num_ranks = config.world_size
+        self.context_parallel_size = config.context_parallel_size
         _check_devices(args.device, self.num_ranks)
         ctx = mp.get_context("spawn")
         port = find_free_port()
@@ -134,10 +138,13 @@ class ParallelExecutor:
             first_request_id: the request number of the call's first prompt.
 
         Raises:
-            RuntimeError: a rank failed (its traceback is in the message).
+            RuntimeError: a rank failed (its traceback is in the message), or the CP ranks of a DP rank generated
+                different tokens.
         """
-        shares = assign_round_robin(len(ids), self.num_ranks)
-        for conn, share in zip(self._conns, shares, strict=True):
+        cp = self.context_parallel_size
+        shares = assign_round_robin(len(ids), self.num_ranks // cp)
+        for rank, conn in enumerate(self._conns):
+            share = shares[rank // cp]
             conn.send(
                 (
                     share,
@@ -148,9 +155,18 @@ class ParallelExecutor:
                 )
             )
         results: list[GenerateOutput | None] = [None] * len(ids)
-        for rank, share in enumerate(shares):
-            for index, output in zip(share, self._receive(rank), strict=True):
-                results[index] = output
+        for rank in range(self.num_ranks):
+            outputs: list[GenerateOutput] = self._receive(rank)
+            for index, output in zip(shares[rank // cp], outputs, strict=True):
+                driver = results[index]
+                if driver is None:  # CP rank 0 of the DP rank, received first
+                    results[index] = output
+                elif output.token_ids != driver.token_ids:
+                    self.close()
+                    raise RuntimeError(
+                        f"CP rank {rank % cp} of DP rank {rank // cp} generated {list(output.token_ids)} for prompt "
+                        f"{index}, CP rank 0 generated {list(driver.token_ids)}: the CP ranks diverged"
+                    )
         return [r for r in results if r is not None]
 
     def close(self) -> None:

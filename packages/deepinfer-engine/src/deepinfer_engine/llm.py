@@ -17,11 +17,11 @@ Seeds: each request's seed is `deepinfer_sampling.request_seed(seq_seed, index_i
 engine_seed=seed, request_counter=request number)`, so a `SamplingParams` shared by many prompts still gives each its
 own random stream, and the same `seq_seed` reproduces a call exactly.
 
-Parallel: with `data_parallel_size` or `expert_parallel_size` > 1 the engine runs in rank processes
-(`deepinfer_engine.executor`: prompts assigned to attention-DP ranks round-robin, routed experts sharded over the EP
-ranks, ranks stepping in lockstep — `deepinfer_engine.worker`; on CUDA rank r uses GPU r and NCCL); request ids and
-seeds are those of one process, so greedy and seeded outputs match it. The LLM process then holds only the tokenizer
-(no `model`, `runner` or `config`), and no progress bar is shown.
+Parallel: with `data_parallel_size`, `expert_parallel_size` or `context_parallel_size` > 1 the engine runs in rank
+processes (`deepinfer_engine.executor`: prompts assigned to attention-DP ranks round-robin, routed experts sharded over
+the EP ranks, prefill chunks split over the CP ranks, ranks stepping in lockstep — `deepinfer_engine.worker`; on CUDA
+rank r uses GPU r and NCCL); request ids and seeds are those of one process, so greedy and seeded outputs match it.
+The LLM process then holds only the tokenizer (no `model`, `runner` or `config`), and no progress bar is shown.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ class LLM:
         self._executor: ParallelExecutor | None = None
         self._request_counter = 0
         self._grammar_service: GrammarCompilationService | None = None
-        if args.data_parallel_size > 1 or args.expert_parallel_size > 1:
+        if args.data_parallel_size > 1 or args.expert_parallel_size > 1 or args.context_parallel_size > 1:
             # Imported here: the executor's rank processes import this module.
             from deepinfer_engine.executor import ParallelExecutor
 

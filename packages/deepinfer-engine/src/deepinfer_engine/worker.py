@@ -1,4 +1,4 @@
-"""One rank of a data-/expert-parallel world: its lockstep runner and its process main loop.
+"""One rank of a data-/expert-/context-parallel world: its lockstep runner and its process main loop.
 
 Every rank owns an engine over its share of the requests (its own scheduler, cache and model runner) and the
 routed experts the EP placement gives it. The ranks meet in every MoE layer's all-to-all, so each rank must run
@@ -12,6 +12,13 @@ exactly one model forward per step, in lockstep with the others:
   is the smallest step that still enters every MoE all-to-all; the null block and slot 0 are never read by a real
   request;
 - ranks step synchronously (no asynchronous scheduling), so every `EngineCore.step` launches exactly one forward.
+
+Context parallelism (runtime §7.2): the `cp` ranks of one DP rank (global ranks dp_index·cp … dp_index·cp + cp − 1)
+all receive the DP rank's share of the requests and run identical engines: the same deterministic scheduler over
+the same requests, the same cache layout, the same logits (the model gathers the sampled rows to every CP rank), so
+the same sampled tokens — no step broadcast is needed. The model splits each step holding a prefill chunk over the
+CP group (`deepinfer_model.deepseek_v41.context_parallel`); decode steps run whole on every CP rank. Only CP rank 0's
+outputs are returned (`deepinfer_engine.executor`).
 
 `rank_main` is the entry point of a rank process started by `deepinfer_engine.executor.ParallelExecutor`.
 """
@@ -109,20 +116,27 @@ class LockstepRunner:
 
 
 def parallel_config(args: EngineArgs) -> ParallelConfig:
-    """The world of `args`: one process per attention-DP rank (cp = 1).
+    """The world of `args`: dp · cp processes (rank = dp_index · cp + cp_index).
 
-    `data_parallel_size=1` with `expert_parallel_size=N` means N attention-DP ranks (runtime §6.1: EP alone implies
-    as many DP ranks).
+    `data_parallel_size=1` with `expert_parallel_size=N` means max(1, N // cp) attention-DP ranks (runtime §1.4,
+    §6.1: EP alone implies as many DP ranks as the EP group holds CP groups).
 
     Raises:
-        ValueError: the EP size does not divide the DP size (the message names both).
+        ValueError: the EP size does not divide dp · cp (the message names the sizes).
     """
-    dp = args.data_parallel_size if args.data_parallel_size > 1 else args.expert_parallel_size
+    cp = args.context_parallel_size
+    dp = args.data_parallel_size if args.data_parallel_size > 1 else max(1, args.expert_parallel_size // cp)
     try:
-        return ParallelConfig(world_size=dp, data_parallel_size=dp, expert_parallel_size=args.expert_parallel_size)
+        return ParallelConfig(
+            world_size=dp * cp,
+            data_parallel_size=dp,
+            context_parallel_size=cp,
+            expert_parallel_size=args.expert_parallel_size,
+        )
     except ValueError as exc:
         raise ValueError(
-            f"data_parallel_size={args.data_parallel_size}, expert_parallel_size={args.expert_parallel_size}: {exc}"
+            f"data_parallel_size={args.data_parallel_size}, expert_parallel_size={args.expert_parallel_size}, "
+            f"context_parallel_size={cp}: {exc}"
         ) from exc
 
 
@@ -181,6 +195,7 @@ def rank_main(rank: int, port: int, args: EngineArgs, model_dir: Path, conn: Con
             groups, text.n_routed_experts, text.num_hidden_layers, device=placement_device
         )
         llm = LLM.for_rank(args, model_dir, expert_parallel, groups.data_parallel_cpu)
+        llm.model.context_parallel = groups.context_parallel
         conn.send(("ready", None))
         while (message := conn.recv()) is not None:
             indices, texts, ids, params, first_request_id = message

@@ -1,0 +1,92 @@
+"""Context-parallel `LLM` on CPU: CP rank processes over gloo (prefill chunks split over the CP ranks, decode run
+whole on each) give the greedy and seeded tokens of one process; sizes that do not fit fail at construction with the
+sizes named."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from llm_support import make_llm, random_prompts
+
+from deepinfer_engine.engine_args import EngineArgs
+from deepinfer_engine.worker import parallel_config
+from deepinfer_kernels.testing_npu_double import NpuDouble
+from deepinfer_sampling import SamplingParams
+
+# Lengths 2 … 40: some shorter than 2·cp, most not a multiple of it.
+_PROMPTS = random_prompts(6, 2, 40, seed=23)
+_GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+_SEEDED = SamplingParams(temperature=1.0, seq_seed=99, max_tokens=5, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _rank_processes_without_npu_double() -> Iterator[None]:
+    # Spawned ranks cannot inherit this process's torch_npu test double; on CPU tensors they run the reference path.
+    with pytest.MonkeyPatch.context() as patch:
+        if isinstance(sys.modules.get("torch_npu"), NpuDouble):
+            patch.setenv("DEEPINFER_ACCELERATOR", "cpu")
+        yield
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("context_parallel")
+
+
+@pytest.fixture(scope="module")
+def single_process_tokens(root: Path) -> dict[str, list[tuple[int, ...]]]:
+    llm = make_llm(root)
+    tokens = {}
+    for name, params in (("greedy", _GREEDY), ("seeded", _SEEDED)):
+        outputs = llm.generate(prompt_token_ids=_PROMPTS, sampling_params=params, use_tqdm=False)
+        tokens[name] = [tuple(o.token_ids) for o in outputs]
+    return tokens
+
+
+def _generate(root: Path, **sizes: int) -> dict[str, list[tuple[int, ...]]]:
+    llm = make_llm(root, **sizes)
+    try:
+        tokens = {}
+        for name, params in (("greedy", _GREEDY), ("seeded", _SEEDED)):
+            outputs = llm.generate(prompt_token_ids=_PROMPTS, sampling_params=params, use_tqdm=False)
+            assert [o.prompt_token_ids for o in outputs] == [tuple(p) for p in _PROMPTS]
+            tokens[name] = [tuple(o.token_ids) for o in outputs]
+    finally:
+        llm.close()
+    return tokens
+
+
+def test_context_parallel_matches_one_process(
+    root: Path, single_process_tokens: dict[str, list[tuple[int, ...]]]
+) -> None:
+    assert _generate(root, context_parallel_size=2) == single_process_tokens
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("dp", "cp", "ep"), [(2, 2, 4), (1, 4, 1)])
+def test_context_parallel_with_data_and_expert_parallel_matches_one_process(
+    root: Path, single_process_tokens: dict[str, list[tuple[int, ...]]], dp: int, cp: int, ep: int
+) -> None:
+    assert _generate(root, data_parallel_size=dp, context_parallel_size=cp, expert_parallel_size=ep) == (
+        single_process_tokens
+    )
+
+
+def test_world_layout() -> None:
+    # EP alone implies ep // cp DP ranks; the world is dp · cp.
+    config = parallel_config(EngineArgs(context_parallel_size=2, expert_parallel_size=4))
+    assert (config.world_size, config.data_parallel_size, config.context_parallel_size) == (4, 2, 2)
+    config = parallel_config(EngineArgs(context_parallel_size=4, expert_parallel_size=2))
+    assert (config.world_size, config.data_parallel_size) == (4, 1)
+
+
+def test_sizes_that_do_not_divide(root: Path) -> None:
+    with pytest.raises(ValueError, match=r"expert_parallel_size=2, context_parallel_size=3: .*does not divide"):
+        make_llm(root, context_parallel_size=3, expert_parallel_size=2)
+    with pytest.raises(ValueError, match=r"data_parallel_size=3, expert_parallel_size=4, context_parallel_size=2"):
+        make_llm(root, data_parallel_size=3, context_parallel_size=2, expert_parallel_size=4)
+    with pytest.raises(ValueError, match="context_parallel_size must be a positive int, got 0"):
+        make_llm(root, context_parallel_size=0)
