@@ -64,10 +64,10 @@ class BlockConfig:
 def block_config(rows: int) -> BlockConfig:
     """Tiles for ``rows`` activation rows per weight (per expert for the grouped GEMM), chosen for SM90.
 
-    Every choice compiles for SM90 without register spills (checked with ptxas for sm_90a). Few rows (decode) make
-    the GEMM weight-bandwidth bound: small M tiles waste less of the 16-row MMA minimum and
-    narrow N tiles spread the weight stream over more SMs (N = 4096 in 32-column tiles gives 128 programs for the
-    H200's 132 SMs). Many rows (prefill) use 128×128 tiles for reuse.
+    Every choice compiles for sm_90a without register spills (checked with ptxas). Few rows (decode) make the GEMM
+    weight-bandwidth bound: small M tiles waste less of the 16-row MMA minimum, and narrow N tiles spread the weight
+    stream over more SMs (N = 4096 in 32-column tiles gives 128 programs for the H200's 132 SMs); 4 pipeline stages
+    keep several K steps of weight bytes in flight. Many rows (prefill) use 128×128 tiles for reuse.
     """
     if rows <= 16:
         return BlockConfig(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=4)
@@ -107,8 +107,7 @@ def _half(bits):  # type: ignore[no-untyped-def]
 @triton.jit
 def _e4m3_tile(raw, scale_bytes, ROWS: tl.constexpr, COLS: tl.constexpr):  # type: ignore[no-untyped-def]
     # raw [ROWS, G, W] e4m3 bytes (W bytes of each of G scale groups), scale_bytes [ROWS, G] → [ROWS, COLS = G·W]
-    # FP32 values.
-    # The magnitude bits shifted into an fp16 are the e4m3 value times 2^−8, subnormals included (fp16 arithmetic
+    # FP32 values. The magnitude bits shifted into an fp16 are the e4m3 value times 2^−8, subnormals included (fp16
     # keeps subnormals), so one multiply by 2^(b − 127 + 8) finishes the decode. 0x7F / 0xFF are NaN in e4m3.
     c = raw.to(tl.int32) & 0xFF
     magnitude = c & 0x7F
@@ -127,7 +126,8 @@ def _e2m1_half_bits(code):  # type: ignore[no-untyped-def]
 @triton.jit
 def _e2m1_tiles(raw, scale_bytes, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):  # type: ignore[no-untyped-def]
     # raw [ROWS, BLOCK_K/32, 16] packed bytes, scale_bytes [ROWS, BLOCK_K/32] → the even (low-nibble) and odd
-    # (high-nibble) elements as two [ROWS, BLOCK_K/2] FP32 tiles, column j of group g = element g·32 + 2j (+1).
+    # (high-nibble) elements as two [ROWS, BLOCK_K/2] FP32 tiles: column g·16 + j holds element g·32 + 2j of the
+    # K step (even tile) or element g·32 + 2j + 1 (odd tile).
     b = raw.to(tl.int32) & 0xFF
     factor = _pow2(scale_bytes, 14)[:, :, None]
     even = tl.reshape(_half(_e2m1_half_bits(b & 0xF)) * factor, (ROWS, BLOCK_K // 2))
@@ -240,8 +240,8 @@ def mxfp4_kernel(  # type: ignore[no-untyped-def]
     n_mask = n_offsets < N
     n_rows = n_offsets.to(tl.int64)
     # The activation arrives de-interleaved per 32-column group (16 even columns, then 16 odd ones; see
-    # mxfp4_gemm), so each nibble plane of the packed weight meets contiguous activation bytes: the product is the sum
-    # of an even-column and an odd-column dot, with no interleaving of decoded nibbles in registers.
+    # deinterleaved_activation), so each nibble plane of the packed weight meets contiguous activation bytes: the
+    # product is the sum of an even-column and an odd-column dot, with no interleaving of decoded nibbles in registers.
     groups = tl.arange(0, BLOCK_K // 32)
     sixteen = tl.arange(0, 16)
     q_ptrs = q_ptr + rows[:, None, None] * stride_q + (groups[:, None] * 32 + sixteen[None, :])[None, :, :]
