@@ -23,9 +23,11 @@ _SEEDED = SamplingParams(temperature=1.0, seq_seed=99, max_tokens=5, ignore_eos=
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _rank_processes_without_npu_double() -> Iterator[None]:
+def _rank_process_environment() -> Iterator[None]:
     # Spawned ranks cannot inherit this process's torch_npu test double; on CPU tensors they run the reference path.
+    # One thread per rank: several ranks with a thread per core each oversubscribe the cores (about 9x slower here).
     with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMP_NUM_THREADS", "1")
         if isinstance(sys.modules.get("torch_npu"), NpuDouble):
             patch.setenv("DEEPINFER_ACCELERATOR", "cpu")
         yield
