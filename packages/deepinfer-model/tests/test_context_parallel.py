@@ -5,7 +5,8 @@ Three requests run two prefill steps (lengths 37 / 6 / 2, then 43 more tokens of
 cached history past the 64-token window, one decode token of request 1 and 11 more of request 2: chunks that do not
 divide by 2·cp and chunks shorter than 2·cp) and then three greedy decode steps. The tiny preset has C2 and C1
 compressed layers, YOCO consumers, Engram layers and a DSpark block, so every cache-writing path is split. Every CP
-rank must return the logits of one process for every token, and pick the same greedy tokens.
+rank must return the logits of one process for every token, pick the same greedy tokens and hold the cache contents
+of one process after the prefill steps.
 
 Tolerances (relative to the largest reference logit): FP32 mode 1e-5 (measured: at most 9.6e-7; a rank's GEMMs see
 other row batches than one process's); exact mode 1e-2, a few BF16 ulps in case a GEMM rounds differently in another
@@ -22,10 +23,12 @@ import torch
 from _ep_world import run_world
 from _layered_model_support import prompt, tiny_config, tiny_model, tiny_vocab, tiny_weights
 
+from deepinfer_model.cache_spec import CacheGroupKind
 from deepinfer_model.deepseek_v41 import DeepseekV41ForCausalLM, ExpertParallelMoE
 from deepinfer_model.deepseek_v41.context_parallel import splits_step
 from deepinfer_model.forward_batch import ForwardBatch
 from deepinfer_model.layers.mode import ComputeMode
+from deepinfer_model.state import ModelState
 from deepinfer_parallel.config import ParallelConfig
 from deepinfer_parallel.context_parallel import balanced_split
 from deepinfer_parallel.groups import ParallelGroups
@@ -49,12 +52,28 @@ def _batch(tokens: list[list[int]], starts: list[int], history: list[list[int]])
     return ForwardBatch.for_requests(tokens, starts, table, [0, 1, 2], engram_prefix_ids=torch.tensor(prefix))
 
 
-def run_schedule(model: DeepseekV41ForCausalLM, seed: int) -> tuple[list[torch.Tensor], list[list[int]], list[int]]:
+Schedule = tuple[list[torch.Tensor], list[list[int]], list[int], dict[tuple[str, int], torch.Tensor]]
+
+
+def _cache_contents(state: ModelState) -> dict[tuple[str, int], torch.Tensor]:
+    """Every row of every cache pool, decoded: (group, layer) → [rows, width] fp32."""
+    contents = {}
+    for group in state.spec.groups:
+        if group.kind is CacheGroupKind.PAGED:
+            num_rows = 3 * _PAGES_PER_REQUEST * state.rows_per_block(group.name)
+        else:
+            num_rows = 3 * state.ring_size(group.name)
+        for layer in group.layer_ids:
+            contents[group.name, layer] = state.read(group.name, layer, torch.arange(num_rows))
+    return contents
+
+
+def run_schedule(model: DeepseekV41ForCausalLM, seed: int) -> Schedule:
     """Run the module docstring's steps.
 
     Returns:
         (logits of every step [T_step, V], greedy tokens of each request, rows the first layer's attention computed
-        in each step).
+        in each step, every cache row after the prefill steps).
     """
     prompts = _prompts(seed)
     state = model.allocate_state(_BLOCK_SIZE, 3 * _PAGES_PER_REQUEST, 3)
@@ -70,6 +89,7 @@ def run_schedule(model: DeepseekV41ForCausalLM, seed: int) -> tuple[list[torch.T
             outputs.append(model(batch, state))
             for r, _, end in step:
                 sequences[r] = prompts[r][:end].tolist()
+        cache = _cache_contents(state)
         last = torch.tensor([0, *batch.cu_query_lens[1:].tolist()])[1:] - 1
         for _ in range(_DECODE_STEPS):
             picks = outputs[-1][last].argmax(dim=-1).tolist()
@@ -82,12 +102,10 @@ def run_schedule(model: DeepseekV41ForCausalLM, seed: int) -> tuple[list[torch.T
             for r, token in enumerate(picks):
                 sequences[r].append(token)
     handle.remove()
-    return outputs, greedy, rows
+    return outputs, greedy, rows, cache
 
 
-def _rank(
-    rank: int, world_size: int, mode_name: str, dp: int, ep: int
-) -> tuple[list[torch.Tensor], list[list[int]], list[int]]:
+def _rank(rank: int, world_size: int, mode_name: str, dp: int, ep: int) -> Schedule:
     config = ParallelConfig(
         world_size=world_size, data_parallel_size=dp, context_parallel_size=world_size // dp, expert_parallel_size=ep
     )
@@ -108,7 +126,7 @@ def _rank(
 
 
 @cache
-def _reference(mode_name: str, seed: int) -> tuple[list[torch.Tensor], list[list[int]], list[int]]:
+def _reference(mode_name: str, seed: int) -> Schedule:
     return run_schedule(tiny_model(ComputeMode[mode_name]), seed)
 
 
@@ -117,8 +135,13 @@ def _check(world_size: int, mode_name: str, dp: int = 1, ep: int = 1) -> None:
     results = run_world(world_size, _rank, mode_name, dp, ep)
     references = [_reference(mode_name, seed=5 + d) for d in range(dp)]
     expected_rows = [balanced_split([end - start for _, start, end in step], cp).num_local_tokens for step in _PREFILL]
-    for rank, (logits, greedy, rows) in enumerate(results):
-        ref_logits, ref_greedy, ref_rows = references[rank // cp]
+    for rank, (logits, greedy, rows, contents) in enumerate(results):
+        ref_logits, ref_greedy, ref_rows, ref_contents = references[rank // cp]
+        # Every rank holds the full cache of one process: SWA and DSpark rings, compressed and index-K rows, C2 state.
+        assert contents.keys() == ref_contents.keys()
+        for key, want in ref_contents.items():
+            error = float((contents[key] - want).abs().max() / want.abs().max().clamp(min=1e-30))
+            assert error <= TOLERANCE[mode_name], f"rank {rank}: cache {key} relative error {error:.3g}"
         assert rows == expected_rows + ref_rows[len(_PREFILL) :], f"rank {rank}: attention rows per step {rows}"
         assert greedy == ref_greedy, f"rank {rank}: greedy tokens {greedy} != one process {ref_greedy}"
         for step, (got, want) in enumerate(zip(logits, ref_logits, strict=True)):
