@@ -58,17 +58,17 @@ def _decode_batch(
     )
 
 
-def test_padded_static_decode_equals_general_path_exact() -> None:
+def _compare_decode(num_padding: int, fixed_bound: bool, decode_steps: int) -> None:
+    """Prefill three requests, then decode them through both paths and require equal real-request logits."""
     assert tiny_config().text.engram_max_ngram_size == _MAX_NGRAM
     model = tiny_model(ComputeMode.EXACT)
-    # Three requests; block 0 and slot 0 stay unused by them (the placeholders' null block and slot).
-    lengths, decode_steps = [41, 34, 7], 30
+    # Block 0 and slot 0 stay unused by the requests (the placeholders' null block and slot).
+    lengths = [41, 34, 7]
     sequences = [prompt(n + decode_steps, seed=20 + i) for i, n in enumerate(lengths)]
     table = torch.tensor([[1 + r + 3 * b for b in range(12)] for r in range(3)], dtype=torch.int32)
     slots = [1, 2, 3]
     general = model.allocate_state(_BLOCK_SIZE, _NUM_BLOCKS, num_state_slots=4)
     static = model.allocate_state(_BLOCK_SIZE, _NUM_BLOCKS, num_state_slots=4)
-    bound = 12 * _BLOCK_SIZE
     with torch.no_grad():
         prefill = ForwardBatch.for_requests(
             [seq[:n].tolist() for seq, n in zip(sequences, lengths, strict=True)],
@@ -81,17 +81,31 @@ def test_padded_static_decode_equals_general_path_exact() -> None:
         model(prefill, static)
         for step in range(decode_steps):
             positions = [n + step for n in lengths]
+            longest = max(positions) + 1
+            bound = 12 * _BLOCK_SIZE if fixed_bound else longest
             expected = model(
                 _decode_batch(
-                    sequences, positions, table, slots, 5, max_query_len=2, max_context_len=max(positions) + 1
+                    sequences, positions, table, slots, num_padding, max_query_len=2, max_context_len=longest
                 ),
                 general,
             )
             actual = model(
-                _decode_batch(sequences, positions, table, slots, 5, max_query_len=1, max_context_len=bound), static
+                _decode_batch(sequences, positions, table, slots, num_padding, max_query_len=1, max_context_len=bound),
+                static,
             )
-            assert actual.shape[0] == 8
+            assert actual.shape[0] == 3 + num_padding
             assert torch.equal(actual[:3], expected[:3]), f"decode step {step} differs"
+
+
+def test_padded_static_decode_with_a_fixed_bound_equals_general_path_exact() -> None:
+    # What a graph replay computes: placeholders and the indexer sized by a bound (96) above every context (≤ 71).
+    # 30 steps cross C2 row boundaries (provisional rows) and grow C1 rows past the 8 candidate blocks of 4 rows.
+    _compare_decode(num_padding=5, fixed_bound=True, decode_steps=30)
+
+
+def test_eager_decode_step_equals_general_path_exact() -> None:
+    # What an eager decode step computes (no padding, the step's own longest context).
+    _compare_decode(num_padding=0, fixed_bound=False, decode_steps=6)
 
 
 def test_grouped_expert_sum_equals_per_expert_loop() -> None:
