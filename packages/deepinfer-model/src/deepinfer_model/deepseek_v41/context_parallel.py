@@ -31,7 +31,8 @@ from deepinfer_model.deepseek_v41.context import StepContext, compressed_group
 from deepinfer_model.deepseek_v41.hyper_connection import initial_read_mix
 from deepinfer_model.forward_batch import ForwardBatch
 from deepinfer_model.state import ModelState, StepMetadata
-from deepinfer_parallel.context_parallel import ContextParallelSplit, all_gather_to_token_order, balanced_split
+from deepinfer_parallel.comm import all_gather_into
+from deepinfer_parallel.context_parallel import ContextParallelSplit, balanced_split
 from deepinfer_parallel.groups import RankGroup
 
 if TYPE_CHECKING:
@@ -67,6 +68,7 @@ class ContextParallelContext(StepContext):
         group: the CP group.
         split: which packed-batch token each rank's local row holds.
         local_index: [T_local] int64 packed-batch index of each local row (0 on padding rows).
+        token_order: [T] int64 row of each packed-batch token in the all-gathered buffer (rank 0's rows first).
         shared_hidden_full: [T, H] the gathered YOCO shared hidden, once a consumer kv source needed it.
     """
 
@@ -74,11 +76,17 @@ class ContextParallelContext(StepContext):
     group: RankGroup
     split: ContextParallelSplit
     local_index: torch.Tensor
+    token_order: torch.Tensor
     shared_hidden_full: torch.Tensor | None = None
 
     def gather(self, local: torch.Tensor) -> torch.Tensor:
-        """All-gather every rank's local rows ``[T_local, ...]`` into packed-batch order ``[T, ...]`` (collective)."""
-        return all_gather_to_token_order(local.contiguous(), self.split, self.group)
+        """All-gather every rank's local rows ``[T_local, ...]`` into packed-batch order ``[T, ...]`` (collective).
+
+        One index with the step's precomputed order (no boolean mask, so no device-to-host sync per layer).
+        """
+        buffer = local.new_empty((self.group.size * local.shape[0], *local.shape[1:]))
+        all_gather_into(buffer, local.contiguous(), self.group)
+        return buffer[self.token_order]
 
 
 def _local_context(
@@ -86,7 +94,11 @@ def _local_context(
 ) -> ContextParallelContext:
     full_meta = StepMetadata.from_batch(batch)
     split = balanced_split(full_meta.q_len.tolist(), group.size)
-    local_index = split.token_index[group.rank].to(full_meta.positions.device)
+    device = full_meta.positions.device
+    local_index = split.token_index[group.rank].to(device)
+    valid = split.valid.reshape(-1)
+    token_order = torch.empty(split.num_tokens, dtype=torch.int64)
+    token_order[split.token_index.reshape(-1)[valid]] = torch.arange(valid.numel())[valid]
     local_meta = dataclasses.replace(
         full_meta, token_request=full_meta.token_request[local_index], positions=full_meta.positions[local_index]
     )
@@ -99,6 +111,7 @@ def _local_context(
         group=group,
         split=split,
         local_index=local_index,
+        token_order=token_order.to(device),
     )
 
 
