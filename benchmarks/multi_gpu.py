@@ -1,7 +1,8 @@
 """Data + expert parallelism on several GPUs at real V4.1-Flash widths: correctness, throughput scaling, all-to-all
 time and EPLB.
 
-Parts (each runs in its own try/except: a failing part prints its traceback and the others still run):
+Parts (each runs in its own try/except: a failing part prints its traceback and the others still run; d and e run
+first since they need only the config's sizes and take seconds, then a, then b and c):
 
 a. checkpoint: writes the `v41-flash-scaled` preset's random checkpoint (real widths and formats, 8 layers + 1 DSpark
    block, about 65 GB) with the writer's fast path (`fast_experts`, parallel shards), or reuses one already in
@@ -33,6 +34,7 @@ never sets NCCL_NVLS_ENABLE other than to its default 0.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -43,7 +45,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -99,10 +101,14 @@ class Deadline:
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
 
-    def allows(self, part: str) -> bool:
-        if self.elapsed() < self.seconds:
+    def allows(self, part: str, expected_s: float = 0.0) -> bool:
+        """Whether `part`, expected to take `expected_s`, would still end within the budget."""
+        if self.elapsed() + expected_s < self.seconds:
             return True
-        print(f"[skip] {part}: {self.elapsed():.0f} s elapsed, past the --deadline-s budget of {self.seconds:.0f} s")
+        print(
+            f"[skip] {part}: {self.elapsed():.0f} s elapsed + {expected_s:.0f} s expected is past the --deadline-s "
+            f"budget of {self.seconds:.0f} s"
+        )
         return False
 
 
@@ -191,7 +197,7 @@ def run_engine(model_dir: pathlib.Path, device: str, ranks: int, sizes: dict[str
     }
     if ranks > 1:
         kwargs.update(data_parallel_size=ranks, expert_parallel_size=ranks)
-    start = time.perf_counter()
+    begin = start = time.perf_counter()
     llm = LLM(str(model_dir), **kwargs)
     record: dict[str, Any] = {"ranks": ranks, "load_s": time.perf_counter() - start}
     print(f"[{ranks} rank(s)] engine built in {record['load_s']:.1f} s", flush=True)
@@ -232,6 +238,7 @@ def run_engine(model_dir: pathlib.Path, device: str, ranks: int, sizes: dict[str
         llm.close()
         del llm
         _free_device_memory()
+    record["total_s"] = time.perf_counter() - begin
     return record
 
 
@@ -459,6 +466,7 @@ def _eplb_outputs(groups: Any, tiny_dir: str, device: torch.device) -> dict[str,
     from deepinfer_engine.model_loading import load_model
     from deepinfer_engine.tokenizer import Tokenizer
     from deepinfer_model.deepseek_v41.expert_parallel import ExpertParallelMoE
+    from deepinfer_model.deepseek_v41.moe import MoE
     from deepinfer_model.forward_batch import ForwardBatch
     from deepinfer_parallel.eplb.policy import rebalance_experts
 
@@ -492,7 +500,7 @@ def _eplb_outputs(groups: Any, tiny_dir: str, device: torch.device) -> dict[str,
     load = (popularity * 1000).round().expand(4, text.num_hidden_layers, text.n_routed_experts).contiguous()
     new_p2l = rebalance_experts(load, 0, ranks)
     changed = not torch.equal(new_p2l, ep.placement.physical_to_logical.cpu())
-    ep.rebalance([block.ffn for block in model.layers], new_p2l.to(device))
+    ep.rebalance([cast(MoE, block.ffn) for block in model.layers], new_p2l.to(device))
     after = forward()
     scale = float(before.abs().max())
     return {
@@ -535,16 +543,14 @@ def _world_main(
     pathlib.Path(out_dir, f"rank{rank}.json").write_text(json.dumps(record), encoding="utf-8")
 
 
-def run_world(
-    model_dir: pathlib.Path, device: str, ranks: int, sizes: dict[str, int], redundant: list[int]
-) -> dict[str, Any]:
-    """Parts d and e in a world of `ranks` processes (NCCL on CUDA, gloo on CPU)."""
+def run_world(config_name: str, device: str, ranks: int, sizes: dict[str, int], redundant: list[int]) -> dict[str, Any]:
+    """Parts d and e in a world of `ranks` processes (NCCL on CUDA, gloo on CPU); needs only the config's sizes."""
     from deepinfer_model.checkpoint.writer import write_checkpoint
+    from deepinfer_model.cli import config_from_argument
     from deepinfer_model.config import load_preset
-    from deepinfer_model.loading.checkpoint_dir import open_checkpoint_dir
     from deepinfer_parallel.launcher import spawn
 
-    config = open_checkpoint_dir(model_dir).config.text
+    config = config_from_argument(config_name).text
     text = {
         "hidden_size": config.hidden_size,
         "n_routed_experts": config.n_routed_experts,
@@ -659,7 +665,9 @@ def main() -> None:
     parser.add_argument(
         "--parts", default="abcde", help="parts to run (default abcde; b and c run together, d and e too)"
     )
-    parser.add_argument("--deadline-s", type=float, default=420.0, help="skip parts that would start after this")
+    parser.add_argument(
+        "--deadline-s", type=float, default=450.0, help="skip parts that would not end within this many seconds"
+    )
     parser.add_argument("--out", type=pathlib.Path, default=None, help="JSON path (default: benchmarks/results/)")
     args = parser.parse_args()
 
@@ -690,15 +698,32 @@ def main() -> None:
     }
     print(f"sizes: {sizes}", flush=True)
 
-    checkpoint = _run_part("a. checkpoint", results, lambda: write_or_reuse(config_name, ckpt_dir, args.workers))
+    # d/e first: they need only the config's sizes and the tiny checkpoint, and take seconds.
+    for ranks in parallel if {"d", "e"} & set(args.parts) else []:
+        world = _run_part(
+            f"d/e. all-to-all and EPLB, {ranks} ranks",
+            results,
+            functools.partial(run_world, config_name, device, ranks, sizes, redundant),
+        )
+        if world is not None:
+            results["worlds"][str(ranks)] = world
+            for name, text in world.get("errors", {}).items():
+                results.setdefault("errors", {})[f"d/e.{ranks}.{name}"] = text
+    engine_ranks = [1, *parallel] if {"b", "c"} & set(args.parts) else []
+    checkpoint = None
+    if engine_ranks or "a" in args.parts:
+        checkpoint = _run_part("a. checkpoint", results, lambda: write_or_reuse(config_name, ckpt_dir, args.workers))
     if checkpoint is not None:
         results["checkpoint"] = checkpoint
         model_dir = pathlib.Path(checkpoint["dir"])
-        for ranks in [1, *parallel] if {"b", "c"} & set(args.parts) else []:
-            if not deadline.allows(f"b/c. engine with {ranks} rank(s)"):
+        for ranks in engine_ranks:
+            single = results["engines"].get("1")
+            # A parallel engine loads and runs about as long as the single one did: do not start one that cannot end.
+            expected = 0.0 if single is None or ranks == 1 else single["total_s"]
+            if not deadline.allows(f"b/c. engine with {ranks} rank(s)", expected):
                 continue
             run = _run_part(
-                f"b/c. engine, {ranks} rank(s)", results, lambda r=ranks: run_engine(model_dir, device, r, sizes)
+                f"b/c. engine, {ranks} rank(s)", results, functools.partial(run_engine, model_dir, device, ranks, sizes)
             )
             if run is not None:
                 results["engines"][str(ranks)] = run
@@ -708,18 +733,6 @@ def main() -> None:
             if single is not None and run is not None:
                 print(f"greedy outputs, dp=ep={ranks} vs 1 GPU:")
                 results["greedy_equal"][str(ranks)] = compare_greedy(single, run)
-        for ranks in parallel if {"d", "e"} & set(args.parts) else []:
-            if not deadline.allows(f"d/e. all-to-all and EPLB with {ranks} ranks"):
-                continue
-            world = _run_part(
-                f"d/e. all-to-all and EPLB, {ranks} ranks",
-                results,
-                lambda r=ranks: run_world(model_dir, device, r, sizes, redundant),
-            )
-            if world is not None:
-                results["worlds"][str(ranks)] = world
-                for name, text in world.get("errors", {}).items():
-                    results.setdefault("errors", {})[f"d/e.{ranks}.{name}"] = text
     results["elapsed_s"] = deadline.elapsed()
     label = "cpu" if device == "cpu" else "-".join(str(results["device"]).lower().replace("nvidia", "").split())
     out = args.out or RESULTS / f"multi_gpu-{label}{'-quick' if args.quick else ''}.json"
