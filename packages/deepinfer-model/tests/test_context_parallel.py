@@ -15,94 +15,23 @@ row batch (measured: bitwise equal on CPU).
 
 from __future__ import annotations
 
-import dataclasses
 from functools import cache
 
 import pytest
 import torch
+from _context_parallel_support import PREFILL, Schedule, run_schedule
 from _ep_world import run_world
-from _layered_model_support import prompt, tiny_config, tiny_model, tiny_vocab, tiny_weights
+from _layered_model_support import tiny_config, tiny_model, tiny_vocab, tiny_weights
 
-from deepinfer_model.cache_spec import CacheGroupKind
 from deepinfer_model.deepseek_v41 import DeepseekV41ForCausalLM, ExpertParallelMoE
 from deepinfer_model.deepseek_v41.context_parallel import splits_step
 from deepinfer_model.forward_batch import ForwardBatch
 from deepinfer_model.layers.mode import ComputeMode
-from deepinfer_model.state import ModelState
 from deepinfer_parallel.config import ParallelConfig
 from deepinfer_parallel.context_parallel import balanced_split
 from deepinfer_parallel.groups import ParallelGroups
 
 TOLERANCE = {"FP32": 1e-5, "EXACT": 1e-2}
-_PREFILL = [[(0, 0, 37), (1, 0, 6), (2, 0, 2)], [(0, 37, 80), (1, 6, 7), (2, 2, 13)]]
-_DECODE_STEPS = 3
-_PAGES_PER_REQUEST = 16
-_BLOCK_SIZE = 8
-
-
-def _prompts(seed: int) -> list[torch.Tensor]:
-    return [prompt(80, seed), prompt(7, seed + 1), prompt(13, seed + 2)]
-
-
-def _batch(tokens: list[list[int]], starts: list[int], history: list[list[int]]) -> ForwardBatch:
-    """Requests 0..2 computing ``tokens[r]`` from ``starts[r]``; ``history[r]`` are their earlier tokens."""
-    keep = tiny_config().text.engram_max_ngram_size - 1
-    prefix = [[-1] * (keep - len(h[-keep:])) + h[-keep:] for h in history]
-    table = torch.arange(3 * _PAGES_PER_REQUEST, dtype=torch.int32).view(3, _PAGES_PER_REQUEST)
-    return ForwardBatch.for_requests(tokens, starts, table, [0, 1, 2], engram_prefix_ids=torch.tensor(prefix))
-
-
-Schedule = tuple[list[torch.Tensor], list[list[int]], list[int], dict[tuple[str, int], torch.Tensor]]
-
-
-def _cache_contents(state: ModelState) -> dict[tuple[str, int], torch.Tensor]:
-    """Every row of every cache pool, decoded: (group, layer) → [rows, width] fp32."""
-    contents = {}
-    for group in state.spec.groups:
-        if group.kind is CacheGroupKind.PAGED:
-            num_rows = 3 * _PAGES_PER_REQUEST * state.rows_per_block(group.name)
-        else:
-            num_rows = 3 * state.ring_size(group.name)
-        for layer in group.layer_ids:
-            contents[group.name, layer] = state.read(group.name, layer, torch.arange(num_rows))
-    return contents
-
-
-def run_schedule(model: DeepseekV41ForCausalLM, seed: int) -> Schedule:
-    """Run the module docstring's steps.
-
-    Returns:
-        (logits of every step [T_step, V], greedy tokens of each request, rows the first layer's attention computed
-        in each step, every cache row after the prefill steps).
-    """
-    prompts = _prompts(seed)
-    state = model.allocate_state(_BLOCK_SIZE, 3 * _PAGES_PER_REQUEST, 3)
-    rows: list[int] = []
-    handle = model.layers[0].attn.register_forward_hook(lambda _m, args, _o: rows.append(int(args[0].shape[0])))
-    sequences: list[list[int]] = [[], [], []]
-    outputs: list[torch.Tensor] = []
-    greedy: list[list[int]] = [[], [], []]
-    with torch.no_grad():
-        for step in _PREFILL:
-            tokens = [prompts[r][start:end].tolist() for r, start, end in step]
-            batch = _batch(tokens, [start for _, start, _ in step], sequences)
-            outputs.append(model(batch, state))
-            for r, _, end in step:
-                sequences[r] = prompts[r][:end].tolist()
-        cache = _cache_contents(state)
-        last = torch.tensor([0, *batch.cu_query_lens[1:].tolist()])[1:] - 1
-        for _ in range(_DECODE_STEPS):
-            picks = outputs[-1][last].argmax(dim=-1).tolist()
-            for r, token in enumerate(picks):
-                greedy[r].append(token)
-            batch = _batch([[t] for t in picks], [len(s) for s in sequences], sequences)
-            batch = dataclasses.replace(batch, logits_indices=torch.arange(3))
-            outputs.append(model(batch, state))
-            last = torch.arange(3)
-            for r, token in enumerate(picks):
-                sequences[r].append(token)
-    handle.remove()
-    return outputs, greedy, rows, cache
 
 
 def _rank(rank: int, world_size: int, mode_name: str, dp: int, ep: int) -> Schedule:
@@ -134,7 +63,7 @@ def _check(world_size: int, mode_name: str, dp: int = 1, ep: int = 1) -> None:
     cp = world_size // dp
     results = run_world(world_size, _rank, mode_name, dp, ep)
     references = [_reference(mode_name, seed=5 + d) for d in range(dp)]
-    expected_rows = [balanced_split([end - start for _, start, end in step], cp).num_local_tokens for step in _PREFILL]
+    expected_rows = [balanced_split([end - start for _, start, end in step], cp).num_local_tokens for step in PREFILL]
     for rank, (logits, greedy, rows, contents) in enumerate(results):
         ref_logits, ref_greedy, ref_rows, ref_contents = references[rank // cp]
         # Every rank holds the full cache of one process: SWA and DSpark rings, compressed and index-K rows, C2 state.
@@ -142,7 +71,7 @@ def _check(world_size: int, mode_name: str, dp: int = 1, ep: int = 1) -> None:
         for key, want in ref_contents.items():
             error = float((contents[key] - want).abs().max() / want.abs().max().clamp(min=1e-30))
             assert error <= TOLERANCE[mode_name], f"rank {rank}: cache {key} relative error {error:.3g}"
-        assert rows == expected_rows + ref_rows[len(_PREFILL) :], f"rank {rank}: attention rows per step {rows}"
+        assert rows == expected_rows + ref_rows[len(PREFILL) :], f"rank {rank}: attention rows per step {rows}"
         assert greedy == ref_greedy, f"rank {rank}: greedy tokens {greedy} != one process {ref_greedy}"
         for step, (got, want) in enumerate(zip(logits, ref_logits, strict=True)):
             assert got.shape == want.shape
