@@ -75,13 +75,13 @@ def _sizes(device: str, quick: bool) -> dict[str, int]:
     else:
         sizes = {
             "check_prompts": 8,
-            "check_len": 64,
-            "check_tokens": 16,
+            "check_len": 32,
+            "check_tokens": 8,
             "prefill_prompts": 4,
             "prefill_len": 1024,
             "decode_prompts": 32,
             "decode_len": 16,
-            "decode_tokens": 32,
+            "decode_tokens": 16,
             "a2a_iters": 10,
             "eplb_steps": 8,
             "eplb_tokens": 512,
