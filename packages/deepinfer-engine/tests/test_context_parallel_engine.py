@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from llm_support import make_llm, random_prompts
 
+from deepinfer_engine import LLM
 from deepinfer_engine.engine_args import EngineArgs
 from deepinfer_engine.worker import parallel_config
 from deepinfer_kernels.testing_npu_double import NpuDouble
@@ -48,23 +49,30 @@ def single_process_tokens(root: Path) -> dict[str, list[tuple[int, ...]]]:
     return tokens
 
 
-def _generate(root: Path, **sizes: int) -> dict[str, list[tuple[int, ...]]]:
-    llm = make_llm(root, **sizes)
-    try:
-        tokens = {}
-        for name, params in (("greedy", _GREEDY), ("seeded", _SEEDED)):
-            outputs = llm.generate(prompt_token_ids=_PROMPTS, sampling_params=params, use_tqdm=False)
-            assert [o.prompt_token_ids for o in outputs] == [tuple(p) for p in _PROMPTS]
-            tokens[name] = [tuple(o.token_ids) for o in outputs]
-    finally:
-        llm.close()
+def _generate(llm: LLM) -> dict[str, list[tuple[int, ...]]]:
+    tokens = {}
+    for name, params in (("greedy", _GREEDY), ("seeded", _SEEDED)):
+        outputs = llm.generate(prompt_token_ids=_PROMPTS, sampling_params=params, use_tqdm=False)
+        assert [o.prompt_token_ids for o in outputs] == [tuple(p) for p in _PROMPTS]
+        tokens[name] = [tuple(o.token_ids) for o in outputs]
     return tokens
 
 
 def test_context_parallel_matches_one_process(
     root: Path, single_process_tokens: dict[str, list[tuple[int, ...]]]
 ) -> None:
-    assert _generate(root, context_parallel_size=2) == single_process_tokens
+    llm = make_llm(root, context_parallel_size=2)
+    try:
+        assert _generate(llm) == single_process_tokens
+        # Grammars compile at different times on the CP ranks, so structured output is refused up front.
+        structured = SamplingParams(max_tokens=4, so_args={"schema_type": "regex", "schema": "[a-z]+"})
+        with pytest.raises(ValueError, match=r"prompt 1 asks for structured output .*context_parallel_size=2"):
+            llm.generate(prompt_token_ids=_PROMPTS[:2], sampling_params=[_GREEDY, structured], use_tqdm=False)
+        # The engine still serves later calls.
+        alone = llm.generate(prompt_token_ids=_PROMPTS[:1], sampling_params=_GREEDY, use_tqdm=False)
+        assert tuple(alone[0].token_ids) == single_process_tokens["greedy"][0]
+    finally:
+        llm.close()
 
 
 @pytest.mark.slow
@@ -72,9 +80,11 @@ def test_context_parallel_matches_one_process(
 def test_context_parallel_with_data_and_expert_parallel_matches_one_process(
     root: Path, single_process_tokens: dict[str, list[tuple[int, ...]]], dp: int, cp: int, ep: int
 ) -> None:
-    assert _generate(root, data_parallel_size=dp, context_parallel_size=cp, expert_parallel_size=ep) == (
-        single_process_tokens
-    )
+    llm = make_llm(root, data_parallel_size=dp, context_parallel_size=cp, expert_parallel_size=ep)
+    try:
+        assert _generate(llm) == single_process_tokens
+    finally:
+        llm.close()
 
 
 def test_world_layout() -> None:

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from deepinfer_engine._prompts import ParamsLike
+from deepinfer_engine._prompts import ParamsLike, as_params
 from deepinfer_engine.engine_args import EngineArgs
 from deepinfer_engine.generate_output import GenerateOutput
 from deepinfer_engine.worker import parallel_config, rank_main
@@ -79,6 +79,21 @@ def _check_devices(device: str | None, num_ranks: int) -> None:
             f"the parallel engine needs {num_ranks} ranks, one GPU each, but only {visible} CUDA device(s) are "
             "visible; lower data_parallel_size / expert_parallel_size or make more GPUs visible"
         )
+
+
+def _reject_structured_output(params: Sequence[ParamsLike], cp: int) -> None:
+    """CP ranks admit a structured request once its grammar has compiled, which happens at a different step on each
+    rank; their schedules would diverge, so such requests are refused up front."""
+    for index, params_like in enumerate(params):
+        try:
+            so_args = as_params(params_like).so_args
+        except (TypeError, ValueError):
+            continue  # the rank reports invalid parameters as that prompt's error output
+        if so_args is not None:
+            raise ValueError(
+                f"prompt {index} asks for structured output (so_args), which context_parallel_size={cp} does not "
+                "support yet (the CP ranks would admit it at different steps); use context_parallel_size=1"
+            )
 
 
 class ParallelExecutor:
@@ -138,10 +153,13 @@ class ParallelExecutor:
             first_request_id: the request number of the call's first prompt.
 
         Raises:
+            ValueError: structured output requested with cp > 1.
             RuntimeError: a rank failed (its traceback is in the message), or the CP ranks of a DP rank generated
                 different tokens.
         """
         cp = self.context_parallel_size
+        if cp > 1:
+            _reject_structured_output(params, cp)
         shares = assign_round_robin(len(ids), self.num_ranks // cp)
         for rank, conn in enumerate(self._conns):
             share = shares[rank // cp]
