@@ -180,7 +180,7 @@ def run_engine(model_dir: pathlib.Path, device: str, ranks: int, sizes: dict[str
     from deepinfer_model.loading.checkpoint_dir import open_checkpoint_dir
 
     vocab = open_checkpoint_dir(model_dir).config.text.vocab_size
-    block_size = 64
+    block_size = 128  # the engine default
     longest = max(
         sizes["check_len"] + sizes["check_tokens"],
         sizes["prefill_len"] + 1,
