@@ -26,8 +26,9 @@ e. EPLB: a skewed routing trace (Zipf popularity, hot experts on low ids, so the
 Usage (the lead's x2 run; --quick halves the work):
     python benchmarks/multi_gpu.py [--quick] [--parallel 2[,4]] [--ckpt-dir /tmp/deepinfer-v41-flash-scaled]
     python benchmarks/multi_gpu.py --device cpu          # dry run: tiny preset, gloo ranks on the CPU
-    python -m deepinfer_model write-checkpoint --config v41-flash-scaled --out /tmp/deepinfer-v41-flash-scaled \
-        --fast-experts --workers 16                      # optional first command: part a then reuses it
+    # optional first command when one command's time is tight (part a then reuses the directory):
+    python -m deepinfer_model write-checkpoint --config v41-flash-scaled --out /tmp/deepinfer-v41-flash-scaled
+        --fast-experts --workers 16
 
 Prints a table last and writes benchmarks/results/multi_gpu-<device>.json. NVLink multicast stays off: the script
 never sets NCCL_NVLS_ENABLE other than to its default 0.
