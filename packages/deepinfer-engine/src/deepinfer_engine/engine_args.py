@@ -10,10 +10,14 @@ number of cache blocks):
 - `max_num_batched_tokens` defaults to `max(min(max_model_len, DEFAULT_MAX_NUM_BATCHED_TOKENS), max_num_seqs)`;
   prompts longer than it are prefilled in chunks.
 - state slots = `int(max_num_seqs * DEEPINFER_NUM_STATE_SLOTS_RATIO) + 1` (runtime §6.7).
+- `nextn` > 0 (DSpark speculative decoding, `deepinfer_engine.speculative`) needs a checkpoint with DSpark blocks,
+  raises the default token budget to at least `max_num_seqs * (1 + nextn)` (runtime §1.4), and turns asynchronous
+  scheduling off (logged): draft steps run synchronously.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -22,13 +26,17 @@ from deepinfer_engine.cache_manager import CacheManager
 from deepinfer_engine.config import CacheConfig, EngineConfig, Precision, SchedulerConfig
 from deepinfer_engine.envs import EnvSettings
 from deepinfer_model.cache_spec import CacheSpec
+from deepinfer_model.deepseek_v41.context import DSPARK_GROUP
 from deepinfer_sampling.config import SamplerConfig, parse_token_blacklist
 
-__all__ = ["DEFAULT_CPU_CACHE_MEMORY_BYTES", "MAX_MODEL_LEN_CAP", "EngineArgs", "build_engine_config"]
+__all__ = ["DEFAULT_CPU_CACHE_MEMORY_BYTES", "MAX_MODEL_LEN_CAP", "MAX_NEXTN", "EngineArgs", "build_engine_config"]
+
+logger = logging.getLogger(__name__)
 
 MAX_MODEL_LEN_CAP = 131072
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 DEFAULT_CPU_CACHE_MEMORY_BYTES = 256 * 1024**2
+MAX_NEXTN = 32  # the reference's draft-block kernel limit (dspark.md §1)
 _PARALLEL_SIZES = ("tensor_parallel_size", "data_parallel_size", "expert_parallel_size", "context_parallel_size")
 _WIRED_PARALLEL_SIZES = ("data_parallel_size", "expert_parallel_size", "context_parallel_size")
 
@@ -69,6 +77,9 @@ class EngineArgs:
         device: "cpu", "cuda" or "cuda:N"; None picks CUDA when the kernels platform is NVIDIA.
         async_scheduling: overrides DEEPINFER_ZERO_OVERHEAD_SCHEDULING when not None.
         cache_dir: where the built-in tiny checkpoint is written; None for ~/.cache/deepinfer.
+        nextn: draft tokens the DSpark drafter proposes per request per decode step, all verified by the next step
+            (the reference's `nextn`, there set by DEEPINFER_USE_NEXTN_DECODE); 0 (the default) disables
+            speculative decoding. 1 … `MAX_NEXTN`; needs a checkpoint with DSpark blocks.
     """
 
     model: str | None = None
@@ -91,6 +102,7 @@ class EngineArgs:
     device: str | None = None
     async_scheduling: bool | None = None
     cache_dir: str | None = None
+    nextn: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
@@ -117,6 +129,9 @@ class EngineArgs:
             raise ValueError(f"precision must be 'exact' or 'fp32', got {self.precision!r}")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
+        nextn = self.nextn
+        if isinstance(nextn, bool) or not isinstance(nextn, int) or not 0 <= nextn <= MAX_NEXTN:
+            raise ValueError(f"nextn must be an int in [0, {MAX_NEXTN}] (0 disables drafting), got {nextn!r}")
         if self.device is not None and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N' (or None to detect), got {self.device!r}")
 
@@ -152,11 +167,16 @@ def build_engine_config(
         cache_budget_bytes: bytes the cache (state slots and blocks) may take.
 
     Raises:
-        ValueError: `max_model_len` exceeds the checkpoint's limit or what the cache can hold, or the budget does
-            not hold the state slots and two blocks.
+        ValueError: `max_model_len` exceeds the checkpoint's limit or what the cache can hold, the budget does
+            not hold the state slots and two blocks, or `nextn` > 0 for a checkpoint without DSpark blocks.
     """
     from deepinfer_sampling.structured.compiler import StructuredOutputConfig
 
+    if args.nextn and DSPARK_GROUP not in {group.name for group in cache_spec.groups}:
+        raise ValueError(
+            f"nextn={args.nextn} needs DSpark draft blocks, but the checkpoint has none "
+            f"(num_nextn_predict_layers = 0); use nextn=0"
+        )
     num_state_slots = int(args.max_num_seqs * env["DEEPINFER_NUM_STATE_SLOTS_RATIO"]) + 1
     cache = CacheConfig(block_size=args.block_size, num_state_slots=num_state_slots)
     if args.num_cache_blocks is not None:
@@ -184,12 +204,14 @@ def build_engine_config(
         raise ValueError(f"the cache of {num_blocks - 1} blocks is too small to hold any request")
     max_num_batched_tokens = args.max_num_batched_tokens
     if max_num_batched_tokens is None:
-        max_num_batched_tokens = max(min(max_model_len, DEFAULT_MAX_NUM_BATCHED_TOKENS), args.max_num_seqs)
+        max_num_batched_tokens = max(
+            min(max_model_len, DEFAULT_MAX_NUM_BATCHED_TOKENS), args.max_num_seqs * (1 + args.nextn)
+        )
     scheduler = SchedulerConfig(
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
-        max_num_draft_tokens=0,
+        max_num_draft_tokens=args.nextn,
         stop_preempted_requests=False,
     )
     cache_limit = env["DEEPINFER_XGRAMMAR_CACHE_LIMIT_BYTES"]
@@ -201,6 +223,9 @@ def build_engine_config(
     async_scheduling = env["DEEPINFER_ZERO_OVERHEAD_SCHEDULING"]
     if args.async_scheduling is not None:
         async_scheduling = args.async_scheduling
+    if async_scheduling and args.nextn:
+        logger.info("nextn=%d: speculative decoding runs with synchronous scheduling", args.nextn)
+        async_scheduling = False
     return EngineConfig(
         model_dir=model_dir,
         tokenizer_dir=Path(args.tokenizer) if args.tokenizer is not None else model_dir,

@@ -26,7 +26,10 @@ class GenerateMetrics:
         decode_tokens_per_s: generated tokens after the first, per second after the first; None with fewer than two.
         wall_time_s: seconds from adding the request to its end.
         num_preemptions: times it was preempted and recomputed.
-        num_accepted_draft_tokens: draft tokens accepted (0 without speculative decoding).
+        num_accepted_draft_tokens: draft tokens accepted by verification (0 without speculative decoding); each
+            step emits its accepted drafts plus one sampled token.
+        num_verified_draft_tokens: draft tokens verified (proposed by the DSpark drafter and checked by the target
+            model), >= `num_accepted_draft_tokens`; 0 without speculative decoding.
     """
 
     num_prompt_tokens: int
@@ -36,6 +39,7 @@ class GenerateMetrics:
     wall_time_s: float
     num_preemptions: int = 0
     num_accepted_draft_tokens: int = 0
+    num_verified_draft_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -133,7 +133,13 @@ class LLM:
         device = torch.device(args.device if args.device is not None else _default_device())
         self.tokenizer = Tokenizer(args.tokenizer if args.tokenizer is not None else model_dir)
         self.model = load_model(
-            model_dir, self.tokenizer, args.precision, device, env["DEEPINFER_ENGRAM_PAD_TOKEN"], expert_parallel
+            model_dir,
+            self.tokenizer,
+            args.precision,
+            device,
+            env["DEEPINFER_ENGRAM_PAD_TOKEN"],
+            expert_parallel,
+            max_backtracking_tokens=args.nextn + 1,
         )
         text = self.model.config.text
         spec = self.model.cache_spec()
@@ -426,6 +432,7 @@ class LLM:
             wall_time_s=now - entry.arrival,
             num_preemptions=completion.metrics.num_preemptions,
             num_accepted_draft_tokens=completion.metrics.num_accepted_draft_tokens,
+            num_verified_draft_tokens=completion.metrics.num_verified_draft_tokens,
         )
         return GenerateOutput(
             request_id=completion.request_id,

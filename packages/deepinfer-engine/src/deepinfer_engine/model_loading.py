@@ -29,8 +29,6 @@ from deepinfer_model.loading.load import load_checkpoint_dir
 
 __all__ = ["cache_budget_bytes", "load_model"]
 
-_BACKTRACKING_TOKENS = 1  # no draft tokens are verified yet; the rings need the minimum
-
 
 def load_model(
     model_dir: Path,
@@ -39,11 +37,13 @@ def load_model(
     device: torch.device,
     engram_pad_token_id: int,
     expert_parallel: ExpertParallelMoE | None = None,
+    max_backtracking_tokens: int = 1,
 ) -> DeepseekV41ForCausalLM:
     """The checkpoint's model on `device`, weights loaded, in eval mode.
 
     With `expert_parallel` the model keeps (and loads) only this rank's routed experts and reaches the others over
-    the EP group; None keeps every expert in this process.
+    the EP group; None keeps every expert in this process. `max_backtracking_tokens` sizes the rings for rolled-back
+    draft positions (`nextn + 1` with speculative decoding, runtime §3.7; 1 without).
 
     Raises:
         deepinfer_model.loading.errors.CheckpointError / CoverageError: the checkpoint is incomplete or corrupt.
@@ -59,7 +59,7 @@ def load_model(
             config,
             ComputeMode(precision),
             vocab,
-            max_backtracking_tokens=_BACKTRACKING_TOKENS,
+            max_backtracking_tokens=max_backtracking_tokens,
             expert_parallel=expert_parallel,
         )
     model.load_weights(checkpoint.tensors.items())

@@ -29,6 +29,11 @@ has a next prompt token gets a logits row too (after the sampling rows); the pro
 under the request's own temperature/top-k/top-p is computed right after the forward and reported by
 `prompt_logprobs` (accumulated across chunks; recomputed identically after a preemption).
 
+Speculative decoding (`max_num_draft_tokens` = nextn > 0): a sampling request that verifies `d` drafts gets `d + 1`
+logits rows (its last `d + 1` positions), and `deepinfer_engine.speculative.Speculator` replaces the plain sampler:
+it verifies the drafts, emits the accepted ones plus one token, and drafts the next `nextn` with the DSpark blocks
+(reported as `ModelRunnerOutput.draft_token_ids`). Steps with drafts run eagerly.
+
 Failures of one request never stop the step: a grammar that rejects a committed token, or a row with nothing left to
 sample (every logit masked), is reported by `take_failures`; the engine finishes that request with an error.
 """
@@ -53,6 +58,7 @@ from deepinfer_engine.runner_state import (
     TopLogprobs,
     copy_to_host,
 )
+from deepinfer_engine.speculative import SpecRequest, Speculator
 from deepinfer_model.deepseek_v41.model import DeepseekV41ForCausalLM
 from deepinfer_model.state import ModelState
 from deepinfer_sampling import LOGPROB_FLOOR, Sampler, SamplingBatch, SamplingParams, SamplingRow
@@ -73,8 +79,6 @@ class ModelRunner:
     """
 
     def __init__(self, model: DeepseekV41ForCausalLM, state: ModelState, config: EngineConfig) -> None:
-        if config.scheduler.max_num_draft_tokens:
-            raise ValueError("the model runner does not run draft tokens yet; max_num_draft_tokens must be 0")
         self.model = model
         self.state = state
         self.config = config
@@ -96,6 +100,9 @@ class ModelRunner:
         self._requests: dict[str, RunnerRequest] = {}
         self._failures: dict[str, RequestFailure] = {}
         self._unwaited: list[StepHandle] = []
+        self.speculator: Speculator | None = None
+        if sched.max_num_draft_tokens:
+            self.speculator = Speculator(model, state, self.buffers, self.sampler, sched.max_num_draft_tokens)
         self.graphs: DecodeGraphs | None = None
         if not config.enforce_eager and supports_graphs(model, self.device):
             sizes = graph_sizes(sched.max_num_seqs, config.cudagraph_batch_size_interval)
@@ -188,31 +195,42 @@ class ModelRunner:
         if handle.logits is not None and handle.sampled is None:
             with torch.inference_mode():
                 self._sample(handle)
-        sampled_per_request: list[tuple[int, ...]] = [()] * len(scheduler_output.scheduled_requests)
-        logprobs_per_request: list[tuple[float, ...]] = [()] * len(scheduler_output.scheduled_requests)
+        num_scheduled = len(scheduler_output.scheduled_requests)
+        sampled_per_request: list[tuple[int, ...]] = [()] * num_scheduled
+        logprobs_per_request: list[tuple[float, ...]] = [()] * num_scheduled
+        drafts_per_request: list[tuple[int, ...]] = [()] * num_scheduled
         if handle.sampled is not None:
             sampled = handle.sampled
             if sampled.event is not None:
                 sampled.event.synchronize()
             tokens = sampled.token_ids.tolist()
             logprobs = sampled.logprobs.tolist()
-            for row, (index, position) in enumerate(zip(handle.sample_indices, handle.sample_positions, strict=True)):
-                scheduled = scheduler_output.scheduled_requests[index]
-                token = tokens[row]
-                if token < 0:  # the history holds 0 there too (`StepBuffers.record_sampled`)
-                    self._failures[scheduled.request_id] = RequestFailure(
+            accepted = sampled.num_accepted.tolist() if sampled.num_accepted is not None else None
+            drafts = sampled.draft_ids.tolist() if sampled.draft_ids is not None else None
+            row = 0
+            samples = zip(handle.sample_indices, handle.sample_positions, handle.num_drafts, strict=True)
+            for k, (index, first, num_drafts) in enumerate(samples):
+                request_id = scheduler_output.scheduled_requests[index].request_id
+                emitted = tokens[row : row + 1 + (accepted[k] if accepted is not None else 0)]
+                if min(emitted) < 0:  # the history holds 0 there too (`StepBuffers.record_sampled`)
+                    self._failures[request_id] = RequestFailure(
                         RequestStatus.FINISHED_ERROR,
                         "no token could be sampled: every logit was masked or not finite",
                     )
-                    token = 0
-                self._record(scheduled.request_id, position, token, sampled, row)
-                sampled_per_request[index] = (token,)
-                logprobs_per_request[index] = (logprobs[row],)
+                    emitted = [max(token, 0) for token in emitted]
+                for j, token in enumerate(emitted):
+                    self._record(request_id, first + j, token, sampled, row + j)
+                sampled_per_request[index] = tuple(emitted)
+                logprobs_per_request[index] = tuple(logprobs[row : row + len(emitted)])
+                if drafts is not None and drafts[k][0] >= 0:
+                    drafts_per_request[index] = tuple(drafts[k])
+                row += num_drafts + 1
         if self._unwaited and self._unwaited[0].logits is not None and self._unwaited[0].sampled is None:
             with torch.inference_mode():
                 self._sample(self._unwaited[0])  # deferred sampling of the next step (module docstring)
         request_ids = tuple(s.request_id for s in scheduler_output.scheduled_requests)
-        return ModelRunnerOutput(request_ids, tuple(sampled_per_request), tuple(logprobs_per_request))
+        draft_ids = tuple(drafts_per_request) if self.speculator is not None else None
+        return ModelRunnerOutput(request_ids, tuple(sampled_per_request), tuple(logprobs_per_request), draft_ids)
 
     # ---- step parts ------------------------------------------------------------------------------------------
 
@@ -239,11 +257,14 @@ class ModelRunner:
             table[: len(request.block_ids)] = torch.tensor(request.block_ids, dtype=torch.int32)
             max_query, max_context = max(max_query, n), max(max_context, end)
             if scheduled.samples_token:
-                host.logits_rows[len(handle.sample_indices)] = num_tokens - 1
+                d = scheduled.num_draft_tokens
+                rows = len(handle.sample_indices) + sum(handle.num_drafts)
+                host.logits_rows[rows : rows + d + 1] = torch.arange(num_tokens - d - 1, num_tokens)
                 handle.sample_indices.append(index)
-                handle.sample_positions.append(end)
+                handle.sample_positions.append(end - d)
+                handle.num_drafts.append(d)
         host.cu_query_lens[0] = 0
-        num_samples = len(handle.sample_indices)
+        num_samples = len(handle.sample_indices) + sum(handle.num_drafts)
         num_logits = self._add_prompt_rows(scheduler_output, handle, host.logits_rows, num_samples)
         num_requests = len(scheduler_output.scheduled_requests)
         size = None
@@ -307,6 +328,7 @@ class ModelRunner:
         if scheduled.is_new:
             request.slot = scheduled.state_slot
             request.block_ids = []
+            request.draft_probs = None
         del request.block_ids[scheduled.first_new_block_index :]
         request.block_ids.extend(scheduled.new_block_ids)
         if len(request.block_ids) > self.buffers.max_blocks_per_request:
@@ -328,33 +350,41 @@ class ModelRunner:
         scheduled = handle.scheduler_output.scheduled_requests
         rows = []
         bitmask_rows: list[tuple[int, RunnerRequest, str, int]] = []
-        for row, (index, position) in enumerate(zip(handle.sample_indices, handle.sample_positions, strict=True)):
+        specs = []
+        samples = zip(handle.sample_indices, handle.sample_positions, handle.num_drafts, strict=True)
+        for index, first, num_drafts in samples:
             request_id = scheduled[index].request_id
             request = self._requests[request_id]
-            outputs: Sequence[int] = ()
-            if request.params.has_penalties:
-                outputs = request.tokens[request.prompt_len : position]
-            rows.append(
-                SamplingRow(
-                    params=request.params,
-                    seed=request.seed,
-                    position=position,
-                    num_generated_tokens=position - request.prompt_len,
-                    output_token_ids=outputs,
-                    prompt_token_ids=request.tokens[: request.prompt_len] if request.params.has_penalties else (),
+            for position in range(first, first + num_drafts + 1):  # requests with penalties verify no drafts
+                outputs: Sequence[int] = ()
+                if request.params.has_penalties:
+                    outputs = request.tokens[request.prompt_len : position]
+                rows.append(
+                    SamplingRow(
+                        params=request.params,
+                        seed=request.seed,
+                        position=position,
+                        num_generated_tokens=position - request.prompt_len,
+                        output_token_ids=outputs,
+                        prompt_token_ids=request.tokens[: request.prompt_len] if request.params.has_penalties else (),
+                    )
                 )
-            )
-            if request.matcher is not None:
-                bitmask_rows.append((row, request, request_id, position))
+            if request.matcher is not None:  # structured requests verify no drafts: one row
+                bitmask_rows.append((len(rows) - 1, request, request_id, first))
+            inputs = scheduled[index].input_token_ids
+            specs.append(SpecRequest(request, index, first, inputs[len(inputs) - num_drafts :] if num_drafts else ()))
         batch = SamplingBatch.build(rows, self.vocab_size, self.device)
         bitmask = self._bitmask(bitmask_rows, len(rows)) if bitmask_rows else None
+        handle.logits = None
+        if self.speculator is not None:
+            handle.sampled = self.speculator.sample(logits, batch, bitmask, specs)
+            return
         output = self.sampler(logits, batch, bitmask)
         slots = [self._requests[scheduled[i].request_id].slot for i in handle.sample_indices]
         self.buffers.record_sampled(self._to_device(slots), self._to_device(handle.sample_positions), output.token_ids)
         handle.sampled = copy_to_host(
             output.token_ids, output.logprobs, output.top_logprob_token_ids, output.top_logprobs
         )
-        handle.logits = None
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
         """int64 [len(values)] on the device, copied from pinned memory without blocking on CUDA."""

@@ -46,6 +46,7 @@ class RunnerRequest:
     num_fed: int = 0  # tokens the matcher has accepted
     slot: int = 0
     block_ids: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None  # [nextn, V] fp32 device: distributions its current drafts came from
 
     @property
     def needs_host_history(self) -> bool:
@@ -62,6 +63,8 @@ class SampledStep:
     top_ids: torch.Tensor  # [S, N] int64 host
     top_values: torch.Tensor  # [S, N] float32 host
     event: torch.cuda.Event | None
+    num_accepted: torch.Tensor | None = None  # [Q] int64 host: accepted drafts per request (speculative steps)
+    draft_ids: torch.Tensor | None = None  # [Q, nextn] int64 host: next drafts per request, −1 rows for none
 
 
 @dataclass
@@ -69,8 +72,9 @@ class StepHandle:
     """A launched step: what `wait` needs to report it."""
 
     scheduler_output: SchedulerOutput
-    sample_indices: list[int]  # index into scheduled_requests of each sampling row
-    sample_positions: list[int]  # position each row samples
+    sample_indices: list[int]  # index into scheduled_requests of each sampling request
+    sample_positions: list[int]  # first position each sampling request samples (P0)
+    num_drafts: list[int] = field(default_factory=list)  # drafts each sampling request verifies (rows = d + 1)
     logits: torch.Tensor | None = None  # [S, V] fp32 while sampling is deferred
     sampled: SampledStep | None = None
     forward_done: torch.cuda.Event | None = None  # CUDA: the step's uploads and forward completed
@@ -79,21 +83,33 @@ class StepHandle:
 
 
 def copy_to_host(
-    token_ids: torch.Tensor, logprobs: torch.Tensor, top_ids: torch.Tensor, top_values: torch.Tensor
+    token_ids: torch.Tensor,
+    logprobs: torch.Tensor,
+    top_ids: torch.Tensor,
+    top_values: torch.Tensor,
+    num_accepted: torch.Tensor | None = None,
+    draft_ids: torch.Tensor | None = None,
 ) -> SampledStep:
     """Start the device-to-host copies of a step's results; the event marks their completion.
 
     Args:
-        token_ids: [S] int64 sampled tokens.
+        token_ids: [S] int64 sampled tokens (one per logits row).
         logprobs: [S] float32 their processed log-probs.
         top_ids: [S, N] int64 best tokens per row.
         top_values: [S, N] float32 their log-probs.
+        num_accepted: [Q] int64 accepted drafts per sampling request, speculative steps only.
+        draft_ids: [Q, nextn] int64 next drafts per sampling request, speculative steps only.
     """
+    tensors = [token_ids, logprobs, top_ids, top_values]
+    extras = [t for t in (num_accepted, draft_ids) if t is not None]
     if token_ids.device.type != "cuda":
-        return SampledStep(token_ids.clone(), logprobs.clone(), top_ids.clone(), top_values.clone(), None)
-    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (token_ids, logprobs, top_ids, top_values)]
-    for dst, src in zip(host, (token_ids, logprobs, top_ids, top_values), strict=True):
-        dst.copy_(src, non_blocking=True)
-    event = torch.cuda.Event()
-    event.record()
-    return SampledStep(host[0], host[1], host[2], host[3], event)
+        host = [t.clone() for t in tensors + extras]
+        event = None
+    else:
+        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors + extras]
+        for dst, src in zip(host, tensors + extras, strict=True):
+            dst.copy_(src, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+    accepted, drafts = (host[4], host[5]) if extras else (None, None)
+    return SampledStep(host[0], host[1], host[2], host[3], event, accepted, drafts)

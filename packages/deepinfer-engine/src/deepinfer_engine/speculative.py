@@ -1,0 +1,228 @@
+"""Speculative decoding in the runner: verify a step's draft tokens, then draft the next ones with DSpark.
+
+With `nextn` > 0 (`EngineArgs.nextn`) every sampling step of the runner goes through `Speculator.sample` instead of
+the plain sampler. Per sampling request the step has `d + 1` logits rows (`d` = its verified drafts, 0 … nextn):
+
+    row j = 0 … d at position P0 + j (P0 = the first position the step samples, the previous golden token sits at
+    P0 − 1): row j < d scores draft x_{j+1}, row d is the fresh row.
+
+1. Verification (runtime §3.3): the rows' processed target distributions (`Sampler.processed_logprobs`: masks,
+   temperature, top-k/top-p) are checked against the drafts with `deepinfer_sampling.speculative.verify_rejection`,
+   which is exact rejection sampling keyed by (request seed, position): lossless for sampled requests, argmax
+   matching for greedy ones (their q is one-hot). A request emits its `a` accepted drafts and one recovered/bonus
+   token; the emitted tokens go into the runner's token history. Rejected positions need no cache action: the
+   scheduler rolls back positionally and later steps overwrite those rows.
+2. Drafting (dspark.md §5–§6): with `p* = P0 − 1 + a` (the last accepted position) and `g` the emitted token, each
+   drafting request's block `[g, N, …, N]` at positions `p* + 1 … p* + nextn` runs through the DSpark blocks in one
+   forward (the main forward already wrote the context keys of every verify row); then slot k's draft logits get the
+   Markov bias of the previous token and the draft token is sampled from the processed draft distribution with the
+   request's own parameters, keyed by (seed, p* + 2 + k, `RandomStream.DRAFT`). Its probability row is kept on the
+   device (`RunnerRequest.draft_probs`) for the next step's rejection test.
+
+Everything up to the copies to the host runs without a host sync. Requests that need their earlier tokens on the
+host to sample (structured output, penalties) or that are teacher-forced (`golden_token_ids`) propose no drafts: a
+grammar mask or penalty state per verify row is not built here. Steps with drafts run eagerly; CUDA graphs cover only
+steps whose queries are one token long. Only synchronous scheduling drafts (`build_engine_config` turns
+asynchronous scheduling off when `nextn` > 0).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer_engine.input_batch import StepBuffers
+from deepinfer_engine.runner_state import RunnerRequest, SampledStep, copy_to_host
+from deepinfer_model.deepseek_v41.model import DeepseekV41ForCausalLM
+from deepinfer_model.forward_batch import ForwardBatch
+from deepinfer_model.state import ModelState
+from deepinfer_sampling import LOGPROB_FLOOR, Sampler, SamplingBatch, SamplingRow
+from deepinfer_sampling.inverse_cdf import inverse_cdf_sample
+from deepinfer_sampling.logprobs import top_logprobs
+from deepinfer_sampling.seeds import RandomStream, random_bits
+from deepinfer_sampling.speculative import verify_rejection
+
+__all__ = ["SpecRequest", "Speculator", "proposes_drafts"]
+
+
+def proposes_drafts(request: RunnerRequest) -> bool:
+    """Whether the drafter proposes drafts for `request` (see the module docstring for the exceptions)."""
+    return not request.needs_host_history and request.params.golden_token_ids is None
+
+
+@dataclass(frozen=True)
+class SpecRequest:
+    """One sampling request of a step, as the speculator sees it.
+
+    Attributes:
+        request: the runner's record (its `draft_probs` are read and replaced).
+        batch_index: the request's index in the step (its block-table row).
+        first_position: P0, the position its first logits row samples.
+        draft_token_ids: the `d` drafts its rows verify.
+    """
+
+    request: RunnerRequest
+    batch_index: int
+    first_position: int
+    draft_token_ids: tuple[int, ...]
+
+
+class Speculator:
+    """Verification and DSpark drafting for one runner (see the module docstring).
+
+    Args:
+        model: the target model; must have DSpark blocks.
+        state: its cache pools.
+        buffers: the runner's step buffers (block table of the step, token history).
+        sampler: the runner's sampler (processed distributions).
+        nextn: drafts proposed per request per step, >= 1.
+
+    Raises:
+        ValueError: the model has no DSpark blocks, or `nextn` < 1.
+    """
+
+    def __init__(
+        self,
+        model: DeepseekV41ForCausalLM,
+        state: ModelState,
+        buffers: StepBuffers,
+        sampler: Sampler,
+        nextn: int,
+    ) -> None:
+        if not len(model.mtp):
+            raise ValueError(f"nextn={nextn} needs DSpark draft blocks, but the model has none")
+        if nextn < 1:
+            raise ValueError(f"nextn must be >= 1 for a Speculator, got {nextn}")
+        self.model = model
+        self.state = state
+        self.buffers = buffers
+        self.sampler = sampler
+        self.nextn = nextn
+        self.device = buffers.device
+        self.noise_token_id = model.config.text.dspark_noise_token_id
+        self._slots = torch.arange(nextn, dtype=torch.int64, device=self.device)
+
+    def sample(
+        self, logits: torch.Tensor, batch: SamplingBatch, bitmask: torch.Tensor | None, requests: Sequence[SpecRequest]
+    ) -> SampledStep:
+        """Verify the step's drafts, record the emitted tokens, draft the next ones and start the copies to the host.
+
+        Args:
+            logits: [R, V] fp32 target logits, R = Σ (d + 1) rows request-major (module docstring).
+            batch: the sampling batch of those rows (row j of a request at position P0 + j).
+            bitmask: int32 [R, ceil(V / 32)] grammar bitmask, or None.
+            requests: the sampling requests, in row order.
+
+        Returns:
+            The step's `SampledStep`: token_ids [R] (emitted tokens, −1 after them and on rows with nothing to
+            sample), their logprobs and top logprobs per row, num_accepted [S], draft_ids [S, nextn] (−1 rows for
+            requests that propose none).
+        """
+        device = self.device
+        num_drafts = [len(r.draft_token_ids) for r in requests]
+        target, invalid = self.sampler.processed_logprobs(logits, batch, bitmask)
+        draft_ids: list[int] = []
+        draft_probs: list[torch.Tensor] = []
+        vocab_size = target.shape[1]
+        for spec, d in zip(requests, num_drafts, strict=True):
+            draft_ids.extend(spec.draft_token_ids)
+            draft_ids.append(-1)
+            if d:
+                probs = spec.request.draft_probs
+                if probs is None or probs.shape[0] < d:
+                    raise RuntimeError(f"{d} drafts scheduled for a request the drafter proposed no drafts for")
+                draft_probs.append(probs[:d])
+            draft_probs.append(torch.zeros(1, vocab_size, dtype=torch.float32, device=device))
+        counts = torch.tensor(num_drafts, dtype=torch.int64)
+        verified = verify_rejection(
+            target,
+            self._to_device(draft_ids),
+            torch.cat(draft_probs),
+            counts.to(device),
+            batch.seeds,
+            batch.positions,
+        )
+        tokens = torch.where(invalid, -1, verified.output_token_ids)
+        self._record(requests, num_drafts, tokens)
+        token_logprobs = target.gather(1, tokens.clamp(min=0)[:, None])[:, 0].clamp(min=LOGPROB_FLOOR)
+        top_ids, top_values = top_logprobs(target, min(batch.max_top_logprobs, vocab_size))
+        drafts = self._propose(requests, num_drafts, verified.output_token_ids, verified.num_accepted_draft_tokens)
+        return copy_to_host(tokens, token_logprobs, top_ids, top_values, verified.num_accepted_draft_tokens, drafts)
+
+    def _record(self, requests: Sequence[SpecRequest], num_drafts: list[int], tokens: torch.Tensor) -> None:
+        """Write the emitted tokens into the token history (rows after them keep what the history holds)."""
+        slots = [r.request.slot for r, d in zip(requests, num_drafts, strict=True) for _ in range(d + 1)]
+        positions = [r.first_position + j for r, d in zip(requests, num_drafts, strict=True) for j in range(d + 1)]
+        slot_ids, position_ids = self._to_device(slots), self._to_device(positions)
+        history = self.buffers.history
+        history[slot_ids, position_ids] = torch.where(tokens >= 0, tokens, history[slot_ids, position_ids])
+
+    def _propose(
+        self,
+        requests: Sequence[SpecRequest],
+        num_drafts: list[int],
+        output_token_ids: torch.Tensor,
+        num_accepted: torch.Tensor,
+    ) -> torch.Tensor:
+        """Draft `nextn` tokens per drafting request; returns int64 [S, nextn] (−1 for the others)."""
+        b = self.nextn
+        drafts = torch.full((len(requests), b), -1, dtype=torch.int64, device=self.device)
+        first_rows = [sum(d + 1 for d in num_drafts[:i]) for i in range(len(requests))]
+        chosen = [i for i, r in enumerate(requests) if proposes_drafts(r.request)]
+        if not chosen:
+            return drafts
+        chosen_ids = self._to_device(chosen)
+        accepted = num_accepted[chosen_ids]
+        golden = output_token_ids[self._to_device([first_rows[i] for i in chosen]) + accepted]
+        last_accepted = self._to_device([requests[i].first_position - 1 for i in chosen]) + accepted  # p*
+        positions = last_accepted[:, None] + 1 + self._slots[None, :]
+        input_ids = torch.where(self._slots[None, :] == 0, golden[:, None], self.noise_token_id)
+        n = len(chosen)
+        slots = [requests[i].request.slot for i in chosen]
+        draft_batch = ForwardBatch(
+            input_ids=input_ids.reshape(-1),
+            positions=positions.reshape(-1),
+            cu_query_lens=torch.arange(0, n * b + 1, b, dtype=torch.int32, device=self.device),
+            context_lens=(last_accepted + 1 + b).to(torch.int32),
+            block_table=self.buffers.block_table[chosen_ids],
+            state_slots=self._to_device(slots).to(torch.int32),
+            engram_prefix_ids=None,
+            logits_indices=None,
+            max_query_len=b,
+            max_context_len=max(requests[i].first_position + num_drafts[i] + b for i in chosen),
+        )
+        hidden = self.model.draft_forward(draft_batch, self.state).reshape(n, b, -1)
+        rows = [
+            SamplingRow(params=requests[i].request.params, seed=requests[i].request.seed, position=0) for i in chosen
+        ]
+        sampling = SamplingBatch.build(rows, self.sampler.vocab_size, self.device)
+        temperature = torch.ones(n, dtype=torch.float32, device=self.device)
+        previous = golden
+        probs = []
+        for k in range(b):
+            logits, _ = self.model.draft_heads(hidden[:, k], previous, temperature)
+            logprobs, _ = self.sampler.processed_logprobs(logits, sampling)
+            row_probs = logprobs.exp()
+            bits = random_bits(sampling.seeds, last_accepted + 2 + k, RandomStream.DRAFT, 1)[:, 0]
+            sampled = inverse_cdf_sample(row_probs, bits)
+            # Nothing to sample (every draft logit masked): propose the argmax with probability 1, which is then the
+            # distribution the draft came from, so verification stays exact.
+            empty = sampled < 0
+            previous = torch.where(empty, logits.argmax(dim=-1), sampled)
+            one_hot = torch.zeros_like(row_probs).scatter_(1, previous[:, None], 1.0)
+            row_probs = torch.where(empty[:, None], one_hot, row_probs)
+            drafts[chosen_ids, k] = previous
+            probs.append(row_probs)
+        stacked = torch.stack(probs, dim=1)
+        for j, i in enumerate(chosen):
+            requests[i].request.draft_probs = stacked[j]
+        return drafts
+
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        """int64 [len(values)] on the device, copied from pinned memory without blocking on CUDA."""
+        host = torch.tensor(values, dtype=torch.int64)
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)

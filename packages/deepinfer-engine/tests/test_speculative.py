@@ -1,0 +1,158 @@
+"""Speculative decoding with the DSpark drafter in `LLM.generate` (CPU, tiny checkpoint): greedy output with drafts
+equals greedy output without (also under preemption and next to requests that cannot draft), seeded sampling with
+drafts is reproducible, the draft counters are consistent, a checkpoint whose drafter and target agree accepts every
+draft, and bad arguments fail clearly."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from llm_support import make_llm, random_prompts, tiny_dir
+from safetensors.torch import load_file, save_file
+
+from deepinfer_engine import LLM, GenerateOutput, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+SHARD = "model-00001-of-00001.safetensors"
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("deepinfer-cache")
+
+
+def _edited_checkpoint(root: Path, name: str, edit: dict[str, float], drop_drafter: bool = False) -> Path:
+    """A copy of the tiny checkpoint with the named tensors filled with a constant (or without DSpark blocks)."""
+    target = root / name
+    if target.is_dir():
+        return target
+    shutil.copytree(tiny_dir(root), target)
+    tensors = load_file(str(target / SHARD))
+    for tensor_name, value in edit.items():
+        tensors[tensor_name] = torch.full_like(tensors[tensor_name], value)
+    if drop_drafter:
+        tensors = {k: v for k, v in tensors.items() if not k.startswith("mtp.")}
+        config = json.loads((target / "config.json").read_text())
+        text = config["text_config"]
+        text["compress_ratios"] = text["compress_ratios"][: -text["num_nextn_predict_layers"]]
+        text["num_nextn_predict_layers"] = 0
+        (target / "config.json").write_text(json.dumps(config))
+        index = json.loads((target / "model.safetensors.index.json").read_text())
+        index["weight_map"] = {k: v for k, v in index["weight_map"].items() if k in tensors}
+        (target / "model.safetensors.index.json").write_text(json.dumps(index))
+    save_file(tensors, str(target / SHARD), metadata={"format": "pt"})
+    return target
+
+
+def _tokens(outputs: list[GenerateOutput]) -> list[list[int]]:
+    return [list(o.token_ids) for o in outputs]
+
+
+def _check_counters(outputs: list[GenerateOutput]) -> None:
+    for output in outputs:
+        metrics = output.metrics
+        assert 0 <= metrics.num_accepted_draft_tokens <= metrics.num_verified_draft_tokens
+        assert metrics.num_accepted_draft_tokens < metrics.num_generated_tokens
+
+
+def test_greedy_with_drafts_equals_greedy_without_also_under_preemption(root: Path) -> None:
+    # FP32 compute mode: verify batches of several rows and one-row decode steps then agree up to summation order.
+    prompts = random_prompts(10, 3, 40, seed=3)
+    plain = make_llm(root, precision="fp32").generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+    expected = _tokens(plain)
+    assert all(o.metrics.num_verified_draft_tokens == 0 for o in plain)
+    drafting = make_llm(root, precision="fp32", nextn=3)
+    outputs = drafting.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+    assert _tokens(outputs) == expected
+    _check_counters(outputs)
+    # After its first token every request verifies nextn drafts per step (fewer only near max_tokens).
+    assert all(o.metrics.num_verified_draft_tokens >= 3 for o in outputs)
+    tight = make_llm(root, precision="fp32", nextn=2, block_size=4, num_cache_blocks=24)
+    pressured = tight.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+    assert sum(o.metrics.num_preemptions for o in pressured) > 0, "the tiny cache should force preemption"
+    assert _tokens(pressured) == expected
+    _check_counters(pressured)
+    assert tight.cache_manager.num_free_blocks == tight.cache_manager.num_usable_blocks
+
+
+def test_requests_that_cannot_draft_run_next_to_drafting_ones(root: Path) -> None:
+    prompts = random_prompts(3, 5, 20, seed=4)
+    params = [
+        GREEDY,
+        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, top_logprobs=2),
+    ]
+    plain = make_llm(root, precision="fp32").generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    outputs = make_llm(root, precision="fp32", nextn=2).generate(
+        prompt_token_ids=prompts, sampling_params=params, use_tqdm=False
+    )
+    assert _tokens(outputs) == _tokens(plain)
+    assert outputs[1].metrics.num_verified_draft_tokens == 0  # penalties: no drafts
+    assert outputs[0].metrics.num_verified_draft_tokens > 0
+    for got, want in zip(outputs, plain, strict=True):
+        assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
+    assert [[t for t, _ in top] for top in outputs[2].top_logprobs] == [
+        [t for t, _ in top] for top in plain[2].top_logprobs
+    ]
+
+
+def test_seeded_sampling_with_drafts_is_reproducible(root: Path) -> None:
+    prompts = random_prompts(4, 3, 30, seed=5)
+    params = [SamplingParams(temperature=0.9, top_p=0.95, max_tokens=8, seq_seed=100 + i) for i in range(4)]
+    first = make_llm(root, nextn=2)
+    once = first.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    again = first.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    other = make_llm(root, nextn=2, max_num_seqs=2).generate(
+        prompt_token_ids=prompts, sampling_params=params, use_tqdm=False
+    )
+    assert _tokens(once) == _tokens(again) == _tokens(other)
+    _check_counters(once)
+    assert [o.logprobs for o in once] == [o.logprobs for o in again]
+
+
+def test_drafter_that_agrees_with_the_target_gets_every_draft_accepted(root: Path) -> None:
+    # Zero final norms (and no Markov bias): target and drafter logits are all zero, so both predict token 0
+    # greedily and the uniform distribution when sampling; drafts then always pass verification.
+    edit = {"norm.weight": 0.0, "mtp.0.norm.weight": 0.0, "mtp.0.markov_head.head.weight": 0.0}
+    model = str(_edited_checkpoint(root, "agreeing-drafter", edit))
+    prompts = random_prompts(3, 4, 25, seed=6)
+    params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
+    plain = make_llm(root, model=model).generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    drafting = make_llm(root, model=model, nextn=3)
+    outputs = drafting.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    assert _tokens(outputs) == _tokens(plain) == [[0] * 9] * 3
+    # Token 1 comes from the prompt step, then two decode steps verify 3 drafts each and accept all of them.
+    for output in outputs:
+        assert output.metrics.num_verified_draft_tokens == output.metrics.num_accepted_draft_tokens == 6
+    sampled = SamplingParams(temperature=1.0, max_tokens=9, ignore_eos=True, seq_seed=7)
+    results = drafting.generate(prompt_token_ids=prompts, sampling_params=sampled, use_tqdm=False)
+    for output in results:
+        assert output.metrics.num_accepted_draft_tokens == 6
+        assert len(set(output.token_ids)) > 1  # sampled from the uniform distribution, not stuck on one token
+
+
+def test_bad_arguments_fail_clearly(root: Path) -> None:
+    for bad in (-1, 33, True, 2.0):
+        with pytest.raises(ValueError, match="nextn"):
+            make_llm(root, nextn=bad)
+    no_drafter = str(_edited_checkpoint(root, "no-drafter", {}, drop_drafter=True))
+    with pytest.raises(ValueError, match="DSpark"):
+        make_llm(root, model=no_drafter, nextn=2)
+    assert (
+        make_llm(root, model=no_drafter)
+        .generate(prompt_token_ids=[[5, 6, 7]], sampling_params=GREEDY, use_tqdm=False)[0]
+        .ok
+    )
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        make_llm(root, nextn=3, max_num_seqs=8, max_num_batched_tokens=16)
+
+
+def test_drafting_turns_asynchronous_scheduling_off(root: Path) -> None:
+    llm: LLM = make_llm(root, nextn=1, async_scheduling=True)
+    assert llm.config.async_scheduling is False
+    assert llm.config.scheduler.max_num_draft_tokens == 1
+    assert make_llm(root, async_scheduling=True).config.async_scheduling is True
