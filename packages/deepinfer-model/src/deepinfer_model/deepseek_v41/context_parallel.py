@@ -1,10 +1,12 @@
 """Balanced context parallelism (CP) of prefill steps for the layered model (runtime §7.2).
 
 Every rank of a CP group runs the same step (same batch, same cache layout, its own copy of the full cache). In a
-step that splits (``splits_step``: some request has at least ``2·cp`` query tokens), each request's chunk is cut into
-``2·cp`` blocks and CP rank ``r`` computes blocks ``r`` and ``2·cp − 1 − r`` (``deepinfer_parallel.balanced_split``;
-padding rows repeat token 0 and are dropped again). Everything per token — embedding, Engram, hyper-connections,
-q projections, attention of the query, output projections, MoE — runs on the rank's local rows only.
+step that splits (``splits_step``: some request has at least ``2·cp`` query tokens), each such request's chunk is
+cut into ``2·cp`` blocks and CP rank ``r`` computes blocks ``r`` and ``2·cp − 1 − r``
+(``deepinfer_parallel.balanced_split``); shorter chunks (decode tokens of the same step) go whole to the least
+loaded rank (``context_parallel_split``). Padding rows repeat token 0 and are dropped again. Everything per token —
+embedding, Engram, hyper-connections, q projections, attention of the query, output projections, MoE — runs on the
+rank's local rows only.
 
 Attention needs the keys of every chunk token. Each layer all-gathers its attention input (the ``attn_norm``
 output, and the YOCO shared hidden where a consumer layer owns a compressor) into original token order, so every
@@ -22,6 +24,7 @@ per-request arrays are unchanged.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -43,6 +46,7 @@ __all__ = [
     "ContextParallelContext",
     "context_parallel_forward",
     "context_parallel_keys",
+    "context_parallel_split",
     "splits_step",
 ]
 
@@ -57,6 +61,50 @@ def splits_step(batch: ForwardBatch, cp_size: int) -> bool:
         cu = batch.cu_query_lens.long()
         longest = int((cu[1:] - cu[:-1]).max().item()) if batch.num_requests else 0
     return longest >= 2 * cp_size
+
+
+def context_parallel_split(seq_lens: Sequence[int], cp_size: int) -> ContextParallelSplit:
+    """The split of a step's tokens over the CP ranks.
+
+    Chunks of at least ``2·cp_size`` tokens are split in mirrored block pairs (``balanced_split``); a shorter chunk
+    (a decode token, a short verify batch, a prompt tail) goes whole to the rank holding the fewest rows so far (ties:
+    the lowest rank) instead of being padded to ``2·cp_size`` rows. Every rank is then padded to the same row count
+    (padding rows: token 0, invalid), as the fixed-size all-gather needs.
+
+    Args:
+        seq_lens: query tokens of each request of the step, in packing order.
+        cp_size: CP ranks (>= 1).
+
+    Returns:
+        The split, as CPU tensors.
+    """
+    threshold = 2 * cp_size
+    starts = [0]
+    for length in seq_lens:
+        starts.append(starts[-1] + length)
+    # Short chunks count as empty here, so the mirrored split's own packed indices are off; keep only its
+    # (request, position) pairs and index with the real request starts.
+    mirrored = balanced_split([n if n >= threshold else 0 for n in seq_lens], cp_size)
+    rows: list[list[tuple[int, int, int]]] = []  # per rank: (packed index, position in request, request)
+    for rank in range(cp_size):
+        keep = mirrored.valid[rank]
+        pairs = zip(mirrored.request_index[rank][keep].tolist(), mirrored.positions[rank][keep].tolist(), strict=True)
+        rows.append([(starts[request] + position, position, request) for request, position in pairs])
+    for request, length in enumerate(seq_lens):
+        if 0 < length < threshold:
+            target = min(range(cp_size), key=lambda rank: len(rows[rank]))
+            rows[target].extend((starts[request] + offset, offset, request) for offset in range(length))
+    width = max(len(r) for r in rows)
+    padded = [r + [(0, -1, -1)] * (width - len(r)) for r in rows]
+    table = torch.tensor(padded, dtype=torch.int64).reshape(cp_size, width, 3)
+    return ContextParallelSplit(
+        cp_size=cp_size,
+        num_tokens=starts[-1],
+        token_index=table[..., 0],
+        valid=table[..., 2] >= 0,
+        positions=table[..., 1],
+        request_index=table[..., 2],
+    )
 
 
 @dataclass(kw_only=True)
@@ -93,7 +141,7 @@ def _local_context(
     batch: ForwardBatch, state: ModelState, group: RankGroup, capture_layers: frozenset[int]
 ) -> ContextParallelContext:
     full_meta = StepMetadata.from_batch(batch)
-    split = balanced_split(full_meta.q_len.tolist(), group.size)
+    split = context_parallel_split(full_meta.q_len.tolist(), group.size)
     device = full_meta.positions.device
     local_index = split.token_index[group.rank].to(device)
     valid = split.valid.reshape(-1)
