@@ -13,8 +13,18 @@ import pytest
 import torch
 from llm_support import make_llm, random_prompts, tiny_dir
 from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer
 
 from deepinfer_engine import LLM, GenerateOutput, SamplingParams
+from deepinfer_engine.outputs import ScheduledRequest, SchedulerOutput
+from deepinfer_model.loading.load import load_checkpoint_dir
+from deepinfer_model.reference import (
+    engram_vocabulary_from_tokenizer,
+    reference_dspark_forward,
+    reference_dspark_heads,
+    reference_forward,
+    reference_forward_full,
+)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 SHARD = "model-00001-of-00001.safetensors"
@@ -156,3 +166,74 @@ def test_drafting_turns_asynchronous_scheduling_off(root: Path) -> None:
     assert llm.config.async_scheduling is False
     assert llm.config.scheduler.max_num_draft_tokens == 1
     assert make_llm(root, async_scheduling=True).config.async_scheduling is True
+
+
+def _reference_greedy_drafts(root: Path, context: list[int], anchor: int, nextn: int) -> list[int]:
+    """Greedy drafts of the single-file reference drafter after `context`, opened by `anchor` (FP32)."""
+    directory = tiny_dir(root)
+    checkpoint = load_checkpoint_dir(directory)
+    vocabulary = engram_vocabulary_from_tokenizer(Tokenizer.from_file(str(directory / "tokenizer.json")))
+    config, weights = checkpoint.config, checkpoint.tensors
+    full = reference_forward_full(config, weights, torch.tensor(context), vocabulary, precision="fp32")
+    hidden = reference_dspark_forward(config, weights, full.target_features, anchor, nextn, precision="fp32").hidden
+    drafts, previous = [], anchor
+    for k in range(nextn):
+        logits, _ = reference_dspark_heads(
+            config, weights, hidden[k : k + 1], torch.tensor([previous]), precision="fp32"
+        )
+        previous = int(logits[0].argmax())
+        drafts.append(previous)
+    return drafts
+
+
+def test_runner_drafts_and_verification_match_the_reference(root: Path) -> None:
+    # Two steps of one request driven by hand: the prompt step drafts after the prompt; the next step verifies those
+    # drafts against the target (greedy: accepted iff equal to the target argmax) and drafts after the accepted prefix.
+    nextn = 3
+    llm = make_llm(root, precision="fp32", nextn=nextn)
+    runner = llm.runner
+    prompt = random_prompts(1, 30, 30, seed=8)[0]
+    runner.add_request("drafted", GREEDY, 1, prompt)
+    common = {"request_id": "drafted", "num_prompt_tokens": len(prompt), "state_slot": 1}
+    first = ScheduledRequest(
+        is_new=True,
+        input_token_ids=tuple(prompt),
+        num_computed_tokens=0,
+        num_draft_tokens=0,
+        samples_token=True,
+        first_new_block_index=0,
+        new_block_ids=(1, 2, 3),
+        **common,
+    )
+    out = runner.wait(runner.execute(SchedulerOutput(40_000, (first,), frozenset(), ())))
+    (golden,) = out.sampled_token_ids[0]
+    assert out.draft_token_ids is not None
+    drafts = list(out.draft_token_ids[0])
+    assert drafts == _reference_greedy_drafts(root, prompt, golden, nextn)
+
+    second = ScheduledRequest(
+        is_new=False,
+        input_token_ids=(golden, *drafts),
+        num_computed_tokens=len(prompt),
+        num_draft_tokens=nextn,
+        samples_token=True,
+        first_new_block_index=3,
+        new_block_ids=(),
+        **common,
+    )
+    out = runner.wait(runner.execute(SchedulerOutput(40_001, (second,), frozenset(), ())))
+    emitted = list(out.sampled_token_ids[0])
+    directory = tiny_dir(root)
+    checkpoint = load_checkpoint_dir(directory)
+    vocabulary = engram_vocabulary_from_tokenizer(Tokenizer.from_file(str(directory / "tokenizer.json")))
+    sequence = torch.tensor([*prompt, golden, *drafts])
+    logits = reference_forward(checkpoint.config, checkpoint.tensors, sequence, vocabulary, precision="fp32")
+    targets = logits[len(prompt) :].argmax(dim=-1).tolist()  # the target's choice after golden, d1, d2, d3
+    accepted = 0
+    while accepted < nextn and drafts[accepted] == targets[accepted]:
+        accepted += 1
+    assert emitted == [*drafts[:accepted], targets[accepted]]
+    assert out.draft_token_ids is not None
+    context = [*prompt, golden, *drafts[:accepted]]
+    assert list(out.draft_token_ids[0]) == _reference_greedy_drafts(root, context, emitted[-1], nextn)
+    runner.wait(runner.execute(SchedulerOutput(40_002, (), frozenset({"drafted"}), ())))
