@@ -102,3 +102,15 @@ def test_sizes_that_do_not_divide(root: Path) -> None:
         make_llm(root, data_parallel_size=3, context_parallel_size=2, expert_parallel_size=4)
     with pytest.raises(ValueError, match="context_parallel_size must be a positive int, got 0"):
         make_llm(root, context_parallel_size=0)
+
+
+@pytest.mark.slow
+def test_chunked_prefill_mixed_with_decodes_matches_one_process(root: Path) -> None:
+    # A 16-token budget chunks the longer prompts, so split steps continue from cached history and mix in decodes.
+    reference = make_llm(root, max_num_batched_tokens=16)
+    expected = _generate(reference)
+    llm = make_llm(root, max_num_batched_tokens=16, context_parallel_size=2)
+    try:
+        assert _generate(llm) == expected
+    finally:
+        llm.close()
