@@ -105,11 +105,19 @@ def test_sizes_that_do_not_divide(root: Path) -> None:
 
 
 @pytest.mark.slow
-def test_chunked_prefill_mixed_with_decodes_matches_one_process(root: Path) -> None:
-    # A 16-token budget chunks the longer prompts, so split steps continue from cached history and mix in decodes.
-    reference = make_llm(root, max_num_batched_tokens=16)
+@pytest.mark.parametrize(
+    "settings",
+    [
+        # A 16-token budget chunks the longer prompts: split steps continue from cached history and mix in decodes.
+        {"max_num_batched_tokens": 16},
+        # Speculative decoding: verify steps of 1 + 3 tokens are split too (4 = 2·cp); drafts run whole.
+        {"nextn": 3},
+    ],
+)
+def test_chunked_prefill_and_speculative_decoding_match_one_process(root: Path, settings: dict[str, int]) -> None:
+    reference = make_llm(root, **settings)
     expected = _generate(reference)
-    llm = make_llm(root, max_num_batched_tokens=16, context_parallel_size=2)
+    llm = make_llm(root, context_parallel_size=2, **settings)
     try:
         assert _generate(llm) == expected
     finally:
