@@ -118,7 +118,7 @@ def test_grouped_expert_sum_equals_per_expert_loop() -> None:
     bias = torch.randn(x.shape, generator=generator)
     with torch.no_grad():
         grouped = moe.experts.grouped_sum(x, topk_ids, topk_weights, bias)
-        loop = local_expert_dispatch(x, topk_ids, topk_weights, moe.experts.compute, bias)
+        loop = local_expert_dispatch(x, topk_ids, topk_weights, moe.experts, bias)
     assert torch.equal(grouped, loop)
 
 
@@ -133,7 +133,7 @@ def test_grouped_expert_sum_maps_logical_experts_to_slots() -> None:
     bias = torch.zeros(x.shape)
     with torch.no_grad():
         grouped = experts.grouped_sum(x.to(torch.bfloat16), topk_ids, weights, bias)
-        loop = local_expert_dispatch(x.to(torch.bfloat16), topk_ids, weights, experts.compute, bias)
+        loop = local_expert_dispatch(x.to(torch.bfloat16), topk_ids, weights, experts, bias)
     assert torch.equal(grouped, loop)
 
 

@@ -7,12 +7,11 @@ from deepinfer_model.deepseek_v41.engram import EngramVocab
 from deepinfer_model.deepseek_v41.engram_vocab import engram_vocab_from_tokenizer
 from deepinfer_model.deepseek_v41.expert_parallel import ExpertParallelMoE
 from deepinfer_model.deepseek_v41.model import DeepseekV41ForCausalLM
-from deepinfer_model.deepseek_v41.moe import ExpertCompute, ExpertDispatch, local_expert_dispatch
+from deepinfer_model.deepseek_v41.moe import ExpertDispatch, local_expert_dispatch
 
 __all__ = [
     "DeepseekV41ForCausalLM",
     "EngramVocab",
-    "ExpertCompute",
     "ExpertDispatch",
     "ExpertParallelMoE",
     "engram_vocab_from_tokenizer",

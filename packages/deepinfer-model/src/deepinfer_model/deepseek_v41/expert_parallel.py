@@ -10,7 +10,8 @@ One layer's dispatch (every EP rank calls it once per forward, also with zero to
     x [n, H], topk logical ids [n, k], routing weights [n, k]
       │ map_to_physical: one replica per routing choice
       │ dispatcher.dispatch: received rows [m, H], local slot of each choice (-1 = elsewhere), weights
-      │ compute(logical expert, rows, weights) per held expert; the weight acts inside the expert, before w2 (§13.3)
+      │ every (row, choice) through this rank's experts: grouped GEMMs over the stored slots in exact mode, one
+      │ experts.compute call per held expert in FP32 mode; the weight acts inside the expert, before w2 (§13.3)
       ▼
     per-choice outputs [m, k, H] (zeros for choices computed elsewhere)
       │ dispatcher.combine: [n, k, H]; each choice is computed on exactly one rank, so the sum over ranks only adds
@@ -32,7 +33,8 @@ from collections.abc import Sequence
 
 import torch
 
-from deepinfer_model.deepseek_v41.moe import ExpertCompute, ExpertDispatch, MoE
+from deepinfer_model.deepseek_v41.moe import ExpertDispatch, MoE, RoutedExperts
+from deepinfer_model.layers.mode import ComputeMode
 from deepinfer_parallel.config import ExpertLayoutConfig
 from deepinfer_parallel.eplb.rebalance import apply_placement
 from deepinfer_parallel.expert_parallel import AllToAllDispatcher, ExpertPlacement, TokenDispatcher, map_to_physical
@@ -149,10 +151,10 @@ class ExpertParallelMoE:
             x: torch.Tensor,
             topk_ids: torch.Tensor,
             topk_weights: torch.Tensor,
-            compute: ExpertCompute,
+            experts: RoutedExperts,
             bias: torch.Tensor,
         ) -> torch.Tensor:
-            return self.dispatch(layer, x, topk_ids, topk_weights, compute, bias)
+            return self.dispatch(layer, x, topk_ids, topk_weights, experts, bias)
 
         return dispatch
 
@@ -162,7 +164,7 @@ class ExpertParallelMoE:
         x: torch.Tensor,
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
-        compute: ExpertCompute,
+        experts: RoutedExperts,
         bias: torch.Tensor,
     ) -> torch.Tensor:
         """Routed experts of this rank's tokens over the EP group (collective: every EP rank calls it).
@@ -172,7 +174,7 @@ class ExpertParallelMoE:
             x: [n, H] expert inputs, activation dtype (n may be 0).
             topk_ids: [n, k] int64 logical expert ids.
             topk_weights: [n, k] fp32 routing weights.
-            compute: this rank's experts (accepts the logical ids of ``local_experts(layer)``).
+            experts: this rank's experts (stored slots hold the logical ids of ``local_experts(layer)``).
             bias: [n, H] fp32 added first (the shared-expert output, or zeros).
 
         Returns:
@@ -182,14 +184,22 @@ class ExpertParallelMoE:
         physical = map_to_physical(topk_ids, self.placement, layer, token_offset=rank)
         received = self.dispatcher.dispatch(x, physical, topk_weights)
         slots = received.topk_local_ids
-        held = self.placement.local_logical_experts(layer, rank).to(slots.device)
-        logical = torch.where(slots >= 0, held[slots.clamp(min=0)], -1)
         rows_in = received.hidden_states
-        out = rows_in.new_zeros((*slots.shape, rows_in.shape[1]))
-        # One call per held logical expert over all its received choices, as local_expert_dispatch does.
-        for expert in torch.unique(logical[logical >= 0]).tolist():
-            rows, choice = torch.nonzero(logical == expert, as_tuple=True)
-            out[rows, choice] = compute(int(expert), rows_in[rows], received.topk_weights[rows, choice]).to(out.dtype)
+        if experts.mode is ComputeMode.EXACT:
+            # Received slot ids are this rank's stored slots: one grouped GEMM pair over every (row, choice).
+            n, k = slots.shape
+            rows = rows_in[:, None, :].expand(n, k, rows_in.shape[1]).reshape(n * k, rows_in.shape[1])
+            out = experts.grouped_rows(rows, slots.reshape(-1), received.topk_weights.reshape(-1))
+            out = out.to(rows_in.dtype).view(n, k, rows_in.shape[1])
+        else:
+            held = self.placement.local_logical_experts(layer, rank).to(slots.device)
+            logical = torch.where(slots >= 0, held[slots.clamp(min=0)], -1)
+            out = rows_in.new_zeros((*slots.shape, rows_in.shape[1]))
+            # One call per held logical expert over all its received choices, as local_expert_dispatch does.
+            for expert in torch.unique(logical[logical >= 0]).tolist():
+                rows_e, choice = torch.nonzero(logical == expert, as_tuple=True)
+                weights_e = received.topk_weights[rows_e, choice]
+                out[rows_e, choice] = experts.compute(int(expert), rows_in[rows_e], weights_e).to(out.dtype)
         combined = self.dispatcher.combine(out, received)
         result = bias
         for rank_in_topk in range(topk_ids.shape[1]):

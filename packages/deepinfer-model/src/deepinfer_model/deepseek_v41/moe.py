@@ -23,18 +23,16 @@ from deepinfer_model.layers.activation import swiglu_clamped
 from deepinfer_model.layers.linear import Fp8BlockLinear, Mxfp4ExpertStack, make_parameter
 from deepinfer_model.layers.mode import ComputeMode, round_activation
 
-__all__ = ["ExpertCompute", "ExpertDispatch", "MoE", "RoutedExperts", "Router", "local_expert_dispatch"]
+__all__ = ["ExpertDispatch", "MoE", "RoutedExperts", "Router", "local_expert_dispatch"]
 
-# (expert id, inputs [n_e, H] activation dtype, routing weights [n_e] fp32) -> outputs [n_e, H] activation dtype
-ExpertCompute = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
-# (inputs [n, H], topk_ids [n, k], topk_weights [n, k], compute, bias [n, H] fp32) -> bias + routed sum [n, H] fp32
-ExpertDispatch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, ExpertCompute, torch.Tensor], torch.Tensor]
+# (inputs [n, H], topk_ids [n, k], topk_weights [n, k], experts, bias [n, H] fp32) -> bias + routed sum [n, H] fp32
+ExpertDispatch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "RoutedExperts", torch.Tensor], torch.Tensor]
 
 _WEIGHT_NORM_EPS = 1e-20
 
 
 def local_expert_dispatch(
-    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, compute: ExpertCompute, bias: torch.Tensor
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: RoutedExperts, bias: torch.Tensor
 ) -> torch.Tensor:
     """Run every selected expert locally; add the outputs to ``bias`` in FP32, in top-k rank order (§13.6).
 
@@ -42,7 +40,7 @@ def local_expert_dispatch(
         x: [n, H] expert inputs (the ``ffn_norm`` output, activation dtype).
         topk_ids: [n, k] int64 logical expert ids.
         topk_weights: [n, k] fp32 routing weights.
-        compute: per-expert function.
+        experts: the routed experts (all held here); one ``experts.compute`` call per selected expert.
         bias: [n, H] fp32 added first (the shared-expert output, or zeros).
 
     Returns:
@@ -51,7 +49,7 @@ def local_expert_dispatch(
     routed = torch.zeros((*topk_ids.shape, x.shape[1]), dtype=torch.float32, device=x.device)
     for expert in torch.unique(topk_ids).tolist():
         tokens, rank = torch.nonzero(topk_ids == expert, as_tuple=True)
-        routed[tokens, rank] = compute(int(expert), x[tokens], topk_weights[tokens, rank]).float()
+        routed[tokens, rank] = experts.compute(int(expert), x[tokens], topk_weights[tokens, rank]).float()
     out = bias
     for slot in range(topk_ids.shape[1]):
         out = out + routed[:, slot]
@@ -139,14 +137,27 @@ class RoutedExperts(nn.Module):
         n, k = topk_ids.shape
         slots = self.expert_slot[topk_ids.reshape(-1)]
         rows = x[:, None, :].expand(n, k, x.shape[1]).reshape(n * k, x.shape[1])
-        gate_up = mxfp4_grouped_gemm(rows, slots, self.w13.weight, self.w13.scale)
-        act = swiglu_clamped(gate_up, self.limit, topk_weights.reshape(-1))
-        routed = round_activation(mxfp4_grouped_gemm(act, slots, self.w2.weight, self.w2.scale), self.mode)
-        routed = routed.float().view(n, k, -1)
+        routed = self.grouped_rows(rows, slots, topk_weights.reshape(-1)).float().view(n, k, -1)
         out = bias
         for choice in range(k):
             out = out + routed[:, choice]
         return out
+
+    def grouped_rows(self, rows: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """``compute`` of every row with its own stored expert slot, through two grouped MXFP4 GEMMs (exact mode; no
+        host synchronization).
+
+        Args:
+            rows: [m, H] expert inputs (activation dtype).
+            slots: [m] int64 stored slot of each row, -1 for a row no expert here takes (its output is zero).
+            weights: [m] fp32 routing weight of each row.
+
+        Returns:
+            [m, H] activation dtype.
+        """
+        gate_up = mxfp4_grouped_gemm(rows, slots, self.w13.weight, self.w13.scale)
+        act = swiglu_clamped(gate_up, self.limit, weights)
+        return round_activation(mxfp4_grouped_gemm(act, slots, self.w2.weight, self.w2.scale), self.mode)
 
     def compute(self, expert: int, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """One expert (§13.3): the routing weight multiplies the SwiGLU output before ``w2`` and its FP8 cast.
@@ -211,5 +222,5 @@ class MoE(nn.Module):
         if self.dispatch is local_expert_dispatch and self.mode is ComputeMode.EXACT:
             routed = self.experts.grouped_sum(x, topk_ids, topk_weights, bias)
         else:
-            routed = self.dispatch(x, topk_ids, topk_weights, self.experts.compute, bias)
+            routed = self.dispatch(x, topk_ids, topk_weights, self.experts, bias)
         return round_activation(routed, self.mode)
