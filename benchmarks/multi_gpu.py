@@ -7,15 +7,17 @@ first since they need only the config's sizes and take seconds, then a, then b a
 a. checkpoint: writes the `v41-flash-scaled` preset's random checkpoint (real widths and formats, 8 layers + 1 DSpark
    block, about 65 GB) with the writer's fast path (`fast_experts`, parallel shards), or reuses one already in
    `--ckpt-dir` with the same config.json. Prints its size and parameter count and the write time.
-b. correctness: `LLM` on 1 GPU and with dp = ep = N on N GPUs (N from `--parallel`, default 2): the greedy tokens of a
-   fixed set of prompts must be equal, printed PASS/FAIL per prompt.
+b. correctness: `LLM` on 1 GPU (with CUDA graphs, the default, and with `enforce_eager`, as parallel ranks run) and
+   with dp = ep = N on N GPUs (N from `--parallel`, default 2): the greedy tokens of a fixed set of prompts must be
+   equal, printed PASS/FAIL per prompt with the top-2 log-prob gap at the first difference.
 c. throughput, same engines: prefill (long prompts, max_tokens = 1; prompt tokens/s) and decode (short prompts, many
-   output tokens; output tokens/s and the mean per-request decode rate), with the ratio N-GPU / 1-GPU.
+   output tokens; output tokens/s and the mean per-request decode rate), with the ratios N-GPU / 1-GPU (graphs and
+   eager).
 d. all-to-all time per step: N ranks (one GPU each, NCCL) run the model's expert-parallel MoE dispatch
-   (`ExpertParallelMoE.dispatch`, real hidden size, experts and top-k; expert compute replaced by a multiply so only
-   the exchange is left) for a decode step's and a prefill step's tokens per rank. Every `all_to_all_v` of
-   deepinfer_parallel (count exchange, rows, ids, weights, combine) is timed with CUDA events by wrapping it in this
-   process only; per step = per layer x MoE layers.
+   (`ExpertParallelMoE.dispatch`, real hidden size, experts, expert width and top-k, the rank's experts run as the
+   engine runs them: grouped MXFP4 GEMMs; zero weights) for a decode step's and a prefill step's tokens per rank.
+   Every `all_to_all_v` of deepinfer_parallel (count exchange, rows, ids, weights, combine) is timed with CUDA events
+   by wrapping it in this process only; per step = per layer x MoE layers.
 e. EPLB: a skewed routing trace (Zipf popularity, hot experts on low ids, so the start-up placement overloads EP rank
    0) is dispatched over the N ranks with the start-up placement, the window of measured per-expert loads
    (`ExpertLoadWindow`) goes to `rebalance_experts`, and the same trace is dispatched again with the new placement:
@@ -177,7 +179,9 @@ def _free_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def run_engine(model_dir: pathlib.Path, device: str, ranks: int, sizes: dict[str, int]) -> dict[str, Any]:
+def run_engine(
+    model_dir: pathlib.Path, device: str, ranks: int, sizes: dict[str, int], enforce_eager: bool = False
+) -> dict[str, Any]:
     """Build one engine (1 rank, or dp = ep = `ranks`) and run the correctness, prefill and decode workloads."""
     from deepinfer_engine import LLM, SamplingParams
     from deepinfer_model.loading.checkpoint_dir import open_checkpoint_dir
@@ -197,6 +201,7 @@ def run_engine(model_dir: pathlib.Path, device: str, ranks: int, sizes: dict[str
         "max_num_seqs": max_seqs,
         "num_cache_blocks": max_seqs * per_request_blocks + 2,
         "max_model_len": longest + 1,
+        "enforce_eager": enforce_eager,
     }
     if ranks > 1:
         kwargs.update(data_parallel_size=ranks, expert_parallel_size=ranks)
@@ -209,11 +214,13 @@ def run_engine(model_dir: pathlib.Path, device: str, ranks: int, sizes: dict[str
         llm.generate(prompt_token_ids=_prompts(vocab, ranks, 8, seed=99), sampling_params=greedy, use_tqdm=False)
 
         check = _prompts(vocab, sizes["check_prompts"], sizes["check_len"], seed=1)
-        params = SamplingParams(temperature=0.0, max_tokens=sizes["check_tokens"], ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=sizes["check_tokens"], ignore_eos=True, top_logprobs=2)
         start = time.perf_counter()
         outputs = llm.generate(prompt_token_ids=check, sampling_params=params, use_tqdm=False)
         record["check_s"] = time.perf_counter() - start
         record["greedy_tokens"] = [list(o.token_ids) for o in outputs]
+        # log-prob gap between the best and second-best token at every position: how close each greedy choice was
+        record["greedy_margins"] = [[top[0][1] - top[1][1] for top in o.top_logprobs] for o in outputs]
 
         prefill = _prompts(vocab, sizes["prefill_prompts"], sizes["prefill_len"], seed=2)
         params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -245,14 +252,27 @@ def run_engine(model_dir: pathlib.Path, device: str, ranks: int, sizes: dict[str
     return record
 
 
-def compare_greedy(single: dict[str, Any], parallel: dict[str, Any]) -> list[bool]:
-    """PASS/FAIL per prompt: the parallel engine's greedy tokens equal the single-GPU ones."""
+def compare_greedy(reference: dict[str, Any], other: dict[str, Any]) -> list[bool]:
+    """PASS/FAIL per prompt: `other`'s greedy tokens equal `reference`'s; a FAIL prints both runs' top-2 log-prob gap
+    at the first differing token (a gap near zero means two tokens were almost tied there)."""
     verdicts = []
-    for index, (want, got) in enumerate(zip(single["greedy_tokens"], parallel["greedy_tokens"], strict=True)):
+    pairs = zip(reference["greedy_tokens"], other["greedy_tokens"], strict=True)
+    for index, (want, got) in enumerate(pairs):
         same = want == got
         verdicts.append(same)
+        if same:
+            print(f"  prompt {index}: PASS")
+            continue
         first = next((i for i, (a, b) in enumerate(zip(want, got, strict=False)) if a != b), min(len(want), len(got)))
-        print(f"  prompt {index}: {'PASS' if same else f'FAIL (first difference at output token {first})'}")
+        gaps = [
+            run["greedy_margins"][index][first]
+            for run in (reference, other)
+            if first < len(run["greedy_margins"][index])
+        ]
+        print(
+            f"  prompt {index}: FAIL (first difference at output token {first}; top-2 log-prob gap there: "
+            f"{', '.join(f'{g:.2e}' for g in gaps)})"
+        )
     return verdicts
 
 
@@ -324,14 +344,20 @@ def _time_all_to_all(
     groups: Any, text: dict[str, int], tokens: dict[str, int], iters: int, device: torch.device
 ) -> dict[str, Any]:
     from deepinfer_model.deepseek_v41.expert_parallel import ExpertParallelMoE
+    from deepinfer_model.deepseek_v41.moe import RoutedExperts
+    from deepinfer_model.layers.mode import ComputeMode
 
     hidden, experts, top_k = text["hidden_size"], text["n_routed_experts"], text["num_experts_per_tok"]
     ep = ExpertParallelMoE.create(groups, experts, 1, device=device)
     rank = groups.rank
     gen = torch.Generator().manual_seed(100 + rank)
-
-    def compute(expert: int, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return rows * weights.unsqueeze(1).to(rows.dtype)
+    # This rank's real-width MXFP4 experts (grouped GEMMs, as the engine runs them); their values do not matter here.
+    with torch.device(device):
+        routed = RoutedExperts(
+            experts, hidden, text["moe_intermediate_size"], None, ComputeMode.EXACT, ep.local_experts(0)
+        )
+    for param in routed.parameters():
+        param.data.view(torch.uint8).zero_()
 
     timer = _A2ATimer(device)
     results: dict[str, Any] = {}
@@ -347,7 +373,7 @@ def _time_all_to_all(
                 _sync(device)
                 timer.take_ms()
                 start = time.perf_counter()
-                ep.dispatch(0, x, ids, weights, compute, bias)
+                ep.dispatch(0, x, ids, weights, routed, bias)
                 _sync(device)
                 elapsed = (time.perf_counter() - start) * 1e3
                 spent, calls = timer.take_ms()
@@ -559,6 +585,7 @@ def run_world(config_name: str, device: str, ranks: int, sizes: dict[str, int], 
         "n_routed_experts": config.n_routed_experts,
         "num_experts_per_tok": config.num_experts_per_tok,
         "num_hidden_layers": config.num_hidden_layers,
+        "moe_intermediate_size": config.moe_intermediate_size,
     }
     tokens = {
         "decode": max(1, sizes["decode_prompts"] // ranks),
@@ -597,6 +624,10 @@ def run_world(config_name: str, device: str, ranks: int, sizes: dict[str, int], 
 # ---- report -------------------------------------------------------------------------------------------------------
 
 
+def _engine_label(key: str) -> str:
+    return {"1": "1 GPU (graphs)", "1-eager": "1 GPU eager"}.get(key, f"dp=ep={key}")
+
+
 def _ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}x" if a is not None and b else "-"
 
@@ -610,20 +641,27 @@ def print_table(results: dict[str, Any]) -> None:
             f"write {ckpt['write_s']:.1f} s{' (reused)' if ckpt['reused'] else ''}"
         )
     engines = results.get("engines", {})
-    single = engines.get("1")
-    print(f"{'engine':<10}{'load s':>9}{'prefill tok/s':>15}{'x':>8}{'decode tok/s':>14}{'x':>8}{'greedy':>10}")
+    single, eager = engines.get("1"), engines.get("1-eager")
+
+    def rate(run: dict[str, Any] | None, part: str, name: str) -> float | None:
+        return run.get(part, {}).get(name) if run else None
+
+    print(
+        f"{'engine':<16}{'load s':>8}{'prefill tok/s':>15}{'x 1 GPU':>9}{'decode tok/s':>14}{'x 1 GPU':>9}"
+        f"{'x 1 GPU eager':>15}"
+    )
     for key, run in engines.items():
-        prefill = run.get("prefill", {}).get("prompt_tokens_per_s")
-        decode = run.get("decode", {}).get("output_tokens_per_s")
-        base_p = single.get("prefill", {}).get("prompt_tokens_per_s") if single else None
-        base_d = single.get("decode", {}).get("output_tokens_per_s") if single else None
-        verdicts = results.get("greedy_equal", {}).get(key)
-        greedy = "-" if verdicts is None else f"{sum(verdicts)}/{len(verdicts)} PASS"
-        label = "1 GPU" if key == "1" else f"dp=ep={key}"
+        prefill = rate(run, "prefill", "prompt_tokens_per_s")
+        decode = rate(run, "decode", "output_tokens_per_s")
         print(
-            f"{label:<10}{run.get('load_s', float('nan')):>9.1f}{prefill or float('nan'):>15.1f}"
-            f"{_ratio(prefill, base_p):>8}{decode or float('nan'):>14.1f}{_ratio(decode, base_d):>8}{greedy:>10}"
+            f"{_engine_label(key):<16}{run.get('load_s', float('nan')):>8.1f}{prefill or float('nan'):>15.1f}"
+            f"{_ratio(prefill, rate(single, 'prefill', 'prompt_tokens_per_s')):>9}{decode or float('nan'):>14.1f}"
+            f"{_ratio(decode, rate(single, 'decode', 'output_tokens_per_s')):>9}"
+            f"{_ratio(decode, rate(eager, 'decode', 'output_tokens_per_s')):>15}"
         )
+    for pair, verdicts in results.get("greedy_equal", {}).items():
+        key, base = pair.split(" vs ")
+        print(f"greedy {_engine_label(key)} vs {_engine_label(base)}: {sum(verdicts)}/{len(verdicts)} prompts equal")
     for key, world in results.get("worlds", {}).items():
         for label, a2a in world.get("all_to_all", {}).items():
             step = engines.get(key, {}).get("decode", {}).get("step_s") if label == "decode" else None
@@ -712,30 +750,34 @@ def main() -> None:
             results["worlds"][str(ranks)] = world
             for name, text in world.get("errors", {}).items():
                 results.setdefault("errors", {})[f"d/e.{ranks}.{name}"] = text
-    engine_ranks = [1, *parallel] if {"b", "c"} & set(args.parts) else []
+    # (key, ranks, enforce_eager): one GPU with CUDA graphs (the default) and eagerly (as the parallel ranks run)
+    engine_runs = [("1", 1, False), ("1-eager", 1, True), *((str(n), n, False) for n in parallel)]
+    engine_runs = engine_runs if {"b", "c"} & set(args.parts) else []
     checkpoint = None
-    if engine_ranks or "a" in args.parts:
+    if engine_runs or "a" in args.parts:
         checkpoint = _run_part("a. checkpoint", results, lambda: write_or_reuse(config_name, ckpt_dir, args.workers))
     if checkpoint is not None:
         results["checkpoint"] = checkpoint
         model_dir = pathlib.Path(checkpoint["dir"])
-        for ranks in engine_ranks:
+        for key, ranks, eager in engine_runs:
             single = results["engines"].get("1")
-            # A parallel engine loads and runs about as long as the single one did: do not start one that cannot end.
-            expected = 0.0 if single is None or ranks == 1 else single["total_s"]
-            if not deadline.allows(f"b/c. engine with {ranks} rank(s)", expected):
+            # Every engine loads and runs about as long as the single one did: do not start one that cannot end.
+            expected = 0.0 if single is None else single["total_s"]
+            if not deadline.allows(f"b/c. engine {_engine_label(key)}", expected):
                 continue
             run = _run_part(
-                f"b/c. engine, {ranks} rank(s)", results, functools.partial(run_engine, model_dir, device, ranks, sizes)
+                f"b/c. engine {_engine_label(key)}",
+                results,
+                functools.partial(run_engine, model_dir, device, ranks, sizes, eager),
             )
             if run is not None:
-                results["engines"][str(ranks)] = run
-        single = results["engines"].get("1")
-        for ranks in parallel:
-            run = results["engines"].get(str(ranks))
-            if single is not None and run is not None:
-                print(f"greedy outputs, dp=ep={ranks} vs 1 GPU:")
-                results["greedy_equal"][str(ranks)] = compare_greedy(single, run)
+                results["engines"][key] = run
+        comparisons = [("1-eager", "1"), *((str(n), "1") for n in parallel), *((str(n), "1-eager") for n in parallel)]
+        for key, base in comparisons:
+            run, reference = results["engines"].get(key), results["engines"].get(base)
+            if reference is not None and run is not None:
+                print(f"greedy outputs, {_engine_label(key)} vs {_engine_label(base)}:")
+                results["greedy_equal"][f"{key} vs {base}"] = compare_greedy(reference, run)
     results["elapsed_s"] = deadline.elapsed()
     label = "cpu" if device == "cpu" else "-".join(str(results["device"]).lower().replace("nvidia", "").split())
     out = args.out or RESULTS / f"multi_gpu-{label}{'-quick' if args.quick else ''}.json"
