@@ -90,11 +90,12 @@ def test_greedy_with_drafts_equals_greedy_without_also_under_preemption(root: Pa
 
 
 def test_requests_that_cannot_draft_run_next_to_drafting_ones(root: Path) -> None:
-    prompts = random_prompts(3, 5, 20, seed=4)
+    prompts = random_prompts(4, 5, 20, seed=4)
     params = [
         GREEDY,
         SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, repetition_penalty=1.3),
         SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, top_logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=6, so_args={"schema_type": "regex", "schema": "(yes|no)!"}),
     ]
     plain = make_llm(root, precision="fp32").generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     outputs = make_llm(root, precision="fp32", nextn=2).generate(
@@ -102,6 +103,8 @@ def test_requests_that_cannot_draft_run_next_to_drafting_ones(root: Path) -> Non
     )
     assert _tokens(outputs) == _tokens(plain)
     assert outputs[1].metrics.num_verified_draft_tokens == 0  # penalties: no drafts
+    assert outputs[3].metrics.num_verified_draft_tokens == 0  # structured output: no drafts
+    assert outputs[3].text in ("yes!", "no!")
     assert outputs[0].metrics.num_verified_draft_tokens > 0
     for got, want in zip(outputs, plain, strict=True):
         assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
@@ -237,3 +240,40 @@ def test_runner_drafts_and_verification_match_the_reference(root: Path) -> None:
     context = [*prompt, golden, *drafts[:accepted]]
     assert list(out.draft_token_ids[0]) == _reference_greedy_drafts(root, context, emitted[-1], nextn)
     runner.wait(runner.execute(SchedulerOutput(40_002, (), frozenset({"drafted"}), ())))
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_greedy_with_drafts_equals_greedy_without(root: Path) -> None:
+    prompts = random_prompts(8, 3, 40, seed=10)
+    plain = make_llm(root, device="cuda", precision="fp32")
+    expected = _tokens(plain.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False))
+    drafting = make_llm(root, device="cuda", precision="fp32", nextn=3)
+    outputs = drafting.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+    assert _tokens(outputs) == expected
+    _check_counters(outputs)
+    assert all(o.metrics.num_verified_draft_tokens >= 3 for o in outputs)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_graph_steps_and_draft_steps_in_one_engine(root: Path) -> None:
+    # Exact precision on CUDA captures decode graphs; requests with a penalty draft nothing, so their one-token steps
+    # replay graphs while drafting requests run eager verify steps (the agreeing checkpoint makes both exact).
+    edit = {"norm.weight": 0.0, "mtp.0.norm.weight": 0.0, "mtp.0.markov_head.head.weight": 0.0}
+    model = str(_edited_checkpoint(root, "agreeing-drafter", edit))
+    llm = make_llm(root, model=model, device="cuda", nextn=3)
+    assert llm.runner.graphs is not None
+    prompts = random_prompts(4, 4, 25, seed=11)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True, repetition_penalty=1.2 if i % 2 else 1.0)
+        for i in range(4)
+    ]
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    assert _tokens(outputs) == [[0] * 9] * 4
+    assert [o.metrics.num_accepted_draft_tokens for o in outputs] == [6, 0, 6, 0]
+    alone = llm.generate(prompt_token_ids=prompts[1:2], sampling_params=params[1], use_tqdm=False)
+    assert _tokens(alone) == [[0] * 9]

@@ -77,9 +77,10 @@ class EngineArgs:
         device: "cpu", "cuda" or "cuda:N"; None picks CUDA when the kernels platform is NVIDIA.
         async_scheduling: overrides DEEPINFER_ZERO_OVERHEAD_SCHEDULING when not None.
         cache_dir: where the built-in tiny checkpoint is written; None for ~/.cache/deepinfer.
-        nextn: draft tokens the DSpark drafter proposes per request per decode step, all verified by the next step
-            (the reference's `nextn`, there set by DEEPINFER_USE_NEXTN_DECODE); 0 (the default) disables
-            speculative decoding. 1 … `MAX_NEXTN`; needs a checkpoint with DSpark blocks.
+        nextn: draft tokens the DSpark drafter proposes per request after each sampling step; the next step
+            verifies all of them (fewer only near `max_tokens` or `max_model_len`). The reference's `nextn`, there
+            set by DEEPINFER_USE_NEXTN_DECODE. 0 (the default) disables speculative decoding; else 1 … `MAX_NEXTN`,
+            and the checkpoint must have DSpark blocks (`deepinfer_engine.speculative`).
     """
 
     model: str | None = None

@@ -120,34 +120,35 @@ class Speculator:
             sample), their logprobs and top logprobs per row, num_accepted [S], draft_ids [S, nextn] (−1 rows for
             requests that propose none).
         """
-        device = self.device
         num_drafts = [len(r.draft_token_ids) for r in requests]
         target, invalid = self.sampler.processed_logprobs(logits, batch, bitmask)
         draft_ids: list[int] = []
-        draft_probs: list[torch.Tensor] = []
-        vocab_size = target.shape[1]
+        pieces: list[torch.Tensor] = []
+        piece_rows: list[int] = []
         for spec, d in zip(requests, num_drafts, strict=True):
-            draft_ids.extend(spec.draft_token_ids)
-            draft_ids.append(-1)
             if d:
                 probs = spec.request.draft_probs
                 if probs is None or probs.shape[0] < d:
                     raise RuntimeError(f"{d} drafts scheduled for a request the drafter proposed no drafts for")
-                draft_probs.append(probs[:d])
-            draft_probs.append(torch.zeros(1, vocab_size, dtype=torch.float32, device=device))
-        counts = torch.tensor(num_drafts, dtype=torch.int64)
+                pieces.append(probs[:d])
+                piece_rows.extend(range(len(draft_ids), len(draft_ids) + d))
+            draft_ids.extend(spec.draft_token_ids)
+            draft_ids.append(-1)
+        draft_probs = torch.zeros_like(target)  # fresh rows: ignored by the verifier
+        if pieces:
+            draft_probs[self._to_device(piece_rows)] = torch.cat(pieces)
         verified = verify_rejection(
             target,
             self._to_device(draft_ids),
-            torch.cat(draft_probs),
-            counts.to(device),
+            draft_probs,
+            self._to_device(num_drafts),
             batch.seeds,
             batch.positions,
         )
         tokens = torch.where(invalid, -1, verified.output_token_ids)
         self._record(requests, num_drafts, tokens)
         token_logprobs = target.gather(1, tokens.clamp(min=0)[:, None])[:, 0].clamp(min=LOGPROB_FLOOR)
-        top_ids, top_values = top_logprobs(target, min(batch.max_top_logprobs, vocab_size))
+        top_ids, top_values = top_logprobs(target, min(batch.max_top_logprobs, target.shape[1]))
         drafts = self._propose(requests, num_drafts, verified.output_token_ids, verified.num_accepted_draft_tokens)
         return copy_to_host(tokens, token_logprobs, top_ids, top_values, verified.num_accepted_draft_tokens, drafts)
 
