@@ -9,7 +9,9 @@ a. checkpoint: writes the `v41-flash-scaled` preset's random checkpoint (real wi
    `--ckpt-dir` with the same config.json. Prints its size and parameter count and the write time.
 b. correctness: `LLM` on 1 GPU (with CUDA graphs, the default, and with `enforce_eager`, as parallel ranks run) and
    with dp = ep = N on N GPUs (N from `--parallel`, default 2): the greedy tokens of a fixed set of prompts must be
-   equal, printed PASS/FAIL per prompt with the top-2 log-prob gap at the first difference.
+   equal, printed PASS/FAIL per prompt with the top-2 log-prob gap at the first difference. GPU kernels are not
+   batch-invariant, so the like-for-like check compares the N ranks with one GPU fed the same per-rank batches
+   (prompt i → rank i mod N); the comparison with one batch of every prompt is printed too.
 c. throughput, same engines: prefill (long prompts, max_tokens = 1; prompt tokens/s) and decode (short prompts, many
    output tokens; output tokens/s and the mean per-request decode rate), with the ratios N-GPU / 1-GPU (graphs and
    eager).
@@ -180,10 +182,20 @@ def _free_device_memory() -> None:
 
 
 def run_engine(
-    model_dir: pathlib.Path, device: str, ranks: int, sizes: dict[str, int], enforce_eager: bool = False
+    model_dir: pathlib.Path,
+    device: str,
+    ranks: int,
+    sizes: dict[str, int],
+    enforce_eager: bool = False,
+    share_counts: tuple[int, ...] = (),
 ) -> dict[str, Any]:
-    """Build one engine (1 rank, or dp = ep = `ranks`) and run the correctness, prefill and decode workloads."""
+    """Build one engine (1 rank, or dp = ep = `ranks`) and run the correctness, prefill and decode workloads.
+
+    For each N in `share_counts` the check prompts are also generated as the N DP ranks would see them (one
+    `generate` per rank's round-robin share), so a parallel run can be compared with one GPU at equal batches.
+    """
     from deepinfer_engine import LLM, SamplingParams
+    from deepinfer_engine.executor import assign_round_robin
     from deepinfer_model.loading.checkpoint_dir import open_checkpoint_dir
 
     vocab = open_checkpoint_dir(model_dir).config.text.vocab_size
@@ -221,6 +233,18 @@ def run_engine(
         record["greedy_tokens"] = [list(o.token_ids) for o in outputs]
         # log-prob gap between the best and second-best token at every position: how close each greedy choice was
         record["greedy_margins"] = [[top[0][1] - top[1][1] for top in o.top_logprobs] for o in outputs]
+        record["greedy_tokens_by_shares"], record["greedy_margins_by_shares"] = {}, {}
+        for count in share_counts:
+            tokens: list[list[int]] = [[] for _ in check]
+            margins: list[list[float]] = [[] for _ in check]
+            for share in assign_round_robin(len(check), count):
+                shared = [check[i] for i in share]
+                outputs = llm.generate(prompt_token_ids=shared, sampling_params=params, use_tqdm=False)
+                for i, o in zip(share, outputs, strict=True):
+                    tokens[i] = list(o.token_ids)
+                    margins[i] = [top[0][1] - top[1][1] for top in o.top_logprobs]
+            record["greedy_tokens_by_shares"][str(count)] = tokens
+            record["greedy_margins_by_shares"][str(count)] = margins
 
         prefill = _prompts(vocab, sizes["prefill_prompts"], sizes["prefill_len"], seed=2)
         params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -625,7 +649,8 @@ def run_world(config_name: str, device: str, ranks: int, sizes: dict[str, int], 
 
 
 def _engine_label(key: str) -> str:
-    return {"1": "1 GPU (graphs)", "1-eager": "1 GPU eager"}.get(key, f"dp=ep={key}")
+    labels = {"1": "1 GPU (graphs)", "1-eager": "1 GPU eager", "1-eager-shares": "1 GPU eager, ranks' batches"}
+    return labels.get(key, f"dp=ep={key}")
 
 
 def _ratio(a: float | None, b: float | None) -> str:
@@ -765,10 +790,11 @@ def main() -> None:
             expected = 0.0 if single is None else single["total_s"]
             if not deadline.allows(f"b/c. engine {_engine_label(key)}", expected):
                 continue
+            shares = tuple(parallel) if key == "1-eager" else ()
             run = _run_part(
                 f"b/c. engine {_engine_label(key)}",
                 results,
-                functools.partial(run_engine, model_dir, device, ranks, sizes, eager),
+                functools.partial(run_engine, model_dir, device, ranks, sizes, eager, shares),
             )
             if run is not None:
                 results["engines"][key] = run
@@ -778,6 +804,17 @@ def main() -> None:
             if reference is not None and run is not None:
                 print(f"greedy outputs, {_engine_label(key)} vs {_engine_label(base)}:")
                 results["greedy_equal"][f"{key} vs {base}"] = compare_greedy(reference, run)
+        eager = results["engines"].get("1-eager")
+        for n in parallel:
+            run = results["engines"].get(str(n))
+            if eager is not None and run is not None and str(n) in eager.get("greedy_tokens_by_shares", {}):
+                # GPU kernels are not batch-invariant: one GPU fed each rank's batch is the like-for-like reference.
+                reference = {
+                    "greedy_tokens": eager["greedy_tokens_by_shares"][str(n)],
+                    "greedy_margins": eager["greedy_margins_by_shares"][str(n)],
+                }
+                print(f"greedy outputs, dp=ep={n} vs 1 GPU eager fed the {n} ranks' batches:")
+                results["greedy_equal"][f"{n} vs 1-eager-shares"] = compare_greedy(reference, run)
     results["elapsed_s"] = deadline.elapsed()
     label = "cpu" if device == "cpu" else "-".join(str(results["device"]).lower().replace("nvidia", "").split())
     out = args.out or RESULTS / f"multi_gpu-{label}{'-quick' if args.quick else ''}.json"
