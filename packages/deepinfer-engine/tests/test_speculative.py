@@ -75,13 +75,13 @@ def test_greedy_with_drafts_equals_greedy_without_also_under_preemption(root: Pa
     plain = make_llm(root, precision="fp32").generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
     expected = _tokens(plain)
     assert all(o.metrics.num_verified_draft_tokens == 0 for o in plain)
-    drafting = make_llm(root, precision="fp32", nextn=3)
+    drafting = make_llm(root, precision="fp32", nextn=3, async_scheduling=False)
     outputs = drafting.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
     assert _tokens(outputs) == expected
     _check_counters(outputs)
     # After its first token every request verifies nextn drafts per step (fewer only near max_tokens).
     assert all(o.metrics.num_verified_draft_tokens >= 3 for o in outputs)
-    tight = make_llm(root, precision="fp32", nextn=2, block_size=4, num_cache_blocks=24)
+    tight = make_llm(root, precision="fp32", nextn=2, block_size=4, num_cache_blocks=24, async_scheduling=False)
     pressured = tight.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
     assert sum(o.metrics.num_preemptions for o in pressured) > 0, "the tiny cache should force preemption"
     assert _tokens(pressured) == expected
@@ -98,7 +98,9 @@ def test_requests_that_cannot_draft_run_next_to_drafting_ones(root: Path) -> Non
         SamplingParams(temperature=0.0, max_tokens=6, so_args={"schema_type": "regex", "schema": "(yes|no)!"}),
     ]
     plain = make_llm(root, precision="fp32").generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    outputs = make_llm(root, precision="fp32", nextn=2).generate(
+    # Synchronous: such requests then compute no draft positions at all (asynchronous scheduling computes rejected
+    # placeholders for them, see test_asynchronous_scheduling_with_drafts_equals_synchronous).
+    outputs = make_llm(root, precision="fp32", nextn=2, async_scheduling=False).generate(
         prompt_token_ids=prompts, sampling_params=params, use_tqdm=False
     )
     assert _tokens(outputs) == _tokens(plain)
@@ -164,11 +166,51 @@ def test_bad_arguments_fail_clearly(root: Path) -> None:
         make_llm(root, nextn=3, max_num_seqs=8, max_num_batched_tokens=16)
 
 
-def test_drafting_turns_asynchronous_scheduling_off(root: Path) -> None:
-    llm: LLM = make_llm(root, nextn=1, async_scheduling=True)
-    assert llm.config.async_scheduling is False
-    assert llm.config.scheduler.max_num_draft_tokens == 1
-    assert make_llm(root, async_scheduling=True).config.async_scheduling is True
+def test_asynchronous_scheduling_with_drafts_equals_synchronous(root: Path) -> None:
+    # Under asynchronous scheduling a request in flight verifies placeholders at optimistic positions; the runner
+    # shifts them back by the drafts the step in flight rejected. Every kind of request, seeded: identical results.
+    prompts = random_prompts(6, 3, 30, seed=12)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),
+        SamplingParams(temperature=0.9, max_tokens=8, seq_seed=5, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(temperature=0.8, max_tokens=6, seq_seed=9, golden_token_ids=[7, 8, 9, 10]),
+        SamplingParams(temperature=1.0, max_tokens=9, seq_seed=3, ignore_eos=True, top_k=50, top_logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=6, so_args={"schema_type": "regex", "schema": "(yes|no)!"}),
+    ]
+    results = {}
+    for mode in (False, True):
+        llm: LLM = make_llm(root, precision="fp32", nextn=2, async_scheduling=mode)
+        assert llm.config.async_scheduling is mode
+        results[mode] = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        _check_counters(results[mode])
+    sync, asynchronous = results[False], results[True]
+    assert _tokens(asynchronous) == _tokens(sync)
+    assert sum(o.metrics.num_accepted_draft_tokens for o in sync) > 0
+    for got, want in zip(asynchronous, sync, strict=True):
+        assert got.finish_reason is want.finish_reason
+        assert got.logprobs == pytest.approx(want.logprobs, abs=1e-5)
+        assert [[t for t, _ in top] for top in got.top_logprobs] == [[t for t, _ in top] for top in want.top_logprobs]
+        values = [v for top in got.top_logprobs for _, v in top]
+        assert values == pytest.approx([v for top in want.top_logprobs for _, v in top], abs=1e-5)
+    assert _tokens(asynchronous)[3][:4] == [7, 8, 9, 10]
+
+
+def test_asynchronous_scheduling_with_drafts_under_preemption_and_full_acceptance(root: Path) -> None:
+    prompts = random_prompts(10, 3, 40, seed=3)
+    plain = make_llm(root, precision="fp32").generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+    tight = make_llm(root, precision="fp32", nextn=2, block_size=4, num_cache_blocks=24, async_scheduling=True)
+    pressured = tight.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+    assert sum(o.metrics.num_preemptions for o in pressured) > 0, "the tiny cache should force preemption"
+    assert _tokens(pressured) == _tokens(plain)
+    assert tight.cache_manager.num_free_blocks == tight.cache_manager.num_usable_blocks
+    edit = {"norm.weight": 0.0, "mtp.0.norm.weight": 0.0, "mtp.0.markov_head.head.weight": 0.0}
+    model = str(_edited_checkpoint(root, "agreeing-drafter", edit))
+    params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
+    agreeing = make_llm(root, model=model, nextn=3, async_scheduling=True)
+    outputs = agreeing.generate(prompt_token_ids=prompts[:3], sampling_params=params, use_tqdm=False)
+    assert _tokens(outputs) == [[0] * 9] * 3
+    assert all(o.metrics.num_accepted_draft_tokens == 6 for o in outputs)
 
 
 def _reference_greedy_drafts(root: Path, context: list[int], anchor: int, nextn: int) -> list[int]:

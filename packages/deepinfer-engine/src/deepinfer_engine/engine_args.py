@@ -10,14 +10,12 @@ number of cache blocks):
 - `max_num_batched_tokens` defaults to `max(min(max_model_len, DEFAULT_MAX_NUM_BATCHED_TOKENS), max_num_seqs)`;
   prompts longer than it are prefilled in chunks.
 - state slots = `int(max_num_seqs * DEEPINFER_NUM_STATE_SLOTS_RATIO) + 1` (runtime §6.7).
-- `nextn` > 0 (DSpark speculative decoding, `deepinfer_engine.speculative`) needs a checkpoint with DSpark blocks,
-  raises the default token budget to at least `max_num_seqs * (1 + nextn)` (runtime §1.4), and turns asynchronous
-  scheduling off (logged): draft steps run synchronously.
+- `nextn` > 0 (DSpark speculative decoding, `deepinfer_engine.speculative`) needs a checkpoint with DSpark blocks
+  and raises the default token budget to at least `max_num_seqs * (1 + nextn)` (runtime §1.4).
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -30,8 +28,6 @@ from deepinfer_model.deepseek_v41.context import DSPARK_GROUP
 from deepinfer_sampling.config import SamplerConfig, parse_token_blacklist
 
 __all__ = ["DEFAULT_CPU_CACHE_MEMORY_BYTES", "MAX_MODEL_LEN_CAP", "MAX_NEXTN", "EngineArgs", "build_engine_config"]
-
-logger = logging.getLogger(__name__)
 
 MAX_MODEL_LEN_CAP = 131072
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
@@ -224,9 +220,6 @@ def build_engine_config(
     async_scheduling = env["DEEPINFER_ZERO_OVERHEAD_SCHEDULING"]
     if args.async_scheduling is not None:
         async_scheduling = args.async_scheduling
-    if async_scheduling and args.nextn:
-        logger.info("nextn=%d: speculative decoding runs with synchronous scheduling", args.nextn)
-        async_scheduling = False
     return EngineConfig(
         model_dir=model_dir,
         tokenizer_dir=Path(args.tokenizer) if args.tokenizer is not None else model_dir,

@@ -28,8 +28,10 @@ class GenerateMetrics:
         num_preemptions: times it was preempted and recomputed.
         num_accepted_draft_tokens: draft tokens accepted by verification (0 without speculative decoding); each
             step emits its accepted drafts plus one sampled token.
-        num_verified_draft_tokens: draft tokens verified (proposed by the DSpark drafter and checked by the target
-            model), >= `num_accepted_draft_tokens`; 0 without speculative decoding.
+        num_verified_draft_tokens: draft positions verified by the target model, >= `num_accepted_draft_tokens`;
+            0 without speculative decoding. Under asynchronous scheduling a request that cannot draft (structured
+            output, penalties, golden tokens) still computes `nextn` placeholder drafts per step, counted here and
+            always rejected.
     """
 
     num_prompt_tokens: int

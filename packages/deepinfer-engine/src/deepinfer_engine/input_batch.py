@@ -24,6 +24,11 @@ token sampled by the step in flight reaches the next step without a host round t
 gathered from it too (into the persistent `engram_prefix` [R, N_g − 1]). A slot's rows are rewritten from position 0
 whenever a new request takes the slot.
 
+Placeholder inputs (asynchronous scheduling with drafts) come at optimistic positions that assume every draft of the
+step in flight is accepted. With `rejected_drafts` set (the speculator's per-slot count of drafts the last sampling
+step rejected, `deepinfer_engine.speculative`) `upload` shifts placeholder tokens and their requests' context lengths
+back by that count before it reads the history, on the device.
+
 A decode step replayed from a CUDA graph (`deepinfer_engine.cuda_graphs`) is padded to the graph's size with
 placeholder requests (`pad_decode`) before the upload, so the graph reads every row it was captured with.
 """
@@ -115,6 +120,7 @@ class StepBuffers:
         self.engram_prefix = dev(max_num_requests, ngram_context, dtype=torch.int64)
         self.history = dev(num_state_slots, max_positions, dtype=torch.int64)
         self._ngram_offsets = torch.arange(-ngram_context, 0, dtype=torch.int64, device=device)
+        self.rejected_drafts: torch.Tensor | None = None  # [num_state_slots] int64, see the module docstring
 
     def host_set(self, step: int) -> HostStep:
         """The host buffers step `step` fills."""
@@ -148,6 +154,10 @@ class StepBuffers:
             dst[:n].copy_(src[:n], non_blocking=True)
         self.block_table[:r].copy_(host.block_table[:r], non_blocking=True)
         slots, positions, known = self.token_slots[:t], self.positions[:t], self.known_ids[:t]
+        if self.rejected_drafts is not None:
+            shift = torch.where(known < 0, self.rejected_drafts[slots], 0)
+            positions -= shift
+            self.context_lens[:r] -= shift[self.cu_query_lens[:r].long()].to(torch.int32)
         current = self.history[slots, positions]
         self.history[slots, positions] = torch.where(known >= 0, known, current)
         self.input_ids[:t] = self.history[slots, positions]

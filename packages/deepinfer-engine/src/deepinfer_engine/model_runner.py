@@ -32,7 +32,9 @@ under the request's own temperature/top-k/top-p is computed right after the forw
 Speculative decoding (`max_num_draft_tokens` = nextn > 0): a sampling request that verifies `d` drafts gets `d + 1`
 logits rows (its last `d + 1` positions), and `deepinfer_engine.speculative.Speculator` replaces the plain sampler:
 it verifies the drafts, emits the accepted ones plus one token, and drafts the next `nextn` with the DSpark blocks
-(reported as `ModelRunnerOutput.draft_token_ids`). Steps with drafts run eagerly.
+(reported as `ModelRunnerOutput.draft_token_ids`). Steps with drafts run eagerly. Under asynchronous scheduling the
+positions of placeholder requests are optimistic; the device shifts them (see `deepinfer_engine.speculative`) and
+the host records are shifted by `RunnerRequest.num_rejected` once the step before is waited for.
 
 Failures of one request never stop the step: a grammar that rejects a committed token, or a row with nothing left to
 sample (every logit masked), is reported by `take_failures`; the engine finishes that request with an error.
@@ -41,6 +43,7 @@ sample (every logit masked), is reported by `take_failures`; the engine finishes
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import accumulate
 from typing import TYPE_CHECKING
 
 import torch
@@ -93,7 +96,7 @@ class ModelRunner:
             max_num_requests=sched.max_num_seqs,
             max_blocks_per_request=-(-(sched.max_model_len + 2) // block_size),
             num_state_slots=config.cache.num_state_slots,
-            max_positions=sched.max_model_len + 2,
+            max_positions=sched.max_model_len + 2 + sched.max_num_draft_tokens,  # drafts sit after the last token
             ngram_context=(text.engram_max_ngram_size or 1) - 1 if text.engram_enabled else 0,
             device=self.device,
         )
@@ -102,7 +105,15 @@ class ModelRunner:
         self._unwaited: list[StepHandle] = []
         self.speculator: Speculator | None = None
         if sched.max_num_draft_tokens:
-            self.speculator = Speculator(model, state, self.buffers, self.sampler, sched.max_num_draft_tokens)
+            self.speculator = Speculator(
+                model,
+                state,
+                self.buffers,
+                self.sampler,
+                sched.max_num_draft_tokens,
+                config.cache.num_state_slots,
+                always_draft=config.async_scheduling,
+            )
         self.graphs: DecodeGraphs | None = None
         if not config.enforce_eager and supports_graphs(model, self.device):
             sizes = graph_sizes(sched.max_num_seqs, config.cudagraph_batch_size_interval)
@@ -210,7 +221,11 @@ class ModelRunner:
             row = 0
             samples = zip(handle.sample_indices, handle.sample_positions, handle.num_drafts, strict=True)
             for k, (index, first, num_drafts) in enumerate(samples):
-                request_id = scheduler_output.scheduled_requests[index].request_id
+                scheduled = scheduler_output.scheduled_requests[index]
+                request_id = scheduled.request_id
+                request = self._requests.get(request_id)
+                if request is not None and scheduled.num_placeholder_tokens:
+                    first -= request.num_rejected  # optimistic positions (outputs.py, "Placeholders")
                 emitted = tokens[row : row + 1 + (accepted[k] if accepted is not None else 0)]
                 if min(emitted) < 0:  # the history holds 0 there too (`StepBuffers.record_sampled`)
                     self._failures[request_id] = RequestFailure(
@@ -225,6 +240,8 @@ class ModelRunner:
                 if drafts is not None and drafts[k][0] >= 0:
                     drafts_per_request[index] = tuple(drafts[k])
                 row += num_drafts + 1
+                if request is not None and accepted is not None:
+                    request.num_rejected = num_drafts - accepted[k]
         if self._unwaited and self._unwaited[0].logits is not None and self._unwaited[0].sampled is None:
             with torch.inference_mode():
                 self._sample(self._unwaited[0])  # deferred sampling of the next step (module docstring)
@@ -348,31 +365,35 @@ class ModelRunner:
         logits = handle.logits
         assert logits is not None
         scheduled = handle.scheduler_output.scheduled_requests
-        rows = []
+        rows: list[SamplingRow] = []
         bitmask_rows: list[tuple[int, RunnerRequest, str, int]] = []
         specs = []
+        ends = list(accumulate(s.num_scheduled_tokens for s in scheduled))
         samples = zip(handle.sample_indices, handle.sample_positions, handle.num_drafts, strict=True)
         for index, first, num_drafts in samples:
             request_id = scheduled[index].request_id
             request = self._requests[request_id]
-            for position in range(first, first + num_drafts + 1):  # requests with penalties verify no drafts
+            placeholder = scheduled[index].num_placeholder_tokens > 0
+            # Host-side inputs need the true position: known here for requests whose sampling waited for the step
+            # before (`_must_defer`); the device shifts the rows' random keys itself (`Speculator.sample`).
+            true_first = first - (request.num_rejected if placeholder else 0)
+            if request.matcher is not None:  # only its first row samples (it verifies no drafts)
+                bitmask_rows.append((len(rows), request, request_id, true_first))
+            for j in range(num_drafts + 1):
                 outputs: Sequence[int] = ()
                 if request.params.has_penalties:
-                    outputs = request.tokens[request.prompt_len : position]
+                    outputs = request.tokens[request.prompt_len : true_first + j]
                 rows.append(
                     SamplingRow(
                         params=request.params,
                         seed=request.seed,
-                        position=position,
-                        num_generated_tokens=position - request.prompt_len,
+                        position=first + j,
+                        num_generated_tokens=true_first + j - request.prompt_len,
                         output_token_ids=outputs,
                         prompt_token_ids=request.tokens[: request.prompt_len] if request.params.has_penalties else (),
                     )
                 )
-            if request.matcher is not None:  # structured requests verify no drafts: one row
-                bitmask_rows.append((len(rows) - 1, request, request_id, first))
-            inputs = scheduled[index].input_token_ids
-            specs.append(SpecRequest(request, index, first, inputs[len(inputs) - num_drafts :] if num_drafts else ()))
+            specs.append(SpecRequest(request, index, first, num_drafts, ends[index] - num_drafts, placeholder))
         batch = SamplingBatch.build(rows, self.vocab_size, self.device)
         bitmask = self._bitmask(bitmask_rows, len(rows)) if bitmask_rows else None
         handle.logits = None

@@ -47,11 +47,13 @@ class RunnerRequest:
     slot: int = 0
     block_ids: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None  # [nextn, V] fp32 device: distributions its current drafts came from
+    num_rejected: int = 0  # drafts its last waited sampling step rejected (placeholder positions are optimistic)
 
     @property
     def needs_host_history(self) -> bool:
-        """Whether sampling needs the request's earlier tokens on the host (grammar or penalties)."""
-        return self.matcher is not None or self.params.has_penalties
+        """Whether sampling needs the request's earlier tokens on the host (grammar, penalties, or golden tokens:
+        the forced token depends on the true number of outputs)."""
+        return self.matcher is not None or self.params.has_penalties or self.params.golden_token_ids is not None
 
 
 @dataclass

@@ -20,16 +20,25 @@ the plain sampler. Per sampling request the step has `d + 1` logits rows (`d` = 
    device (`RunnerRequest.draft_probs`) for the next step's rejection test.
 
 Everything up to the copies to the host runs without a host sync. Requests that need their earlier tokens on the
-host to sample (structured output, penalties) or that are teacher-forced (`golden_token_ids`) propose no drafts: a
+host to sample (structured output, penalties, golden tokens: `RunnerRequest.needs_host_history`) verify no drafts: a
 grammar mask or penalty state per verify row is not built here. Steps with drafts run eagerly; CUDA graphs cover only
-steps whose queries are one token long. Only synchronous scheduling drafts (`build_engine_config` turns
-asynchronous scheduling off when `nextn` > 0).
+steps whose queries are one token long.
+
+Asynchronous scheduling (outputs.py, "Placeholders"). A request whose sampling step N is in flight is scheduled for
+step N + 1 with placeholder inputs (N's emitted token, then its `nextn` drafts) at optimistic positions that assume
+every draft of N is accepted. So that they exist, the drafter proposes for every sampling request (`always_draft`),
+writes its drafts into the token history after the emitted token, and the verify step takes the drafts it checks
+from the step's device input ids. The per-slot `rejected` counts (drafts N rejected) shift the placeholder rows back
+on the device: inputs and context lengths in `StepBuffers.upload`, random keys, history writes and drafter positions
+here; the runner shifts its host records once N's results are known (`RunnerRequest.num_rejected`). Requests that
+cannot verify drafts keep only their first row (scored as a fresh row, exactly like a step without drafts); their
+placeholder drafts are computed but never emitted. Results therefore equal those of synchronous scheduling.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -59,14 +68,19 @@ class SpecRequest:
     Attributes:
         request: the runner's record (its `draft_probs` are read and replaced).
         batch_index: the request's index in the step (its block-table row).
-        first_position: P0, the position its first logits row samples.
-        draft_token_ids: the `d` drafts its rows verify.
+        first_position: P0, the position its first logits row samples; optimistic when `placeholder`.
+        num_drafts: the `d` draft tokens among its inputs (its rows: d + 1).
+        draft_index: index of its first draft token in the step's input tokens.
+        placeholder: its inputs are placeholders (asynchronous scheduling): its positions are shifted back on the
+            device by the drafts the previous step rejected.
     """
 
     request: RunnerRequest
     batch_index: int
     first_position: int
-    draft_token_ids: tuple[int, ...]
+    num_drafts: int
+    draft_index: int
+    placeholder: bool
 
 
 class Speculator:
@@ -75,9 +89,13 @@ class Speculator:
     Args:
         model: the target model; must have DSpark blocks.
         state: its cache pools.
-        buffers: the runner's step buffers (block table of the step, token history).
+        buffers: the runner's step buffers (block table of the step, input tokens, token history); the speculator
+            gives them its per-slot rejected-draft counts (`StepBuffers.rejected_drafts`).
         sampler: the runner's sampler (processed distributions).
         nextn: drafts proposed per request per step, >= 1.
+        num_state_slots: state slots of the cache.
+        always_draft: propose drafts for every sampling request (asynchronous scheduling verifies `nextn`
+            placeholders for each); the drafts of requests that cannot verify them are rejected unseen.
 
     Raises:
         ValueError: the model has no DSpark blocks, or `nextn` < 1.
@@ -90,6 +108,8 @@ class Speculator:
         buffers: StepBuffers,
         sampler: Sampler,
         nextn: int,
+        num_state_slots: int,
+        always_draft: bool,
     ) -> None:
         if not len(model.mtp):
             raise ValueError(f"nextn={nextn} needs DSpark draft blocks, but the model has none")
@@ -100,9 +120,13 @@ class Speculator:
         self.buffers = buffers
         self.sampler = sampler
         self.nextn = nextn
+        self.always_draft = always_draft
         self.device = buffers.device
         self.noise_token_id = model.config.text.dspark_noise_token_id
         self._slots = torch.arange(nextn, dtype=torch.int64, device=self.device)
+        # Drafts the last sampling step of the slot's request rejected (scheduled − accepted), read by the next step.
+        self.rejected = torch.zeros(num_state_slots, dtype=torch.int64, device=self.device)
+        buffers.rejected_drafts = self.rejected
 
     def sample(
         self, logits: torch.Tensor, batch: SamplingBatch, bitmask: torch.Tensor | None, requests: Sequence[SpecRequest]
@@ -111,7 +135,8 @@ class Speculator:
 
         Args:
             logits: [R, V] fp32 target logits, R = Σ (d + 1) rows request-major (module docstring).
-            batch: the sampling batch of those rows (row j of a request at position P0 + j).
+            batch: the sampling batch of those rows (row j of a request at position P0 + j, optimistic for
+                placeholder requests).
             bitmask: int32 [R, ceil(V / 32)] grammar bitmask, or None.
             requests: the sampling requests, in row order.
 
@@ -120,79 +145,106 @@ class Speculator:
             sample), their logprobs and top logprobs per row, num_accepted [S], draft_ids [S, nextn] (−1 rows for
             requests that propose none).
         """
-        num_drafts = [len(r.draft_token_ids) for r in requests]
+        num_drafts = [r.num_drafts for r in requests]
+        slots = self._to_device([r.request.slot for r in requests])
+        shift = self.rejected[slots] * self._to_device([int(r.placeholder) for r in requests])
+        first = self._to_device([r.first_position for r in requests]) - shift  # true P0 per request
+        row_request = self._to_device([i for i, d in enumerate(num_drafts) for _ in range(d + 1)])
+        row_positions = first[row_request] + self._to_device([j for d in num_drafts for j in range(d + 1)])
+        batch = replace(batch, positions=row_positions)
         target, invalid = self.sampler.processed_logprobs(logits, batch, bitmask)
-        draft_ids: list[int] = []
+
+        # Requests that cannot verify drafts keep only their first row, as a fresh row.
+        keep: list[int] = []
+        counts: list[int] = []
+        draft_index: list[int] = []
         pieces: list[torch.Tensor] = []
         piece_rows: list[int] = []
+        row = 0
         for spec, d in zip(requests, num_drafts, strict=True):
-            if d:
+            verifies = d if proposes_drafts(spec.request) else 0
+            if verifies:
                 probs = spec.request.draft_probs
                 if probs is None or probs.shape[0] < d:
                     raise RuntimeError(f"{d} drafts scheduled for a request the drafter proposed no drafts for")
                 pieces.append(probs[:d])
-                piece_rows.extend(range(len(draft_ids), len(draft_ids) + d))
-            draft_ids.extend(spec.draft_token_ids)
-            draft_ids.append(-1)
-        draft_probs = torch.zeros_like(target)  # fresh rows: ignored by the verifier
+                piece_rows.extend(range(len(keep), len(keep) + d))
+            keep.extend(range(row, row + verifies + 1))
+            draft_index.extend([*range(spec.draft_index, spec.draft_index + verifies), -1])
+            counts.append(verifies)
+            row += d + 1
+        keep_rows = self._to_device(keep)
+        kept = target[keep_rows]
+        draft_probs = torch.zeros_like(kept)  # fresh rows: ignored by the verifier
         if pieces:
             draft_probs[self._to_device(piece_rows)] = torch.cat(pieces)
+        index = self._to_device(draft_index)
+        draft_ids = torch.where(index >= 0, self.buffers.input_ids[index.clamp(min=0)], -1)
+        forced = batch.forced_token_ids[keep_rows] if batch.has_forced_tokens else None
+        seeds = batch.seeds[keep_rows]
         verified = verify_rejection(
-            target,
-            self._to_device(draft_ids),
+            kept,
+            draft_ids,
             draft_probs,
-            self._to_device(num_drafts),
-            batch.seeds,
-            batch.positions,
+            self._to_device(counts),
+            seeds,
+            row_positions[keep_rows],
+            forced_token_ids=forced,
         )
-        tokens = torch.where(invalid, -1, verified.output_token_ids)
-        self._record(requests, num_drafts, tokens)
+        tokens = torch.full_like(row_positions, -1)
+        tokens[keep_rows] = verified.output_token_ids
+        tokens = torch.where(invalid, -1, tokens)
+        accepted = verified.num_accepted_draft_tokens
+        history = self.buffers.history
+        row_slots = slots[row_request]
+        history[row_slots, row_positions] = torch.where(tokens >= 0, tokens, history[row_slots, row_positions])
+        self.rejected[slots] = self._to_device(num_drafts) - accepted
         token_logprobs = target.gather(1, tokens.clamp(min=0)[:, None])[:, 0].clamp(min=LOGPROB_FLOOR)
         top_ids, top_values = top_logprobs(target, min(batch.max_top_logprobs, target.shape[1]))
-        drafts = self._propose(requests, num_drafts, verified.output_token_ids, verified.num_accepted_draft_tokens)
-        return copy_to_host(tokens, token_logprobs, top_ids, top_values, verified.num_accepted_draft_tokens, drafts)
-
-    def _record(self, requests: Sequence[SpecRequest], num_drafts: list[int], tokens: torch.Tensor) -> None:
-        """Write the emitted tokens into the token history (rows after them keep what the history holds)."""
-        slots = [r.request.slot for r, d in zip(requests, num_drafts, strict=True) for _ in range(d + 1)]
-        positions = [r.first_position + j for r, d in zip(requests, num_drafts, strict=True) for j in range(d + 1)]
-        slot_ids, position_ids = self._to_device(slots), self._to_device(positions)
-        history = self.buffers.history
-        history[slot_ids, position_ids] = torch.where(tokens >= 0, tokens, history[slot_ids, position_ids])
+        kept_first = [sum(c + 1 for c in counts[:i]) for i in range(len(counts))]
+        golden = verified.output_token_ids[self._to_device(kept_first) + accepted]
+        drafts = self._propose(requests, slots, first - 1 + accepted, golden)
+        return copy_to_host(tokens, token_logprobs, top_ids, top_values, accepted, drafts)
 
     def _propose(
         self,
         requests: Sequence[SpecRequest],
-        num_drafts: list[int],
-        output_token_ids: torch.Tensor,
-        num_accepted: torch.Tensor,
+        slots: torch.Tensor,
+        last_accepted: torch.Tensor,
+        golden: torch.Tensor,
     ) -> torch.Tensor:
-        """Draft `nextn` tokens per drafting request; returns int64 [S, nextn] (−1 for the others)."""
+        """Draft `nextn` tokens per drafting request and write them into the history after the emitted token.
+
+        Args:
+            requests: the step's sampling requests.
+            slots: [S] int64 their state slots.
+            last_accepted: [S] int64 p*, position of each request's last accepted token.
+            golden: [S] int64 the token each request emitted last (at p* + 1).
+
+        Returns:
+            int64 [S, nextn] drafts (−1 rows for requests that propose none).
+        """
         b = self.nextn
         drafts = torch.full((len(requests), b), -1, dtype=torch.int64, device=self.device)
-        first_rows = [sum(d + 1 for d in num_drafts[:i]) for i in range(len(requests))]
-        chosen = [i for i, r in enumerate(requests) if proposes_drafts(r.request)]
+        chosen = [i for i, r in enumerate(requests) if self.always_draft or proposes_drafts(r.request)]
         if not chosen:
             return drafts
         chosen_ids = self._to_device(chosen)
-        accepted = num_accepted[chosen_ids]
-        golden = output_token_ids[self._to_device([first_rows[i] for i in chosen]) + accepted]
-        last_accepted = self._to_device([requests[i].first_position - 1 for i in chosen]) + accepted  # p*
+        golden, last_accepted, slots = golden[chosen_ids], last_accepted[chosen_ids], slots[chosen_ids]
         positions = last_accepted[:, None] + 1 + self._slots[None, :]
         input_ids = torch.where(self._slots[None, :] == 0, golden[:, None], self.noise_token_id)
         n = len(chosen)
-        slots = [requests[i].request.slot for i in chosen]
         draft_batch = ForwardBatch(
             input_ids=input_ids.reshape(-1),
             positions=positions.reshape(-1),
             cu_query_lens=torch.arange(0, n * b + 1, b, dtype=torch.int32, device=self.device),
             context_lens=(last_accepted + 1 + b).to(torch.int32),
-            block_table=self.buffers.block_table[chosen_ids],
-            state_slots=self._to_device(slots).to(torch.int32),
+            block_table=self.buffers.block_table[self._to_device([requests[i].batch_index for i in chosen])],
+            state_slots=slots.to(torch.int32),
             engram_prefix_ids=None,
             logits_indices=None,
             max_query_len=b,
-            max_context_len=max(requests[i].first_position + num_drafts[i] + b for i in chosen),
+            max_context_len=max(requests[i].first_position + requests[i].num_drafts + b for i in chosen),
         )
         hidden = self.model.draft_forward(draft_batch, self.state).reshape(n, b, -1)
         rows = [
@@ -216,6 +268,8 @@ class Speculator:
             row_probs = torch.where(empty[:, None], one_hot, row_probs)
             drafts[chosen_ids, k] = previous
             probs.append(row_probs)
+        # Placeholder inputs of the next step read the drafts from the history (asynchronous scheduling).
+        self.buffers.history[slots[:, None], positions + 1] = drafts[chosen_ids]
         stacked = torch.stack(probs, dim=1)
         for j, i in enumerate(chosen):
             requests[i].request.draft_probs = stacked[j]
