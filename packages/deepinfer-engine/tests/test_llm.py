@@ -127,7 +127,7 @@ def test_max_model_len_defaults_from_the_checkpoint(llm: LLM) -> None:
     ("kwargs", "message"),
     [
         ({"tensor_parallel_size": 2}, "multi-rank execution is not wired"),
-        ({"context_parallel_size": 2}, "multi-rank execution is not wired"),
+        ({"context_parallel_size": 0}, "context_parallel_size must be a positive int"),
         ({"max_model_len": 10**6}, "exceeds the checkpoint's max_position_embeddings"),
         ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization must be in"),
         ({"block_size": 0}, "block_size must be a positive int"),
