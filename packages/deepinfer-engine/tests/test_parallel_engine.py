@@ -1,9 +1,13 @@
 """Data- and expert-parallel `LLM` on CPU: rank processes over gloo give the greedy tokens of one process; bad sizes
-fail at construction with the sizes named; prompts are assigned to ranks round-robin."""
+fail at construction with the sizes named; prompts are assigned to ranks round-robin; a rank that dies mid-call
+ends the call at once."""
 
 from __future__ import annotations
 
+import multiprocessing
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -84,3 +88,23 @@ def test_experts_must_divide_over_ep_ranks(root: Path) -> None:
 def test_unwired_parallel_sizes_still_refused(root: Path) -> None:
     with pytest.raises(ValueError, match="tensor_parallel_size=2"):
         make_llm(root, tensor_parallel_size=2)
+
+
+def test_a_rank_that_dies_mid_call_ends_the_call_at_once(root: Path) -> None:
+    # A crashed rank leaves its peers blocked in a collective; the driver must not wait for them (gloo's timeout is
+    # 600 s) but stop every rank and raise.
+    llm = make_llm(root, data_parallel_size=2, expert_parallel_size=2)
+    ranks = multiprocessing.active_children()
+    assert len(ranks) == 2
+    killer = threading.Timer(2.0, ranks[-1].kill)
+    long_run = SamplingParams(temperature=0.0, max_tokens=3000, ignore_eos=True)
+    start = time.monotonic()
+    killer.start()
+    try:
+        with pytest.raises(RuntimeError, match=r"rank \d of 2 (failed|exited without answering); every rank process"):
+            llm.generate(prompt_token_ids=_PROMPTS, sampling_params=long_run, use_tqdm=False)
+    finally:
+        killer.cancel()
+        llm.close()
+    assert time.monotonic() - start < 60.0
+    assert not any(rank.is_alive() for rank in ranks)

@@ -20,7 +20,7 @@ import contextlib
 import multiprocessing as mp
 import weakref
 from collections.abc import Sequence
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
@@ -136,8 +136,7 @@ class ParallelExecutor:
             child.close()
             self._procs.append(proc)
             self._conns.append(parent)
-        for rank in range(self.num_ranks):
-            self._receive(rank)
+        self._receive_all()
 
     def generate(
         self,
@@ -173,8 +172,8 @@ class ParallelExecutor:
                 )
             )
         results: list[GenerateOutput | None] = [None] * len(ids)
-        for rank in range(self.num_ranks):
-            outputs: list[GenerateOutput] = self._receive(rank)
+        answers: list[list[GenerateOutput]] = self._receive_all()
+        for rank, outputs in enumerate(answers):
             for index, output in zip(shares[rank // cp], outputs, strict=True):
                 driver = results[index]
                 if driver is None:  # CP rank 0 of the DP rank, received first
@@ -191,13 +190,39 @@ class ParallelExecutor:
         """Stop the rank processes."""
         self._finalizer()
 
-    def _receive(self, rank: int) -> Any:
-        try:
-            status, payload = self._conns[rank].recv()
-        except EOFError as exc:
-            self.close()
-            raise RuntimeError(f"rank {rank} exited without answering") from exc
-        if status == "error":
-            self.close()
-            raise RuntimeError(f"rank {rank} of {self.num_ranks} failed:\n{payload}")
-        return payload
+    def _abort(self) -> None:
+        """Stop every rank at once: ranks waiting in a collective for a failed peer would not read a stop message."""
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.terminate()
+        self.close()
+
+    def _receive_all(self) -> list[Any]:
+        """Every rank's answer, in rank order; the first rank that fails or dies ends the call at once.
+
+        Ranks are waited on together: a rank blocked in a collective with a failed peer never answers, so waiting for
+        ranks in order would stall until the collective timeout. On a failure every rank process is stopped (the
+        engine cannot continue without it) and the failing rank's traceback is raised.
+        """
+        answers: dict[int, Any] = {}
+        pending = dict(enumerate(self._conns))
+        while pending:
+            for ready in wait(list(pending.values())):
+                rank = next(r for r, c in pending.items() if c is ready)
+                conn = pending.pop(rank)
+                try:
+                    status, payload = conn.recv()
+                except EOFError as exc:
+                    self._abort()
+                    raise RuntimeError(
+                        f"rank {rank} of {self.num_ranks} exited without answering; every rank process was stopped "
+                        "and this LLM cannot be used any more"
+                    ) from exc
+                if status == "error":
+                    self._abort()
+                    raise RuntimeError(
+                        f"rank {rank} of {self.num_ranks} failed; every rank process was stopped and this LLM cannot "
+                        f"be used any more:\n{payload}"
+                    )
+                answers[rank] = payload
+        return [answers[rank] for rank in range(self.num_ranks)]

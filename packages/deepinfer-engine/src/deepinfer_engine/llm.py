@@ -270,12 +270,14 @@ class LLM:
         return [results[index] for index in indices]
 
     def close(self) -> None:
-        """Stop the grammar compile threads and the rank processes."""
+        """Stop the grammar compile threads and the rank processes, and release this engine's CUDA graphs."""
         if self._grammar_service is not None:
             self._grammar_service.shutdown()
             self._grammar_service = None
         if self._executor is not None:
             self._executor.close()
+        else:
+            self.runner.close()
 
     def _any_busy(self, busy: bool) -> bool:
         """Whether this engine (or, on a rank, any rank) has work left."""
