@@ -26,6 +26,7 @@ outputs are returned (`deepinfer_engine.executor`).
 from __future__ import annotations
 
 import dataclasses
+import os
 import traceback
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -162,9 +163,10 @@ def rank_device(device: str, rank: int) -> torch.device:
 def rank_main(rank: int, port: int, args: EngineArgs, model_dir: Path, conn: Connection) -> None:
     """Entry point of one rank process: join the world, build the rank's engine, serve `generate` shares.
 
-    `args.device` is the resolved engine device ("cpu" or "cuda", see `rank_device`). CPU worlds use gloo; CUDA
-    worlds bind rank r to cuda:r before building anything and use NCCL for the tensor collectives, with the gloo
-    twin of the DP group (`ParallelGroups.data_parallel_cpu`) for the host-side vote on unfinished work.
+    `args.device` is the resolved engine device ("cpu" or "cuda", see `rank_device`). CPU worlds use gloo, each rank
+    with its share of the host's cores as torch threads; CUDA worlds bind rank r to cuda:r before building anything
+    and use NCCL for the tensor collectives, with the gloo twin of the DP group
+    (`ParallelGroups.data_parallel_cpu`) for the host-side vote on unfinished work.
 
     Protocol over `conn`: the rank sends ("ready", None) once built (or ("error", traceback)); then for each
     received `(indices, texts, ids, params, first_request_id)` it sends ("ok", outputs) or ("error", traceback);
@@ -180,6 +182,9 @@ def rank_main(rank: int, port: int, args: EngineArgs, model_dir: Path, conn: Con
             torch.cuda.set_device(device)
             backend = "nccl"
             args = dataclasses.replace(args, device=str(device))
+        else:
+            # The ranks share the host's cores; each would otherwise start one compute thread per core.
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.world_size))
         init_distributed(rank, config.world_size, _MASTER_ADDR, port, backend, _COLLECTIVE_TIMEOUT_S)
     except Exception:
         conn.send(("error", traceback.format_exc()))
