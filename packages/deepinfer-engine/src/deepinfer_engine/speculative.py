@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from itertools import accumulate
 
 import torch
 
@@ -201,7 +202,7 @@ class Speculator:
         self.rejected[slots] = self._to_device(num_drafts) - accepted
         token_logprobs = target.gather(1, tokens.clamp(min=0)[:, None])[:, 0].clamp(min=LOGPROB_FLOOR)
         top_ids, top_values = top_logprobs(target, min(batch.max_top_logprobs, target.shape[1]))
-        kept_first = [sum(c + 1 for c in counts[:i]) for i in range(len(counts))]
+        kept_first = [0, *accumulate(c + 1 for c in counts)][:-1]  # each request's first kept row
         golden = verified.output_token_ids[self._to_device(kept_first) + accepted]
         drafts = self._propose(requests, slots, first - 1 + accepted, golden)
         return copy_to_host(tokens, token_logprobs, top_ids, top_values, accepted, drafts)
