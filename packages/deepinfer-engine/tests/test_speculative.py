@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
 from deepinfer_engine import LLM, GenerateOutput, SamplingParams
+from deepinfer_engine.model_runner import StepHandle
 from deepinfer_engine.outputs import ScheduledRequest, SchedulerOutput
 from deepinfer_model.loading.load import load_checkpoint_dir
 from deepinfer_model.reference import (
@@ -239,7 +241,6 @@ def test_runner_drafts_and_verification_match_the_reference(root: Path) -> None:
     runner = llm.runner
     prompt = random_prompts(1, 30, 30, seed=8)[0]
     runner.add_request("drafted", GREEDY, 1, prompt)
-    common = {"request_id": "drafted", "num_prompt_tokens": len(prompt), "state_slot": 1}
     first = ScheduledRequest(
         is_new=True,
         input_token_ids=tuple(prompt),
@@ -248,7 +249,9 @@ def test_runner_drafts_and_verification_match_the_reference(root: Path) -> None:
         samples_token=True,
         first_new_block_index=0,
         new_block_ids=(1, 2, 3),
-        **common,
+        request_id="drafted",
+        num_prompt_tokens=len(prompt),
+        state_slot=1,
     )
     out = runner.wait(runner.execute(SchedulerOutput(40_000, (first,), frozenset(), ())))
     (golden,) = out.sampled_token_ids[0]
@@ -264,7 +267,9 @@ def test_runner_drafts_and_verification_match_the_reference(root: Path) -> None:
         samples_token=True,
         first_new_block_index=3,
         new_block_ids=(),
-        **common,
+        request_id="drafted",
+        num_prompt_tokens=len(prompt),
+        state_slot=1,
     )
     out = runner.wait(runner.execute(SchedulerOutput(40_001, (second,), frozenset(), ())))
     emitted = list(out.sampled_token_ids[0])
@@ -319,3 +324,38 @@ def test_cuda_graph_steps_and_draft_steps_in_one_engine(root: Path) -> None:
     assert [o.metrics.num_accepted_draft_tokens for o in outputs] == [6, 0, 6, 0]
     alone = llm.generate(prompt_token_ids=prompts[1:2], sampling_params=params[1], use_tqdm=False)
     assert _tokens(alone) == [[0] * 9]
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_execute_with_drafts_never_synchronizes(root: Path) -> None:
+    # Verification, draft sampling, history writes and result copies must not synchronize; the eager model forwards
+    # (main and draft) are excluded like in test_model_runner.
+    engine = make_llm(root, device="cuda", nextn=2, async_scheduling=True)
+    runner = engine.runner
+    model = runner.model
+    execute, forward, draft_forward = runner.execute, model.forward, model.draft_forward
+
+    def guarded(scheduler_output: SchedulerOutput) -> StepHandle:
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return execute(scheduler_output)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    def unguarded(function: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def call(*args: object) -> torch.Tensor:
+            torch.cuda.set_sync_debug_mode("default")
+            try:
+                return function(*args)
+            finally:
+                torch.cuda.set_sync_debug_mode("error")
+
+        return call
+
+    runner.execute = guarded  # type: ignore[method-assign]
+    model.forward = unguarded(forward)  # type: ignore[method-assign]
+    model.draft_forward = unguarded(draft_forward)  # type: ignore[method-assign]
+    outputs = engine.generate(prompt_token_ids=random_prompts(6, 2, 20, seed=6), sampling_params=GREEDY, use_tqdm=False)
+    assert all(o.ok for o in outputs)
+    assert all(o.metrics.num_verified_draft_tokens > 0 for o in outputs)
