@@ -151,7 +151,7 @@ class LLM:
                 explicit_bytes=args.cache_memory_bytes,
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 profile_num_tokens=args.max_num_batched_tokens or min(text.max_position_embeddings, 8192),
-                profile_num_logits=args.max_num_seqs,
+                profile_num_logits=args.max_num_seqs * (1 + args.nextn),  # verify rows with drafts
                 block_size=args.block_size,
             )
         self.config: EngineConfig = build_engine_config(
