@@ -359,3 +359,12 @@ def test_cuda_execute_with_drafts_never_synchronizes(root: Path) -> None:
     outputs = engine.generate(prompt_token_ids=random_prompts(6, 2, 20, seed=6), sampling_params=GREEDY, use_tqdm=False)
     assert all(o.ok for o in outputs)
     assert all(o.metrics.num_verified_draft_tokens > 0 for o in outputs)
+
+
+def test_nextn_defaults_from_the_environment(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "2")
+    assert make_llm(root).config.scheduler.max_num_draft_tokens == 2
+    assert make_llm(root, nextn=0).config.scheduler.max_num_draft_tokens == 0  # the argument wins
+    monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "-1")
+    with pytest.raises(ValueError, match="DEEPINFER_USE_NEXTN_DECODE"):
+        make_llm(root)

@@ -35,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-model-len", type=int, default=None)
     gen.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: detect)")
     gen.add_argument("--precision", choices=("exact", "fp32"), default="exact")
+    gen.add_argument(
+        "--nextn", type=int, default=None, help="DSpark draft tokens per step (default: DEEPINFER_USE_NEXTN_DECODE, 0)"
+    )
     gen.add_argument("--cache-dir", default=None, help="where the built-in tiny checkpoint is written")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     gen.add_argument("--no-progress", action="store_true", help="no progress bar or summary")
@@ -76,6 +79,8 @@ def _generate(args: argparse.Namespace) -> int:
         engine_args["device"] = args.device
     if args.cache_dir is not None:
         engine_args["cache_dir"] = args.cache_dir
+    if args.nextn is not None:
+        engine_args["nextn"] = args.nextn
     llm = LLM(args.model, **engine_args)
     try:
         outputs = llm.generate(args.prompt, params, use_tqdm=not args.no_progress)

@@ -119,7 +119,6 @@ class EnvVar:
 
 
 _S, _U, _NA = EnvStatus.SUPPORTED, EnvStatus.UNSUPPORTED, EnvStatus.NOT_APPLICABLE
-_NO_SPEC = "speculative decoding (DSpark drafts) is not wired into the engine yet"
 _NO_EPLB = "EPLB rearrangement is not wired into the engine yet"
 
 # One declaration per line reads as a table; the formatter would spread each over seven lines.
@@ -150,13 +149,13 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", "int", 0, "tail tokens kept by YOCO prefill truncation",
            _parse_int, _U, "YOCO prefill truncation is not implemented"),
     EnvVar("DEEPINFER_MAX_BACKTRACKING_TOKENS", "int", 0, "extra ring capacity for rollback of drafts",
-           _at_least(0, _parse_int), _U, _NO_SPEC),
-    EnvVar("DEEPINFER_USE_NEXTN_DECODE", "int", 0, "draft tokens per step; 0 disables speculation",
-           _at_least(0, _parse_int), _U, _NO_SPEC),
+           _at_least(0, _parse_int), _U, "the rings hold nextn + 1 rollback positions, sized from nextn"),
+    EnvVar("DEEPINFER_USE_NEXTN_DECODE", "int", 0, "DSpark draft tokens per step; 0 disables speculation",
+           _at_least(0, _parse_int), _S, "default of the nextn engine argument (the reference defaults to 5)"),
     EnvVar("DEEPINFER_ENABLE_MTP_VARLEN", "bool", False, "confidence-scheduled variable verification",
-           _parse_bool, _U, _NO_SPEC),
+           _parse_bool, _U, "confidence-scheduled verification is not implemented: every draft is verified"),
     EnvVar("DEEPINFER_DFLASH_CONFIDENCE_HEAD_TEMPERATURE", "str", "1.0", "confidence-head temperature(s)",
-           _parse_str, _U, _NO_SPEC),
+           _parse_str, _U, "the confidence head only feeds varlen verification, not implemented"),
     EnvVar("DEEPINFER_COMPUTE_SUM_SMALLER_PROBS", "bool", False, "report sum_smaller_probs / drafter logprobs",
            _parse_bool, _U, "these per-token statistics are not reported"),
     EnvVar("DEEPINFER_SAMPLER_FORCE_TOPK", "int", 0, "restrict sampling and logprobs to the top-K logits",
@@ -168,7 +167,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL", "int", 8, "decode graph size spacing",
            _at_least(1, _parse_int), _S, "EngineConfig.cudagraph_batch_size_interval"),
     EnvVar("DEEPINFER_DFLASH_CUDAGRAPH_BATCH_SIZE_INTERVAL", "int", 8, "drafter graph size spacing",
-           _at_least(1, _parse_int), _U, _NO_SPEC),
+           _at_least(1, _parse_int), _U, "drafter forwards run eagerly (no drafter graphs)"),
     EnvVar("DEEPINFER_EXPERT_COUNT_WINDOW_SIZE", "int", 100, "EPLB statistics window in steps",
            _at_least(0, _parse_int), _U, _NO_EPLB),
     EnvVar("DEEPINFER_EXPERT_REARRANGEMENT_STEP_INTERVAL", "int", 0, "EPLB period in steps; 0 disables",
@@ -206,11 +205,11 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("DEEPINFER_USERBUFFER_COMM_SMS", "int", 0, "SMs for DeepEP dispatch/combine",
            _at_least(0, _parse_int), _U, "DeepEP is not used"),
     EnvVar("DEEPINFER_GLOO_TIMEOUT", "float s", 14400.0, "gloo world timeout",
-           _at_least(1.0, _parse_float), _U, "multi-process engine not wired yet"),
+           _at_least(1.0, _parse_float), _U, "the engine's collective timeout is fixed at 600 s"),
     EnvVar("DEEPINFER_DECODE_PERF_CACHE_DIR", "path", None, "disk cache of the decode cost curve",
-           _parse_str, _U, _NO_SPEC),
+           _parse_str, _U, "the decode cost curve of varlen verification is not implemented"),
     EnvVar("DEEPINFER_DECODE_PERF_CACHE_TTL_SEC", "int", 3600, "decode cost curve cache validity",
-           _at_least(0, _parse_int), _U, _NO_SPEC),
+           _at_least(0, _parse_int), _U, "the decode cost curve of varlen verification is not implemented"),
     EnvVar("DEEPINFER_DISABLE_SYNC_GUARD", "bool", False, "disable the no-host-sync guard around a step",
            _parse_bool, _U, "no sync guard is installed in the engine yet"),
     EnvVar("DEEPINFER_XGRAMMAR_DEBUG", "bool", False, "xgrammar debug printing",

@@ -90,8 +90,10 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        args = EngineArgs.from_kwargs(model, kwargs)
         env = read_env()
+        if "nextn" not in kwargs:
+            kwargs = {**kwargs, "nextn": env["DEEPINFER_USE_NEXTN_DECODE"]}
+        args = EngineArgs.from_kwargs(model, kwargs)
         cache_root = Path(args.cache_dir) if args.cache_dir is not None else None
         model_dir = resolve_checkpoint(
             args.model, local_model_dir=env["DEEPINFER_HF_MODEL_DIR"], revision=args.revision, cache_root=cache_root
