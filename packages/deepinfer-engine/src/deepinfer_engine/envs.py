@@ -119,7 +119,6 @@ class EnvVar:
 
 
 _S, _U, _NA = EnvStatus.SUPPORTED, EnvStatus.UNSUPPORTED, EnvStatus.NOT_APPLICABLE
-_NO_EPLB = "EPLB rearrangement is not wired into the engine yet"
 
 # One declaration per line reads as a table; the formatter would spread each over seven lines.
 # fmt: off
@@ -168,18 +167,22 @@ ENV_VARS: tuple[EnvVar, ...] = (
            _at_least(1, _parse_int), _S, "EngineConfig.cudagraph_batch_size_interval"),
     EnvVar("DEEPINFER_DFLASH_CUDAGRAPH_BATCH_SIZE_INTERVAL", "int", 8, "drafter graph size spacing",
            _at_least(1, _parse_int), _U, "drafter forwards run eagerly (no drafter graphs)"),
-    EnvVar("DEEPINFER_EXPERT_COUNT_WINDOW_SIZE", "int", 100, "EPLB statistics window in steps",
-           _at_least(0, _parse_int), _U, _NO_EPLB),
-    EnvVar("DEEPINFER_EXPERT_REARRANGEMENT_STEP_INTERVAL", "int", 0, "EPLB period in steps; 0 disables",
-           _at_least(0, _parse_int), _U, _NO_EPLB),
-    EnvVar("DEEPINFER_REARRANGE_AFTER_PREFILL_IN_NORMAL_ENGINE", "bool", False, "rearrange right after a prefill",
-           _parse_bool, _U, _NO_EPLB),
+    EnvVar("DEEPINFER_EXPERT_COUNT_WINDOW_SIZE", "int", 100,
+           "EPLB statistics window in counted steps; in [1, interval] when rearrangement is on",
+           _at_least(0, _parse_int), _S, "EplbSettings.schedule.window_size"),
+    EnvVar("DEEPINFER_EXPERT_REARRANGEMENT_STEP_INTERVAL", "int", 0,
+           "EPLB period in counted steps (first after max(1, interval // 4)); 0 disables",
+           _at_least(0, _parse_int), _S, "EplbSettings.schedule.step_interval; EP ranks only (EP size > 1)"),
+    EnvVar("DEEPINFER_REARRANGE_AFTER_PREFILL_IN_NORMAL_ENGINE", "bool", False,
+           "count prefill steps and rearrange on the next step without a prefill",
+           _parse_bool, _S, "EplbSettings.rearrange_after_prefill; needs the interval > 0"),
     EnvVar("DEEPINFER_REARRANGE_P2P_GROUPS", "int", 1, "P2P buckets during the EPLB weight shuffle",
-           _at_least(1, _parse_int), _U, _NO_EPLB),
-    EnvVar("DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS", "int", 0, "minimum redundant experts",
-           _at_least(0, _parse_int), _U, _NO_EPLB),
+           _at_least(1, _parse_int), _S, "EplbSettings.schedule.num_p2p_groups"),
+    EnvVar("DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS", "int", 0,
+           "minimum redundant experts (rounded up to divide over the EP ranks)",
+           _at_least(0, _parse_int), _S, "EplbSettings.min_redundant_experts; parallel engines only"),
     EnvVar("DEEPINFER_MOE_LB_STAT_INTERVAL", "int", 128, "steps between MoE load-balance metric flushes",
-           _at_least(1, _parse_int), _U, _NO_EPLB),
+           _at_least(1, _parse_int), _U, "no periodic load-balance log; EPLB reports its loads per rearrangement"),
     EnvVar("DEEPINFER_FORCE_IMBALANCE_RATIO", "float", 0.0, "profiling: routing biased to local experts",
            _at_least(0.0, _parse_float), _U, "profiling-only routing override not implemented"),
     EnvVar("DEEPINFER_FORCE_LOAD_BALANCE", "bool", False, "profiling: random balanced MoE routing",

@@ -11,6 +11,9 @@ and returns CP rank 0's outputs in input order, after checking that the other CP
 Request ids and seeds are those of one process
 (prompt index and request number of the call), so the per-request random streams do not depend on the rank.
 
+EPLB (`deepinfer_engine.eplb`): the executor hands every rank the entrypoint's `EplbSettings` (replica slots of the
+expert layout, rearrangement schedule); `eplb_stats` asks each rank what its controller did.
+
 Progress bars are not shown in parallel mode.
 """
 
@@ -29,10 +32,10 @@ import torch
 
 from deepinfer_engine._prompts import ParamsLike, as_params
 from deepinfer_engine.engine_args import EngineArgs
+from deepinfer_engine.eplb import EplbSettings, EplbStats, engine_expert_layout
 from deepinfer_engine.generate_output import GenerateOutput
 from deepinfer_engine.worker import parallel_config, rank_main
 from deepinfer_model.loading.checkpoint_dir import open_checkpoint_dir
-from deepinfer_parallel.config import ExpertLayoutConfig
 from deepinfer_parallel.launcher import find_free_port
 
 __all__ = ["ParallelExecutor", "assign_round_robin"]
@@ -103,23 +106,19 @@ class ParallelExecutor:
         args: the engine arguments (every rank builds its engine from them); `args.device` is the resolved engine
             device, "cpu" or "cuda" (rank r then uses cuda:r).
         model_dir: the resolved checkpoint directory.
+        eplb: expert-parallel load balancing (replica slots, rearrangement schedule); off by default.
 
     Raises:
-        ValueError: the EP size does not divide the DP size, the routed experts do not divide over the EP ranks, the
-            device is not "cpu" or "cuda", or there are fewer visible GPUs than ranks (the message names the sizes).
+        ValueError: the EP size does not divide the DP size, the routed experts do not divide over the EP ranks
+            (without replica slots), the device is not "cpu" or "cuda", or there are fewer visible GPUs than ranks
+            (the message names the sizes).
         RuntimeError: a rank failed to start (its traceback is in the message).
     """
 
-    def __init__(self, args: EngineArgs, model_dir: Path) -> None:
+    def __init__(self, args: EngineArgs, model_dir: Path, eplb: EplbSettings | None = None) -> None:
         config = parallel_config(args)
-        num_experts = open_checkpoint_dir(model_dir).config.text.n_routed_experts
-        try:
-            ExpertLayoutConfig(num_experts, 0, config.expert_parallel_size)
-        except ValueError as exc:
-            raise ValueError(
-                f"expert_parallel_size={config.expert_parallel_size} does not divide the model's "
-                f"n_routed_experts={num_experts}: {exc}"
-            ) from exc
+        eplb = eplb if eplb is not None else EplbSettings()
+        engine_expert_layout(config, open_checkpoint_dir(model_dir).config.text.n_routed_experts, eplb)
         self.num_ranks = config.world_size
         self.context_parallel_size = config.context_parallel_size
         _check_devices(args.device, self.num_ranks)
@@ -131,7 +130,7 @@ class ParallelExecutor:
         self._finalizer = weakref.finalize(self, _shutdown, self._procs, self._conns)
         for rank in range(self.num_ranks):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=rank_main, args=(rank, port, args, model_dir, child), daemon=True)
+            proc = ctx.Process(target=rank_main, args=(rank, port, args, model_dir, child, eplb), daemon=True)
             proc.start()
             child.close()
             self._procs.append(proc)
@@ -185,6 +184,17 @@ class ParallelExecutor:
                         f"{index}, CP rank 0 generated {list(driver.token_ids)}: the CP ranks diverged"
                     )
         return [r for r in results if r is not None]
+
+    def eplb_stats(self) -> list[EplbStats]:
+        """Each rank's EPLB statistics, in rank order; empty when EPLB is inactive (off, or EP size 1).
+
+        Raises:
+            RuntimeError: a rank failed (its traceback is in the message).
+        """
+        for conn in self._conns:
+            conn.send("eplb_stats")
+        answers: list[list[EplbStats]] = self._receive_all()
+        return [stats for rank_stats in answers for stats in rank_stats]
 
     def close(self) -> None:
         """Stop the rank processes."""

@@ -22,6 +22,8 @@ processes (`deepinfer_engine.executor`: prompts assigned to attention-DP ranks r
 the EP ranks, prefill chunks split over the CP ranks, ranks stepping in lockstep — `deepinfer_engine.worker`; on CUDA
 rank r uses GPU r and NCCL); request ids and seeds are those of one process, so greedy and seeded outputs match it.
 The LLM process then holds only the tokenizer (no `model`, `runner` or `config`), and no progress bar is shown.
+Expert-parallel ranks balance their experts' load when the EPLB variables ask for it (`deepinfer_engine.eplb`;
+`eplb_stats` reports what they did).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from deepinfer_engine.config import EngineConfig
 from deepinfer_engine.engine_args import EngineArgs, build_engine_config
 from deepinfer_engine.engine_core import EngineCore, ModelRunnerProtocol
 from deepinfer_engine.envs import EnvSettings, read_env
+from deepinfer_engine.eplb import EplbController, EplbSettings, EplbStats, backbone_moes
 from deepinfer_engine.generate_output import GenerateMetrics, GenerateOutput
 from deepinfer_engine.model_loading import cache_budget_bytes, load_model
 from deepinfer_engine.model_runner import ModelRunner, StepHandle
@@ -94,6 +97,7 @@ class LLM:
         if "nextn" not in kwargs:
             kwargs = {**kwargs, "nextn": env["DEEPINFER_USE_NEXTN_DECODE"]}
         args = EngineArgs.from_kwargs(model, kwargs)
+        eplb = EplbSettings.from_env(env)
         cache_root = Path(args.cache_dir) if args.cache_dir is not None else None
         model_dir = resolve_checkpoint(
             args.model, local_model_dir=env["DEEPINFER_HF_MODEL_DIR"], revision=args.revision, cache_root=cache_root
@@ -107,21 +111,27 @@ class LLM:
 
             self.tokenizer = Tokenizer(args.tokenizer if args.tokenizer is not None else model_dir)
             device = args.device if args.device is not None else _default_device()
-            self._executor = ParallelExecutor(dataclasses.replace(args, device=device), model_dir)
+            self._executor = ParallelExecutor(dataclasses.replace(args, device=device), model_dir, eplb)
             return
-        self._build(args, env, model_dir, None, None)
+        self._build(args, env, model_dir, None, None, eplb)
 
     @classmethod
     def for_rank(
-        cls, args: EngineArgs, model_dir: Path, expert_parallel: ExpertParallelMoE, vote_group: RankGroup
+        cls,
+        args: EngineArgs,
+        model_dir: Path,
+        expert_parallel: ExpertParallelMoE,
+        vote_group: RankGroup,
+        eplb: EplbSettings,
     ) -> LLM:
         """The engine of one rank of a parallel world (`deepinfer_engine.worker`): its own scheduler, cache and
-        runner, the experts `expert_parallel` places here, and steps kept in lockstep over `vote_group`."""
+        runner, the experts `expert_parallel` places here, steps kept in lockstep over `vote_group`, and an EPLB
+        controller when `eplb` has rearrangement on and the EP group has more than one rank."""
         llm = cls.__new__(cls)
         llm._executor = None
         llm._request_counter = 0
         llm._grammar_service = None
-        llm._build(args, read_env(), model_dir, expert_parallel, vote_group)
+        llm._build(args, read_env(), model_dir, expert_parallel, vote_group, eplb)
         return llm
 
     def _build(
@@ -131,6 +141,7 @@ class LLM:
         model_dir: Path,
         expert_parallel: ExpertParallelMoE | None,
         vote_group: RankGroup | None,
+        eplb: EplbSettings,
     ) -> None:
         device = torch.device(args.device if args.device is not None else _default_device())
         self.tokenizer = Tokenizer(args.tokenizer if args.tokenizer is not None else model_dir)
@@ -173,9 +184,13 @@ class LLM:
         self.scheduler = Scheduler(config.scheduler, self.cache_manager)
         self.runner = ModelRunner(self.model, state, config)
         self._lockstep: LockstepRunner | None = None
+        self._eplb: EplbController | None = None
+        if expert_parallel is not None and eplb.schedule is not None and expert_parallel.group.size > 1:
+            moes = backbone_moes(self.model)
+            self._eplb = EplbController(eplb.schedule, eplb.rearrange_after_prefill, expert_parallel, moes)
         core_runner: ModelRunnerProtocol[StepHandle] = self.runner
         if vote_group is not None:
-            self._lockstep = LockstepRunner(self.runner, self.model, state, vote_group)
+            self._lockstep = LockstepRunner(self.runner, self.model, state, vote_group, self._eplb)
             core_runner = self._lockstep
         self.core: EngineCore[StepHandle] = EngineCore(
             self.scheduler,
@@ -270,6 +285,17 @@ class LLM:
             progress.close(len(indices))
         assert len(results) == len(indices), "a request finished without an output"
         return [results[index] for index in indices]
+
+    def eplb_stats(self) -> list[EplbStats]:
+        """What expert-parallel load balancing did so far: one entry per rank (in rank order) of a parallel engine
+        whose EP ranks balance load; empty when EPLB is inactive (rearrangement off, EP size 1, one process).
+
+        Raises:
+            RuntimeError: a rank failed (its traceback is in the message).
+        """
+        if self._executor is not None:
+            return self._executor.eplb_stats()
+        return [self._eplb.stats()] if self._eplb is not None else []
 
     def close(self) -> None:
         """Stop the grammar compile threads and the rank processes, and release this engine's CUDA graphs."""

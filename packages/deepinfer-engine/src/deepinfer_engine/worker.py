@@ -13,6 +13,10 @@ exactly one model forward per step, in lockstep with the others:
   request;
 - ranks step synchronously (no asynchronous scheduling), so every `EngineCore.step` launches exactly one forward.
 
+EPLB (`deepinfer_engine.eplb`): the vote also carries whether the step just run held prompt tokens on any rank, so
+every rank closes that step in the EPLB controller with the same verdict, counts the same steps and rearranges at the
+same step; the rearrangement runs between two forwards, before the next step is scheduled.
+
 Context parallelism (runtime §7.2): the `cp` ranks of one DP rank (global ranks dp_index·cp … dp_index·cp + cp − 1)
 all receive the DP rank's share of the requests and run identical engines: the same deterministic scheduler over
 the same requests, the same cache layout, the same logits (the model gathers the sampled rows to every CP rank), so
@@ -34,6 +38,7 @@ from pathlib import Path
 import torch
 
 from deepinfer_engine.engine_args import EngineArgs
+from deepinfer_engine.eplb import EplbController, EplbSettings, engine_expert_layout
 from deepinfer_engine.model_runner import ModelRunner, StepHandle
 from deepinfer_engine.outputs import ModelRunnerOutput, SchedulerOutput
 from deepinfer_model.deepseek_v41.expert_parallel import ExpertParallelMoE
@@ -41,7 +46,7 @@ from deepinfer_model.deepseek_v41.model import DeepseekV41ForCausalLM
 from deepinfer_model.forward_batch import ForwardBatch
 from deepinfer_model.loading.checkpoint_dir import open_checkpoint_dir
 from deepinfer_model.state import ModelState
-from deepinfer_parallel.attention_dp import max_over_ranks
+from deepinfer_parallel.comm import all_reduce_
 from deepinfer_parallel.config import ParallelConfig
 from deepinfer_parallel.groups import ParallelGroups, RankGroup
 from deepinfer_parallel.launcher import destroy_distributed, init_distributed
@@ -85,30 +90,54 @@ class LockstepRunner:
         model: its model (expert-parallel).
         state: its cache pools.
         vote_group: the group that votes on unfinished work (the DP group over gloo).
+        eplb: this rank's EPLB controller; None when rearrangement is off or the EP group has one rank.
     """
 
     def __init__(
-        self, runner: ModelRunner, model: DeepseekV41ForCausalLM, state: ModelState, vote_group: RankGroup
+        self,
+        runner: ModelRunner,
+        model: DeepseekV41ForCausalLM,
+        state: ModelState,
+        vote_group: RankGroup,
+        eplb: EplbController | None = None,
     ) -> None:
         self.runner = runner
         self.model = model
         self.state = state
         self.vote_group = vote_group
+        self.eplb = eplb
         self._padding = padding_batch(model, runner.device)
+        self._stepped = False  # a forward ran since the last vote
+        self._step_had_prefill = False
 
     def any_busy(self, busy: bool) -> bool:
-        """Whether any rank of the vote group has unfinished work (collective: every rank calls it once a step)."""
-        return max_over_ranks(int(busy), self.vote_group) > 0
+        """Whether any rank of the vote group has unfinished work (collective: every rank calls it once a step).
+
+        The vote also closes the step run since the previous vote in the EPLB controller (which may rearrange,
+        collectively over the EP group), with "a prefill ran" voted over the group too.
+        """
+        vote = torch.tensor([int(busy), int(self._step_had_prefill)], dtype=torch.int64)
+        any_busy, any_prefill = all_reduce_(vote, self.vote_group, "max").tolist()
+        if self._stepped and self.eplb is not None:
+            self.eplb.end_step(bool(any_prefill))
+        self._stepped = self._step_had_prefill = False
+        return bool(any_busy)
 
     def pad_step(self) -> None:
         """Run the padding forward of a step in which this rank computes nothing; its logits are discarded."""
         with torch.inference_mode():
             self.model(self._padding, self.state)
+        self._stepped = True
 
     def execute(self, scheduler_output: SchedulerOutput) -> StepHandle:
         """`ModelRunner.execute`, with a padding forward when the schedule is empty."""
         if scheduler_output.is_empty:
             self.pad_step()
+        else:
+            self._stepped = True
+            self._step_had_prefill = any(
+                r.num_computed_tokens < r.num_prompt_tokens for r in scheduler_output.scheduled_requests
+            )
         return self.runner.execute(scheduler_output)
 
     def wait(self, handle: StepHandle) -> ModelRunnerOutput:
@@ -160,7 +189,7 @@ def rank_device(device: str, rank: int) -> torch.device:
     raise ValueError(f"the device of a parallel engine must be 'cpu' or 'cuda' (rank r uses cuda:r), got {device!r}")
 
 
-def rank_main(rank: int, port: int, args: EngineArgs, model_dir: Path, conn: Connection) -> None:
+def rank_main(rank: int, port: int, args: EngineArgs, model_dir: Path, conn: Connection, eplb: EplbSettings) -> None:
     """Entry point of one rank process: join the world, build the rank's engine, serve `generate` shares.
 
     `args.device` is the resolved engine device ("cpu" or "cuda", see `rank_device`). CPU worlds use gloo, each rank
@@ -168,9 +197,12 @@ def rank_main(rank: int, port: int, args: EngineArgs, model_dir: Path, conn: Con
     and use NCCL for the tensor collectives, with the gloo twin of the DP group
     (`ParallelGroups.data_parallel_cpu`) for the host-side vote on unfinished work.
 
+    `eplb` (the entrypoint's `EplbSettings`) sets the replica slots of the expert layout and the rank's
+    EPLB controller.
+
     Protocol over `conn`: the rank sends ("ready", None) once built (or ("error", traceback)); then for each
-    received `(indices, texts, ids, params, first_request_id)` it sends ("ok", outputs) or ("error", traceback);
-    None ends the loop.
+    received `(indices, texts, ids, params, first_request_id)` it sends ("ok", outputs) or ("error", traceback), for
+    "eplb_stats" ("ok", `LLM.eplb_stats()`); None ends the loop.
     """
     from deepinfer_engine.llm import LLM  # here, not at the top: llm imports this module
 
@@ -196,15 +228,23 @@ def rank_main(rank: int, port: int, args: EngineArgs, model_dir: Path, conn: Con
         if device.type == "cuda":
             groups.warm_up(device)  # NCCL communicators are created lazily; not inside the first step
             placement_device = device
+        layout = engine_expert_layout(config, text.n_routed_experts, eplb)
         expert_parallel = ExpertParallelMoE.create(
-            groups, text.n_routed_experts, text.num_hidden_layers, device=placement_device
+            groups,
+            text.n_routed_experts,
+            text.num_hidden_layers,
+            num_redundant_experts=layout.num_redundant_experts,
+            device=placement_device,
         )
-        llm = LLM.for_rank(args, model_dir, expert_parallel, groups.data_parallel_cpu)
+        llm = LLM.for_rank(args, model_dir, expert_parallel, groups.data_parallel_cpu, eplb)
         llm.model.context_parallel = groups.context_parallel
         conn.send(("ready", None))
         while (message := conn.recv()) is not None:
-            indices, texts, ids, params, first_request_id = message
             try:
+                if message == "eplb_stats":
+                    conn.send(("ok", llm.eplb_stats()))
+                    continue
+                indices, texts, ids, params, first_request_id = message
                 conn.send(("ok", llm.run_prompts(indices, texts, ids, params, first_request_id, use_tqdm=False)))
             except Exception:
                 conn.send(("error", traceback.format_exc()))

@@ -25,6 +25,8 @@ FP32 summation order, so the only difference from one process is the expert GEMM
 Attention data parallelism needs nothing more: each DP rank runs attention on its own requests and the dispatcher
 exchanges whatever token counts the ranks hold. The DSpark blocks (another expert count) take a second instance.
 ``rebalance`` installs an EPLB placement: the slots' weights move between ranks and the experts learn their new ids.
+``record_load`` turns on load statistics: each dispatch then adds the routing choices every local slot received to an
+``ExpertLoadWindow`` (one in-place add on the device per layer, no host sync); off by default.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from deepinfer_model.deepseek_v41.moe import ExpertDispatch, MoE, RoutedExperts
 from deepinfer_model.layers.mode import ComputeMode
 from deepinfer_parallel.config import ExpertLayoutConfig
 from deepinfer_parallel.eplb.rebalance import apply_placement
+from deepinfer_parallel.eplb.stats import ExpertLoadWindow
 from deepinfer_parallel.expert_parallel import AllToAllDispatcher, ExpertPlacement, TokenDispatcher, map_to_physical
 from deepinfer_parallel.groups import ParallelGroups, RankGroup
 
@@ -71,6 +74,7 @@ class ExpertParallelMoE:
         self.group = group
         self.placement = placement
         self.dispatcher = dispatcher
+        self._load_window: ExpertLoadWindow | None = None
 
     @classmethod
     def create(
@@ -142,6 +146,20 @@ class ExpertParallelMoE:
         for layer, moe in enumerate(moes):
             moe.experts.set_local_experts(self.local_experts(layer))
 
+    def record_load(self, window: ExpertLoadWindow | None) -> None:
+        """Add every later dispatch's received counts per local slot to ``window`` (None stops recording).
+
+        Args:
+            window: counters laid out like this placement (same ``ExpertLayoutConfig``), on the routed tokens'
+                device; ``window.record(layer, ep_rank, counts)`` is called once per layer dispatch.
+
+        Raises:
+            ValueError: the window's layout differs from the placement's.
+        """
+        if window is not None and window.layout != self.placement.layout:
+            raise ValueError(f"load window laid out for {window.layout}, the placement for {self.placement.layout}")
+        self._load_window = window
+
     def layer_dispatch(self, layer: int) -> ExpertDispatch:
         """The ``ExpertDispatch`` of backbone layer ``layer`` (see ``dispatch``)."""
         if not 0 <= layer < self.placement.num_layers:
@@ -183,6 +201,8 @@ class ExpertParallelMoE:
         rank = self.group.rank
         physical = map_to_physical(topk_ids, self.placement, layer, token_offset=rank)
         received = self.dispatcher.dispatch(x, physical, topk_weights)
+        if self._load_window is not None:
+            self._load_window.record(layer, rank, received.num_tokens_per_local_expert)
         slots = received.topk_local_ids
         rows_in = received.hidden_states
         if experts.mode is ComputeMode.EXACT:
