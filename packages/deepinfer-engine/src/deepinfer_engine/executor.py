@@ -118,6 +118,7 @@ class ParallelExecutor:
     def __init__(self, args: EngineArgs, model_dir: Path, eplb: EplbSettings | None = None) -> None:
         config = parallel_config(args)
         eplb = eplb if eplb is not None else EplbSettings()
+        # Checked here, before any rank starts; every rank builds this same layout.
         engine_expert_layout(config, open_checkpoint_dir(model_dir).config.text.n_routed_experts, eplb)
         self.num_ranks = config.world_size
         self.context_parallel_size = config.context_parallel_size
