@@ -7,12 +7,13 @@ call sites run against the CPU test double of ``deepinfer_kernels.testing_npu_do
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 
 import pytest
 import torch
 
-from deepinfer_kernels.testing_npu_double import accelerator_test_session
+from deepinfer_kernels.testing_npu_double import NpuDouble, accelerator_test_session
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -28,3 +29,14 @@ def _single_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def rank_processes_without_npu_double() -> Iterator[None]:
+    """For modules that spawn rank processes: under the ascend target without an NPU this process runs with the
+    torch_npu test double, which spawned ranks cannot inherit; they compute on CPU tensors (the reference path either
+    way), so they run as "cpu"."""
+    with pytest.MonkeyPatch.context() as patch:
+        if isinstance(sys.modules.get("torch_npu"), NpuDouble):
+            patch.setenv("DEEPINFER_ACCELERATOR", "cpu")
+        yield

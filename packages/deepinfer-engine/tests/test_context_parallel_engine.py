@@ -4,8 +4,6 @@ sizes named."""
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,24 +12,14 @@ from llm_support import make_llm, random_prompts
 from deepinfer_engine import LLM
 from deepinfer_engine.engine_args import EngineArgs
 from deepinfer_engine.worker import parallel_config
-from deepinfer_kernels.testing_npu_double import NpuDouble
 from deepinfer_sampling import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("rank_processes_without_npu_double")
 
 # Lengths 2 … 40: some shorter than 2·cp, most not a multiple of it.
 _PROMPTS = random_prompts(6, 2, 40, seed=23)
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
 _SEEDED = SamplingParams(temperature=1.0, seq_seed=99, max_tokens=5, ignore_eos=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _rank_process_environment() -> Iterator[None]:
-    # Spawned ranks cannot inherit this process's torch_npu test double; on CPU tensors they run the reference path.
-    # One thread per rank: several ranks with a thread per core each oversubscribe the cores (about 9x slower here).
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("OMP_NUM_THREADS", "1")
-        if isinstance(sys.modules.get("torch_npu"), NpuDouble):
-            patch.setenv("DEEPINFER_ACCELERATOR", "cpu")
-        yield
 
 
 @pytest.fixture(scope="module")

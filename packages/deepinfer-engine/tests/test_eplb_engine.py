@@ -4,16 +4,15 @@ skewed-workload and after-prefill cases are marked slow."""
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from llm_support import make_llm, random_prompts
 
 from deepinfer_engine.eplb import EplbStats
-from deepinfer_kernels.testing_npu_double import NpuDouble
 from deepinfer_sampling import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("rank_processes_without_npu_double")
 
 # Five prompts over two DP ranks holding at most two requests each: rank 0 prefills its third prompt while rank 1
 # decodes or pads, so the ranks' steps differ in kind and only the vote keeps their step counts equal.
@@ -22,15 +21,6 @@ _FEW_SEQS = {"max_num_seqs": 2}
 # A skewed workload: every prompt repeats a few tokens, so the router keeps choosing the same experts.
 _SKEWED = [[7, 7, 7, 9] * 6 for _ in range(4)] + [[11] * 12, [7, 9] * 5]
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _rank_processes_without_npu_double() -> Iterator[None]:
-    # As in test_parallel_engine: spawned ranks cannot inherit the torch_npu test double; they compute as "cpu".
-    with pytest.MonkeyPatch.context() as patch:
-        if isinstance(sys.modules.get("torch_npu"), NpuDouble):
-            patch.setenv("DEEPINFER_ACCELERATOR", "cpu")
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -5,32 +5,21 @@ ends the call at once."""
 from __future__ import annotations
 
 import multiprocessing
-import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from llm_support import make_llm, random_prompts
 
 from deepinfer_engine.executor import assign_round_robin
-from deepinfer_kernels.testing_npu_double import NpuDouble
 from deepinfer_sampling import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("rank_processes_without_npu_double")
 
 _PROMPTS = random_prompts(8, 2, 40, seed=11)  # mixed lengths, 8 prompts
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 _SEEDED = SamplingParams(temperature=1.0, seq_seed=1234, max_tokens=6, ignore_eos=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _rank_processes_without_npu_double() -> Iterator[None]:
-    # Under the ascend target without an NPU this process runs with the torch_npu test double, which the spawned rank
-    # processes cannot inherit; they compute on CPU tensors, i.e. the reference path either way, so they run as "cpu".
-    with pytest.MonkeyPatch.context() as patch:
-        if isinstance(sys.modules.get("torch_npu"), NpuDouble):
-            patch.setenv("DEEPINFER_ACCELERATOR", "cpu")
-        yield
 
 
 @pytest.fixture(scope="module")
