@@ -15,7 +15,7 @@ from torch import nn
 from deepinfer_model.config import LayerSpec, TextConfig
 from deepinfer_model.deepseek_v41.compressor import Compressor
 from deepinfer_model.deepseek_v41.context import StepContext, compressed_group
-from deepinfer_model.deepseek_v41.context_parallel import ContextParallelContext, context_parallel_keys
+from deepinfer_model.deepseek_v41.context_parallel import ContextParallelContext
 from deepinfer_model.deepseek_v41.indexer import Indexer, IndexSelection
 from deepinfer_model.layers.linear import Fp8BlockLinear, Fp8GroupedLinear, make_parameter
 from deepinfer_model.layers.mode import ComputeMode, round_activation
@@ -129,18 +129,37 @@ class Attention(nn.Module):
         num_tokens = meta.num_tokens
         q_latent = self.q_norm(self.wq_a(x))
         q = self.rope.rotate(self.wq_b(q_latent).view(num_tokens, self.n_heads, self.head_dim), meta.positions)
-        if isinstance(ctx, ContextParallelContext):
-            keys, valid = context_parallel_keys(self, q_latent, x, ctx, compressor_input)
-        else:
-            keys, valid = self._draft_keys(x, ctx) if ctx.draft else self._swa_keys(x, ctx)
-            if self.spec.is_compressed:
-                comp_keys, comp_valid = self._compressed_keys(q_latent, x, ctx, compressor_input)
-                keys = torch.cat([keys, comp_keys], dim=1)
-                valid = torch.cat([valid, comp_valid], dim=1)
+        kv_x, kv_ctx, kv_hidden = self._key_tokens(x, ctx, compressor_input)
+        keys, valid = self._draft_keys(x, ctx) if ctx.draft else self._swa_keys(ctx, kv_x, kv_ctx)
+        if self.spec.is_compressed:
+            comp_keys, comp_valid = self._compressed_keys(q_latent, x, ctx, kv_ctx, kv_hidden)
+            keys = torch.cat([keys, comp_keys], dim=1)
+            valid = torch.cat([valid, comp_valid], dim=1)
         out = sparse_attention(q, keys, valid, self.attn_sink, self.softmax_scale, self.mode)
         # De-rotation and both FP8 quantizations of the output path read FP32 values (§3 steps 7–8).
         out = self.rope.rotate(out, meta.positions, inverse=True)
         return self.wo_b(self.wo_a(out.reshape(num_tokens, -1)))
+
+    def _key_tokens(
+        self, x: torch.Tensor, ctx: StepContext, compressor_input: torch.Tensor | None
+    ) -> tuple[torch.Tensor, StepContext, torch.Tensor | None]:
+        """The tokens whose keys this layer computes and stores, with their context: the step's own tokens, or in a
+        context-parallel split step every chunk token, gathered over the CP group (collective), so that the full
+        cache is written on every rank while queries stay local.
+
+        Returns:
+            (attention input [T_kv, H], the context that addresses those tokens, the compressor input [T_kv, H] on
+            layers that own a compressor, else None).
+        """
+        needs_hidden = self.compressor is not None
+        if isinstance(ctx, ContextParallelContext):
+            x_all = ctx.gather(x)
+            hidden = None
+            if needs_hidden:
+                hidden = x_all if compressor_input is None else ctx.gather_shared_hidden(compressor_input)
+            return x_all, ctx.full, hidden
+        hidden = (x if compressor_input is None else compressor_input) if needs_hidden else None
+        return x, ctx, hidden
 
     def _window_kv(self, x: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
         """SWA KV of the step's tokens: ``RoPE(kv_norm(x · wkvᵀ))``, encoded in the ring format.
@@ -167,22 +186,27 @@ class Attention(nn.Module):
         encoded, _ = self._window_kv(x, ctx)
         self._write_window(encoded, ctx)
 
-    def _swa_keys(self, x: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+    def _swa_keys(self, ctx: StepContext, kv_x: torch.Tensor, kv_ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather every query's window (history read before this step's ring write), then store the chunk's tail.
+
+        Args:
+            ctx: the queries' context.
+            kv_x: [T_kv, H] attention input of the key tokens (see ``_key_tokens``).
+            kv_ctx: their context.
 
         Returns:
             ([T, W, D] fp32 keys, [T, W] bool validity).
         """
-        meta, state = ctx.meta, ctx.state
-        encoded, kv_hat = self._window_kv(x, ctx)
+        meta, kv_meta, state = ctx.meta, kv_ctx.meta, ctx.state
+        encoded, kv_hat = self._window_kv(kv_x, kv_ctx)
         ring = state.ring_size(self.swa_group)
         offsets = torch.arange(self.window, device=kv_hat.device) - (self.window - 1)
         positions = meta.positions[:, None] + offsets[None, :]
         request = meta.token_request[:, None].expand_as(positions)
-        history = state.read(self.swa_group, self.spec.layer_id, meta.ring_rows(request, positions, ring))
-        in_chunk = meta.in_chunk(request, positions)
-        keys = torch.where(in_chunk[..., None], kv_hat[meta.chunk_index(request, positions)], history)
-        self._write_window(encoded, ctx)
+        history = state.read(self.swa_group, self.spec.layer_id, kv_meta.ring_rows(request, positions, ring))
+        in_chunk = kv_meta.in_chunk(request, positions)
+        keys = torch.where(in_chunk[..., None], kv_hat[kv_meta.chunk_index(request, positions)], history)
+        self._write_window(encoded, kv_ctx)
         return keys, positions >= 0
 
     def _draft_keys(self, x: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,9 +231,21 @@ class Attention(nn.Module):
         return torch.cat([history, drafts], dim=1), torch.cat([context >= 0, in_block], dim=1)
 
     def _compressed_keys(
-        self, q_latent: torch.Tensor, x: torch.Tensor, ctx: StepContext, compressor_input: torch.Tensor | None
+        self,
+        q_latent: torch.Tensor,
+        x: torch.Tensor,
+        ctx: StepContext,
+        kv_ctx: StepContext,
+        kv_hidden: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the compressor / indexer roles of this layer and gather the selected rows.
+
+        Args:
+            q_latent: [T, q_r] ``q_norm`` output of the queries.
+            x: [T, H] the queries' ``attn_norm`` output.
+            ctx: the queries' context.
+            kv_ctx: the context of the key tokens (see ``_key_tokens``).
+            kv_hidden: [T_kv, H] compressor input of the key tokens on layers that own a compressor.
 
         Returns:
             ([T, K, D] fp32 dequantized rows, [T, K] bool).
@@ -217,11 +253,11 @@ class Attention(nn.Module):
         spec, meta, state = self.spec, ctx.meta, ctx.state
         layer = spec.layer_id
         if self.compressor is not None:
-            hidden = x if compressor_input is None else compressor_input
-            ctx.new_rows[layer] = self.compressor(hidden, ctx, layer, self.rope)
+            assert kv_hidden is not None
+            ctx.new_rows[layer] = self.compressor(kv_hidden, kv_ctx, layer, self.rope)
         if spec.owns_index_k:
             assert self.indexer is not None
-            self.indexer.write_keys(ctx.new_rows[spec.kv_source], spec.compress_ratio, ctx, layer, self.rope)
+            self.indexer.write_keys(ctx.new_rows[spec.kv_source], spec.compress_ratio, kv_ctx, layer, self.rope)
         if self.selection is not None:
             assert self.indexer is not None
             ctx.topk[layer] = self.indexer.select(q_latent, x, ctx, self.rope, self.selection)

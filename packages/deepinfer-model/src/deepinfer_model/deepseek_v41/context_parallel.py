@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from deepinfer_model.deepseek_v41.context import StepContext, compressed_group
+from deepinfer_model.deepseek_v41.context import StepContext
 from deepinfer_model.deepseek_v41.hyper_connection import initial_read_mix
 from deepinfer_model.forward_batch import ForwardBatch
 from deepinfer_model.state import ModelState, StepMetadata
@@ -39,13 +39,11 @@ from deepinfer_parallel.context_parallel import ContextParallelSplit, balanced_s
 from deepinfer_parallel.groups import RankGroup
 
 if TYPE_CHECKING:
-    from deepinfer_model.deepseek_v41.attention import Attention
     from deepinfer_model.deepseek_v41.model import DeepseekV41ForCausalLM
 
 __all__ = [
     "ContextParallelContext",
     "context_parallel_forward",
-    "context_parallel_keys",
     "context_parallel_split",
     "splits_step",
 ]
@@ -136,6 +134,13 @@ class ContextParallelContext(StepContext):
         all_gather_into(buffer, local.contiguous(), self.group)
         return buffer[self.token_order]
 
+    def gather_shared_hidden(self, local: torch.Tensor) -> torch.Tensor:
+        """The YOCO shared hidden of every token (``gather``), gathered once per step by the first consumer kv
+        source that needs it (collective on that call)."""
+        if self.shared_hidden_full is None:
+            self.shared_hidden_full = self.gather(local)
+        return self.shared_hidden_full
+
 
 def _local_context(
     batch: ForwardBatch, state: ModelState, group: RankGroup, capture_layers: frozenset[int]
@@ -198,89 +203,3 @@ def context_parallel_forward(
     if batch.logits_indices is not None:
         final = final[batch.logits_indices]
     return model.head(model.norm(final))
-
-
-def context_parallel_keys(
-    attn: Attention,
-    q_latent: torch.Tensor,
-    x: torch.Tensor,
-    ctx: ContextParallelContext,
-    compressor_input: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The keys of the rank's local queries in a split step (collective over the CP group); the rest of
-    ``Attention.forward`` (q, softmax, output projections) runs unchanged on the local rows.
-
-    Args:
-        attn: the layer.
-        q_latent: [T_local, q_r] ``q_norm`` output of the local rows.
-        x: [T_local, H] the local rows of the ``attn_norm`` output (activation dtype).
-        ctx: the split step's context.
-        compressor_input: [T_local, H] local rows of the YOCO shared hidden on consumer layers, else None.
-
-    Returns:
-        ([T_local, W (+ K), D] fp32 window keys then selected compressed rows, [T_local, W (+ K)] bool validity).
-    """
-    x_full = ctx.gather(x)
-    keys, valid = _window_keys(attn, x_full, ctx)
-    if attn.spec.is_compressed:
-        comp_keys, comp_valid = _compressed_keys(attn, q_latent, x, x_full, ctx, compressor_input)
-        keys = torch.cat([keys, comp_keys], dim=1)
-        valid = torch.cat([valid, comp_valid], dim=1)
-    return keys, valid
-
-
-def _window_keys(
-    attn: Attention, x_full: torch.Tensor, ctx: ContextParallelContext
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Window keys of the local queries: chunk keys from the SWA KV of every chunk token, older ones from the ring
-    (read before this step's write); then the chunk's tail is written to the ring.
-
-    Returns:
-        ([T_local, W, D] fp32 keys, [T_local, W] bool validity).
-    """
-    meta, full_meta, state = ctx.meta, ctx.full.meta, ctx.state
-    encoded, kv_hat = attn._window_kv(x_full, ctx.full)
-    ring = state.ring_size(attn.swa_group)
-    offsets = torch.arange(attn.window, device=kv_hat.device) - (attn.window - 1)
-    positions = meta.positions[:, None] + offsets[None, :]
-    request = meta.token_request[:, None].expand_as(positions)
-    history = state.read(attn.swa_group, attn.spec.layer_id, full_meta.ring_rows(request, positions, ring))
-    in_chunk = full_meta.in_chunk(request, positions)
-    keys = torch.where(in_chunk[..., None], kv_hat[full_meta.chunk_index(request, positions)], history)
-    attn._write_window(encoded, ctx.full)
-    return keys, positions >= 0
-
-
-def _compressed_keys(
-    attn: Attention,
-    q_latent: torch.Tensor,
-    x: torch.Tensor,
-    x_full: torch.Tensor,
-    ctx: ContextParallelContext,
-    compressor_input: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Compressed rows and index keys from every chunk token; top-k selection for the local queries only.
-
-    Returns:
-        ([T_local, K, D] fp32 dequantized rows, [T_local, K] bool).
-    """
-    spec, meta, state = attn.spec, ctx.meta, ctx.state
-    layer = spec.layer_id
-    if attn.compressor is not None:
-        hidden = x_full
-        if compressor_input is not None:
-            if ctx.shared_hidden_full is None:
-                ctx.shared_hidden_full = ctx.gather(compressor_input)
-            hidden = ctx.shared_hidden_full
-        ctx.new_rows[layer] = attn.compressor(hidden, ctx.full, layer, attn.rope)
-    if spec.owns_index_k:
-        assert attn.indexer is not None
-        attn.indexer.write_keys(ctx.new_rows[spec.kv_source], spec.compress_ratio, ctx.full, layer, attn.rope)
-    if attn.selection is not None:
-        assert attn.indexer is not None
-        ctx.topk[layer] = attn.indexer.select(q_latent, x, ctx, attn.rope, attn.selection)
-    selected = ctx.topk[spec.index_source]
-    group = compressed_group(spec.compress_ratio)
-    request = meta.token_request[:, None].expand_as(selected)
-    rows = meta.paged_rows(request, selected, state.rows_per_block(group))
-    return state.read(group, spec.kv_source, rows), selected >= 0
