@@ -26,12 +26,11 @@ import functools
 import json
 import pathlib
 import re
-import statistics
-from collections.abc import Callable
 
 import torch
 
 from deepinfer_kernels._registry import Backend, implementation
+from deepinfer_kernels.benchmarking import cuda_time_ms
 
 BACKENDS = {"triton": Backend.NVIDIA, "reference": Backend.REFERENCE}
 
@@ -54,37 +53,6 @@ def random_bytes(shape: tuple[int, ...], seed: int, low: int = 0, high: int = 25
 def random_scales(shape: tuple[int, ...], seed: int) -> torch.Tensor:
     """UE8M0 scales with bytes 118…126 (2^−9 … 2^−1), the range of real weight scales."""
     return random_bytes(shape, seed, 118, 127).view(torch.float8_e8m0fnu)
-
-
-def median_ms(run: Callable[[], None], warmup: int, repeats: int) -> float:
-    for _ in range(warmup):
-        run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def time_ms(fn: Callable[[], None], warmup: int, repeats: int, capture: bool) -> tuple[float, bool]:
-    """Median milliseconds per call, and whether the call was replayed from a CUDA graph."""
-    fn()  # compile and warm up outside the capture
-    torch.cuda.synchronize()
-    if not capture:
-        return median_ms(fn, warmup, repeats), False
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            fn()
-    except RuntimeError:
-        torch.cuda.synchronize()
-        return median_ms(fn, warmup, repeats), False
-    return median_ms(graph.replay, warmup, repeats), True
 
 
 def cases(args: argparse.Namespace) -> list[dict]:
@@ -158,7 +126,7 @@ def main() -> None:
             # The reference grouped GEMM synchronizes with the host (it lists the experts present): never captured.
             capture = not (backend is Backend.REFERENCE and case["op"] == "mxfp4_grouped_gemm")
             run = functools.partial(impl, *inputs, out)
-            ms, graphed = time_ms(run, args.warmup, repeats, capture)
+            ms, graphed = cuda_time_ms(run, warmup=args.warmup, repeats=repeats, capture=capture)
             point = {
                 **case,
                 "backend": backend_name,

@@ -12,43 +12,14 @@ once (inputs + outputs), so it is comparable with the device's memory bandwidth.
 
 from __future__ import annotations
 
-import statistics
-from collections.abc import Callable
+import functools
 
 import torch
 
 import deepinfer_kernels as dk
 from deepinfer_kernels._registry import Backend, implementation
+from deepinfer_kernels.benchmarking import cuda_time_ms
 from deepinfer_kernels.testing import random_e4m3, random_mxfp4_packed, random_normal, random_ue8m0
-
-
-def _median_ms(run: Callable[[], None], repeats: int = 50) -> float:
-    for _ in range(5):
-        run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def _time_ms(fn: Callable[[], None]) -> tuple[float, bool]:
-    """Median milliseconds per call and whether a CUDA graph was used."""
-    fn()  # compile / warm up outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            fn()
-    except RuntimeError:
-        torch.cuda.synchronize()
-        return _median_ms(fn), False
-    return _median_ms(graph.replay), True
 
 
 def _bench(op: str, args: tuple, outputs: tuple[torch.Tensor, ...], label: str) -> None:
@@ -56,7 +27,7 @@ def _bench(op: str, args: tuple, outputs: tuple[torch.Tensor, ...], label: str) 
     line = [f"{op:32s} {label:22s}"]
     for backend in (Backend.NVIDIA, Backend.REFERENCE):
         impl = implementation(op, backend)
-        ms, graphed = _time_ms(lambda impl=impl: impl(*args, *outputs))
+        ms, graphed = cuda_time_ms(functools.partial(impl, *args, *outputs))
         mode = "" if graphed else " eager"
         line.append(f"{backend.value}: {ms * 1e3:9.1f} us {moved / ms / 1e6:8.1f} GB/s{mode}")
     print("  ".join(line))
