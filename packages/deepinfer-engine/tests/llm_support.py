@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
-from deepinfer_engine import LLM
+from deepinfer_engine import LLM, SamplingParams
 from deepinfer_engine.model_source import tiny_checkpoint_dir
 from deepinfer_model.loading.load import load_checkpoint_dir
 from deepinfer_model.reference import engram_vocabulary_from_tokenizer, reference_forward
@@ -29,6 +29,18 @@ def make_llm(root: Path, **kwargs: Any) -> LLM:
     settings: dict[str, Any] = {"device": "cpu", "max_num_seqs": 8, "block_size": 16, "num_cache_blocks": 256}
     settings.update(kwargs)
     return LLM(cache_dir=str(root), **settings)
+
+
+def tokens_by_params(
+    llm: LLM, prompts: list[list[int]], params: dict[str, SamplingParams]
+) -> dict[str, list[tuple[int, ...]]]:
+    """Each named sampling setting's generated tokens for `prompts` (one `generate` call per setting, in order)."""
+    tokens = {}
+    for name, setting in params.items():
+        outputs = llm.generate(prompt_token_ids=prompts, sampling_params=setting, use_tqdm=False)
+        assert [o.prompt_token_ids for o in outputs] == [tuple(p) for p in prompts]
+        tokens[name] = [tuple(o.token_ids) for o in outputs]
+    return tokens
 
 
 def random_prompts(num: int, min_len: int, max_len: int, seed: int) -> list[list[int]]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from llm_support import make_llm, random_prompts
+from llm_support import make_llm, random_prompts, tokens_by_params
 
 from deepinfer_engine import LLM
 from deepinfer_engine.engine_args import EngineArgs
@@ -29,21 +29,11 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def single_process_tokens(root: Path) -> dict[str, list[tuple[int, ...]]]:
-    llm = make_llm(root)
-    tokens = {}
-    for name, params in (("greedy", _GREEDY), ("seeded", _SEEDED)):
-        outputs = llm.generate(prompt_token_ids=_PROMPTS, sampling_params=params, use_tqdm=False)
-        tokens[name] = [tuple(o.token_ids) for o in outputs]
-    return tokens
+    return tokens_by_params(make_llm(root), _PROMPTS, {"greedy": _GREEDY, "seeded": _SEEDED})
 
 
 def _generate(llm: LLM) -> dict[str, list[tuple[int, ...]]]:
-    tokens = {}
-    for name, params in (("greedy", _GREEDY), ("seeded", _SEEDED)):
-        outputs = llm.generate(prompt_token_ids=_PROMPTS, sampling_params=params, use_tqdm=False)
-        assert [o.prompt_token_ids for o in outputs] == [tuple(p) for p in _PROMPTS]
-        tokens[name] = [tuple(o.token_ids) for o in outputs]
-    return tokens
+    return tokens_by_params(llm, _PROMPTS, {"greedy": _GREEDY, "seeded": _SEEDED})
 
 
 def test_context_parallel_matches_one_process(

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from llm_support import make_llm, random_prompts
+from llm_support import make_llm, random_prompts, tokens_by_params
 
 from deepinfer_engine.executor import assign_round_robin
 from deepinfer_sampling import SamplingParams
@@ -29,12 +29,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def single_process_tokens(root: Path) -> dict[str, list[tuple[int, ...]]]:
-    llm = make_llm(root)
-    tokens = {}
-    for name, params in (("greedy", _GREEDY), ("seeded", _SEEDED)):
-        outputs = llm.generate(prompt_token_ids=_PROMPTS, sampling_params=params, use_tqdm=False)
-        tokens[name] = [tuple(o.token_ids) for o in outputs]
-    return tokens
+    return tokens_by_params(make_llm(root), _PROMPTS, {"greedy": _GREEDY, "seeded": _SEEDED})
 
 
 def test_round_robin_assignment() -> None:
