@@ -1,25 +1,16 @@
-"""Balanced CP split and log-sum-exp merge of partial attention, on one process."""
+"""Balanced CP split and the gather back to token order, on one process."""
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
-from cp_attention import causal_mask, masked_attention, packed_metadata
 
-from deepinfer_kernels.testing import assert_bitwise_equal, assert_close
 from deepinfer_parallel.context_parallel import (
     balanced_block_size,
     balanced_split,
     gather_local_tokens,
-    merge_attention_partials,
     restore_token_order,
 )
-
-# fp32 attention recomputed as a merge of partials: differences are rounding in exp/sum, ~1e-7 relative.
-ATOL = 1e-5
-RTOL = 1e-5
 
 
 def test_mirrored_blocks_hand_checked():
@@ -64,34 +55,3 @@ def test_split_rejects_bad_sizes():
         balanced_split([4], 0)
     with pytest.raises(ValueError, match="seq_lens must be >= 0"):
         balanced_split([4, -1], 2)
-
-
-@pytest.mark.parametrize("num_chunks", [2, 3, 5])
-def test_lse_merge_of_key_chunks_equals_full_causal_attention(num_chunks):
-    gen = torch.Generator().manual_seed(num_chunks)
-    seq_lens = [11, 6]
-    request, position = packed_metadata(seq_lens)
-    num_tokens, heads, dim = sum(seq_lens), 3, 8
-    q, k, v = (torch.randn(num_tokens, heads, dim, generator=gen) for _ in range(3))
-    full_mask = causal_mask(request, position, request, position)
-    expected, expected_lse = masked_attention(q, k, v, full_mask)
-    # Keys cut into contiguous chunks; early queries see nothing in late chunks (lse = -inf there).
-    bounds = torch.linspace(0, num_tokens, num_chunks + 1).round().long().tolist()
-    partials = [masked_attention(q, k[a:b], v[a:b], full_mask[:, a:b]) for a, b in itertools.pairwise(bounds)]
-    assert any(bool(torch.isinf(lse).any()) for _, lse in partials)
-    out, lse = merge_attention_partials(torch.stack([o for o, _ in partials]), torch.stack([s for _, s in partials]))
-    assert_close(out, expected, atol=ATOL, rtol=RTOL)
-    assert_close(lse, expected_lse, atol=ATOL, rtol=RTOL)
-
-
-def test_lse_merge_of_all_empty_partials_gives_zero_and_minus_inf():
-    outputs = torch.full((2, 1, 1, 4), float("nan"))
-    lse = torch.full((2, 1, 1), float("-inf"))
-    out, total = merge_attention_partials(outputs, lse)
-    assert_bitwise_equal(out, torch.zeros(1, 1, 4))
-    assert bool(torch.isneginf(total).all())
-
-
-def test_lse_merge_rejects_mismatched_shapes():
-    with pytest.raises(ValueError, match="outputs must be"):
-        merge_attention_partials(torch.zeros(2, 3, 4, 5), torch.zeros(2, 3, 5))

@@ -9,17 +9,12 @@ from cp_attention import causal_mask, masked_attention, packed_metadata
 from deepinfer_kernels.testing import assert_close
 from deepinfer_parallel.comm import all_gather_into
 from deepinfer_parallel.config import ParallelConfig
-from deepinfer_parallel.context_parallel import (
-    all_gather_to_token_order,
-    balanced_split,
-    gather_local_tokens,
-    merge_attention_partials,
-)
+from deepinfer_parallel.context_parallel import all_gather_to_token_order, balanced_split, gather_local_tokens
 from deepinfer_parallel.groups import ParallelGroups
 
 SEQ_LENS = [13, 1, 8, 0, 5]
 HEADS, DIM = 2, 8
-# fp32; the merged result differs from one softmax only by rounding (~1e-7 relative).
+# fp32; the split result differs from one softmax only by summation order (~1e-7 relative).
 ATOL = 1e-5
 
 
@@ -36,19 +31,13 @@ def _cp_prefill_worker(rank, world_size):
     split = balanced_split(SEQ_LENS, cp.size)
     q, k, v = _inputs()
     q_local, k_local, v_local = (gather_local_tokens(x, split, cp_rank) for x in (q, k, v))
-    # Gather every rank's K/V rows (fixed-size: padding included) and attend to each rank's block separately,
-    # then merge the partials by log-sum-exp.
+    # Gather every rank's K/V rows (fixed-size: padding included) and attend to all of them under the causal mask,
+    # as the model's attention does with the key tokens of a split step.
     k_all = all_gather_into(k_local.new_empty((cp.size * split.num_local_tokens, HEADS, DIM)), k_local, cp)
     v_all = all_gather_into(v_local.new_empty((cp.size * split.num_local_tokens, HEADS, DIM)), v_local, cp)
-    q_request, q_position = split.request_index[cp_rank], split.positions[cp_rank]
-    partials = []
-    for peer in range(cp.size):
-        rows = slice(peer * split.num_local_tokens, (peer + 1) * split.num_local_tokens)
-        mask = causal_mask(q_request, q_position, split.request_index[peer], split.positions[peer])
-        partials.append(masked_attention(q_local, k_all[rows], v_all[rows], mask))
-    out_local, _ = merge_attention_partials(
-        torch.stack([o for o, _ in partials]), torch.stack([s for _, s in partials])
-    )
+    key_request, key_position = split.request_index.reshape(-1), split.positions.reshape(-1)
+    mask = causal_mask(split.request_index[cp_rank], split.positions[cp_rank], key_request, key_position)
+    out_local, _ = masked_attention(q_local, k_all, v_all, mask)
     out = all_gather_to_token_order(out_local.contiguous(), split, cp)
 
     request, position = packed_metadata(SEQ_LENS)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ep_moe import moe_through_dispatcher
 
 from deepinfer_kernels.testing import assert_bitwise_equal, assert_close
 from deepinfer_parallel.config import EplbConfig, ParallelConfig
 from deepinfer_parallel.eplb.policy import rebalance_experts
 from deepinfer_parallel.eplb.rebalance import apply_placement, plan_transfers
 from deepinfer_parallel.eplb.stats import ExpertLoadWindow
-from deepinfer_parallel.expert_parallel import AllToAllDispatcher, ExpertPlacement, expert_parallel_moe, map_to_physical
+from deepinfer_parallel.expert_parallel import AllToAllDispatcher, ExpertPlacement, map_to_physical
 from deepinfer_parallel.groups import ParallelGroups
 
 HIDDEN = 8
@@ -40,14 +41,6 @@ def _setup(rank, world_size):
     return groups, layout, up, bias, tokens[rank]
 
 
-def _expert_fn(local_up, local_bias):
-    def expert_fn(x, num_tokens_per_local_expert):
-        chunks = x.split(num_tokens_per_local_expert.tolist())
-        return torch.cat([c @ local_up[s] + local_bias[s] for s, c in enumerate(chunks)])
-
-    return expert_fn
-
-
 def _forward(groups, placement, layer_weights, hidden, topk_ids, topk_weights, window=None):
     dispatcher = AllToAllDispatcher(groups.expert_parallel, placement.layout.num_local_experts)
     outs = []
@@ -56,7 +49,7 @@ def _forward(groups, placement, layer_weights, hidden, topk_ids, topk_weights, w
         dispatched = dispatcher.dispatch(hidden, physical, topk_weights)
         if window is not None:
             window.record(layer, groups.ep_rank, dispatched.num_tokens_per_local_expert)
-        outs.append(expert_parallel_moe(hidden, physical, topk_weights, _expert_fn(local_up, local_bias), dispatcher))
+        outs.append(moe_through_dispatcher(hidden, physical, topk_weights, local_up, dispatcher, local_bias))
     return torch.stack(outs)
 
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ep_moe import moe_through_dispatcher
 
 from deepinfer_kernels.testing import assert_close
 from deepinfer_parallel.config import ParallelConfig
-from deepinfer_parallel.expert_parallel import AllToAllDispatcher, ExpertPlacement, expert_parallel_moe, map_to_physical
+from deepinfer_parallel.expert_parallel import AllToAllDispatcher, ExpertPlacement, map_to_physical
 from deepinfer_parallel.groups import ParallelGroups
 
 HIDDEN = 8
@@ -38,21 +39,13 @@ def _reference(hidden, topk_ids, topk_weights, weights):
     return out
 
 
-def _grouped_linear(local_weights):
-    def expert_fn(x, num_tokens_per_local_expert):
-        chunks = x.split(num_tokens_per_local_expert.tolist())
-        return torch.cat([chunk @ local_weights[slot] for slot, chunk in enumerate(chunks)])
-
-    return expert_fn
-
-
 def _moe(groups, placement, weights, hidden, topk_ids, topk_weights, local_weights=None):
     ep_rank = groups.ep_rank
     if local_weights is None:
         local_weights = weights[placement.local_logical_experts(0, ep_rank)]
     physical_ids = map_to_physical(topk_ids, placement, layer=0, token_offset=ep_rank)
     dispatcher = AllToAllDispatcher(groups.expert_parallel, placement.layout.num_local_experts)
-    return expert_parallel_moe(hidden, physical_ids, topk_weights, _grouped_linear(local_weights), dispatcher)
+    return moe_through_dispatcher(hidden, physical_ids, topk_weights, local_weights, dispatcher)
 
 
 def _ep_worker(rank, world_size, num_logical, num_redundant, shuffle_seed, ep_size=None):

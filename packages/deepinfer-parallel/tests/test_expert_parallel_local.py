@@ -1,16 +1,16 @@
-"""Expert maps, replica choice and the local expert runner on one process (EP group of size 1)."""
+"""Expert maps, replica choice and dispatch/combine on one process (EP group of size 1)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from ep_moe import moe_through_dispatcher
 
 from deepinfer_kernels.testing import assert_close
 from deepinfer_parallel.config import ExpertLayoutConfig
 from deepinfer_parallel.expert_parallel import (
     AllToAllDispatcher,
     ExpertPlacement,
-    expert_parallel_moe,
     initial_physical_to_logical,
     map_to_physical,
 )
@@ -60,30 +60,24 @@ def test_replica_choice_spreads_tokens_over_replicas():
     assert map_to_physical(torch.ones(3, 1, dtype=torch.int64), placement, 0).flatten().tolist() == [3, 3, 3]
 
 
-def test_single_rank_moe_groups_rows_by_local_expert():
+def test_single_rank_moe_weights_and_sums_every_choice():
     gen = torch.Generator().manual_seed(1)
     hidden = torch.randn(6, 4, generator=gen)
     topk_ids = torch.tensor([[0, 2], [1, 0], [2, 1], [0, 1], [2, 0], [1, 2]])
     topk_weights = torch.rand(6, 2, generator=gen)
     scales = torch.tensor([1.0, 10.0, 100.0])
-    seen_counts = []
-
-    def expert_fn(x, num_tokens_per_local_expert):
-        seen_counts.append(num_tokens_per_local_expert.tolist())
-        slot = torch.repeat_interleave(torch.arange(3), num_tokens_per_local_expert)
-        return x * scales[slot].unsqueeze(1)
-
     dispatcher = AllToAllDispatcher(RankGroup.single(), num_local_experts=3)
-    out = expert_parallel_moe(hidden, topk_ids, topk_weights, expert_fn, dispatcher)
+    assert dispatcher.dispatch(hidden, topk_ids, topk_weights).num_tokens_per_local_expert.tolist() == [4, 4, 4]
+    local_weights = scales.reshape(3, 1, 1) * torch.eye(4)
+    out = moe_through_dispatcher(hidden, topk_ids, topk_weights, local_weights, dispatcher)
     expected = (topk_weights * scales[topk_ids]).sum(dim=1, keepdim=True) * hidden
-    assert_close(out, expected, atol=1e-5, rtol=1e-6)
-    assert seen_counts == [[4, 4, 4]]
+    assert_close(out, expected, atol=1e-4, rtol=1e-6)
 
 
 def test_empty_batch_gives_empty_output():
     dispatcher = AllToAllDispatcher(RankGroup.single(), num_local_experts=2)
-    out = expert_parallel_moe(
-        torch.empty(0, 4), torch.empty(0, 2, dtype=torch.int64), torch.empty(0, 2), lambda x, n: x, dispatcher
+    out = moe_through_dispatcher(
+        torch.empty(0, 4), torch.empty(0, 2, dtype=torch.int64), torch.empty(0, 2), torch.ones(2, 4, 4), dispatcher
     )
     assert out.shape == (0, 4)
 

@@ -1,4 +1,4 @@
-"""The same code paths on CUDA tensors over NCCL (one process per GPU): EP, EPLB, attention DP, CP, collectives.
+"""The same code paths on CUDA tensors over NCCL (one process per GPU): EP, EPLB, CP, collectives.
 
 Runs on two GPUs (marked multigpu) and as a world of one on a single GPU (marked gpu: the NCCL path of world size 1);
 each is skipped without enough CUDA devices. Each rank checks its own results against single-process math
@@ -10,20 +10,15 @@ from __future__ import annotations
 import pytest
 import torch
 from cp_attention import causal_mask, masked_attention, packed_metadata
+from ep_moe import moe_through_dispatcher
 
 from deepinfer_kernels.testing import assert_bitwise_equal, assert_close
-from deepinfer_parallel.attention_dp import exchange_token_layout, gather_tokens, max_over_ranks, reduce_scatter_tokens
 from deepinfer_parallel.config import EplbConfig, ParallelConfig
-from deepinfer_parallel.context_parallel import (
-    all_gather_to_token_order,
-    balanced_split,
-    gather_local_tokens,
-    merge_attention_partials,
-)
+from deepinfer_parallel.context_parallel import all_gather_to_token_order, balanced_split, gather_local_tokens
 from deepinfer_parallel.eplb.policy import rebalance_experts
 from deepinfer_parallel.eplb.rebalance import apply_placement
 from deepinfer_parallel.eplb.stats import ExpertLoadWindow
-from deepinfer_parallel.expert_parallel import AllToAllDispatcher, ExpertPlacement, expert_parallel_moe, map_to_physical
+from deepinfer_parallel.expert_parallel import AllToAllDispatcher, ExpertPlacement, map_to_physical
 from deepinfer_parallel.groups import ParallelGroups
 from deepinfer_parallel.launcher import spawn
 
@@ -67,30 +62,20 @@ def _nccl_worker(rank, world_size):
     placement = ExpertPlacement.initial(layout, 1, device)
     local_weights = [weights[placement.local_logical_experts(0, ep.rank)].clone()]
 
-    def expert_fn(x, counts):
-        return torch.cat([c @ local_weights[0][s] for s, c in enumerate(x.split(counts.tolist()))])
-
     dispatcher = AllToAllDispatcher(ep, layout.num_local_experts)
     window = ExpertLoadWindow(layout, 1, EplbConfig(window_size=1, step_interval=1), device)
     physical = map_to_physical(topk_ids, placement, 0, token_offset=ep.rank)
     window.record(0, ep.rank, dispatcher.dispatch(hidden, physical, topk_weights).num_tokens_per_local_expert)
     window.end_step(placement.physical_to_logical)
-    _close("ep moe", expert_parallel_moe(hidden, physical, topk_weights, expert_fn, dispatcher), expected)
+    _close("ep moe", moe_through_dispatcher(hidden, physical, topk_weights, local_weights[0], dispatcher), expected)
     new_p2l = rebalance_experts(window.sum_over_ranks(ep).cpu(), layout.num_redundant_experts, ep.size)
     apply_placement([local_weights], placement, new_p2l, ep, num_p2p_groups=2)
     assert_bitwise_equal(local_weights[0], weights[placement.local_logical_experts(0, ep.rank)], message="eplb weights")
     physical = map_to_physical(topk_ids, placement, 0, token_offset=ep.rank)
-    _close("ep moe after eplb", expert_parallel_moe(hidden, physical, topk_weights, expert_fn, dispatcher), expected)
+    after = moe_through_dispatcher(hidden, physical, topk_weights, local_weights[0], dispatcher)
+    _close("ep moe after eplb", after, expected)
 
-    # Attention DP: gather everyone's tokens, apply all experts on every rank, and reduce-scatter the 1/size share.
-    token_layout = exchange_token_layout(hidden.shape[0], ep, device)
-    all_hidden, all_ids, all_w = (gather_tokens(t, token_layout, ep) for t in (hidden, topk_ids, topk_weights))
-    partial = _moe_reference(all_hidden, all_ids, all_w, weights) / ep.size
-    _close("attention dp", reduce_scatter_tokens(partial, token_layout, ep), expected)
-    if max_over_ranks(hidden.shape[0], groups.data_parallel_cpu) != 37:
-        raise AssertionError("DP vote over the gloo twin group gave the wrong maximum")
-
-    # Context parallel over the same ranks: causal attention merged by log-sum-exp, gathered back to token order.
+    # Context parallel over the same ranks: causal attention over the gathered keys, gathered back to token order.
     seq_lens = [13, 1, 8]
     split = balanced_split(seq_lens, groups.world.size)
     q, k, v = (torch.randn(sum(seq_lens), 2, 8, generator=gen).to(device) for _ in range(3))
@@ -99,12 +84,7 @@ def _nccl_worker(rank, world_size):
     request, position = packed_metadata(seq_lens)
     me = groups.world.rank
     q_req, q_pos = split.request_index[me], split.positions[me]
-    halves = [slice(0, 11), slice(11, sum(seq_lens))]
-    parts = [
-        masked_attention(ql, k_all[h], v_all[h], causal_mask(q_req, q_pos, request[h], position[h]).to(device))
-        for h in halves
-    ]
-    out_local, _ = merge_attention_partials(torch.stack([o for o, _ in parts]), torch.stack([s for _, s in parts]))
+    out_local, _ = masked_attention(ql, k_all, v_all, causal_mask(q_req, q_pos, request, position).to(device))
     out = all_gather_to_token_order(out_local.contiguous(), split, groups.world)
     full, _ = masked_attention(q, k, v, causal_mask(request, position, request, position).to(device))
     _close("context parallel", out, full)

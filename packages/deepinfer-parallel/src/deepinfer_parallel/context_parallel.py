@@ -10,9 +10,6 @@ block with its mirror gives every rank the same work:
 
 For a batch, every request is split this way and each rank's pieces are concatenated in request order, so all
 ranks hold the same number of local rows (padding included) and can all-gather with fixed-size buffers.
-
-`merge_attention_partials` combines attention computed over disjoint key sets from (output, log-sum-exp) pairs:
-out = sum_i exp(lse_i - lse) * out_i with lse = log(sum_i exp(lse_i)).
 """
 
 from __future__ import annotations
@@ -31,7 +28,6 @@ __all__ = [
     "balanced_block_size",
     "balanced_split",
     "gather_local_tokens",
-    "merge_attention_partials",
     "restore_token_order",
 ]
 
@@ -173,31 +169,3 @@ def all_gather_to_token_order(
         buffer = local.new_empty((group.size * local.shape[0], *local.shape[1:]))
     all_gather_into(buffer, local.contiguous(), group)
     return restore_token_order(buffer, split)
-
-
-def merge_attention_partials(outputs: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge attention results computed over disjoint key sets.
-
-    Partial i holds softmax(q k_i^T) v_i over its keys and lse_i = log(sum(exp(q k_i^T))) (natural log, scale
-    included). Partials that saw no key have lse_i = -inf and contribute nothing, whatever their output holds; a
-    query that saw no key at all gets output 0 and lse -inf.
-
-    Args:
-        outputs: [num_partials, num_tokens, num_heads, head_dim] partial outputs (any float dtype).
-        lse: [num_partials, num_tokens, num_heads] log-sum-exp of each partial.
-
-    Returns:
-        (output [num_tokens, num_heads, head_dim] in outputs' dtype, lse [num_tokens, num_heads] fp32).
-    """
-    if outputs.dim() != 4 or lse.shape != outputs.shape[:3]:
-        raise ValueError(
-            f"outputs must be [P, T, H, D] and lse [P, T, H], got {tuple(outputs.shape)} and {tuple(lse.shape)}"
-        )
-    lse32 = lse.float()
-    total = torch.logsumexp(lse32, dim=0)  # [T, H]; -inf where every partial is empty
-    safe_total = torch.where(torch.isinf(total), torch.zeros_like(total), total)
-    scale = torch.exp(lse32 - safe_total)  # exp(-inf) = 0 drops empty partials
-    scale = scale.unsqueeze(-1)
-    # where() rather than a product so an empty partial's output (possibly NaN from an all-masked softmax) is ignored.
-    merged = torch.where(scale > 0, scale * outputs.float(), 0.0).sum(dim=0)
-    return merged.to(outputs.dtype), total

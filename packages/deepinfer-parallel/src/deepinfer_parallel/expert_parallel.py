@@ -6,17 +6,18 @@ Flow of one MoE layer on each EP rank (tokens stay on their attention-DP rank un
       │ map_to_physical (pick one replica per chosen logical expert)
       ▼
     topk physical ids [n, k] ──dispatch──► received rows [m, H] + local slot ids [m, k] (-1 = not on this rank)
-                                              │ run_local_experts: group rows by local slot, call expert_fn,
-                                              ▼ weight and sum per received row
-    combined [n, H] ◄──combine (sum over ranks)── expert output [m, H]
+                                              │ the caller runs its local experts on the received rows
+                                              ▼
+    combined [n, ...] ◄──combine (sum over ranks)── expert output [m, ...]
 
-A token is sent at most once to each EP rank, whatever how many of its experts live there; the receiving rank
-applies the routing weights so combine only has to sum per-rank partial results.
+A token is sent at most once to each EP rank, whatever how many of its experts live there; combine returns each
+received row's result to its source rank and sums the per-rank results of a token. What a row's result is (one
+weighted sum per rank, or one output per routing choice) is the caller's choice: the model returns per-choice
+outputs to keep the single-process summation order (docs/design/parallelism.md, "Expert parallelism").
 
 `TokenDispatcher` is the seam for the transport: `AllToAllDispatcher` runs on any torch.distributed backend (gloo,
 NCCL, HCCL) through all-to-all-v and is what runs here; a DeepEP-based dispatcher implements the same protocol with
-the same `DispatchOutput` contract. The expert computation is a callable (`ExpertFn`) so the model plugs its own
-grouped expert kernels in.
+the same `DispatchOutput` contract.
 
 Glossary: see `deepinfer_parallel.config` for logical / physical / redundant experts. A "local slot" is a physical
 expert index relative to its rank: physical = ep_rank * num_local_experts + local slot.
@@ -24,7 +25,6 @@ expert index relative to its rank: physical = ep_rank * num_local_experts + loca
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -38,18 +38,11 @@ __all__ = [
     "AllToAllDispatcher",
     "AllToAllHandle",
     "DispatchOutput",
-    "ExpertFn",
     "ExpertPlacement",
     "TokenDispatcher",
-    "expert_parallel_moe",
     "initial_physical_to_logical",
     "map_to_physical",
-    "run_local_experts",
 ]
-
-ExpertFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-"""expert_fn(hidden [M, H] rows grouped contiguously by local slot, num_tokens_per_local_expert [num_local] int64)
--> [M, H]: the unweighted output of each row's expert."""
 
 
 def initial_physical_to_logical(layout: ExpertLayoutConfig, num_layers: int) -> torch.Tensor:
@@ -219,11 +212,11 @@ class TokenDispatcher(Protocol):
         """Return every received row's result to its source rank and sum per token.
 
         Args:
-            expert_output: [m, H] weighted expert output per received row.
+            expert_output: [m, ...] the result of every received row.
             dispatched: the matching dispatch result.
 
         Returns:
-            [n, H] in hidden_states' dtype.
+            [n, ...] in hidden_states' dtype.
         """
         ...
 
@@ -341,63 +334,3 @@ def _check_routing(hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_wei
     if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool:
         raise TypeError(f"topk ids must be an integer tensor, got {topk_ids.dtype}")
     return n, int(topk_ids.shape[1])
-
-
-def run_local_experts(dispatched: DispatchOutput, expert_fn: ExpertFn, num_local_experts: int) -> torch.Tensor:
-    """Run this rank's experts on the received rows and weight-sum each row's results.
-
-    Rows are gathered into the contiguous grouped layout (all rows of local slot 0, then slot 1, ...) that grouped
-    GEMMs expect, `expert_fn` computes them, and each result is multiplied by its routing weight and added (fp32) to
-    its received row.
-
-    Args:
-        dispatched: output of `TokenDispatcher.dispatch`.
-        expert_fn: see `ExpertFn`.
-        num_local_experts: physical slots on this rank.
-
-    Returns:
-        [m, H] in the received hidden dtype: sum over this rank's routing choices of weight * expert output.
-    """
-    hidden = dispatched.hidden_states
-    ids = dispatched.topk_local_ids
-    m, k = ids.shape
-    flat_ids = ids.reshape(-1)
-    valid = flat_ids >= 0
-    row = torch.arange(m, device=hidden.device).repeat_interleave(k)[valid]
-    expert = flat_ids[valid]
-    order = torch.sort(expert, stable=True).indices
-    row, expert = row[order], expert[order]
-    weight = dispatched.topk_weights.reshape(-1)[valid][order]
-    num_per_expert = torch.bincount(expert, minlength=num_local_experts)
-    expert_out = expert_fn(hidden[row], num_per_expert)
-    if expert_out.shape != (row.shape[0], *hidden.shape[1:]):
-        raise ValueError(
-            f"expert_fn returned shape {tuple(expert_out.shape)}, expected {(row.shape[0], *hidden.shape[1:])}"
-        )
-    out = torch.zeros((m, *hidden.shape[1:]), dtype=torch.float32, device=hidden.device)
-    out.index_add_(0, row, expert_out.float() * weight.float().unsqueeze(-1))
-    return out.to(hidden.dtype)
-
-
-def expert_parallel_moe(
-    hidden_states: torch.Tensor,
-    topk_physical_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    expert_fn: ExpertFn,
-    dispatcher: TokenDispatcher,
-) -> torch.Tensor:
-    """Routed-expert output of this rank's tokens: dispatch, run local experts, combine.
-
-    Args:
-        hidden_states: [n, H] this rank's tokens (n may be 0; the rank still takes part).
-        topk_physical_ids: [n, k] int64 physical expert ids (see `map_to_physical`).
-        topk_weights: [n, k] routing weights.
-        expert_fn: the local experts (see `ExpertFn`).
-        dispatcher: transport over the EP group.
-
-    Returns:
-        [n, H] in hidden_states' dtype: sum_j topk_weights[:, j] * expert_{topk_physical_ids[:, j]}(hidden_states).
-    """
-    dispatched = dispatcher.dispatch(hidden_states, topk_physical_ids, topk_weights)
-    expert_output = run_local_experts(dispatched, expert_fn, dispatcher.num_local_experts)
-    return dispatcher.combine(expert_output, dispatched)
