@@ -1,4 +1,4 @@
-"""Speculative verification: losslessness by Monte Carlo (chi-square), greedy argmax matching, layout and keying."""
+"""Speculative verification: losslessness (chi-square), argmax matching on greedy rows, layout and keying."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from scipy import stats
 
-from deepinfer_sampling.speculative import redistribute_verified_drafts, row_layout, verify_greedy, verify_rejection
+from deepinfer_sampling.speculative import redistribute_verified_drafts, row_layout, verify_rejection
 
 V = 10
 K = 3
@@ -123,7 +123,25 @@ def test_acceptance_statistics(case):
         assert float((num_accepted == K).double().mean()) > 0.999
 
 
-def test_greedy_verification_is_argmax_matching():
+def _one_hot_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    """A greedy row's processed distribution: log-prob 0 on the argmax (ties → lowest id), −inf elsewhere."""
+    return torch.full_like(logits, float("-inf")).scatter_(1, logits.argmax(-1, keepdim=True), 0.0)
+
+
+def _argmax_matching(logits: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor) -> tuple[list, list]:
+    """(output ids, accepted per request) of greedy verification, request by request."""
+    argmax, outputs, accepted, row = logits.argmax(-1).tolist(), [], [], 0
+    for d in num_drafts.tolist():
+        kept = 0
+        while kept < d and drafts[row + kept] == argmax[row + kept]:
+            kept += 1
+        outputs += [argmax[r] if r - row <= kept else -1 for r in range(row, row + d + 1)]
+        accepted.append(kept)
+        row += d + 1
+    return outputs, accepted
+
+
+def test_one_hot_targets_reduce_to_argmax_matching():
     target_logits = torch.tensor(
         [
             [0.0, 2.0, 1.0, 2.0],  # argmax 1 (tie with 3 → lowest id)
@@ -135,28 +153,28 @@ def test_greedy_verification_is_argmax_matching():
         ]
     )
     drafts = torch.tensor([1, 0, -1, -1, 2, -1])
-    out = verify_greedy(target_logits, drafts, torch.tensor([2, 0, 1]))
+    draft_probs = torch.full((6, 4), 0.25)
+    seeds = torch.arange(6)
+    out = verify_rejection(_one_hot_logprobs(target_logits), drafts, draft_probs, torch.tensor([2, 0, 1]), seeds, seeds)
     assert out.num_accepted_draft_tokens.tolist() == [2, 0, 0]
     assert out.output_token_ids.tolist() == [1, 0, 3, 2, 0, -1]
-    assert out.accept_probs.tolist() == [1.0, 1.0, 1.0, 1.0, 0.0, 1.0]
 
 
-def test_rejection_with_one_hot_targets_equals_greedy():
+def test_rejection_with_one_hot_targets_equals_argmax_matching():
     g = torch.Generator().manual_seed(5)
     num_requests = 64
     num_drafts = torch.randint(0, K + 1, (num_requests,), generator=g)
     rows = int((num_drafts + 1).sum())
     logits = torch.randn(rows, V, generator=g)
-    one_hot = torch.full((rows, V), float("-inf")).scatter_(1, logits.argmax(-1, keepdim=True), 0.0)
     draft_probs = _softmax(torch.randn(rows, V, generator=g))
     # Half the drafts are the argmax, so long accepted prefixes occur.
     drafts = torch.where(torch.rand(rows, generator=g) < 0.5, logits.argmax(-1), torch.randint(0, V, (rows,)))
-    greedy = verify_greedy(logits, drafts, num_drafts)
     seeds = torch.randint(0, 2**62, (rows,), generator=g)
-    rejection = verify_rejection(one_hot, drafts, draft_probs, num_drafts, seeds, torch.arange(rows))
-    assert torch.equal(greedy.output_token_ids, rejection.output_token_ids)
-    assert torch.equal(greedy.num_accepted_draft_tokens, rejection.num_accepted_draft_tokens)
-    assert greedy.num_accepted_draft_tokens.max() >= 2
+    rejection = verify_rejection(_one_hot_logprobs(logits), drafts, draft_probs, num_drafts, seeds, torch.arange(rows))
+    outputs, accepted = _argmax_matching(logits, drafts, num_drafts)
+    assert rejection.output_token_ids.tolist() == outputs
+    assert rejection.num_accepted_draft_tokens.tolist() == accepted
+    assert max(accepted) >= 2
 
 
 def _random_step(num_requests: int, seed: int):
@@ -251,14 +269,12 @@ def test_verification_does_not_sync_with_the_host():
     torch.cuda.set_sync_debug_mode("error")
     try:
         out = verify_rejection(*tensors)
-        greedy = verify_greedy(tensors[0], tensors[1], tensors[3])
         confidences = torch.rand(32, K, device="cuda")
         redistributed = redistribute_verified_drafts(confidences, confidences[:, 0] > 0.2, 40)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     cpu = verify_rejection(target, drafts, draft_probs, num_drafts, seeds, positions)
     assert torch.equal(out.num_accepted_draft_tokens.cpu(), cpu.num_accepted_draft_tokens)
-    assert greedy.output_token_ids.shape == out.output_token_ids.shape
     assert int(redistributed.sum()) == 40
 
 

@@ -42,7 +42,6 @@ from deepinfer_sampling.speculative import (
     VerificationOutput,
     redistribute_verified_drafts,
     schedule_num_verified_drafts,
-    verify_greedy,
     verify_rejection,
 )
 
@@ -51,6 +50,5 @@ __all__ += [
     "VerificationOutput",
     "redistribute_verified_drafts",
     "schedule_num_verified_drafts",
-    "verify_greedy",
     "verify_rejection",
 ]

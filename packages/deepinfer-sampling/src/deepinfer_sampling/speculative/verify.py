@@ -113,28 +113,6 @@ def _emit(
     return torch.where(emitted, candidates, -1), num_accepted
 
 
-def verify_greedy(
-    target_logits: torch.Tensor, draft_token_ids: torch.Tensor, num_draft_tokens: torch.Tensor
-) -> VerificationOutput:
-    """Greedy verification: a draft is accepted iff it is its row's target argmax (ties → lowest id).
-
-    Args:
-        target_logits: float [R, V], masked target logits (any monotone transform gives the same result).
-        draft_token_ids: int64 [R], the draft each row scores; ignored on fresh rows; −1 = no draft (rejected).
-        num_draft_tokens: int [B], drafts verified per request.
-
-    Returns:
-        The step's ``VerificationOutput``; every emitted token is a target argmax.
-    """
-    num_rows = target_logits.shape[0]
-    _check_rows("draft_token_ids", draft_token_ids, (num_rows,), target_logits.device)
-    layout = row_layout(num_draft_tokens, num_rows)
-    argmax = target_logits.argmax(dim=-1)
-    accepted = (draft_token_ids == argmax) & ~layout.is_fresh
-    output, num_accepted = _emit(accepted, argmax, layout, num_draft_tokens.shape[0])
-    return VerificationOutput(output, num_accepted, torch.where(layout.is_fresh, 1.0, accepted.to(torch.float32)))
-
-
 def verify_rejection(
     target_logprobs: torch.Tensor,
     draft_token_ids: torch.Tensor,
