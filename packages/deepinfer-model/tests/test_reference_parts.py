@@ -16,6 +16,7 @@ import torch
 from tokenizers import Tokenizer, models
 
 from deepinfer_model import reference as ref
+from deepinfer_model import reference_engram
 from deepinfer_model.config import load_preset
 
 
@@ -218,7 +219,7 @@ def test_engram_primes_and_multipliers_of_the_release_config():
 @pytest.mark.parametrize("seed,bound", [(0, 10**15), (10007 * 3, 2**40 + 7), (123456789012, 2**62 + 3)])
 def test_pcg64_bounded_draws_match_numpy(seed, bound):
     expected = np.random.default_rng(seed).integers(0, bound, size=6, dtype=np.int64).tolist()
-    rng = ref._Pcg64(seed)
+    rng = reference_engram._Pcg64(seed)
     assert [rng.bounded_uint64(bound - 1) for _ in range(6)] == expected
 
 

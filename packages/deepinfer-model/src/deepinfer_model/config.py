@@ -18,7 +18,6 @@ Glossary:
 
 from __future__ import annotations
 
-import enum
 import json
 import math
 from collections.abc import Mapping
@@ -30,11 +29,14 @@ from typing import Any
 
 from deepinfer_model import _config_checks, _config_parse, _primes
 from deepinfer_model._config_checks import ARCHITECTURE, MODEL_TYPE, TOKENIZER_POLICIES
+from deepinfer_model.config_sections import VIT_WIDTH, QuantizationConfig, RopeScalingConfig, VisionConfig
+from deepinfer_model.layer_spec import LayerKind, LayerSpec
 
 __all__ = [
     "ARCHITECTURE",
     "MODEL_TYPE",
     "TOKENIZER_POLICIES",
+    "VIT_WIDTH",
     "LayerKind",
     "LayerSpec",
     "ModelConfig",
@@ -47,142 +49,7 @@ __all__ = [
     "preset_names",
 ]
 
-VIT_WIDTH = 1024  # fixed width of the vision tower (model-core §18)
-
-
-class LayerKind(enum.Enum):
-    """Attention variant of a runtime layer (model-attention §1.1)."""
-
-    SWA = "swa"  # compress ratio 0: sliding window only
-    C1 = "c1"  # compress ratio 1: SWA + sparse compressed rows, one row per token
-    C2 = "c2"  # compress ratio 2: SWA + sparse compressed rows, one row per two tokens
-    DSPARK = "dspark"  # DSpark drafter block: SWA only, base RoPE
-
-
 _RATIO_TO_KIND = {0: LayerKind.SWA, 1: LayerKind.C1, 2: LayerKind.C2}
-
-
-def _fail(key: str, value: object, allowed: str) -> ValueError:
-    return ValueError(f"config key '{key}' = {value!r} is invalid: {allowed}")
-
-
-@dataclass(frozen=True, kw_only=True)
-class QuantizationConfig:
-    """``quantization_config``: every key must have exactly the value below (model-core §2.2)."""
-
-    quant_method: str = "fp8"
-    expert_dtype: str = "fp4"
-    activation_scheme: str = "dynamic"
-    weight_block_size: tuple[int, int] = (32, 32)
-    scale_fmt: str = "ue8m0"
-
-    def __post_init__(self) -> None:
-        expected = QuantizationConfig.__dataclass_fields__
-        for name, spec in expected.items():
-            value = getattr(self, name)
-            if value != spec.default:
-                raise _fail(f"quantization_config.{name}", value, f"must be {spec.default!r}")
-
-
-@dataclass(frozen=True, kw_only=True)
-class RopeScalingConfig:
-    """YaRN parameters of ``text_config.rope_scaling`` (model-core §15.3); ``type``/``rope_type`` is ignored."""
-
-    factor: float
-    original_max_position_embeddings: int
-    beta_fast: float
-    beta_slow: float
-
-    def __post_init__(self) -> None:
-        if not self.factor > 0:
-            raise _fail("text_config.rope_scaling.factor", self.factor, "must be > 0")
-        if self.original_max_position_embeddings <= 0:
-            raise _fail(
-                "text_config.rope_scaling.original_max_position_embeddings",
-                self.original_max_position_embeddings,
-                "must be a positive int",
-            )
-
-
-@dataclass(frozen=True, kw_only=True)
-class VisionConfig:
-    """``vision_config`` keys the loader reads (model-core §2.4); the ViT itself is fixed (§18)."""
-
-    hidden_size: int
-    downsample_ratio: int
-    patch_size: int
-    max_image_tokens: int
-    min_pixels: int
-    max_wh_ratio: float | None
-
-    def __post_init__(self) -> None:
-        if self.hidden_size != VIT_WIDTH:
-            raise _fail("vision_config.hidden_size", self.hidden_size, f"must be {VIT_WIDTH} (the fixed ViT width)")
-        for key in ("downsample_ratio", "patch_size", "max_image_tokens", "min_pixels"):
-            value = getattr(self, key)
-            if value <= 0:
-                raise _fail(f"vision_config.{key}", value, "must be a positive int")
-        if self.max_wh_ratio is not None and not self.max_wh_ratio >= 1:
-            raise _fail("vision_config.max_wh_ratio", self.max_wh_ratio, "must be null or a number >= 1")
-
-
-@dataclass(frozen=True)
-class LayerSpec:
-    """Everything structural about one runtime layer (model-attention §1, model-core §7 and §15.1).
-
-    Attributes:
-        layer_id: runtime layer id (backbone ``0 … L−1``, DSpark ``L …``).
-        kind: attention variant.
-        compress_ratio: 0, 1 or 2 (0 for DSpark blocks).
-        kv_source: runtime layer owning the compressed KV this layer reads (itself if a source).
-        index_source: runtime layer running the indexer whose top-k this layer uses.
-        index_k_source: runtime layer owning the index-K cache and ``indexer.wk``/``k_norm``.
-        candidate_source: layer producing the candidate block set restricting this layer's top-k, or None.
-        is_yoco_consumer: layer lies in ``n_prefill_layer … L−1`` (only when YOCO is on).
-        has_engram: layer carries an Engram.
-        rope_theta: RoPE base of the layer.
-        uses_yarn: the layer's RoPE table uses YaRN.
-    """
-
-    layer_id: int
-    kind: LayerKind
-    compress_ratio: int
-    kv_source: int
-    index_source: int
-    index_k_source: int
-    candidate_source: int | None
-    is_yoco_consumer: bool
-    has_engram: bool
-    rope_theta: float
-    uses_yarn: bool
-
-    @property
-    def is_compressed(self) -> bool:
-        return self.kind in (LayerKind.C1, LayerKind.C2)
-
-    @property
-    def owns_compressor(self) -> bool:
-        """Has ``attn.compressor.wkv``/``norm`` (compressed KV source)."""
-        return self.is_compressed and self.kv_source == self.layer_id
-
-    @property
-    def owns_compressor_gate(self) -> bool:
-        """Has ``attn.compressor.wgate`` (ratio-2 KV source)."""
-        return self.owns_compressor and self.kind is LayerKind.C2
-
-    @property
-    def owns_indexer(self) -> bool:
-        """Has ``attn.indexer.wq_b``/``weights_proj`` (compressed index source)."""
-        return self.is_compressed and self.index_source == self.layer_id
-
-    @property
-    def owns_index_k(self) -> bool:
-        """Has ``attn.indexer.wk``/``k_norm`` (compressed index-K source)."""
-        return self.is_compressed and self.index_k_source == self.layer_id
-
-    @property
-    def is_candidate_source(self) -> bool:
-        return self.candidate_source == self.layer_id
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,10 +1,11 @@
-"""Single-file, plain-PyTorch reference model of DeepSeek-V4.1-Flash (text path): the golden oracle.
+"""Plain-PyTorch reference model of DeepSeek-V4.1-Flash (text path): the single golden oracle.
 
 This module owns the numerically faithful, slow, cache-free definition of the whole text forward of
-DeepSeek-V4.1-Flash (spec documents model-core, model-attention, dspark): number formats and dynamic activation
-quantization, RMSNorm, RoPE/YaRN, manifold-constrained hyper-connections (mHC), Engram, MoE, every attention layer
-kind with compressor, indexer, candidate blocks, cross-layer sharing and YOCO, the final norm and LM head, and the
-DSpark draft block. The file reads top to bottom in that order and is meant to be read next to the spec.
+DeepSeek-V4.1-Flash (docs/design/model.md, attention.md, numerics.md): number formats and dynamic activation
+quantization (in ``reference_formats``), RMSNorm, RoPE/YaRN, manifold-constrained hyper-connections (mHC), Engram
+(its hashing in ``reference_engram``), MoE, every attention layer kind with compressor, indexer, candidate blocks,
+cross-layer sharing and YOCO, the final norm and LM head, and the DSpark draft block. It reads top to bottom in that
+order and re-exports the public names of both siblings, so ``deepinfer_model.reference`` is the whole API.
 It is not fast and keeps no state between calls; every fast path in the project is checked against it.
 
 Inputs are the frozen ``ModelConfig`` and a mapping from HF checkpoint tensor names to tensors in their STORED
@@ -76,13 +77,40 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
-from tokenizers import Regex, Tokenizer, normalizers
 from torch import Tensor
 
 from deepinfer_model.config import ModelConfig, TextConfig
+from deepinfer_model.reference_engram import (
+    EngramVocabulary,
+    _engram_sizes,
+    engram_gate,
+    engram_hash,
+    engram_hash_multipliers,
+    engram_ngram_rows,
+    engram_normalize,
+    engram_table_primes,
+    engram_vocabulary_from_tokenizer,
+)
+from deepinfer_model.reference_formats import (
+    BF16,
+    F32,
+    Precision,
+    _dequantize_fp8_rows,
+    _inverse_rms,
+    _Numerics,
+    _numerics,
+    dequantize_fp8_block,
+    dequantize_mxfp4,
+    fp4_e4m3_quant_dequant,
+    fp4_ue8m0_quant_dequant,
+    fp8_quant_dequant,
+    round_to_e2m1,
+    round_to_e4m3,
+    round_to_tf32,
+    ue8m0_to_float,
+)
 
 __all__ = [
     "DSparkOutput",
@@ -131,232 +159,6 @@ __all__ = [
     "yarn_inv_freq",
 ]
 
-F32 = torch.float32
-BF16 = torch.bfloat16
-
-Precision = Literal["exact", "fp32"]
-
-# ==================================================================================================================
-# 1. Number formats (model-core §5, model-attention §8)
-# ==================================================================================================================
-
-E4M3_MAX = 448.0
-E2M1_MAX = 6.0
-FP8_AMAX_FLOOR = 1e-4
-FP4_UE8M0_AMAX_FLOOR = 6.0 * 2.0**-126
-FP4_E4M3_AMAX_FLOOR = 6.0 * 2.0**-9
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-
-
-def _scale_bytes(scale: Tensor) -> Tensor:
-    if scale.dtype == torch.float8_e8m0fnu:
-        return scale.view(torch.uint8)
-    if scale.dtype == torch.uint8:
-        return scale
-    raise TypeError(f"UE8M0 scales must be float8_e8m0fnu or uint8, got {scale.dtype}")
-
-
-def ue8m0_to_float(scale: Tensor) -> Tensor:
-    """Decode UE8M0 scale bytes: byte ``b`` is ``2^(b − 127)`` (255 is NaN), built from FP32 bits so it is exact.
-
-    Args:
-        scale: ``float8_e8m0fnu`` or ``uint8`` tensor, any shape.
-
-    Returns:
-        FP32 tensor of the same shape.
-    """
-    b = _scale_bytes(scale).to(torch.int32)
-    bits = torch.where(b > 0, b << 23, torch.full_like(b, 0x00400000))  # byte 0 is the subnormal 2^-127
-    bits = torch.where(b == 255, torch.full_like(b, 0x7FC00000), bits)
-    return bits.view(F32)
-
-
-def _exp2(exponent: Tensor) -> Tensor:
-    """Exact ``2^e`` in FP32 for an int32 tensor ``e`` in ``[-126, 127]``."""
-    return ((exponent + 127) << 23).view(F32)
-
-
-def _ceil_log2(ratio: Tensor) -> Tensor:
-    """Exact ``⌈log2(ratio)⌉`` (int32) read from the FP32 bits of a positive normal FP32 ``ratio`` (§17)."""
-    bits = ratio.contiguous().view(torch.int32)
-    return ((bits - 1) >> 23) + 1 - 127
-
-
-def round_to_e4m3(x: Tensor) -> Tensor:
-    """Round FP32 values to e4m3 (nearest-even, saturating at ±448) and return them as FP32."""
-    return x.float().clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).to(F32)
-
-
-def round_to_e2m1(x: Tensor) -> Tensor:
-    """Round FP32 values to e2m1 (nearest, ties to the even code, saturating at ±6) and return them as FP32.
-
-    The midpoints between neighbouring magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 go to the neighbour with the even code,
-    which alternates between rounding down (``>``) and up (``>=``).
-    """
-    a = x.float().abs()
-    code = (
-        (a > 0.25).int()
-        + (a >= 0.75).int()
-        + (a > 1.25).int()
-        + (a >= 1.75).int()
-        + (a > 2.5).int()
-        + (a >= 3.5).int()
-        + (a > 5.0).int()
-    )
-    magnitude = torch.tensor(E2M1_VALUES, dtype=F32)[code.long()]
-    return torch.copysign(magnitude, x.float())
-
-
-def round_to_tf32(x: Tensor) -> Tensor:
-    """Round FP32 values to TF32 (10 mantissa bits) by round-to-nearest-even; the result is FP32."""
-    bits = x.float().contiguous().view(torch.int32)
-    lsb = (bits >> 13) & 1
-    return ((bits + 0xFFF + lsb) & ~0x1FFF).view(F32)
-
-
-def _grouped(x: Tensor, group: int) -> Tensor:
-    if x.shape[-1] % group != 0:
-        raise ValueError(f"last dimension {x.shape[-1]} must be a multiple of the quantization group {group}")
-    return x.float().unflatten(-1, (x.shape[-1] // group, group))
-
-
-def fp8_quant_dequant(x: Tensor, group: int = 32) -> Tensor:
-    """Dynamic FP8 e4m3 quantization with UE8M0 per-group scales, read back (model-core §5.5).
-
-    Per group: ``e = ⌈log2(max(amax, 1e−4) / 448)⌉``, codes ``e4m3(x·2^−e)``, value ``code·2^e``. This is both the
-    activation quantization in front of every FP8 GEMM and the SWA / FP8 compressed-KV storage format.
-
-    Args:
-        x: ``[..., K]`` BF16 or FP32, ``K % group == 0``.
-        group: consecutive elements sharing one scale.
-
-    Returns:
-        ``[..., K]`` FP32 dequantized values.
-    """
-    g = _grouped(x, group)
-    amax = g.abs().amax(-1, keepdim=True).clamp_min(FP8_AMAX_FLOOR)
-    e = _ceil_log2(amax / E4M3_MAX)
-    return (round_to_e4m3(g * _exp2(-e)) * _exp2(e)).flatten(-2)
-
-
-def fp4_ue8m0_quant_dequant(x: Tensor, group: int = 32) -> Tensor:
-    """FP4 e2m1 with UE8M0 per-group scales, read back: the index-K cache and index-query format (attention §8).
-
-    Args:
-        x: ``[..., K]`` BF16 or FP32, ``K % group == 0``.
-        group: elements per scale (32).
-
-    Returns:
-        ``[..., K]`` FP32 dequantized values.
-    """
-    g = _grouped(x, group)
-    amax = g.abs().amax(-1, keepdim=True).clamp_min(FP4_UE8M0_AMAX_FLOOR)
-    e = _ceil_log2(amax / E2M1_MAX)
-    return (round_to_e2m1(g * _exp2(-e)) * _exp2(e)).flatten(-2)
-
-
-def fp4_e4m3_quant_dequant(x: Tensor, group: int = 16) -> Tensor:
-    """FP4 e2m1 with E4M3 per-group scales, read back: the default compressed-KV format (attention §8).
-
-    ``scale = e4m3(min(max(amax, 6·2^−9) / 6, 448))``; codes are e2m1 of ``x`` times the FP32 reciprocal of scale.
-
-    Args:
-        x: ``[..., K]`` BF16 or FP32, ``K % group == 0``.
-        group: elements per scale (16).
-
-    Returns:
-        ``[..., K]`` FP32 dequantized values.
-    """
-    g = _grouped(x, group)
-    amax = g.abs().amax(-1, keepdim=True)
-    scale = round_to_e4m3((amax.clamp_min(FP4_E4M3_AMAX_FLOOR) / E2M1_MAX).clamp_max(E4M3_MAX))
-    return (round_to_e2m1(g * (1.0 / scale)) * scale).flatten(-2)
-
-
-def dequantize_fp8_block(weight: Tensor, scale: Tensor, block: int = 32) -> Tensor:
-    """Dequantize an FP8 weight with 32×32 UE8M0 block scales (model-core §5.2).
-
-    Args:
-        weight: ``[out, in]`` ``float8_e4m3fn``.
-        scale: ``[⌈out/32⌉, ⌈in/32⌉]`` UE8M0.
-        block: block edge (32).
-
-    Returns:
-        ``[out, in]`` FP32.
-    """
-    if weight.dtype != torch.float8_e4m3fn:
-        raise TypeError(f"FP8 weight must be float8_e4m3fn, got {weight.dtype}")
-    rows, cols = weight.shape
-    expected = (-(-rows // block), -(-cols // block))
-    if tuple(scale.shape) != expected:
-        raise ValueError(
-            f"FP8 block scale has shape {tuple(scale.shape)}, expected {expected} for weight {rows}×{cols}"
-        )
-    s = ue8m0_to_float(scale).repeat_interleave(block, 0)[:rows].repeat_interleave(block, 1)[:, :cols]
-    return weight.to(F32) * s
-
-
-def dequantize_mxfp4(packed: Tensor, scale: Tensor) -> Tensor:
-    """Dequantize MXFP4 expert weights (model-core §5.3): low nibble = even column, 1×32 UE8M0 scales.
-
-    Args:
-        packed: ``[out, in/2]`` int8 or uint8, two e2m1 codes per byte.
-        scale: ``[out, in/32]`` UE8M0.
-
-    Returns:
-        ``[out, in]`` FP32.
-    """
-    if packed.dtype not in (torch.int8, torch.uint8):
-        raise TypeError(f"MXFP4 weight must be int8 or uint8 bytes, got {packed.dtype}")
-    rows, half = packed.shape
-    if tuple(scale.shape) != (rows, 2 * half // 32):
-        raise ValueError(f"MXFP4 scale has shape {tuple(scale.shape)}, expected {(rows, 2 * half // 32)}")
-    b = packed.view(torch.uint8).to(torch.int64)
-    codes = torch.stack([b & 0xF, b >> 4], dim=-1).reshape(rows, 2 * half)
-    magnitude = torch.tensor(E2M1_VALUES, dtype=F32)[codes & 0x7]
-    values = torch.where(codes >= 8, -magnitude, magnitude)
-    return values * ue8m0_to_float(scale).repeat_interleave(32, 1)
-
-
-def _dequantize_fp8_rows(rows: Tensor, scale: Tensor) -> Tensor:
-    """Dequantize gathered Engram rows: ``[..., d_e]`` e4m3 with ``[..., d_e/32]`` UE8M0 (model-core §5.4)."""
-    return (rows.to(F32).unflatten(-1, (scale.shape[-1], 32)) * ue8m0_to_float(scale)[..., None]).flatten(-2)
-
-
-@dataclass(frozen=True)
-class _Numerics:
-    """The four kinds of rounding point of the forward; in fp32 precision each one returns its input as FP32."""
-
-    precision: Precision
-
-    @property
-    def exact(self) -> bool:
-        return self.precision == "exact"
-
-    def bf16(self, x: Tensor) -> Tensor:
-        """A BF16 rounding point of model-core §19: BF16 in exact mode, unrounded FP32 in fp32 mode."""
-        return x.to(BF16) if self.exact else x.float()
-
-    def act_quant(self, x: Tensor) -> Tensor:
-        """The FP8 GEMM input (dynamic 1×32 FP8 activation quantization, §5.5), read back as FP32."""
-        return fp8_quant_dequant(x) if self.exact else x.float()
-
-    def tf32(self, x: Tensor) -> Tensor:
-        """An operand of the TF32 mHC mix GEMM (§5.6), as FP32."""
-        return round_to_tf32(x) if self.exact else x.float()
-
-    def store(self, x: Tensor, quantizer: Callable[[Tensor], Tensor]) -> Tensor:
-        """A vector as read back from its storage format ``quantizer`` (attention §8), as FP32."""
-        return quantizer(x) if self.exact else x.float()
-
-
-def _numerics(precision: Precision) -> _Numerics:
-    """The rounding points of ``precision``; anything but ``"exact"`` or ``"fp32"`` is an error."""
-    if precision not in ("exact", "fp32"):
-        raise ValueError(f"precision must be 'exact' or 'fp32', got {precision!r}")
-    return _Numerics(precision)
-
-
 # ==================================================================================================================
 # 2. Stored weights and linear layers (model-core §4, §5.6)
 # ==================================================================================================================
@@ -402,12 +204,6 @@ def _bf16_linear(x: Tensor, weight: Tensor) -> Tensor:
 # ==================================================================================================================
 # 3. RMSNorm (model-core §11)
 # ==================================================================================================================
-
-
-def _inverse_rms(sum_squares: Tensor, width: int, eps: float) -> Tensor:
-    """``1/sqrt(Σx²/d + ε)`` from the FP32 sum and the FP32 value of ``ε``, in FP64, rounded once to FP32 (§11)."""
-    eps_fp32 = float(torch.tensor(eps, dtype=F32))
-    return (1.0 / torch.sqrt(sum_squares.double() / width + eps_fp32)).float()
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, *, precision: Precision = "exact") -> Tensor:
@@ -659,280 +455,6 @@ def hc_head(
 # ==================================================================================================================
 # 6. Engram (model-core §12)
 # ==================================================================================================================
-
-_ENGRAM_SPACE_SENTINEL = "\ue000"  # private-use character protecting a single-space key from Strip()
-
-
-def _engram_normalizer() -> normalizers.Normalizer:
-    return normalizers.Sequence(
-        [
-            normalizers.NFKC(),
-            normalizers.NFD(),
-            normalizers.StripAccents(),
-            normalizers.Lowercase(),
-            normalizers.Replace(Regex(r"[ \t\r\n]+"), " "),
-            normalizers.Replace(Regex(r"^ $"), _ENGRAM_SPACE_SENTINEL),
-            normalizers.Strip(),
-            normalizers.Replace(_ENGRAM_SPACE_SENTINEL, " "),
-        ]
-    )
-
-
-def engram_normalize(text: str) -> str:
-    """The Engram token-text normalization of model-core §12.2 step 3."""
-    return str(_engram_normalizer().normalize_str(text))
-
-
-@dataclass(frozen=True)
-class EngramVocabulary:
-    """Tokenizer id → compressed Engram id (model-core §12.2), built once outside the forward.
-
-    Attributes:
-        old_to_new: ``[Vt]`` int64, compressed id of every tokenizer id.
-        num_compressed: ``V_c``, the number of distinct keys (it sets the hash multiplier bound).
-        pad_id: compressed id of the Engram pad token.
-    """
-
-    old_to_new: Tensor
-    num_compressed: int
-    pad_id: int
-
-    @staticmethod
-    def from_keys(keys: Sequence[str], pad_token_id: int = 2) -> EngramVocabulary:
-        """Assign compressed ids in order of first appearance of each key (``keys[t]`` is token ``t``'s key)."""
-        if not 0 <= pad_token_id < len(keys):
-            raise ValueError(f"Engram pad token id {pad_token_id} is outside the vocabulary [0, {len(keys)})")
-        first_seen: dict[str, int] = {}
-        ids = [first_seen.setdefault(key, len(first_seen)) for key in keys]
-        return EngramVocabulary(torch.tensor(ids, dtype=torch.int64), len(first_seen), ids[pad_token_id])
-
-
-def engram_vocabulary_from_tokenizer(tokenizer: Tokenizer, pad_token_id: int = 2) -> EngramVocabulary:
-    """Build the compressed Engram vocabulary from a ``tokenizers.Tokenizer`` (``tokenizer.json``), §12.2.
-
-    Args:
-        tokenizer: the checkpoint's tokenizer.
-        pad_token_id: tokenizer id of the Engram pad (``DEEPINFER_ENGRAM_PAD_TOKEN``, default 2).
-
-    Raises:
-        ValueError: ``<｜▁pad▁｜>`` is not token 2.
-    """
-    pad = tokenizer.token_to_id("<｜▁pad▁｜>")
-    if pad != 2:
-        raise ValueError(f"Engram requires the tokenizer to map '<｜▁pad▁｜>' to id 2, got {pad}")
-    normalizer = _engram_normalizer()
-    keys = []
-    for token_id in range(tokenizer.get_vocab_size(with_added_tokens=True)):
-        text = tokenizer.decode([token_id], skip_special_tokens=False)
-        if "\ufffd" in text:
-            keys.append(tokenizer.id_to_token(token_id) or text)
-        else:
-            keys.append(normalizer.normalize_str(text) or text)
-    return EngramVocabulary.from_keys(keys, pad_token_id)
-
-
-def _next_prime(start: int) -> int:
-    """Smallest prime strictly greater than ``start``."""
-    candidate = max(start + 1, 2)
-    while True:
-        if candidate == 2 or (candidate % 2 and all(candidate % d for d in range(3, math.isqrt(candidate) + 1, 2))):
-            return candidate
-        candidate += 1
-
-
-def engram_table_primes(text: TextConfig) -> list[list[int]]:
-    """Prime hash-table sizes per Engram layer (order of ``engram_layer_ids``), sub-tables order-major (§12.4)."""
-    max_ngram, heads, vocab = _engram_sizes(text)
-    used: set[int] = set()
-    tables = []
-    for _ in text.engram_layer_ids:
-        sizes = []
-        for _order in range(2, max_ngram + 1):
-            start = vocab - 1
-            for _head in range(heads):
-                prime = _next_prime(start)
-                while prime in used:
-                    prime = _next_prime(prime)
-                used.add(prime)
-                sizes.append(prime)
-                start = prime
-        tables.append(sizes)
-    return tables
-
-
-def _engram_sizes(text: TextConfig) -> tuple[int, int, int]:
-    """``(N_g, h_e, V_e)``; raises if the Engram keys are unset."""
-    sizes = (text.engram_max_ngram_size, text.engram_n_heads, text.engram_vocab_size)
-    if any(value is None for value in sizes):
-        raise ValueError(f"Engram layers {list(text.engram_layer_ids)} need every engram_* size key, got {sizes}")
-    return sizes  # type: ignore[return-value]
-
-
-# numpy's SeedSequence / PCG64 / bounded-integer algorithms, written out so the model package needs no numpy.
-_MASK32 = 0xFFFFFFFF
-_MASK64 = (1 << 64) - 1
-_MASK128 = (1 << 128) - 1
-_PCG64_MULTIPLIER = 0x2360ED051FC65DA44385DF649FCCF645
-
-
-def _seed_sequence_words(seed: int, num_words: int) -> list[int]:
-    """``numpy.random.SeedSequence(seed).generate_state(num_words, uint32)`` (pool size 4, no spawn key)."""
-    entropy = []
-    value = seed
-    while True:
-        entropy.append(value & _MASK32)
-        value >>= 32
-        if value == 0:
-            break
-    hash_const = 0x43B0D7E5
-
-    def hashmix(word: int) -> int:
-        nonlocal hash_const
-        word ^= hash_const
-        hash_const = (hash_const * 0x931E8875) & _MASK32
-        word = (word * hash_const) & _MASK32
-        return word ^ (word >> 16)
-
-    def mix(x: int, y: int) -> int:
-        result = (0xCA01F9DD * x - 0x4973F715 * y) & _MASK32
-        return result ^ (result >> 16)
-
-    pool = [hashmix(entropy[i] if i < len(entropy) else 0) for i in range(4)]
-    for src in range(4):
-        for dst in range(4):
-            if src != dst:
-                pool[dst] = mix(pool[dst], hashmix(pool[src]))
-    for src in range(4, len(entropy)):
-        for dst in range(4):
-            pool[dst] = mix(pool[dst], hashmix(entropy[src]))
-    out_const = 0x8B51F9DD
-    words = []
-    for i in range(num_words):
-        word = pool[i % 4] ^ out_const
-        out_const = (out_const * 0x58F38DED) & _MASK32
-        word = (word * out_const) & _MASK32
-        words.append(word ^ (word >> 16))
-    return words
-
-
-class _Pcg64:
-    """numpy's ``PCG64`` bit generator (128-bit LCG, XSL-RR output) seeded through ``SeedSequence``."""
-
-    def __init__(self, seed: int) -> None:
-        words = _seed_sequence_words(seed, 8)
-        w64 = [words[2 * k] | (words[2 * k + 1] << 32) for k in range(4)]
-        self._inc = (((w64[2] << 64) | w64[3]) << 1 | 1) & _MASK128
-        self._state = 0
-        self._step()
-        self._state = (self._state + ((w64[0] << 64) | w64[1])) & _MASK128
-        self._step()
-
-    def _step(self) -> None:
-        self._state = (self._state * _PCG64_MULTIPLIER + self._inc) & _MASK128
-
-    def next_uint64(self) -> int:
-        self._step()
-        value = ((self._state >> 64) ^ self._state) & _MASK64
-        rotation = self._state >> 122
-        return ((value >> rotation) | (value << ((-rotation) & 63))) & _MASK64
-
-    def bounded_uint64(self, bound: int) -> int:
-        """Uniform integer in ``[0, bound]`` by Lemire's method (numpy's 64-bit path, ``bound > 2^32 − 1``)."""
-        exclusive = bound + 1
-        product = self.next_uint64() * exclusive
-        if product & _MASK64 < exclusive:
-            threshold = (_MASK64 - bound) % exclusive
-            while product & _MASK64 < threshold:
-                product = self.next_uint64() * exclusive
-        return product >> 64
-
-
-def engram_hash_multipliers(layer_id: int, max_ngram: int, num_compressed: int) -> list[int]:
-    """Odd int64 hash multipliers of Engram layer ``ℓ`` (model-core §12.5).
-
-    ``B = max(1, ⌊⌊(2^63−1)/V_c⌋/2⌋)``; ``a = 2·default_rng(10007·ℓ).integers(0, B, size=N_g) + 1``.
-    """
-    bound = max(1, ((2**63 - 1) // num_compressed) // 2)
-    if bound == 1:
-        return [1] * max_ngram
-    if bound - 1 <= _MASK32:
-        raise ValueError(f"compressed vocabulary size {num_compressed} is too large for the 64-bit multiplier draw")
-    rng = _Pcg64(10007 * layer_id)
-    return [2 * rng.bounded_uint64(bound - 1) + 1 for _ in range(max_ngram)]
-
-
-def engram_ngram_rows(compressed_ids: Tensor, max_ngram: int, pad_id: int) -> Tensor:
-    """Suffix n-gram id rows ``g_r = c_{p−r}`` (model-core §12.3).
-
-    Positions before the request start are ``pad_id``; from the first sentinel −1 (scanning ``r`` upward) every
-    entry is ``pad_id``.
-
-    Args:
-        compressed_ids: ``[n]`` int64 compressed ids (−1 = sentinel).
-        max_ngram: ``N_g``.
-        pad_id: compressed pad id.
-
-    Returns:
-        ``[n, N_g]`` int64.
-    """
-    n = compressed_ids.shape[0]
-    padded = torch.cat([torch.full((max_ngram - 1,), pad_id, dtype=torch.int64), compressed_ids])
-    rows = torch.stack([padded[max_ngram - 1 - r : max_ngram - 1 - r + n] for r in range(max_ngram)], dim=1)
-    hit_sentinel = torch.cumsum((rows < 0).int(), dim=1) > 0
-    return torch.where(hit_sentinel, torch.full_like(rows, pad_id), rows)
-
-
-def engram_hash(rows: Tensor, multipliers: Sequence[int], primes: Sequence[int], n_heads: int) -> Tensor:
-    """Table row indices of every (order, head) sub-table (model-core §12.6), offsets included.
-
-    Args:
-        rows: ``[n, N_g]`` int64 n-gram id rows.
-        multipliers: ``N_g`` odd multipliers of the layer.
-        primes: ``(N_g−1)·h_e`` sub-table sizes, order-major.
-        n_heads: ``h_e``.
-
-    Returns:
-        ``[n, (N_g−1)·h_e]`` int64 row indices into the layer's concatenated table.
-    """
-    offsets = [0]
-    for p in primes[:-1]:
-        offsets.append(offsets[-1] + p)
-    h = rows[:, 0] * multipliers[0]
-    columns = []
-    for order in range(1, rows.shape[1]):
-        h = h ^ (rows[:, order] * multipliers[order])
-        for head in range(n_heads):
-            col = (order - 1) * n_heads + head
-            columns.append(torch.remainder(h, primes[col]) + offsets[col])
-    return torch.stack(columns, dim=1)
-
-
-def engram_gate(
-    trunk: Tensor, kv: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float, *, precision: Precision = "exact"
-) -> Tensor:
-    """Engram gate and update ``X_j ← bf16(X_j + g_j·v)`` (model-core §12.8).
-
-    Args:
-        trunk: ``[n, m, H]`` BF16 (FP32 in fp32 precision, as is ``kv``).
-        kv: ``[n, m+1, H]`` BF16: one key per stream, then the shared value.
-        q_weight: ``[m, H]`` BF16.
-        k_weight: ``[m, H]`` BF16.
-        eps: ``rms_norm_eps``.
-        precision: ``"fp32"`` skips the BF16 rounding of the update.
-
-    Returns:
-        ``[n, m, H]`` BF16 (FP32 in fp32 precision).
-    """
-    m, hidden = q_weight.shape
-    x = trunk.float()
-    keys = kv[:, :m].float()
-    value = kv[:, m].float()
-    w = q_weight.float() * k_weight.float()
-    a_x = _inverse_rms((x * x).sum(-1), hidden, eps)
-    a_k = _inverse_rms((keys * keys).sum(-1), hidden, eps)
-    z = (x * w * keys).sum(-1) * a_x * a_k / math.sqrt(hidden)
-    gate = torch.sigmoid(torch.copysign(torch.sqrt(z.abs().clamp_min(1e-6)), z))
-    return _numerics(precision).bf16(x + gate[..., None] * value[:, None, :])
 
 
 def _engram_layer(
