@@ -21,7 +21,7 @@ __all__ = ["abs_product", "assert_gemm_close", "dequantized_activation"]
 
 
 def dequantized_activation(x: torch.Tensor) -> torch.Tensor:
-    """x̂ of §5.5 as FP64 on x's device, [M, K]."""
+    """The quantized activation x̂ as FP64 on x's device, [M, K]."""
     q, scale = dk.quantize_fp8_per_token_group(x)
     return dk.dequantize_fp8_per_token_group(q, scale, out_dtype=torch.float32).double()
 

@@ -1,4 +1,4 @@
-"""Hand-worked byte examples for UE8M0, e4m3 and e2m1/MXFP4 (expected bytes written from model-core §5 tables).
+"""Hand-worked byte examples for UE8M0, e4m3 and e2m1/MXFP4 (expected bytes worked out by hand from the formats).
 
 These go through the public ops, i.e. through whatever backend the session's DEEPINFER_ACCELERATOR selects.
 """
@@ -88,7 +88,7 @@ def test_fp8_block_by_hand(op_device: str) -> None:
 
 
 def test_e2m1_mxfp4_by_hand(op_device: str) -> None:
-    # amax 6 → a/6 = 1 → e = 0, scale byte 127; codes straight from the §5.3 table.
+    # amax 6 → a/6 = 1 → e = 0, scale byte 127; codes straight from the e2m1 table.
     values = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.5, -6.0]
     values += [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.0]  # ties go to the even code
     expected_codes = [0, 1, 2, 3, 4, 5, 6, 7, 9, 15, 0, 2, 2, 4, 4, 6, 6, 8]

@@ -1,4 +1,4 @@
-"""Quantized GEMM references: equal to the §5.5/§5.6 composition of the public ops, close to the bf16 product."""
+"""Quantized GEMM references: equal to quantize-then-multiply with the public ops, close to the bf16 product."""
 
 from __future__ import annotations
 

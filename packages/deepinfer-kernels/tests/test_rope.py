@@ -1,4 +1,4 @@
-"""RoPE: table builders against §15 by hand and in float64, rotation parity across backends, wrapper checks.
+"""RoPE: table builders against hand-worked values and in float64, rotation parity across backends, wrapper checks.
 
 Rotation tolerances: the reference emulates the fma in FP64 and the NPU uses a multiply and an add, so results
 may differ by 1 ulp of the largest FP32 term before the final rounding; bf16 outputs must agree within 1 bf16 ulp
@@ -28,7 +28,7 @@ def test_base_frequencies() -> None:
 
 
 def test_yarn_worked_example() -> None:
-    # model-core §15.3: r = 64, base 160000, L0 = 1024, β_f = 32, β_s = 1 → lo = 4, hi = 14.
+    # YaRN bounds worked by hand: r = 64, base 160000, L0 = 1024, β_f = 32, β_s = 1 → lo = 4, hi = 14.
     factor = 16.0
     inv = dk.yarn_inverse_frequencies(64, 160000.0, factor, 1024, 32.0, 1.0)
     base = dk.rope_inverse_frequencies(64, 160000.0)
@@ -51,7 +51,7 @@ def test_cos_sin_table() -> None:
     inv = dk.rope_inverse_frequencies(16, 10000.0)
     cos, sin = dk.rope_cos_sin(inv, 3000)
     assert cos.shape == sin.shape == (3000, 8) and cos.dtype == torch.float32
-    angles = torch.outer(torch.arange(3000, dtype=torch.float32), inv)  # FP32 angles, as §15.4 demands
+    angles = torch.outer(torch.arange(3000, dtype=torch.float32), inv)  # FP32 angles, as the tables use
     assert_close(cos, torch.cos(angles.double()), rtol=0.0, atol=2.0**-23)
     assert_close(sin, torch.sin(angles.double()), rtol=0.0, atol=2.0**-23)
     assert dk.rope_cos_sin(inv, 0)[0].shape == (0, 8)

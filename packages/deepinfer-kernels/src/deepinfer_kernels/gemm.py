@@ -1,4 +1,5 @@
-"""Public quantized GEMMs: dynamic FP8 activation × FP8-block or MXFP4 weight, bf16 output (model-core §5.6).
+"""Public quantized GEMMs: dynamic FP8 activation × FP8-block or MXFP4 weight, bf16 output
+(docs/design/numerics.md, "GEMM accumulation").
 
 Implementations: the reference (an exact emulation, FP64 sums), Triton on nvidia (``cuda.gemm``, FP32 sums); ascend
 falls back to the reference.
@@ -43,7 +44,8 @@ def _run(op: str, x: torch.Tensor, weight_rows: int, *weight: torch.Tensor) -> t
 
 
 def fp8_block_gemm(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    """``y = bf16(x̂ · Ŵᵀ)``: x quantized per token and 32 columns (§5.5), weight in 32×32 FP8 blocks (§5.2).
+    """``y = bf16(x̂ · Ŵᵀ)``: x quantized per token and 32 columns (docs/design/numerics.md, "Activation quantization"),
+    weight in 32×32 FP8 blocks (docs/design/numerics.md, "Weight formats").
 
     Args:
         x: [..., K] bf16 or fp32, ``K % 32 == 0``.
@@ -69,7 +71,8 @@ def fp8_block_gemm(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor) ->
 
 
 def mxfp4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``y = bf16(x̂ · Ŵᵀ)``: x quantized per token and 32 columns (§5.5), weight MXFP4 (§5.3).
+    """``y = bf16(x̂ · Ŵᵀ)``: x quantized per token and 32 columns (docs/design/numerics.md, "Activation quantization"),
+    weight MXFP4 (docs/design/numerics.md, "Weight formats").
 
     Args:
         x: [..., K] bf16 or fp32, ``K % 32 == 0``.

@@ -1,4 +1,5 @@
-"""Public grouped MXFP4 GEMM for MoE experts: each row multiplied by its own expert's weight (model-core §5.6).
+"""Public grouped MXFP4 GEMM for MoE experts: each row multiplied by its own expert's weight
+(docs/design/numerics.md, "GEMM accumulation").
 
 Row ``m`` of the result is exactly what ``mxfp4_gemm(x[m:m+1], packed[e], scale[e])`` returns for
 ``e = expert_ids[m]``; rows with ``expert_ids[m] == -1`` (no local expert) are zero.
@@ -25,7 +26,8 @@ _GROUP = 32
 def mxfp4_grouped_gemm(
     x: torch.Tensor, expert_ids: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor
 ) -> torch.Tensor:
-    """``y[m] = bf16(x̂[m] · Ŵ[expert_ids[m]]ᵀ)``: x quantized per token and 32 columns (§5.5), weights MXFP4 (§5.3).
+    """``y[m] = bf16(x̂[m] · Ŵ[expert_ids[m]]ᵀ)``: x quantized per token and 32 columns
+    (docs/design/numerics.md, "Activation quantization"), weights MXFP4 (docs/design/numerics.md, "Weight formats").
 
     Sync-free on the nvidia backend (safe inside CUDA graph capture); see the module docstring for how expert ids
     outside ``[-1, E)`` are treated per backend.

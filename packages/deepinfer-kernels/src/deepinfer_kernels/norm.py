@@ -1,4 +1,4 @@
-"""Public RMSNorm op (model-core §11): validation and allocation, then the resolved backend."""
+"""Public RMSNorm op (docs/design/model.md, "RMSNorm"): validation and allocation, then the resolved backend."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Public FP8 / MXFP4 quantization ops and the UE8M0 decoder (model-core §5).
+"""Public FP8 / MXFP4 quantization ops and the UE8M0 decoder (docs/design/numerics.md, "Number formats").
 
 Byte layouts at this boundary (all row-major, contiguous outputs):
 
@@ -58,7 +58,7 @@ def _check_scale_shape(name: str, scale: torch.Tensor, expected: tuple[int, ...]
 
 
 def ue8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
-    """Decode UE8M0 scale bytes to FP32 ``ldexp(1, b − 127)`` exactly (§5.1).
+    """Decode UE8M0 scale bytes to FP32 ``ldexp(1, b − 127)`` exactly (docs/design/numerics.md, "UE8M0 scales").
 
     Args:
         scale: any shape, float8_e8m0fnu or uint8.
@@ -77,7 +77,7 @@ def ue8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
 def quantize_fp8_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a weight to e4m3 with one power-of-two UE8M0 scale per 32×32 block.
 
-    Per block: ``e = ⌈log2(max(amax, 1e−4) / 448)⌉`` (the §5.5 ceiling rule, so nothing saturates),
+    Per block: ``e = ⌈log2(max(amax, 1e−4) / 448)⌉`` (the activation-quantization ceiling, so nothing saturates),
     ``q = e4m3(w · 2^−e)`` round-to-nearest-even, scale byte ``e + 127``.
 
     Args:
@@ -98,7 +98,8 @@ def quantize_fp8_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize_fp8_block(q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Dequantize a 32×32-block FP8 weight: ``Ŵ[o, i] = e4m3(q[o, i]) · 2^(scale[o//32, i//32] − 127)`` (§5.2).
+    """Dequantize a 32×32-block FP8 weight: ``Ŵ[o, i] = e4m3(q[o, i]) · 2^(scale[o//32, i//32] − 127)``
+    (docs/design/numerics.md, "Weight formats").
 
     Args:
         q: [out, in] float8_e4m3fn.
@@ -124,11 +125,11 @@ def dequantize_fp8_block(q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.
 
 
 def quantize_fp8_per_token_group(x: torch.Tensor, group_size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic per-token-group FP8 quantization exactly as model-core §5.5.
+    """Dynamic per-token-group FP8 quantization (docs/design/numerics.md, "Activation quantization").
 
     Per group of ``group_size`` consecutive columns: ``a = max(amax, 1e−4)``; ``e = ⌈log2(a/448)⌉`` from the
     FP32 bits of ``a/448``; ``q = e4m3(x · 2^−e)`` round-to-nearest-even; scale byte ``e + 127``. The same 1×32
-    format stores FP8 Engram tables (§5.4).
+    format stores FP8 Engram tables (docs/design/numerics.md, "Weight formats").
 
     Args:
         x: [..., K] bf16/fp16/fp32 with ``K % group_size == 0``.
@@ -194,7 +195,7 @@ def dequantize_fp8_per_token_group(
 
 
 def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize a weight to MXFP4 (e2m1 codes, two per byte, UE8M0 scale per row and 32 columns; §5.3).
+    """Quantize a weight to MXFP4 (e2m1 codes, two per byte, UE8M0 scale per row and 32 columns).
 
     Per group: ``e = ⌈log2(max(amax, 6·2^−126) / 6)⌉`` from the FP32 bits; codes are the e2m1 round-to-nearest-
     even (ties to the even code) of ``w · 2^−e``.
@@ -220,7 +221,8 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Dequantize MXFP4: ``Ŵ[o, i] = e2m1(o, i) · 2^(scale[o, i // 32] − 127)`` (§5.3).
+    """Dequantize MXFP4: ``Ŵ[o, i] = e2m1(o, i) · 2^(scale[o, i // 32] − 127)``
+    (docs/design/numerics.md, "Weight formats").
 
     Args:
         packed: [out, in / 2] int8 or uint8 (low nibble = even element).

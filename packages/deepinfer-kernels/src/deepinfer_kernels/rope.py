@@ -1,13 +1,14 @@
-"""Rotary position embedding: the public rotation op and the RoPE/YaRN table builders (model-core §15).
+"""Rotary position embedding: the public rotation op and the RoPE/YaRN table builders
+(docs/design/model.md, "RoPE and YaRN").
 
 The table builders are plain FP32 PyTorch functions run once at model build time (CPU by default):
 
-- :func:`rope_inverse_frequencies` — §15.2 base inverse frequencies ``f_i = 1 / base^(2i/r)``.
-- :func:`yarn_inverse_frequencies` — §15.3 YaRN-blended inverse frequencies (magnitude scale is exactly 1).
-- :func:`rope_cos_sin` — §15.4 cos/sin tables from FP32 angles ``fp32(t · f_i)``.
+- :func:`rope_inverse_frequencies` — base inverse frequencies ``f_i = 1 / base^(2i/r)``.
+- :func:`yarn_inverse_frequencies` — YaRN-blended inverse frequencies (magnitude scale is exactly 1).
+- :func:`rope_cos_sin` — cos/sin tables from FP32 angles ``fp32(t · f_i)``.
 
-:func:`apply_rope` rotates interleaved pairs (§15.5). The inverse ("conjugate") rotation is
-``apply_rope(x, cos, -sin)``, which is bit-identical to the §15.5 conjugate formula.
+:func:`apply_rope` rotates interleaved pairs (docs/design/model.md, "RoPE and YaRN"). The inverse ("conjugate") rotation
+is ``apply_rope(x, cos, -sin)``, which is bit-identical to the conjugate rotation formula.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def _base_powers(rope_dim: int, base: float) -> torch.Tensor:
 
 
 def rope_inverse_frequencies(rope_dim: int, base: float) -> torch.Tensor:
-    """Base inverse frequencies ``f_i = 1 / base^(2i/r)`` (§15.2).
+    """Base inverse frequencies ``f_i = 1 / base^(2i/r)`` (docs/design/model.md, "RoPE and YaRN").
 
     Args:
         rope_dim: rotary dimension ``r`` (positive, even).
@@ -63,7 +64,7 @@ def yarn_inverse_frequencies(
     beta_fast: float,
     beta_slow: float,
 ) -> torch.Tensor:
-    """YaRN inverse frequencies (§15.3).
+    """YaRN inverse frequencies (docs/design/model.md, "RoPE and YaRN").
 
     ``corr(R) = r·ln(L0 / (2π·R)) / (2·ln base)`` in float64; ``lo = max(floor(corr(β_fast)), 0)``,
     ``hi = min(ceil(corr(β_slow)), r − 1)`` (``hi += 0.001`` when equal); per pair ``i`` in FP32:
@@ -106,7 +107,7 @@ def yarn_inverse_frequencies(
 
 
 def rope_cos_sin(inverse_frequencies: torch.Tensor, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cos/sin tables for positions ``0 … num_positions − 1`` (§15.4).
+    """Cos/sin tables for positions ``0 … num_positions − 1`` (docs/design/model.md, "RoPE and YaRN").
 
     Angles are FP32 products ``fp32(t · f_i)``; cos and sin are evaluated in FP32 through the complex
     polar form.
@@ -131,7 +132,7 @@ def rope_cos_sin(inverse_frequencies: torch.Tensor, num_positions: int) -> tuple
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs of the last dimension of ``x`` (§15.5).
+    """Rotate interleaved pairs of the last dimension of ``x`` (docs/design/model.md, "RoPE and YaRN").
 
     For pair ``i``: ``x'[2i] = fma(x[2i], c, −(x[2i+1]·s))``, ``x'[2i+1] = fma(x[2i], s, x[2i+1]·c)`` in FP32,
     rounded once to ``x``'s dtype. The caller slices the rope part of each vector and gathers the table rows of

@@ -1,4 +1,5 @@
-"""Inverse-CDF sampling in 31-bit fixed point (runtime.md §2.4), shared by the sampler and the verifier.
+"""Inverse-CDF sampling in 31-bit fixed point (docs/design/sampling.md, "Inverse-CDF sampling"), shared by the sampler
+and the verifier.
 
 Each weight wᵢ ∈ [0, 1] becomes fᵢ = floor(wᵢ · 2^31) (exact for float32), the CDF is the int64 cumulative sum in
 increasing column order (exact, so independent of reduction order and identical on every backend), and the sampled

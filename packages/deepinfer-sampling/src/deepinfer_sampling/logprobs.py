@@ -1,4 +1,4 @@
-"""What the sampler reports from the processed log-probabilities ℓ' (runtime.md §2.5).
+"""What the sampler reports from the processed log-probabilities ℓ' (docs/design/sampling.md, "Logprobs").
 
 Every reported value is clamped to >= `LOGPROB_FLOOR` (-9999), so tokens outside the kept set read -9999. Top-N
 entries are sorted by value descending with ties broken by lowest token id, computed over the whole batch with the

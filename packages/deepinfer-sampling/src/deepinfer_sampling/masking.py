@@ -1,6 +1,6 @@
 """Logit pre-processing shared by every sampler backend: masks, penalties, forced top-K and the validity check.
 
-Steps, in order (runtime.md §2.2 steps 2–5, with penalties placed after the masks and before forced top-K):
+Steps, in order (docs/design/sampling.md, "Logit pipeline"; penalties come after the masks, before forced top-K):
 
 1. cast to a float32 copy (the caller's logits are never modified);
 2. token blacklist → -inf;

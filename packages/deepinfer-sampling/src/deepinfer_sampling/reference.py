@@ -1,4 +1,5 @@
-"""Plain-PyTorch reference of the processed distribution (runtime.md §2.3) and its inverse-CDF sample (§2.4).
+"""Plain-PyTorch reference of the processed distribution (docs/design/sampling.md, "Temperature, top-k and top-p") and
+its inverse-CDF sample (docs/design/sampling.md, "Inverse-CDF sampling").
 
 Given masked logits z of a row (`masking.preprocess_logits`), temperature T, top-k, top-p and min-p:
 

@@ -4,9 +4,9 @@
   scale per 32 elements of the last axis). Its output is bf16; every e4m3/e2m1 value times a power of two is
   exact in bf16 while the result is ≥ 2^−126 in magnitude (scale bytes ≥ 10 for e4m3, ≥ 2 for e2m1), so FP32
   and bf16 outputs equal the reference there; below that the NPU's bf16 subnormal handling decides.
-- Per-token-group quantization uses ``npu_dynamic_mx_quant(scale_alg=1)``, whose documented scale is the
-  power-of-two ceiling of ``amax / 448`` (the §5.5 rule) but without §5.5's amax floor of 1e−4; groups whose
-  amax is below the floor are recomputed here with the floor's fixed scale (2^−22, byte 105).
+- Per-token-group quantization uses ``npu_dynamic_mx_quant(scale_alg=1)``, whose documented scale is the power-of-two
+  ceiling of ``amax / 448`` (the activation-quantization rule) but without its amax floor of 1e−4; groups whose amax is
+  below the floor are recomputed here with the floor's fixed scale (2^−22, byte 105).
 - 32×32-block quantization has no torch_npu op with this scale rule (``npu_dynamic_block_mx_quant``'s FP8
   rule is the OCP floor rule, which can saturate), so it composes PyTorch ops on the NPU: the reference code.
 """
@@ -53,7 +53,7 @@ def dequantize_fp8_block(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor
 
 
 def quantize_fp8_per_token_group(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
-    """§5.5 quantization with ``npu_dynamic_mx_quant(scale_alg=1)`` plus the amax floor.
+    """Activation quantization with ``npu_dynamic_mx_quant(scale_alg=1)`` plus the amax floor.
 
     Args:
         x: [num_rows, K] bf16/fp16/fp32.
@@ -93,7 +93,7 @@ def dequantize_fp8_per_token_group(q: torch.Tensor, scale: torch.Tensor, out: to
 
 
 def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
-    """MXFP4 dequantization with ``npu_anti_mx_quant(src_type=float4_e2m1)`` (low nibble = even element, §5.3).
+    """MXFP4 dequantization with ``npu_anti_mx_quant(src_type=float4_e2m1)`` (low nibble = even element).
 
     The nibble order of torch_npu's packed FP4 (low nibble first) is taken from its documentation, not
     verified on hardware.

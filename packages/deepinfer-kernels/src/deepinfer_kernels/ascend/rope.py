@@ -12,12 +12,11 @@ __all__ = ["apply_rope"]
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> None:
     """Rotate interleaved pairs with ``npu_rotary_mul`` in its TND layout.
 
-    ``npu_rotary_mul`` computes ``x·r1 + rotate(x)·r2`` with ``rotate`` mapping ``(x[2i], x[2i+1])`` to
-    ``(−x[2i+1], x[2i])``, so ``r1``/``r2`` are the FP32 cos/sin tables with every entry repeated twice
-    ([T, 1, D]). The input is widened to FP32 so the table keeps FP32 precision (§15.5) and the result is
-    rounded once to ``x``'s dtype. The NPU does a multiply and an add instead of the reference's fma:
-    results can differ from the reference by 1 ulp of the output dtype. Documented limits of the op:
-    D < 896, fewer than 1000 heads.
+    ``npu_rotary_mul`` computes ``x·r1 + rotate(x)·r2`` with ``rotate`` mapping ``(x[2i], x[2i+1])`` to ``(−x[2i+1],
+    x[2i])``, so ``r1``/``r2`` are the FP32 cos/sin tables with every entry repeated twice ([T, 1, D]). The input is
+    widened to FP32 so the table keeps FP32 precision (docs/design/model.md, "RoPE and YaRN") and the result is rounded
+    once to ``x``'s dtype. The NPU does a multiply and an add instead of the reference's fma: results can differ from
+    the reference by 1 ulp of the output dtype. Documented limits of the op: D < 896, fewer than 1000 heads.
 
     Args:
         x: [num_tokens, num_heads, rope_dim] bf16 or fp32 on the NPU, contiguous.

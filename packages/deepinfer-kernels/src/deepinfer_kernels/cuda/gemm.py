@@ -1,4 +1,5 @@
-"""Triton quantized GEMMs: FP8 activation × FP8-block or MXFP4 weight, bf16 output (model-core §5.5/§5.6).
+"""Triton quantized GEMMs: FP8 activation × FP8-block or MXFP4 weight, bf16 output
+(docs/design/numerics.md, "Activation quantization", "GEMM accumulation").
 
 The activation is quantized per token and 32 columns by the Triton quantizer of ``cuda.quant`` (bit-exact with the
 reference). Inside the GEMM both operands are decoded from their bytes and multiplied by their power-of-two UE8M0
@@ -268,7 +269,7 @@ def mxfp4_kernel(  # type: ignore[no-untyped-def]
 
 
 def quantized_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """§5.5 per-token 32-column e4m3 quantization of ``x`` [M, K] by the Triton quantizer.
+    """Per-token 32-column e4m3 activation quantization of ``x`` [M, K] by the Triton quantizer.
 
     Returns:
         (q [M, K] float8_e4m3fn, scale [M, K/32] float8_e8m0fnu).

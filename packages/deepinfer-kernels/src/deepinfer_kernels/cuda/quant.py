@@ -174,7 +174,7 @@ def dequantize_fp8_block(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor
 
 
 def quantize_fp8_per_token_group(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
-    """Triton §5.5 per-token-group e4m3 quantization; one program per (16 rows, group).
+    """Triton per-token-group e4m3 activation quantization; one program per (16 rows, group).
 
     Args:
         x: [num_rows, K] bf16/fp16/fp32, contiguous.

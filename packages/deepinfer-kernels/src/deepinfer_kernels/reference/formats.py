@@ -1,4 +1,5 @@
-"""Bit-exact number-format helpers shared by the reference ops (model-core §5, §17).
+"""Bit-exact number-format helpers shared by the reference ops
+(docs/design/numerics.md, "Number formats", "Activation quantization").
 
 Formats (all scales are UE8M0 bytes, value ``2^(b - 127)``):
 
@@ -32,7 +33,7 @@ E2M1_MAX = 6.0
 FP8_AMAX_FLOOR = 1e-4
 FP4_AMAX_FLOOR = 6.0 * 2.0**-126
 
-# Ascending e2m1 magnitudes indexed by the 3-bit code (model-core §5.3 table).
+# Ascending e2m1 magnitudes indexed by the 3-bit code.
 _E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
@@ -50,7 +51,8 @@ def ceil_pow2_exponent(ratio: torch.Tensor) -> torch.Tensor:
 
 
 def scale_exponent(amax: torch.Tensor, floor: float, max_value: float) -> torch.Tensor:
-    """UE8M0 exponent ``e = ⌈log2(max(amax, floor) / max_value)⌉`` with the FP32 division of §5.5.
+    """UE8M0 exponent ``e = ⌈log2(max(amax, floor) / max_value)⌉`` with an FP32 division, as activation quantization
+    does it.
 
     Args:
         amax: FP32 tensor of group maxima of ``|x|``, any shape.

@@ -1,9 +1,9 @@
-"""Reference emulation of the quantized GEMMs (model-core §5.5 + §5.6).
+"""Reference emulation of the quantized GEMMs (docs/design/numerics.md, "Activation quantization", "GEMM accumulation").
 
-The activation is quantized per token and 32-column group to e4m3 (§5.5), both operands are dequantized
-exactly, and the product is accumulated in FP64, rounded to FP32 and then to bf16. FP64 accumulation makes this
-the most accurate result an FP32-accumulating kernel can approach; kernels (whose accumulation order is not
-reproducible) are compared with it by tolerance.
+The activation is quantized per token and 32-column group to e4m3 (docs/design/numerics.md, "Activation quantization"),
+both operands are dequantized exactly, and the product is accumulated in FP64, rounded to FP32 and then to bf16. FP64
+accumulation makes this the most accurate result an FP32-accumulating kernel can approach; kernels (whose accumulation
+order is not reproducible) are compared with it by tolerance.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ _GROUP = 32
 
 
 def _quantized_activation(x: torch.Tensor) -> torch.Tensor:
-    """``x̂`` of §5.5 as FP32: [num_rows, K] → [num_rows, K]."""
+    """The quantized activation ``x̂`` as FP32: [num_rows, K] → [num_rows, K]."""
     rows, cols = x.shape
     q = torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((rows, cols // _GROUP), dtype=torch.float8_e8m0fnu, device=x.device)
@@ -47,7 +47,7 @@ def fp8_block_gemm(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, ou
 
 
 def mxfp4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
-    """``out = bf16(x̂ · Ŵᵀ)`` for an MXFP4 weight (FP8 activation × FP4 weight, §5.6).
+    """``out = bf16(x̂ · Ŵᵀ)`` for an MXFP4 weight (FP8 activation × FP4 weight).
 
     Args:
         x: [num_rows, K] bf16/fp32 activation, ``K % 32 == 0``.

@@ -1,4 +1,4 @@
-"""Reference RMSNorm (model-core §11): FP32 statistics and product, one rounding to the output dtype."""
+"""Reference RMSNorm (docs/design/model.md, "RMSNorm"): FP32 statistics and product, one rounding to the output."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
 
     ``Σx²`` is an FP32 sum (PyTorch's reduction order); ``eps`` is taken as an FP32 value (as every kernel
     receives it); ``Σx² / H + eps`` and ``1 / sqrt(·)`` are evaluated in FP64 and rounded once to FP32 (the
-    "correctly rounded" ρ of §11); the product ``(x · ρ) · w`` is FP32.
+    "correctly rounded" ρ); the product ``(x · ρ) · w`` is FP32.
 
     Args:
         x: [num_rows, hidden_size] bf16 or fp32, contiguous.

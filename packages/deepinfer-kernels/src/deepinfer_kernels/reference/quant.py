@@ -1,4 +1,4 @@
-"""Reference FP8 / MXFP4 quantization and dequantization (model-core §5.2–§5.5).
+"""Reference FP8 / MXFP4 quantization and dequantization (docs/design/numerics.md, "Weight formats").
 
 All functions write into preallocated outputs; the public wrappers in ``deepinfer_kernels.quant``
 validate and allocate. Quantized e4m3 tensors are ``torch.float8_e4m3fn``; scales are UE8M0 bytes
@@ -49,8 +49,8 @@ def ue8m0_to_float(scale: torch.Tensor, out: torch.Tensor) -> None:
 def quantize_fp8_block(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
     """Quantize a weight to e4m3 with one UE8M0 scale per 32×32 block.
 
-    Per block: ``e = ⌈log2(max(amax, 1e−4) / 448)⌉`` (the §5.5 rule applied to the block), ``q = e4m3(w·2^−e)``.
-    Partial edge blocks use only their real elements.
+    Per block: ``e = ⌈log2(max(amax, 1e−4) / 448)⌉`` (the activation-quantization rule applied to the block), ``q =
+    e4m3(w·2^−e)``. Partial edge blocks use only their real elements.
 
     Args:
         w: [out, in] bf16/fp16/fp32.
@@ -68,7 +68,8 @@ def quantize_fp8_block(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) ->
 
 
 def dequantize_fp8_block(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
-    """``out[o, i] = e4m3_value(q[o, i]) · 2^(scale[o//32, i//32] − 127)`` (§5.2), rounded once to out's dtype.
+    """``out[o, i] = e4m3_value(q[o, i]) · 2^(scale[o//32, i//32] − 127)`` (docs/design/numerics.md, "Weight formats"),
+    rounded once to out's dtype.
 
     Args:
         q: [out, in] float8_e4m3fn.
@@ -82,7 +83,7 @@ def dequantize_fp8_block(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor
 
 
 def quantize_fp8_per_token_group(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
-    """Dynamic per-token-group e4m3 quantization exactly as model-core §5.5.
+    """Dynamic per-token-group e4m3 quantization (docs/design/numerics.md, "Activation quantization").
 
     Per group of ``K / scale.shape[1]`` consecutive columns: ``a = max(amax, 1e−4)``,
     ``e = ⌈log2(a/448)⌉`` from the FP32 bits, ``q = e4m3(x · 2^−e)``, scale byte ``e + 127``.
@@ -101,7 +102,8 @@ def quantize_fp8_per_token_group(x: torch.Tensor, q: torch.Tensor, scale: torch.
 
 
 def dequantize_fp8_per_token_group(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
-    """``out[r, c] = e4m3_value(q[r, c]) · 2^(scale[r, c // group_size] − 127)`` (§5.4/§5.5).
+    """``out[r, c] = e4m3_value(q[r, c]) · 2^(scale[r, c // group_size] − 127)``
+    (docs/design/numerics.md, "Weight formats", "Activation quantization").
 
     Args:
         q: [num_rows, K] float8_e4m3fn.
@@ -116,9 +118,9 @@ def dequantize_fp8_per_token_group(q: torch.Tensor, scale: torch.Tensor, out: to
 def quantize_mxfp4(w: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> None:
     """Quantize a weight to MXFP4: e2m1 codes packed two per byte, one UE8M0 scale per row and 32 columns.
 
-    Per group: ``a = max(amax, 6·2^−126)``, ``e = ⌈log2(a/6)⌉`` from the FP32 bits (§17's FP4 constants with
-    the §5.5 ceiling rule), codes = e2m1 round-to-nearest-even of ``w · 2^−e``. Byte ``j`` of a row holds
-    element ``2j`` in its low nibble and ``2j+1`` in its high nibble (§5.3).
+    Per group: ``a = max(amax, 6·2^−126)``, ``e = ⌈log2(a/6)⌉`` from the FP32 bits (the FP4 constants with
+    the activation-quantization ceiling), codes = e2m1 round-to-nearest-even of ``w · 2^−e``. Byte ``j`` of a row holds
+    element ``2j`` in its low nibble and ``2j+1`` in its high nibble (docs/design/numerics.md, "Weight formats").
 
     Args:
         w: [out, in] bf16/fp16/fp32, ``in % 32 == 0``.
@@ -134,7 +136,7 @@ def quantize_mxfp4(w: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -
 
 
 def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
-    """``out[o, i] = e2m1_value(o, i) · 2^(scale[o, i // 32] − 127)`` (§5.3).
+    """``out[o, i] = e2m1_value(o, i) · 2^(scale[o, i // 32] − 127)`` (docs/design/numerics.md, "Weight formats").
 
     Args:
         packed: [out, in // 2] int8 (low nibble = even element).

@@ -1,4 +1,4 @@
-"""Reference rotary embedding on interleaved pairs (model-core §15.5)."""
+"""Reference rotary embedding on interleaved pairs (docs/design/model.md, "RoPE and YaRN")."""
 
 from __future__ import annotations
 

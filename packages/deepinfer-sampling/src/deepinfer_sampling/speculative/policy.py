@@ -1,4 +1,5 @@
-"""Confidence-scheduled verification: how many drafts of each request a decode step verifies (runtime.md §3.5–3.6).
+"""Confidence-scheduled verification: how many drafts of each request a decode step verifies
+(docs/design/speculative.md, "Confidence-scheduled verification").
 
 The drafter's confidence head predicts, per draft position, the probability that the draft is accepted. The cumulative
 product ``c₁, c₁c₂, …`` (the *acceptance estimate* of a position) is the expected number of tokens that position adds.
@@ -18,8 +19,9 @@ Stage B (``redistribute_verified_drafts``, device, under asynchronous scheduling
 (it fixed the CUDA graph) but its extra rows are re-assigned using the confidences produced by the step still in
 flight; requests absent from that step get estimate 0.
 
-Cost-curve inputs: ``DecodeCostCurve`` holds the profiled graph replay times (§3.6); ``estimate_slope_ms`` and
-``estimate_sampler_ms`` turn measured step times into the runtime corrections.
+Cost-curve inputs: ``DecodeCostCurve`` holds the profiled graph replay times
+(docs/design/speculative.md, "Confidence-scheduled verification"); ``estimate_slope_ms`` and ``estimate_sampler_ms``
+turn measured step times into the runtime corrections.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Speculative verification: which draft tokens a decode step keeps and which token it adds (runtime.md §3.3).
+"""Speculative verification: which draft tokens a decode step keeps and which token it adds
+(docs/design/speculative.md, "Verification").
 
 Row layout. A decode step verifies ``d_b`` drafts of request ``b`` (``0 <= d_b <= nextn``, chosen by ``policy.py``)
 with ``d_b + 1`` consecutive sampling rows; rows of all requests are packed back to back (R = Σ (d_b + 1))::
@@ -22,7 +23,7 @@ Glossary:
 
 Each request emits ``a_b + 1`` tokens: its accepted drafts then the recovered or bonus token. Every random draw is
 keyed by (request seed, row position, stream) through ``seeds.py`` — accept uniforms use ``RandomStream.ACCEPT``,
-recovered tokens ``RECOVERED``, bonus tokens ``SAMPLE`` (runtime.md §2.4 stream case 0: a request verifying no drafts
+recovered tokens ``RECOVERED``, bonus tokens ``SAMPLE`` (the plain sampler's stream: a request verifying no drafts
 gets exactly the token the plain sampler would give it) — so results never depend on the batch's composition. q is the
 sampler's processed distribution (``Sampler.processed_logprobs``: masks incl. the grammar bitmask, temperature,
 top-k/top-p), so a grammar-invalid draft has q(x) = 0 and is always rejected, and greedy rows (one-hot q) reduce to

@@ -5,9 +5,9 @@ Layout (xgrammar's): an int32 tensor ``[num_rows, ceil(vocab_size / 32)]``; toke
 
     word 0: tokens 0..31   (bit 0 = token 0)   word 1: tokens 32..63   ...
 
-Per decode step (runtime.md §4.4–4.5) the engine allocates one pinned host mask for all sampling rows, calls
-``fill_step_bitmask`` (feeds each structured request's newly committed tokens to its matcher, then fills the rows
-that score the request's drafts), copies the mask to the device with ``non_blocking=True`` and the sampler calls
+Per decode step (docs/design/sampling.md, "Bitmask per step") the engine allocates one pinned host mask for all sampling
+rows, calls ``fill_step_bitmask`` (feeds each structured request's newly committed tokens to its matcher, then fills the
+rows that score the request's drafts), copies the mask to the device with ``non_blocking=True`` and the sampler calls
 ``apply_token_bitmask_`` before temperature/top-k/top-p and the rejection test. Rows of unconstrained requests stay
 all-allowed. A matcher failure aborts only its request and is returned as a ``StructuredOutputError``.
 """
@@ -108,7 +108,7 @@ class StepMaskRequest:
 
 
 def fill_step_bitmask(bitmask: torch.Tensor, requests: Sequence[StepMaskRequest]) -> dict[str, StructuredOutputError]:
-    """Advance each matcher by its committed tokens and fill its rows (runtime.md §4.4).
+    """Advance each matcher by its committed tokens and fill its rows (docs/design/sampling.md, "Bitmask per step").
 
     Rows not owned by any request are left as they are (all-allowed when the mask came from
     ``allocate_token_bitmask``). A request whose matcher rejects a committed token or raises is aborted: its rows are
@@ -132,7 +132,7 @@ def fill_step_bitmask(bitmask: torch.Tensor, requests: Sequence[StepMaskRequest]
                         f"{list(request.committed_token_ids)}); emitted tokens must satisfy the grammar"
                     )
             request.matcher.fill_bitmask_with_drafts(bitmask, request.first_row, request.draft_token_ids)
-        except Exception as exc:  # any matcher failure ends only this request (runtime.md §4.4 step 4)
+        except Exception as exc:  # any matcher failure ends only this request
             bitmask[rows].fill_(-1)
             failures[request.request_id] = StructuredOutputError("runtime_error", f"{type(exc).__name__}: {exc}")
     return failures

@@ -1,18 +1,18 @@
 """Grammar compilation service: background compile threads, timeout, byte-limited cache, failure results.
 
-Flow (runtime.md §4.2): the engine calls ``submit`` when a request with ``so_args`` arrives and does not schedule it
-yet; every step it calls ``poll``, which hands back a ``GrammarBuildResult`` for each finished build — either a ready
-``RequestGrammarMatcher`` or a ``StructuredOutputError`` — ordered by submission (a slow build never holds back
-later ones that are done). A build fails (never raises into the engine) on an unsupported schema type, an invalid
-trigger/bound, an xgrammar compile error, or when it takes longer than ``compile_timeout_s`` from submission; the
-engine then finishes only that request with ``FINISHED_SO_FAILED``. A timed-out compile keeps running in its thread
-(threads cannot be interrupted; ``shutdown`` waits for it); its grammar still lands in the cache. Pinning the compile
-threads to CPU cores is the engine's business.
+Flow (docs/design/sampling.md, "Grammar compilation"): the engine calls ``submit`` when a request with ``so_args``
+arrives and does not schedule it yet; every step it calls ``poll``, which hands back a ``GrammarBuildResult`` for each
+finished build — either a ready ``RequestGrammarMatcher`` or a ``StructuredOutputError`` — ordered by submission (a slow
+build never holds back later ones that are done). A build fails (never raises into the engine) on an unsupported schema
+type, an invalid trigger/bound, an xgrammar compile error, or when it takes longer than ``compile_timeout_s`` from
+submission; the engine then finishes only that request with ``FINISHED_SO_FAILED``. A timed-out compile keeps running in
+its thread (threads cannot be interrupted; ``shutdown`` waits for it); its grammar still lands in the cache. Pinning the
+compile threads to CPU cores is the engine's business.
 
 Schema types (``StructuredOutputSpec.schema_type`` in ``params.py``):
     ``json_schema``: JSON Schema text, compiled in xgrammar strict mode (no properties or items beyond those the
         schema names, unless it says ``additionalProperties``). ``{"type": "object"}`` admits any JSON object.
-    ``json``: the reference's name for ``json_schema`` (runtime.md §4.1); identical.
+    ``json``: the reference's name for ``json_schema`` (docs/design/sampling.md, "Grammar arguments"); identical.
     ``regex``: a regular expression the whole output must match.
     ``ebnf``: an xgrammar EBNF grammar with a ``root`` rule.
 """
@@ -132,7 +132,8 @@ def compile_structured_grammar(
 
 
 def validate_trigger_and_bound(trigger_token_ids: object, bound_token_id: object) -> str | None:
-    """Return why a trigger/bound pair is invalid, or ``None`` when valid (runtime.md §4.1)."""
+    """Return why a trigger/bound pair is invalid, or ``None`` when valid
+    (docs/design/sampling.md, "Grammar arguments")."""
     if trigger_token_ids is not None:
         if not isinstance(trigger_token_ids, list | tuple):
             return f"trigger_token_ids={trigger_token_ids!r} must be a list of non-negative ints"

@@ -1,7 +1,8 @@
 """Per-request grammar matcher: trigger, bound, grammar and post-stop states, with rollback.
 
 A ``RequestGrammarMatcher`` wraps one ``xgrammar.GrammarMatcher`` and adds the ``so_args`` trigger/bound behaviour
-(runtime.md §4.1, §4.3). Its mode moves only forward while accepting tokens; rollback moves it back::
+(docs/design/sampling.md, "Grammar arguments", "Bitmask per step"). Its mode moves only forward while accepting tokens;
+rollback moves it back::
 
     FREE ──trigger seen──────────────────────────────► GRAMMAR ──stop token──► FINISHED
       │                                                   ▲
@@ -175,7 +176,7 @@ class RequestGrammarMatcher:
             bitmask[row].fill_(-1)
 
     def fill_bitmask_with_drafts(self, bitmask: torch.Tensor, first_row: int, draft_token_ids: Sequence[int]) -> int:
-        """Fill the mask rows of one decode step whose rows score ``draft_token_ids`` (runtime.md §4.4 steps 2-3).
+        """Fill the mask rows of one decode step whose rows score ``draft_token_ids``.
 
         Row ``first_row`` gets the mask for the next token; row ``first_row + k`` the mask after tentatively accepting
         drafts ``1..k``. Drafting stops at the first draft the matcher rejects (or a negative sentinel id); later rows
