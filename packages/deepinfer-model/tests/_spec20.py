@@ -1,5 +1,5 @@
-"""The worked tiny configuration of model-core §20.1 (the ``tiny`` preset differs: 7 layers and a candidate
-source) and the §20 vision block, shared by the config, catalogue and vision-loading tests."""
+"""A worked tiny configuration with a vision block (the ``tiny`` preset differs: 7 layers and a candidate source),
+shared by the config, catalogue and vision-loading tests."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ SPEC20_VISION_CONFIG: dict[str, Any] = {
 
 
 def spec20_dict() -> dict[str, Any]:
-    """model-core §20.1 as a config.json dict, verbatim."""
+    """The worked tiny configuration as a config.json dict."""
     data: dict[str, Any] = json.loads(preset_json("tiny"))
     text = data["text_config"]
     text.update(

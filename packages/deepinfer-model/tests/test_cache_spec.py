@@ -28,7 +28,7 @@ def test_rows_per_block_and_request():
     assert spec.group("compressed_c1").rows_per_block(128) == 128
     assert spec.group("swa").rows_per_block(128) == 0
     assert spec.group("swa").rows_per_request() == W + BT
-    # Compressor ring R = c + BT - 1 (model-attention §4.4).
+    # Compressor ring R = c + BT - 1 (docs/design/attention.md, "Compressor state").
     assert spec.group("compressor_c2").rows_per_request() == 2 + BT - 1
     assert spec.group("compressed_c1").rows_per_request() == 0
 

@@ -1,17 +1,14 @@
-"""Tensor catalogue (model-core §6): release totals, §20.4 counts and spot checks of names, shapes and dtypes."""
+"""Tensor catalogue (docs/design/model.md, "Checkpoint layout"): release totals, worked-configuration counts and spot
+checks of names, shapes and dtypes."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
-import pytest
 from _spec20 import spec20_dict
 
 from deepinfer_model.config import ModelConfig, load_preset, preset_json
 from deepinfer_model.loading.catalogue import CatalogueEntry, build_catalogue, summarize
-
-SPEC_DIR = Path(__file__).resolve().parents[3].parent / "shared" / "spec"
 
 
 def by_name(entries: tuple[CatalogueEntry, ...]) -> dict[str, CatalogueEntry]:
@@ -21,10 +18,8 @@ def by_name(entries: tuple[CatalogueEntry, ...]) -> dict[str, CatalogueEntry]:
 
 
 def release_config() -> ModelConfig:
-    path = SPEC_DIR / "v41-flash-config.json"
-    if not path.exists():
-        pytest.skip(f"released config.json not found at {path} (shared/ spec directory absent)")
-    return ModelConfig.from_json(path)
+    """The released config.json, shipped as the ``v41-flash`` preset."""
+    return load_preset("v41-flash")
 
 
 def test_release_totals_match_the_released_index() -> None:
@@ -67,7 +62,8 @@ def test_release_spot_checks() -> None:
     check("mtp.2.confidence_head.proj.weight", (1, 5376), "BF16")
     check("mtp.1.ffn.gate.weight", (128, 5120), "BF16")
     check("aligner.w1.weight", (5120, 9216), "BF16")
-    # Absent by the sharing rules (model-attention §1.4) and the DSpark block rules (§6.5).
+    # Absent by the sharing rules (docs/design/model.md, "Layer roles") and the DSpark block rules
+    # (docs/design/model.md, "DSpark blocks").
     for absent in (
         "layers.3.attn.compressor.wkv.weight",
         "layers.20.attn.compressor.wgate.weight",
@@ -93,7 +89,7 @@ def test_spec20_has_836_tensors() -> None:
     assert sum(n.startswith("mtp.0.") and ".ffn.experts." not in n for n in table) == 37
     backbone = [n for n in table if n.startswith("layers.") and ".ffn.experts." not in n]
     assert len(backbone) == 218
-    # §20.4 table, spot checks.
+    # Worked-configuration tensors, spot checks.
     assert table["layers.0.engram.embed.weight"].shape == (4062, 128)
     assert table["layers.2.engram.embed.scale"].shape == (4152, 4)
     assert table["layers.2.engram.wkv.scale"].shape == (40, 16)

@@ -1,4 +1,4 @@
-"""Config parsing, derived values and every validation rule of model-core §2.7 (one case per rule)."""
+"""Config parsing, derived values and every validation rule (one case per rule)."""
 
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def test_spec20_derived_values() -> None:
         (True, True, True, True),
         (False, False, False, False),
     ]
-    # RoPE (§20.2): base 10000 for layers 0, 5 and mtp.0; YaRN 160000 for 1-4.
+    # RoPE: base 10000 for layers 0, 5 and mtp.0; YaRN 160000 for 1-4.
     assert [(s.rope_theta, s.uses_yarn) for s in t.layers] == [(10000.0, False)] + [(160000.0, True)] * 4 + [
         (10000.0, False)
     ] * 2

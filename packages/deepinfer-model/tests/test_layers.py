@@ -187,7 +187,7 @@ def test_engram_vocab_hash_and_rows_match_reference() -> None:
     assert (vocab.num_compressed, vocab.pad_id) == (expected.num_compressed, expected.pad_id)
     assert normalize_engram_key("  Héllo\t\n") == "hello" and normalize_engram_key(" \n ") == " "
     assert hash_multipliers(2, 1000, 3).tolist() == ref.engram_hash_multipliers(2, 3, 1000)
-    # Worked example of model-core §12.9.
+    # Hash example worked by hand.
     assert hash_multipliers(0, 1000, 3).tolist() == [5874934615388535, 2488343231644625, 377914054924497]
     ids = torch.tensor([5, 7, 2000, 9, 4, 1])
     compressed = torch.where(ids < vocab.old_to_new.shape[0], vocab.old_to_new[ids.clamp(max=1023)], -1)

@@ -13,12 +13,10 @@ from _layered_model_support import (
 )
 
 from deepinfer_model.cache_spec import CacheGroupKind
-from deepinfer_model.config import ModelConfig
+from deepinfer_model.config import ModelConfig, load_preset
 from deepinfer_model.deepseek_v41.model import DeepseekV41ForCausalLM
 from deepinfer_model.layers.mode import ComputeMode
 from deepinfer_model.loading.catalogue import build_catalogue
-
-RELEASED_CONFIG = Path("/work/shared/spec/v41-flash-config.json")
 
 
 def _text_catalogue_elements(config: ModelConfig) -> int:
@@ -34,9 +32,8 @@ def test_tiny_parameters_cover_the_catalogue_exactly() -> None:
     assert sum(p.numel() for p in model.parameters()) == _text_catalogue_elements(tiny_config())
 
 
-@pytest.mark.skipif(not RELEASED_CONFIG.exists(), reason="released config not present")
 def test_released_config_builds_on_meta() -> None:
-    config = ModelConfig.from_json(RELEASED_CONFIG)
+    config = load_preset("v41-flash")
     with torch.device("meta"):
         model = DeepseekV41ForCausalLM(config)
     assert all(p.device.type == "meta" for p in model.parameters())

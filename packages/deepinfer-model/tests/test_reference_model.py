@@ -1,7 +1,7 @@
 """End-to-end checks of the single-file reference model on random stored-format checkpoints.
 
 Covers: the tiny preset forward (finite O(1) logits, determinism, causality, ``model.`` prefix handling, exactly the
-catalogued tensors being read), the attention visibility sets of the model-attention §12 worked example, the
+catalogued tensors being read), the attention visibility sets of a hand-worked example, the
 non-shifted mHC and FP8 compressed-KV variants, and the DSpark draft forward and heads.
 """
 
@@ -32,7 +32,7 @@ def random_checkpoint(config: ModelConfig, seed: int = 0) -> dict[str, torch.Ten
 
 
 def tiny_vocabulary(config: ModelConfig) -> ref.EngramVocabulary:
-    """The Engram vocabulary of the synthetic checkpoint's tokenizer (model-core §12.2)."""
+    """The Engram vocabulary of the synthetic checkpoint's tokenizer (docs/design/model.md, "Compressed vocabulary")."""
     return ref.engram_vocabulary_from_tokenizer(build_tokenizer(config))
 
 
@@ -161,11 +161,11 @@ def test_bad_token_ids_are_rejected(tiny, tiny_weights):
         ref.reference_forward(tiny, tiny_weights, torch.tensor([1, 2]))
 
 
-# ---- model-attention §12 worked example: keys attended per query ---------------------------------------------------
+# ---- hand-worked example: keys attended per query ---------------------------------------------------------------
 
 
 def worked_example_config() -> ModelConfig:
-    """The tiny configuration of model-attention §12 (Engram off; DSpark as in dspark §8)."""
+    """The tiny configuration of the hand-worked attention example (Engram off; one DSpark block)."""
     data = json.loads(preset_json("tiny"))
     text = {k: v for k, v in data["text_config"].items() if not k.startswith("engram_")}
     text.pop("index_k_source_layer_ids")
@@ -230,7 +230,7 @@ def test_worked_example_compressed_rows(example):
         for layer, num_rows in [(1, c2_rows), (3, c1_rows), (5, c1_rows)]:
             rows = _rows(output, layer, t)
             assert len(rows) == 4 and rows <= set(range(num_rows)), (layer, t)
-    # §12.3 final state: layer 1 holds rows 0–19 (row 18 completed by token 37), layer 3 rows 0–39.
+    # Final state: layer 1 holds rows 0–19 (row 18 completed by token 37), layer 3 rows 0–39.
     assert output.compressed_keys.keys() == output.index_keys.keys() == {1, 3}
     assert output.compressed_keys[1].shape[0] == output.index_keys[1].shape[0] == 20
     assert output.compressed_keys[3].shape[0] == output.index_keys[3].shape[0] == 40
@@ -301,7 +301,7 @@ def test_cache_contents_have_the_storage_shapes(tiny, tiny_output):
 
 
 def test_worked_example_draft_keys(example):
-    """dspark §8 decode step 1: p* = 37, B = 2 → both slots see context 22–37 and draft keys 38–39."""
+    """DSpark decode step 1: p* = 37, B = 2 → both slots see context 22–37 and draft keys 38–39."""
     config, weights, output = example
     draft = ref.reference_dspark_forward(config, weights, output.target_features[:38], anchor_token=5)
     assert draft.context_positions.tolist() == list(range(22, 38))

@@ -2,7 +2,7 @@
 
 Covers number formats (UE8M0, e4m3, e2m1, TF32, dynamic FP8/FP4 quantization, FP8 block and MXFP4 dequantization),
 RMSNorm, RoPE/YaRN tables and rotation, mHC (Sinkhorn, read, post, head), the Engram vocabulary, primes, hash
-multipliers (model-core §12.9 and the v41-flash values) and gate, MoE routing, top-k, candidate blocks, the
+multipliers (a hand-worked example and the v41-flash values) and gate, MoE routing, top-k, candidate blocks, the
 compressor and the attention core.
 """
 
@@ -115,7 +115,7 @@ def test_rms_norm_matches_a_float64_formula_to_bf16_rounding():
 
 
 def test_yarn_table_of_the_tiny_config():
-    """model-core §15.3 example: r 64, base 160000, L0 1024, β 32/1 → lo 4, hi 14."""
+    """YaRN bounds worked by hand: r 64, base 160000, L0 1024, β 32/1 → lo 4, hi 14."""
     base = ref.rope_inv_freq(64, 160000.0)
     yarn = ref.yarn_inv_freq(64, 160000.0, 4.0, 1024, 32, 1)
     assert torch.equal(yarn[:5], base[:5])  # i ≤ lo keeps the base frequency
@@ -190,7 +190,7 @@ def test_hc_head_reads_with_its_own_mix():
 
 
 def test_engram_primes_multipliers_and_hash_of_the_worked_example():
-    """model-core §12.9 (tiny configuration, V_c = 1000)."""
+    """Hand-worked hash example (tiny configuration, V_c = 1000)."""
     text = load_preset("tiny").text
     assert ref.engram_table_primes(text) == [[1009, 1013, 1019, 1021], [1031, 1033, 1039, 1049]]
     a0 = ref.engram_hash_multipliers(0, 3, 1000)
@@ -202,7 +202,7 @@ def test_engram_primes_multipliers_and_hash_of_the_worked_example():
 
 
 def test_engram_primes_and_multipliers_of_the_release_config():
-    """v41-flash-config §6.3: the row counts equal engram_num_embeddings; V_c = 99092 multipliers."""
+    """Released config: the row counts equal engram_num_embeddings; V_c = 99092 multipliers."""
     text = load_preset("v41-flash").text
     primes = ref.engram_table_primes(text)
     assert [sum(p) for p in primes] == [384006168, 384016682]

@@ -126,7 +126,7 @@ def test_initialisation_keeps_values_order_one() -> None:
     assert abs(table.std().item() - 1.0) < 0.05
     [(_, base)] = tensor_pair(entries["layers.5.hc_ffn_base"], config, seed=0)
     m = config.text.hc_mult
-    assert base[:m].tolist() == [-3.0, 3.0, -3.0, -3.0]  # +3 at 5 mod 4 (§10.12)
+    assert base[:m].tolist() == [-3.0, 3.0, -3.0, -3.0]  # +3 at 5 mod 4 (docs/design/model.md, "Initial mHC values")
     assert base[m : 2 * m].tolist() == [0.0] * m
     comb = base[2 * m :].view(m, m)
     assert torch.equal(comb, torch.where(torch.eye(m, dtype=torch.bool), 3.0, -3.0))
@@ -167,5 +167,5 @@ def test_round_trip_without_optional_families(tmp_path: Path) -> None:
         if entry.format is not TensorFormat.SCALE:
             for name, expected in tensor_pair(entry, config, seed=2):
                 assert torch.equal(raw_bytes(loaded[name]), raw_bytes(expected)), name
-    assert loaded["hc_head_base"].tolist() == [-3.0, -3.0, 3.0, -3.0]  # +3 at L mod m = 2 (§10.12)
+    assert loaded["hc_head_base"].tolist() == [-3.0, -3.0, 3.0, -3.0]  # +3 at L mod m = 2 ("Initial mHC values")
     assert loaded["mtp.1.hc_head_base"].tolist() == [3.0, -3.0, -3.0, -3.0]  # runtime id 3, + 1

@@ -1,9 +1,10 @@
-"""Fail-fast semantic validation of a parsed configuration (model-core §2.7, model-attention §1.3).
+"""Fail-fast semantic validation of a parsed configuration (docs/design/model.md, "Configuration rules", "Layer roles").
 
 Each check raises ``ValueError`` naming the key, its value and what is allowed. Checks run in dependency order so
-that the sharing-map checks only see well-formed id lists. GPU-kernel layout constraints of §2.7 (``H % 128``,
+that the sharing-map checks only see well-formed id lists. GPU-kernel layout constraints of the release (``H % 128``,
 ``D = 512``, ``n_h ∈ {64, 128}``, the candidate MQA-path constraints ...) are deliberately not enforced; only the
-constraints the stored formats themselves need are (multiples of 32 for every FP8/MXFP4 group, model-core §5).
+constraints the stored formats themselves need are (multiples of 32 for every FP8/MXFP4 group,
+docs/design/numerics.md, "Number formats").
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ if TYPE_CHECKING:
 ARCHITECTURE = "DeepseekV41ForCausalLM"
 MODEL_TYPE = "deepseek_v41"
 TOKENIZER_POLICIES = ("release", "native")
-_FORMAT_GROUP = 32  # FP8 activation groups and MXFP4 / Engram scale groups (model-core §5)
-_ROPE_HEAD_DIM = 64  # asserted by the reference indexer (model-core §2.3)
+_FORMAT_GROUP = 32  # FP8 activation groups and MXFP4 / Engram scale groups (docs/design/numerics.md, "Number formats")
+_ROPE_HEAD_DIM = 64  # asserted by the reference indexer (docs/design/model.md, "Configuration rules")
 
 
 def _fail(key: str, value: object, allowed: str) -> ValueError:
@@ -270,7 +271,7 @@ def validate_text_config(t: TextConfig) -> None:
 
 
 def validate_model_config(c: ModelConfig) -> None:
-    """Run the top-level rules of model-core §2.1; raises ValueError on the first violation."""
+    """Run the top-level rules (architecture, tokenizer policy, special ids); raise ValueError on the first."""
     if c.architectures != (ARCHITECTURE,):
         raise _fail("architectures", list(c.architectures), f"must be [{ARCHITECTURE!r}]")
     _require_equal("model_type", c.model_type, MODEL_TYPE)

@@ -1,8 +1,9 @@
 """Typed reading of ``config.json`` objects into constructor keyword arguments, and the inverse.
 
-Owns the "req / opt(x) / req iff" rules of model-core §2.1–§2.4: which keys must be present, their JSON types and
-their defaults. Semantic rules (constants, ranges, sharing maps) live in ``_config_checks``; the dataclasses in
-``config``. Every error names the full key path (``text_config.hidden_size``), the value and what is allowed.
+Owns the "required / optional with default / required if" rules of every ``config.json`` key: which keys must be
+present, their JSON types and their defaults. Semantic rules (constants, ranges, sharing maps) live in
+``_config_checks``; the dataclasses in ``config``. Every error names the full key path (``text_config.hidden_size``),
+the value and what is allowed.
 """
 
 from __future__ import annotations

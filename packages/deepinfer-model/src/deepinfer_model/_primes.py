@@ -1,4 +1,4 @@
-"""Deterministic primality test and next-prime search for the Engram table sizes (model-core §12.4)."""
+"""Primality test and next-prime search for the Engram table sizes (docs/design/model.md, "Table primes")."""
 
 from __future__ import annotations
 

@@ -6,20 +6,21 @@ addressing, so they can share one allocation scheme. There are three kinds:
 
 - `CacheGroupKind.PAGED` — rows appended as the request grows, one row per `tokens_per_row` raw tokens, stored in
   pages addressed through the request's block table. A block covers `block_size` raw tokens in EVERY paged group, so
-  one block table serves all paged groups (model-attention §11 rule 2); a page of group `g` holds
+  one block table serves all paged groups (docs/design/cache.md, "Paged blocks"); a page of group `g` holds
   `block_size // g.tokens_per_row` rows.
 - `CacheGroupKind.SLIDING_WINDOW` — a per-request ring of `window + backtracking_tokens` raw-token rows, addressed by
-  position modulo the ring size (model-attention §10.1, §11 rule 1). The extra `backtracking_tokens` rows let up to that
+  position modulo the ring size (docs/design/cache.md, "Rings"). The extra `backtracking_tokens` rows let up to that
   many speculative positions be rolled back without destroying entries inside the window of the committed prefix.
 - `CacheGroupKind.STATE` — fixed per-request state: the C2 compressor's partial-block ring of
   `tokens_per_row + max(0, backtracking_tokens - 1)` raw-token rows, addressed by position modulo its size
-  (model-attention §4.4, runtime §3.7).
+  (docs/design/attention.md, "Compressor state"; docs/design/cache.md, "Rollback").
 
 SLIDING_WINDOW and STATE groups are both fixed-size per request, so the engine stores them in one *state slot* per
 running request; PAGED groups grow through the shared block table.
 
-How each layer kind of model-attention §11 maps onto groups (`BT` = max backtracking tokens, `W` = sliding window,
-`D` = head_dim; byte sizes from model-attention §8 for D = 512, index_head_dim = 128):
+How each layer kind maps onto groups (docs/design/cache.md, "Cache groups"). `BT` = max backtracking tokens, `W` =
+sliding window, `D` = head_dim; byte sizes (docs/design/numerics.md, "KV storage formats") for D = 512,
+index_head_dim = 128:
 
 | layer kind                           | groups it appears in (row bytes)                                        |
 |--------------------------------------|-------------------------------------------------------------------------|
@@ -30,8 +31,8 @@ How each layer kind of model-attention §11 maps onto groups (`BT` = max backtra
 | C2 index-K source (kv source or not) | PAGED "index_k_c2", tokens_per_row 2: index-K row (FP4 + scales, 68 B)  |
 | C1 kv source                         | PAGED "compressed_c1", tokens_per_row 1: main row per token; no state   |
 | C1 index-K source                    | PAGED "index_k_c1", tokens_per_row 1: index-K row (68 B)                |
-| kv consumer / index-K consumer       | nothing beyond "swa": it aliases its source's rows (§11 rule 3)         |
-| drafter (DSpark) layer               | its own SLIDING_WINDOW group, sized as dspark.md describes              |
+| kv consumer / index-K consumer       | nothing beyond "swa": it aliases its source's rows                      |
+| drafter (DSpark) layer               | its own SLIDING_WINDOW group, sized like "swa"                          |
 
 A layer id may therefore appear in several groups (a C2 source is in "swa", "compressed_c2", "index_k_c2" and
 "compressor_c2"), but at most once per group. Groups whose layers differ in row size must be split (e.g. FP4 and FP8

@@ -1,19 +1,21 @@
 """Frozen, validated model configuration built from a Hugging Face ``config.json``.
 
-This module owns the configuration types of DeepSeek-V4.1-Flash (model-core §2) and the derived values the rest of
-the package reads: the §2.5 internal values, the per-layer attention kind, the cross-layer sharing maps, the YOCO
-boundary, the Engram table sizes (model-core §12.4) and the DSpark sizes. Key reading lives in ``_config_parse``;
-every fail-fast rule of model-core §2.7 and model-attention §1.3 lives in ``_config_checks`` and runs at construction.
+This module owns the configuration types of DeepSeek-V4.1-Flash (docs/design/model.md, "Configuration rules") and the
+derived values the rest of the package reads: internal sizes without an HF key, the per-layer attention kind, the
+cross-layer sharing maps, the YOCO boundary, the Engram table sizes (docs/design/model.md, "Table primes") and the
+DSpark sizes. Key reading lives in ``_config_parse``; every fail-fast rule lives in ``_config_checks`` and runs at
+construction.
 
 Field names of ``TextConfig``, ``QuantizationConfig`` and ``VisionConfig`` are exactly the HF keys. Keys the loader
 does not read (``transformers_version``, ``initializer_range``, ``engram_num_embeddings`` ...) are accepted and dropped.
-A configuration without ``vision_config`` is accepted as a text-only model (a documented relaxation of §2.1).
+A configuration without ``vision_config`` is accepted as a text-only model (a documented relaxation of the release).
 
 Glossary:
-    runtime layer id: backbone blocks are ``0 … L−1``, DSpark (MTP) blocks ``L … L+N_mtp−1`` (model-core §7.1).
+    runtime layer id: backbone blocks are ``0 … L−1``, DSpark (MTP) blocks ``L … L+N_mtp−1``
+        (docs/design/model.md, "Layer stack and runtime layer ids").
     source / consumer: a layer that maps to itself in a sharing map owns the shared object; any other layer reuses
-        the object of the layer it maps to (model-attention §1.3).
-    YOCO: "you only cache once"; layers ``n_prefill_layer … L−1`` form the consumer half (model-attention §7).
+        the object of the layer it maps to (docs/design/model.md, "Layer roles").
+    YOCO: "you only cache once"; layers ``n_prefill_layer … L−1`` form the consumer half (docs/design/model.md, "YOCO").
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ _RATIO_TO_KIND = {0: LayerKind.SWA, 1: LayerKind.C1, 2: LayerKind.C2}
 
 @dataclass(frozen=True, kw_only=True)
 class TextConfig:
-    """``text_config`` (model-core §2.3). Field names are the HF keys; defaults are the spec's optional defaults.
+    """``text_config`` (docs/design/model.md, "Configuration rules"). Field names are the HF keys; defaults are the
+    spec's optional defaults.
 
     ``index_k_source_layer_ids`` defaults to ``kv_source_layer_ids`` (it is filled in by ``from_dict``); the Engram
     keys are None when ``engram_layer_ids`` is empty.
@@ -123,7 +126,7 @@ class TextConfig:
     def __post_init__(self) -> None:
         _config_checks.validate_text_config(self)
 
-    # ---- §2.5 derived values -------------------------------------------------------------------------------------
+    # ---- derived values -----------------------------------------------------------------------------------------
 
     @property
     def kv_lora_rank(self) -> int:
@@ -171,7 +174,7 @@ class TextConfig:
     def dspark_num_targets(self) -> int:
         return len(self.dspark_target_layer_ids)
 
-    # ---- sharing maps (model-attention §1.3) -------------------------------------------------------------------
+    # ---- sharing maps (docs/design/model.md, "Layer roles") -------------------------------------------------------
 
     def _source_map(self, sources: tuple[int, ...]) -> tuple[int, ...]:
         mapping = list(range(self.num_runtime_layers))
@@ -233,7 +236,7 @@ class TextConfig:
             )
         return tuple(specs)
 
-    # ---- Engram (model-core §12.4) -------------------------------------------------------------------------------
+    # ---- Engram (docs/design/model.md, "Table primes") ------------------------------------------------------------
 
     @cached_property
     def engram_table_sizes(self) -> tuple[tuple[int, ...], ...]:
@@ -285,7 +288,7 @@ class TextConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """The whole ``config.json`` (model-core §2.1), validated at construction."""
+    """The whole ``config.json`` (docs/design/model.md, "Configuration rules"), validated at construction."""
 
     text: TextConfig
     quantization: QuantizationConfig

@@ -12,12 +12,15 @@ from deepinfer_model._config_checks import _fail
 
 __all__ = ["VIT_WIDTH", "QuantizationConfig", "RopeScalingConfig", "VisionConfig"]
 
-VIT_WIDTH = 1024  # fixed width of the vision tower (model-core §18)
+VIT_WIDTH = 1024  # fixed width of the vision tower (docs/design/model.md, "Vision tensors")
 
 
 @dataclass(frozen=True, kw_only=True)
 class QuantizationConfig:
-    """``quantization_config``: every key must have exactly the value below (model-core §2.2)."""
+    """``quantization_config``: every key must have exactly the value below (docs/design/numerics.md, "Weight formats").
+
+    The values describe the stored formats; no other format is supported.
+    """
 
     quant_method: str = "fp8"
     expert_dtype: str = "fp4"
@@ -35,7 +38,8 @@ class QuantizationConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class RopeScalingConfig:
-    """YaRN parameters of ``text_config.rope_scaling`` (model-core §15.3); ``type``/``rope_type`` is ignored."""
+    """YaRN parameters of ``text_config.rope_scaling`` (docs/design/model.md, "RoPE and YaRN"); ``type``/``rope_type``
+    is ignored."""
 
     factor: float
     original_max_position_embeddings: int
@@ -55,7 +59,8 @@ class RopeScalingConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class VisionConfig:
-    """``vision_config`` keys the loader reads (model-core §2.4); the ViT itself is fixed (§18)."""
+    """``vision_config`` keys the loader reads (docs/design/model.md, "Vision tensors"); the ViT itself is
+    fixed."""
 
     hidden_size: int
     downsample_ratio: int

@@ -12,7 +12,7 @@ __all__ = ["LayerKind", "LayerSpec"]
 
 
 class LayerKind(enum.Enum):
-    """Attention variant of a runtime layer (model-attention §1.1)."""
+    """Attention variant of a runtime layer (docs/design/model.md, "Layer kinds")."""
 
     SWA = "swa"  # compress ratio 0: sliding window only
     C1 = "c1"  # compress ratio 1: SWA + sparse compressed rows, one row per token
@@ -22,7 +22,8 @@ class LayerKind(enum.Enum):
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """Everything structural about one runtime layer (model-attention §1, model-core §7 and §15.1).
+    """Everything structural about one runtime layer
+    (docs/design/model.md, "Layer kinds", "Layer stack and runtime layer ids", "RoPE and YaRN").
 
     Attributes:
         layer_id: runtime layer id (backbone ``0 … L−1``, DSpark ``L …``).

@@ -17,16 +17,16 @@ instead of importing the kernel package, so that it is an independent oracle.
 Glossary:
     trunk: the ``[n, m, H]`` BF16 residual state of mHC (``m`` = ``hc_mult`` streams).
     read-mix / write-mix / comb: the per-token mHC weights ``P`` (read one stream mix), ``Q`` (write the sub-layer
-        output back) and ``C`` (doubly-stochastic stream mixing) of model-core §10.
+        output back) and ``C`` (doubly-stochastic stream mixing) (docs/design/model.md, "Hyper-connections (mHC)").
     compressed row: one entry of a layer's compressed KV (one per ``c`` raw tokens, ``c`` = compress ratio).
     quant-dequant: quantizing to a storage format and reading it back, which is how a stored cache entry or an FP8
         GEMM operand is seen by the math.
 
 Choices where the spec leaves a point open (each follows what the spec attributes to the reference package):
     1. RMSNorm (and the mHC / Engram-gate normalizations): ``ρ = 1/sqrt(Σx²/d + ε)`` evaluated in FP64 from the
-       FP32 sum of squares and rounded once to FP32 ("correctly rounded", model-core §11, B6); the product
+       FP32 sum of squares and rounded once to FP32 ("correctly rounded", docs/design/model.md, "RMSNorm"); the product
        ``x·ρ·w`` runs in FP32 with one BF16 rounding (the kernel, not the package's simple reference).
-    2. mHC mix GEMM: ``fn`` rounded to TF32 by round-to-nearest-even; the trunk is BF16 and exact in TF32 (B2).
+    2. mHC mix GEMM: ``fn`` rounded to TF32 by round-to-nearest-even; the trunk is BF16 and exact in TF32.
     3. RoPE FMA: ``fma(a, c, ±b·s)`` is evaluated as an exact FP64 ``a·c`` plus the FP32-rounded ``b·s``, rounded to
        FP32 and then to the storage dtype (a double rounding that can differ from a true FP32 FMA in rare ties).
     4. Attention: unnormalized probabilities ``exp(s − max)`` are rounded to BF16 before the value product; the
@@ -36,24 +36,27 @@ Choices where the spec leaves a point open (each follows what the spec attribute
     5. Top-k (indexer, candidate blocks, router): larger score first, ties to the lower index (stable sort).
     6. Engram gate at exactly ``z = 0``: the kernel's copy-sign, i.e. ``sigmoid(+1e−3)`` for ``+0`` (B5).
     7. MoE combine: FP32 sum of the BF16 shared-expert output and the BF16 routed outputs in top-k rank order,
-       one BF16 rounding (B7). The SwiGLU output times the routing weight is FP8-quantized from FP32.
-    8. e4m3 conversion: round-to-nearest-even after clamping to ±448 (saturation, B8); e2m1 conversion:
-       round-to-nearest-even with saturation at ±6 (A5).
+       one BF16 rounding. The SwiGLU output times the routing weight is FP8-quantized from FP32.
+    8. e4m3 conversion: round-to-nearest-even after clamping to ±448 (saturation); e2m1 conversion:
+       round-to-nearest-even with saturation at ±6.
     9. Text path only: token ids must lie in ``[0, V)``; image tokens (``bias_vl`` routing, Engram skip) do not
-       occur. Engram compressed ids of ids outside the tokenizer table are the sentinel −1 (model-core §12.3).
+       occur. Engram compressed ids of ids outside the tokenizer table are the sentinel −1
+       (docs/design/model.md, "N-gram rows").
     10. Engram vocabulary: passed in as an ``EngramVocabulary`` (built once from ``tokenizer.json`` with
         ``engram_vocabulary_from_tokenizer``), never loaded inside the forward; the pad id is a parameter (the
         runtime reads ``DEEPINFER_ENGRAM_PAD_TOKEN``, default 2).
     11. YOCO prefill truncation is ``off`` (the exact mode); the forward is one full causal prefill of one request.
-    12. DSpark: the number of draft slots defaults to ``dspark_block_size`` (dspark D1); the context keys are
+    12. DSpark: the number of draft slots defaults to ``dspark_block_size``; the context keys are
         computed from the target features inside ``reference_dspark_forward``; the confidence head reads the
-        pre-norm hidden (D2).
-    13. Indexer logits are rounded to BF16 before top-k and candidate-block scoring (attention §5.3, inferred);
-        the C2 compressor softmax uses exact ``exp`` (the reference kernel's fast-math is not reproduced, A3).
+        pre-norm hidden.
+    13. Indexer logits are rounded to BF16 before top-k and candidate-block scoring
+        (docs/design/attention.md, "Index scores"); the C2 compressor softmax uses exact ``exp`` (the reference
+        kernel's fast-math is not reproduced).
     14. mHC read and post accumulate in FP32 in stream order without FMA; the FP32 mix GEMM sums in one pass.
 
 Precision (the ``precision`` keyword of the four entry points and of the building blocks that round):
-    ``"exact"`` (default) is everything above: the spec's numerics (model-core §5, §19, model-attention §8).
+    ``"exact"`` (default) is everything above: the release's numerics
+    (docs/design/numerics.md, "Number formats", "Rounding points", "KV storage formats").
     ``"fp32"`` is the same model with every rounding of an activation switched off, so that two implementations can
     be compared up to FP32 summation order (in exact mode a one-ulp difference may flip a BF16 or FP8 rounding and
     then grow). It changes exactly four kinds of point, each in one method of ``_Numerics``:
@@ -160,7 +163,7 @@ __all__ = [
 ]
 
 # ==================================================================================================================
-# 2. Stored weights and linear layers (model-core §4, §5.6)
+# 2. Stored weights and linear layers (docs/design/numerics.md, "Weight formats", "GEMM accumulation")
 # ==================================================================================================================
 
 
@@ -192,7 +195,8 @@ class _Weights:
 
 
 def _fp8_linear(num: _Numerics, x: Tensor, weight: Tensor) -> Tensor:
-    """``bf16(Q8(x) · Ŵᵀ)``: per-32 dynamic FP8 activation × dequantized weight, FP32 accumulation (§5.6)."""
+    """``bf16(Q8(x) · Ŵᵀ)``: per-32 dynamic FP8 activation × dequantized weight, FP32 accumulation
+    (docs/design/numerics.md, "GEMM accumulation")."""
     return num.bf16(num.act_quant(x) @ weight.T)
 
 
@@ -202,12 +206,12 @@ def _bf16_linear(x: Tensor, weight: Tensor) -> Tensor:
 
 
 # ==================================================================================================================
-# 3. RMSNorm (model-core §11)
+# 3. RMSNorm (docs/design/model.md, "RMSNorm")
 # ==================================================================================================================
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, *, precision: Precision = "exact") -> Tensor:
-    """RMSNorm over the last dimension, output BF16 (model-core §11).
+    """RMSNorm over the last dimension, output BF16 (docs/design/model.md, "RMSNorm").
 
     ``ρ = 1/sqrt(Σx²/d + ε)`` with an FP32 sum of squares and ``ρ`` correctly rounded to FP32; ``y = x·ρ·w`` in
     FP32, rounded once to BF16.
@@ -227,7 +231,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, *, precision: Precision = "e
 
 
 # ==================================================================================================================
-# 4. RoPE and YaRN (model-core §15, model-attention §9)
+# 4. RoPE and YaRN (docs/design/model.md, "RoPE and YaRN")
 # ==================================================================================================================
 
 
@@ -240,7 +244,7 @@ def rope_inv_freq(rope_dim: int, base: float) -> Tensor:
 def yarn_inv_freq(
     rope_dim: int, base: float, factor: float, original_max_position: int, beta_fast: float, beta_slow: float
 ) -> Tensor:
-    """YaRN inverse frequencies of model-core §15.3 (blend of ``f`` and ``f/φ`` by a linear ramp), FP32 ``[r/2]``."""
+    """YaRN inverse frequencies (blend of ``f`` and ``f/φ`` by a linear ramp), FP32 ``[r/2]``."""
 
     def correction(num_rotations: float) -> float:
         return rope_dim * math.log(original_max_position / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
@@ -256,7 +260,8 @@ def yarn_inv_freq(
 
 
 def rope_cos_sin(inv_freq: Tensor, num_positions: int) -> tuple[Tensor, Tensor]:
-    """Cos/sin tables for positions ``0 … P−1``: angle ``fp32(t·f_i)``, via the complex polar form (§15.4).
+    """Cos/sin tables for positions ``0 … P−1``: angle ``fp32(t·f_i)``, via the complex polar form
+    (docs/design/model.md, "RoPE and YaRN").
 
     Returns:
         ``cos``, ``sin``: both ``[P, r/2]`` FP32.
@@ -267,7 +272,8 @@ def rope_cos_sin(inv_freq: Tensor, num_positions: int) -> tuple[Tensor, Tensor]:
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False) -> Tensor:
-    """Rotate the last ``r`` elements of ``x`` in interleaved pairs ``(2i, 2i+1)`` (model-core §15.5).
+    """Rotate the last ``r`` elements of ``x`` in interleaved pairs ``(2i, 2i+1)``
+    (docs/design/model.md, "RoPE and YaRN").
 
     ``x'[2i] = fma(x[2i], c, −x[2i+1]·s)``, ``x'[2i+1] = fma(x[2i], s, x[2i+1]·c)``; ``inverse`` uses ``−s``.
 
@@ -299,7 +305,8 @@ class _RopeTable:
 
 
 def _layer_rope_table(text: TextConfig, compressed: bool, num_positions: int) -> _RopeTable:
-    """The cos/sin table of a layer kind (model-core §15.1): compressed layers use compress theta and YaRN."""
+    """The cos/sin table of a layer kind (docs/design/model.md, "RoPE and YaRN"): compressed layers use compress theta
+    and YaRN."""
     r = text.qk_rope_head_dim
     scaling = text.rope_scaling
     if not compressed:
@@ -319,12 +326,12 @@ def _layer_rope_table(text: TextConfig, compressed: bool, num_positions: int) ->
 
 
 # ==================================================================================================================
-# 5. Manifold-constrained hyper-connections (model-core §10)
+# 5. Manifold-constrained hyper-connections (docs/design/model.md, "Hyper-connections (mHC)")
 # ==================================================================================================================
 
 
 def hc_mix_logits(trunk: Tensor, fn: Tensor, eps: float, *, precision: Precision = "exact") -> Tensor:
-    """Token-dependent mix logits ``μ = γ · fn·z`` of model-core §10.2.
+    """Token-dependent mix logits ``μ = γ · fn·z`` (docs/design/model.md, "Mix logits").
 
     Args:
         trunk: ``[n, m, H]`` BF16 (FP32 in fp32 precision).
@@ -341,7 +348,8 @@ def hc_mix_logits(trunk: Tensor, fn: Tensor, eps: float, *, precision: Precision
 
 
 def sinkhorn(logits: Tensor, iters: int, eps: float) -> Tensor:
-    """Sinkhorn normalization of comb logits (model-core §10.4): row softmax + ε, then column/row passes.
+    """Sinkhorn normalization of comb logits (docs/design/model.md, "Sinkhorn normalization"): row softmax + ε, then
+    column/row passes.
 
     Args:
         logits: ``[..., m, m]`` FP32, entry ``[i, j]`` = source stream ``i`` → destination ``j``.
@@ -362,7 +370,8 @@ def sinkhorn(logits: Tensor, iters: int, eps: float) -> Tensor:
 def hc_split_mixes(
     mix: Tensor, base: Tensor, scale: Tensor, hc_mult: int, hc_eps: float, sinkhorn_iters: int
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Read-mix ``P``, write-mix ``Q`` and comb ``C`` from mix logits (model-core §10.3–10.4).
+    """Read-mix ``P``, write-mix ``Q`` and comb ``C`` from mix logits
+    (docs/design/model.md, "Read, write and comb mixes").
 
     Args:
         mix: ``[n, (2+m)·m]`` FP32 from ``hc_mix_logits``.
@@ -383,7 +392,7 @@ def hc_split_mixes(
 
 
 def hc_read(trunk: Tensor, pre: Tensor, *, precision: Precision = "exact") -> Tensor:
-    """``bf16(Σ_j P_j·X_j)`` accumulated in FP32 in stream order (model-core §10.5).
+    """``bf16(Σ_j P_j·X_j)`` accumulated in FP32 in stream order (docs/design/model.md, "Read and post").
 
     Args:
         trunk: ``[n, m, H]`` BF16 (FP32 in fp32 precision).
@@ -401,7 +410,8 @@ def hc_read(trunk: Tensor, pre: Tensor, *, precision: Precision = "exact") -> Te
 
 
 def hc_post(output: Tensor, trunk: Tensor, post: Tensor, comb: Tensor, *, precision: Precision = "exact") -> Tensor:
-    """``X'_o = bf16(Q_o·y + Σ_i C_io·X_i)`` in FP32, products added in stream order (model-core §10.6).
+    """``X'_o = bf16(Q_o·y + Σ_i C_io·X_i)`` in FP32, products added in stream order
+    (docs/design/model.md, "Read and post").
 
     Args:
         output: ``[n, H]`` BF16 sub-layer output ``y`` (FP32 in fp32 precision, as are the trunks).
@@ -434,7 +444,7 @@ def hc_head(
     *,
     precision: Precision = "exact",
 ) -> Tensor:
-    """Non-shifted HC head: collapse the trunk with its own read-mix (model-core §10.9).
+    """Non-shifted HC head: collapse the trunk with its own read-mix (docs/design/model.md, "Shifted schedule").
 
     Args:
         trunk: ``[n, m, H]`` BF16 (FP32 in fp32 precision).
@@ -453,7 +463,7 @@ def hc_head(
 
 
 # ==================================================================================================================
-# 6. Engram (model-core §12)
+# 6. Engram (docs/design/model.md, "Engram")
 # ==================================================================================================================
 
 
@@ -466,7 +476,7 @@ def _engram_layer(
     token_ids: Tensor,
     vocabulary: EngramVocabulary,
 ) -> Tensor:
-    """Apply layer ``layer``'s Engram to the trunk (model-core §12.3–12.8)."""
+    """Apply layer ``layer``'s Engram to the trunk (docs/design/model.md, "Engram")."""
     max_ngram, heads, _ = _engram_sizes(text)
     index = text.engram_layer_ids.index(layer)
     primes = engram_table_primes(text)[index]
@@ -487,18 +497,18 @@ def _engram_layer(
 
 
 # ==================================================================================================================
-# 7. Mixture of experts (model-core §13)
+# 7. Mixture of experts (docs/design/model.md, "Mixture of experts")
 # ==================================================================================================================
 
 
 def router_scores(logits: Tensor) -> Tensor:
-    """``sqrt(softplus(l))`` with ``softplus(x) = x`` for ``x > 20`` (model-core §13.1). FP32 in and out."""
+    """``sqrt(softplus(l))``, ``softplus(x) = x`` for ``x > 20`` (docs/design/model.md, "Router"); FP32 in and out."""
     softplus = torch.where(logits > 20, logits, torch.log1p(torch.exp(logits)))
     return torch.sqrt(softplus)
 
 
 def moe_route(scores: Tensor, bias: Tensor, top_k: int, scaling: float) -> tuple[Tensor, Tensor]:
-    """``noaux_tc`` selection on ``scores + bias``; weights from the unbiased scores (model-core §13.2).
+    """``noaux_tc`` selection on ``scores + bias``; weights from the unbiased scores (docs/design/model.md, "Router").
 
     Args:
         scores: ``[n, E]`` FP32 router scores.
@@ -515,7 +525,8 @@ def moe_route(scores: Tensor, bias: Tensor, top_k: int, scaling: float) -> tuple
 
 
 def _swiglu(gate_up: Tensor, limit: float | None) -> Tensor:
-    """``silu(min(g, λ))·clamp(u, −λ, λ)`` in FP32 from the BF16 ``[.., 2I]`` GEMM output (§13.3–13.4)."""
+    """``silu(min(g, λ))·clamp(u, −λ, λ)`` in FP32 from the BF16 ``[.., 2I]`` GEMM output
+    (docs/design/model.md, "Routed experts")."""
     half = gate_up.shape[-1] // 2
     gate, up = gate_up[..., :half].float(), gate_up[..., half:].float()
     if limit is not None:
@@ -525,7 +536,8 @@ def _swiglu(gate_up: Tensor, limit: float | None) -> Tensor:
 
 
 def _moe(text: TextConfig, w: _Weights, num: _Numerics, prefix: str, x: Tensor, num_experts: int, top_k: int) -> Tensor:
-    """MoE of one block on the BF16 ``ffn_norm`` output ``x [n, H]``; returns BF16 ``[n, H]`` (§13)."""
+    """MoE of one block on the BF16 ``ffn_norm`` output ``x [n, H]``; returns BF16 ``[n, H]``
+    (docs/design/model.md, "Mixture of experts")."""
     n, hidden = x.shape
     gate_weight = w[f"{prefix}.gate.weight"]
     if gate_weight.shape[0] != num_experts:
@@ -885,7 +897,7 @@ def _attention_layer(
 
 
 # ==================================================================================================================
-# 9. Decoder blocks and the full forward (model-core §7–§8, §14)
+# 9. Decoder blocks and the full forward (docs/design/model.md, "Forward pass")
 # ==================================================================================================================
 
 _Pending = tuple[Tensor, Tensor, Tensor, Tensor]  # (sub-layer output, trunk it received, write-mix, comb)
@@ -908,7 +920,7 @@ def _decoder_layer(
     num_experts: int,
     top_k: int,
 ) -> tuple[_Pending, Tensor]:
-    """Attention and MoE sub-layers of one block on the trunk it receives (model-core §8 steps 2d–2f).
+    """Attention and MoE sub-layers of one block on the trunk it receives (docs/design/model.md, "Forward pass").
 
     Args:
         trunk: ``[n, m, H]`` BF16, after the previous block's FFN post and this block's Engram.
@@ -933,7 +945,7 @@ def _decoder_layer(
 def _collapse(
     text: TextConfig, w: _Weights, num: _Numerics, head_prefix: str, pending: _Pending, read_mix: Tensor
 ) -> Tensor:
-    """Last post, then the final read-mix (shifted) or the HC head (non-shifted): ``[n, H]`` BF16 (§8 step 3)."""
+    """Last post, then the final read-mix (shifted) or the HC head (non-shifted): ``[n, H]`` BF16."""
     trunk = hc_post(*pending, precision=num.precision)
     if text.hc_shifted:
         return hc_read(trunk, read_mix, precision=num.precision)
@@ -973,7 +985,8 @@ class ReferenceOutput:
     Attributes (BF16 tensors are FP32 in fp32 precision; stored keys are then the unquantized FP32 values):
         logits: ``[n, V]`` FP32.
         hidden: ``[n, H]`` BF16 collapsed hidden before the final norm.
-        target_features: ``[n, T·H]`` BF16 DSpark target features (model-core §7.5), ``T`` = number of targets.
+        target_features: ``[n, T·H]`` BF16 DSpark target features (docs/design/model.md, "Target features"),
+            ``T`` = number of targets.
         selected_rows: compressed layer → ``[n, K]`` int64 compressed rows (numbered in the KV source's rows)
             attended by each query, ascending, −1 padded. The SWA part of every query ``t`` is ``max(0, t−W+1) … t``.
         swa_keys: layer → ``[n, D]`` FP32 SWA keys as read back from FP8 storage (RoPE at the token position).
@@ -1001,7 +1014,7 @@ def reference_forward_full(
     *,
     precision: Precision = "exact",
 ) -> ReferenceOutput:
-    """One full-sequence causal forward of one request (prefill of positions ``0 … n−1``), model-core §8.
+    """One full-sequence causal forward of one request, positions ``0 … n−1`` (docs/design/model.md, "Forward pass").
 
     Args:
         config: the model configuration.
@@ -1069,7 +1082,7 @@ def reference_forward(
 
 
 # ==================================================================================================================
-# 10. DSpark draft blocks (dspark.md §3–§6)
+# 10. DSpark draft blocks (docs/design/model.md, "DSpark blocks")
 # ==================================================================================================================
 
 
@@ -1119,7 +1132,8 @@ def reference_dspark_forward(
     *,
     precision: Precision = "exact",
 ) -> DSparkOutput:
-    """Draft forward of the DSpark blocks after the last accepted token ``p* = n_ctx − 1`` (dspark §4–§5).
+    """Draft forward of the DSpark blocks after the last accepted token ``p* = n_ctx − 1``
+    (docs/design/model.md, "Context keys", "Draft forward").
 
     Context keys (``RMSNorm(RMSNorm(F·main_projᵀ)·wkvᵀ)``, RoPE at their position, FP8-stored) are computed for the
     last ``W`` context positions; the slots hold ``[anchor, noise, …, noise]`` at positions ``p* + 1 + k``.
@@ -1193,7 +1207,7 @@ def reference_dspark_heads(
     *,
     precision: Precision = "exact",
 ) -> tuple[Tensor, Tensor]:
-    """Draft logits and confidences of the slots given each slot's previous token (dspark §6).
+    """Draft logits and confidences of the slots given each slot's previous token (docs/design/model.md, "Draft heads").
 
     ``ℓ_k = RMSNorm(h_k)·Eᵀ + markov_embed[prev_k]·markov_headᵀ``;
     ``c_k = σ(clamp([h_k; markov_embed[prev_k]]·proj / τ_k, −60, 60))`` on the pre-norm hidden.

@@ -47,13 +47,14 @@ def _engram_normalizer() -> normalizers.Normalizer:
 
 
 def engram_normalize(text: str) -> str:
-    """The Engram token-text normalization of model-core §12.2 step 3."""
+    """The Engram token-text normalization (docs/design/model.md, "Compressed vocabulary")."""
     return str(_engram_normalizer().normalize_str(text))
 
 
 @dataclass(frozen=True)
 class EngramVocabulary:
-    """Tokenizer id → compressed Engram id (model-core §12.2), built once outside the forward.
+    """Tokenizer id → compressed Engram id (docs/design/model.md, "Compressed vocabulary"), built once outside the
+    forward.
 
     Attributes:
         old_to_new: ``[Vt]`` int64, compressed id of every tokenizer id.
@@ -76,7 +77,7 @@ class EngramVocabulary:
 
 
 def engram_vocabulary_from_tokenizer(tokenizer: Tokenizer, pad_token_id: int = 2) -> EngramVocabulary:
-    """Build the compressed Engram vocabulary from a ``tokenizers.Tokenizer`` (``tokenizer.json``), §12.2.
+    """Build the compressed Engram vocabulary from a ``tokenizers.Tokenizer`` (``tokenizer.json``).
 
     Args:
         tokenizer: the checkpoint's tokenizer.
@@ -109,7 +110,8 @@ def _next_prime(start: int) -> int:
 
 
 def engram_table_primes(text: TextConfig) -> list[list[int]]:
-    """Prime hash-table sizes per Engram layer (order of ``engram_layer_ids``), sub-tables order-major (§12.4)."""
+    """Prime hash-table sizes per Engram layer (order of ``engram_layer_ids``), sub-tables order-major
+    (docs/design/model.md, "Table primes")."""
     max_ngram, heads, vocab = _engram_sizes(text)
     used: set[int] = set()
     tables = []
@@ -216,7 +218,7 @@ class _Pcg64:
 
 
 def engram_hash_multipliers(layer_id: int, max_ngram: int, num_compressed: int) -> list[int]:
-    """Odd int64 hash multipliers of Engram layer ``ℓ`` (model-core §12.5).
+    """Odd int64 hash multipliers of Engram layer ``ℓ`` (docs/design/model.md, "Hash multipliers").
 
     ``B = max(1, ⌊⌊(2^63−1)/V_c⌋/2⌋)``; ``a = 2·default_rng(10007·ℓ).integers(0, B, size=N_g) + 1``.
     """
@@ -230,7 +232,7 @@ def engram_hash_multipliers(layer_id: int, max_ngram: int, num_compressed: int) 
 
 
 def engram_ngram_rows(compressed_ids: Tensor, max_ngram: int, pad_id: int) -> Tensor:
-    """Suffix n-gram id rows ``g_r = c_{p−r}`` (model-core §12.3).
+    """Suffix n-gram id rows ``g_r = c_{p−r}`` (docs/design/model.md, "N-gram rows").
 
     Positions before the request start are ``pad_id``; from the first sentinel −1 (scanning ``r`` upward) every
     entry is ``pad_id``.
@@ -251,7 +253,7 @@ def engram_ngram_rows(compressed_ids: Tensor, max_ngram: int, pad_id: int) -> Te
 
 
 def engram_hash(rows: Tensor, multipliers: Sequence[int], primes: Sequence[int], n_heads: int) -> Tensor:
-    """Table row indices of every (order, head) sub-table (model-core §12.6), offsets included.
+    """Table row indices of every (order, head) sub-table (docs/design/model.md, "Engram hash"), offsets included.
 
     Args:
         rows: ``[n, N_g]`` int64 n-gram id rows.
@@ -278,7 +280,7 @@ def engram_hash(rows: Tensor, multipliers: Sequence[int], primes: Sequence[int],
 def engram_gate(
     trunk: Tensor, kv: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float, *, precision: Precision = "exact"
 ) -> Tensor:
-    """Engram gate and update ``X_j ← bf16(X_j + g_j·v)`` (model-core §12.8).
+    """Engram gate and update ``X_j ← bf16(X_j + g_j·v)`` (docs/design/model.md, "Engram lookup and gate").
 
     Args:
         trunk: ``[n, m, H]`` BF16 (FP32 in fp32 precision, as is ``kv``).

@@ -72,7 +72,8 @@ def _exp2(exponent: Tensor) -> Tensor:
 
 
 def _ceil_log2(ratio: Tensor) -> Tensor:
-    """Exact ``⌈log2(ratio)⌉`` (int32) read from the FP32 bits of a positive normal FP32 ``ratio`` (§17)."""
+    """Exact ``⌈log2(ratio)⌉`` (int32) read from the FP32 bits of a positive normal FP32 ``ratio``
+    (docs/design/numerics.md, "Activation quantization")."""
     bits = ratio.contiguous().view(torch.int32)
     return ((bits - 1) >> 23) + 1 - 127
 
@@ -116,7 +117,8 @@ def _grouped(x: Tensor, group: int) -> Tensor:
 
 
 def fp8_quant_dequant(x: Tensor, group: int = 32) -> Tensor:
-    """Dynamic FP8 e4m3 quantization with UE8M0 per-group scales, read back (model-core §5.5).
+    """Dynamic FP8 e4m3 quantization with UE8M0 per-group scales, read back
+    (docs/design/numerics.md, "Activation quantization").
 
     Per group: ``e = ⌈log2(max(amax, 1e−4) / 448)⌉``, codes ``e4m3(x·2^−e)``, value ``code·2^e``. This is both the
     activation quantization in front of every FP8 GEMM and the SWA / FP8 compressed-KV storage format.
@@ -135,7 +137,8 @@ def fp8_quant_dequant(x: Tensor, group: int = 32) -> Tensor:
 
 
 def fp4_ue8m0_quant_dequant(x: Tensor, group: int = 32) -> Tensor:
-    """FP4 e2m1 with UE8M0 per-group scales, read back: the index-K cache and index-query format (attention §8).
+    """FP4 e2m1 with UE8M0 per-group scales, read back: the index-K cache and index-query format
+    (docs/design/numerics.md, "KV storage formats").
 
     Args:
         x: ``[..., K]`` BF16 or FP32, ``K % group == 0``.
@@ -151,7 +154,8 @@ def fp4_ue8m0_quant_dequant(x: Tensor, group: int = 32) -> Tensor:
 
 
 def fp4_e4m3_quant_dequant(x: Tensor, group: int = 16) -> Tensor:
-    """FP4 e2m1 with E4M3 per-group scales, read back: the default compressed-KV format (attention §8).
+    """FP4 e2m1 with E4M3 per-group scales, read back: the default compressed-KV format
+    (docs/design/numerics.md, "KV storage formats").
 
     ``scale = e4m3(min(max(amax, 6·2^−9) / 6, 448))``; codes are e2m1 of ``x`` times the FP32 reciprocal of scale.
 
@@ -169,7 +173,7 @@ def fp4_e4m3_quant_dequant(x: Tensor, group: int = 16) -> Tensor:
 
 
 def dequantize_fp8_block(weight: Tensor, scale: Tensor, block: int = 32) -> Tensor:
-    """Dequantize an FP8 weight with 32×32 UE8M0 block scales (model-core §5.2).
+    """Dequantize an FP8 weight with 32×32 UE8M0 block scales (docs/design/numerics.md, "Weight formats").
 
     Args:
         weight: ``[out, in]`` ``float8_e4m3fn``.
@@ -192,7 +196,8 @@ def dequantize_fp8_block(weight: Tensor, scale: Tensor, block: int = 32) -> Tens
 
 
 def dequantize_mxfp4(packed: Tensor, scale: Tensor) -> Tensor:
-    """Dequantize MXFP4 expert weights (model-core §5.3): low nibble = even column, 1×32 UE8M0 scales.
+    """Dequantize MXFP4 expert weights (docs/design/numerics.md, "Weight formats"): low nibble = even column, 1×32 UE8M0
+    scales.
 
     Args:
         packed: ``[out, in/2]`` int8 or uint8, two e2m1 codes per byte.
@@ -214,7 +219,8 @@ def dequantize_mxfp4(packed: Tensor, scale: Tensor) -> Tensor:
 
 
 def _dequantize_fp8_rows(rows: Tensor, scale: Tensor) -> Tensor:
-    """Dequantize gathered Engram rows: ``[..., d_e]`` e4m3 with ``[..., d_e/32]`` UE8M0 (model-core §5.4)."""
+    """Dequantize gathered Engram rows: ``[..., d_e]`` e4m3 with ``[..., d_e/32]`` UE8M0
+    (docs/design/numerics.md, "Weight formats")."""
     return (rows.to(F32).unflatten(-1, (scale.shape[-1], 32)) * ue8m0_to_float(scale)[..., None]).flatten(-2)
 
 
@@ -229,19 +235,21 @@ class _Numerics:
         return self.precision == "exact"
 
     def bf16(self, x: Tensor) -> Tensor:
-        """A BF16 rounding point of model-core §19: BF16 in exact mode, unrounded FP32 in fp32 mode."""
+        """A BF16 rounding point (docs/design/numerics.md, "Rounding points"): BF16 in exact mode, unrounded FP32 in
+        fp32 mode."""
         return x.to(BF16) if self.exact else x.float()
 
     def act_quant(self, x: Tensor) -> Tensor:
-        """The FP8 GEMM input (dynamic 1×32 FP8 activation quantization, §5.5), read back as FP32."""
+        """The FP8 GEMM input (dynamic 1×32 FP8 activation quantization), read back as FP32."""
         return fp8_quant_dequant(x) if self.exact else x.float()
 
     def tf32(self, x: Tensor) -> Tensor:
-        """An operand of the TF32 mHC mix GEMM (§5.6), as FP32."""
+        """An operand of the TF32 mHC mix GEMM (docs/design/numerics.md, "GEMM accumulation"), as FP32."""
         return round_to_tf32(x) if self.exact else x.float()
 
     def store(self, x: Tensor, quantizer: Callable[[Tensor], Tensor]) -> Tensor:
-        """A vector as read back from its storage format ``quantizer`` (attention §8), as FP32."""
+        """A vector as read back from its storage format ``quantizer`` (docs/design/numerics.md, "KV storage formats"),
+        as FP32."""
         return quantizer(x) if self.exact else x.float()
 
 
@@ -253,6 +261,7 @@ def _numerics(precision: Precision) -> _Numerics:
 
 
 def _inverse_rms(sum_squares: Tensor, width: int, eps: float) -> Tensor:
-    """``1/sqrt(Σx²/d + ε)`` from the FP32 sum and the FP32 value of ``ε``, in FP64, rounded once to FP32 (§11)."""
+    """``1/sqrt(Σx²/d + ε)`` from the FP32 sum and the FP32 value of ``ε``, in FP64, rounded once to FP32
+    (docs/design/model.md, "RMSNorm")."""
     eps_fp32 = float(torch.tensor(eps, dtype=F32))
     return (1.0 / torch.sqrt(sum_squares.double() / width + eps_fp32)).float()

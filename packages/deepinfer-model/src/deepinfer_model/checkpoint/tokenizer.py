@@ -1,12 +1,13 @@
 """A small byte-level BPE tokenizer for synthetic checkpoints, trained on the corpus shipped with this package.
 
-The vocabulary has exactly ``vocab_size`` entries and follows the tokenizer policy of model-core §3:
+The vocabulary has exactly ``vocab_size`` entries and follows the release tokenizer policy
+(docs/design/model.md, "Tokenizer policy"):
 
     id                          token
     --------------------------  ---------------------------------------------------------------
     bos_token_id (0)            <｜begin▁of▁sentence｜>
     eos_token_id (1)            <｜end▁of▁sentence｜>
-    pad_token_id (2)            <｜▁pad▁｜>            (Engram requires id 2, §2.7 rule 5)
+    pad_token_id (2)            <｜▁pad▁｜>            (Engram requires id 2)
     dspark_noise_token_id       <｜dspark▁noise｜>     (if it does not coincide with the ids above)
     image_token_id              <image>                 (if the config sets one)
     the trained range           256 byte tokens, then BPE merges learned from ``corpus.txt``
@@ -100,7 +101,7 @@ def build_tokenizer(config: ModelConfig) -> Tokenizer:
 
 
 def tokenizer_config(config: ModelConfig) -> dict[str, Any]:
-    """The ``tokenizer_config.json`` object matching ``build_tokenizer`` (model-core §3)."""
+    """The ``tokenizer_config.json`` object matching ``build_tokenizer`` (docs/design/model.md, "Tokenizer policy")."""
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "add_bos_token": True,

@@ -17,9 +17,9 @@ on the sharding or on other tensors. Initialisation (chosen so every activation 
     norm weights, engram.q_weight / k_weight        1 + N(0, 0.1²)
     ffn.gate.bias / bias_vl                         N(0, 0.01²)
     attn.attn_sink                                  N(0, 0.5²)
-    hc_*_base, hc_*_scale (block ℓ, runtime id)     model-core §10.12: read logits −3 except +3 at ℓ mod m, write
-                                                    logits 0, comb +3 diagonal / −3 off; scale 0.01
-    hc_*_fn                                         N(0, 0.01²) (small, so mixes start near §10.12)
+    hc_*_base, hc_*_scale (block ℓ, runtime id)     "Initial mHC values": read logits −3 except +3 at ℓ mod m,
+                                                    write logits 0, comb +3 diagonal / −3 off; scale 0.01
+    hc_*_fn                                         N(0, 0.01²) (small, so mixes start near those values)
     hc_head_* (non-shifted only)                    base −3 except +3 at (layer count) mod m; fn N(0, 0.01²)
     vision biases                                   0
 
@@ -51,7 +51,7 @@ from deepinfer_model.loading.checkpoint_dir import CONFIG_FILE, INDEX_FILE, TOKE
 from deepinfer_model.loading.safetensors_io import SAFETENSORS_TO_TORCH, write_shard
 
 DEFAULT_MAX_SHARD_BYTES = 4 * 1024**3
-_HC_LOGIT = 3.0  # §10.12 magnitude of the initial read and comb logits
+_HC_LOGIT = 3.0  # magnitude of the initial read and comb logits (docs/design/model.md, "Initial mHC values")
 _HC_SCALE = 0.01
 _HC_FN_STD = 0.01
 _FP4_CODE_RMS = math.sqrt(sum(v * v for v in (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)) / 8)  # e2m1, uniform codes
@@ -67,7 +67,7 @@ def _normal(shape: tuple[int, ...], std: float, gen: torch.Generator, mean: floa
 
 
 def _hc_base(m: int, layer: int) -> torch.Tensor:
-    """§10.12 initial ``base`` of a sub-layer in block ``layer`` (runtime id): ``[(2+m)·m]`` FP32."""
+    """The initial ``base`` of a sub-layer in block ``layer`` (runtime id): ``[(2+m)·m]`` FP32."""
     read = torch.full((m,), -_HC_LOGIT)
     read[layer % m] = _HC_LOGIT
     comb = torch.full((m, m), -_HC_LOGIT)
@@ -88,7 +88,7 @@ def _plain_value(entry: CatalogueEntry, config: ModelConfig, gen: torch.Generato
     if leaf in ("hc_attn_base", "hc_ffn_base"):
         return _hc_base(m, _block_layer_id(name, config))
     if leaf == "hc_head_base":
-        # Backbone head: §10.12 uses L mod m; a DSpark head follows the block it closes.
+        # Backbone head: stream L mod m; a DSpark head follows the block it closes.
         target = config.text.num_hidden_layers if name == leaf else _block_layer_id(name, config) + 1
         read = torch.full((m,), -_HC_LOGIT)
         read[target % m] = _HC_LOGIT
@@ -162,7 +162,8 @@ def tensor_pair(
 
 
 def _units(entries: tuple[CatalogueEntry, ...]) -> Iterator[list[CatalogueEntry]]:
-    """Catalogue entries grouped as (weight[, scale]) so a weight and its scale share a shard (§4.4)."""
+    """Catalogue entries grouped as (weight[, scale]) so a weight and its scale share a shard
+    (docs/design/model.md, "Checkpoint layout")."""
     index = 0
     while index < len(entries):
         unit = [entries[index]]

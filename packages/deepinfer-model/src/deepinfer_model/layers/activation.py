@@ -1,4 +1,4 @@
-"""Clamped SwiGLU of the MoE experts (model-core §13.3–13.5), FP32."""
+"""Clamped SwiGLU of the MoE experts (docs/design/model.md, "Routed experts"), FP32."""
 
 from __future__ import annotations
 

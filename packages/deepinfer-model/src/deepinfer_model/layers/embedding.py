@@ -1,4 +1,5 @@
-"""Token embedding (row gather, out-of-range ids give zero rows; model-core §9) and the BF16 LM head (§14)."""
+"""Token embedding (row gather, out-of-range ids give zero rows; docs/design/model.md, "Embedding") and the BF16 LM head
+(docs/design/model.md, "Final norm and LM head")."""
 
 from __future__ import annotations
 

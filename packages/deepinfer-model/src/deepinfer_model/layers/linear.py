@@ -1,16 +1,17 @@
 """Linear layers over the checkpoint's stored formats, each parameter with its own ``weight_loader``.
 
 - ``Bf16Linear``: BF16 weight; FP32 accumulation; BF16 (or FP32) output.
-- ``Fp8BlockLinear``: e4m3 weight with 32×32 UE8M0 block scales (model-core §5.2); exact mode runs the kernels'
-  ``fp8_block_gemm`` (input quantized per token in groups of 32, §5.5; BF16 output), FP32 mode a plain FP32 GEMM
-  with the dequantized weight. ``shard_sizes`` makes it a merged
-  (row-concatenated) layer such as the shared expert's ``[w1; w3]`` (§4.5).
-- ``Fp8GroupedLinear``: the attention's grouped ``wo_a`` (model-attention §3 step 8).
-- ``Mxfp4ExpertStack``: the routed experts' MXFP4 matrices stacked over experts (§5.3, §4.7); exact mode runs the
-  kernels' ``mxfp4_gemm``.
+- ``Fp8BlockLinear``: e4m3 weight with 32×32 UE8M0 block scales (docs/design/numerics.md, "Weight formats"); exact mode
+  runs the kernels' ``fp8_block_gemm`` (input quantized per token in groups of 32; BF16 output), FP32 mode a plain
+  FP32 GEMM with the dequantized weight. ``shard_sizes`` makes it a merged (row-concatenated) layer such as the shared
+  expert's ``[w1; w3]`` (docs/design/model.md, "Tensor names").
+- ``Fp8GroupedLinear``: the attention's grouped ``wo_a`` (docs/design/attention.md, "Per-query attention").
+- ``Mxfp4ExpertStack``: the routed experts' MXFP4 matrices stacked over experts
+  (docs/design/numerics.md, "Weight formats"; docs/design/model.md, "Tensor names"); exact mode runs the kernels'
+  ``mxfp4_gemm``.
 
 Weight loaders: every parameter carries ``param.weight_loader(param, tensor, shard_id)`` which checks shape and dtype
-exactly (no casting, §4.4) and copies the tensor into its rows. ``shard_id`` is None for plain parameters, the shard
+exactly (no casting) and copies the tensor into its rows. ``shard_id`` is None for plain parameters, the shard
 index for merged layers and ``(expert, shard)`` for expert stacks.
 """
 
@@ -186,7 +187,8 @@ class Fp8GroupedLinear(nn.Module):
     """Grouped FP8 projection: group ``g`` maps input slice ``g`` (width ``in_per_group``) with rows
     ``g·out_per_group … (g+1)·out_per_group − 1`` of the stored ``[groups·out_per_group, in_per_group]`` weight.
 
-    Its output stays FP32: the next FP8 GEMM quantizes it directly (model-attention §3 step 8).
+    Its output stays FP32: the next FP8 GEMM quantizes it directly
+    (docs/design/numerics.md, "Attention output rounding").
     """
 
     def __init__(self, groups: int, in_per_group: int, out_per_group: int, mode: ComputeMode) -> None:
@@ -311,7 +313,8 @@ class Mxfp4ExpertStack(nn.Module):
             expert: expert index.
 
         Returns:
-            [n, out]: exact mode BF16 ``bf16(x̂ · Ŵᵀ)`` with FP8 activations (§5.6); FP32 mode FP32.
+            [n, out]: exact mode BF16 ``bf16(x̂ · Ŵᵀ)`` with FP8 activations
+            (docs/design/numerics.md, "GEMM accumulation"); FP32 mode FP32.
         """
         if self.mode is ComputeMode.FP32:
             return x.float() @ self.dequantized_weight(expert).t()

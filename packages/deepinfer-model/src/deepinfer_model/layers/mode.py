@@ -1,7 +1,7 @@
 """Compute mode shared by every layer: where activations are rounded and whether they are FP8-quantized.
 
 - ``EXACT``: activations are stored in BF16 at the spec's rounding points and every FP8 GEMM input is quantized per
-  token in groups of 32 (model-core §5.5, §19).
+  token in groups of 32 (docs/design/numerics.md, "Activation quantization", "Rounding points").
 - ``FP32``: weights are dequantized exactly, activations stay FP32, no activation or KV quantization. Used to compare
   the layered model against the single-file reference up to FP32 summation order.
 """
@@ -41,7 +41,8 @@ def fp8_round_trip(x: torch.Tensor, mode: ComputeMode) -> torch.Tensor:
 
     Args:
         x: [..., K] bf16/fp32 with ``K % 32 == 0``.
-        mode: exact → per-token-group FP8 quantize/dequantize (model-core §5.5); fp32 → ``x`` as FP32.
+        mode: exact → per-token-group FP8 quantize/dequantize (docs/design/numerics.md, "Activation quantization");
+            fp32 → ``x`` as FP32.
 
     Returns:
         [..., K] fp32.

@@ -1,4 +1,4 @@
-"""RMSNorm layer (model-core §11): FP32 statistics and product, one rounding to the activation dtype."""
+"""RMSNorm layer (docs/design/model.md, "RMSNorm"): FP32 statistics and product, one rounding to the output."""
 
 from __future__ import annotations
 

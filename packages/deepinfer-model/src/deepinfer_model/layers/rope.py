@@ -1,8 +1,9 @@
-"""Rotary embedding of the last ``r`` elements of a vector, interleaved pairs (model-core §15, model-attention §9).
+"""Rotary embedding of the last ``r`` elements of a vector, interleaved pairs
+(docs/design/model.md, "RoPE and YaRN"; docs/design/attention.md, "RoPE positions").
 
 ``RotaryEmbedding`` owns one layer's inverse frequencies: base RoPE (``rope_theta``) or YaRN over
-``compress_rope_theta``. Angles are formed on the fly as FP32 products ``fp32(t · f_i)``, which equals a lookup in the
-§15.4 table, so no position-capacity table is allocated.
+``compress_rope_theta``. Angles are formed on the fly as FP32 products ``fp32(t · f_i)``, which equals a lookup in a
+cos/sin table, so no position-capacity table is allocated.
 """
 
 from __future__ import annotations

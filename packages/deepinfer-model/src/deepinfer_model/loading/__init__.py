@@ -1,1 +1,2 @@
-"""Checkpoint loading: HF name mapping, tensor catalogue, safetensors I/O, strict coverage (model-core §1, §4, §6)."""
+"""Checkpoint loading: HF name mapping, tensor catalogue, safetensors I/O, strict coverage
+(docs/design/model.md, "Checkpoint layout", "Tensor names")."""

@@ -1,7 +1,8 @@
 """The tensor catalogue: every checkpoint tensor (HF name, shape, safetensors dtype) a configuration implies.
 
-Owns model-core §6 (global, per-block, conditional attention, Engram, DSpark and vision tensors) together with the
-number formats of §5.7. The loader checks a checkpoint against this list; the writer produces exactly this list.
+Owns the tensor list of a checkpoint (global, per-block, conditional attention, Engram, DSpark and vision tensors)
+together with their number formats (docs/design/numerics.md, "Weight formats"). The loader checks a checkpoint against
+this list; the writer produces exactly this list.
 Entries are ordered: global tensors, backbone blocks ``layers.0 …``, DSpark blocks ``mtp.0 …``, then the vision tower
 and projector (only when the configuration has a ``vision_config``). An FP8 or MXFP4 weight is directly followed by its
 UE8M0 ``.scale`` companion.
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 from deepinfer_model.config import VIT_WIDTH, ModelConfig, TextConfig
 
-# Stored element size per safetensors dtype (model-core §4.1 lists every accepted header dtype).
+# Stored element size of every accepted safetensors header dtype.
 DTYPE_BYTES: dict[str, int] = {
     "F32": 4,
     "BF16": 2,
@@ -35,14 +36,14 @@ DTYPE_BYTES: dict[str, int] = {
     "I64": 8,
     "BOOL": 1,
 }
-BLOCK = 32  # FP8 weight block edge and every scale group width (model-core §5)
-VIT_PATCH_INPUT = 14 * 14 * 3  # flattened RGB patch (model-core §18)
+BLOCK = 32  # FP8 weight block edge and every scale group width (docs/design/numerics.md, "Number formats")
+VIT_PATCH_INPUT = 14 * 14 * 3  # flattened RGB patch (docs/design/model.md, "Vision tensors")
 VIT_DEPTH = 32
 VIT_MLP_HIDDEN = 2816
 
 
 class TensorFormat(enum.Enum):
-    """Storage format of one catalogue entry (model-core §5.7)."""
+    """Storage format of one catalogue entry (docs/design/numerics.md, "Weight formats")."""
 
     BF16 = "bf16"
     F32 = "f32"
@@ -128,7 +129,7 @@ def _hc_head(prefix: str, t: TextConfig) -> list[CatalogueEntry]:
 
 
 def _decoder_block(prefix: str, t: TextConfig, num_experts: int) -> list[CatalogueEntry]:
-    """Tensors every backbone and DSpark block has (model-core §6.2)."""
+    """Tensors every backbone and DSpark block has (docs/design/model.md, "Layer stack and runtime layer ids")."""
     h, mix = t.hidden_size, t.hc_mix_size
     heads, d, q_r = t.num_attention_heads, t.head_dim, t.q_lora_rank
     out: list[CatalogueEntry] = []
@@ -167,7 +168,8 @@ def _decoder_block(prefix: str, t: TextConfig, num_experts: int) -> list[Catalog
 
 
 def _backbone_extras(layer: int, t: TextConfig) -> list[CatalogueEntry]:
-    """Conditional attention tensors (§6.3) and Engram tensors (§6.4) of backbone layer ``layer``."""
+    """Conditional attention tensors (docs/design/model.md, "Layer roles") and Engram tensors
+    (docs/design/model.md, "Engram") of backbone layer ``layer``."""
     prefix = f"layers.{layer}."
     spec = t.layers[layer]
     h, d = t.hidden_size, t.head_dim
@@ -198,7 +200,7 @@ def _backbone_extras(layer: int, t: TextConfig) -> list[CatalogueEntry]:
 
 
 def _dspark_extras(index: int, t: TextConfig) -> list[CatalogueEntry]:
-    """DSpark-only tensors of block ``mtp.{index}`` (§6.5)."""
+    """DSpark-only tensors of block ``mtp.{index}`` (docs/design/model.md, "DSpark blocks")."""
     prefix = f"mtp.{index}."
     h, v, rank = t.hidden_size, t.vocab_size, t.dspark_markov_rank
     out: list[CatalogueEntry] = []
@@ -218,7 +220,8 @@ def _dspark_extras(index: int, t: TextConfig) -> list[CatalogueEntry]:
 
 
 def _vision(config: ModelConfig) -> list[CatalogueEntry]:
-    """Vision tower and projector (§6.6); the tower is fixed, the projector follows ``H`` and ``downsample_ratio``."""
+    """Vision tower and projector (docs/design/model.md, "Vision tensors"); the tower is fixed, the projector follows
+    ``H`` and ``downsample_ratio``."""
     assert config.vision is not None
     h, w, ratio = config.text.hidden_size, VIT_WIDTH, config.vision.downsample_ratio
     bf16 = TensorFormat.BF16

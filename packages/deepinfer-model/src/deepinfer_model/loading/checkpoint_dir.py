@@ -1,11 +1,12 @@
-"""Locating a checkpoint and validating its directory before any tensor is read (model-core §1, §3, §4.1–§4.2).
+"""Locating a checkpoint and validating its directory before any tensor is read
+(docs/design/model.md, "Checkpoint layout", "Tokenizer policy").
 
 ``resolve_model_dir`` turns a model argument into a local directory: an existing directory is used as is; otherwise the
 caller-supplied local copy (the engine passes the value of ``DEEPINFER_HF_MODEL_DIR``; this package never reads the
-environment) or a Hugging Face Hub snapshot. ``open_checkpoint_dir`` checks the files of §1 (``config.json``,
+environment) or a Hugging Face Hub snapshot. ``open_checkpoint_dir`` checks the checkpoint files (``config.json``,
 ``model.safetensors.index.json``, every shard the index names, ``tokenizer.json``, ``tokenizer_config.json``), parses
 every shard header, checks that each indexed tensor is in its shard, and applies the tokenizer rules that the config
-alone cannot check (§2.7 rule 5, the release policy of §3; ``tokenizer_policy``).
+alone cannot check (the Engram pad id, the release policy; ``tokenizer_policy``).
 """
 
 from __future__ import annotations
@@ -159,7 +160,7 @@ def open_checkpoint_dir(directory: str | Path) -> CheckpointDir:
     Raises:
         CheckpointError: a required file is missing or unreadable, a shard is missing or corrupt, the index is
             inconsistent with the shards, or the tokenizer breaks a policy rule. The message names the file.
-        ValueError: ``config.json`` breaks a configuration rule (model-core §2.7).
+        ValueError: ``config.json`` breaks a configuration rule (docs/design/model.md, "Configuration rules").
     """
     path = Path(directory)
     if not path.is_dir():

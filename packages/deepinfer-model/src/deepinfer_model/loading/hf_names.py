@@ -1,29 +1,30 @@
-"""The one checkpoint-name map: HF tensor name → (parameter of ``DeepseekV41ForCausalLM``, shard id) (model-core §4).
+"""The one checkpoint-name map: HF tensor name → (parameter of ``DeepseekV41ForCausalLM``, shard id)
+(docs/design/model.md, "Tensor names").
 
-The layered model's module tree mirrors the HF names (model-core §4.3 lists the reference release's own internal
-names; they are not used anywhere here). The loader (``loading.load``) keys every tensor by its HF name, and
+The layered model's module tree mirrors the HF names (the reference release's own internal names are not used
+anywhere here). The loader (``loading.load``) keys every tensor by its HF name, and
 ``DeepseekV41ForCausalLM.load_weights`` routes each one through ``map_hf_name`` to a parameter's ``weight_loader``
 with the shard id below. Every rule of the table:
 
     HF name                                       parameter                                     shard id
     --------------------------------------------  --------------------------------------------  ---------
-    model.<name>                                  as for <name> (one leading ``model.`` is dropped, §4.2)
+    model.<name>                                  as for <name> (one leading ``model.`` is dropped)
     <block>.ffn.shared_experts.w1.{weight,scale}  <block>.ffn.shared_experts.w13.{weight,scale}  0
     <block>.ffn.shared_experts.w3.{weight,scale}  <block>.ffn.shared_experts.w13.{weight,scale}  1
     <block>.ffn.experts.{e}.w1.{weight,scale}     <block>.ffn.experts.w13.{weight,scale}         (e, 0)
     <block>.ffn.experts.{e}.w3.{weight,scale}     <block>.ffn.experts.w13.{weight,scale}         (e, 1)
     <block>.ffn.experts.{e}.w2.{weight,scale}     <block>.ffn.experts.w2.{weight,scale}          (e, 0)
-    mtp.{i}.embed.weight, mtp.{i}.head.weight     skipped (None): tied copies of embed/head (§4.6)
+    mtp.{i}.embed.weight, mtp.{i}.head.weight     skipped (None): tied copies of embed/head
     vision.*, aligner.*                           skipped (None): vision tower and projector
     image_start, image_end, image_newline         skipped (None): image-layout embeddings
     *.hc_attn_norm.weight, *.hc_ffn_norm.weight,  rejected (ValueError): separate mHC norm weights must be
-    *.hc_head_norm.weight                         folded into the matching ``*_fn`` matrix (§4.4)
+    *.hc_head_norm.weight                         folded into the matching ``*_fn`` matrix
     anything else                                 the same name                                 None
 
-``<block>`` is ``layers.{l}`` (backbone block l) or ``mtp.{i}`` (DSpark block i). The merged ``w13`` parameters hold
-the rows ``[w1; w3]`` (§4.5, §4.7): shard 0 fills the first half of the rows, shard 1 the second; routed experts are
-stacked along a leading expert dimension, so expert ``e``'s shard ``s`` fills ``w13[e]``'s half ``s``. A name the
-table passes through unchanged but the model does not have is reported by the strict coverage check of
+``<block>`` is ``layers.{l}`` (backbone block l) or ``mtp.{i}`` (DSpark block i). The merged ``w13`` parameters hold the
+rows ``[w1; w3]`` (docs/design/model.md, "Tensor names"): shard 0 fills the first half of the rows, shard 1 the second;
+routed experts are stacked along a leading expert dimension, so expert ``e``'s shard ``s`` fills ``w13[e]``'s half
+``s``. A name the table passes through unchanged but the model does not have is reported by the strict coverage check of
 ``deepseek_v41.weight_loading``. Worked examples:
 
     model.layers.3.attn.wq_a.scale        → ("layers.3.attn.wq_a.scale", None)
@@ -62,7 +63,7 @@ _MERGED_PART = {"w1": 0, "w3": 1}
 
 
 def strip_model_prefix(hf_name: str) -> str:
-    """Drop one leading ``model.`` (§4.2); names without it are returned unchanged.
+    """Drop one leading ``model.`` (docs/design/model.md, "Tensor names"); names without it are returned unchanged.
 
     Callers must reject an index that holds a name both with and without the prefix (``checkpoint_dir`` does).
     """
@@ -70,12 +71,14 @@ def strip_model_prefix(hf_name: str) -> str:
 
 
 def is_rejected_name(hf_name: str) -> bool:
-    """True for separate mHC norm tensors, which a checkpoint must fold into ``*_fn`` (§4.4, §10.2)."""
+    """True for separate mHC norm tensors, which a checkpoint must fold into ``*_fn``
+    (docs/design/model.md, "Checkpoint layout", "Mix logits")."""
     return strip_model_prefix(hf_name).endswith(_REJECTED_NORMS)
 
 
 def is_tied_duplicate(hf_name: str) -> bool:
-    """True for ``mtp.{i}.embed.weight`` / ``mtp.{i}.head.weight``: stored copies of tied tensors (§4.6)."""
+    """True for ``mtp.{i}.embed.weight`` / ``mtp.{i}.head.weight``: stored copies of tied tensors
+    (docs/design/model.md, "Tensor names")."""
     return _TIED_DSPARK.match(strip_model_prefix(hf_name)) is not None
 
 
@@ -93,13 +96,13 @@ def map_hf_name(hf_name: str) -> tuple[str, ShardId] | None:
         vision/aligner tensors, image-layout embeddings).
 
     Raises:
-        ValueError: a separate mHC norm tensor, which the format forbids (§4.4).
+        ValueError: a separate mHC norm tensor, which the format forbids (docs/design/model.md, "Checkpoint layout").
     """
     name = strip_model_prefix(hf_name)
     if is_rejected_name(name):
         raise ValueError(
             f"checkpoint tensor {hf_name!r} is a separate mHC norm weight; the format requires it to be folded into "
-            "the matching *_fn matrix (model-core §4.4)"
+            "the matching *_fn matrix"
         )
     if is_skipped_name(name) or is_tied_duplicate(name):
         return None

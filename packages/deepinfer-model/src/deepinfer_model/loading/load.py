@@ -1,4 +1,4 @@
-"""Strict checkpoint loading into stored-format tensors keyed by HF name (model-core §4.1–§4.8).
+"""Strict checkpoint loading into stored-format tensors keyed by HF name (docs/design/model.md, "Checkpoint layout").
 
 Flow: ``resolve_model_dir`` → ``open_checkpoint_dir`` (files, index, shard headers, tokenizer) → ``check_coverage``
 against the catalogue of the config (every problem collected into one ``CoverageError``) → bytes copied from the
@@ -58,9 +58,10 @@ class LoadedCheckpoint:
 def check_coverage(checkpoint: CheckpointDir, entries: tuple[CatalogueEntry, ...]) -> None:
     """Compare a checkpoint with the catalogue; raise one ``CoverageError`` listing every problem.
 
-    Rules (model-core §4.4): every catalogue tensor present with exactly its shape and dtype; no other tensor, except
-    tied DSpark copies of ``embed``/``head`` with the backbone's shape and dtype (§4.6); no separate mHC norm
-    tensors; no shard tensor outside the index; each Engram table in the same shard as its scale.
+    Rules (docs/design/model.md, "Checkpoint layout"): every catalogue tensor present with exactly its shape and dtype;
+    no other tensor, except tied DSpark copies of ``embed``/``head`` with the backbone's shape and dtype
+    (docs/design/model.md, "Tensor names"); no separate mHC norm tensors; no shard tensor outside the index; each Engram
+    table in the same shard as its scale.
     """
     expected = {e.name: e for e in entries}
     present = checkpoint.weight_map
@@ -73,7 +74,7 @@ def check_coverage(checkpoint: CheckpointDir, entries: tuple[CatalogueEntry, ...
             entry = expected.get(name.split(".", 2)[2])
         if entry is None:
             if is_rejected_name(name):
-                other.append(f"{name}: separate mHC norm tensors are not allowed; fold the weight into *_fn (§4.4)")
+                other.append(f"{name}: separate mHC norm tensors are not allowed; fold the weight into *_fn")
             else:
                 unexpected.append(name)
             continue

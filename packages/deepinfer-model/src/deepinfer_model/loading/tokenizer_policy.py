@@ -1,4 +1,4 @@
-"""Checks of the tokenizer files against the configuration (model-core §3 and §2.7 rule 5).
+"""Checks of the tokenizer files against the configuration (docs/design/model.md, "Tokenizer policy").
 
 Policy ``release`` (the default): BOS ``<｜begin▁of▁sentence｜>`` = 0, EOS ``<｜end▁of▁sentence｜>`` = 1,
 ``<｜▁pad▁｜>`` = 2; ``tokenizer_config.json`` has ``add_eos_token`` false, a boolean ``add_bos_token`` and a PAD that
@@ -62,9 +62,7 @@ def check_tokenizer_files(tokenizer_path: Path, settings_path: Path, config: Mod
         actual = tokenizer.token_to_id(token)
         if actual != expected:
             why = "the release tokenizer policy" if release else "Engram"
-            raise CheckpointError(
-                f"{tokenizer_path}: token {token!r} has id {actual}; {why} requires id {expected} (model-core §3, §2.7)"
-            )
+            raise CheckpointError(f"{tokenizer_path}: token {token!r} has id {actual}; {why} requires id {expected}")
     if not release:
         return
     _check_settings(settings_path)
