@@ -1,7 +1,8 @@
 """Grammar-constrained sampling with random logits and a real byte-level BPE vocabulary.
 
-Every completed output must decode, parse and satisfy its JSON schema / regex / EBNF grammar. The schema checker below
-implements exactly the JSON Schema keywords the test schemas use (jsonschema is not a dependency).
+Every completed output must decode, parse and satisfy its JSON schema / regex / EBNF grammar. The schema checker
+(``json_schema_check.py``) implements exactly the JSON Schema keywords the test schemas use (jsonschema is not a
+dependency).
 
 Known xgrammar 0.2.9 looseness, accepted by the checker:
 - a string with ``minLength``/``maxLength`` compiles to ``[^"\\\r\n]{m,n}``, which admits raw control characters
@@ -19,6 +20,7 @@ import uuid
 import pytest
 import torch
 import xgrammar as xgr
+from json_schema_check import validate_json
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from deepinfer_sampling.speculative import verify_rejection
@@ -102,95 +104,6 @@ def _sample(grammar: xgr.CompiledGrammar, tokenizer: Tokenizer, seed: int) -> st
             return tokenizer.decode(tokens, skip_special_tokens=False)
         tokens.append(token)
     return None
-
-
-_TYPE_CHECKS = {
-    "object": lambda v: isinstance(v, dict),
-    "array": lambda v: isinstance(v, list),
-    "string": lambda v: isinstance(v, str),
-    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
-    "number": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
-    "boolean": lambda v: isinstance(v, bool),
-    "null": lambda v: v is None,
-}
-
-
-def _check_format(fmt: str, value: str) -> None:
-    # RFC 3339 syntax (a grammar cannot know month lengths; leap second 60 is allowed).
-    date = r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"
-    time = r"([01][0-9]|2[0-3]):[0-5][0-9]:([0-5][0-9]|60)(\.[0-9]+)?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
-    if fmt == "date":
-        assert re.fullmatch(date, value), value
-    elif fmt == "date-time":
-        assert re.fullmatch(f"{date}T{time}", value), value
-    elif fmt == "uuid":
-        uuid.UUID(value)
-    elif fmt == "ipv4":
-        # xgrammar 0.2.9 admits zero-padded octets ("032"), which Python's ipaddress rejects; check the values.
-        octets = value.split(".")
-        assert len(octets) == 4 and all(o.isdigit() and len(o) <= 3 and int(o) <= 255 for o in octets), value
-    elif fmt == "email":
-        assert re.fullmatch(r"[^@\s]+@[^@\s]+", value), value
-    else:
-        raise AssertionError(f"format {fmt} not handled by the test checker")
-
-
-def _validate(value: object, schema: dict, defs: dict) -> None:
-    """Raise AssertionError unless ``value`` satisfies ``schema`` (the keyword subset used in this file)."""
-    if "$ref" in schema:
-        _validate(value, defs[schema["$ref"].split("/")[-1]], defs)
-        return
-    if "anyOf" in schema:
-        errors = []
-        for option in schema["anyOf"]:
-            try:
-                _validate(value, option, defs)
-                return
-            except (AssertionError, ValueError) as exc:
-                errors.append(exc)
-        raise AssertionError(f"{value!r} matches no anyOf option: {errors}")
-    if "const" in schema:
-        assert value == schema["const"] and type(value) is type(schema["const"]), (value, schema)
-    if "enum" in schema:
-        assert any(value == e and type(value) is type(e) for e in schema["enum"]), (value, schema)
-    if "type" in schema:
-        types = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
-        assert any(_TYPE_CHECKS[t](value) for t in types), (value, schema)
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        assert value >= schema.get("minimum", -float("inf")), (value, schema)
-        assert value <= schema.get("maximum", float("inf")), (value, schema)
-        assert value > schema.get("exclusiveMinimum", -float("inf")), (value, schema)
-        assert value < schema.get("exclusiveMaximum", float("inf")), (value, schema)
-    if isinstance(value, str):
-        assert len(value) >= schema.get("minLength", 0), (value, schema)
-        assert len(value) <= schema.get("maxLength", 1 << 30), (value, schema)
-        if "pattern" in schema:
-            assert re.search(schema["pattern"], value), (value, schema)
-        if "format" in schema:
-            _check_format(schema["format"], value)
-    if isinstance(value, list):
-        assert len(value) >= schema.get("minItems", 0), (value, schema)
-        assert len(value) <= schema.get("maxItems", 1 << 30), (value, schema)
-        prefix = schema.get("prefixItems", [])
-        for item, item_schema in zip(value, prefix, strict=False):
-            _validate(item, item_schema, defs)
-        rest = value[len(prefix) :]
-        if prefix and "items" not in schema:
-            assert not rest, f"strict mode allows no items beyond prefixItems: {value!r}"
-        for item in rest:
-            _validate(item, schema.get("items", {}), defs)
-    if isinstance(value, dict):
-        properties = schema.get("properties", {})
-        for key in schema.get("required", []):
-            assert key in value, (key, value)
-        extra = schema.get("additionalProperties", False)
-        for key, item in value.items():
-            if key in properties:
-                _validate(item, properties[key], defs)
-            elif extra is False:
-                raise AssertionError(f"strict mode allows no extra property {key!r} in {value!r}")
-            elif isinstance(extra, dict):
-                _validate(item, extra, defs)
 
 
 _ADDRESS = {
@@ -341,12 +254,12 @@ def test_at_least_thirty_schemas():
 
 
 @pytest.mark.parametrize("index", range(len(JSON_SCHEMAS)))
-def test_json_schema_outputs_validate(index, compiler, tokenizer):
+def test_json_schema_outputsvalidate_json(index, compiler, tokenizer):
     schema = JSON_SCHEMAS[index]
     grammar = compile_structured_grammar(compiler, "json_schema", json.dumps(schema))
     for text in _completed(grammar, tokenizer, 1000 * index):
         value = json.loads(text, strict=False)
-        _validate(value, schema, schema.get("$defs", {}))
+        validate_json(value, schema, schema.get("$defs", {}))
 
 
 def test_json_with_an_empty_schema_is_any_json_object(compiler, tokenizer):
@@ -382,13 +295,13 @@ def test_ebnf_outputs_parse(grammar_text, compiler, tokenizer):
 def test_validator_rejects_violations():
     """The hand-written checker must fail on outputs that break the schema, or the tests above prove nothing."""
     with pytest.raises(AssertionError):
-        _validate({"name": "x"}, JSON_SCHEMAS[0], {})
+        validate_json({"name": "x"}, JSON_SCHEMAS[0], {})
     with pytest.raises(AssertionError):
-        _validate(11, JSON_SCHEMAS[5], {})
+        validate_json(11, JSON_SCHEMAS[5], {})
     with pytest.raises(AssertionError):
-        _validate({"a": 1, "zzz": 2}, JSON_SCHEMAS[13], {})
+        validate_json({"a": 1, "zzz": 2}, JSON_SCHEMAS[13], {})
     with pytest.raises(AssertionError):
-        _validate("2024-13-30", JSON_SCHEMAS[8], {})
+        validate_json("2024-13-30", JSON_SCHEMAS[8], {})
 
 
 def _speculative_generate(grammar: xgr.CompiledGrammar, tokenizer: Tokenizer, seed: int) -> tuple[str | None, int]:
@@ -460,6 +373,6 @@ def test_speculative_decoding_under_a_grammar(index, compiler, tokenizer):
         accepted += num_accepted
         if text is not None:
             finished += 1
-            _validate(json.loads(text, strict=False), schema, schema.get("$defs", {}))
+            validate_json(json.loads(text, strict=False), schema, schema.get("$defs", {}))
     assert finished > 0
     assert accepted > 0, "no draft was ever accepted; the test would not exercise acceptance"
