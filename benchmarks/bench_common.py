@@ -1,16 +1,27 @@
 """Helpers shared by the benchmark scripts of this folder: result paths, argument parsing, device labels, random
-prompts, a soft time budget and the git commit a run measured."""
+prompts, wall-clock timing, a soft time budget and the git commit a run measured."""
 
 from __future__ import annotations
 
 import pathlib
 import random
+import statistics
 import subprocess
 import time
+from collections.abc import Callable
 
 import torch
 
-__all__ = ["MIN_TOKEN_ID", "RESULTS", "Deadline", "device_label", "git_commit", "int_list", "random_prompts"]
+__all__ = [
+    "MIN_TOKEN_ID",
+    "RESULTS",
+    "Deadline",
+    "device_label",
+    "git_commit",
+    "int_list",
+    "median_wall_s",
+    "random_prompts",
+]
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 MIN_TOKEN_ID = 3  # keeps BOS / EOS / PAD out of random prompts
@@ -48,6 +59,23 @@ def git_commit() -> str | None:
     except (OSError, subprocess.CalledProcessError):
         return None
     return done.stdout.strip() or None
+
+
+def median_wall_s(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> float:
+    """Median wall seconds of `fn` over `repeats` calls after `warmup` untimed ones; on CUDA each timed call is
+    bracketed by a device synchronization, so the figure includes host launch cost."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 class Deadline:
