@@ -34,7 +34,8 @@ Memory (`--parts memory`, the CPU default): a fresh process builds `LLM` with de
 built-in tiny checkpoint unless `--model`) and prefills one random prompt of `--memory-context` tokens (default
 4,000); it reports the prefill time and its peak resident memory (`resource.getrusage` max RSS) after building the
 engine and after the prompt, against the checkpoint's size on disk. The parent stops the process if its resident
-memory passes `--memory-limit-gib` and reports that, and reports a crash with its exit status and last output.
+memory passes `--memory-limit-gib` or it is still running at `--deadline-s`, and reports that, and reports a crash
+with its exit status and last output.
 
 Usage (the H200 run; the checkpoint is written first, about a minute with 16 workers, then about 6 minutes):
     PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python3 -m deepinfer_model write-checkpoint \\
@@ -361,8 +362,9 @@ def _rss_gib(pid: int) -> float | None:
     return int(line.split()[1]) * 1024 / GIB if line else None
 
 
-def run_memory(args: argparse.Namespace) -> dict[str, Any]:
-    """The CPU memory point in a fresh process, watched so that it cannot take the machine's memory."""
+def run_memory(args: argparse.Namespace, deadline: Deadline) -> dict[str, Any]:
+    """The CPU memory point in a fresh process, watched so that it can take neither the machine's memory nor more
+    than the time left before the deadline."""
     command = [sys.executable, str(pathlib.Path(__file__).resolve()), "--memory-child", "--device", "cpu"]
     command += ["--memory-context", str(args.memory_context)]
     command += ["--model", args.model] if args.model else []
@@ -382,6 +384,9 @@ def run_memory(args: argparse.Namespace) -> dict[str, Any]:
             if rss is not None and rss > args.memory_limit_gib:
                 process.kill()
                 record["error"] = f"stopped: resident memory {rss:.2f} GiB passed --memory-limit-gib"
+            elif deadline.elapsed() > deadline.seconds:
+                process.kill()
+                record["error"] = f"stopped: still running at --deadline-s ({deadline.seconds:.0f} s)"
     lines = [line for line in stdout.splitlines() if line.startswith("{")]
     if lines:
         record.update(json.loads(lines[-1]))
@@ -507,7 +512,7 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="engine token budget per step")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs, in the engine or model steps")
     parser.add_argument("--memory-context", type=int, default=4000, help="prompt tokens of the CPU memory point")
-    parser.add_argument("--memory-limit-gib", type=float, default=16.0, help="stop the memory point past this RSS")
+    parser.add_argument("--memory-limit-gib", type=float, default=8.0, help="stop the memory point past this RSS")
     parser.add_argument("--deadline-s", type=float, default=420.0, help="skip points that would end after this")
     parser.add_argument("--git-commit", default=None, help="commit to record (default: git rev-parse HEAD)")
     parser.add_argument("--out", type=pathlib.Path, default=None, help="JSON path (default: benchmarks/results/)")
@@ -552,7 +557,7 @@ def main() -> None:
 
     if "memory" in parts:
         print(f"==== memory: {args.memory_context}-token prompt in a fresh CPU process", flush=True)
-        results["points"].append(run_memory(args))
+        results["points"].append(run_memory(args, deadline))
         save()
     if "sweep" in parts:
         try:
