@@ -4,7 +4,7 @@ Sweep (CUDA by default; on CPU only with `--parts sweep`), one engine for every 
 
 - prefill, batch 1, contexts `--prefill-contexts` (CUDA default 8K, 32K, 128K): one `LLM.generate` of a random-token
   prompt with max_tokens=1, greedy; seconds = wall time of the call, tokens/s = prompt tokens / seconds. An untimed
-  warm-up generate (one prompt of min(8192, smallest context) tokens) compiles the kernels first.
+  warm-up generate (one prompt of min(8192, longest context) tokens) compiles the kernels first.
 - decode, method "model-step", every (batch `--decode-batches`, context `--decode-contexts`) point (CUDA default
   batches 1 and 32, contexts 1K, 32K, 128K): filling 32 caches by real prefill of 32 x 128K tokens would take far
   longer than the device allows, so the step is built at the model level instead. The engine's loaded model gets a
@@ -67,7 +67,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from bench_common import (
@@ -110,10 +110,10 @@ def _checkpoint_dir(llm: LLM) -> pathlib.Path:
 
 @dataclass(frozen=True)
 class Point:
-    kind: str  # "prefill" | "decode"
+    kind: Literal["prefill", "decode"]
     context: int
     batch: int
-    method: str  # "generate" | "model-step"
+    method: Literal["generate", "model-step"]
 
     def label(self) -> str:
         return f"{self.kind} {self.method} batch {self.batch} context {self.context}"
@@ -127,7 +127,7 @@ class Estimates:
     model_step_overhead_s: float = 15.0  # cache allocation, capture, warm-up and timing of one model-step point
     fill_rows_per_s: float = 5e6
     step_s: dict[tuple[int, int], float] = field(default_factory=dict)  # model-step seconds by (batch, context)
-    measured: set[str] = field(default_factory=set)
+    prefill_measured: bool = False
 
     def seconds(self, point: Point, decode_steps: int) -> float:
         tokens = point.batch * point.context
@@ -142,9 +142,8 @@ class Estimates:
             return
         if point.method == "generate" and point.kind == "prefill":
             rate = record["tokens_per_s"]
-            first = "prefill" not in self.measured
-            self.prefill_tokens_per_s = rate if first else min(rate, self.prefill_tokens_per_s)
-            self.measured.add("prefill")
+            self.prefill_tokens_per_s = min(rate, self.prefill_tokens_per_s) if self.prefill_measured else rate
+            self.prefill_measured = True
         elif point.method == "model-step":
             self.step_s[(point.batch, point.context)] = record["seconds"]
             self.fill_rows_per_s = max(record["fill_rows"] / max(record["fill_s"], 1e-3), 1e5)
@@ -468,17 +467,19 @@ def run_sweep(
     bound = max_model_len + 2 if args.context_bound == "engine" else None
     graphs = on_cuda and not args.enforce_eager
     try:
-        warm = random_prompts(llm.vocab_size, 1, min(8192, min(prefill + contexts)), seed=0)
+        # One prompt as long as a full prefill chunk of the default token budget (or the longest point, if shorter).
+        warm = random_prompts(llm.vocab_size, 1, min(8192, max(prefill + contexts)), seed=0)
         start = time.perf_counter()
         params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
         llm.generate(prompt_token_ids=warm, sampling_params=params, use_tqdm=False)
         results["warmup_s"] = time.perf_counter() - start
+        print(f"warm-up generate ({len(warm[0])} tokens) in {results['warmup_s']:.1f} s", flush=True)
         estimates = Estimates()
         model = _engine_model(llm)
         for point in points:
             expected = estimates.seconds(point, steps)
             if not deadline.allows(point.label(), expected):
-                skipped = f"expected {expected:.0f} s, past the deadline"
+                skipped = f"{deadline.elapsed():.0f} s elapsed + {expected:.0f} s expected is past --deadline-s"
                 results["points"].append({**vars(point), "seconds": None, "tokens_per_s": None, "peak_gib": None})
                 results["points"][-1]["skipped"] = skipped
                 continue
