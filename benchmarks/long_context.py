@@ -92,12 +92,16 @@ GIB = 2**30
 _FILL_CHUNK_ROWS = 1 << 16  # rows encoded per write while filling a cache (bounds the fill's own memory)
 
 
-# ---- engine internals: the only place that reaches past the public LLM API ----------------------------------------
+# ---- engine internals: the only place that reaches past LLM(...), generate and close -------------------------------
 
 
 def _engine_model(llm: LLM) -> DeepseekV41ForCausalLM:
     """The model `llm` loaded (an engine attribute; adapt here when the engine package moves it)."""
     return llm.model
+
+
+def _vocab_size(llm: LLM) -> int:
+    return llm.vocab_size
 
 
 def _checkpoint_dir(llm: LLM) -> pathlib.Path:
@@ -186,7 +190,7 @@ def run_generate(llm: LLM, point: Point, decode_steps: int, device: torch.device
     """A prefill point (max_tokens=1, wall time) or a decode point through `LLM.generate` (module docstring)."""
     from deepinfer_engine import SamplingParams
 
-    prompts = random_prompts(llm.vocab_size, point.batch, point.context, seed=point.context + point.batch)
+    prompts = random_prompts(_vocab_size(llm), point.batch, point.context, seed=point.context + point.batch)
     max_tokens = 1 if point.kind == "prefill" else decode_steps + 1
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     _sync(device)
@@ -336,10 +340,11 @@ def memory_child(model: str | None, context: int, max_num_batched_tokens: int | 
     record["checkpoint_gib"] = sum(f.stat().st_size for f in files) / GIB
     record["checkpoint_weights_gib"] = sum(f.stat().st_size for f in files if f.suffix == ".safetensors") / GIB
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    llm.generate(prompt_token_ids=random_prompts(llm.vocab_size, 1, 16, seed=0), sampling_params=params, use_tqdm=False)
+    warm = random_prompts(_vocab_size(llm), 1, 16, seed=0)
+    llm.generate(prompt_token_ids=warm, sampling_params=params, use_tqdm=False)
     record["rss_after_warmup_gib"] = _max_rss_gib()  # first-call costs (lazy initialization) are not the prompt's
     print(json.dumps(record), flush=True)  # what is known so far, in case the prompt kills the process
-    prompt = random_prompts(llm.vocab_size, 1, context, seed=context)
+    prompt = random_prompts(_vocab_size(llm), 1, context, seed=context)
     start = time.perf_counter()
     outputs = llm.generate(prompt_token_ids=prompt, sampling_params=params, use_tqdm=False)
     seconds = time.perf_counter() - start
@@ -468,7 +473,7 @@ def run_sweep(
     graphs = on_cuda and not args.enforce_eager
     try:
         # One prompt as long as a full prefill chunk of the default token budget (or the longest point, if shorter).
-        warm = random_prompts(llm.vocab_size, 1, min(8192, max(prefill + contexts)), seed=0)
+        warm = random_prompts(_vocab_size(llm), 1, min(8192, max(prefill + contexts)), seed=0)
         start = time.perf_counter()
         params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
         llm.generate(prompt_token_ids=warm, sampling_params=params, use_tqdm=False)
