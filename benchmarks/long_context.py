@@ -101,7 +101,7 @@ def _engine_model(llm: LLM) -> DeepseekV41ForCausalLM:
 
 
 def _vocab_size(llm: LLM) -> int:
-    return llm.vocab_size
+    return _engine_model(llm).config.text.vocab_size
 
 
 def _checkpoint_dir(llm: LLM) -> pathlib.Path:

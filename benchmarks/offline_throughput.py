@@ -36,7 +36,7 @@ from bench_common import RESULTS, device_label, int_list, random_prompts
 def _run_point(llm: Any, prompt_len: int, output_len: int, batch_size: int, seed: int) -> dict[str, Any]:
     from deepinfer_engine import SamplingParams
 
-    prompts = random_prompts(llm.vocab_size, batch_size, prompt_len, seed)
+    prompts = random_prompts(llm.model.config.text.vocab_size, batch_size, prompt_len, seed)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)  # warm-up
     start = time.perf_counter()
