@@ -47,7 +47,6 @@ import json
 import os
 import pathlib
 import platform
-import random
 import tempfile
 import time
 import traceback
@@ -55,10 +54,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 import torch
-
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
-_MIN_TOKEN_ID = 3  # keeps BOS / EOS / PAD out of random prompts
-
+from bench_common import RESULTS, Deadline, device_label, random_prompts
 
 # ---- sizes -------------------------------------------------------------------------------------------------------
 
@@ -96,27 +92,6 @@ def _sizes(device: str, quick: bool) -> dict[str, int]:
     if quick:
         sizes = {key: max(1, value // 2) for key, value in sizes.items()}
     return sizes
-
-
-class Deadline:
-    """Soft time budget: a part that would start after it is skipped (and says so)."""
-
-    def __init__(self, seconds: float) -> None:
-        self.start = time.perf_counter()
-        self.seconds = seconds
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.start
-
-    def allows(self, part: str, expected_s: float = 0.0) -> bool:
-        """Whether `part`, expected to take `expected_s`, would still end within the budget."""
-        if self.elapsed() + expected_s < self.seconds:
-            return True
-        print(
-            f"[skip] {part}: {self.elapsed():.0f} s elapsed + {expected_s:.0f} s expected is past the --deadline-s "
-            f"budget of {self.seconds:.0f} s"
-        )
-        return False
 
 
 def _run_part(name: str, results: dict[str, Any], fn: Callable[[], Any]) -> Any:
@@ -170,11 +145,6 @@ def write_or_reuse(config_name: str, out_dir: pathlib.Path, workers: int) -> dic
 # ---- b/c. engines ------------------------------------------------------------------------------------------------
 
 
-def _prompts(vocab: int, num: int, length: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(_MIN_TOKEN_ID, vocab) for _ in range(length)] for _ in range(num)]
-
-
 def _free_device_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
@@ -223,9 +193,9 @@ def run_engine(
     print(f"[{ranks} rank(s)] engine built in {record['load_s']:.1f} s", flush=True)
     try:
         greedy = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-        llm.generate(prompt_token_ids=_prompts(vocab, ranks, 8, seed=99), sampling_params=greedy, use_tqdm=False)
+        llm.generate(prompt_token_ids=random_prompts(vocab, ranks, 8, seed=99), sampling_params=greedy, use_tqdm=False)
 
-        check = _prompts(vocab, sizes["check_prompts"], sizes["check_len"], seed=1)
+        check = random_prompts(vocab, sizes["check_prompts"], sizes["check_len"], seed=1)
         params = SamplingParams(temperature=0.0, max_tokens=sizes["check_tokens"], ignore_eos=True, top_logprobs=2)
         start = time.perf_counter()
         outputs = llm.generate(prompt_token_ids=check, sampling_params=params, use_tqdm=False)
@@ -246,7 +216,7 @@ def run_engine(
             record["greedy_tokens_by_shares"][str(count)] = tokens
             record["greedy_margins_by_shares"][str(count)] = margins
 
-        prefill = _prompts(vocab, sizes["prefill_prompts"], sizes["prefill_len"], seed=2)
+        prefill = random_prompts(vocab, sizes["prefill_prompts"], sizes["prefill_len"], seed=2)
         params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         start = time.perf_counter()
         llm.generate(prompt_token_ids=prefill, sampling_params=params, use_tqdm=False)
@@ -254,7 +224,7 @@ def run_engine(
         record["prefill"] = {"wall_s": wall, "prompt_tokens_per_s": sum(map(len, prefill)) / wall}
         print(f"[{ranks} rank(s)] prefill {record['prefill']['prompt_tokens_per_s']:.1f} prompt tok/s", flush=True)
 
-        decode = _prompts(vocab, sizes["decode_prompts"], sizes["decode_len"], seed=3)
+        decode = random_prompts(vocab, sizes["decode_prompts"], sizes["decode_len"], seed=3)
         params = SamplingParams(temperature=0.0, max_tokens=sizes["decode_tokens"], ignore_eos=True)
         start = time.perf_counter()
         outputs = llm.generate(prompt_token_ids=decode, sampling_params=params, use_tqdm=False)
@@ -531,7 +501,7 @@ def _eplb_outputs(groups: Any, tiny_dir: str, device: torch.device) -> dict[str,
     ep = ExpertParallelMoE.create(groups, text.n_routed_experts, text.num_hidden_layers, device=device)
     model = load_model(model_dir, tokenizer, "exact", device, read_env()["DEEPINFER_ENGRAM_PAD_TOKEN"], ep)
     rank = groups.rank
-    prompt = _prompts(text.vocab_size, 1, 20 + 7 * rank, seed=50 + rank)[0]
+    prompt = random_prompts(text.vocab_size, 1, 20 + 7 * rank, seed=50 + rank)[0]
 
     def forward() -> torch.Tensor:
         state = model.allocate_state(block_size=16, num_blocks=8, num_state_slots=2, device=device)
@@ -816,7 +786,7 @@ def main() -> None:
                 print(f"greedy outputs, dp=ep={n} vs 1 GPU eager fed the {n} ranks' batches:")
                 results["greedy_equal"][f"{n} vs 1-eager-shares"] = compare_greedy(reference, run)
     results["elapsed_s"] = deadline.elapsed()
-    label = "cpu" if device == "cpu" else "-".join(str(results["device"]).lower().replace("nvidia", "").split())
+    label = device_label(device)
     out = args.out or RESULTS / f"multi_gpu-{label}{'-quick' if args.quick else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")

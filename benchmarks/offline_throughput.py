@@ -26,32 +26,17 @@ import argparse
 import json
 import pathlib
 import platform
-import random
 import time
 from typing import Any
 
 import torch
-
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
-
-
-def _ints(text: str) -> list[int]:
-    return [int(part) for part in text.split(",") if part.strip()]
-
-
-def _device_label(device: str) -> str:
-    if not device.startswith("cuda"):
-        return "cpu"
-    name = torch.cuda.get_device_name(torch.device(device)).lower().replace("nvidia", "").strip()
-    return "-".join(name.split())
+from bench_common import RESULTS, device_label, int_list, random_prompts
 
 
 def _run_point(llm: Any, prompt_len: int, output_len: int, batch_size: int, seed: int) -> dict[str, Any]:
     from deepinfer_engine import SamplingParams
 
-    rng = random.Random(seed)
-    vocab = llm.vocab_size
-    prompts = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(batch_size)]
+    prompts = random_prompts(llm.model.config.text.vocab_size, batch_size, prompt_len, seed)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)  # warm-up
     start = time.perf_counter()
@@ -122,9 +107,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="checkpoint dir or HF repo id (default: built-in tiny)")
     parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: detect)")
-    parser.add_argument("--prompt-lens", type=_ints, default=None, help="comma-separated prompt lengths")
-    parser.add_argument("--output-lens", type=_ints, default=None, help="comma-separated output lengths")
-    parser.add_argument("--batch-sizes", type=_ints, default=None, help="comma-separated batch sizes")
+    parser.add_argument("--prompt-lens", type=int_list, default=None, help="comma-separated prompt lengths")
+    parser.add_argument("--output-lens", type=int_list, default=None, help="comma-separated output lengths")
+    parser.add_argument("--batch-sizes", type=int_list, default=None, help="comma-separated batch sizes")
     parser.add_argument("--precision", choices=("exact", "fp32"), default="exact")
     parser.add_argument("--cpu-threads", type=int, default=None, help="torch intra-op threads on CPU")
     parser.add_argument(
@@ -155,8 +140,8 @@ def main() -> None:
         precision=args.precision,
         max_model_len=max(prompt_lens) + max(output_lens) + 1,
     )
-    label = _device_label(llm.config.device)
-    results = []
+    label = device_label(llm.config.device)
+    results: list[dict[str, Any]] = []
     for prompt_len in prompt_lens:
         for output_len in output_lens:
             for batch_size in batch_sizes:

@@ -21,10 +21,10 @@ import functools
 import json
 import pathlib
 import re
-import statistics
-import time
+from typing import Literal
 
 import torch
+from bench_common import median_wall_s
 
 from deepinfer_sampling import Sampler, SamplerConfig, SamplingBatch, SamplingParams, SamplingRow, request_seed
 
@@ -41,21 +41,6 @@ def device_label(device: torch.device) -> str:
     return "nvidia-" + re.sub(r"[^a-z0-9]+", "-", name).strip("-")
 
 
-def time_call(fn, device: torch.device, warmup: int, repeats: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vocab", type=int, default=129280)
@@ -67,7 +52,7 @@ def main() -> None:
     args = parser.parse_args()
 
     device = torch.device(args.device)
-    backends = ["reference", "triton"] if device.type == "cuda" else ["reference"]
+    backends: list[Literal["reference", "triton"]] = ["reference", "triton"] if device.type == "cuda" else ["reference"]
     sizes = [int(s) for s in args.batch_sizes.split(",")]
     label = device_label(device)
     results = []
@@ -84,7 +69,7 @@ def main() -> None:
             logits = (torch.randn(size, args.vocab, generator=gen) * 3).to(device=device, dtype=torch.bfloat16)
             for backend in backends:
                 sampler = Sampler(SamplerConfig(backend=backend), args.vocab, device)
-                seconds = time_call(functools.partial(sampler, logits, batch), device, args.warmup, args.repeats)
+                seconds = median_wall_s(functools.partial(sampler, logits, batch), device, args.warmup, args.repeats)
                 point = {
                     "scenario": scenario,
                     "backend": backend,
