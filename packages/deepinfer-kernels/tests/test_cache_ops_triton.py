@@ -172,3 +172,11 @@ def test_indexer_ties_go_to_the_lower_row(triton_device: str) -> None:
     (rows, _), (expected, _) = _select_both(triton_device, case, 6)
     assert torch.equal(rows, expected)
     assert rows[0].tolist() == list(range(6)) and rows[2].tolist() == [0, 1, -1, -1, -1, -1]
+
+
+def test_sparse_attention_accepts_an_empty_pool(triton_device: str) -> None:
+    q, sources, sink = _attention_case(3, 2, 32, (4,), (F.FP8,), seed=3)
+    empty = dk.KeySource(torch.zeros(0, 18, dtype=torch.uint8), torch.full((3, 5), -1), F.FP4_E4M3)
+    actual = _run_attention(Backend.NVIDIA, triton_device, q, [*sources, empty], sink, 0.3, True)
+    expected = _run_attention(Backend.REFERENCE, "cpu", q, sources, sink, 0.3, True)
+    assert ((actual - expected).abs() <= 2.0**-8 * float(expected.abs().max())).all()

@@ -243,7 +243,11 @@ def sparse_attention(
         torch.empty((num_tokens, 0), dtype=torch.int64, device=q.device),
         RowFormat.RAW_FP32,
     )
-    padded = list(sources) + [empty] * (MAX_SOURCES - len(sources))
+    # An empty pool (all its rows −1) is replaced by one zero row: Triton needs a real pointer.
+    present = [
+        s if s.pool.shape[0] else KeySource(s.pool.new_zeros((1, s.pool.shape[1])), s.rows, s.fmt) for s in sources
+    ]
+    padded = present + [empty] * (MAX_SOURCES - len(sources))
     bf16_dots = q.dtype == torch.bfloat16 and not triton_interpreter_enabled()
     source_args: list[object] = []
     fmt_args: dict[str, object] = {}
