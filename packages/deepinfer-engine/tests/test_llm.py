@@ -36,7 +36,7 @@ def test_greedy_equals_reference_token_by_token_also_with_preemption(root: Path)
     pressured = tight.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
     assert sum(o.metrics.num_preemptions for o in pressured) > 0, "the tiny cache should force preemption"
     assert [list(o.token_ids) for o in pressured] == expected
-    assert tight.cache_manager.num_free_blocks == tight.cache_manager.num_usable_blocks
+    assert tight.engine.cache_manager.num_free_blocks == tight.engine.cache_manager.num_usable_blocks
 
 
 def test_outputs_in_input_order_with_text_logprobs_and_metrics(llm: LLM) -> None:
@@ -120,7 +120,7 @@ def test_tiny_checkpoint_is_written_once_into_the_cache(root: Path) -> None:
 
 
 def test_max_model_len_defaults_from_the_checkpoint(llm: LLM) -> None:
-    assert llm.config.scheduler.max_model_len == min(4096, 255 * 16 - 1)
+    assert llm.engine.config.scheduler.max_model_len == min(4096, 255 * 16 - 1)
 
 
 @pytest.mark.parametrize(
@@ -151,7 +151,7 @@ def test_sampler_environment_variables_are_wired(root: Path, monkeypatch: pytest
     monkeypatch.setenv("DEEPINFER_SAMPLER_FORCE_TOPK", "1")
     monkeypatch.setenv("DEEPINFER_DECODE_TOKEN_BLACKLIST", ",".join(str(t) for t in first_tokens))
     engine = make_llm(root, precision="fp32")
-    assert engine.config.sampler.force_top_k == 1
+    assert engine.engine.config.sampler.force_top_k == 1
     sampled = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seq_seed=3)
     outputs = engine.generate(prompt_token_ids=prompts, sampling_params=sampled, use_tqdm=False)
     # Top-1 forcing makes sampling deterministic: the best token that is not banned.
@@ -182,7 +182,7 @@ def test_concurrent_first_use_of_the_tiny_checkpoint(tmp_path: Path) -> None:
 def test_hub_id_resolves_through_deepinfer_hf_model_dir(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DEEPINFER_HF_MODEL_DIR", str(tiny_dir(root)))
     engine = make_llm(root, model="deepseek-ai/not-downloaded")
-    assert engine.config.model_dir == tiny_dir(root)
+    assert engine.engine.config.model_dir == tiny_dir(root)
 
 
 def test_progress_bar_and_summary_line(llm: LLM, capsys: pytest.CaptureFixture[str]) -> None:

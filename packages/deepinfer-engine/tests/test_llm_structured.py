@@ -131,4 +131,4 @@ def test_a_row_with_nothing_left_to_sample_fails_only_its_request(root: Path, mo
     assert stuck.finish_reason is FinishReason.ERROR
     assert stuck.error_message == "no token could be sampled: every logit was masked or not finite"
     assert before.ok and after.ok and len(before.token_ids) == len(after.token_ids) == 4
-    assert llm.cache_manager.num_free_blocks == llm.cache_manager.num_usable_blocks
+    assert llm.engine.cache_manager.num_free_blocks == llm.engine.cache_manager.num_usable_blocks

@@ -1,0 +1,256 @@
+"""`Engine`: the engine of one process — build, admit, step loop, outputs.
+
+Built from `EngineArgs` (`LLM` builds one; each rank of a parallel world builds one too, `deepinfer_engine.worker`):
+tokenizer, model (`deepinfer_engine.model_loading`), cache budget and `EngineConfig`, cache pools, `CacheManager`,
+`Scheduler`, `ModelRunner`, and the `EngineCore` step loop over them. A rank's engine also gets its expert placement
+and a vote group: its runner is then wrapped in a `LockstepRunner` (`deepinfer_engine.lockstep`) and it steps
+synchronously, one forward per step on every rank.
+
+One `generate` call, stage by stage (docs/architecture.md, "From request to output"):
+
+    prompt ──Admission──► Request ──EngineCore.step: Scheduler → ModelRunner → Scheduler──► RequestOutput
+           ──OutputProcessor──► GenerateOutput          (stop-string hits go back as Scheduler.finish_request)
+
+A step that raises (out of memory, a kernel error, KeyboardInterrupt) never breaks the engine: the runner and the
+core forget the steps in flight, the scheduler finishes every unfinished request with an "error" finish reason and
+frees its cache (`Scheduler.abort_all`), and the call returns those outputs (the error named in each message); a
+KeyboardInterrupt is re-raised after that clean-up. The next `generate` then runs exactly like one on a fresh engine.
+A rank of a parallel world re-raises at once: its peers wait in collectives, and the executor stops every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from deepinfer_engine._prompts import ParamsLike
+from deepinfer_engine.admission import Admission, Admitted
+from deepinfer_engine.cache_manager import CacheManager
+from deepinfer_engine.config import EngineConfig
+from deepinfer_engine.engine_args import EngineArgs, build_engine_config
+from deepinfer_engine.engine_core import EngineCore, ModelRunnerProtocol
+from deepinfer_engine.envs import EnvSettings
+from deepinfer_engine.eplb import EplbController, EplbSettings, EplbStats
+from deepinfer_engine.generate_output import GenerateOutput
+from deepinfer_engine.lockstep import LockstepRunner
+from deepinfer_engine.model_loading import cache_budget_bytes, load_model
+from deepinfer_engine.model_runner import ModelRunner, StepHandle
+from deepinfer_engine.output_processor import OutputProcessor
+from deepinfer_engine.progress import GenerateProgress
+from deepinfer_engine.request import RequestStatus
+from deepinfer_engine.scheduler import Scheduler
+from deepinfer_engine.tokenizer import Tokenizer
+from deepinfer_model.deepseek_v41.expert_parallel import ExpertParallelMoE
+from deepinfer_parallel.groups import RankGroup
+
+__all__ = ["Engine", "resolve_device"]
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(device: str | None) -> str:
+    """The engine device: `device`, or "cuda" when the kernels platform is NVIDIA and "cpu" otherwise.
+
+    Raises:
+        ValueError: a CUDA device is asked for but no CUDA GPU is visible.
+    """
+    from deepinfer_kernels.platform import Accelerator, current_accelerator
+
+    if device is None:
+        return "cuda" if current_accelerator() is Accelerator.NVIDIA else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(
+            f"device={device!r}, but no CUDA GPU is visible to PyTorch (torch.cuda.is_available() is False); "
+            "use device='cpu', or leave device unset to pick what is there"
+        )
+    return device
+
+
+class Engine:
+    """The engine of one process over one checkpoint (see the module docstring).
+
+    Args:
+        args: the engine arguments.
+        env: the parsed environment.
+        model_dir: the resolved checkpoint directory.
+        expert_parallel: this rank's expert placement (parallel ranks only).
+        vote_group: the group whose ranks step in lockstep (parallel ranks only).
+        eplb: expert-parallel load balancing settings (an EPLB controller runs when rearrangement is on and the EP
+            group has more than one rank).
+    """
+
+    def __init__(
+        self,
+        args: EngineArgs,
+        env: EnvSettings,
+        model_dir: Path,
+        expert_parallel: ExpertParallelMoE | None = None,
+        vote_group: RankGroup | None = None,
+        eplb: EplbSettings | None = None,
+    ) -> None:
+        device = torch.device(resolve_device(args.device))
+        self.tokenizer = Tokenizer(args.tokenizer if args.tokenizer is not None else model_dir)
+        self.model = load_model(
+            model_dir,
+            self.tokenizer,
+            args.precision,
+            device,
+            env["DEEPINFER_ENGRAM_PAD_TOKEN"],
+            expert_parallel,
+            max_backtracking_tokens=args.nextn + 1,
+        )
+        text = self.model.config.text
+        spec = self.model.cache_spec()
+        budget = 0  # unused when the number of blocks is given
+        if args.num_cache_blocks is None:
+            budget = cache_budget_bytes(
+                self.model,
+                device,
+                explicit_bytes=args.cache_memory_bytes,
+                gpu_memory_utilization=args.gpu_memory_utilization,
+                profile_num_tokens=args.max_num_batched_tokens or min(text.max_position_embeddings, 8192),
+                profile_num_logits=args.max_num_seqs * (1 + args.nextn),  # verify rows with drafts
+                block_size=args.block_size,
+            )
+        self.config: EngineConfig = build_engine_config(
+            args,
+            env,
+            model_dir=model_dir,
+            device=str(device),
+            max_position_embeddings=text.max_position_embeddings,
+            cache_spec=spec,
+            cache_budget_bytes=budget,
+        )
+        config = self.config
+        state = self.model.allocate_state(
+            config.cache.block_size, config.num_blocks, config.cache.num_state_slots, device
+        )
+        self.cache_manager = CacheManager(spec, config.cache, config.num_blocks)
+        self.scheduler = Scheduler(config.scheduler, self.cache_manager)
+        self.runner = ModelRunner(self.model, state, config)
+        self._eplb: EplbController | None = None
+        rearranges = eplb is not None and eplb.schedule is not None
+        if expert_parallel is not None and rearranges and expert_parallel.group.size > 1:
+            assert eplb is not None and eplb.schedule is not None
+            moes = self.model.moe_layers()
+            self._eplb = EplbController(eplb.schedule, eplb.rearrange_after_prefill, expert_parallel, moes)
+        core_runner: ModelRunnerProtocol[StepHandle] = self.runner
+        self._lockstep: LockstepRunner | None = None
+        if vote_group is not None:
+            self._lockstep = LockstepRunner(self.runner, vote_group, self._eplb)
+            core_runner = self._lockstep
+        # One forward per step on every rank: the asynchronous loop's collect-only steps would break lockstep.
+        async_scheduling = config.async_scheduling and self._lockstep is None
+        self.core: EngineCore[StepHandle] = EngineCore(self.scheduler, core_runner, async_scheduling=async_scheduling)
+        eos_token_id = self.tokenizer.eos_token_id
+        if eos_token_id is None:
+            eos_token_id = self.model.config.eos_token_id
+        self.admission = Admission(self.tokenizer, text.vocab_size, eos_token_id, config.seed, config.structured_output)
+        self.outputs = OutputProcessor(self.tokenizer)
+
+    def generate(
+        self,
+        indices: Sequence[int],
+        texts: Sequence[str | None],
+        ids: Sequence[Sequence[int] | None],
+        params: Sequence[ParamsLike],
+        first_request_id: int,
+        use_tqdm: bool,
+    ) -> list[GenerateOutput]:
+        """Run some prompts of one `generate` call to completion; one output per prompt, in the given order.
+
+        Args:
+            indices: each prompt's index in the call (it keys the request seed; the request id is
+                `first_request_id + index`).
+            texts, ids, params: each prompt's text, token ids and sampling parameters (aligned with `indices`).
+            first_request_id: the request number of the call's first prompt.
+            use_tqdm: show a progress bar and a summary line.
+
+        Raises:
+            KeyboardInterrupt: after cleaning up (see the module docstring).
+        """
+        results: dict[int, GenerateOutput] = {}
+        progress = GenerateProgress(len(indices), use_tqdm)
+        interrupted = False
+        try:
+            for index, text, token_ids, params_like in zip(indices, texts, ids, params, strict=True):
+                request_id = str(first_request_id + index)
+                admitted = self.admission.admit(index, request_id, text, token_ids, params_like)
+                if isinstance(admitted, GenerateOutput):
+                    results[index] = admitted
+                    progress.update(0, 1)
+                elif admitted is not None:
+                    self._enqueue(admitted, progress)
+            self._run(results, progress)
+        except BaseException as exc:
+            if self._lockstep is not None:
+                raise
+            self._recover(exc, results, progress)
+            if not isinstance(exc, Exception):
+                interrupted = True
+                raise
+        finally:
+            progress.close(sum(not output.ok for output in results.values()), interrupted)
+        assert len(results) == len(indices), "a request finished without an output"
+        return [results[index] for index in indices]
+
+    def eplb_stats(self) -> list[EplbStats]:
+        """What this process's EPLB controller did; empty when EPLB is inactive."""
+        return [self._eplb.stats()] if self._eplb is not None else []
+
+    def close(self) -> None:
+        """Stop the grammar compile threads and release the CUDA graphs."""
+        self.admission.close()
+        self.runner.close()
+
+    def _enqueue(self, admitted: Admitted, progress: GenerateProgress) -> None:
+        request = admitted.request
+        progress.num_prompt_tokens += request.num_prompt_tokens
+        stop = tuple(request.params.stop)
+        self.outputs.add(request.request_id, admitted.index, admitted.prompt, stop, admitted.arrival)
+        self.core.add_request(request)
+
+    def _run(self, results: dict[int, GenerateOutput], progress: GenerateProgress) -> None:
+        """The step loop: admit compiled requests, step, collect outputs, end stop-string hits."""
+        while self._any_busy(self.admission.has_pending or self.core.has_unfinished_requests()):
+            if self.admission.has_pending:
+                wait_s = 0.0 if self.core.has_unfinished_requests() else 0.05
+                for ready in self.admission.poll(wait_s):
+                    if isinstance(ready, Admitted):
+                        self._enqueue(ready, progress)
+                    else:
+                        results[ready[0]] = ready[1]
+                        progress.update(0, 1)
+            if not self.core.has_unfinished_requests():
+                if self._lockstep is not None:
+                    self._lockstep.pad_step()
+                continue
+            finished, hits = self.outputs.process(self.core.step(), progress)
+            results.update(finished)
+            for hit in hits:
+                self.scheduler.finish_request(
+                    hit.request_id,
+                    RequestStatus.FINISHED_STOPPED,
+                    stop_reason=hit.stop,
+                    num_output_tokens=hit.num_output_tokens,
+                )
+
+    def _recover(self, exc: BaseException, results: dict[int, GenerateOutput], progress: GenerateProgress) -> None:
+        """Finish every unfinished request of the call with an error and make the engine as good as new."""
+        reason = "interrupted" if isinstance(exc, KeyboardInterrupt) else "a step failed"
+        message = f"{reason} ({type(exc).__name__}: {exc}); the request was stopped and its cache freed"
+        logger.error("generate: %s", message)
+        self.core.reset()
+        self.runner.reset()
+        finished, _ = self.outputs.process(self.scheduler.abort_all(message), progress)
+        results.update(finished)
+        for index, output in self.admission.drop_pending(message):
+            results[index] = output
+            progress.update(0, 1)
+
+    def _any_busy(self, busy: bool) -> bool:
+        """Whether this engine (or, on a rank, any rank) has work left."""
+        return self._lockstep.any_busy(busy) if self._lockstep is not None else busy

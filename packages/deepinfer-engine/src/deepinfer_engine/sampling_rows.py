@@ -1,0 +1,122 @@
+"""Sampling inputs of the model runner that need host work: prompt-logprob rows and grammar bitmasks.
+
+Prompt logprobs (runtime §2.6): for a request that asks for them, every prompt position of a prefill chunk that has a
+next prompt token gets a logits row after the step's sampling rows (`add_prompt_rows`); right after the forward the
+processed log-prob of that next token under the request's own sampling parameters is computed and copied to the host
+without blocking (`prompt_logprob_values`). The runner reports the values with the step.
+
+Structured output: the grammar matcher of a request must have accepted every earlier token before it can fill the
+request's bitmask row (`fill_bitmask`, on the CPU while the forward runs, runtime §4.4); a matcher that rejects a
+token fails its request for the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+
+import torch
+
+from deepinfer_engine.outputs import RequestFailure, SchedulerOutput
+from deepinfer_engine.request import RequestStatus
+from deepinfer_engine.runner_state import RunnerRequest, StepHandle
+from deepinfer_sampling import LOGPROB_FLOOR, Sampler, SamplingBatch, SamplingRow
+
+__all__ = ["add_prompt_rows", "fill_bitmask", "prompt_logprob_values"]
+
+
+def add_prompt_rows(
+    scheduler_output: SchedulerOutput,
+    requests: Mapping[str, RunnerRequest],
+    handle: StepHandle,
+    logits_rows: torch.Tensor,
+    num_rows: int,
+) -> int:
+    """Append a logits row for each computed prompt position whose next prompt token exists (recorded in
+    `handle.prompt_rows`); returns the number of logits rows."""
+    offset = 0
+    for scheduled in scheduler_output.scheduled_requests:
+        request = requests[scheduled.request_id]
+        start = scheduled.num_computed_tokens
+        last = min(start + scheduled.num_scheduled_tokens, request.prompt_len - 1)  # exclusive
+        if request.params.prompt_logprobs and start < last:
+            count = last - start
+            logits_rows[num_rows : num_rows + count] = torch.arange(offset, offset + count, dtype=torch.int64)
+            handle.prompt_rows.extend((scheduled.request_id, p + 1) for p in range(start, last))
+            num_rows += count
+        offset += scheduled.num_scheduled_tokens
+    return num_rows
+
+
+def prompt_logprob_values(
+    sampler: Sampler, logits: torch.Tensor, handle: StepHandle, requests: Mapping[str, RunnerRequest]
+) -> torch.Tensor:
+    """Processed log-prob of each prompt row's next prompt token, in host memory (pinned and filled by a
+    non-blocking copy on CUDA: valid once the step's `forward_done` event completed).
+
+    Args:
+        sampler: the runner's sampler.
+        logits: [Q, V] fp32, one row per `handle.prompt_rows` entry.
+        handle: the step.
+        requests: the runner's requests.
+    """
+    rows, targets = [], []
+    for request_id, position in handle.prompt_rows:
+        request = requests[request_id]
+        rows.append(SamplingRow(params=request.params, seed=request.seed, position=position))
+        targets.append(request.tokens[position])
+    device = logits.device
+    batch = SamplingBatch.build(rows, sampler.vocab_size, device)
+    logprobs, _ = sampler.processed_logprobs(logits, batch)
+    target_ids = torch.tensor(targets, dtype=torch.int64)
+    if device.type == "cuda":
+        target_ids = target_ids.pin_memory().to(device, non_blocking=True)
+    values = logprobs.gather(1, target_ids[:, None])[:, 0].clamp(min=LOGPROB_FLOOR)
+    if device.type != "cuda":
+        return values.clone()
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    return host
+
+
+def fill_bitmask(
+    rows: list[tuple[int, RunnerRequest, str, int]],
+    num_rows: int,
+    vocab_size: int,
+    device: torch.device,
+    failed: Collection[str],
+    failures: dict[str, RequestFailure],
+) -> torch.Tensor:
+    """Advance each structured request's matcher to its sampling position and fill its mask row (CPU).
+
+    Args:
+        rows: (logits row, runner request, request id, position it samples) per structured request.
+        num_rows: logits rows of the step.
+        vocab_size: V.
+        device: where the mask goes.
+        failed: requests already failed (their rows stay unmasked; their tokens are never reported).
+        failures: the step's failures; a matcher that rejects a committed token adds its request here.
+
+    Returns:
+        int32 [num_rows, ceil(V / 32)] on `device` (copied without blocking).
+    """
+    from deepinfer_sampling.structured import StepMaskRequest, allocate_token_bitmask, fill_step_bitmask
+
+    mask = allocate_token_bitmask(num_rows, vocab_size, pin_memory=device.type == "cuda")
+    requests = []
+    for row, request, request_id, position in rows:
+        if request_id in failed or request_id in failures:
+            continue
+        matcher = request.matcher
+        assert matcher is not None
+        target = position - request.prompt_len
+        if request.num_fed > target:  # a discarded in-flight token was fed before a preemption
+            matcher.rollback(request.num_fed - target)
+            request.num_fed = target
+        committed = request.tokens[request.prompt_len + request.num_fed : position]
+        request.num_fed = target
+        requests.append(StepMaskRequest(request_id, matcher, row, committed, ()))
+    for request_id, error in fill_step_bitmask(mask, requests).items():
+        failures[request_id] = RequestFailure(
+            RequestStatus.FINISHED_STRUCTURED_OUTPUT_FAILED, f"structured output failed ({error.kind}): {error.message}"
+        )
+    return mask.to(device, non_blocking=True)
