@@ -27,7 +27,7 @@ Expert-parallel ranks balance their experts' load when the EPLB variables ask fo
 from __future__ import annotations
 
 import dataclasses
-import sys
+import multiprocessing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -166,8 +166,9 @@ class LLM:
 def _check_main_guard() -> None:
     """Refuse to start rank processes from a rank process that is importing the user's main module: without an
     `if __name__ == "__main__":` guard the script would build the `LLM` again in every rank."""
-    # A spawned process imports the parent's main script under the name "__mp_main__".
-    if getattr(sys.modules.get("__main__"), "__name__", "") == "__mp_main__":
+    # A spawned process imports the parent's main script before it learns its parent (`parent_process()` is set
+    # only once the child's own code starts); at that point it already carries its own process name.
+    if multiprocessing.parent_process() is None and multiprocessing.current_process().name != "MainProcess":
         raise RuntimeError(
             "a parallel LLM (data/expert/context_parallel_size > 1) was built while a rank process imported your "
             "script: rank processes are spawned and import the main module, so build the LLM under "

@@ -61,7 +61,12 @@ from deepinfer_engine.input_batch import StepBuffers
 from deepinfer_engine.outputs import ModelRunnerOutput, RequestFailure, ScheduledRequest, SchedulerOutput
 from deepinfer_engine.request import RequestStatus, TopLogprobs
 from deepinfer_engine.runner_state import RunnerRequest, StepHandle, copy_to_host
-from deepinfer_engine.sampling_rows import add_prompt_rows, fill_bitmask, prompt_logprob_values
+from deepinfer_engine.sampling_rows import (
+    add_prompt_rows,
+    fill_bitmask,
+    model_logprobs_for_greedy_rows,
+    prompt_logprob_values,
+)
 from deepinfer_engine.speculative import SpecRequest, Speculator
 from deepinfer_model.deepseek_v41.model import DeepseekV41ForCausalLM
 from deepinfer_model.state import ModelState
@@ -359,9 +364,12 @@ class ModelRunner:
         output = self.sampler(logits, batch, bitmask)
         slots = [self._requests[scheduled[i].request_id].slot for i in handle.sample_indices]
         self.buffers.record_sampled(self._to_device(slots), self._to_device(handle.sample_positions), output.token_ids)
-        handle.sampled = copy_to_host(
-            output.token_ids, output.logprobs, output.top_logprob_token_ids, output.top_logprobs
-        )
+        token_logprobs, top_ids, top_values = output.logprobs, output.top_logprob_token_ids, output.top_logprobs
+        if any(row.params.is_greedy for row in rows):
+            token_logprobs, top_ids, top_values = model_logprobs_for_greedy_rows(
+                logits, batch.temperature == 0, output.token_ids, token_logprobs, top_ids, top_values
+            )
+        handle.sampled = copy_to_host(output.token_ids, token_logprobs, top_ids, top_values)
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
         """int64 [len(values)] on the device, copied from pinned memory without blocking on CUDA."""

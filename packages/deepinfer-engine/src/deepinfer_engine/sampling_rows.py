@@ -1,4 +1,5 @@
-"""Sampling inputs of the model runner that need host work: prompt-logprob rows and grammar bitmasks.
+"""Sampling inputs and outputs of the model runner beyond the sampler: prompt-logprob rows, grammar bitmasks, and
+the log-probs greedy rows report.
 
 Prompt logprobs (runtime §2.6): for a request that asks for them, every prompt position of a prefill chunk that has a
 next prompt token gets a logits row after the step's sampling rows (`add_prompt_rows`); right after the forward the
@@ -8,6 +9,10 @@ without blocking (`prompt_logprob_values`). The runner reports the values with t
 Structured output: the grammar matcher of a request must have accepted every earlier token before it can fill the
 request's bitmask row (`fill_bitmask`, on the CPU while the forward runs, runtime §4.4); a matcher that rejects a
 token fails its request for the step.
+
+Greedy rows (temperature 0) report the model's own log-probs — the log-softmax of the raw logits — for the emitted
+token and its alternatives, as vLLM does (`model_logprobs_for_greedy_rows`): their processed distribution is one-hot,
+whose 0.0 / −9999 says nothing about the model. Sampled rows report processed log-probs (runtime §2.6).
 """
 
 from __future__ import annotations
@@ -20,8 +25,9 @@ from deepinfer_engine.outputs import RequestFailure, SchedulerOutput
 from deepinfer_engine.request import RequestStatus
 from deepinfer_engine.runner_state import RunnerRequest, StepHandle
 from deepinfer_sampling import LOGPROB_FLOOR, Sampler, SamplingBatch, SamplingRow
+from deepinfer_sampling.logprobs import top_logprobs
 
-__all__ = ["add_prompt_rows", "fill_bitmask", "prompt_logprob_values"]
+__all__ = ["add_prompt_rows", "fill_bitmask", "model_logprobs_for_greedy_rows", "prompt_logprob_values"]
 
 
 def add_prompt_rows(
@@ -120,3 +126,33 @@ def fill_bitmask(
             RequestStatus.FINISHED_STRUCTURED_OUTPUT_FAILED, f"structured output failed ({error.kind}): {error.message}"
         )
     return mask.to(device, non_blocking=True)
+
+
+def model_logprobs_for_greedy_rows(
+    logits: torch.Tensor,
+    greedy: torch.Tensor,
+    tokens: torch.Tensor,
+    token_logprobs: torch.Tensor,
+    top_ids: torch.Tensor,
+    top_values: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The reported log-probs with greedy rows' replaced by the model's own (see the module docstring).
+
+    Args:
+        logits: [R, V] fp32 raw logits of the rows.
+        greedy: [R] bool, rows sampled at temperature 0.
+        tokens: [R] int64 emitted tokens (−1 on rows with none).
+        token_logprobs: [R] float32 their processed log-probs.
+        top_ids, top_values: [R, N] the processed top-N alternatives.
+
+    Returns:
+        (token_logprobs, top_ids, top_values), greedy rows from log-softmax(logits), clamped to >= −9999.
+    """
+    raw = torch.log_softmax(logits.float(), dim=-1)
+    raw_token = raw.gather(1, tokens.clamp(min=0)[:, None])[:, 0].clamp(min=LOGPROB_FLOOR)
+    token_logprobs = torch.where(greedy & (tokens >= 0), raw_token, token_logprobs)
+    if top_ids.shape[1]:
+        raw_ids, raw_values = top_logprobs(raw, top_ids.shape[1])
+        top_ids = torch.where(greedy[:, None], raw_ids, top_ids)
+        top_values = torch.where(greedy[:, None], raw_values, top_values)
+    return token_logprobs, top_ids, top_values

@@ -45,6 +45,7 @@ import torch
 
 from deepinfer_engine.input_batch import StepBuffers
 from deepinfer_engine.runner_state import RunnerRequest, SampledStep, copy_to_host
+from deepinfer_engine.sampling_rows import model_logprobs_for_greedy_rows
 from deepinfer_model.deepseek_v41.model import DeepseekV41ForCausalLM
 from deepinfer_model.forward_batch import ForwardBatch
 from deepinfer_model.state import ModelState
@@ -202,6 +203,10 @@ class Speculator:
         self.rejected[slots] = self._to_device(num_drafts) - accepted
         token_logprobs = target.gather(1, tokens.clamp(min=0)[:, None])[:, 0].clamp(min=LOGPROB_FLOOR)
         top_ids, top_values = top_logprobs(target, min(batch.max_top_logprobs, target.shape[1]))
+        if any(r.request.params.is_greedy for r in requests):
+            token_logprobs, top_ids, top_values = model_logprobs_for_greedy_rows(
+                logits, batch.temperature == 0, tokens, token_logprobs, top_ids, top_values
+            )
         kept_first = [0, *accumulate(c + 1 for c in counts)][:-1]  # each request's first kept row
         golden = verified.output_token_ids[self._to_device(kept_first) + accepted]
         drafts = self._propose(requests, slots, first - 1 + accepted, golden)
