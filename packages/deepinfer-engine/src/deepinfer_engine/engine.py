@@ -16,10 +16,15 @@ core forget the steps in flight, the scheduler finishes every unfinished request
 frees its cache (`Scheduler.abort_all`), and the call returns those outputs (the error named in each message); a
 KeyboardInterrupt is re-raised after that clean-up. The next `generate` then runs exactly like one on a fresh engine.
 A rank of a parallel world re-raises at once: its peers wait in collectives, and the executor stops every rank.
+
+Start-up sizing (`deepinfer_engine.startup`): with default arguments the cache budget and the step token budget come
+from what the device memory holds after the weights, measured by a profiling step that takes the path of a real
+step; `max_model_len` follows from the cache and the checkpoint. The engine logs one line saying what it chose.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,12 +41,13 @@ from deepinfer_engine.envs import EnvSettings
 from deepinfer_engine.eplb import EplbController, EplbSettings, EplbStats
 from deepinfer_engine.generate_output import GenerateOutput
 from deepinfer_engine.lockstep import LockstepRunner
-from deepinfer_engine.model_loading import cache_budget_bytes, load_model
+from deepinfer_engine.model_loading import load_model
 from deepinfer_engine.model_runner import ModelRunner, StepHandle
 from deepinfer_engine.output_processor import OutputProcessor
 from deepinfer_engine.progress import GenerateProgress
 from deepinfer_engine.request import RequestStatus
 from deepinfer_engine.scheduler import Scheduler
+from deepinfer_engine.startup import describe, size_engine
 from deepinfer_engine.tokenizer import Tokenizer
 from deepinfer_model.deepseek_v41.expert_parallel import ExpertParallelMoE
 from deepinfer_parallel.groups import RankGroup
@@ -67,6 +73,17 @@ def resolve_device(device: str | None) -> str:
             "use device='cpu', or leave device unset to pick what is there"
         )
     return device
+
+
+def _log_to_stderr_unless_configured() -> None:
+    """Let the engine's INFO lines (what it chose at start-up) reach stderr when the application has not configured
+    logging itself."""
+    package = logging.getLogger("deepinfer_engine")
+    if not package.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+        package.addHandler(handler)
+        package.setLevel(logging.INFO)
 
 
 class Engine:
@@ -104,17 +121,9 @@ class Engine:
         )
         text = self.model.config.text
         spec = self.model.cache_spec()
-        budget = 0  # unused when the number of blocks is given
-        if args.num_cache_blocks is None:
-            budget = cache_budget_bytes(
-                self.model,
-                device,
-                explicit_bytes=args.cache_memory_bytes,
-                gpu_memory_utilization=args.gpu_memory_utilization,
-                profile_num_tokens=args.max_num_batched_tokens or min(text.max_position_embeddings, 8192),
-                profile_num_logits=args.max_num_seqs * (1 + args.nextn),  # verify rows with drafts
-                block_size=args.block_size,
-            )
+        sizing = size_engine(self.model, args, env, model_dir, device)
+        if sizing.max_num_batched_tokens is not None:
+            args = dataclasses.replace(args, max_num_batched_tokens=sizing.max_num_batched_tokens)
         self.config: EngineConfig = build_engine_config(
             args,
             env,
@@ -122,9 +131,15 @@ class Engine:
             device=str(device),
             max_position_embeddings=text.max_position_embeddings,
             cache_spec=spec,
-            cache_budget_bytes=budget,
+            cache_budget_bytes=sizing.cache_budget_bytes,
         )
         config = self.config
+        cache_bytes = (
+            spec.bytes_per_block(config.cache.block_size) * config.num_blocks
+            + spec.bytes_per_request() * config.cache.num_state_slots
+        )
+        _log_to_stderr_unless_configured()
+        logger.info(describe(config, sizing, cache_bytes, text.max_position_embeddings))
         state = self.model.allocate_state(
             config.cache.block_size, config.num_blocks, config.cache.num_state_slots, device
         )
