@@ -11,8 +11,9 @@ request's bitmask row (`fill_bitmask`, on the CPU while the forward runs, runtim
 token fails its request for the step.
 
 Greedy rows (temperature 0) report the model's own log-probs — the log-softmax of the raw logits — for the emitted
-token and its alternatives, as vLLM does (`model_logprobs_for_greedy_rows`): their processed distribution is one-hot,
-whose 0.0 / −9999 says nothing about the model. Sampled rows report processed log-probs (runtime §2.6).
+token and its alternatives (`model_logprobs_for_greedy_rows`) and for prompt tokens, as vLLM does: their processed
+distribution is one-hot, whose 0.0 / −9999 says nothing about the model. Sampled rows report processed log-probs
+(runtime §2.6).
 """
 
 from __future__ import annotations
@@ -73,6 +74,9 @@ def prompt_logprob_values(
     device = logits.device
     batch = SamplingBatch.build(rows, sampler.vocab_size, device)
     logprobs, _ = sampler.processed_logprobs(logits, batch)
+    if any(row.params.is_greedy for row in rows):  # greedy requests report the model's own (module docstring)
+        greedy = batch.temperature == 0
+        logprobs = torch.where(greedy[:, None], torch.log_softmax(logits.float(), dim=-1), logprobs)
     target_ids = torch.tensor(targets, dtype=torch.int64)
     if device.type == "cuda":
         target_ids = target_ids.pin_memory().to(device, non_blocking=True)
