@@ -173,7 +173,7 @@ class StepBuffers:
         self, num_tokens: int, num_requests: int, num_logits: int, max_query_len: int, max_context_len: int
     ) -> ForwardBatch:
         """The `ForwardBatch` over the first rows of the device buffers: every model forward of the runner (eager
-        steps, CUDA-graph captures, lockstep padding forwards) reads its batch from here."""
+        steps, CUDA-graph captures, lockstep padding forwards; drafts: `draft_batch`) reads its batch from here."""
         t, r = num_tokens, num_requests
         return ForwardBatch(
             input_ids=self.input_ids[:t],
@@ -185,6 +185,38 @@ class StepBuffers:
             engram_prefix_ids=self.engram_prefix[:r] if self.ngram_context else None,
             logits_indices=self.logits_indices[:num_logits],
             max_query_len=max_query_len,
+            max_context_len=max_context_len,
+        )
+
+    def draft_batch(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch_rows: torch.Tensor,
+        state_slots: torch.Tensor,
+        max_context_len: int,
+    ) -> ForwardBatch:
+        """The batch of one DSpark draft forward (`deepinfer_engine.speculative`): each of N requests is one
+        non-causal block of B tokens, reading the block table of its row in the step just run.
+
+        Args:
+            input_ids: [N, B] int64 draft-block tokens.
+            positions: [N, B] int64 their positions (consecutive per request).
+            batch_rows: [N] int64 each request's row in the step's block table.
+            state_slots: [N] int64 their state slots.
+            max_context_len: a bound on the longest context (host int).
+        """
+        n, b = input_ids.shape
+        return ForwardBatch(
+            input_ids=input_ids.reshape(-1),
+            positions=positions.reshape(-1),
+            cu_query_lens=torch.arange(0, n * b + 1, b, dtype=torch.int32, device=self.device),
+            context_lens=(positions[:, -1] + 1).to(torch.int32),
+            block_table=self.block_table[batch_rows],
+            state_slots=state_slots.to(torch.int32),
+            engram_prefix_ids=None,
+            logits_indices=None,
+            max_query_len=b,
             max_context_len=max_context_len,
         )
 
