@@ -119,3 +119,23 @@ def test_cuda_failed_and_interrupted_steps(tmp_path_factory: pytest.TempPathFact
     root = tmp_path_factory.getbasetemp() / "tiny"
     _check_recovery(root, device="cuda", async_scheduling=async_scheduling)
     _check_interrupt(root, device="cuda", async_scheduling=async_scheduling)
+
+
+def test_a_failure_while_admitting_gives_every_prompt_an_output(tmp_path_factory: pytest.TempPathFactory) -> None:
+    llm = make_llm(tmp_path_factory.getbasetemp() / "tiny")
+    assert llm.engine is not None
+    tokenizer = llm.engine.tokenizer
+    encode = tokenizer.encode
+
+    def failing(text: str) -> list[int]:
+        if text == "third":
+            raise RuntimeError("tokenizer crashed (injected)")
+        return encode(text)
+
+    tokenizer.encode = failing  # type: ignore[method-assign]
+    outputs = llm.generate(["first", "second", "third", "fourth"], PARAMS[0], use_tqdm=False)
+    assert [o.finish_reason for o in outputs] == [FinishReason.ERROR] * 4
+    assert all(o.error_message is not None and "tokenizer crashed (injected)" in o.error_message for o in outputs)
+    _assert_clean(llm)
+    del tokenizer.encode
+    assert all(o.ok for o in llm.generate(["first", "second"], PARAMS[0], use_tqdm=False))

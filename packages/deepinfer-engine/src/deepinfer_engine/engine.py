@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -43,9 +44,9 @@ from deepinfer_engine.generate_output import GenerateOutput
 from deepinfer_engine.lockstep import LockstepRunner
 from deepinfer_engine.model_loading import load_model
 from deepinfer_engine.model_runner import ModelRunner, StepHandle
-from deepinfer_engine.output_processor import OutputProcessor
+from deepinfer_engine.output_processor import OutputProcessor, rejected_output
 from deepinfer_engine.progress import GenerateProgress
-from deepinfer_engine.request import RequestStatus
+from deepinfer_engine.request import FinishReason, RequestStatus
 from deepinfer_engine.scheduler import Scheduler
 from deepinfer_engine.startup import describe, size_engine
 from deepinfer_engine.tokenizer import Tokenizer
@@ -203,7 +204,13 @@ class Engine:
         except BaseException as exc:
             if self._lockstep is not None:
                 raise
-            self._recover(exc, results, progress)
+            message = self._recover(exc, results, progress)
+            for index, text, token_ids in zip(indices, texts, ids, strict=True):
+                if index not in results:  # not admitted yet when the call stopped
+                    prompt_ids = tuple(token_ids) if token_ids is not None else ()
+                    request_id = str(first_request_id + index)
+                    now = time.perf_counter()
+                    results[index] = rejected_output(request_id, text, prompt_ids, FinishReason.ERROR, message, now)
             if not isinstance(exc, Exception):
                 interrupted = True
                 raise
@@ -253,8 +260,9 @@ class Engine:
                     num_output_tokens=hit.num_output_tokens,
                 )
 
-    def _recover(self, exc: BaseException, results: dict[int, GenerateOutput], progress: GenerateProgress) -> None:
-        """Finish every unfinished request of the call with an error and make the engine as good as new."""
+    def _recover(self, exc: BaseException, results: dict[int, GenerateOutput], progress: GenerateProgress) -> str:
+        """Finish every unfinished request of the call with an error and make the engine as good as new; returns the
+        error message."""
         reason = "interrupted" if isinstance(exc, KeyboardInterrupt) else "a step failed"
         message = f"{reason} ({type(exc).__name__}: {exc}); the request was stopped and its cache freed"
         logger.error("generate: %s", message)
@@ -265,6 +273,7 @@ class Engine:
         for index, output in self.admission.drop_pending(message):
             results[index] = output
             progress.update(0, 1)
+        return message
 
     def _any_busy(self, busy: bool) -> bool:
         """Whether this engine (or, on a rank, any rank) has work left."""
