@@ -2,7 +2,7 @@
 
 `Admission.admit` encodes a text prompt, checks the prompt and the sampling parameters, and builds the request's one
 record (`deepinfer_engine.request.Request`: stop criteria, sampling parameters, request seed). A request with
-structured output waits until its grammar has compiled in the background (runtime §4.2): `poll` hands it over with
+structured output waits until its grammar has compiled in the background: `poll` hands it over with
 its matcher, or its error output when compilation failed. Nothing about a request is registered anywhere else: the
 scheduler gives the runner what it needs the first time it schedules the request.
 

@@ -59,7 +59,7 @@ class GenerateOutput:
         top_logprobs: per generated token, the `top_logprobs` best (token id, log-prob) pairs; empty tuples when
             none were asked for.
         prompt_logprobs: log-probs of prompt tokens 1 … P−1, processed under the request's own sampling parameters
-            (runtime §2.6; the model's own for a greedy request), when asked for with `prompt_logprobs=True`; else
+            (the model's own for a greedy request), when asked for with `prompt_logprobs=True`; else
             None.
         finish_reason: why it ended.
         stop_reason: the stop token id or stop string that ended it, else None.

@@ -3,8 +3,7 @@
 The ranks meet in every MoE layer's all-to-all, so each rank must run exactly one model forward per step, in
 lockstep with the others:
 
-- the loop continues while *any* rank has unfinished work (`LockstepRunner.any_busy`, a MAX vote over the DP group,
-  runtime §7.2);
+- the loop continues while *any* rank has unfinished work (`LockstepRunner.any_busy`, a MAX vote over the DP group);
 - a rank with nothing to compute in a step (no requests left, or a schedule that came out empty) runs a *padding
   forward* instead: one placeholder token at position 0 in the null block 0 and the never-used state slot 0
   (`StepBuffers.placeholder_batch`), whose logits are discarded. The model cannot run a forward of zero tokens (its

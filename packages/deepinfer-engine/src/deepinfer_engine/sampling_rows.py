@@ -1,19 +1,18 @@
 """Sampling inputs and outputs of the model runner beyond the sampler: prompt-logprob rows, grammar bitmasks, and
 the log-probs greedy rows report.
 
-Prompt logprobs (runtime §2.6): for a request that asks for them, every prompt position of a prefill chunk that has a
+Prompt logprobs: for a request that asks for them, every prompt position of a prefill chunk that has a
 next prompt token gets a logits row after the step's sampling rows (`add_prompt_rows`); right after the forward the
 processed log-prob of that next token under the request's own sampling parameters is computed and copied to the host
 without blocking (`prompt_logprob_values`). The runner reports the values with the step.
 
 Structured output: the grammar matcher of a request must have accepted every earlier token before it can fill the
-request's bitmask row (`fill_bitmask`, on the CPU while the forward runs, runtime §4.4); a matcher that rejects a
+request's bitmask row (`fill_bitmask`, on the CPU while the forward runs); a matcher that rejects a
 token fails its request for the step.
 
 Greedy rows (temperature 0) report the model's own log-probs — the log-softmax of the raw logits — for the emitted
 token and its alternatives (`model_logprobs_for_greedy_rows`) and for prompt tokens, as vLLM does: their processed
-distribution is one-hot, whose 0.0 / −9999 says nothing about the model. Sampled rows report processed log-probs
-(runtime §2.6).
+distribution is one-hot, whose 0.0 / −9999 says nothing about the model. Sampled rows report processed log-probs.
 """
 
 from __future__ import annotations

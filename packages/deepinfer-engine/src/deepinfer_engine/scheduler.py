@@ -21,7 +21,7 @@ head of the waiting queue with its generated tokens kept; when it runs again it 
 long prompt. With `stop_preempted_requests` it finishes with "insufficient_system_resource" instead.
 
 `update_from_output()` first finishes the requests the runner failed (no token of theirs is kept), then commits
-each request's emitted tokens one at a time and checks, after each, in this order (runtime §6.8): EOS unless
+each request's emitted tokens one at a time and checks, after each, in this order: EOS unless
 ignore_eos → "stop"; a stop token id → "stop"; total length > max_model_len → "length"; generated tokens ==
 max_tokens → "length". Tokens after the first stop are dropped. Rejected draft tokens are rolled back in the cache.
 Stop strings need detokenized text: the engine's output processor finds them and ends the request with

@@ -7,7 +7,7 @@ the block count from them):
 - an explicit `cache_memory_bytes` (or `num_cache_blocks`) wins; on CPU the cache budget is
   `DEFAULT_CPU_CACHE_MEMORY_BYTES`;
 - on CUDA it is `total · gpu_memory_utilization` − what is in use after loading − the activation peak of one full
-  step (runtime §6.2 step 3). The peak is measured by a *profiling step* that takes the same path as a real step: a
+  step. The peak is measured by a *profiling step* that takes the same path as a real step: a
   `ModelRunner` over a temporary cache runs one `SchedulerOutput` of `max_num_batched_tokens` tokens spread over up
   to `max_num_seqs` sampling requests (input buffers, forward, sampler, drafter with `nextn`);
 - when the token budget is not given and the profiling step runs out of device memory, the budget is halved (down

@@ -2,7 +2,7 @@
 
 `check_result` guards the scheduler against a runner that emits tokens a step cannot have produced (tokens for a
 partial prompt chunk, more tokens than drafts + 1, accepted tokens that are not the verified drafts).
-`append_emitted` appends a step's tokens one at a time with the token-level stop checks (runtime §6.8).
+`append_emitted` appends a step's tokens one at a time with the token-level stop checks.
 `completion_of` builds a finished request's `CompletionOutput` from its record.
 """
 
