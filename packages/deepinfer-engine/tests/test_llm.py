@@ -140,8 +140,10 @@ def test_bad_engine_arguments(root: Path, kwargs: dict[str, object], message: st
 
 
 def test_unknown_engine_argument(root: Path) -> None:
-    with pytest.raises(TypeError, match="unknown engine arguments \\['bogus'\\]"):
+    with pytest.raises(TypeError, match="unknown engine arguments \\['bogus'\\]; known"):
         make_llm(root, bogus=1)
+    with pytest.raises(TypeError, match=r"\['max_num_seq'\] \(did you mean max_num_seq -> max_num_seqs\?\)"):
+        make_llm(root, max_num_seq=4)
 
 
 def test_sampler_environment_variables_are_wired(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
