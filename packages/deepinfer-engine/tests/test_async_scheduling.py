@@ -6,6 +6,7 @@ aborts issued between steps — in asynchronous mode while the aborted request i
 (test_async_device.py) resolves placeholders from its own memory and checks every KV read against its shadow.
 """
 
+import dataclasses
 import random
 
 import pytest
@@ -13,7 +14,7 @@ from factories import make_request, make_scheduler
 from test_async_device import FakeDeviceRunner, reference_tokens
 
 from deepinfer_engine.engine_core import EngineCore
-from deepinfer_engine.request import FinishReason
+from deepinfer_engine.request import FinishReason, RequestStatus
 
 MAX_MODEL_LEN = 160
 BLOCK_SIZE = 8
@@ -70,11 +71,8 @@ def run(specs, async_scheduling, num_draft_tokens, num_blocks, seed):
     seeds = {spec[0]: spec[2] for spec in specs}
     stop_string_ids = {spec[0] for spec in specs if spec[4]}
 
-    def stop_checker(request):
-        return "<23>" if request.request_id in stop_string_ids and stops_at(request.last_token_id) else None
-
     runner = FakeDeviceRunner(BLOCK_SIZE, num_draft_tokens, seeds, delay_s=0.0002)
-    core = EngineCore(scheduler, runner, async_scheduling=async_scheduling, stop_checker=stop_checker)
+    core = EngineCore(scheduler, runner, async_scheduling=async_scheduling)
     rng = random.Random(seed)
     pending = list(specs)
     abort_after = {spec[0]: spec[3] for spec in specs if spec[3] is not None}
@@ -97,10 +95,32 @@ def run(specs, async_scheduling, num_draft_tokens, num_blocks, seed):
                 core.abort_request(request_id)
                 del abort_after[request_id]
         for output in core.step():
-            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+            new = list(output.new_token_ids)
+            completion = output.completion
+            # What the engine's output processor does with stop strings (deepinfer_engine.output_processor).
+            hit = next((j for j, t in enumerate(new) if stops_at(t)), None)
+            if output.request_id in stop_string_ids and hit is not None:
+                stop_string_ids.discard(output.request_id)
+                num_kept = output.num_output_tokens - len(new) + hit + 1
+                new = new[: hit + 1]
+                if completion is None:
+                    scheduler.finish_request(
+                        output.request_id,
+                        RequestStatus.FINISHED_STOPPED,
+                        stop_reason="<23>",
+                        num_output_tokens=num_kept,
+                    )
+                elif completion.finish_reason is FinishReason.LENGTH or len(completion.token_ids) > num_kept:
+                    completion = dataclasses.replace(
+                        completion,
+                        token_ids=completion.token_ids[:num_kept],
+                        finish_reason=FinishReason.STOP,
+                        stop_reason="<23>",
+                    )
+            tokens.setdefault(output.request_id, []).extend(new)
             if output.finished:
                 assert output.request_id not in finished
-                finished[output.request_id] = output.completion
+                finished[output.request_id] = completion
         held = [b for rid in manager.request_ids for b in manager.block_ids(rid)]
         assert len(held) == len(set(held)) and len(held) + manager.num_free_blocks == manager.num_usable_blocks
     runner.close()

@@ -11,7 +11,7 @@ import torch
 from llm_support import make_llm, random_prompts
 
 from deepinfer_engine import LLM, SamplingParams
-from deepinfer_engine.cuda_graphs import DecodeGraphs, graph_sizes, supports_graphs
+from deepinfer_engine.cuda_graphs import DecodeGraphs, graph_sizes
 from deepinfer_engine.input_batch import HostStep, StepBuffers
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -87,22 +87,22 @@ def test_pad_decode_fills_placeholders_over_stale_rows() -> None:
 
 def test_cpu_engine_never_captures(root: Path) -> None:
     engine = make_llm(root)
-    assert engine.config.enforce_eager is False
-    assert engine.runner.graphs is None
-    assert not supports_graphs(engine.model, torch.device("cpu"))
+    assert engine.engine.config.enforce_eager is False
+    assert engine.engine.runner.graphs is None
+    assert engine.engine.model.supports_graphs()  # the model could; the CPU device is what rules graphs out
 
 
 def test_enforce_eager_and_interval_come_from_the_environment(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DEEPINFER_ENFORCE_EAGER", "1")
     monkeypatch.setenv("DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL", "4")
     engine = make_llm(root)
-    assert engine.config.enforce_eager is True
-    assert engine.config.cudagraph_batch_size_interval == 4
+    assert engine.engine.config.enforce_eager is True
+    assert engine.engine.config.cudagraph_batch_size_interval == 4
 
 
 def test_decode_graphs_reject_sizes_beyond_the_buffers(root: Path) -> None:
     engine = make_llm(root)
-    runner = engine.runner
+    runner = engine.engine.runner
     with pytest.raises(ValueError, match="must be non-empty and fit the step buffers"):
         DecodeGraphs(runner.model, runner.state, runner.buffers, (1, 2, 64), 64)
 
@@ -121,9 +121,9 @@ def _cuda_engine(root: Path, **kwargs: object) -> LLM:
 def test_cuda_graph_greedy_output_equals_eager(root: Path) -> None:
     prompts = random_prompts(16, 2, 60, seed=11)
     graphed = _cuda_engine(root, enforce_eager=False)
-    assert graphed.runner.graphs is not None and graphed.runner.graphs.sizes == (1, 2, 4, 8, 16)
+    assert graphed.engine.runner.graphs is not None and graphed.engine.runner.graphs.sizes == (1, 2, 4, 8, 16)
     eager = _cuda_engine(root, enforce_eager=True)
-    assert eager.runner.graphs is None
+    assert eager.engine.runner.graphs is None
     with_graphs = graphed.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
     without = eager.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
     assert [o.token_ids for o in with_graphs] == [o.token_ids for o in without]
@@ -131,7 +131,7 @@ def test_cuda_graph_greedy_output_equals_eager(root: Path) -> None:
 
 def _prefill(engine: LLM, requests: list[tuple[list[int], int, list[int]]]) -> None:
     """Run each (prompt, state slot, blocks) as one eager prefill step through the runner's buffers."""
-    runner = engine.runner
+    runner = engine.engine.runner
     buffers = runner.buffers
     host = buffers.host_set(1)
     total = 0
@@ -158,7 +158,7 @@ def _prefill(engine: LLM, requests: list[tuple[list[int], int, list[int]]]) -> N
 @needs_cuda
 def test_cuda_graph_replay_equals_eager_forward_and_never_synchronizes(root: Path) -> None:
     engine = _cuda_engine(root, block_size=16)
-    runner = engine.runner
+    runner = engine.engine.runner
     graphs = runner.graphs
     assert graphs is not None
     prompts = random_prompts(3, 20, 45, seed=12)
@@ -178,5 +178,5 @@ def test_cuda_graph_replay_equals_eager_forward_and_never_synchronizes(root: Pat
             torch.cuda.set_sync_debug_mode("default")
         with torch.inference_mode():
             # The same padded step again, eagerly, on the buffers the replay uploaded (rewriting the same rows).
-            eager = runner.model(graphs.batch(size), runner.state)[:3]
+            eager = runner.model(runner.buffers.batch(size, size, size, 1, graphs.max_context_len), runner.state)[:3]
         assert torch.equal(replayed, eager), f"decode step {step}"

@@ -30,10 +30,10 @@ def _run(
     assert all(o.ok for o in outputs), [(o.finish_reason, o.error_message) for o in outputs if not o.ok]
     for output, p in zip(outputs, params, strict=True):
         assert 1 <= len(output.token_ids) <= p.max_tokens
-    manager = llm.cache_manager
+    manager = llm.engine.cache_manager
     assert manager.num_free_blocks == manager.num_usable_blocks, "every block returns to the pool"
-    assert manager.num_free_state_slots == llm.config.cache.num_state_slots - 1
-    assert not llm.core.has_unfinished_requests()
+    assert manager.num_free_state_slots == llm.engine.config.cache.num_state_slots - 1
+    assert not llm.engine.core.has_unfinished_requests()
     return [o.token_ids for o in outputs]
 
 

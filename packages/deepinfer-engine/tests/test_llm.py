@@ -36,7 +36,7 @@ def test_greedy_equals_reference_token_by_token_also_with_preemption(root: Path)
     pressured = tight.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
     assert sum(o.metrics.num_preemptions for o in pressured) > 0, "the tiny cache should force preemption"
     assert [list(o.token_ids) for o in pressured] == expected
-    assert tight.cache_manager.num_free_blocks == tight.cache_manager.num_usable_blocks
+    assert tight.engine.cache_manager.num_free_blocks == tight.engine.cache_manager.num_usable_blocks
 
 
 def test_outputs_in_input_order_with_text_logprobs_and_metrics(llm: LLM) -> None:
@@ -120,7 +120,7 @@ def test_tiny_checkpoint_is_written_once_into_the_cache(root: Path) -> None:
 
 
 def test_max_model_len_defaults_from_the_checkpoint(llm: LLM) -> None:
-    assert llm.config.scheduler.max_model_len == min(4096, 255 * 16 - 1)
+    assert llm.engine.config.scheduler.max_model_len == min(4096, 255 * 16 - 1)
 
 
 @pytest.mark.parametrize(
@@ -140,8 +140,10 @@ def test_bad_engine_arguments(root: Path, kwargs: dict[str, object], message: st
 
 
 def test_unknown_engine_argument(root: Path) -> None:
-    with pytest.raises(TypeError, match="unknown engine arguments \\['bogus'\\]"):
+    with pytest.raises(TypeError, match="unknown engine arguments \\['bogus'\\]; known"):
         make_llm(root, bogus=1)
+    with pytest.raises(TypeError, match=r"\['max_num_seq'\] \(did you mean max_num_seq -> max_num_seqs\?\)"):
+        make_llm(root, max_num_seq=4)
 
 
 def test_sampler_environment_variables_are_wired(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -151,7 +153,7 @@ def test_sampler_environment_variables_are_wired(root: Path, monkeypatch: pytest
     monkeypatch.setenv("DEEPINFER_SAMPLER_FORCE_TOPK", "1")
     monkeypatch.setenv("DEEPINFER_DECODE_TOKEN_BLACKLIST", ",".join(str(t) for t in first_tokens))
     engine = make_llm(root, precision="fp32")
-    assert engine.config.sampler.force_top_k == 1
+    assert engine.engine.config.sampler.force_top_k == 1
     sampled = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seq_seed=3)
     outputs = engine.generate(prompt_token_ids=prompts, sampling_params=sampled, use_tqdm=False)
     # Top-1 forcing makes sampling deterministic: the best token that is not banned.
@@ -182,7 +184,7 @@ def test_concurrent_first_use_of_the_tiny_checkpoint(tmp_path: Path) -> None:
 def test_hub_id_resolves_through_deepinfer_hf_model_dir(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DEEPINFER_HF_MODEL_DIR", str(tiny_dir(root)))
     engine = make_llm(root, model="deepseek-ai/not-downloaded")
-    assert engine.config.model_dir == tiny_dir(root)
+    assert engine.engine.config.model_dir == tiny_dir(root)
 
 
 def test_progress_bar_and_summary_line(llm: LLM, capsys: pytest.CaptureFixture[str]) -> None:
@@ -217,13 +219,10 @@ def test_prompt_logprobs_match_the_reference_across_prefill_chunks(root: Path) -
         assert output.prompt_logprobs is not None and len(output.prompt_logprobs) == len(prompt) - 1
         got = torch.tensor(output.prompt_logprobs)
         targets = torch.tensor(prompt[1:])
-        if output is outputs[0]:
-            expected = torch.log_softmax(logits[:-1], dim=-1).gather(1, targets[:, None])[:, 0]
-            torch.testing.assert_close(got, expected.clamp(min=-9999.0), rtol=0, atol=1e-4)
-        elif output is outputs[1]:
+        if output is outputs[1]:
             in_top5 = (logits[:-1].topk(5, dim=-1).indices == targets[:, None]).any(-1)
             assert torch.equal(got > -9999.0, in_top5)
-        else:
-            best = logits[:-1].argmax(-1) == targets
-            assert torch.equal(got == 0.0, best) and torch.all((got == 0.0) | (got == -9999.0))
+        else:  # temperature 1 (processed = the model's own) and greedy (the model's own, not a one-hot 0 / -9999)
+            expected = torch.log_softmax(logits[:-1], dim=-1).gather(1, targets[:, None])[:, 0]
+            torch.testing.assert_close(got, expected.clamp(min=-9999.0), rtol=0, atol=1e-4)
     assert make_llm(root).generate(prompt_token_ids=prompts[:1], use_tqdm=False)[0].prompt_logprobs is None

@@ -130,5 +130,6 @@ def test_a_row_with_nothing_left_to_sample_fails_only_its_request(root: Path, mo
     before, stuck, after = llm.generate(["a", "b", "c"], params, use_tqdm=False)
     assert stuck.finish_reason is FinishReason.ERROR
     assert stuck.error_message == "no token could be sampled: every logit was masked or not finite"
+    assert stuck.token_ids == () and stuck.logprobs == ()  # no fake token is kept
     assert before.ok and after.ok and len(before.token_ids) == len(after.token_ids) == 4
-    assert llm.cache_manager.num_free_blocks == llm.cache_manager.num_usable_blocks
+    assert llm.engine.cache_manager.num_free_blocks == llm.engine.cache_manager.num_usable_blocks

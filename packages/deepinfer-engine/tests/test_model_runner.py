@@ -11,7 +11,7 @@ from llm_support import make_llm, random_prompts, reference_greedy
 
 from deepinfer_engine import LLM, SamplingParams
 from deepinfer_engine.model_runner import StepHandle
-from deepinfer_engine.outputs import ScheduledRequest, SchedulerOutput
+from deepinfer_engine.outputs import NewRequestData, ScheduledRequest, SchedulerOutput
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -27,7 +27,7 @@ def llm(root: Path) -> LLM:
     return make_llm(root)
 
 
-def _one_request_step(step: int, request_id: str) -> SchedulerOutput:
+def _one_request_step(step: int, request_id: str, new: NewRequestData | None = None) -> SchedulerOutput:
     scheduled = ScheduledRequest(
         request_id=request_id,
         is_new=True,
@@ -39,21 +39,20 @@ def _one_request_step(step: int, request_id: str) -> SchedulerOutput:
         state_slot=1,
         first_new_block_index=0,
         new_block_ids=(1,),
+        new_request=new,
     )
     return SchedulerOutput(step, (scheduled,), frozenset(), ())
 
 
 def test_unregistered_request_is_an_error(llm: LLM) -> None:
-    with pytest.raises(KeyError, match="never registered with the runner"):
-        llm.runner.execute(_one_request_step(10_000, "never-added"))
+    with pytest.raises(KeyError, match="without its NewRequestData"):
+        llm.engine.runner.execute(_one_request_step(10_000, "never-added"))
 
 
 def test_wait_out_of_launch_order_is_an_error(llm: LLM) -> None:
-    runner = llm.runner
-    runner.add_request("runner-a", GREEDY, 1, [5, 6, 7])
-    runner.add_request("runner-b", GREEDY, 2, [5, 6, 7])
-    first = runner.execute(_one_request_step(20_000, "runner-a"))
-    second = runner.execute(_one_request_step(20_001, "runner-b"))
+    runner = llm.engine.runner
+    first = runner.execute(_one_request_step(20_000, "runner-a", NewRequestData(GREEDY, 1, (5, 6, 7))))
+    second = runner.execute(_one_request_step(20_001, "runner-b", NewRequestData(GREEDY, 2, (5, 6, 7))))
     with pytest.raises(RuntimeError, match="in launch order"):
         runner.wait(second)
     a, b = runner.wait(first), runner.wait(second)
@@ -61,7 +60,7 @@ def test_wait_out_of_launch_order_is_an_error(llm: LLM) -> None:
     assert a.sampled_token_ids == b.sampled_token_ids  # same prompt, greedy: the same token
     done = SchedulerOutput(20_002, (), frozenset({"runner-a", "runner-b"}), ())
     assert runner.wait(runner.execute(done)).request_ids == ()
-    assert runner.top_logprobs("runner-a", 2) == [(), ()]
+    assert a.top_logprobs == (((),),) and a.failures == {}  # no alternatives asked for
 
 
 @pytest.mark.gpu
@@ -99,7 +98,7 @@ def test_cuda_execute_never_synchronizes(root: Path) -> None:
     # The runner's own work (buffers, uploads, graph replays, sampling, result copies) must not synchronize. The
     # eager model forward is excluded: prefill steps index with data-dependent boolean masks.
     engine = make_llm(root, device="cuda", async_scheduling=True)
-    runner = engine.runner
+    runner = engine.engine.runner
     execute, forward = runner.execute, runner.model.forward
 
     def guarded(scheduler_output: SchedulerOutput) -> StepHandle:

@@ -1,15 +1,17 @@
+import dataclasses
+
 import pytest
 from factories import FakeRunner, make_request, make_scheduler, reference_generation, run_to_completion
 
 from deepinfer_engine.config import SchedulerConfig
-from deepinfer_engine.outputs import ModelRunnerOutput
+from deepinfer_engine.outputs import ModelRunnerOutput, RequestFailure
 from deepinfer_engine.request import FinishReason, RequestStatus
 
 
-def step(scheduler, runner, stop_checker=None):
+def step(scheduler, runner):
     scheduler_output = scheduler.schedule()
     runner_output = runner.execute(scheduler_output)
-    return scheduler_output, scheduler.update_from_output(scheduler_output, runner_output, stop_checker)
+    return scheduler_output, scheduler.update_from_output(scheduler_output, runner_output)
 
 
 def test_chunked_prefill_respects_token_budget():
@@ -233,25 +235,43 @@ def test_eos_wins_over_length_on_the_same_token():
     assert outputs[-1].finish_reason is FinishReason.STOP
 
 
-def test_stop_checker_hook_sees_each_token():
+def test_stop_string_finish_keeps_the_tokens_before_the_match():
+    # The engine's output processor finds a stop string after a step and ends the request through finish_request.
     scheduler = make_scheduler()
     scheduler.add_request(make_request("a", prompt_len=5, max_tokens=10))
     scheduler.add_request(make_request("b", prompt_len=6, max_tokens=10))
-    seen = []
-
-    def checker(request):
-        seen.append((request.request_id, request.last_token_id))
-        return "STOP!" if request.request_id == "a" and request.num_output_tokens == 4 else None
-
     runner = FakeRunner()
     outputs = []
     while scheduler.has_unfinished_requests():
-        outputs += step(scheduler, runner, checker)[1]
+        new = step(scheduler, runner)[1]
+        outputs += new
+        if any(o.request_id == "a" and o.num_output_tokens == 5 and not o.finished for o in new):
+            scheduler.finish_request("a", RequestStatus.FINISHED_STOPPED, stop_reason="STOP!", num_output_tokens=4)
     final = {o.request_id: o.completion for o in outputs if o.finished}
     assert final["a"].finish_reason is FinishReason.STOP and final["a"].stop_reason == "STOP!"
-    assert len(final["a"].token_ids) == 4
+    assert list(final["a"].token_ids) == [t for o in outputs if o.request_id == "a" for t in o.new_token_ids][:4]
     assert final["b"].finish_reason is FinishReason.LENGTH
-    assert [t for r, t in seen if r == "a"] == list(final["a"].token_ids)
+    assert scheduler.cache_manager.num_free_blocks == scheduler.cache_manager.num_usable_blocks
+
+
+def test_a_request_the_runner_failed_keeps_no_token():
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("a", prompt_len=5, max_tokens=10))
+    scheduler.add_request(make_request("b", prompt_len=5, max_tokens=10))
+    first = scheduler.schedule()
+    runner_output = FakeRunner().execute(first)
+    failure = RequestFailure(RequestStatus.FINISHED_ERROR, "no token could be sampled")
+    runner_output = dataclasses.replace(
+        runner_output,
+        sampled_token_ids=((), runner_output.sampled_token_ids[1]),
+        logprobs=None,
+        failures={"a": failure},
+    )
+    outputs = {o.request_id: o for o in scheduler.update_from_output(first, runner_output)}
+    assert outputs["a"].finish_reason is FinishReason.ERROR
+    assert outputs["a"].completion.token_ids == () and outputs["a"].completion.error_message == failure.message
+    assert outputs["b"].new_token_ids == runner_output.sampled_token_ids[1] and not outputs["b"].finished
+    assert not scheduler.cache_manager.has_request("a")
 
 
 def test_prompt_too_long_or_too_big_is_ignored():

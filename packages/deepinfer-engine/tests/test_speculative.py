@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 
 from deepinfer_engine import LLM, GenerateOutput, SamplingParams
 from deepinfer_engine.model_runner import StepHandle
-from deepinfer_engine.outputs import ScheduledRequest, SchedulerOutput
+from deepinfer_engine.outputs import NewRequestData, ScheduledRequest, SchedulerOutput
 from deepinfer_model.loading.load import load_checkpoint_dir
 from deepinfer_model.reference import (
     engram_vocabulary_from_tokenizer,
@@ -88,7 +88,7 @@ def test_greedy_with_drafts_equals_greedy_without_also_under_preemption(root: Pa
     assert sum(o.metrics.num_preemptions for o in pressured) > 0, "the tiny cache should force preemption"
     assert _tokens(pressured) == expected
     _check_counters(pressured)
-    assert tight.cache_manager.num_free_blocks == tight.cache_manager.num_usable_blocks
+    assert tight.engine.cache_manager.num_free_blocks == tight.engine.cache_manager.num_usable_blocks
 
 
 def test_requests_that_cannot_draft_run_next_to_drafting_ones(root: Path) -> None:
@@ -183,7 +183,7 @@ def test_asynchronous_scheduling_with_drafts_equals_synchronous(root: Path) -> N
     results = {}
     for mode in (False, True):
         llm: LLM = make_llm(root, precision="fp32", nextn=2, async_scheduling=mode)
-        assert llm.config.async_scheduling is mode
+        assert llm.engine.config.async_scheduling is mode
         results[mode] = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
         _check_counters(results[mode])
     sync, asynchronous = results[False], results[True]
@@ -205,7 +205,7 @@ def test_asynchronous_scheduling_with_drafts_under_preemption_and_full_acceptanc
     pressured = tight.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
     assert sum(o.metrics.num_preemptions for o in pressured) > 0, "the tiny cache should force preemption"
     assert _tokens(pressured) == _tokens(plain)
-    assert tight.cache_manager.num_free_blocks == tight.cache_manager.num_usable_blocks
+    assert tight.engine.cache_manager.num_free_blocks == tight.engine.cache_manager.num_usable_blocks
     edit = {"norm.weight": 0.0, "mtp.0.norm.weight": 0.0, "mtp.0.markov_head.head.weight": 0.0}
     model = str(_edited_checkpoint(root, "agreeing-drafter", edit))
     params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
@@ -238,9 +238,8 @@ def test_runner_drafts_and_verification_match_the_reference(root: Path) -> None:
     # drafts against the target (greedy: accepted iff equal to the target argmax) and drafts after the accepted prefix.
     nextn = 3
     llm = make_llm(root, precision="fp32", nextn=nextn)
-    runner = llm.runner
+    runner = llm.engine.runner
     prompt = random_prompts(1, 30, 30, seed=8)[0]
-    runner.add_request("drafted", GREEDY, 1, prompt)
     first = ScheduledRequest(
         is_new=True,
         input_token_ids=tuple(prompt),
@@ -252,6 +251,7 @@ def test_runner_drafts_and_verification_match_the_reference(root: Path) -> None:
         request_id="drafted",
         num_prompt_tokens=len(prompt),
         state_slot=1,
+        new_request=NewRequestData(GREEDY, 1, tuple(prompt)),
     )
     out = runner.wait(runner.execute(SchedulerOutput(40_000, (first,), frozenset(), ())))
     (golden,) = out.sampled_token_ids[0]
@@ -270,6 +270,7 @@ def test_runner_drafts_and_verification_match_the_reference(root: Path) -> None:
         request_id="drafted",
         num_prompt_tokens=len(prompt),
         state_slot=1,
+        new_request=NewRequestData(GREEDY, 1, tuple(prompt)),
     )
     out = runner.wait(runner.execute(SchedulerOutput(40_001, (second,), frozenset(), ())))
     emitted = list(out.sampled_token_ids[0])
@@ -313,7 +314,7 @@ def test_cuda_graph_steps_and_draft_steps_in_one_engine(root: Path) -> None:
     edit = {"norm.weight": 0.0, "mtp.0.norm.weight": 0.0, "mtp.0.markov_head.head.weight": 0.0}
     model = str(_edited_checkpoint(root, "agreeing-drafter", edit))
     llm = make_llm(root, model=model, device="cuda", nextn=3)
-    assert llm.runner.graphs is not None
+    assert llm.engine.runner.graphs is not None
     prompts = random_prompts(4, 4, 25, seed=11)
     params = [
         SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True, repetition_penalty=1.2 if i % 2 else 1.0)
@@ -332,7 +333,7 @@ def test_cuda_execute_with_drafts_never_synchronizes(root: Path) -> None:
     # Verification, draft sampling, history writes and result copies must not synchronize; the eager model forwards
     # (main and draft) are excluded like in test_model_runner.
     engine = make_llm(root, device="cuda", nextn=2, async_scheduling=True)
-    runner = engine.runner
+    runner = engine.engine.runner
     model = runner.model
     execute, forward, draft_forward = runner.execute, model.forward, model.draft_forward
 
@@ -363,8 +364,8 @@ def test_cuda_execute_with_drafts_never_synchronizes(root: Path) -> None:
 
 def test_nextn_defaults_from_the_environment(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "2")
-    assert make_llm(root).config.scheduler.max_num_draft_tokens == 2
-    assert make_llm(root, nextn=0).config.scheduler.max_num_draft_tokens == 0  # the argument wins
+    assert make_llm(root).engine.config.scheduler.max_num_draft_tokens == 2
+    assert make_llm(root, nextn=0).engine.config.scheduler.max_num_draft_tokens == 0  # the argument wins
     monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "-1")
     with pytest.raises(ValueError, match="DEEPINFER_USE_NEXTN_DECODE"):
         make_llm(root)

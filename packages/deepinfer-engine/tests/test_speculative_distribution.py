@@ -33,7 +33,7 @@ def test_sampled_tokens_with_drafts_follow_the_target_distribution(root: Path) -
     assert verified >= num and 0.1 * verified < accepted < 0.9 * verified
 
     contexts = [[*prompt, o.token_ids[0]] for o in outputs]
-    model = llm.model
+    model = llm.engine.model
     state = model.allocate_state(16, num + 1, num + 1)
     table = torch.arange(1, num + 1, dtype=torch.int32)[:, None]
     with torch.inference_mode():

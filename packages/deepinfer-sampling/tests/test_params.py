@@ -122,3 +122,16 @@ INVALID_SPECS = [
 def test_invalid_so_args_name_the_key(so_args, named):
     with pytest.raises((ValueError, TypeError), match=named):
         SamplingParams(so_args=so_args)
+
+
+@pytest.mark.parametrize(("given", "suggested"), [("seed", "seq_seed"), ("logprobs", "top_logprobs")])
+def test_unknown_keyword_names_the_closest_field(given: str, suggested: str) -> None:
+    with pytest.raises(TypeError, match=rf"unknown keyword argument\(s\) '{given}' \(did you mean '{suggested}'\?\)"):
+        SamplingParams(**{given: 1})
+
+
+def test_top_k_error_text_says_what_is_accepted() -> None:
+    for bad in (0, -2):
+        with pytest.raises(ValueError, match=r"top_k must be -1 \(disabled\) or an int in \[1, 2147483647\], got"):
+            SamplingParams(top_k=bad)
+    assert SamplingParams(top_k=-1).top_k == -1 and SamplingParams(top_k=1).top_k == 1

@@ -1,11 +1,13 @@
 """DeepInfer engine: request lifecycle, scheduler and cache accounting (CPU), model runner and `LLM` entrypoint.
 
-See `deepinfer_engine.outputs` for the stage chain of one step and `deepinfer_engine.llm` for offline generation.
+See `deepinfer_engine.outputs` for the stage chain of one step, `deepinfer_engine.engine` for one process's engine
+and `deepinfer_engine.llm` for offline generation.
 """
 
 from deepinfer_engine.block_pool import BlockPool
 from deepinfer_engine.cache_manager import AllocationResult, CacheManager
 from deepinfer_engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from deepinfer_engine.engine import Engine
 from deepinfer_engine.engine_args import EngineArgs
 from deepinfer_engine.engine_core import EngineCore, ModelRunnerProtocol
 from deepinfer_engine.generate_output import GenerateMetrics, GenerateOutput
@@ -20,7 +22,7 @@ from deepinfer_engine.outputs import (
     SchedulerOutput,
 )
 from deepinfer_engine.request import FinishReason, Request, RequestStatus, StopCriteria
-from deepinfer_engine.scheduler import Scheduler, StopChecker
+from deepinfer_engine.scheduler import Scheduler
 from deepinfer_sampling import SamplingParams
 
 __all__ = [
@@ -31,6 +33,7 @@ __all__ = [
     "CacheConfig",
     "CacheManager",
     "CompletionOutput",
+    "Engine",
     "EngineArgs",
     "EngineConfig",
     "EngineCore",
@@ -48,6 +51,5 @@ __all__ = [
     "Scheduler",
     "SchedulerConfig",
     "SchedulerOutput",
-    "StopChecker",
     "StopCriteria",
 ]

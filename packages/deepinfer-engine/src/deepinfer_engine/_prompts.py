@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -22,7 +23,7 @@ def normalize_prompts(
     for i, text in enumerate(texts):
         if not isinstance(text, str):
             raise TypeError(f"prompts[{i}] must be a str, got {type(text).__name__}")
-    ids: list[Sequence[int] | None] = list(prompt_token_ids) if prompt_token_ids is not None else []
+    ids: list[Sequence[int] | None] = _token_id_lists(prompt_token_ids) if prompt_token_ids is not None else []
     if prompts is not None and prompt_token_ids is not None and len(texts) != len(ids):
         raise ValueError(f"prompts has {len(texts)} entries but prompt_token_ids has {len(ids)}; they must match")
     if prompt_token_ids is None:
@@ -30,6 +31,32 @@ def normalize_prompts(
     if prompts is None:
         texts = [None] * len(ids)
     return texts, ids
+
+
+def _token_id_lists(prompt_token_ids: object) -> list[Sequence[int] | None]:
+    """`prompt_token_ids` as one list of ints per prompt.
+
+    Raises:
+        TypeError: it is not a list of int lists (a flat list of ints, floats, strings...), naming the first problem.
+    """
+    if isinstance(prompt_token_ids, str) or not isinstance(prompt_token_ids, Sequence):
+        raise TypeError(f"prompt_token_ids must be a list of token-id lists, got {type(prompt_token_ids).__name__}")
+    lists: list[Sequence[int] | None] = []
+    for i, ids in enumerate(prompt_token_ids):
+        if isinstance(ids, numbers.Integral):
+            raise TypeError(
+                "prompt_token_ids must be a list of token-id lists, one per prompt, but it is a flat list of ints; "
+                "for one prompt pass [[id, id, ...]]"
+            )
+        if isinstance(ids, str) or not isinstance(ids, Sequence):
+            raise TypeError(f"prompt_token_ids[{i}] must be a list of ints, got {type(ids).__name__}")
+        for j, token in enumerate(ids):
+            if isinstance(token, bool) or not isinstance(token, numbers.Integral):
+                raise TypeError(
+                    f"prompt_token_ids[{i}][{j}] must be an int token id, got {token!r} ({type(token).__name__})"
+                )
+        lists.append([int(token) for token in ids])
+    return lists
 
 
 def per_prompt_params(sampling_params: ParamsLike | Sequence[ParamsLike], num: int) -> list[ParamsLike]:

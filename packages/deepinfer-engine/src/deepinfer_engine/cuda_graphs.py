@@ -4,13 +4,13 @@ Only pure decode steps are replayed (every request computes one token, no prompt
 steps run eagerly. A decode forward of the model has static shapes and never synchronizes with the host when its
 `ForwardBatch` says `max_query_len == 1` (`deepinfer_model.state.StepMetadata.is_decode`) and gives a fixed
 `max_context_len` bound, which sizes the indexer; so one capture per size serves every step of that size. CPU
-engines, FP32-precision engines and expert-parallel ranks never capture (`supports_graphs`).
+engines, FP32-precision engines and expert-parallel ranks never capture (`DeepseekV41ForCausalLM.supports_graphs`).
 
 Sizes are in tokens (= requests for decode): the powers of two below the interval, every multiple of the interval
 below the maximum, then the maximum (`graph_sizes`; interval `DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL`, maximum
 `max_num_seqs`). A step of R requests replays the smallest graph G ≥ R after `StepBuffers.pad_decode` filled rows
 R … G − 1 with placeholder requests. Graphs are captured largest first into one shared memory pool; every graph reads
-the same device buffers (`StepBuffers`), so a replay only needs the usual upload first.
+the same device buffers (`StepBuffers.batch`), so a replay only needs the usual upload first.
 
 A graph's logits output [G, V] is overwritten by the next replay of any graph; the runner launches a step's sampling
 on the same stream before it launches the next forward, so stream order protects it.
@@ -21,14 +21,10 @@ from __future__ import annotations
 import torch
 
 from deepinfer_engine.input_batch import HostStep, StepBuffers
-from deepinfer_model.deepseek_v41.block import DecoderBlock
 from deepinfer_model.deepseek_v41.model import DeepseekV41ForCausalLM
-from deepinfer_model.deepseek_v41.moe import local_expert_dispatch
-from deepinfer_model.forward_batch import ForwardBatch
-from deepinfer_model.layers.mode import ComputeMode
 from deepinfer_model.state import ModelState
 
-__all__ = ["DecodeGraphs", "graph_sizes", "supports_graphs"]
+__all__ = ["DecodeGraphs", "graph_sizes"]
 
 
 def graph_sizes(max_size: int, interval: int) -> tuple[int, ...]:
@@ -50,16 +46,6 @@ def graph_sizes(max_size: int, interval: int) -> tuple[int, ...]:
         sizes.add(power)
         power *= 2
     return tuple(sorted(sizes))
-
-
-def supports_graphs(model: DeepseekV41ForCausalLM, device: torch.device) -> bool:
-    """Whether decode steps of `model` can be captured: a CUDA device, exact compute mode (the FP32 parity mode
-    loops over experts on the host) and every expert held locally (the expert-parallel dispatch exchanges
-    data-dependent token counts over the host)."""
-    if device.type != "cuda" or model.mode is not ComputeMode.EXACT:
-        return False
-    blocks = [block for block in model.layers if isinstance(block, DecoderBlock)]
-    return all(block.ffn.dispatch is local_expert_dispatch for block in blocks)
 
 
 class DecodeGraphs:
@@ -93,40 +79,13 @@ class DecodeGraphs:
         self.max_context_len = max_context_len
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
-    def batch(self, size: int) -> ForwardBatch:
-        """The `ForwardBatch` the graph of `size` reads: the first `size` rows of the persistent buffers."""
-        b = self.buffers
-        return ForwardBatch(
-            input_ids=b.input_ids[:size],
-            positions=b.positions[:size],
-            cu_query_lens=b.cu_query_lens[: size + 1],
-            context_lens=b.context_lens[:size],
-            block_table=b.block_table[:size],
-            state_slots=b.state_slots[:size],
-            engram_prefix_ids=b.engram_prefix[:size] if b.ngram_context else None,
-            logits_indices=b.logits_indices[:size],
-            max_query_len=1,
-            max_context_len=self.max_context_len,
-        )
-
-    def _fill_placeholders(self, size: int) -> None:
-        """Device buffers of `size` placeholder requests (what warm-up and capture read)."""
-        b = self.buffers
-        for buffer in (b.input_ids, b.positions, b.state_slots, b.block_table):
-            buffer[:size] = 0
-        b.context_lens[:size] = 1
-        b.cu_query_lens[: size + 1] = torch.arange(size + 1, dtype=torch.int32, device=b.device)
-        b.logits_indices[:size] = torch.arange(size, dtype=torch.int64, device=b.device)
-        b.engram_prefix[:size] = -1
-
     def capture(self) -> None:
         """Capture every size, largest first, into one memory pool (a warm-up forward precedes each capture)."""
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.buffers.device)
         with torch.inference_mode():
             for size in reversed(self.sizes):
-                self._fill_placeholders(size)
-                batch = self.batch(size)
+                batch = self.buffers.placeholder_batch(size, self.max_context_len)
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):
                     self.model(batch, self.state)  # warm-up: lazy caches and kernel selection happen outside

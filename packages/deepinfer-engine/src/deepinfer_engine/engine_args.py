@@ -17,6 +17,7 @@ number of cache blocks):
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from difflib import get_close_matches
 from pathlib import Path
 from typing import Any
 
@@ -134,11 +135,14 @@ class EngineArgs:
 
     @classmethod
     def from_kwargs(cls, model: str | None, kwargs: dict[str, Any]) -> EngineArgs:
-        """Build from `LLM(model, **kwargs)`; an unknown keyword is a `TypeError` listing the known ones."""
+        """Build from `LLM(model, **kwargs)`; an unknown keyword is a `TypeError` naming the closest known one and
+        listing them all."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
-            raise TypeError(f"unknown engine arguments {unknown}; known: {sorted(known - {'model'})}")
+            hints = [f"{name} -> {close[0]}?" for name in unknown if (close := get_close_matches(name, known, n=1))]
+            did_you_mean = f" (did you mean {', '.join(hints)})" if hints else ""
+            raise TypeError(f"unknown engine arguments {unknown}{did_you_mean}; known: {sorted(known - {'model'})}")
         return cls(model=model, **kwargs)
 
 

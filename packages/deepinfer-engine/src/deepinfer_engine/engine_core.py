@@ -38,7 +38,7 @@ from typing import Generic, Protocol, TypeVar
 
 from deepinfer_engine.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput
 from deepinfer_engine.request import Request, RequestStatus
-from deepinfer_engine.scheduler import Scheduler, StopChecker
+from deepinfer_engine.scheduler import Scheduler
 
 __all__ = ["EngineCore", "ModelRunnerProtocol"]
 
@@ -81,7 +81,6 @@ class EngineCore(Generic[HandleT]):
         scheduler: the scheduler (with its cache manager); it must have no step in flight.
         runner: launches steps and reports their results.
         async_scheduling: overlap scheduling step N+1 with the device running step N.
-        stop_checker: the engine's stop-string check, passed to `Scheduler.update_from_output`.
     """
 
     def __init__(
@@ -90,14 +89,12 @@ class EngineCore(Generic[HandleT]):
         runner: ModelRunnerProtocol[HandleT],
         *,
         async_scheduling: bool = True,
-        stop_checker: StopChecker | None = None,
     ) -> None:
         if scheduler.num_steps_in_flight:
             raise ValueError(f"the scheduler has {scheduler.num_steps_in_flight} steps in flight; it must have none")
         self.scheduler = scheduler
         self.runner = runner
         self.async_scheduling = async_scheduling
-        self.stop_checker = stop_checker
         self._in_flight: tuple[SchedulerOutput, HandleT] | None = None
 
     def add_request(self, request: Request) -> None:
@@ -117,6 +114,10 @@ class EngineCore(Generic[HandleT]):
         """Whether a launched step's results are not committed yet (asynchronous scheduling only)."""
         return self._in_flight is not None
 
+    def reset(self) -> None:
+        """Forget the step in flight after a step raised (the scheduler and the runner are reset with it)."""
+        self._in_flight = None
+
     def has_unfinished_requests(self) -> bool:
         """Whether any request is unfinished, an output is pending, or a step is still in flight."""
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None
@@ -126,7 +127,7 @@ class EngineCore(Generic[HandleT]):
         if not self.async_scheduling:
             scheduler_output = self.scheduler.schedule()
             runner_output = self.runner.wait(self.runner.execute(scheduler_output))
-            return self.scheduler.update_from_output(scheduler_output, runner_output, self.stop_checker)
+            return self.scheduler.update_from_output(scheduler_output, runner_output)
         launched: tuple[SchedulerOutput, HandleT] | None = None
         if self.scheduler.has_unfinished_requests():
             scheduler_output = self.scheduler.schedule()
@@ -135,4 +136,4 @@ class EngineCore(Generic[HandleT]):
         if previous is None:
             return []
         previous_output, handle = previous
-        return self.scheduler.update_from_output(previous_output, self.runner.wait(handle), self.stop_checker)
+        return self.scheduler.update_from_output(previous_output, self.runner.wait(handle))

@@ -20,8 +20,10 @@ to guess.) ``python -m deepinfer_engine.envs`` prints the markdown table kept in
 
 from __future__ import annotations
 
+import difflib
 import enum
 import os
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -263,11 +265,21 @@ class EnvSettings:
 def read_env(environ: Mapping[str, str] | None = None) -> EnvSettings:
     """Parse every declared variable from ``environ`` (default: the process environment).
 
+    A set ``DEEPINFER_*`` variable that is not declared here (a typo such as ``DEEPINFER_BATCH_INVARIENT``) gets a
+    warning naming the closest declared one.
+
     Raises:
         ValueError: a malformed value (naming the variable and what is allowed), or an unsupported variable set to
             anything but its default (naming the variable and why it is unsupported).
     """
     env = os.environ if environ is None else environ
+    prefix = "DEEPINFER_"
+    declared = [var.name.removeprefix(prefix) for var in ENV_VARS]
+    for name in sorted(set(env)):
+        if name.startswith(prefix) and name.removeprefix(prefix) not in declared:
+            close = difflib.get_close_matches(name.removeprefix(prefix), declared, n=1)
+            hint = f"; did you mean {prefix}{close[0]}?" if close else "; docs/env.md lists every variable"
+            warnings.warn(f"environment variable {name} is not a DeepInfer variable and is ignored{hint}", stacklevel=2)
     values: dict[str, Any] = {}
     for var in ENV_VARS:
         value = var.read(env)

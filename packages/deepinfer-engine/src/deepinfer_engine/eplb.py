@@ -28,7 +28,6 @@ import torch
 
 from deepinfer_engine.envs import EnvSettings
 from deepinfer_model.deepseek_v41.expert_parallel import ExpertParallelMoE
-from deepinfer_model.deepseek_v41.model import DeepseekV41ForCausalLM
 from deepinfer_model.deepseek_v41.moe import MoE
 from deepinfer_parallel.config import EplbConfig, ExpertLayoutConfig, ParallelConfig
 from deepinfer_parallel.eplb.policy import rebalance_experts
@@ -39,7 +38,6 @@ __all__ = [
     "EplbSettings",
     "EplbStats",
     "Rearrangement",
-    "backbone_moes",
     "engine_expert_layout",
     "rank_imbalance",
 ]
@@ -119,21 +117,6 @@ def engine_expert_layout(
                 f"({_EXTRA} adds replica slots)"
             ) from exc
     return config.expert_layout(num_logical_experts, settings.min_redundant_experts)
-
-
-def backbone_moes(model: DeepseekV41ForCausalLM) -> list[MoE]:
-    """The backbone MoE of every layer of `model`, in layer order (what `ExpertParallelMoE.rebalance` moves).
-
-    Raises:
-        ValueError: a layer's feed-forward is not a MoE.
-    """
-    moes = []
-    for index, block in enumerate(model.layers):
-        ffn = block.ffn
-        if not isinstance(ffn, MoE):
-            raise ValueError(f"layer {index}'s feed-forward is {type(ffn).__name__}, not a MoE: EPLB cannot place it")
-        moes.append(ffn)
-    return moes
 
 
 def rank_imbalance(load: torch.Tensor, physical_to_logical: torch.Tensor, num_ranks: int) -> float:

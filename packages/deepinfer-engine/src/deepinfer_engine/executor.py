@@ -227,7 +227,9 @@ class ParallelExecutor:
                     self._abort()
                     raise RuntimeError(
                         f"rank {rank} of {self.num_ranks} exited without answering; every rank process was stopped "
-                        "and this LLM cannot be used any more"
+                        "and this LLM cannot be used any more. If this happened at start-up, the rank's error is "
+                        "above; a script that builds a parallel LLM must do so under "
+                        '`if __name__ == "__main__":` (rank processes import the main module)'
                     ) from exc
                 if status == "error":
                     self._abort()

@@ -54,11 +54,13 @@ class GenerateOutput:
         prompt_token_ids: the prompt tokens (empty when they could not be produced).
         text: detokenized `token_ids` (special tokens dropped), cut before a matched stop string.
         token_ids: generated tokens (a stop token included).
-        logprobs: processed log-prob of each generated token.
+        logprobs: log-prob of each generated token: processed (under the request's sampling parameters), or for a
+            greedy request (temperature 0) the model's own (log-softmax of its logits).
         top_logprobs: per generated token, the `top_logprobs` best (token id, log-prob) pairs; empty tuples when
             none were asked for.
-        prompt_logprobs: processed log-probs of prompt tokens 1 … P−1 under the request's own sampling parameters
-            (runtime §2.6), when asked for with `prompt_logprobs=True`; else None.
+        prompt_logprobs: log-probs of prompt tokens 1 … P−1, processed under the request's own sampling parameters
+            (the model's own for a greedy request), when asked for with `prompt_logprobs=True`; else
+            None.
         finish_reason: why it ended.
         stop_reason: the stop token id or stop string that ended it, else None.
         error_message: what went wrong, for error finish reasons (and prompt_length_exceeded).

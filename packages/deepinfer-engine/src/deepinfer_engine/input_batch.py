@@ -161,14 +161,20 @@ class StepBuffers:
         current = self.history[slots, positions]
         self.history[slots, positions] = torch.where(known >= 0, known, current)
         self.input_ids[:t] = self.history[slots, positions]
-        prefix = None
         if self.ngram_context:
             context = self.context_lens[:r].long()
             q_len = (self.cu_query_lens[1 : r + 1] - self.cu_query_lens[:r]).long()
             prefix_positions = (context - q_len)[:, None] + self._ngram_offsets[None, :]
             gathered = self.history[self.state_slots[:r].long()[:, None], prefix_positions.clamp(min=0)]
             self.engram_prefix[:r] = torch.where(prefix_positions >= 0, gathered, -1)
-            prefix = self.engram_prefix[:r]
+        return self.batch(t, r, num_logits, max_query_len, max_context)
+
+    def batch(
+        self, num_tokens: int, num_requests: int, num_logits: int, max_query_len: int, max_context_len: int
+    ) -> ForwardBatch:
+        """The `ForwardBatch` over the first rows of the device buffers: every model forward of the runner (eager
+        steps, CUDA-graph captures, lockstep padding forwards; drafts: `draft_batch`) reads its batch from here."""
+        t, r = num_tokens, num_requests
         return ForwardBatch(
             input_ids=self.input_ids[:t],
             positions=self.positions[:t],
@@ -176,11 +182,55 @@ class StepBuffers:
             context_lens=self.context_lens[:r],
             block_table=self.block_table[:r],
             state_slots=self.state_slots[:r],
-            engram_prefix_ids=prefix,
+            engram_prefix_ids=self.engram_prefix[:r] if self.ngram_context else None,
             logits_indices=self.logits_indices[:num_logits],
             max_query_len=max_query_len,
-            max_context_len=max_context,
+            max_context_len=max_context_len,
         )
+
+    def draft_batch(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch_rows: torch.Tensor,
+        state_slots: torch.Tensor,
+        max_context_len: int,
+    ) -> ForwardBatch:
+        """The batch of one DSpark draft forward (`deepinfer_engine.speculative`): each of N requests is one
+        non-causal block of B tokens, reading the block table of its row in the step just run.
+
+        Args:
+            input_ids: [N, B] int64 draft-block tokens.
+            positions: [N, B] int64 their positions (consecutive per request).
+            batch_rows: [N] int64 each request's row in the step's block table.
+            state_slots: [N] int64 their state slots.
+            max_context_len: a bound on the longest context (host int).
+        """
+        n, b = input_ids.shape
+        return ForwardBatch(
+            input_ids=input_ids.reshape(-1),
+            positions=positions.reshape(-1),
+            cu_query_lens=torch.arange(0, n * b + 1, b, dtype=torch.int32, device=self.device),
+            context_lens=(positions[:, -1] + 1).to(torch.int32),
+            block_table=self.block_table[batch_rows],
+            state_slots=state_slots.to(torch.int32),
+            engram_prefix_ids=None,
+            logits_indices=None,
+            max_query_len=b,
+            max_context_len=max_context_len,
+        )
+
+    def placeholder_batch(self, size: int, max_context_len: int) -> ForwardBatch:
+        """Fill the device buffers with `size` placeholder requests (one token each: token 0 at position 0 in the
+        null block 0 and the never-used state slot 0, no Engram prefix) and return their batch. What CUDA-graph
+        capture and the lockstep padding forward run: their writes land only in the null block and slot 0."""
+        for buffer in (self.input_ids, self.positions, self.state_slots, self.block_table):
+            buffer[:size] = 0
+        self.context_lens[:size] = 1
+        self.cu_query_lens[: size + 1] = torch.arange(size + 1, dtype=torch.int32, device=self.device)
+        self.logits_indices[:size] = torch.arange(size, dtype=torch.int64, device=self.device)
+        self.engram_prefix[:size] = -1
+        return self.batch(size, size, size, 1, max_context_len)
 
     def pad_decode(self, host: HostStep, num_requests: int, num_logits: int, size: int) -> None:
         """Extend a filled decode step (one token per request) to `size` requests with placeholders.

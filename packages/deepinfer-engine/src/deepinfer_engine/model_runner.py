@@ -2,15 +2,18 @@
 
 `ModelRunner` implements `deepinfer_engine.engine_core.ModelRunnerProtocol`. One `execute`:
 
-1. drop the state of finished and preempted requests; start new ones; apply block-table deltas (cut at
-   `first_new_block_index`, extend by `new_block_ids`);
+1. drop the state of finished requests; register requests scheduled for the first time (from their
+   `NewRequestData`: parameters, seed, prompt, grammar); apply block-table deltas (cut at `first_new_block_index`,
+   extend by `new_block_ids`);
 2. fill the host buffers, copy them without blocking, resolve input ids through the on-device token history
    (placeholders read the token the step in flight sampled, `deepinfer_engine.input_batch`);
 3. launch the forward for the last token of every request that samples;
 4. launch sampling (`deepinfer_sampling.Sampler`), write the sampled tokens into the history, start the copies of
    the results to pinned host memory and record an event.
 
-`wait` blocks on that event and builds the `ModelRunnerOutput`. Nothing in `execute` synchronizes with the device.
+`wait` blocks on that event and builds the `ModelRunnerOutput`: emitted tokens, their logprobs and top logprobs, the
+prompt logprobs of the step, the next drafts and the requests that failed. Nothing in `execute` synchronizes with
+the device, and nothing leaves the runner except through `wait`.
 
 CUDA graphs (`deepinfer_engine.cuda_graphs`): unless `enforce_eager`, a CUDA runner whose experts are all local
 captures decode forwards at start; a pure decode step without prompt-logprob rows is padded to a graph size and
@@ -26,8 +29,8 @@ flight sampling follows the forward at once.
 
 Prompt logprobs (runtime §2.6): for a request that asks for them, every prompt position of each prefill chunk that
 has a next prompt token gets a logits row too (after the sampling rows); the processed log-prob of that next token
-under the request's own temperature/top-k/top-p is computed right after the forward and reported by
-`prompt_logprobs` (accumulated across chunks; recomputed identically after a preemption).
+under the request's own temperature/top-k/top-p is computed right after the forward and reported with the step
+(`deepinfer_engine.sampling_rows`; recomputed identically after a preemption).
 
 Speculative decoding (`max_num_draft_tokens` = nextn > 0): a sampling request that verifies `d` drafts gets `d + 1`
 logits rows (its last `d + 1` positions), and `deepinfer_engine.speculative.Speculator` replaces the plain sampler:
@@ -37,39 +40,39 @@ positions of placeholder requests are optimistic; the device shifts them (see `d
 the host records are shifted by `RunnerRequest.num_rejected` once the step before is waited for.
 
 Failures of one request never stop the step: a grammar that rejects a committed token, or a row with nothing left to
-sample (every logit masked), is reported by `take_failures`; the engine finishes that request with an error.
+sample (every logit masked), is reported in the step's `ModelRunnerOutput.failures` with no token; the scheduler
+finishes that request with an error.
+
+A step that raises (out of memory, a kernel error, an interrupt) leaves the runner with half-launched work; `reset`
+forgets every step and request so the engine can go on (`deepinfer_engine.engine`).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from itertools import accumulate
-from typing import TYPE_CHECKING
 
 import torch
 
 from deepinfer_engine.config import EngineConfig
-from deepinfer_engine.cuda_graphs import DecodeGraphs, graph_sizes, supports_graphs
+from deepinfer_engine.cuda_graphs import DecodeGraphs, graph_sizes
 from deepinfer_engine.input_batch import StepBuffers
-from deepinfer_engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from deepinfer_engine.request import RequestStatus
-from deepinfer_engine.runner_state import (
-    RequestFailure,
-    RunnerRequest,
-    SampledStep,
-    StepHandle,
-    TopLogprobs,
-    copy_to_host,
+from deepinfer_engine.outputs import ModelRunnerOutput, RequestFailure, ScheduledRequest, SchedulerOutput
+from deepinfer_engine.request import RequestStatus, TopLogprobs
+from deepinfer_engine.runner_state import RunnerRequest, StepHandle, copy_to_host
+from deepinfer_engine.sampling_rows import (
+    add_prompt_rows,
+    fill_bitmask,
+    model_logprobs_for_greedy_rows,
+    prompt_logprob_values,
 )
 from deepinfer_engine.speculative import SpecRequest, Speculator
 from deepinfer_model.deepseek_v41.model import DeepseekV41ForCausalLM
 from deepinfer_model.state import ModelState
-from deepinfer_sampling import LOGPROB_FLOOR, Sampler, SamplingBatch, SamplingParams, SamplingRow
+from deepinfer_sampling import Sampler, SamplingBatch, SamplingRow
 
-if TYPE_CHECKING:  # importing xgrammar takes seconds; only structured requests need it at run time
-    from deepinfer_sampling.structured import RequestGrammarMatcher
-
-__all__ = ["ModelRunner", "RequestFailure", "StepHandle"]
+__all__ = ["ModelRunner", "StepHandle"]
 
 
 class ModelRunner:
@@ -101,7 +104,7 @@ class ModelRunner:
             device=self.device,
         )
         self._requests: dict[str, RunnerRequest] = {}
-        self._failures: dict[str, RequestFailure] = {}
+        self._failed: set[str] = set()  # requests reported failed, until the scheduler says they finished
         self._unwaited: list[StepHandle] = []
         self.speculator: Speculator | None = None
         if sched.max_num_draft_tokens:
@@ -115,7 +118,7 @@ class ModelRunner:
                 always_draft=config.async_scheduling,
             )
         self.graphs: DecodeGraphs | None = None
-        if not config.enforce_eager and supports_graphs(model, self.device):
+        if not config.enforce_eager and self.device.type == "cuda" and model.supports_graphs():
             sizes = graph_sizes(sched.max_num_seqs, config.cudagraph_batch_size_interval)
             self.graphs = DecodeGraphs(model, state, self.buffers, sizes, sched.max_model_len + 2)
             self.graphs.capture()
@@ -126,50 +129,18 @@ class ModelRunner:
             self.graphs.close()
             self.graphs = None
 
-    # ---- requests --------------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget every launched step and every request, after a step raised (the engine aborts the requests).
 
-    def add_request(
-        self,
-        request_id: str,
-        params: SamplingParams,
-        seed: int,
-        prompt_token_ids: Sequence[int],
-        matcher: RequestGrammarMatcher | None = None,
-    ) -> None:
-        """Register a request before the scheduler first schedules it.
-
-        Args:
-            request_id: its id.
-            params: its sampling parameters.
-            seed: its request seed (`deepinfer_sampling.request_seed`).
-            prompt_token_ids: its prompt.
-            matcher: its `RequestGrammarMatcher` when it has structured output.
+        Device work already queued runs to its end first; the cache contents are left as they are (the scheduler
+        hands the blocks out afresh and every new request rewrites what it reads).
         """
-        if request_id in self._requests:
-            raise ValueError(f"request {request_id!r} is already registered with the runner")
-        self._requests[request_id] = RunnerRequest(
-            params=params, seed=seed, prompt_len=len(prompt_token_ids), matcher=matcher, tokens=list(prompt_token_ids)
-        )
-
-    def top_logprobs(self, request_id: str, num_tokens: int) -> list[TopLogprobs]:
-        """Alternatives of the request's first `num_tokens` generated tokens (empty tuples where none were asked)."""
-        request = self._requests.get(request_id)
-        if request is None:
-            return [()] * num_tokens
-        start = request.prompt_len
-        return [request.top_logprobs.get(start + i, ()) for i in range(num_tokens)]
-
-    def prompt_logprobs(self, request_id: str) -> list[float]:
-        """Processed log-probs of prompt tokens 1 … P−1 of a request that asked for them (runtime §2.6)."""
-        request = self._requests.get(request_id)
-        if request is None:
-            return []
-        return [request.prompt_logprobs[p] for p in range(1, request.prompt_len) if p in request.prompt_logprobs]
-
-    def take_failures(self) -> dict[str, RequestFailure]:
-        """Requests the runner failed since the last call (the engine finishes them)."""
-        failures, self._failures = self._failures, {}
-        return failures
+        if self.device.type == "cuda":
+            with contextlib.suppress(RuntimeError):  # a device in an error state reports it again here
+                torch.cuda.synchronize(self.device)
+        self._unwaited.clear()
+        self._requests.clear()
+        self._failed.clear()
 
     # ---- the protocol ----------------------------------------------------------------------------------------
 
@@ -177,6 +148,7 @@ class ModelRunner:
         """Launch one step without blocking (see the module docstring)."""
         for request_id in scheduler_output.finished_request_ids:
             self._requests.pop(request_id, None)
+            self._failed.discard(request_id)
         handle = StepHandle(scheduler_output, [], [])
         if scheduler_output.is_empty:
             self._unwaited.append(handle)
@@ -198,17 +170,18 @@ class ModelRunner:
             # Also for steps that sample nothing: the host buffers they uploaded from are reused two steps later.
             handle.forward_done.synchronize()
         scheduler_output = handle.scheduler_output
+        index_of = {s.request_id: i for i, s in enumerate(scheduler_output.scheduled_requests)}
+        num_scheduled = len(scheduler_output.scheduled_requests)
+        prompt_per_request: list[list[tuple[int, float]]] = [[] for _ in range(num_scheduled)]
         if handle.prompt_values is not None:
             for (request_id, position), value in zip(handle.prompt_rows, handle.prompt_values.tolist(), strict=True):
-                request = self._requests.get(request_id)
-                if request is not None:
-                    request.prompt_logprobs[position] = value
+                prompt_per_request[index_of[request_id]].append((position, value))
         if handle.logits is not None and handle.sampled is None:
             with torch.inference_mode():
                 self._sample(handle)
-        num_scheduled = len(scheduler_output.scheduled_requests)
         sampled_per_request: list[tuple[int, ...]] = [()] * num_scheduled
         logprobs_per_request: list[tuple[float, ...]] = [()] * num_scheduled
+        top_per_request: list[tuple[TopLogprobs, ...]] = [()] * num_scheduled
         drafts_per_request: list[tuple[int, ...]] = [()] * num_scheduled
         if handle.sampled is not None:
             sampled = handle.sampled
@@ -218,6 +191,7 @@ class ModelRunner:
             logprobs = sampled.logprobs.tolist()
             accepted = sampled.num_accepted.tolist() if sampled.num_accepted is not None else None
             drafts = sampled.draft_ids.tolist() if sampled.draft_ids is not None else None
+            top_ids, top_values = sampled.top_ids.tolist(), sampled.top_values.tolist()
             row = 0
             samples = zip(handle.sample_indices, handle.sample_positions, handle.num_drafts, strict=True)
             for k, (index, first, num_drafts) in enumerate(samples):
@@ -227,27 +201,40 @@ class ModelRunner:
                 if request is not None and scheduled.num_placeholder_tokens:
                     first -= request.num_rejected  # optimistic positions (outputs.py, "Placeholders")
                 emitted = tokens[row : row + 1 + (accepted[k] if accepted is not None else 0)]
-                if min(emitted) < 0:  # the history holds 0 there too (`StepBuffers.record_sampled`)
-                    self._failures[request_id] = RequestFailure(
+                if min(emitted) < 0 and request_id not in handle.failures:
+                    handle.failures[request_id] = RequestFailure(
                         RequestStatus.FINISHED_ERROR,
                         "no token could be sampled: every logit was masked or not finite",
                     )
-                    emitted = [max(token, 0) for token in emitted]
+                if request_id in handle.failures:
+                    emitted = []  # a failed request keeps no token (the history holds 0 there, never read again)
+                num_top = request.params.top_logprobs if request is not None else 0
                 for j, token in enumerate(emitted):
-                    self._record(request_id, first + j, token, sampled, row + j)
+                    self._record(request_id, first + j, token)
                 sampled_per_request[index] = tuple(emitted)
                 logprobs_per_request[index] = tuple(logprobs[row : row + len(emitted)])
+                top_per_request[index] = tuple(
+                    tuple(zip(top_ids[r][:num_top], top_values[r][:num_top], strict=True))
+                    for r in range(row, row + len(emitted))
+                )
                 if drafts is not None and drafts[k][0] >= 0:
                     drafts_per_request[index] = tuple(drafts[k])
                 row += num_drafts + 1
                 if request is not None and accepted is not None:
                     request.num_rejected = num_drafts - accepted[k]
+        self._failed.update(handle.failures)
         if self._unwaited and self._unwaited[0].logits is not None and self._unwaited[0].sampled is None:
             with torch.inference_mode():
                 self._sample(self._unwaited[0])  # deferred sampling of the next step (module docstring)
-        request_ids = tuple(s.request_id for s in scheduler_output.scheduled_requests)
-        draft_ids = tuple(drafts_per_request) if self.speculator is not None else None
-        return ModelRunnerOutput(request_ids, tuple(sampled_per_request), tuple(logprobs_per_request), draft_ids)
+        return ModelRunnerOutput(
+            request_ids=tuple(index_of),
+            sampled_token_ids=tuple(sampled_per_request),
+            logprobs=tuple(logprobs_per_request),
+            draft_token_ids=tuple(drafts_per_request) if self.speculator is not None else None,
+            top_logprobs=tuple(top_per_request),
+            prompt_logprobs=tuple(tuple(pairs) for pairs in prompt_per_request),
+            failures=dict(handle.failures),
+        )
 
     # ---- step parts ------------------------------------------------------------------------------------------
 
@@ -282,7 +269,7 @@ class ModelRunner:
                 handle.num_drafts.append(d)
         host.cu_query_lens[0] = 0
         num_samples = len(handle.sample_indices) + sum(handle.num_drafts)
-        num_logits = self._add_prompt_rows(scheduler_output, handle, host.logits_rows, num_samples)
+        num_logits = add_prompt_rows(scheduler_output, self._requests, handle, host.logits_rows, num_samples)
         num_requests = len(scheduler_output.scheduled_requests)
         size = None
         if self.graphs is not None and max_query == 1 and num_logits == num_samples:
@@ -294,54 +281,26 @@ class ModelRunner:
             batch = self.buffers.upload(host, num_tokens, num_requests, num_logits, max_query, max_context)
             logits = self.model(batch, self.state)
         if handle.prompt_rows:
-            self._prompt_logprobs(logits[num_samples:], handle)
+            handle.prompt_values = prompt_logprob_values(self.sampler, logits[num_samples:], handle, self._requests)
         if self.device.type == "cuda":
             handle.forward_done = torch.cuda.Event()
             handle.forward_done.record()
         return logits[:num_samples]
 
-    def _add_prompt_rows(
-        self, scheduler_output: SchedulerOutput, handle: StepHandle, logits_rows: torch.Tensor, num_rows: int
-    ) -> int:
-        """Append a logits row for each computed prompt position whose next prompt token exists; returns the rows."""
-        offset = 0
-        for scheduled in scheduler_output.scheduled_requests:
-            request = self._requests[scheduled.request_id]
-            start = scheduled.num_computed_tokens
-            last = min(start + scheduled.num_scheduled_tokens, request.prompt_len - 1)  # exclusive
-            if request.params.prompt_logprobs and start < last:
-                count = last - start
-                logits_rows[num_rows : num_rows + count] = torch.arange(offset, offset + count, dtype=torch.int64)
-                handle.prompt_rows.extend((scheduled.request_id, p + 1) for p in range(start, last))
-                num_rows += count
-            offset += scheduled.num_scheduled_tokens
-        return num_rows
-
-    def _prompt_logprobs(self, logits: torch.Tensor, handle: StepHandle) -> None:
-        """Processed log-prob of each prompt row's next prompt token; copied to the host without blocking.
-
-        Args:
-            logits: [Q, V] fp32, one row per `handle.prompt_rows` entry.
-        """
-        rows, targets = [], []
-        for request_id, position in handle.prompt_rows:
-            request = self._requests[request_id]
-            rows.append(SamplingRow(params=request.params, seed=request.seed, position=position))
-            targets.append(request.tokens[position])
-        batch = SamplingBatch.build(rows, self.vocab_size, self.device)
-        logprobs, _ = self.sampler.processed_logprobs(logits, batch)
-        values = logprobs.gather(1, self._to_device(targets)[:, None])[:, 0].clamp(min=LOGPROB_FLOOR)
-        if self.device.type != "cuda":
-            handle.prompt_values = values.clone()
-            return
-        handle.prompt_values = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-        handle.prompt_values.copy_(values, non_blocking=True)
-
     def _start(self, scheduled: ScheduledRequest) -> RunnerRequest:
         """Apply a scheduled request's slot and block-table delta; returns its runner state."""
+        new = scheduled.new_request
+        if new is not None and scheduled.request_id not in self._requests:
+            self._requests[scheduled.request_id] = RunnerRequest(
+                params=new.params,
+                seed=new.seed,
+                prompt_len=len(new.prompt_token_ids),
+                matcher=new.grammar,
+                tokens=list(new.prompt_token_ids),
+            )
         request = self._requests.get(scheduled.request_id)
         if request is None:
-            raise KeyError(f"request {scheduled.request_id!r} was scheduled but never registered with the runner")
+            raise KeyError(f"request {scheduled.request_id!r} was scheduled without its NewRequestData first")
         if scheduled.is_new:
             request.slot = scheduled.state_slot
             request.block_ids = []
@@ -395,7 +354,9 @@ class ModelRunner:
                 )
             specs.append(SpecRequest(request, index, first, num_drafts, ends[index] - num_drafts, placeholder))
         batch = SamplingBatch.build(rows, self.vocab_size, self.device)
-        bitmask = self._bitmask(bitmask_rows, len(rows)) if bitmask_rows else None
+        bitmask = None
+        if bitmask_rows:
+            bitmask = fill_bitmask(bitmask_rows, len(rows), self.vocab_size, self.device, self._failed, handle.failures)
         handle.logits = None
         if self.speculator is not None:
             handle.sampled = self.speculator.sample(logits, batch, bitmask, specs)
@@ -403,9 +364,12 @@ class ModelRunner:
         output = self.sampler(logits, batch, bitmask)
         slots = [self._requests[scheduled[i].request_id].slot for i in handle.sample_indices]
         self.buffers.record_sampled(self._to_device(slots), self._to_device(handle.sample_positions), output.token_ids)
-        handle.sampled = copy_to_host(
-            output.token_ids, output.logprobs, output.top_logprob_token_ids, output.top_logprobs
-        )
+        token_logprobs, top_ids, top_values = output.logprobs, output.top_logprob_token_ids, output.top_logprobs
+        if any(row.params.is_greedy for row in rows):
+            token_logprobs, top_ids, top_values = model_logprobs_for_greedy_rows(
+                logits, batch.temperature == 0, output.token_ids, token_logprobs, top_ids, top_values
+            )
+        handle.sampled = copy_to_host(output.token_ids, token_logprobs, top_ids, top_values)
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
         """int64 [len(values)] on the device, copied from pinned memory without blocking on CUDA."""
@@ -414,32 +378,7 @@ class ModelRunner:
             return host
         return host.pin_memory().to(self.device, non_blocking=True)
 
-    def _bitmask(self, rows: list[tuple[int, RunnerRequest, str, int]], num_rows: int) -> torch.Tensor:
-        """Advance each structured request's matcher to its sampling position and fill its mask row (CPU)."""
-        from deepinfer_sampling.structured import StepMaskRequest, allocate_token_bitmask, fill_step_bitmask
-
-        mask = allocate_token_bitmask(num_rows, self.vocab_size, pin_memory=self.device.type == "cuda")
-        requests = []
-        for row, request, request_id, position in rows:
-            if request_id in self._failures:
-                continue  # already failed: the engine finishes it after this step; its row stays unmasked
-            matcher = request.matcher
-            assert matcher is not None
-            target = position - request.prompt_len
-            if request.num_fed > target:  # a discarded in-flight token was fed before a preemption
-                matcher.rollback(request.num_fed - target)
-                request.num_fed = target
-            committed = request.tokens[request.prompt_len + request.num_fed : position]
-            request.num_fed = target
-            requests.append(StepMaskRequest(request_id, matcher, row, committed, ()))
-        for request_id, error in fill_step_bitmask(mask, requests).items():
-            self._failures[request_id] = RequestFailure(
-                RequestStatus.FINISHED_STRUCTURED_OUTPUT_FAILED,
-                f"structured output failed ({error.kind}): {error.message}",
-            )
-        return mask.to(self.device, non_blocking=True)
-
-    def _record(self, request_id: str, position: int, token: int, sampled: SampledStep, row: int) -> None:
+    def _record(self, request_id: str, position: int, token: int) -> None:
         request = self._requests.get(request_id)
         if request is None:
             return
@@ -448,8 +387,3 @@ class ModelRunner:
             del request.tokens[position + 1 :]
         else:
             request.tokens.append(token)
-        num_top = request.params.top_logprobs
-        if num_top:
-            ids = sampled.top_ids[row, :num_top].tolist()
-            values = sampled.top_values[row, :num_top].tolist()
-            request.top_logprobs[position] = tuple(zip(ids, values, strict=True))

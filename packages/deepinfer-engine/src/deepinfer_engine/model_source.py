@@ -20,7 +20,7 @@ from pathlib import Path
 
 from deepinfer_model.checkpoint.writer import write_checkpoint
 from deepinfer_model.config import load_preset, preset_json
-from deepinfer_model.loading.checkpoint_dir import resolve_model_dir
+from deepinfer_model.loading.checkpoint_dir import open_checkpoint_dir, resolve_model_dir
 
 __all__ = ["TINY_PRESET", "TINY_SEED", "default_cache_root", "resolve_checkpoint", "tiny_checkpoint_dir"]
 
@@ -83,4 +83,6 @@ def resolve_checkpoint(
     """
     if model is None:
         return tiny_checkpoint_dir(cache_root)
-    return resolve_model_dir(model, local_model_dir=local_model_dir, revision=revision)
+    directory = resolve_model_dir(model, local_model_dir=local_model_dir, revision=revision)
+    open_checkpoint_dir(directory)  # an empty or partial directory is a checkpoint problem, reported as one, here
+    return directory

@@ -1,16 +1,20 @@
 """Stage-boundary records of one engine step.
 
     request → Request → Scheduler.schedule() → SchedulerOutput → ModelRunner → ForwardBatch → model → logits
-            → Sampler → SamplerOutput → Scheduler.update_from_output() → RequestOutput
+            → Sampler → SamplerOutput → ModelRunnerOutput → Scheduler.update_from_output() → RequestOutput
+            → OutputProcessor → GenerateOutput
 
 - `SchedulerOutput` (CPU, this module): per scheduled request, which positions it computes this step, the input
-  token ids for them, and the cache entries it newly got. It carries ids and counts only.
+  token ids for them, and the cache entries it newly got; the first time a request is scheduled also what the
+  runner needs to serve it (`NewRequestData`: parameters, seed, prompt, grammar). Nothing reaches the runner any
+  other way.
 - The model runner turns it into a `ForwardBatch` (model package) in persistent device buffers, runs the model and
   the sampler (`SamplerOutput`, sampling package), and reports back a `ModelRunnerOutput` (this module): per request
-  the emitted tokens, their logprobs and the drafter's next draft tokens.
-- `Scheduler.update_from_output` commits those tokens, applies the stop conditions and returns one `RequestOutput`
-  per request that emitted tokens or finished. A finished request's `RequestOutput` also carries its whole
-  `CompletionOutput`.
+  the emitted tokens, their logprobs and top logprobs, the prompt logprobs computed this step, the drafter's next
+  draft tokens, and the requests it could not serve (`RequestFailure`). Nothing leaves the runner any other way.
+- `Scheduler.update_from_output` commits those tokens, finishes failed requests, applies the stop conditions and
+  returns one `RequestOutput` per request that emitted tokens or finished. A finished request's `RequestOutput`
+  also carries its whole `CompletionOutput`.
 
 Positions of one scheduled request (`c` = num_computed_tokens before the step, `n` = num_scheduled_tokens,
 `d` = num_draft_tokens):
@@ -31,14 +35,21 @@ drafts the previous step rejected for the request.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from deepinfer_engine.request import FinishReason
+from deepinfer_engine.request import FinishReason, RequestStatus, TopLogprobs
+from deepinfer_sampling import SamplingParams
+
+if TYPE_CHECKING:  # importing xgrammar takes seconds; it is imported on the first structured request
+    from deepinfer_sampling.structured import RequestGrammarMatcher
 
 __all__ = [
     "PLACEHOLDER_TOKEN_ID",
     "CompletionOutput",
     "ModelRunnerOutput",
+    "NewRequestData",
+    "RequestFailure",
     "RequestMetrics",
     "RequestOutput",
     "ScheduledRequest",
@@ -47,6 +58,31 @@ __all__ = [
 
 PLACEHOLDER_TOKEN_ID = -1
 """Stands for an input token that only the device knows yet (see "Placeholders" above)."""
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """What the runner needs to serve a request, sent the first time the request is scheduled.
+
+    Attributes:
+        params: its sampling parameters.
+        seed: its request seed.
+        prompt_token_ids: its prompt.
+        grammar: its grammar matcher when it has structured output (the runner advances it).
+    """
+
+    params: SamplingParams
+    seed: int
+    prompt_token_ids: tuple[int, ...]
+    grammar: RequestGrammarMatcher | None = None
+
+
+@dataclass(frozen=True)
+class RequestFailure:
+    """Why the runner could not serve a request in a step; the scheduler finishes it with `status`."""
+
+    status: RequestStatus
+    message: str
 
 
 @dataclass(frozen=True)
@@ -85,6 +121,7 @@ class ScheduledRequest:
     first_new_block_index: int
     new_block_ids: tuple[int, ...]
     num_placeholder_tokens: int = 0
+    new_request: NewRequestData | None = None
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -133,16 +170,25 @@ class ModelRunnerOutput:
         draft_token_ids: per request, draft tokens proposed for the next step, or None without a drafter. Under
             asynchronous scheduling the next step may verify up to `max_num_draft_tokens` of them as placeholders
             before the host sees them, so a drafter proposes that many for every request it samples.
+        top_logprobs: per request, the alternatives of each emitted token (empty tuples where none were asked
+            for), or None when the runner computes none.
+        prompt_logprobs: per request, the (prompt position, processed log-prob of its token) pairs computed this
+            step (requests that asked for prompt logprobs), or None.
+        failures: requests of the step the runner could not serve (nothing to sample, a grammar that rejected a
+            token); their `sampled_token_ids` are empty and the scheduler finishes them with the failure.
     """
 
     request_ids: tuple[str, ...]
     sampled_token_ids: tuple[tuple[int, ...], ...]
     logprobs: tuple[tuple[float, ...], ...] | None = None
     draft_token_ids: tuple[tuple[int, ...], ...] | None = None
+    top_logprobs: tuple[tuple[TopLogprobs, ...], ...] | None = None
+    prompt_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
+    failures: dict[str, RequestFailure] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         n = len(self.request_ids)
-        for name in ("sampled_token_ids", "logprobs", "draft_token_ids"):
+        for name in ("sampled_token_ids", "logprobs", "draft_token_ids", "top_logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and len(value) != n:
                 raise ValueError(f"ModelRunnerOutput.{name} has {len(value)} entries for {n} requests")
@@ -187,17 +233,22 @@ class CompletionOutput:
         prompt_token_ids: its prompt.
         token_ids: every generated token (a stop token is included).
         logprobs: logprob of each generated token, or None when the runner reported none.
+        top_logprobs: per generated token, its alternatives (empty tuples where none were asked for; empty when the
+            runner reported none).
+        prompt_logprobs: processed log-probs of prompt tokens 1 … P−1 when the request asked for them, else None.
         finish_reason: why it finished.
         stop_reason: the stop token id or stop string that finished it; None otherwise (EOS included).
         error_message: what went wrong, for error finish reasons.
         metrics: its counters.
-        text: detokenized `token_ids`; the scheduler leaves it empty and the engine's detokenizer fills it.
+        text: detokenized `token_ids`; the scheduler leaves it empty and the engine's `OutputProcessor` fills it.
     """
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...] | None
+    top_logprobs: tuple[TopLogprobs, ...]
+    prompt_logprobs: tuple[float, ...] | None
     finish_reason: FinishReason
     stop_reason: int | str | None
     error_message: str | None

@@ -34,14 +34,21 @@ class GenerateProgress:
         elapsed = time.perf_counter() - self.start
         self.bar.set_postfix_str(f"{self.num_generated_tokens / max(elapsed, 1e-9):.1f} tok/s", refresh=False)
 
-    def close(self, num_requests: int) -> None:
-        """Close the bar and print the summary line."""
+    def close(self, num_failed: int, interrupted: bool = False) -> None:
+        """Close the bar and print the summary line; it says how many requests ended with an error, and when the
+        call was interrupted, so it never claims that every request finished when some did not."""
         self.bar.close()
         if not self.enabled:
             return
         wall = time.perf_counter() - self.start
+        total = self.bar.total
+        done = f"{total} requests"
+        if interrupted:
+            done = f"interrupted: {total - num_failed} of {total} requests finished"
+        elif num_failed:
+            done = f"{total} requests ({num_failed} ended with an error)"
         print(
-            f"generate: {num_requests} requests, {self.num_prompt_tokens} prompt tokens, "
+            f"generate: {done}, {self.num_prompt_tokens} prompt tokens, "
             f"{self.num_generated_tokens} generated tokens in {wall:.2f} s "
             f"({self.num_generated_tokens / max(wall, 1e-9):.1f} generated tok/s, "
             f"{(self.num_prompt_tokens + self.num_generated_tokens) / max(wall, 1e-9):.1f} total tok/s)",

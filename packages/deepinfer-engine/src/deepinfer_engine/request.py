@@ -30,8 +30,17 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-__all__ = ["FinishReason", "Request", "RequestStatus", "StopCriteria"]
+from deepinfer_sampling import SamplingParams
+
+if TYPE_CHECKING:  # importing xgrammar takes seconds; it is imported on the first structured request
+    from deepinfer_sampling.structured import RequestGrammarMatcher
+
+__all__ = ["FinishReason", "Request", "RequestStatus", "StopCriteria", "TopLogprobs"]
+
+TopLogprobs = tuple[tuple[int, float], ...]
+"""The best (token id, log-prob) pairs of one sampled position."""
 
 
 class FinishReason(enum.Enum):
@@ -81,6 +90,10 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
 
+_ERROR_STATUSES = frozenset(
+    {RequestStatus.FINISHED_ERROR, RequestStatus.FINISHED_STRUCTURED_OUTPUT_FAILED, RequestStatus.FINISHED_IGNORED}
+)
+
 _FINISHED_AFTER_RUNNING = frozenset(_FINISH_REASONS) - {RequestStatus.FINISHED_IGNORED}
 
 _ALLOWED_TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
@@ -94,8 +107,8 @@ _ALLOWED_TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
 class StopCriteria:
     """Token-level stop conditions of a request (runtime §6.8), built by the engine from its sampling params.
 
-    Stop strings are not here: they need detokenized text, which the engine checks through the scheduler's
-    stop-checker hook.
+    Stop strings are not here: they need detokenized text; the engine's output processor finds them and finishes
+    the request through `Scheduler.finish_request`, like any other finish from outside a step.
 
     Attributes:
         max_tokens: generated tokens after which the request finishes with "length".
@@ -115,19 +128,39 @@ class StopCriteria:
 
 
 class Request:
-    """One generation request and its progress.
+    """One generation request and its progress: the one record of a request inside the engine.
+
+    It carries everything the model runner needs to serve it (sampling parameters, seed, prompt, grammar matcher);
+    the scheduler hands these to the runner the first time it schedules the request (`NewRequestData`).
 
     Args:
         request_id: unique id.
         prompt_token_ids: the prompt; must be non-empty.
         stop: stop conditions.
+        params: its sampling parameters.
+        seed: its request seed (`deepinfer_sampling.request_seed`).
+        grammar: its grammar matcher when it has structured output.
     """
 
-    def __init__(self, request_id: str, prompt_token_ids: Sequence[int], stop: StopCriteria) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        stop: StopCriteria,
+        *,
+        params: SamplingParams | None = None,
+        seed: int = 0,
+        grammar: RequestGrammarMatcher | None = None,
+    ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: prompt must not be empty")
         self.request_id = request_id
         self.stop = stop
+        self.params = params if params is not None else SamplingParams()
+        self.seed = seed
+        self.grammar = grammar
+        self.output_top_logprobs: list[TopLogprobs] = []
+        self.prompt_logprobs: dict[int, float] = {}  # prompt position -> processed log-prob of its token
         self.num_prompt_tokens = len(prompt_token_ids)
         self._token_ids = list(prompt_token_ids)
         self.output_logprobs: list[float] = []
@@ -162,14 +195,12 @@ class Request:
 
         Args:
             status: the new status.
-            error_message: why the request failed; only for FINISHED_ERROR and FINISHED_STRUCTURED_OUTPUT_FAILED.
+            error_message: why the request failed; only for FINISHED_ERROR, FINISHED_STRUCTURED_OUTPUT_FAILED and
+                FINISHED_IGNORED (why it could never run).
         """
         if status not in _ALLOWED_TRANSITIONS.get(self._status, frozenset()):
             raise ValueError(f"request {self.request_id!r}: illegal status change {self._status.name} -> {status.name}")
-        if error_message is not None and status not in (
-            RequestStatus.FINISHED_ERROR,
-            RequestStatus.FINISHED_STRUCTURED_OUTPUT_FAILED,
-        ):
+        if error_message is not None and status not in _ERROR_STATUSES:
             raise ValueError(f"request {self.request_id!r}: an error message needs an error status, got {status.name}")
         self._status = status
         self.error_message = error_message
@@ -213,8 +244,16 @@ class Request:
         """Tokens at positions `start .. stop - 1` of the prompt-plus-output sequence."""
         return self._token_ids[start:stop]
 
-    def append_output_token(self, token_id: int, logprob: float | None) -> None:
-        """Append one generated token (and its logprob when the runner reports logprobs)."""
+    def append_output_token(self, token_id: int, logprob: float | None, top: TopLogprobs | None = None) -> None:
+        """Append one generated token (and its logprob and alternatives when the runner reports them)."""
         self._token_ids.append(token_id)
         if logprob is not None:
             self.output_logprobs.append(logprob)
+        if top is not None:
+            self.output_top_logprobs.append(top)
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Keep only the first `num_output_tokens` generated tokens (a stop string ended the text earlier)."""
+        del self._token_ids[self.num_prompt_tokens + num_output_tokens :]
+        del self.output_logprobs[num_output_tokens:]
+        del self.output_top_logprobs[num_output_tokens:]

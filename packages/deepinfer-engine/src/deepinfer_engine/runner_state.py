@@ -1,7 +1,7 @@
-"""State records of the model runner: its view of each request, a launched step, a request failure.
+"""State records of the model runner: its view of each request and a launched step.
 
-`RunnerRequest` is kept per request from registration until the request finishes (across preemptions: a preempted
-request keeps its host token record, logprobs and grammar matcher; its cache addressing is reset when it is
+`RunnerRequest` is kept per request from its first schedule until the request finishes (across preemptions: a
+preempted request keeps its host token record and grammar matcher; its cache addressing is reset when it is
 scheduled again as new). `StepHandle` is what `ModelRunner.execute` returns and `ModelRunner.wait` consumes.
 """
 
@@ -12,24 +12,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from deepinfer_engine.outputs import SchedulerOutput
-from deepinfer_engine.request import RequestStatus
+from deepinfer_engine.outputs import RequestFailure, SchedulerOutput
 from deepinfer_sampling import SamplingParams
 
 if TYPE_CHECKING:  # importing xgrammar takes seconds; only structured requests need it at run time
     from deepinfer_sampling.structured import RequestGrammarMatcher
 
-__all__ = ["RequestFailure", "RunnerRequest", "SampledStep", "StepHandle", "TopLogprobs", "copy_to_host"]
-
-TopLogprobs = tuple[tuple[int, float], ...]
-
-
-@dataclass(frozen=True)
-class RequestFailure:
-    """Why the runner could not serve a request; the engine finishes it with `status`."""
-
-    status: RequestStatus
-    message: str
+__all__ = ["RunnerRequest", "SampledStep", "StepHandle", "copy_to_host"]
 
 
 @dataclass
@@ -41,8 +30,6 @@ class RunnerRequest:
     prompt_len: int
     matcher: RequestGrammarMatcher | None
     tokens: list[int]  # host copy of the known tokens by position (prompt, then sampled ones)
-    top_logprobs: dict[int, TopLogprobs] = field(default_factory=dict)  # position -> alternatives
-    prompt_logprobs: dict[int, float] = field(default_factory=dict)  # prompt position -> log-prob of its token
     num_fed: int = 0  # tokens the matcher has accepted
     slot: int = 0
     block_ids: list[int] = field(default_factory=list)
@@ -82,6 +69,7 @@ class StepHandle:
     forward_done: torch.cuda.Event | None = None  # CUDA: the step's uploads and forward completed
     prompt_rows: list[tuple[str, int]] = field(default_factory=list)  # (request, prompt position) per prompt row
     prompt_values: torch.Tensor | None = None  # [Q] float32 host, filled by the copy `forward_done` covers
+    failures: dict[str, RequestFailure] = field(default_factory=dict)  # requests of the step that failed
 
 
 def copy_to_host(

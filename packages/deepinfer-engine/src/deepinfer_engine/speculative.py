@@ -45,8 +45,8 @@ import torch
 
 from deepinfer_engine.input_batch import StepBuffers
 from deepinfer_engine.runner_state import RunnerRequest, SampledStep, copy_to_host
+from deepinfer_engine.sampling_rows import model_logprobs_for_greedy_rows
 from deepinfer_model.deepseek_v41.model import DeepseekV41ForCausalLM
-from deepinfer_model.forward_batch import ForwardBatch
 from deepinfer_model.state import ModelState
 from deepinfer_sampling import LOGPROB_FLOOR, Sampler, SamplingBatch, SamplingRow
 from deepinfer_sampling.inverse_cdf import inverse_cdf_sample
@@ -112,7 +112,7 @@ class Speculator:
         num_state_slots: int,
         always_draft: bool,
     ) -> None:
-        if not len(model.mtp):
+        if not model.config.text.num_nextn_predict_layers:
             raise ValueError(f"nextn={nextn} needs DSpark draft blocks, but the model has none")
         if nextn < 1:
             raise ValueError(f"nextn must be >= 1 for a Speculator, got {nextn}")
@@ -202,6 +202,10 @@ class Speculator:
         self.rejected[slots] = self._to_device(num_drafts) - accepted
         token_logprobs = target.gather(1, tokens.clamp(min=0)[:, None])[:, 0].clamp(min=LOGPROB_FLOOR)
         top_ids, top_values = top_logprobs(target, min(batch.max_top_logprobs, target.shape[1]))
+        if any(r.request.params.is_greedy for r in requests):
+            token_logprobs, top_ids, top_values = model_logprobs_for_greedy_rows(
+                logits, batch.temperature == 0, tokens, token_logprobs, top_ids, top_values
+            )
         kept_first = [0, *accumulate(c + 1 for c in counts)][:-1]  # each request's first kept row
         golden = verified.output_token_ids[self._to_device(kept_first) + accepted]
         drafts = self._propose(requests, slots, first - 1 + accepted, golden)
@@ -235,18 +239,9 @@ class Speculator:
         positions = last_accepted[:, None] + 1 + self._slots[None, :]
         input_ids = torch.where(self._slots[None, :] == 0, golden[:, None], self.noise_token_id)
         n = len(chosen)
-        draft_batch = ForwardBatch(
-            input_ids=input_ids.reshape(-1),
-            positions=positions.reshape(-1),
-            cu_query_lens=torch.arange(0, n * b + 1, b, dtype=torch.int32, device=self.device),
-            context_lens=(last_accepted + 1 + b).to(torch.int32),
-            block_table=self.buffers.block_table[self._to_device([requests[i].batch_index for i in chosen])],
-            state_slots=slots.to(torch.int32),
-            engram_prefix_ids=None,
-            logits_indices=None,
-            max_query_len=b,
-            max_context_len=max(requests[i].first_position + requests[i].num_drafts + b for i in chosen),
-        )
+        batch_rows = self._to_device([requests[i].batch_index for i in chosen])
+        max_context = max(requests[i].first_position + requests[i].num_drafts + b for i in chosen)
+        draft_batch = self.buffers.draft_batch(input_ids, positions, batch_rows, slots, max_context)
         hidden = self.model.draft_forward(draft_batch, self.state).reshape(n, b, -1)
         rows = [
             SamplingRow(params=requests[i].request.params, seed=requests[i].request.seed, position=0) for i in chosen

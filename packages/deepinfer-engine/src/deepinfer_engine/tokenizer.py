@@ -158,3 +158,11 @@ class IncrementalDetokenizer:
         self.text = self.text[:index]
         self.stop_string = stop
         return stop
+
+    def final_text(self) -> str:
+        """The whole text once no token follows: `text` plus any held-back incomplete tail (decoded as U+FFFD), or
+        `text` alone when a stop string ended it."""
+        if self.stop_string is not None or self._read_offset == len(self._ids):
+            return self.text
+        context = self._tokenizer.decode(self._ids[self._prefix_offset : self._read_offset])
+        return self.text + self._tokenizer.decode(self._ids[self._prefix_offset :])[len(context) :]

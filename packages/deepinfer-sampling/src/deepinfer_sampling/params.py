@@ -36,9 +36,10 @@ the reference) does not exist.
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
 SAMPLING_EPS = 1e-5
@@ -187,6 +188,20 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     n: int = 1
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> SamplingParams:
+        # Checked here, before the generated __init__, so that a misspelt field names the closest real one.
+        unknown = [name for name in kwargs if name not in _FIELD_NAMES]
+        if unknown:
+            hints = []
+            for name in unknown:
+                close = difflib.get_close_matches(name, _FIELD_NAMES, n=1)
+                hints.append(f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name))
+            raise TypeError(
+                f"SamplingParams got unknown keyword argument(s) {', '.join(hints)}; the fields are "
+                f"{', '.join(_FIELD_NAMES)}"
+            )
+        return super().__new__(cls)
+
     def __post_init__(self) -> None:
         set_ = object.__setattr__
         temperature = _check_float("temperature", self.temperature)
@@ -195,9 +210,12 @@ class SamplingParams:
         top_p = _check_float("top_p", self.top_p)
         if not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1] (1 disables), got {top_p}")
-        top_k = _check_int("top_k", self.top_k, -1, INT32_MAX)
-        if top_k == 0:
-            raise ValueError(f"top_k must be -1 (disabled) or in [1, {INT32_MAX}], got 0")
+        allowed_top_k = f"-1 (disabled) or an int in [1, {INT32_MAX}]"
+        top_k = self.top_k
+        if isinstance(top_k, bool) or not isinstance(top_k, int):
+            raise TypeError(f"top_k must be {allowed_top_k}, got {top_k!r} ({type(top_k).__name__})")
+        if top_k != -1 and not 1 <= top_k <= INT32_MAX:
+            raise ValueError(f"top_k must be {allowed_top_k}, got {top_k}")
         _check_bool("ignore_eos", self.ignore_eos)
         max_tokens = 1 if self.max_tokens == 0 and not isinstance(self.max_tokens, bool) else self.max_tokens
         _check_int("max_tokens", max_tokens, 1, INT32_MAX)
@@ -252,3 +270,6 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         """True when any repetition, presence or frequency penalty is active."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+_FIELD_NAMES = tuple(f.name for f in fields(SamplingParams))

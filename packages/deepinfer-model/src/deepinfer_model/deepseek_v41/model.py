@@ -30,7 +30,7 @@ from deepinfer_model.deepseek_v41.dspark import DSparkBlock
 from deepinfer_model.deepseek_v41.engram import EngramVocab, ngram_rows
 from deepinfer_model.deepseek_v41.expert_parallel import ExpertParallelMoE
 from deepinfer_model.deepseek_v41.hyper_connection import initial_read_mix
-from deepinfer_model.deepseek_v41.moe import ExpertDispatch, local_expert_dispatch
+from deepinfer_model.deepseek_v41.moe import ExpertDispatch, MoE, local_expert_dispatch
 from deepinfer_model.deepseek_v41.weight_loading import load_named_weights
 from deepinfer_model.forward_batch import ForwardBatch
 from deepinfer_model.layers.embedding import LMHead, VocabEmbedding
@@ -195,6 +195,30 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
         return ModelState.allocate(
             self.cache_spec(), self.row_codecs(), block_size, num_blocks, num_state_slots, device
         )
+
+    # ---- what the engine may ask ------------------------------------------------------------------------------
+
+    def supports_graphs(self) -> bool:
+        """Whether a decode forward can be captured in a CUDA graph: exact compute mode (the FP32 parity mode loops
+        over experts on the host) and every backbone expert held locally (an expert-parallel dispatch exchanges
+        data-dependent token counts over the host). The device is the caller's to check."""
+        if self.mode is not ComputeMode.EXACT:
+            return False
+        return all(moe.dispatch is local_expert_dispatch for moe in self.moe_layers())
+
+    def moe_layers(self) -> list[MoE]:
+        """The backbone MoE of every layer, in layer order (what expert-parallel load balancing moves).
+
+        Raises:
+            ValueError: a backbone layer's feed-forward is not a MoE.
+        """
+        moes = []
+        for index, block in enumerate(self.layers):
+            ffn = block.ffn
+            if not isinstance(ffn, MoE):
+                raise ValueError(f"layer {index}'s feed-forward is {type(ffn).__name__}, not a MoE")
+            moes.append(ffn)
+        return moes
 
     # ---- weights -----------------------------------------------------------------------------------------------
 
