@@ -17,6 +17,7 @@ from deepinfer_model.layers.linear import Bf16Linear, Fp8BlockLinear
 from deepinfer_model.layers.mode import ComputeMode, round_activation
 from deepinfer_model.layers.norm import RMSNorm
 from deepinfer_model.layers.rope import RotaryEmbedding
+from deepinfer_model.state import ModelState, StepMetadata
 
 __all__ = ["IndexSelection", "Indexer"]
 
@@ -73,14 +74,22 @@ class Indexer(nn.Module):
         self.wk = Bf16Linear(head_dim, index_dim, mode) if owns_key else None
         self.k_norm = RMSNorm(index_dim, eps, mode) if owns_key else None
 
-    def write_keys(self, rows: NewRows, ratio: int, ctx: StepContext, layer_id: int, rope: RotaryEmbedding) -> None:
+    def write_keys(
+        self,
+        rows: NewRows,
+        ratio: int,
+        meta: StepMetadata,
+        state: ModelState,
+        layer_id: int,
+        rope: RotaryEmbedding,
+    ) -> None:
         """Project, RoPE and store the index keys of this step's new compressed rows (§5.2)."""
         if self.wk is None or self.k_norm is None:
             raise RuntimeError(f"layer {layer_id} is not an index-K source")
         keys = rope.rotate(self.k_norm(self.wk(rows.pre_rope_kv)), rows.row * ratio)
         group = index_k_group(ratio)
-        slots = ctx.meta.paged_rows(rows.request, rows.row, ctx.state.rows_per_block(group))
-        ctx.state.write(group, layer_id, slots, keys)
+        slots = meta.paged_rows(rows.request, rows.row, state.rows_per_block(group))
+        state.write(group, layer_id, slots, keys)
 
     def select(
         self, q_latent: torch.Tensor, hidden: torch.Tensor, ctx: StepContext, rope: RotaryEmbedding, how: IndexSelection

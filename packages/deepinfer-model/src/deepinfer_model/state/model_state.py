@@ -113,6 +113,10 @@ class ModelState:
             raise KeyError(f"layer {layer} owns no pool in cache group {name!r}") from None
         return pool.view(-1, pool.shape[-1])
 
+    def pool(self, name: str, layer: int) -> torch.Tensor:
+        """The pool of ``layer`` in group ``name`` as flat rows ``[rows, bytes_per_row]`` uint8 (a view)."""
+        return self._flat(name, layer)
+
     def read(self, name: str, layer: int, rows: torch.Tensor) -> torch.Tensor:
         """Decode rows. Args: rows [...] int64 flat row indices (clamped ≥ 0). Returns: [..., width] fp32."""
         flat = self._flat(name, layer)
