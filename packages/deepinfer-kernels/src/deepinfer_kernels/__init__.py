@@ -6,8 +6,11 @@ The backend is chosen once per op from ``DEEPINFER_ACCELERATOR`` (see ``deepinfe
 Importing this package touches neither the device nor the environment.
 """
 
+from deepinfer_kernels.attention import KeySource, sparse_attention
 from deepinfer_kernels.gemm import fp8_block_gemm, mxfp4_gemm
 from deepinfer_kernels.grouped_gemm import mxfp4_grouped_gemm
+from deepinfer_kernels.indexer import indexer_select
+from deepinfer_kernels.kv_cache import store_rows
 from deepinfer_kernels.norm import rms_norm
 from deepinfer_kernels.platform import Accelerator, current_accelerator
 from deepinfer_kernels.quant import (
@@ -20,15 +23,22 @@ from deepinfer_kernels.quant import (
     ue8m0_to_float,
 )
 from deepinfer_kernels.rope import apply_rope, rope_cos_sin, rope_inverse_frequencies, yarn_inverse_frequencies
+from deepinfer_kernels.row_formats import RowFormat, bytes_per_row, decode_rows, encode_rows
 
 __all__ = [
     "Accelerator",
+    "KeySource",
+    "RowFormat",
     "apply_rope",
+    "bytes_per_row",
     "current_accelerator",
+    "decode_rows",
     "dequantize_fp8_block",
     "dequantize_fp8_per_token_group",
     "dequantize_mxfp4",
+    "encode_rows",
     "fp8_block_gemm",
+    "indexer_select",
     "mxfp4_gemm",
     "mxfp4_grouped_gemm",
     "quantize_fp8_block",
@@ -37,6 +47,8 @@ __all__ = [
     "rms_norm",
     "rope_cos_sin",
     "rope_inverse_frequencies",
+    "sparse_attention",
+    "store_rows",
     "ue8m0_to_float",
     "yarn_inverse_frequencies",
 ]

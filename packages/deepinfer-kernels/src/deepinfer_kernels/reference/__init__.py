@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from deepinfer_kernels._registry import Backend, OpRegistry
-from deepinfer_kernels.reference import gemm, grouped_gemm, norm, quant, rope
+from deepinfer_kernels.reference import attention, gemm, grouped_gemm, indexer, norm, quant, rope, row_formats
 
 __all__ = ["register"]
 
@@ -23,3 +23,8 @@ def register(registry: OpRegistry) -> None:
     registry.register("fp8_block_gemm", ref, gemm.fp8_block_gemm)
     registry.register("mxfp4_gemm", ref, gemm.mxfp4_gemm)
     registry.register("mxfp4_grouped_gemm", ref, grouped_gemm.mxfp4_grouped_gemm)
+    registry.register("encode_rows", ref, row_formats.encode_rows)
+    registry.register("decode_rows", ref, row_formats.decode_rows)
+    registry.register("store_rows", ref, row_formats.store_rows)
+    registry.register("sparse_attention", ref, attention.sparse_attention)
+    registry.register("indexer_select", ref, indexer.indexer_select)

@@ -32,9 +32,6 @@ E2M1_MAX = 6.0
 FP8_AMAX_FLOOR = 1e-4
 FP4_AMAX_FLOOR = 6.0 * 2.0**-126
 
-# Ascending e2m1 magnitudes indexed by the 3-bit code (model-core §5.3 table).
-_E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-
 
 def ceil_pow2_exponent(ratio: torch.Tensor) -> torch.Tensor:
     """Exact ``⌈log2(ratio)⌉`` from the FP32 bits of a positive normal FP32 ``ratio``.
@@ -112,7 +109,13 @@ def e2m1_encode(values: torch.Tensor) -> torch.Tensor:
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
-    """Decode 4-bit e2m1 codes (uint8 in ``[0, 15]``, any shape) to FP32 values of the same shape."""
-    table = torch.tensor(_E2M1_MAGNITUDES, dtype=torch.float32, device=codes.device)
-    magnitude = table[(codes & 7).long()]
+    """Decode 4-bit e2m1 codes (uint8 in ``[0, 15]``, any shape) to FP32 values of the same shape.
+
+    Computed rather than looked up: a table copied to the device inside a step would break CUDA graph capture.
+    Magnitude codes are ``0.5·m`` for exponent 0 and ``(1 + m/2) · 2^(e−1)`` otherwise (same values as the table).
+    """
+    magnitude_code = (codes & 7).to(torch.int32)
+    exponent, mantissa = magnitude_code >> 1, (magnitude_code & 1).to(torch.float32)
+    normal = (1.0 + 0.5 * mantissa) * exp2_int(exponent - 1)
+    magnitude = torch.where(exponent == 0, 0.5 * mantissa, normal)
     return torch.where((codes & 8) != 0, -magnitude, magnitude)
