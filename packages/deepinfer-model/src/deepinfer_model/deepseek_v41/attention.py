@@ -5,8 +5,10 @@ Per step and layer, in order: project q and the SWA KV of the key tokens; (kv so
 rows; (index-K source) store index keys; (index source) select top-k rows, else reuse the source's; attend over
 ``window ∪ selected rows`` with the per-head sink; store the chunk's tail in the SWA ring (after the attention read
 the history it may overwrite); de-rotate; grouped ``wo_a``; ``wo_b``. Sharing roles come from the layer's
-``LayerSpec``. Keys reach the attention as row lists into cached pools (``sparse_attention.KeySource``), never as
-a gathered ``[tokens, keys, D]`` tensor of the whole step (docs/design/attention.md, "Sparse attention").
+``LayerSpec``. Keys reach ``deepinfer_kernels.sparse_attention`` as row lists into cached pools (``KeySource``): the
+ring history, the step's fresh window keys (encoded into a scratch pool, so they read back exactly as the cache will
+hold them) and the selected compressed rows — never as a gathered ``[tokens, keys, D]`` tensor of the whole step
+(docs/design/attention.md, "Sparse attention").
 """
 
 from __future__ import annotations
@@ -14,11 +16,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deepinfer_kernels import KeySource, sparse_attention
 from deepinfer_model.config import LayerSpec, TextConfig
 from deepinfer_model.deepseek_v41.compressor import Compressor
 from deepinfer_model.deepseek_v41.context import StepContext, compressed_group
 from deepinfer_model.deepseek_v41.indexer import Indexer, IndexSelection
-from deepinfer_model.deepseek_v41.sparse_attention import KeySource, sparse_attention
 from deepinfer_model.layers.linear import Fp8BlockLinear, Fp8GroupedLinear, make_parameter
 from deepinfer_model.layers.mode import ComputeMode
 from deepinfer_model.layers.norm import RMSNorm
@@ -163,10 +165,10 @@ class Attention(nn.Module):
         in_chunk = key_meta.in_chunk(request, positions)
         history = torch.where(seen & ~in_chunk, key_meta.ring_rows(request, positions, ring), -1)
         own = torch.where(seen & in_chunk, key_meta.chunk_index(request, positions), -1)
-        codec = state.codec(self.swa_group)
+        fmt = state.codec(self.swa_group).row_format
         return [
-            KeySource(state.pool(self.swa_group, self.spec.layer_id), history, codec),
-            KeySource(fresh, own, codec),
+            KeySource(state.pool(self.swa_group, self.spec.layer_id), history, fmt),
+            KeySource(fresh, own, fmt),
         ]
 
     def _draft_sources(self, fresh: torch.Tensor, ctx: StepContext) -> list[KeySource]:
@@ -185,10 +187,10 @@ class Attention(nn.Module):
         slots = torch.arange(meta.max_query_len, device=fresh.device)[None, :]
         in_block = slots < meta.q_len[request][:, None]
         drafts = torch.where(in_block, meta.cu_query_lens[request][:, None] + slots, -1)
-        codec = state.codec(self.swa_group)
+        fmt = state.codec(self.swa_group).row_format
         return [
-            KeySource(state.pool(self.swa_group, self.spec.layer_id), history, codec),
-            KeySource(fresh, drafts, codec),
+            KeySource(state.pool(self.swa_group, self.spec.layer_id), history, fmt),
+            KeySource(fresh, drafts, fmt),
         ]
 
     def _compressed_source(
@@ -222,4 +224,5 @@ class Attention(nn.Module):
         selected = ctx.topk[spec.index_source]
         group = compressed_group(spec.compress_ratio)
         rows = meta.paged_rows(meta.token_request[:, None].expand_as(selected), selected, state.rows_per_block(group))
-        return KeySource(state.pool(group, spec.kv_source), torch.where(selected >= 0, rows, -1), state.codec(group))
+        fmt = state.codec(group).row_format
+        return KeySource(state.pool(group, spec.kv_source), torch.where(selected >= 0, rows, -1), fmt)

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 
 import torch
 
+from deepinfer_kernels import store_rows
 from deepinfer_model.cache_spec import CacheGroupKind, CacheGroupSpec, CacheSpec
 from deepinfer_model.state.codecs import RowCodec
 
@@ -123,10 +124,8 @@ class ModelState:
         return self._codecs[name].decode(flat[rows.clamp(min=0)])
 
     def write(self, name: str, layer: int, rows: torch.Tensor, values: torch.Tensor) -> None:
-        """Encode and store. Args: rows [N] int64 distinct flat rows; values [N, width] bf16/fp32."""
-        if rows.numel() == 0:
-            return
-        self._flat(name, layer)[rows] = self._codecs[name].encode(values)
+        """Encode and store in one op. Args: rows [N] int64 distinct flat rows; values [N, width] bf16/fp32."""
+        store_rows(self._flat(name, layer), rows, values, self._codecs[name].row_format)
 
     def write_encoded(self, name: str, layer: int, rows: torch.Tensor, encoded: torch.Tensor) -> None:
         """Store already encoded rows. Args: rows [N] int64 distinct flat rows; encoded [N, bytes_per_row] uint8."""
