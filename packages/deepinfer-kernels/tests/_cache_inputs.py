@@ -8,6 +8,7 @@ import deepinfer_kernels as dk
 from deepinfer_kernels.testing import random_normal, seeded_generator
 
 __all__ = [
+    "assert_equivalent_selection",
     "dense_attention",
     "dense_candidate_blocks",
     "dense_logits",
@@ -113,3 +114,25 @@ def dense_candidate_blocks(logits: torch.Tensor, num_rows: torch.Tensor, block_s
         if num_rows[t] > 0:
             score[t, (int(num_rows[t]) - 1) // block_size] = torch.inf
     return dense_selection(score, score > -torch.inf, k)
+
+
+def assert_equivalent_selection(actual: torch.Tensor, expected: torch.Tensor, scores: torch.Tensor, tol: float) -> None:
+    """Two selections [T, k] (ascending ids, −1 at the end) agree up to near-ties of ``scores`` [T, n].
+
+    Same number of ids per query; every id is real and distinct; the sorted scores of the chosen ids agree within
+    ``tol`` (so swapping rows whose scores differ by less than ``tol`` is allowed); ids whose score is more than
+    ``tol`` away from the k-th best are chosen by both.
+    """
+    assert actual.shape == expected.shape
+    count = (actual >= 0).sum(dim=1)
+    assert torch.equal(count, (expected >= 0).sum(dim=1)), "different numbers of selected ids"
+    for t in range(actual.shape[0]):
+        a, e = actual[t, : count[t]], expected[t, : count[t]]
+        assert bool((actual[t, count[t] :] == -1).all()), f"query {t}: −1 entries not at the end"
+        assert torch.equal(a, torch.sort(a).values) and a.unique().numel() == a.numel(), f"query {t}: ids {a}"
+        sa, se = torch.sort(scores[t, a]).values, torch.sort(scores[t, e]).values
+        assert bool(((sa - se).abs() <= tol).all()), f"query {t}: chosen scores differ beyond {tol}"
+        if count[t]:
+            kth = se[0]
+            clear = e[scores[t, e] > kth + tol]
+            assert bool(torch.isin(clear, a).all()), f"query {t}: a clearly better id was not chosen"

@@ -52,6 +52,17 @@ def test_empty_batch_and_no_sources() -> None:
     assert torch.equal(dk.sparse_attention(q, [], sink, 0.1, False), torch.zeros(3, 2, 32))
 
 
+def test_an_empty_pool_with_no_keys_is_accepted() -> None:
+    q, sources, sink = _case(3, 2, 32, (4, 1, 2), seed=8)
+    empty = dk.KeySource(torch.zeros(0, 33, dtype=torch.uint8), torch.full((3, 2), -1), F.FP8)
+    assert_close(
+        dk.sparse_attention(q, [*sources, empty], sink, 0.2, True),
+        dk.sparse_attention(q, sources, sink, 0.2, True),
+        rtol=1e-6,
+        atol=1e-6,
+    )
+
+
 def test_query_chunks_do_not_change_the_result(monkeypatch: pytest.MonkeyPatch) -> None:
     q, sources, sink = _case(9, 3, 64, (6, 2, 5), seed=5)
     whole = dk.sparse_attention(q, sources, sink, 0.125, True)

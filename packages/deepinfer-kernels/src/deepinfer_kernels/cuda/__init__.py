@@ -6,7 +6,7 @@ Imported only when the nvidia backend is selected, so importing ``deepinfer_kern
 from __future__ import annotations
 
 from deepinfer_kernels._registry import Backend, OpRegistry
-from deepinfer_kernels.cuda import gemm, grouped_gemm, norm, quant, rope
+from deepinfer_kernels.cuda import attention, gemm, grouped_gemm, indexer, norm, quant, rope, row_formats
 
 __all__ = ["register"]
 
@@ -25,3 +25,8 @@ def register(registry: OpRegistry) -> None:
     registry.register("fp8_block_gemm", nvidia, gemm.fp8_block_gemm)
     registry.register("mxfp4_gemm", nvidia, gemm.mxfp4_gemm)
     registry.register("mxfp4_grouped_gemm", nvidia, grouped_gemm.mxfp4_grouped_gemm)
+    registry.register("encode_rows", nvidia, row_formats.encode_rows)
+    registry.register("decode_rows", nvidia, row_formats.decode_rows)
+    registry.register("store_rows", nvidia, row_formats.store_rows)
+    registry.register("sparse_attention", nvidia, attention.sparse_attention)
+    registry.register("indexer_select", nvidia, indexer.indexer_select)

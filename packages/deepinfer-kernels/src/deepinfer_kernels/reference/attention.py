@@ -23,7 +23,10 @@ def _gather_keys(sources: Sequence[KeySource], start: int, stop: int, width: int
     keys, valid = [], []
     for source in sources:
         rows = source.rows[start:stop].long()
-        keys.append(decode(source.pool[rows.clamp(min=0)], source.fmt, width))
+        if source.pool.shape[0]:
+            keys.append(decode(source.pool[rows.clamp(min=0)], source.fmt, width))
+        else:  # an empty pool (e.g. no fresh keys this step): every entry must be −1
+            keys.append(torch.zeros((*rows.shape, width), device=rows.device))
         valid.append(rows >= 0)
     return torch.cat(keys, dim=1), torch.cat(valid, dim=1)
 

@@ -1,0 +1,207 @@
+"""Triton lightning-indexer scoring with a streaming top-k merge (docs/design/kernels.md, "indexer_select").
+
+For a chunk of queries and a chunk of rows, one kernel gathers the index-K rows through the block table, decodes them
+in registers, computes ``Σ_h w · relu(q · k)`` with a tensor-core dot, and writes one int64 sort key per (query, row):
+the order-preserving integer of the logit in the high 32 bits and ``2^32 − 1 − row`` in the low 32 bits, so that a
+larger key is a larger logit and, among equal logits, the lower row; invalid rows get the smallest int64. With
+candidate blocks requested the kernel also writes one key per (query, block) from the block maxima. ``torch.topk`` of
+``[running top | chunk]`` then merges chunk after chunk: exact tie semantics, shapes fixed by host ints (CUDA graphs),
+memory O(query chunk × (topk + row chunk)).
+"""
+
+# Triton reads parameter annotations as kernel type hints, so @triton.jit functions stay unannotated.
+# ruff: noqa: ANN001, ANN202
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer_kernels.cache_layout import RowFormat
+from deepinfer_kernels.cuda._launch import check_launchable
+from deepinfer_kernels.cuda.row_formats import FORMAT_CODES, decode_tile, round_bf16
+from deepinfer_kernels.platform import triton_interpreter_enabled
+from deepinfer_kernels.reference import indexer as reference
+from deepinfer_kernels.reference.indexer import sorted_selection
+
+__all__ = ["indexer_select"]
+
+_WORKSPACE_BYTES = 256 << 20
+_MAX_ROW_CHUNK = 32768
+_INT64_MIN = -(2**63)
+_BF16_MAX: tl.constexpr = tl.constexpr(float(torch.finfo(torch.bfloat16).max))
+# Rows per program (H200 sweep in docs/design/kernels.md, "What ran on the H200").
+CONFIG = {"block_r": 64, "num_warps": 4}
+
+
+@triton.jit
+def _sort_key(score, ident, valid):  # type: ignore[no-untyped-def]
+    # Order-preserving int32 of an FP32 value (negative values have their magnitude bits flipped), then the id.
+    bits = score.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+    key = (ordered << 32) | (0xFFFFFFFF - ident.to(tl.int64))
+    return tl.where(valid, key, -9223372036854775807 - 1)
+
+
+@triton.jit
+def _index_scores_kernel(  # type: ignore[no-untyped-def]
+    q_ptr,
+    w_ptr,
+    pool_ptr,
+    block_table_ptr,
+    stride_table,
+    request_ptr,
+    num_rows_ptr,
+    cand_ptr,
+    stride_cand,
+    num_cand,
+    keys_ptr,
+    stride_keys,
+    block_keys_ptr,
+    stride_block_keys,
+    query_start,
+    slot_start,
+    span,
+    num_heads,
+    row_bytes,
+    rows_per_block,
+    DIM: tl.constexpr,
+    BLOCK_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    FMT: tl.constexpr,
+    RESTRICTED: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCKS: tl.constexpr,
+    ROUND: tl.constexpr,
+    BF16_DOT: tl.constexpr,
+):
+    local = tl.program_id(0)
+    token = (query_start + local).to(tl.int64)
+    chunk_slot = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    slot = slot_start + chunk_slot
+    klen = tl.load(num_rows_ptr + token).to(tl.int64)
+    request = tl.load(request_ptr + token).to(tl.int64)
+    in_span = slot < span
+    if RESTRICTED:
+        block = tl.load(cand_ptr + token * stride_cand + slot // BS, mask=in_span, other=-1).to(tl.int64)
+        rows = block * BS + slot % BS
+        valid = in_span & (block >= 0) & (rows < klen)
+    else:
+        rows = slot.to(tl.int64)
+        valid = in_span & (rows < klen)
+    safe = tl.where(valid, rows, 0)
+    page = tl.load(block_table_ptr + request * stride_table + safe // rows_per_block, mask=valid, other=0).to(tl.int64)
+    base = (page * rows_per_block + safe % rows_per_block) * row_bytes
+    d = tl.arange(0, BLOCK_DIM)
+    keys = decode_tile(pool_ptr, base[:, None], d[None, :], valid[:, None] & (d[None, :] < DIM), DIM, FMT)
+    h = tl.arange(0, BLOCK_H)
+    q_mask = (h[:, None] < num_heads) & (d[None, :] < DIM)
+    q = tl.load(q_ptr + (token * num_heads + h[:, None]) * DIM + d[None, :], mask=q_mask, other=0.0)
+    weights = tl.load(w_ptr + token * num_heads + h, mask=h < num_heads, other=0.0)
+    if BF16_DOT:
+        scores = tl.dot(q.to(tl.bfloat16), tl.trans(keys.to(tl.bfloat16)))
+    else:
+        scores = tl.dot(q, tl.trans(keys), input_precision="ieee")
+    logits = tl.sum(tl.maximum(scores, 0.0) * weights[:, None], axis=0)
+    if ROUND:
+        logits = round_bf16(logits).to(tl.float32)
+    key = _sort_key(tl.maximum(logits, -3.4028234663852886e38), rows, valid)
+    tl.store(keys_ptr + local.to(tl.int64) * stride_keys + chunk_slot, key)
+    if BLOCKS:
+        capped = tl.where(valid, tl.minimum(logits, _BF16_MAX), float("-inf"))
+        best = tl.max(tl.reshape(capped, (BLOCK_R // BS, BS)), axis=1)
+        block_id = (slot_start + tl.program_id(1) * BLOCK_R) // BS + tl.arange(0, BLOCK_R // BS)
+        newest = (klen - 1) // BS
+        best = tl.where((block_id == newest) & (klen > 0), float("inf"), best)
+        block_key = _sort_key(best, block_id, best > float("-inf"))
+        local_block = tl.program_id(1) * (BLOCK_R // BS) + tl.arange(0, BLOCK_R // BS)
+        tl.store(block_keys_ptr + local.to(tl.int64) * stride_block_keys + local_block, block_key)
+
+
+def _ids(keys: torch.Tensor) -> torch.Tensor:
+    """Ids of merged sort keys, −1 for invalid entries, ascending with −1 at the end."""
+    ids = 0xFFFFFFFF - (keys & 0xFFFFFFFF)
+    return sorted_selection(torch.where(keys == _INT64_MIN, -1, ids))
+
+
+def indexer_select(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    key_pool: torch.Tensor,
+    key_format: RowFormat,
+    block_table: torch.Tensor,
+    rows_per_block: int,
+    token_request: torch.Tensor,
+    num_rows: torch.Tensor,
+    max_rows: int,
+    topk: int,
+    round_logits_bf16: bool,
+    candidates: torch.Tensor | None,
+    candidate_block_size: int,
+    num_candidate_blocks: int,
+    out_rows: torch.Tensor,
+    out_blocks: torch.Tensor | None,
+) -> None:
+    """See ``reference.indexer.indexer_select``. Candidate blocks whose size is not a power of two at most the row
+    tile take the reference."""
+    block_r = CONFIG["block_r"]
+    bs = max(candidate_block_size, 1)
+    if (candidates is not None or num_candidate_blocks) and (bs & (bs - 1) or bs > block_r):
+        reference.indexer_select(
+            q, weights, key_pool, key_format, block_table, rows_per_block, token_request, num_rows, max_rows, topk,
+            round_logits_bf16, candidates, candidate_block_size, num_candidate_blocks, out_rows, out_blocks,
+        )  # fmt: skip
+        return
+    check_launchable(q=q, weights=weights, key_pool=key_pool, block_table=block_table, num_rows=num_rows)
+    num_tokens, num_heads, dim = q.shape
+    if num_tokens == 0:
+        return
+    span = max_rows if candidates is None else candidates.shape[1] * bs
+    row_chunk = min(triton.cdiv(max(span, 1), block_r) * block_r, _MAX_ROW_CHUNK)
+    blocks_per_chunk = row_chunk // bs if num_candidate_blocks else 0
+    width = topk + row_chunk + num_candidate_blocks + blocks_per_chunk
+    query_chunk = max(1, min(num_tokens, _WORKSPACE_BYTES // (8 * width)))
+    device = q.device
+    merged = torch.empty((query_chunk, topk + row_chunk), dtype=torch.int64, device=device)
+    # At least one column: Triton needs a real pointer even where the kernel writes no block keys.
+    merged_blocks = torch.empty(
+        (query_chunk, max(num_candidate_blocks + blocks_per_chunk, 1)), dtype=torch.int64, device=device
+    )
+    cand = candidates if candidates is not None else num_rows
+    statics = {
+        "DIM": dim,
+        "BLOCK_DIM": max(triton.next_power_of_2(dim), 16),
+        "BLOCK_H": max(triton.next_power_of_2(num_heads), 16),
+        "BLOCK_R": block_r,
+        "FMT": FORMAT_CODES[key_format],
+        "RESTRICTED": candidates is not None,
+        "BS": bs,
+        "BLOCKS": num_candidate_blocks > 0,
+        "ROUND": round_logits_bf16,
+        # FP4 queries and keys are BF16-exact, so BF16 products are exact (Triton's interpreter computes BF16 dots
+        # wrongly; there they run as FP32 dots).
+        "BF16_DOT": key_format is not RowFormat.RAW_FP32 and not triton_interpreter_enabled(),
+        "num_warps": CONFIG["num_warps"],
+    }
+    for q_start in range(0, num_tokens, query_chunk):
+        count = min(query_chunk, num_tokens - q_start)
+        merged[:count, :topk] = _INT64_MIN
+        merged_blocks[:count, :num_candidate_blocks] = _INT64_MIN
+        for slot_start in range(0, span, row_chunk):
+            _index_scores_kernel[(count, row_chunk // block_r)](
+                q, weights, key_pool, block_table, block_table.stride(0), token_request, num_rows,
+                cand, cand.stride(0), cand.shape[-1] if candidates is not None else 0,
+                merged[:, topk:], merged.stride(0), merged_blocks[:, num_candidate_blocks:], merged_blocks.stride(0),
+                q_start, slot_start, span, num_heads, key_pool.shape[1], rows_per_block,
+                **statics,
+            )  # fmt: skip
+            if topk:
+                merged[:count, :topk] = torch.topk(merged[:count], topk, dim=1, sorted=False).values
+            if num_candidate_blocks:
+                top = torch.topk(merged_blocks[:count], num_candidate_blocks, dim=1, sorted=False).values
+                merged_blocks[:count, :num_candidate_blocks] = top
+        out_rows[q_start : q_start + count] = _ids(merged[:count, :topk])
+        if out_blocks is not None:
+            out_blocks[q_start : q_start + count] = _ids(merged_blocks[:count, :num_candidate_blocks])

@@ -1,0 +1,160 @@
+"""Cache ops compiled for a real CUDA device at V4.1-Flash widths (skipped without one): Triton against the reference
+on fresh random inputs, odd sizes and empty batches, and a decode-step selection captured in a CUDA graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _cache_inputs import assert_equivalent_selection, random_pool, random_rows
+
+import deepinfer_kernels as dk
+from deepinfer_kernels._registry import Backend, implementation
+from deepinfer_kernels.platform import triton_interpreter_enabled
+from deepinfer_kernels.testing import assert_bitwise_equal, random_normal
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or triton_interpreter_enabled(),
+        reason="needs a CUDA device with compiled (non-interpreted) Triton",
+    ),
+]
+
+F = dk.RowFormat
+
+
+@pytest.mark.parametrize(("fmt", "width"), [(F.FP8, 512), (F.FP4_E4M3, 512), (F.FP4_UE8M0, 128), (F.RAW_FP32, 1024)])
+def test_store_rows_gpu_bit_exact(fmt: dk.RowFormat, width: int) -> None:
+    pool = random_pool(3001, width, fmt, seed=1, device="cuda")
+    rows = torch.randperm(3001, device="cuda")[:1237]
+    rows[::7] = -1
+    values = random_normal((1237, width), seed=2, dtype=torch.bfloat16, std=3.0, device="cuda")
+    expected = pool.clone()
+    implementation("store_rows", Backend.REFERENCE)(expected, rows, values, fmt)
+    dk.store_rows(pool, rows, values, fmt)
+    assert_bitwise_equal(pool, expected)
+    assert_bitwise_equal(dk.decode_rows(pool, fmt).cpu(), dk.decode_rows(expected.cpu(), fmt))
+
+
+def _flash_sources(num_tokens: int, seed: int) -> list[dk.KeySource]:
+    ring = random_pool(4096, 512, F.FP8, seed=seed, device="cuda")
+    fresh = random_pool(max(num_tokens, 1), 512, F.FP8, seed=seed + 1, device="cuda")
+    compressed = random_pool(20000, 512, F.FP4_E4M3, seed=seed + 2, device="cuda")
+    return [
+        dk.KeySource(ring, random_rows(num_tokens, 127, 4096, seed=seed + 3).cuda(), F.FP8),
+        dk.KeySource(fresh, random_rows(num_tokens, 3, num_tokens, seed=seed + 4, missing=0.5).cuda(), F.FP8),
+        dk.KeySource(compressed, random_rows(num_tokens, 512, 20000, seed=seed + 5, missing=0.1).cuda(), F.FP4_E4M3),
+    ]
+
+
+@pytest.mark.parametrize("num_tokens", [1, 37, 0])
+@pytest.mark.parametrize("round_probs", [True, False])
+def test_sparse_attention_gpu(num_tokens: int, round_probs: bool) -> None:
+    q = random_normal((num_tokens, 64, 512), seed=7, dtype=torch.bfloat16, device="cuda")
+    sink = random_normal((64,), seed=8, device="cuda")
+    sources = _flash_sources(num_tokens, seed=9)
+    if num_tokens > 1:
+        for source in sources:
+            source.rows[1] = -1
+    out = dk.sparse_attention(q, sources, sink, 512**-0.5, round_probs)
+    expected = torch.empty_like(out)
+    implementation("sparse_attention", Backend.REFERENCE)(q, sources, sink, 512**-0.5, round_probs, expected)
+    assert out.shape == (num_tokens, 64, 512)
+    if num_tokens:
+        # Exact mode: every probability rounded to BF16 (relative 2^-9) relative to a running maximum.
+        rtol = 2.0**-8 if round_probs else 1e-5
+        err = (out - expected).abs().max() / expected.abs().max()
+        assert float(err) <= rtol, float(err)
+        if num_tokens > 1:
+            assert torch.equal(out[1], torch.zeros_like(out[1]))
+
+
+def _index_case(num_tokens: int, max_rows: int, seed: int) -> dict:
+    per_block = 64
+    blocks = -(-max_rows // per_block)
+    num_requests = 3
+    pool = random_pool(num_requests * blocks * per_block, 128, F.FP4_UE8M0, seed=seed, device="cuda")
+    fp4 = F.FP4_UE8M0
+    q = dk.decode_rows(dk.encode_rows(random_normal((num_tokens, 32, 128), seed=seed + 1, device="cuda"), fp4), fp4)
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "q": q,
+        "weights": random_normal((num_tokens, 32), seed=seed + 2, device="cuda"),
+        "key_pool": pool,
+        "block_table": torch.randperm(num_requests * blocks, generator=gen).view(num_requests, blocks).cuda(),
+        "rows_per_block": per_block,
+        "token_request": torch.randint(0, num_requests, (num_tokens,), generator=gen).cuda(),
+        "num_rows": torch.randint(0, max_rows + 1, (num_tokens,), generator=gen).cuda(),
+        "max_rows": max_rows,
+    }
+
+
+def _dense_logits(case: dict) -> torch.Tensor:
+    rows = torch.arange(case["max_rows"], device="cuda")
+    per_block = case["rows_per_block"]
+    flat = case["block_table"][case["token_request"]][:, rows // per_block] * per_block + rows % per_block
+    keys = dk.decode_rows(case["key_pool"][flat], F.FP4_UE8M0)
+    scores = torch.relu(torch.einsum("thd,tbd->thb", case["q"], keys))
+    return torch.einsum("th,thb->tb", case["weights"], scores).to(torch.bfloat16).float()
+
+
+def _select(case: dict, backend: Backend, topk: int, **kwargs: object) -> tuple:
+    num_tokens = case["q"].shape[0]
+    nb = int(kwargs.get("num_candidate_blocks", 0))
+    rows = torch.full((num_tokens, topk), -7, dtype=torch.int64, device="cuda")
+    blocks = torch.full((num_tokens, nb), -7, dtype=torch.int64, device="cuda") if nb else None
+    implementation("indexer_select", backend)(
+        case["q"], case["weights"], case["key_pool"], F.FP4_UE8M0, case["block_table"], case["rows_per_block"],
+        case["token_request"], case["num_rows"], case["max_rows"], topk, True, kwargs.get("candidates"),
+        int(kwargs.get("candidate_block_size", 0)), nb, rows, blocks,
+    )  # fmt: skip
+    return rows, blocks
+
+
+@pytest.mark.parametrize(("num_tokens", "max_rows"), [(19, 5001), (3, 70000), (0, 100)])
+def test_indexer_select_gpu(num_tokens: int, max_rows: int) -> None:
+    case = _index_case(num_tokens, max_rows, seed=max_rows)
+    if num_tokens:
+        case["num_rows"][0] = max_rows
+    rows, blocks = _select(case, Backend.NVIDIA, 512, candidate_block_size=8, num_candidate_blocks=64)
+    expected, expected_blocks = _select(case, Backend.REFERENCE, 512, candidate_block_size=8, num_candidate_blocks=64)
+    if not num_tokens:
+        return
+    logits = _dense_logits(case).cpu()
+    tol = 2.0**-7 * float(logits.abs().max())
+    assert_equivalent_selection(rows.cpu(), expected.cpu(), logits, tol)
+    assert blocks is not None and expected_blocks is not None
+    # Where the chosen blocks agree exactly, the restricted selection must agree too.
+    restricted = expected_blocks
+    mine, _ = _select(case, Backend.NVIDIA, 512, candidates=restricted, candidate_block_size=8)
+    theirs, _ = _select(case, Backend.REFERENCE, 512, candidates=restricted, candidate_block_size=8)
+    assert_equivalent_selection(mine.cpu(), theirs.cpu(), logits, tol)
+    block_logits = torch.nn.functional.pad(logits, (0, -max_rows % 8), value=float("-inf"))
+    block_scores = block_logits.view(num_tokens, -1, 8).amax(-1)
+    newest = (case["num_rows"].cpu() - 1).clamp(min=0) // 8
+    block_scores.scatter_(1, newest[:, None], 4 * float(logits.abs().max()))
+    assert_equivalent_selection(blocks.cpu(), expected_blocks.cpu(), block_scores, tol)
+
+
+def test_indexer_decode_step_captures_in_a_cuda_graph() -> None:
+    case = _index_case(8, 9000, seed=3)
+
+    def step() -> torch.Tensor:
+        return dk.indexer_select(
+            case["q"], case["weights"], case["key_pool"], F.FP4_UE8M0, case["block_table"], case["rows_per_block"],
+            case["token_request"], case["num_rows"], case["max_rows"], 512, True,
+        )[0]  # fmt: skip
+
+    eager = step()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    case["num_rows"].copy_(torch.randint(0, 9001, (8,), device="cuda"))
+    graph.replay()
+    assert torch.equal(captured, step())
+    assert not torch.equal(captured, eager)
