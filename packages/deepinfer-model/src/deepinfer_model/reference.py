@@ -1232,7 +1232,8 @@ FUSED_OUTPUT_HEADS = (64, 128)  # head counts whose attention output is FP8-quan
 def _attention_output(
     text: TextConfig, w: _Weights, num: _Numerics, prefix: str, out: Tensor, cos: Tensor, sin: Tensor
 ) -> Tensor:
-    """De-rotate, grouped ``wo_a`` and ``wo_b`` (attention §3 steps 7–8): ``[n, n_h, D]`` FP32 → ``[n, H]`` BF16.
+    """De-rotate, grouped ``wo_a`` and ``wo_b``: ``[n, n_h, D]`` FP32 → ``[n, H]`` BF16
+    (docs/design/attention.md, "Per-query attention").
 
     Only the fused 64/128-head kernel hands the output on in FP32; any other head count leaves the attention as BF16,
     and de-rotation and the FP8 quantization read that (docs/design/numerics.md, "Attention output rounding").

@@ -210,7 +210,7 @@ class Attention(nn.Module):
         spec, meta, state = self.spec, ctx.meta, ctx.state
         layer = spec.layer_id
         if self.compressor is not None:
-            # YOCO consumer kv sources compress the shared hidden instead of their own input (model-attention §7.1).
+            # YOCO consumer kv sources compress the shared hidden, not their own input (docs/design/model.md, "YOCO").
             hidden = ctx.key_shared_hidden() if spec.is_yoco_consumer else kv_x
             ctx.new_rows[layer] = self.compressor(hidden, ctx.key_meta, state, layer, self.rope)
         if spec.owns_index_k:

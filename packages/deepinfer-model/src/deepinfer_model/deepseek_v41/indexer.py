@@ -93,7 +93,7 @@ class Indexer(nn.Module):
     def select(
         self, q_latent: torch.Tensor, hidden: torch.Tensor, ctx: StepContext, rope: RotaryEmbedding, how: IndexSelection
     ) -> torch.Tensor:
-        """Top-k compressed rows of every query (§5.3–5.5), streamed over the paged index-K cache by
+        """Top-k compressed rows of every query, candidate blocks included, streamed over the paged index-K cache by
         ``deepinfer_kernels.indexer_select`` (no ``[tokens, rows]`` intermediate; docs/design/attention.md,
         "Lightning indexer").
 
@@ -114,7 +114,8 @@ class Indexer(nn.Module):
         group = index_k_group(how.ratio)
         codec = state.codec(group)
         q = rope.rotate(self.wq_b(q_latent).view(num_tokens, self.n_heads, self.index_dim), meta.positions)
-        # The index query is read through the index-K row format, as the keys are (model-attention §5.1).
+        # The index query is read through the index-K row format, as the keys are
+        # (docs/design/attention.md, "Index query and weights").
         q = codec.decode(codec.encode(q))
         weights = self.weights_proj(hidden).float()
         klen = torch.div(meta.positions + 1, how.ratio, rounding_mode="floor")

@@ -304,7 +304,8 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
         ctx.engram_vocab = self.engram_vocab
 
     def store_context_keys(self, ctx: StepContext) -> None:
-        """Write the drafter's context keys of every token of the step into every DSpark ring (dspark.md §4)."""
+        """Write the drafter's context keys of every token of the step into every DSpark ring
+        (docs/design/model.md, "Context keys")."""
         cfg = self.config.text
         features = ctx.split.gather(torch.cat([ctx.features[layer] for layer in cfg.dspark_target_layer_ids], dim=-1))
         first = self.mtp[0]
