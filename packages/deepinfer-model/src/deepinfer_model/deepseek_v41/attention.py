@@ -88,7 +88,7 @@ class Attention(nn.Module):
                 index_k_layer=spec.index_k_source,
                 candidate_source=None if spec.is_candidate_source else spec.candidate_source,
                 candidate_topk_blocks=cfg.candidate_topk_blocks or 0,
-                candidate_block_size=cfg.candidate_block_size or 1,
+                candidate_block_size=cfg.candidate_block_size or 0,
                 produces_candidates=spec.is_candidate_source,
             )
             if spec.owns_indexer

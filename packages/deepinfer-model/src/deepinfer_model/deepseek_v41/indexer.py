@@ -34,7 +34,7 @@ class IndexSelection:
         index_k_layer: layer owning the index-K cache to score against.
         candidate_source: candidate source restricting this layer (None if unrestricted or itself the source).
         candidate_topk_blocks: blocks kept by the candidate source (when this layer is the source).
-        candidate_block_size: rows per candidate block.
+        candidate_block_size: rows per candidate block (0 when the config has no candidate blocks).
         produces_candidates: this layer is the candidate source.
     """
 
@@ -120,7 +120,6 @@ class Indexer(nn.Module):
         weights = self.weights_proj(hidden).float()
         klen = torch.div(meta.positions + 1, how.ratio, rounding_mode="floor")
         candidates = None if how.candidate_source is None else ctx.candidates[how.candidate_source]
-        uses_blocks = candidates is not None or how.produces_candidates
         rows, blocks = indexer_select(
             q,
             weights,
@@ -135,7 +134,7 @@ class Indexer(nn.Module):
             how.topk,
             self.mode is ComputeMode.EXACT,
             candidates,
-            how.candidate_block_size if uses_blocks else 0,
+            how.candidate_block_size,
             how.candidate_topk_blocks if how.produces_candidates else 0,
         )
         if blocks is not None:
