@@ -218,9 +218,9 @@ BAD_CONFIGS: dict[str, tuple[Callable[[dict[str, Any]], None], str, str]] = {
         "index source",
     ),
     "candidate_blocks_multiple": (_text(candidate_topk_blocks=12), "candidate_topk_blocks", "multiple of 8"),
-    "candidate_block_size": (_text(candidate_block_size=17), "candidate_block_size", "[1, 16]"),
+    "candidate_block_size": (_text(candidate_block_size=4), "candidate_block_size", "8 or 16"),
     "candidate_too_few_rows": (
-        _text(candidate_topk_blocks=8, candidate_block_size=1),
+        _text(candidate_topk_blocks=8, candidate_block_size=8, index_topk=72),
         "candidate_topk_blocks",
         ">= index_topk",
     ),

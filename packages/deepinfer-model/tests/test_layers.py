@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer_kernels import quantize_fp8_block, quantize_mxfp4
+from deepinfer_kernels import KeySource, RowFormat, encode_rows, quantize_fp8_block, quantize_mxfp4, sparse_attention
 from deepinfer_model import reference as ref
-from deepinfer_model.deepseek_v41.attention import sparse_attention
 from deepinfer_model.deepseek_v41.hyper_connection import hc_mixes, hc_post, hc_read
 from deepinfer_model.deepseek_v41.moe import Router
 from deepinfer_model.layers.activation import swiglu_clamped
@@ -157,12 +156,16 @@ def test_router_matches_reference() -> None:
 
 @pytest.mark.parametrize("mode", [EXACT, FP32])
 def test_sparse_attention_matches_reference_core(mode: ComputeMode) -> None:
+    """The kernels' op the layers call, over keys from two sources of one raw FP32 pool, against the oracle."""
     q = torch.randn(5, 4, 32, generator=_gen(18)).to(torch.bfloat16)
     keys = torch.randn(5, 9, 32, generator=_gen(19))
     valid = torch.rand(5, 9, generator=_gen(20)) > 0.3
     valid[2] = False
     sink = torch.randn(4, generator=_gen(21))
-    out = sparse_attention(q, keys, valid, sink, 32**-0.5, mode)
+    pool = encode_rows(keys.reshape(45, 32), RowFormat.RAW_FP32)
+    rows = torch.where(valid, torch.arange(45).view(5, 9), -1)
+    sources = [KeySource(pool, rows[:, :4], RowFormat.RAW_FP32), KeySource(pool, rows[:, 4:], RowFormat.RAW_FP32)]
+    out = sparse_attention(q, sources, sink, 32**-0.5, mode is EXACT)
     assert not out[2].any()
     expected = ref.attention_core(q, keys, valid, sink, 32**-0.5)
     if mode is EXACT:

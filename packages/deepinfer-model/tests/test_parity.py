@@ -82,7 +82,9 @@ def test_two_requests_in_one_step_match_their_own_references() -> None:
     _close(logits[70:], _reference(second, "fp32"))
 
 
-@pytest.mark.parametrize("changes", [{"hc_shifted": False}, {"use_fp4_sparse_kv": False}])
+@pytest.mark.parametrize(
+    "changes", [{"hc_shifted": False}, {"use_fp4_sparse_kv": False}, {"candidate_source_layer_id": None}]
+)
 def test_config_variants_match_reference(changes: dict[str, object]) -> None:
     data = json.loads(preset_json("tiny"))
     data["text_config"].update(changes)

@@ -198,8 +198,9 @@ def _check_candidates(t: TextConfig) -> None:
     assert blocks is not None and size is not None
     if blocks <= 0 or blocks % 8 != 0:
         raise _fail("text_config.candidate_topk_blocks", blocks, "must be a positive multiple of 8")
-    if not 0 < size <= 16:
-        raise _fail("text_config.candidate_block_size", size, "must be in [1, 16]")
+    if size not in (8, 16):
+        # The reference release's candidate-block kernel only takes these sizes.
+        raise _fail("text_config.candidate_block_size", size, "must be 8 or 16")
     if blocks * size < t.index_topk:
         raise _fail(
             "text_config.candidate_topk_blocks",

@@ -760,12 +760,22 @@ def _project_query_and_key(
     return q, q_latent_q, num.store(apply_rope(kv, cos, sin), fp8_quant_dequant)
 
 
+FUSED_OUTPUT_HEADS = (64, 128)  # head counts whose attention output is FP8-quantized straight from FP32
+
+
 def _attention_output(
     text: TextConfig, w: _Weights, num: _Numerics, prefix: str, out: Tensor, cos: Tensor, sin: Tensor
 ) -> Tensor:
-    """De-rotate, grouped ``wo_a`` and ``wo_b`` (attention §3 steps 7–8): ``[n, n_h, D]`` FP32 → ``[n, H]`` BF16."""
+    """De-rotate, grouped ``wo_a`` and ``wo_b``: ``[n, n_h, D]`` FP32 → ``[n, H]`` BF16
+    (docs/design/attention.md, "Per-query attention").
+
+    Only the fused 64/128-head kernel hands the output on in FP32; any other head count leaves the attention as BF16,
+    and de-rotation and the FP8 quantization read that (docs/design/numerics.md, "Attention output rounding").
+    """
     n = out.shape[0]
     groups = text.o_groups
+    if text.num_attention_heads not in FUSED_OUTPUT_HEADS:
+        out = num.bf16(out)
     out = apply_rope(out, cos[:, None], sin[:, None], inverse=True).reshape(n, groups, -1)
     wo_a = w.fp8(f"{prefix}.wo_a")
     rank = wo_a.shape[0] // groups

@@ -1,10 +1,14 @@
 """Attention of every layer kind (model-attention §3): MLA-style low-rank q, one shared K=V vector per token in a
 sliding window, plus — on compressed layers — ``index_topk`` compressed rows chosen by the indexer.
 
-Per step and layer, in order (§11 rule 6): project q and the SWA KV; read the SWA history from the ring; write the
-chunk's tail into the ring; (kv source) form and store compressed rows; (index-K source) store index keys; (index
-source) select top-k rows, else reuse the source's; attend over ``window ∪ selected rows`` with the per-head sink;
-de-rotate; grouped ``wo_a``; ``wo_b``. Sharing roles come from the layer's ``LayerSpec``.
+Per step and layer, in order: project q and the SWA KV of the key tokens; (kv source) form and store compressed
+rows; (index-K source) store index keys; (index source) select top-k rows, else reuse the source's; attend over
+``window ∪ selected rows`` with the per-head sink; store the chunk's tail in the SWA ring (after the attention read
+the history it may overwrite); de-rotate; grouped ``wo_a``; ``wo_b``. Sharing roles come from the layer's
+``LayerSpec``. Keys reach ``deepinfer_kernels.sparse_attention`` as row lists into cached pools (``KeySource``): the
+ring history, the step's fresh window keys (encoded into a scratch pool, so they read back exactly as the cache will
+hold them) and the selected compressed rows — never as a gathered ``[tokens, keys, D]`` tensor of the whole step
+(docs/design/attention.md, "Sparse attention").
 """
 
 from __future__ import annotations
@@ -12,45 +16,23 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deepinfer_kernels import KeySource, sparse_attention
 from deepinfer_model.config import LayerSpec, TextConfig
 from deepinfer_model.deepseek_v41.compressor import Compressor
 from deepinfer_model.deepseek_v41.context import StepContext, compressed_group
-from deepinfer_model.deepseek_v41.context_parallel import ContextParallelContext
 from deepinfer_model.deepseek_v41.indexer import Indexer, IndexSelection
 from deepinfer_model.layers.linear import Fp8BlockLinear, Fp8GroupedLinear, make_parameter
-from deepinfer_model.layers.mode import ComputeMode, round_activation
+from deepinfer_model.layers.mode import ComputeMode
 from deepinfer_model.layers.norm import RMSNorm
 from deepinfer_model.layers.rope import RotaryEmbedding
+from deepinfer_model.state import ModelState, StepMetadata
 
-__all__ = ["Attention", "sparse_attention"]
+__all__ = ["FUSED_OUTPUT_HEADS", "Attention"]
 
-
-def sparse_attention(
-    q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor, scale: float, mode: ComputeMode
-) -> torch.Tensor:
-    """One softmax per head over a per-query key list plus a sink logit with a zero value (K = V).
-
-    FP32 logits and statistics; in exact mode the unnormalized probabilities are rounded to BF16 before the value
-    product (as FlashMLA does; model-attention §3 step 6, A4) while the denominator keeps them in FP32.
-
-    Args:
-        q: [T, n_h, D] bf16/fp32.
-        keys: [T, N, D] fp32 dequantized keys (also the values).
-        valid: [T, N] bool.
-        sink: [n_h] fp32 sink logits.
-        scale: softmax scale ``D^−0.5``.
-        mode: compute mode.
-
-    Returns:
-        [T, n_h, D] fp32; zero for a query without valid keys.
-    """
-    logits = torch.einsum("thd,tnd->thn", q.float(), keys) * scale
-    logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
-    peak = torch.maximum(logits.amax(dim=-1), sink[None, :])
-    probs = torch.exp(logits - peak[..., None])
-    denom = probs.sum(dim=-1) + torch.exp(sink[None, :] - peak)
-    weights = round_activation(probs, mode).float()
-    return torch.einsum("thn,tnd->thd", weights, keys) / denom[..., None]
+# Head counts whose attention output is quantized to FP8 straight from the FP32 accumulator (the fused kernel of the
+# reference release); any other head count leaves the attention as BF16
+# (docs/design/numerics.md, "Attention output rounding").
+FUSED_OUTPUT_HEADS = frozenset({64, 128})
 
 
 class Attention(nn.Module):
@@ -106,21 +88,22 @@ class Attention(nn.Module):
                 index_k_layer=spec.index_k_source,
                 candidate_source=None if spec.is_candidate_source else spec.candidate_source,
                 candidate_topk_blocks=cfg.candidate_topk_blocks or 0,
-                candidate_block_size=cfg.candidate_block_size or 1,
+                candidate_block_size=cfg.candidate_block_size or 0,
                 produces_candidates=spec.is_candidate_source,
             )
             if spec.owns_indexer
             else None
         )
 
-    def forward(self, x: torch.Tensor, ctx: StepContext, compressor_input: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """Attention of one layer for the step's tokens.
 
+        The layer computes and stores the keys of every key token of the step (``ctx.key_tokens``: its own tokens,
+        or under context parallelism every chunk token gathered over the CP group), while queries stay local.
+
         Args:
-            x: [T, H] ``attn_norm`` output (activation dtype).
+            x: [T, H] ``attn_norm`` output of the local tokens (activation dtype).
             ctx: step context with metadata, state and cross-layer values.
-            compressor_input: [T, H] input of the compressor (the YOCO shared hidden on consumer kv sources);
-                defaults to ``x``.
 
         Returns:
             [T, H] activation dtype.
@@ -129,140 +112,117 @@ class Attention(nn.Module):
         num_tokens = meta.num_tokens
         q_latent = self.q_norm(self.wq_a(x))
         q = self.rope.rotate(self.wq_b(q_latent).view(num_tokens, self.n_heads, self.head_dim), meta.positions)
-        kv_x, kv_ctx, kv_hidden = self._key_tokens(x, ctx, compressor_input)
-        keys, valid = self._draft_keys(x, ctx) if ctx.draft else self._swa_keys(ctx, kv_x, kv_ctx)
+        kv_x = ctx.key_tokens(x)
+        fresh = self._window_kv(kv_x, ctx.key_meta, ctx.state)
+        sources = self._draft_sources(fresh, ctx) if ctx.draft else self._window_sources(fresh, ctx)
         if self.spec.is_compressed:
-            comp_keys, comp_valid = self._compressed_keys(q_latent, x, ctx, kv_ctx, kv_hidden)
-            keys = torch.cat([keys, comp_keys], dim=1)
-            valid = torch.cat([valid, comp_valid], dim=1)
-        out = sparse_attention(q, keys, valid, self.attn_sink, self.softmax_scale, self.mode)
-        # De-rotation and both FP8 quantizations of the output path read FP32 values (§3 steps 7–8).
+            sources.append(self._compressed_source(q_latent, x, kv_x, ctx))
+        out = sparse_attention(q, sources, self.attn_sink, self.softmax_scale, self.mode is ComputeMode.EXACT)
+        self._write_window(fresh, ctx.key_meta, ctx.state)
+        if self.mode is ComputeMode.EXACT and self.n_heads not in FUSED_OUTPUT_HEADS:
+            out = out.to(torch.bfloat16)
+        # De-rotation and the FP8 quantization of ``wo_a`` read the attention output as it left the kernel: FP32
+        # for the fused head counts, BF16 otherwise (docs/design/numerics.md, "Attention output rounding").
         out = self.rope.rotate(out, meta.positions, inverse=True)
         return self.wo_b(self.wo_a(out.reshape(num_tokens, -1)))
 
-    def _key_tokens(
-        self, x: torch.Tensor, ctx: StepContext, compressor_input: torch.Tensor | None
-    ) -> tuple[torch.Tensor, StepContext, torch.Tensor | None]:
-        """The tokens whose keys this layer computes and stores, with their context: the step's own tokens, or in a
-        context-parallel split step every chunk token, gathered over the CP group (collective), so that the full
-        cache is written on every rank while queries stay local.
+    def _window_kv(self, x: torch.Tensor, meta: StepMetadata, state: ModelState) -> torch.Tensor:
+        """SWA KV of the key tokens ``RoPE(kv_norm(x · wkvᵀ))``, encoded in the ring format: ``[T_kv, bytes]`` uint8,
+        the scratch pool the step's fresh window keys are read from."""
+        kv = self.rope.rotate(self.kv_norm(self.wkv(x)), meta.positions)
+        return state.codec(self.swa_group).encode(kv)
 
-        Returns:
-            (attention input [T_kv, H], the context that addresses those tokens, the compressor input [T_kv, H] on
-            layers that own a compressor, else None).
-        """
-        needs_hidden = self.compressor is not None
-        if isinstance(ctx, ContextParallelContext):
-            x_all = ctx.gather(x)
-            hidden = None
-            if needs_hidden:
-                hidden = x_all if compressor_input is None else ctx.gather_shared_hidden(compressor_input)
-            return x_all, ctx.full, hidden
-        hidden = (x if compressor_input is None else compressor_input) if needs_hidden else None
-        return x, ctx, hidden
-
-    def _window_kv(self, x: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """SWA KV of the step's tokens: ``RoPE(kv_norm(x · wkvᵀ))``, encoded in the ring format.
-
-        Returns:
-            ``(encoded [T, bytes] uint8, dequantized [T, D] fp32)``.
-        """
-        kv = self.rope.rotate(self.kv_norm(self.wkv(x)), ctx.meta.positions)
-        codec = ctx.state.codec(self.swa_group)
-        encoded = codec.encode(kv)
-        return encoded, codec.decode(encoded)
-
-    def _write_window(self, encoded: torch.Tensor, ctx: StepContext) -> None:
+    def _write_window(self, encoded: torch.Tensor, meta: StepMetadata, state: ModelState) -> None:
         """Store the last ``min(q_len, ring)`` tokens of every request in the ring (model-attention §10.1)."""
-        rows, keep = ctx.meta.ring_tail(ctx.state.ring_size(self.swa_group))
-        ctx.state.write_encoded(self.swa_group, self.spec.layer_id, rows, encoded if keep is None else encoded[keep])
+        rows, keep = meta.ring_tail(state.ring_size(self.swa_group))
+        state.write_encoded(self.swa_group, self.spec.layer_id, rows, encoded if keep is None else encoded[keep])
 
     def store_window_keys(self, x: torch.Tensor, ctx: StepContext) -> None:
         """Project and store window keys without attending (DSpark context keys, dspark.md §4).
 
         Args:
-            x: [T, H] the projected target features (activation dtype).
+            x: [T, H] the projected target features of every key token (activation dtype).
         """
-        encoded, _ = self._window_kv(x, ctx)
-        self._write_window(encoded, ctx)
+        self._write_window(self._window_kv(x, ctx.key_meta, ctx.state), ctx.key_meta, ctx.state)
 
-    def _swa_keys(self, ctx: StepContext, kv_x: torch.Tensor, kv_ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gather every query's window (history read before this step's ring write), then store the chunk's tail.
+    def _window_sources(self, fresh: torch.Tensor, ctx: StepContext) -> list[KeySource]:
+        """Every query's window ``t − W + 1 … t``: positions before the step from the ring (read before this step's
+        ring write), positions of the step from the fresh keys.
 
         Args:
-            ctx: the queries' context.
-            kv_x: [T_kv, H] attention input of the key tokens (see ``_key_tokens``).
-            kv_ctx: their context.
+            fresh: [T_kv, bytes] encoded window keys of the key tokens.
+            ctx: the step context.
 
         Returns:
-            ([T, W, D] fp32 keys, [T, W] bool validity).
+            [ring history, fresh keys], each with [T, W] rows.
         """
-        meta, kv_meta, state = ctx.meta, kv_ctx.meta, ctx.state
-        encoded, kv_hat = self._window_kv(kv_x, kv_ctx)
+        meta, key_meta, state = ctx.meta, ctx.key_meta, ctx.state
         ring = state.ring_size(self.swa_group)
-        offsets = torch.arange(self.window, device=kv_hat.device) - (self.window - 1)
+        offsets = torch.arange(self.window, device=fresh.device) - (self.window - 1)
         positions = meta.positions[:, None] + offsets[None, :]
         request = meta.token_request[:, None].expand_as(positions)
-        history = state.read(self.swa_group, self.spec.layer_id, kv_meta.ring_rows(request, positions, ring))
-        in_chunk = kv_meta.in_chunk(request, positions)
-        keys = torch.where(in_chunk[..., None], kv_hat[kv_meta.chunk_index(request, positions)], history)
-        self._write_window(encoded, kv_ctx)
-        return keys, positions >= 0
+        seen = positions >= 0
+        in_chunk = key_meta.in_chunk(request, positions)
+        history = torch.where(seen & ~in_chunk, key_meta.ring_rows(request, positions, ring), -1)
+        own = torch.where(seen & in_chunk, key_meta.chunk_index(request, positions), -1)
+        fmt = state.codec(self.swa_group).row_format
+        return [
+            KeySource(state.pool(self.swa_group, self.spec.layer_id), history, fmt),
+            KeySource(fresh, own, fmt),
+        ]
 
-    def _draft_keys(self, x: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+    def _draft_sources(self, fresh: torch.Tensor, ctx: StepContext) -> list[KeySource]:
         """Keys of a DSpark draft block (dspark.md §5 step 4): the ``W`` context keys before the block, read from the
-        ring, then every draft key of the same request (non-causal); the draft keys are then stored in the ring.
+        ring, then every draft key of the same request (non-causal, ``B`` = the longest block of the step).
 
         Returns:
-            ([T, W + B, D] fp32 keys, [T, W + B] bool validity), ``B`` the longest block of the step.
+            [ring context with [T, W] rows, draft keys with [T, B] rows].
         """
         meta, state = ctx.meta, ctx.state
-        encoded, kv_hat = self._window_kv(x, ctx)
         ring = state.ring_size(self.swa_group)
         request = meta.token_request
-        offsets = torch.arange(self.window, device=kv_hat.device) - self.window
+        offsets = torch.arange(self.window, device=fresh.device) - self.window
         context = meta.q_start[request][:, None] + offsets[None, :]
-        history = state.read(self.swa_group, self.spec.layer_id, meta.ring_rows(request[:, None], context, ring))
-        block = meta.max_query_len
-        slots = torch.arange(block, device=kv_hat.device)[None, :]
+        history = torch.where(context >= 0, meta.ring_rows(request[:, None], context, ring), -1)
+        slots = torch.arange(meta.max_query_len, device=fresh.device)[None, :]
         in_block = slots < meta.q_len[request][:, None]
-        drafts = kv_hat[(meta.cu_query_lens[request][:, None] + slots).clamp(max=max(meta.num_tokens - 1, 0))]
-        self._write_window(encoded, ctx)
-        return torch.cat([history, drafts], dim=1), torch.cat([context >= 0, in_block], dim=1)
+        drafts = torch.where(in_block, meta.cu_query_lens[request][:, None] + slots, -1)
+        fmt = state.codec(self.swa_group).row_format
+        return [
+            KeySource(state.pool(self.swa_group, self.spec.layer_id), history, fmt),
+            KeySource(fresh, drafts, fmt),
+        ]
 
-    def _compressed_keys(
-        self,
-        q_latent: torch.Tensor,
-        x: torch.Tensor,
-        ctx: StepContext,
-        kv_ctx: StepContext,
-        kv_hidden: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the compressor / indexer roles of this layer and gather the selected rows.
+    def _compressed_source(
+        self, q_latent: torch.Tensor, x: torch.Tensor, kv_x: torch.Tensor, ctx: StepContext
+    ) -> KeySource:
+        """Run the compressor / indexer roles of this layer; the selected compressed rows of every query.
 
         Args:
             q_latent: [T, q_r] ``q_norm`` output of the queries.
             x: [T, H] the queries' ``attn_norm`` output.
-            ctx: the queries' context.
-            kv_ctx: the context of the key tokens (see ``_key_tokens``).
-            kv_hidden: [T_kv, H] compressor input of the key tokens on layers that own a compressor.
+            kv_x: [T_kv, H] ``attn_norm`` output of the key tokens.
+            ctx: the step context.
 
         Returns:
-            ([T, K, D] fp32 dequantized rows, [T, K] bool).
+            The kv source's compressed pool with [T, K] rows.
         """
         spec, meta, state = self.spec, ctx.meta, ctx.state
         layer = spec.layer_id
         if self.compressor is not None:
-            assert kv_hidden is not None
-            ctx.new_rows[layer] = self.compressor(kv_hidden, kv_ctx, layer, self.rope)
+            # YOCO consumer kv sources compress the shared hidden, not their own input (docs/design/model.md, "YOCO").
+            hidden = ctx.key_shared_hidden() if spec.is_yoco_consumer else kv_x
+            ctx.new_rows[layer] = self.compressor(hidden, ctx.key_meta, state, layer, self.rope)
         if spec.owns_index_k:
             assert self.indexer is not None
-            self.indexer.write_keys(ctx.new_rows[spec.kv_source], spec.compress_ratio, kv_ctx, layer, self.rope)
+            self.indexer.write_keys(
+                ctx.new_rows[spec.kv_source], spec.compress_ratio, ctx.key_meta, state, layer, self.rope
+            )
         if self.selection is not None:
             assert self.indexer is not None
             ctx.topk[layer] = self.indexer.select(q_latent, x, ctx, self.rope, self.selection)
         selected = ctx.topk[spec.index_source]
         group = compressed_group(spec.compress_ratio)
-        request = meta.token_request[:, None].expand_as(selected)
-        rows = meta.paged_rows(request, selected, state.rows_per_block(group))
-        return state.read(group, spec.kv_source, rows), selected >= 0
+        rows = meta.paged_rows(meta.token_request[:, None].expand_as(selected), selected, state.rows_per_block(group))
+        fmt = state.codec(group).row_format
+        return KeySource(state.pool(group, spec.kv_source), torch.where(selected >= 0, rows, -1), fmt)

@@ -133,12 +133,9 @@ class DecoderBlock(nn.Module):
         read_a, write_a, comb_a = self._mixes("attn", trunk)
         shifted = self.cfg.hc_shifted
         x = self.attn_norm(hc_read(trunk, read_mix if shifted else read_a, self.mode))
-        compressor_input = None
-        if self.spec.is_yoco_consumer:
-            if ctx.shared_hidden is None:
-                ctx.shared_hidden = x
-            compressor_input = ctx.shared_hidden
-        trunk_ffn = hc_post(self.attn(x, ctx, compressor_input), trunk, write_a, comb_a, self.mode)
+        if self.spec.is_yoco_consumer and ctx.shared_hidden is None:
+            ctx.shared_hidden = x
+        trunk_ffn = hc_post(self.attn(x, ctx), trunk, write_a, comb_a, self.mode)
         read_f, write_f, comb_f = self._mixes("ffn", trunk_ffn)
         y = self.ffn(self.ffn_norm(hc_read(trunk_ffn, read_a if shifted else read_f, self.mode)))
         return hc_post(y, trunk_ffn, write_f, comb_f, self.mode), read_f

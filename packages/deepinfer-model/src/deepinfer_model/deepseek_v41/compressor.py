@@ -11,11 +11,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer_model.deepseek_v41.context import COMPRESSOR_GROUP, NewRows, StepContext, compressed_group
+from deepinfer_model.deepseek_v41.context import COMPRESSOR_GROUP, NewRows, compressed_group
 from deepinfer_model.layers.linear import Bf16Linear
 from deepinfer_model.layers.mode import ComputeMode, round_activation
 from deepinfer_model.layers.norm import RMSNorm
 from deepinfer_model.layers.rope import RotaryEmbedding
+from deepinfer_model.state import ModelState, StepMetadata
 
 __all__ = ["Compressor"]
 
@@ -34,7 +35,7 @@ class Compressor(nn.Module):
         self.wgate = Bf16Linear(hidden, head_dim, mode, fp32_output=True) if ratio == 2 else None
         self.norm = RMSNorm(head_dim, eps, mode)
 
-    def _new_rows(self, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+    def _new_rows(self, meta: StepMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows completed in this step: ``floor(q_start/c) … floor(context/c) − 1`` per request.
 
         A decode step instead yields one row per request, ``floor(q_start/c)`` (a static shape): for ``c = 2`` and an
@@ -43,7 +44,6 @@ class Compressor(nn.Module):
         reader masks the others), and the step that computes the block's last position forms and rewrites the row
         before any layer reads it.
         """
-        meta = ctx.meta
         if meta.is_decode:
             return torch.arange(meta.q_start.shape[0], device=meta.q_start.device), torch.div(
                 meta.q_start, self.ratio, rounding_mode="floor"
@@ -55,26 +55,28 @@ class Compressor(nn.Module):
         row = first[request] + torch.arange(request.shape[0], device=counts.device) - starts[request]
         return request, row
 
-    def forward(self, hidden: torch.Tensor, ctx: StepContext, layer_id: int, rope: RotaryEmbedding) -> NewRows:
+    def forward(
+        self, hidden: torch.Tensor, meta: StepMetadata, state: ModelState, layer_id: int, rope: RotaryEmbedding
+    ) -> NewRows:
         """Form, RoPE and store this step's compressed rows.
 
         Args:
             hidden: [T, H] activation dtype, the compressor input (own ``attn_norm`` output or YOCO shared hidden).
-            ctx: step context (metadata and state).
+            meta: index math of the step's tokens.
+            state: the cache pools.
             layer_id: this kv-source layer.
             rope: the layer's RoPE.
 
         Returns:
             The new rows with their pre-RoPE values.
         """
-        meta, state = ctx.meta, ctx.state
-        request, row = self._new_rows(ctx)
+        request, row = self._new_rows(meta)
         latent = self.wkv(hidden)
         if self.wgate is None:
             rows = latent[meta.chunk_index(request, row)]
         else:
             score = self.wgate(hidden)
-            rows = self._combine_c2(torch.cat([score, latent.float()], dim=-1), request, row, ctx, layer_id)
+            rows = self._combine_c2(torch.cat([score, latent.float()], dim=-1), request, row, meta, state, layer_id)
         pre_rope = self.norm(rows)
         keys = rope.rotate(pre_rope, row * self.ratio)
         group = compressed_group(self.ratio)
@@ -82,14 +84,19 @@ class Compressor(nn.Module):
         return NewRows(request=request, row=row, pre_rope_kv=pre_rope)
 
     def _combine_c2(
-        self, entries: torch.Tensor, request: torch.Tensor, row: torch.Tensor, ctx: StepContext, layer_id: int
+        self,
+        entries: torch.Tensor,
+        request: torch.Tensor,
+        row: torch.Tensor,
+        meta: StepMetadata,
+        state: ModelState,
+        layer_id: int,
     ) -> torch.Tensor:
         """Softmax-weighted latent of each new C2 row; then store the chunk's tail in the state ring.
 
         Args:
             entries: [T, 2D] fp32 ``(score | latent)`` of the chunk tokens.
         """
-        meta, state = ctx.meta, ctx.state
         ring = state.ring_size(COMPRESSOR_GROUP)
         offsets = torch.arange(self.ratio, device=row.device)
         positions = row[:, None] * self.ratio + offsets[None, :]

@@ -3,6 +3,11 @@
 Cross-layer items are transient: the compressed rows a kv source produced this step (and their pre-RoPE values,
 which index-K sources project), the top-k row sets of index sources, candidate blocks of the candidate source and
 the YOCO shared hidden. Nothing here outlives the step; persistent state lives in ``ModelState``.
+
+How the step's tokens are shared out is the context's ``TokenSplit`` strategy: the whole step here (every token's
+query and key on this process), or the context-parallel split of ``deepseek_v41.context_parallel`` (this rank's
+queries, every chunk token's keys). The forward and the layers are the same code for both; they only ask the
+strategy for the local rows of a step tensor, and for the key tokens of a layer's input.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from deepinfer_model.state import ModelState, StepMetadata
 if TYPE_CHECKING:
     from deepinfer_model.deepseek_v41.engram import EngramVocab
 
-__all__ = ["NewRows", "StepContext", "compressed_group", "index_k_group"]
+__all__ = ["NewRows", "StepContext", "TokenSplit", "compressed_group", "index_k_group"]
 
 SWA_GROUP = "swa"
 COMPRESSOR_GROUP = "compressor_c2"
@@ -49,17 +54,42 @@ class NewRows:
     pre_rope_kv: torch.Tensor
 
 
+class TokenSplit:
+    """Which of the step's tokens this process computes: the whole step (every method is the identity).
+
+    A subclass splits the queries over ranks while keys stay those of every token (see the module docstring).
+    """
+
+    def local(self, full: torch.Tensor) -> torch.Tensor:
+        """This process's rows ``[T_local, ...]`` of a tensor over every token of the step ``[T, ...]``."""
+        return full
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """Every token's rows ``[T, ...]`` (packed-batch order) from this process's rows ``[T_local, ...]``."""
+        return local
+
+    def query_meta(self, meta: StepMetadata) -> StepMetadata:
+        """The metadata whose per-token arrays address this process's query rows (``meta`` covers every token)."""
+        return meta
+
+
+WHOLE_STEP = TokenSplit()
+
+
 @dataclass
 class StepContext:
     """Per-step cross-layer values (mutable, filled while layers run).
 
     Attributes:
-        meta: index math of the step.
+        meta: index math of the queries this process computes (per-token arrays of its rows only).
+        key_meta: index math of every token of the step: the key tokens, whose cache rows a layer writes.
         state: the cache pools.
+        split: how the step's tokens are shared out (``TokenSplit``).
         new_rows: kv source → rows it completed this step.
         topk: index source → [T, K] selected rows.
         candidates: candidate source → [T, nb] candidate blocks.
-        shared_hidden: [T, H] YOCO shared hidden (attention input of the first consumer layer).
+        shared_hidden: [T_local, H] YOCO shared hidden (attention input of the first consumer layer).
+        shared_hidden_keys: the shared hidden of every key token, gathered once by the first consumer kv source.
         engram_rows: [T, N_g] compressed n-gram rows (models with Engram).
         engram_active: [T] bool, tokens the Engram applies to.
         engram_vocab: the compressed vocabulary.
@@ -69,14 +99,49 @@ class StepContext:
     """
 
     meta: StepMetadata
+    key_meta: StepMetadata
     state: ModelState
+    split: TokenSplit = WHOLE_STEP
     new_rows: dict[int, NewRows] = field(default_factory=dict)
     topk: dict[int, torch.Tensor] = field(default_factory=dict)
     candidates: dict[int, torch.Tensor] = field(default_factory=dict)
     shared_hidden: torch.Tensor | None = None
+    shared_hidden_keys: torch.Tensor | None = None
     engram_rows: torch.Tensor | None = None
     engram_active: torch.Tensor | None = None
     engram_vocab: EngramVocab | None = None
     capture_layers: frozenset[int] = frozenset()
     features: dict[int, torch.Tensor] = field(default_factory=dict)
     draft: bool = False
+
+    @classmethod
+    def for_step(
+        cls,
+        meta: StepMetadata,
+        state: ModelState,
+        split: TokenSplit = WHOLE_STEP,
+        *,
+        capture_layers: frozenset[int] = frozenset(),
+        draft: bool = False,
+    ) -> StepContext:
+        """The context of a step over ``meta`` (every token) shared out by ``split``."""
+        return cls(
+            meta=split.query_meta(meta),
+            key_meta=meta,
+            state=state,
+            split=split,
+            capture_layers=capture_layers,
+            draft=draft,
+        )
+
+    def key_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """A layer's input rows of every key token ``[T, ...]`` from the local rows ``x`` (a collective when split)."""
+        return self.split.gather(x)
+
+    def key_shared_hidden(self) -> torch.Tensor:
+        """The YOCO shared hidden of every key token, gathered on the first call of the step."""
+        if self.shared_hidden is None:
+            raise RuntimeError("the YOCO shared hidden is read before the first consumer layer set it")
+        if self.shared_hidden_keys is None:
+            self.shared_hidden_keys = self.split.gather(self.shared_hidden)
+        return self.shared_hidden_keys

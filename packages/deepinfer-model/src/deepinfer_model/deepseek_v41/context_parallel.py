@@ -16,37 +16,27 @@ rank holds all keys, a local query attends over its complete key set in one soft
 log-sum-exp merge. DSpark target features and the final hidden are gathered to token order too, so the drafter's
 context keys are written for every token and every rank returns the same logits rows.
 
-The index math uses two views of the step: the *full* ``StepMetadata`` (cache writes, chunk-relative addressing) and
-a *local* one whose per-token arrays (``positions``, ``token_request``) hold only the rank's rows while the
-per-request arrays are unchanged.
+This module is the ``TokenSplit`` strategy of such a step (``ContextParallelStep``); the model's one forward runs it
+through ``StepContext``. The index math uses two views of the step: the *full* ``StepMetadata`` (``key_meta``: cache
+writes, chunk-relative addressing) and a *local* one (``meta``) whose per-token arrays (``positions``,
+``token_request``) hold only the rank's rows while the per-request arrays are unchanged.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from deepinfer_model.deepseek_v41.context import StepContext
-from deepinfer_model.deepseek_v41.hyper_connection import initial_read_mix
+from deepinfer_model.deepseek_v41.context import WHOLE_STEP, TokenSplit
 from deepinfer_model.forward_batch import ForwardBatch
-from deepinfer_model.state import ModelState, StepMetadata
+from deepinfer_model.state import StepMetadata
 from deepinfer_parallel.comm import all_gather_into
 from deepinfer_parallel.context_parallel import ContextParallelSplit, balanced_split
 from deepinfer_parallel.groups import RankGroup
 
-if TYPE_CHECKING:
-    from deepinfer_model.deepseek_v41.model import DeepseekV41ForCausalLM
-
-__all__ = [
-    "ContextParallelContext",
-    "context_parallel_forward",
-    "context_parallel_split",
-    "splits_step",
-]
+__all__ = ["ContextParallelStep", "context_parallel_split", "splits_step", "token_split"]
 
 
 def splits_step(batch: ForwardBatch, cp_size: int) -> bool:
@@ -105,28 +95,31 @@ def context_parallel_split(seq_lens: Sequence[int], cp_size: int) -> ContextPara
     )
 
 
-@dataclass(kw_only=True)
-class ContextParallelContext(StepContext):
-    """The step context of one CP rank in a split step; ``meta`` is the local view (see the module docstring).
+class ContextParallelStep(TokenSplit):
+    """The ``TokenSplit`` of one CP rank in a split step (see the module docstring).
 
-    Attributes:
-        full: context over every token of the step (full metadata, the same state); used for cache writes.
+    Args:
         group: the CP group.
         split: which packed-batch token each rank's local row holds.
-        local_index: [T_local] int64 packed-batch index of each local row (0 on padding rows).
-        token_order: [T] int64 row of each packed-batch token in the all-gathered buffer (rank 0's rows first).
-        shared_hidden_full: [T, H] the gathered YOCO shared hidden, once a consumer kv source needed it.
+        device: the step's device.
     """
 
-    full: StepContext
-    group: RankGroup
-    split: ContextParallelSplit
-    local_index: torch.Tensor
-    token_order: torch.Tensor
-    shared_hidden_full: torch.Tensor | None = None
+    def __init__(self, group: RankGroup, split: ContextParallelSplit, device: torch.device) -> None:
+        self.group = group
+        self.split = split
+        # [T_local] packed-batch index of each local row (0 on padding rows).
+        self.local_index = split.token_index[group.rank].to(device)
+        # [T] row of each packed-batch token in the all-gathered buffer (rank 0's rows first).
+        valid = split.valid.reshape(-1)
+        order = torch.empty(split.num_tokens, dtype=torch.int64)
+        order[split.token_index.reshape(-1)[valid]] = torch.arange(valid.numel())[valid]
+        self.token_order = order.to(device)
+
+    def local(self, full: torch.Tensor) -> torch.Tensor:
+        return full[self.local_index]
 
     def gather(self, local: torch.Tensor) -> torch.Tensor:
-        """All-gather every rank's local rows ``[T_local, ...]`` into packed-batch order ``[T, ...]`` (collective).
+        """All-gather every rank's local rows into packed-batch order (collective).
 
         One index with the step's precomputed order (no boolean mask, so no device-to-host sync per layer).
         """
@@ -134,72 +127,15 @@ class ContextParallelContext(StepContext):
         all_gather_into(buffer, local.contiguous(), self.group)
         return buffer[self.token_order]
 
-    def gather_shared_hidden(self, local: torch.Tensor) -> torch.Tensor:
-        """The YOCO shared hidden of every token (``gather``), gathered once per step by the first consumer kv
-        source that needs it (collective on that call)."""
-        if self.shared_hidden_full is None:
-            self.shared_hidden_full = self.gather(local)
-        return self.shared_hidden_full
+    def query_meta(self, meta: StepMetadata) -> StepMetadata:
+        return dataclasses.replace(
+            meta, token_request=self.local(meta.token_request), positions=self.local(meta.positions)
+        )
 
 
-def _local_context(
-    batch: ForwardBatch, state: ModelState, group: RankGroup, capture_layers: frozenset[int]
-) -> ContextParallelContext:
-    full_meta = StepMetadata.from_batch(batch)
-    split = context_parallel_split(full_meta.q_len.tolist(), group.size)
-    device = full_meta.positions.device
-    local_index = split.token_index[group.rank].to(device)
-    valid = split.valid.reshape(-1)
-    token_order = torch.empty(split.num_tokens, dtype=torch.int64)
-    token_order[split.token_index.reshape(-1)[valid]] = torch.arange(valid.numel())[valid]
-    local_meta = dataclasses.replace(
-        full_meta, token_request=full_meta.token_request[local_index], positions=full_meta.positions[local_index]
-    )
-    full = StepContext(meta=full_meta, state=state)
-    return ContextParallelContext(
-        meta=local_meta,
-        state=state,
-        capture_layers=capture_layers,
-        full=full,
-        group=group,
-        split=split,
-        local_index=local_index,
-        token_order=token_order.to(device),
-    )
-
-
-def context_parallel_forward(
-    model: DeepseekV41ForCausalLM, batch: ForwardBatch, state: ModelState, group: RankGroup
-) -> torch.Tensor:
-    """``model.forward`` of a split step on one CP rank (collective over ``group``: every rank calls it).
-
-    Args:
-        model: the model (the same weights on every CP rank).
-        batch: the step, identical on every CP rank.
-        state: this rank's cache pools (updated for every token of the step).
-        group: the CP group.
-
-    Returns:
-        [N, V] fp32 logits of ``batch.logits_indices`` (every token when None), the same rows on every rank.
-    """
-    cfg = model.config.text
-    ctx = _local_context(batch, state, group, frozenset(cfg.dspark_target_layer_ids))
-    if cfg.engram_enabled:
-        # n-grams look back across block boundaries: derive them over the whole chunk, then keep the local rows.
-        model.prepare_engram(batch, ctx.full.meta, ctx.full)
-        assert ctx.full.engram_rows is not None and ctx.full.engram_active is not None
-        ctx.engram_rows = ctx.full.engram_rows[ctx.local_index]
-        ctx.engram_active = ctx.full.engram_active[ctx.local_index]
-        ctx.engram_vocab = ctx.full.engram_vocab
-    hidden = model.embed(batch.input_ids[ctx.local_index])
-    trunk = hidden[:, None, :].expand(-1, cfg.hc_mult, -1).contiguous()
-    read_mix = initial_read_mix(ctx.meta.num_tokens, cfg.hc_mult, hidden.device)
-    for block in model.layers:
-        trunk, read_mix = block(trunk, read_mix, ctx)
-    if len(model.mtp):
-        ctx.full.features = {layer: ctx.gather(feature) for layer, feature in ctx.features.items()}
-        model.store_context_keys(ctx.full)
-    final = ctx.gather(model.collapse(trunk, read_mix, cfg, model.mode))
-    if batch.logits_indices is not None:
-        final = final[batch.logits_indices]
-    return model.head(model.norm(final))
+def token_split(batch: ForwardBatch, meta: StepMetadata, group: RankGroup | None) -> TokenSplit:
+    """How a step's tokens are shared out over the CP ``group``: a ``ContextParallelStep`` when the step splits
+    (``splits_step``), else the whole step on every rank (``group`` None: no context parallelism)."""
+    if group is None or not splits_step(batch, group.size):
+        return WHOLE_STEP
+    return ContextParallelStep(group, context_parallel_split(meta.q_len.tolist(), group.size), meta.positions.device)

@@ -25,7 +25,7 @@ from deepinfer_model.deepseek_v41.context import (
     compressed_group,
     index_k_group,
 )
-from deepinfer_model.deepseek_v41.context_parallel import context_parallel_forward, splits_step
+from deepinfer_model.deepseek_v41.context_parallel import token_split
 from deepinfer_model.deepseek_v41.dspark import DSparkBlock
 from deepinfer_model.deepseek_v41.engram import EngramVocab, ngram_rows
 from deepinfer_model.deepseek_v41.expert_parallel import ExpertParallelMoE
@@ -241,21 +241,20 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
         Returns:
             [N, V] fp32 logits of ``batch.logits_indices`` (every token when None).
         """
-        if self.context_parallel is not None and splits_step(batch, self.context_parallel.size):
-            return context_parallel_forward(self, batch, state, self.context_parallel)
         cfg = self.config.text
         meta = StepMetadata.from_batch(batch)
-        ctx = StepContext(meta=meta, state=state, capture_layers=frozenset(cfg.dspark_target_layer_ids))
+        split = token_split(batch, meta, self.context_parallel)
+        ctx = StepContext.for_step(meta, state, split, capture_layers=frozenset(cfg.dspark_target_layer_ids))
         if cfg.engram_enabled:
-            self.prepare_engram(batch, meta, ctx)
-        hidden = self.embed(batch.input_ids)
+            self.prepare_engram(batch, ctx)
+        hidden = self.embed(split.local(batch.input_ids))
         trunk = hidden[:, None, :].expand(-1, cfg.hc_mult, -1).contiguous()
-        read_mix = initial_read_mix(meta.num_tokens, cfg.hc_mult, hidden.device)
+        read_mix = initial_read_mix(ctx.meta.num_tokens, cfg.hc_mult, hidden.device)
         for block in self.layers:
             trunk, read_mix = block(trunk, read_mix, ctx)
         if len(self.mtp):
             self.store_context_keys(ctx)
-        final = self.collapse(trunk, read_mix, cfg, self.mode)
+        final = split.gather(self.collapse(trunk, read_mix, cfg, self.mode))
         if batch.logits_indices is not None:
             final = final[batch.logits_indices]
         return self.head(self.norm(final))
@@ -278,7 +277,7 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
             raise ValueError("the model has no DSpark blocks (num_nextn_predict_layers = 0)")
         cfg = self.config.text
         meta = StepMetadata.from_batch(batch)
-        ctx = StepContext(meta=meta, state=state, draft=True)
+        ctx = StepContext.for_step(meta, state, draft=True)
         hidden = self.embed(batch.input_ids)
         trunk = hidden[:, None, :].expand(-1, cfg.hc_mult, -1).contiguous()
         read_mix = initial_read_mix(meta.num_tokens, cfg.hc_mult, hidden.device)
@@ -305,12 +304,16 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
         assert isinstance(last, DSparkBlock)
         return last.heads(hidden, previous_tokens, temperature, self.head)
 
-    def prepare_engram(self, batch: ForwardBatch, meta: StepMetadata, ctx: StepContext) -> None:
-        """Set the step's compressed n-gram rows (and the vocabulary) on ``ctx`` from ``batch``'s tokens."""
+    def prepare_engram(self, batch: ForwardBatch, ctx: StepContext) -> None:
+        """Set the step's compressed n-gram rows (and the vocabulary) on ``ctx`` from ``batch``'s tokens.
+
+        n-grams look back across a split step's block boundaries: they are derived over every token, then the
+        context keeps its local rows."""
         cfg = self.config.text
         assert cfg.engram_max_ngram_size is not None
         if self.engram_vocab is None:
             raise ValueError("this config has Engram layers: build the model with an EngramVocab")
+        meta = ctx.key_meta
         prefix = batch.engram_prefix_ids
         if prefix is None:
             if bool((meta.q_start > 0).any()):
@@ -321,12 +324,14 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
         # Keep the table on the step's device once instead of copying it every step.
         self.engram_vocab = self.engram_vocab.to(batch.input_ids.device)
         rows, active = ngram_rows(meta, batch.input_ids, prefix, self.engram_vocab, cfg.engram_max_ngram_size)
-        ctx.engram_rows, ctx.engram_active, ctx.engram_vocab = rows, active, self.engram_vocab
+        ctx.engram_rows, ctx.engram_active = ctx.split.local(rows), ctx.split.local(active)
+        ctx.engram_vocab = self.engram_vocab
 
     def store_context_keys(self, ctx: StepContext) -> None:
-        """Write the drafter's context keys of the step's tokens into every DSpark ring (dspark.md §4)."""
+        """Write the drafter's context keys of every token of the step into every DSpark ring
+        (docs/design/model.md, "Context keys")."""
         cfg = self.config.text
-        features = torch.cat([ctx.features[layer] for layer in cfg.dspark_target_layer_ids], dim=-1)
+        features = ctx.split.gather(torch.cat([ctx.features[layer] for layer in cfg.dspark_target_layer_ids], dim=-1))
         first = self.mtp[0]
         assert isinstance(first, DSparkBlock)
         projected = first.project_features(features)

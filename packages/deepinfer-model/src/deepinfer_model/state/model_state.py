@@ -20,6 +20,7 @@ from collections.abc import Mapping
 
 import torch
 
+from deepinfer_kernels import store_rows
 from deepinfer_model.cache_spec import CacheGroupKind, CacheGroupSpec, CacheSpec
 from deepinfer_model.state.codecs import RowCodec
 
@@ -113,16 +114,18 @@ class ModelState:
             raise KeyError(f"layer {layer} owns no pool in cache group {name!r}") from None
         return pool.view(-1, pool.shape[-1])
 
+    def pool(self, name: str, layer: int) -> torch.Tensor:
+        """The pool of ``layer`` in group ``name`` as flat rows ``[rows, bytes_per_row]`` uint8 (a view)."""
+        return self._flat(name, layer)
+
     def read(self, name: str, layer: int, rows: torch.Tensor) -> torch.Tensor:
         """Decode rows. Args: rows [...] int64 flat row indices (clamped ≥ 0). Returns: [..., width] fp32."""
         flat = self._flat(name, layer)
         return self._codecs[name].decode(flat[rows.clamp(min=0)])
 
     def write(self, name: str, layer: int, rows: torch.Tensor, values: torch.Tensor) -> None:
-        """Encode and store. Args: rows [N] int64 distinct flat rows; values [N, width] bf16/fp32."""
-        if rows.numel() == 0:
-            return
-        self._flat(name, layer)[rows] = self._codecs[name].encode(values)
+        """Encode and store in one op. Args: rows [N] int64 distinct flat rows; values [N, width] bf16/fp32."""
+        store_rows(self._flat(name, layer), rows, values, self._codecs[name].row_format)
 
     def write_encoded(self, name: str, layer: int, rows: torch.Tensor, encoded: torch.Tensor) -> None:
         """Store already encoded rows. Args: rows [N] int64 distinct flat rows; encoded [N, bytes_per_row] uint8."""

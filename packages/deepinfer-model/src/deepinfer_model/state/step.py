@@ -34,8 +34,8 @@ class StepMetadata:
         block_table: [R, max_blocks] pages of the PAGED groups.
         state_slots: [R] state slot of each request.
         max_query_len: host int, longest query of the step.
-        max_context_len: host int, longest context after the step (a step may pass any larger bound: it only sizes
-            the indexer's row dimension, which a CUDA graph needs fixed).
+        max_context_len: host int, longest context after the step (a step may pass any larger bound: it only bounds
+            the indexer's streamed row loop, which a CUDA graph needs fixed; no tensor is sized by it).
     """
 
     token_request: torch.Tensor
