@@ -95,7 +95,7 @@ def test_cuda_defaults_start_and_say_what_they_chose(tmp_path: Path, caplog: pyt
         llm = LLM(cache_dir=str(tmp_path))
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine on cuda")]
     assert "activation peak of a" in line and "profiling step" in line
-    too_long = list(range(3, 3 + llm.config.scheduler.max_model_len + 1))
+    too_long = [3 + i % 1000 for i in range(llm.config.scheduler.max_model_len + 1)]  # ids inside the vocabulary
     outputs = llm.generate(prompt_token_ids=[[5, 6, 7], too_long], use_tqdm=False)
     assert (
         outputs[0].ok and outputs[1].error_message is not None and "exceeds max_model_len" in outputs[1].error_message

@@ -33,20 +33,26 @@ def _tokens(llm: LLM) -> list[tuple[int, ...]]:
 
 
 def _fail_forward_once(llm: LLM, after_calls: int, error: BaseException) -> Callable[[], int]:
-    """Make the model's forward raise `error` on call `after_calls` + 1 (once); returns a call counter."""
+    """Make the model's forward raise `error` on call `after_calls` + 1 (once); returns a call counter. Decode steps
+    that replay a CUDA graph never call the forward, so graph replays count (and fail) as forwards too."""
     assert llm.engine is not None
-    model = llm.engine.model
-    forward = model.forward
     calls = 0
 
-    def failing(*args: Any, **kwargs: Any) -> torch.Tensor:
-        nonlocal calls
-        calls += 1
-        if calls == after_calls + 1:
-            raise error
-        return forward(*args, **kwargs)
+    def failing_version(run: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def failing(*args: Any, **kwargs: Any) -> torch.Tensor:
+            nonlocal calls
+            calls += 1
+            if calls == after_calls + 1:
+                raise error
+            return run(*args, **kwargs)
 
-    model.forward = failing  # type: ignore[method-assign]
+        return failing
+
+    model = llm.engine.model
+    model.forward = failing_version(model.forward)  # type: ignore[method-assign]
+    graphs = llm.engine.runner.graphs
+    if graphs is not None:
+        graphs.replay = failing_version(graphs.replay)  # type: ignore[method-assign]
     return lambda: calls
 
 

@@ -10,7 +10,7 @@ from _cache_inputs import assert_equivalent_selection, random_pool, random_rows
 import deepinfer_kernels as dk
 from deepinfer_kernels._registry import Backend, implementation
 from deepinfer_kernels.platform import triton_interpreter_enabled
-from deepinfer_kernels.testing import assert_bitwise_equal, random_normal
+from deepinfer_kernels.testing import assert_bitwise_equal, random_normal, seeded_generator
 
 pytestmark = [
     pytest.mark.gpu,
@@ -26,7 +26,9 @@ F = dk.RowFormat
 @pytest.mark.parametrize(("fmt", "width"), [(F.FP8, 512), (F.FP4_E4M3, 512), (F.FP4_UE8M0, 128), (F.RAW_FP32, 1024)])
 def test_store_rows_gpu_bit_exact(fmt: dk.RowFormat, width: int) -> None:
     pool = random_pool(3001, width, fmt, seed=1, device="cuda")
-    rows = torch.randperm(3001, device="cuda")[:1237]
+    # Drawn on the host from a seeded generator: the device generator may carry the offset of an earlier test's
+    # graph capture.
+    rows = torch.randperm(3001, generator=seeded_generator(3))[:1237].cuda()
     rows[::7] = -1
     values = random_normal((1237, width), seed=2, dtype=torch.bfloat16, std=3.0, device="cuda")
     expected = pool.clone()
@@ -61,7 +63,8 @@ def test_sparse_attention_gpu(num_tokens: int, round_probs: bool) -> None:
     implementation("sparse_attention", Backend.REFERENCE)(q, sources, sink, 512**-0.5, round_probs, expected)
     assert out.shape == (num_tokens, 64, 512)
     if num_tokens:
-        # Exact mode: every probability rounded to BF16 (relative 2^-9) relative to a running maximum.
+        # Exact mode: a probability whose FP32 value differs from the reference's in the last bits may round to the
+        # other BF16 neighbour (relative 2^-8 on that term).
         rtol = 2.0**-8 if round_probs else 1e-5
         err = (out - expected).abs().max() / expected.abs().max()
         assert float(err) <= rtol, float(err)

@@ -1,13 +1,15 @@
 """Triton sparse attention over up to three key sources read straight from their pools (docs/design/kernels.md,
 "sparse_attention").
 
-One program per (query, block of heads, split of the key list): for every source, tiles of ``BLOCK_N`` rows are
-gathered and decoded in registers (FP8 / FP4 / FP32 rows), then one online softmax runs over all tiles of all
-sources, started from the sink (running max = sink, running sum = 1, zero accumulator: the sink is a logit with a zero
-value). When few queries run (decode), the key list is split over several programs whose softmax states are merged
-afterwards (flash-decoding); the partial states are O(queries × splits × H × D), bounded because only few queries
-split. Unlike the reference, the probabilities are taken relative to the running maximum, so their BF16 rounding
-(exact mode) differs from the reference's by rounding error (tolerance in the tests).
+One program per (query, block of heads, split of the key list). Two passes over the gathered rows (decoded in
+registers from FP8 / FP4 / FP32 rows): the first finds the softmax maximum over the sink and every key of every
+source, the second sums ``exp(logit − max)`` and the value products of its split's keys. Taking every probability
+relative to the final maximum (rather than a running one) makes its BF16 rounding in exact mode the reference's, so
+the output differs from the reference only by FP32 summation order; a running maximum rounds each probability at
+another scale, a relative error of 2^-9 on every term that exact mode then turns into BF16/FP8 rounding flips
+everywhere. When few queries run (decode), the key list is split over several programs that share the maximum (each
+finds it over all keys) and whose sums are added afterwards (flash-decoding); the partial sums are
+O(queries × splits × H × D), bounded because only few queries split.
 """
 
 # Triton reads parameter annotations as kernel type hints, so @triton.jit functions stay unannotated.
@@ -37,10 +39,54 @@ CONFIG: dict[str, int | None] = {"block_h": 32, "block_n": 32, "num_warps": 8, "
 
 
 @triton.jit
+def _source_logits(  # type: ignore[no-untyped-def]
+    q, pool_ptr, rows_ptr, stride_rows, n, hi, row_bytes, token, scale, d, d_mask, WIDTH, FMT, BF16_DOT
+):
+    """Scaled logits [BLOCK_H, BLOCK_N] (−inf for missing or out-of-range rows) and the decoded rows of tile ``n``."""
+    idx = tl.load(rows_ptr + token * stride_rows + n, mask=n < hi, other=-1).to(tl.int64)
+    valid = idx >= 0
+    base = tl.maximum(idx, 0) * row_bytes
+    keys = decode_tile(pool_ptr, base[:, None], d[None, :], valid[:, None] & d_mask[None, :], WIDTH, FMT)
+    if BF16_DOT:
+        logits = tl.dot(q.to(tl.bfloat16), tl.trans(keys.to(tl.bfloat16)))
+    else:
+        logits = tl.dot(q.to(tl.float32), tl.trans(keys), input_precision="ieee")
+    return tl.where(valid[None, :], logits * scale, float("-inf")), keys
+
+
+@triton.jit
+def _source_max(  # type: ignore[no-untyped-def]
+    m,
+    q,
+    pool_ptr,
+    rows_ptr,
+    stride_rows,
+    num_keys,
+    row_bytes,
+    token,
+    scale,
+    d,
+    d_mask,
+    WIDTH: tl.constexpr,
+    FMT: tl.constexpr,
+    BF16_DOT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    # Every key of the source, whatever the split: all splits must take their probabilities at one maximum.
+    for start in range(0, num_keys, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        logits, _ = _source_logits(
+            q, pool_ptr, rows_ptr, stride_rows, n, num_keys, row_bytes, token, scale, d, d_mask, WIDTH, FMT, BF16_DOT
+        )
+        m = tl.maximum(m, tl.max(logits, axis=1))
+    return m
+
+
+@triton.jit
 def _attend_source(  # type: ignore[no-untyped-def]
     acc,
-    m,
     denom,
+    m,
     q,
     pool_ptr,
     rows_ptr,
@@ -65,29 +111,18 @@ def _attend_source(  # type: ignore[no-untyped-def]
     hi = tl.minimum(tl.maximum(split_start + split_keys - offset, 0), num_keys)
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
-        idx = tl.load(rows_ptr + token * stride_rows + n, mask=n < hi, other=-1).to(tl.int64)
-        valid = idx >= 0
-        base = tl.maximum(idx, 0) * row_bytes
-        keys = decode_tile(pool_ptr, base[:, None], d[None, :], valid[:, None] & d_mask[None, :], WIDTH, FMT)
-        keys_lo = keys.to(tl.bfloat16)
-        if BF16_DOT:
-            logits = tl.dot(q.to(tl.bfloat16), tl.trans(keys_lo))
-        else:
-            logits = tl.dot(q.to(tl.float32), tl.trans(keys), input_precision="ieee")
-        logits = tl.where(valid[None, :], logits * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(logits, axis=1))
-        alpha = tl.exp(m - m_new)
-        probs = tl.exp(logits - m_new[:, None])
-        denom = denom * alpha + tl.sum(probs, axis=1)
+        logits, keys = _source_logits(
+            q, pool_ptr, rows_ptr, stride_rows, n, hi, row_bytes, token, scale, d, d_mask, WIDTH, FMT, BF16_DOT
+        )
+        probs = tl.exp(logits - m[:, None])
+        denom += tl.sum(probs, axis=1)
         if ROUND and BF16_DOT:
-            update = tl.dot(round_bf16(probs), keys_lo)
+            acc += tl.dot(round_bf16(probs), keys.to(tl.bfloat16))
         elif ROUND:
-            update = tl.dot(round_bf16(probs).to(tl.float32), keys, input_precision="ieee")
+            acc += tl.dot(round_bf16(probs).to(tl.float32), keys, input_precision="ieee")
         else:
-            update = tl.dot(probs, keys, input_precision="ieee")
-        acc = acc * alpha[:, None] + update
-        m = m_new
-    return acc, m, denom
+            acc += tl.dot(probs, keys, input_precision="ieee")
+    return acc, denom
 
 
 @triton.jit
@@ -95,7 +130,6 @@ def _sparse_attention_kernel(  # type: ignore[no-untyped-def]
     q_ptr,
     sink_ptr,
     out_ptr,
-    part_m_ptr,
     part_l_ptr,
     num_heads,
     scale,
@@ -138,15 +172,19 @@ def _sparse_attention_kernel(  # type: ignore[no-untyped-def]
     offsets = (token * num_heads + h[:, None]) * WIDTH + d[None, :]
     q_mask = h_mask[:, None] & d_mask[None, :]
     q = tl.load(q_ptr + offsets, mask=q_mask, other=0.0)
-    # The sink enters once, in split 0; other splits start from an empty softmax (a finite floor keeps exp() clean).
     sink = tl.load(sink_ptr + h, mask=h_mask, other=0.0)
-    m = tl.where(split == 0, sink, -1.0e30)
-    denom = tl.where(split == 0, 1.0, 0.0) + tl.zeros([BLOCK_H], tl.float32)
+    # Pass 1: the softmax maximum over the sink and every key.
+    m = sink
+    m = _source_max(m, q, pool0, rows0, stride0, keys0, bytes0, token, scale, d, d_mask, WIDTH, FMT0, BF16_0, BLOCK_N)
+    m = _source_max(m, q, pool1, rows1, stride1, keys1, bytes1, token, scale, d, d_mask, WIDTH, FMT1, BF16_1, BLOCK_N)
+    m = _source_max(m, q, pool2, rows2, stride2, keys2, bytes2, token, scale, d, d_mask, WIDTH, FMT2, BF16_2, BLOCK_N)
+    # Pass 2: this split's sums at that maximum; the sink (a logit with a zero value) enters once, in split 0.
+    denom = tl.where(split == 0, tl.exp(sink - m), 0.0)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    acc, m, denom = _attend_source(
+    acc, denom = _attend_source(
         acc,
-        m,
         denom,
+        m,
         q,
         pool0,
         rows0,
@@ -166,10 +204,10 @@ def _sparse_attention_kernel(  # type: ignore[no-untyped-def]
         ROUND,
         BLOCK_N,
     )
-    acc, m, denom = _attend_source(
+    acc, denom = _attend_source(
         acc,
-        m,
         denom,
+        m,
         q,
         pool1,
         rows1,
@@ -189,10 +227,10 @@ def _sparse_attention_kernel(  # type: ignore[no-untyped-def]
         ROUND,
         BLOCK_N,
     )
-    acc, m, denom = _attend_source(
+    acc, denom = _attend_source(
         acc,
-        m,
         denom,
+        m,
         q,
         pool2,
         rows2,
@@ -217,7 +255,6 @@ def _sparse_attention_kernel(  # type: ignore[no-untyped-def]
     else:
         part = (token * SPLITS + split) * num_heads + h
         tl.store(out_ptr + part[:, None] * WIDTH + d[None, :], acc, mask=q_mask)
-        tl.store(part_m_ptr + part, m, mask=h_mask)
         tl.store(part_l_ptr + part, denom, mask=h_mask)
 
 
@@ -260,16 +297,14 @@ def sparse_attention(
     head_blocks = triton.cdiv(num_heads, CONFIG["block_h"])
     splits, split_keys = _split_plan(num_tokens * head_blocks, sum(s.rows.shape[1] for s in sources), q.device)
     if splits == 1:
-        target, part_m, part_l = out, out, out
+        target, part_l = out, out
     else:
         target = torch.empty((num_tokens, splits, num_heads, width), dtype=torch.float32, device=q.device)
-        part_m = torch.empty((num_tokens, splits, num_heads), dtype=torch.float32, device=q.device)
-        part_l = torch.empty_like(part_m)
+        part_l = torch.empty((num_tokens, splits, num_heads), dtype=torch.float32, device=q.device)
     _sparse_attention_kernel[(num_tokens, head_blocks, splits)](
         q,
         sink,
         target,
-        part_m,
         part_l,
         num_heads,
         scale,
@@ -286,10 +321,8 @@ def sparse_attention(
         **fmt_args,
     )
     if splits > 1:
-        # Merge the splits' softmax states: rescale each to the common maximum.
-        weight = torch.exp(part_m - part_m.amax(dim=1, keepdim=True))
-        numerator = (target * weight[..., None]).sum(dim=1)
-        torch.div(numerator, (part_l * weight).sum(dim=1)[..., None], out=out)
+        # Every split took its probabilities at the same maximum: the sums just add.
+        torch.div(target.sum(dim=1), part_l.sum(dim=1)[..., None], out=out)
 
 
 @functools.cache
