@@ -58,7 +58,7 @@ def fake_drafts(history: list[int], seed: int | None, num_drafts: int) -> tuple[
 def reference_tokens(
     request: Request, max_model_len: int, seed: int | None, stops_at: Callable[[int], bool] | None = None
 ) -> list[int]:
-    """What `request` generates with no scheduler involved (stop conditions of runtime §6.8; `stops_at` plays the
+    """What `request` generates with no scheduler involved (its stop conditions; `stops_at` plays the
     engine's stop-string check on the last token)."""
     history = request.prompt_token_ids
     output: list[int] = []

@@ -221,7 +221,7 @@ def test_max_model_len_allows_one_token_past_it():
     scheduler = make_scheduler(max_model_len=10)
     scheduler.add_request(make_request("a", prompt_len=8, max_tokens=100))
     tokens = run_to_completion(scheduler, FakeRunner())
-    assert len(tokens["a"]) == 3  # total length 11 > 10 finishes (runtime §6.8)
+    assert len(tokens["a"]) == 3  # total length 11 > 10 finishes
 
 
 def test_eos_wins_over_length_on_the_same_token():

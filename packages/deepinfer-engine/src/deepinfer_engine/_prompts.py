@@ -16,7 +16,7 @@ ParamsLike = SamplingParams | Mapping[str, Any] | None
 def normalize_prompts(
     prompts: str | Sequence[str] | None, prompt_token_ids: Sequence[Sequence[int]] | None
 ) -> tuple[list[str | None], list[Sequence[int] | None]]:
-    """Text and token-id lists of equal length (ids win when both are given, runtime §1.1)."""
+    """Text and token-id lists of equal length (ids win when both are given)."""
     if prompts is None and prompt_token_ids is None:
         raise ValueError("generate needs prompts or prompt_token_ids, got neither")
     texts: list[str | None] = [prompts] if isinstance(prompts, str) else list(prompts or [])
@@ -69,7 +69,7 @@ def per_prompt_params(sampling_params: ParamsLike | Sequence[ParamsLike], num: i
 
 
 def as_params(params: ParamsLike) -> SamplingParams:
-    """A validated `SamplingParams` (dict entries whose value is None are dropped, runtime §1.2)."""
+    """A validated `SamplingParams` (dict entries whose value is None are dropped)."""
     if params is None:
         return SamplingParams()
     if isinstance(params, SamplingParams):

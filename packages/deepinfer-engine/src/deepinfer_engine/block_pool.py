@@ -2,7 +2,7 @@
 
 The cache manager keeps one `BlockPool` per allocation unit: one for the blocks of the shared block table (every paged
 cache group) and one for the per-request state slots (every sliding-window and state group). Entry 0 is the *null
-entry*: it is never handed out, so padded rows of a batch can point at it (runtime §6.7).
+entry*: it is never handed out, so padded rows of a batch can point at it (docs/design/cache.md, "Block pool").
 
 Free entries sit in a FIFO: allocation takes from the head and freeing appends to the tail, so a just-freed entry is
 reused as late as possible. An entry is free exactly when its reference count is 0; `share` adds a reference (for

@@ -1,6 +1,6 @@
 """Cache accounting per request across every cache group of a `CacheSpec`.
 
-A running request holds two things (model-attention §11, runtime §6.7):
+A running request holds two things (docs/design/cache.md, "Cache groups", "Block pool", "State slots"):
 
 - a *block table*: blocks of `block_size` raw tokens, shared by all PAGED groups (block `i` of the table holds the
   rows of positions `i * block_size ... (i + 1) * block_size - 1` in every paged pool);
@@ -13,10 +13,10 @@ The manager tracks, per request, how many tokens it may write (`num_tokens`, gro
     block table:  [ 17 ][  4 ][  9 ]          3 blocks = ceil(300 / 128)
     positions:     0..127 128..255 256..383   (256..299 used, 300..383 free space in the last block)
 
-Rollback of rejected draft tokens only lowers `num_tokens` (and drops a block that became empty): paged rows and
-ring entries are addressed by position, so later writes overwrite them (runtime §3.7). The rings hold
-`backtracking_tokens` extra entries, so a rollback may reach at most that far below the highest position ever
-written for the request; deeper rollbacks are refused.
+Rollback of rejected draft tokens only lowers `num_tokens` (and drops a block that became empty): paged rows and ring
+entries are addressed by position, so later writes overwrite them (docs/design/cache.md, "Rollback"). The rings hold
+`backtracking_tokens` extra entries, so a rollback may reach at most that far below the highest position ever written
+for the request; deeper rollbacks are refused.
 
 Under asynchronous scheduling the next step's tokens are reserved before the rollback of the step in front of it is
 known; the device places them right after the kept tokens, so the whole reservation moves down with the rollback

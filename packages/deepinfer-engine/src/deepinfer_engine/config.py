@@ -30,7 +30,7 @@ class SchedulerConfig:
         max_num_seqs: most requests holding cache at once (running, including partially prefilled ones).
         max_num_batched_tokens: most tokens computed in one step, summed over requests (the token budget).
         max_model_len: most positions a request may compute; a request finishes with "length" once its total
-            length exceeds it (runtime §6.8), and a longer prompt is rejected.
+            length exceeds it (docs/design/scheduler.md, "Stop conditions"), and a longer prompt is rejected.
         max_num_draft_tokens: most draft tokens verified per request per step (nextn; 0 disables speculation).
         stop_preempted_requests: True finishes a preempted request with "insufficient_system_resource";
             False (the `LLM` default) recomputes it later.
@@ -49,7 +49,7 @@ class SchedulerConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.max_num_draft_tokens < 0:
             raise ValueError(f"max_num_draft_tokens must be >= 0, got {self.max_num_draft_tokens}")
-        # Every running request must be able to take a full decode step (runtime §1.4).
+        # Every running request must be able to take a full decode step (docs/design/scheduler.md, "Engine limits").
         min_budget = self.max_num_seqs * (1 + self.max_num_draft_tokens)
         if self.max_num_batched_tokens < min_budget:
             raise ValueError(
@@ -64,8 +64,8 @@ class CacheConfig:
 
     Attributes:
         block_size: raw tokens per block of the shared block table (128 for DeepSeek-V4.1-Flash).
-        num_state_slots: per-request state slots, including the never-used slot 0 (runtime §6.7:
-            `int(max_num_seqs * DEEPINFER_NUM_STATE_SLOTS_RATIO) + 1`).
+        num_state_slots: per-request state slots, including the never-used slot 0:
+            `int(max_num_seqs * DEEPINFER_NUM_STATE_SLOTS_RATIO) + 1` (docs/design/scheduler.md, "Engine limits").
     """
 
     block_size: int = 128
@@ -93,9 +93,9 @@ class EngineConfig:
         seed: engine seed; request seeds without `seq_seed` derive from it and the request counter.
         precision: "exact" (the checkpoint's numerics) or "fp32" (FP32 activations and caches; parity tests).
         device: torch device the model and caches live on ("cpu", "cuda", "cuda:1", ...).
-        async_scheduling: schedule step N+1 while step N runs (runtime §6.9).
+        async_scheduling: schedule step N+1 while step N runs (docs/design/scheduler.md, "Asynchronous scheduling").
         enforce_eager: never capture CUDA graphs (see `EngineArgs`); graphs are only captured on CUDA devices.
-        cudagraph_batch_size_interval: spacing of the decode graph sizes (runtime §6.10), >= 1.
+        cudagraph_batch_size_interval: spacing of decode graph sizes (docs/design/scheduler.md, "CUDA graphs"), >= 1.
         engram_pad_token_id: raw pad id of Engram n-gram windows.
     """
 

@@ -1,4 +1,4 @@
-"""CUDA graphs of decode forwards (runtime §6.10): capture by padded size, replay on the runner's persistent buffers.
+"""CUDA graphs of decode forwards: capture by padded size, replay on the runner's persistent buffers.
 
 Only pure decode steps are replayed (every request computes one token, no prompt-logprob rows); prefill and mixed
 steps run eagerly. A decode forward of the model has static shapes and never synchronizes with the host when its
@@ -28,7 +28,7 @@ __all__ = ["DecodeGraphs", "graph_sizes"]
 
 
 def graph_sizes(max_size: int, interval: int) -> tuple[int, ...]:
-    """Decode graph sizes (runtime §6.10), ascending.
+    """Decode graph sizes (docs/design/scheduler.md, "CUDA graphs"), ascending.
 
     Args:
         max_size: the largest size (`max_num_seqs`), ≥ 1.
@@ -121,7 +121,7 @@ class DecodeGraphs:
         return logits[:num_logits]
 
     def close(self) -> None:
-        """Release every graph (before process-group teardown; runtime §6.10)."""
+        """Release every graph (before process-group teardown)."""
         for graph, _ in self._graphs.values():
             graph.reset()
         self._graphs.clear()

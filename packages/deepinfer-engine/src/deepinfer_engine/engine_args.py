@@ -9,9 +9,9 @@ number of cache blocks):
   tokens the whole cache can hold (so a default request can always run alone).
 - `max_num_batched_tokens` defaults to `max(min(max_model_len, DEFAULT_MAX_NUM_BATCHED_TOKENS), max_num_seqs)`;
   prompts longer than it are prefilled in chunks.
-- state slots = `int(max_num_seqs * DEEPINFER_NUM_STATE_SLOTS_RATIO) + 1` (runtime §6.7).
-- `nextn` > 0 (DSpark speculative decoding, `deepinfer_engine.speculative`) needs a checkpoint with DSpark blocks
-  and raises the default token budget to at least `max_num_seqs * (1 + nextn)` (runtime §1.4).
+- state slots = `int(max_num_seqs * DEEPINFER_NUM_STATE_SLOTS_RATIO) + 1` (docs/design/scheduler.md, "Engine limits").
+- `nextn` > 0 (DSpark speculative decoding, `deepinfer_engine.speculative`) needs a checkpoint with DSpark blocks and
+  raises the default token budget to at least `max_num_seqs * (1 + nextn)` (docs/design/scheduler.md, "Engine limits").
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ __all__ = ["DEFAULT_CPU_CACHE_MEMORY_BYTES", "MAX_MODEL_LEN_CAP", "MAX_NEXTN", "
 MAX_MODEL_LEN_CAP = 131072
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 DEFAULT_CPU_CACHE_MEMORY_BYTES = 256 * 1024**2
-MAX_NEXTN = 32  # the reference's draft-block kernel limit (dspark.md §1)
+MAX_NEXTN = 32  # the reference's draft-block kernel limit (docs/design/model.md, "DSpark blocks")
 _PARALLEL_SIZES = ("tensor_parallel_size", "data_parallel_size", "expert_parallel_size", "context_parallel_size")
 _WIRED_PARALLEL_SIZES = ("data_parallel_size", "expert_parallel_size", "context_parallel_size")
 
@@ -64,7 +64,8 @@ class EngineArgs:
         max_num_seqs: most requests holding cache at once.
         max_num_batched_tokens: token budget of one step; None derives it.
         data_parallel_size, expert_parallel_size: attention-DP ranks and EP ranks (`deepinfer_engine.executor`).
-        context_parallel_size: CP ranks per DP rank; prefill chunks are split over them (runtime §7.2).
+        context_parallel_size: CP ranks per DP rank; prefill chunks are split over them
+            (docs/design/parallelism.md, "Context parallelism").
         tensor_parallel_size: only 1 is wired.
         enforce_eager: never capture CUDA graphs (also set by DEEPINFER_ENFORCE_EAGER). When False (the default)
             an engine on a CUDA device captures its decode forwards at start and replays them for pure decode
@@ -187,7 +188,8 @@ def build_engine_config(
 
     cache_tokens = (num_blocks - 1) * args.block_size
     if args.max_model_len is None:
-        # The longest sequence can reach max_model_len + 1 tokens (runtime §6.8), so leave room for it.
+        # The longest sequence can reach max_model_len + 1 tokens (docs/design/scheduler.md, "Stop conditions"), so
+        # leave room for it.
         max_model_len = min(max_position_embeddings, MAX_MODEL_LEN_CAP, cache_tokens - 1)
     else:
         max_model_len = args.max_model_len

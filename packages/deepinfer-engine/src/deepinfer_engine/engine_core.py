@@ -3,9 +3,10 @@
 `EngineCore` owns a `Scheduler` and a model runner (anything satisfying `ModelRunnerProtocol`). One `step()`:
 
 - synchronous: schedule step N, launch it, wait for its results, commit them, return its outputs.
-- asynchronous (runtime §6.9, "zero-overhead scheduling"; the default): schedule step N+1 and launch it while step
-  N still runs on the device, then wait for step N, commit it and return its outputs. The host work of a step
-  (scheduling, building inputs, committing, stop checks) thus hides behind the device work of the step before.
+- asynchronous ("zero-overhead scheduling", the default; docs/design/scheduler.md, "Asynchronous scheduling"): schedule
+  step N+1 and launch it while step N still runs on the device, then wait for step N, commit it and return its outputs.
+  The host work of a step (scheduling, building inputs, committing, stop checks) thus hides behind the device work of
+  the step before.
 
     host:    | sched N+1 | launch N+1 | wait N · commit N |  sched N+2 | launch N+2 | wait N+1 · commit N+1 |
     device:  |  ········· step N ·········|  ············ step N+1 ·············|  ······ step N+2 ···
@@ -27,7 +28,7 @@ The two modes batch requests differently (a step may carry an extra round or a s
 of a request in flight is planned from bounds), so equality needs a runner whose emitted token at a position does not
 depend on the batch: sampling keyed by (request seed, position) (sampling package), and, with draft tokens at
 temperature > 0, verification that does not depend on how many drafts a step verifies. Greedy verification has
-that property; rejection sampling (runtime §3.3) draws verify rows and the fresh row from different streams, so there
+that property; rejection sampling draws verify rows and the fresh row from different streams, so there
 the two modes agree in distribution but can differ in the last few tokens before max_tokens or max_model_len (where
 asynchronous mode plans drafts from bounds) — as synchronous mode itself differs after a preemption recompute.
 """

@@ -1,7 +1,8 @@
 """Expert-parallel load balancing (EPLB) inside the engine's ranks: settings, the per-rank controller, its statistics.
 
 `EplbSettings` is built once from the environment by the entrypoint (`EplbSettings.from_env`) and handed to every rank
-by the executor. On each expert-parallel rank (EP size > 1, rearrangement on) an `EplbController` (runtime §7.3):
+by the executor. On each expert-parallel rank (EP size > 1, rearrangement on) an `EplbController`
+(docs/design/parallelism.md, "EPLB"):
 
 - enables the recording hook of the rank's `ExpertParallelMoE`: every MoE dispatch adds the routing choices each
   local physical slot received to the current step's counters of an on-device `ExpertLoadWindow` (no host sync);

@@ -36,7 +36,7 @@ def load_model(
 
     With `expert_parallel` the model keeps (and loads) only this rank's routed experts and reaches the others over
     the EP group; None keeps every expert in this process. `max_backtracking_tokens` sizes the rings for rolled-back
-    draft positions (`nextn + 1` with speculative decoding, runtime §3.7; 1 without).
+    draft positions (`nextn + 1` with speculative decoding, 1 without).
 
     Raises:
         deepinfer_model.loading.errors.CheckpointError / CoverageError: the checkpoint is incomplete or corrupt.

@@ -19,18 +19,18 @@ CUDA graphs (`deepinfer_engine.cuda_graphs`): unless `enforce_eager`, a CUDA run
 captures decode forwards at start; a pure decode step without prompt-logprob rows is padded to a graph size and
 replayed, every other step runs eagerly. `close` releases the graphs.
 
-Host-dependent sampling. Two inputs of sampling need the request's earlier tokens on the host: structured output
-(the grammar matcher must have accepted every earlier token before it can fill the bitmask) and penalties (token
-counts). Under asynchronous scheduling step N+1 is launched before step N's token reaches the host, so for a step
-that has such a row sampling is *deferred*: its forward is launched in `execute`, and its sampling right after the
-previous step's results arrive, at the end of `wait(previous)` — before the following `execute` launches anything
-that reads the history. The bitmask is filled on the CPU while the forward runs (runtime §4.4); without a step in
-flight sampling follows the forward at once.
+Host-dependent sampling. Two inputs of sampling need the request's earlier tokens on the host: structured output (the
+grammar matcher must have accepted every earlier token before it can fill the bitmask) and penalties (token counts).
+Under asynchronous scheduling step N+1 is launched before step N's token reaches the host, so for a step that has such a
+row sampling is *deferred*: its forward is launched in `execute`, and its sampling right after the previous step's
+results arrive, at the end of `wait(previous)` — before the following `execute` launches anything that reads the
+history. The bitmask is filled on the CPU while the forward runs (docs/design/sampling.md, "Bitmask per step"); without
+a step in flight sampling follows the forward at once.
 
-Prompt logprobs (runtime §2.6): for a request that asks for them, every prompt position of each prefill chunk that
-has a next prompt token gets a logits row too (after the sampling rows); the processed log-prob of that next token
-under the request's own temperature/top-k/top-p is computed right after the forward and reported with the step
-(`deepinfer_engine.sampling_rows`; recomputed identically after a preemption).
+Prompt logprobs (docs/design/sampling.md, "Prompt logprobs"): for a request that asks for them, every prompt position of
+each prefill chunk that has a next prompt token gets a logits row too (after the sampling rows); the processed log-prob
+of that next token under the request's own temperature/top-k/top-p is computed right after the forward and reported with
+the step (`deepinfer_engine.sampling_rows`; recomputed identically after a preemption).
 
 Speculative decoding (`max_num_draft_tokens` = nextn > 0): a sampling request that verifies `d` drafts gets `d + 1`
 logits rows (its last `d + 1` positions), and `deepinfer_engine.speculative.Speculator` replaces the plain sampler:

@@ -4,7 +4,7 @@
 generated tokens) whose cache entries have been written, or are being written by the step in flight. The scheduler
 advances it when it schedules a step and lowers it when draft tokens are rejected or the request is preempted.
 
-Status state machine (runtime §6.3):
+Status state machine (docs/design/scheduler.md, "Request lifecycle"):
 
     WAITING ──schedule──► RUNNING ──preempt──► PREEMPTED ──schedule──► RUNNING
        │                     │                     │
@@ -44,7 +44,7 @@ TopLogprobs = tuple[tuple[int, float], ...]
 
 
 class FinishReason(enum.Enum):
-    """Why a request finished; the values are the `finish_reason` strings of runtime §1.5."""
+    """Why a request finished; values are the `finish_reason` strings (docs/design/scheduler.md, "Request outputs")."""
 
     STOP = "stop"
     LENGTH = "length"
@@ -105,7 +105,7 @@ _ALLOWED_TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
 
 @dataclass(frozen=True)
 class StopCriteria:
-    """Token-level stop conditions of a request (runtime §6.8), built by the engine from its sampling params.
+    """A request's token-level stop conditions (docs/design/scheduler.md, "Stop conditions"), built from its params.
 
     Stop strings are not here: they need detokenized text; the engine's output processor finds them and finishes
     the request through `Scheduler.finish_request`, like any other finish from outside a step.

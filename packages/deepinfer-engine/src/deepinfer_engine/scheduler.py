@@ -8,10 +8,10 @@ One step of `schedule()`:
 
 1. Running requests, in serve order: first those with one known token left to compute (decode), then those still
    prefilling; within each, fewest generated tokens first (ties: earlier arrival first). Each gets
-   `min(remaining tokens + allowed drafts, budget left, max_model_len - computed)` tokens and the cache for them.
-   When the cache is full, the *victim order* of runtime §6.6 applies: the not-yet-scheduled running request with
-   the most generated tokens (ties: latest arrival) is preempted, the request being served itself only when no
-   other candidate is left. Requests already scheduled this step keep their cache.
+   `min(remaining tokens + allowed drafts, budget left, max_model_len - computed)` tokens and the cache for them. When
+   the cache is full, the *victim order* (docs/design/scheduler.md, "Preemption") applies: the not-yet-scheduled running
+   request with the most generated tokens (ties: latest arrival) is preempted, the request being served itself only when
+   no other candidate is left. Requests already scheduled this step keep their cache.
 2. Waiting requests, FCFS with head-of-line blocking, only if nothing was preempted this step: the head is admitted
    when a request slot is free, the cache can hold its whole known sequence now, and budget is left; it gets a
    chunk of at most the remaining budget (chunked prefill).
@@ -28,13 +28,13 @@ Stop strings need detokenized text: the engine's output processor finds them and
 `finish_request` (status "stop", the tokens after the match dropped), the path every finish from outside a step
 takes (abort, grammar failure, stop string).
 
-Asynchronous scheduling (runtime §6.9; driven by `deepinfer_engine.engine_core`): `schedule()` may be called once
-more before the previous step's `update_from_output`; steps are committed in the order they were scheduled. A
-request whose sampling step is in flight is planned with placeholders (`deepinfer_engine.step_plan`), the cache
-reserving for the worst case (every draft in flight accepted); when that cannot be had, the request waits for the
-results instead of preempting itself. The cache of a request that finishes while a step computing it is in flight
-is freed once that step is committed, so no step computes into cache handed out again; preemption frees at once
-and relies on the device running steps in launch order.
+Asynchronous scheduling (docs/design/scheduler.md, "Asynchronous scheduling"; driven by `deepinfer_engine.engine_core`):
+`schedule()` may be called once more before the previous step's `update_from_output`; steps are committed in the order
+they were scheduled. A request whose sampling step is in flight is planned with placeholders
+(`deepinfer_engine.step_plan`), the cache reserving for the worst case (every draft in flight accepted); when that
+cannot be had, the request waits for the results instead of preempting itself. The cache of a request that finishes
+while a step computing it is in flight is freed once that step is committed, so no step computes into cache handed out
+again; preemption frees at once and relies on the device running steps in launch order.
 """
 
 from __future__ import annotations

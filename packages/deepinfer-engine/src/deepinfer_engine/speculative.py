@@ -6,18 +6,18 @@ the plain sampler. Per sampling request the step has `d + 1` logits rows (`d` = 
     row j = 0 … d at position P0 + j (P0 = the first position the step samples, the previous golden token sits at
     P0 − 1): row j < d scores draft x_{j+1}, row d is the fresh row.
 
-1. Verification (runtime §3.3): the rows' processed target distributions (`Sampler.processed_logprobs`: masks,
-   temperature, top-k/top-p) are checked against the drafts with `deepinfer_sampling.speculative.verify_rejection`,
-   which is exact rejection sampling keyed by (request seed, position): lossless for sampled requests, argmax
-   matching for greedy ones (their q is one-hot). A request emits its `a` accepted drafts and one recovered/bonus
-   token; the emitted tokens go into the runner's token history. Rejected positions need no cache action: the
-   scheduler rolls back positionally and later steps overwrite those rows.
-2. Drafting (dspark.md §5–§6): with `p* = P0 − 1 + a` (the last accepted position) and `g` the emitted token, each
-   drafting request's block `[g, N, …, N]` at positions `p* + 1 … p* + nextn` runs through the DSpark blocks in one
-   forward (the main forward already wrote the context keys of every verify row); then slot k's draft logits get the
-   Markov bias of the previous token and the draft token is sampled from the processed draft distribution with the
-   request's own parameters, keyed by (seed, p* + 2 + k, `RandomStream.DRAFT`). Its probability row is kept on the
-   device (`RunnerRequest.draft_probs`) for the next step's rejection test.
+1. Verification (docs/design/speculative.md, "Verification"): the rows' processed target distributions
+   (`Sampler.processed_logprobs`: masks, temperature, top-k/top-p) are checked against the drafts with
+   `deepinfer_sampling.speculative.verify_rejection`, which is exact rejection sampling keyed by (request seed,
+   position): lossless for sampled requests, argmax matching for greedy ones (their q is one-hot). A request emits its
+   `a` accepted drafts and one recovered/bonus token; the emitted tokens go into the runner's token history. Rejected
+   positions need no cache action: the scheduler rolls back positionally and later steps overwrite those rows.
+2. Drafting (docs/design/model.md, "Draft forward", "Draft heads"): with `p* = P0 − 1 + a` (the last accepted position)
+   and `g` the emitted token, each drafting request's block `[g, N, …, N]` at positions `p* + 1 … p* + nextn` runs
+   through the DSpark blocks in one forward (the main forward already wrote the context keys of every verify row); then
+   slot k's draft logits get the Markov bias of the previous token and the draft token is sampled from the processed
+   draft distribution with the request's own parameters, keyed by (seed, p* + 2 + k, `RandomStream.DRAFT`). Its
+   probability row is kept on the device (`RunnerRequest.draft_probs`) for the next step's rejection test.
 
 Everything up to the copies to the host runs without a host sync. Requests that need their earlier tokens on the
 host to sample (structured output, penalties, golden tokens: `RunnerRequest.needs_host_history`) verify no drafts: a

@@ -1,8 +1,9 @@
 """The engine's tokenizer: `tokenizer.json` loading, encoding, decoding, xgrammar vocabulary, incremental text.
 
 `Tokenizer` wraps a `tokenizers.Tokenizer` loaded from a checkpoint directory. Encoding follows the release policy
-(runtime §1.1 step 6): BOS is prepended when `tokenizer_config.json` asks for it (`add_bos_token`, default true) and
-the tokenizer's own post-processor did not already add it. Decoding drops special tokens (EOS is not shown in text).
+(docs/design/scheduler.md, "Prompts and tokenization"): BOS is prepended when `tokenizer_config.json` asks for it
+(`add_bos_token`, default true) and the tokenizer's own post-processor did not already add it. Decoding drops special
+tokens (EOS is not shown in text).
 
 `IncrementalDetokenizer` turns a growing list of token ids into text without re-decoding everything each token: it
 keeps two offsets into the ids,

@@ -3,12 +3,12 @@
 Every rank builds an `Engine` over its share of the requests (its own scheduler, cache and model runner) with the
 routed experts the EP placement gives it, stepping in lockstep with the other ranks (`deepinfer_engine.lockstep`).
 
-Context parallelism (runtime §7.2): the `cp` ranks of one DP rank (global ranks dp_index·cp … dp_index·cp + cp − 1)
-all receive the DP rank's share of the requests and run identical engines: the same deterministic scheduler over
-the same requests, the same cache layout, the same logits (the model gathers the sampled rows to every CP rank), so
-the same sampled tokens — no step broadcast is needed. The model splits each step holding a prefill chunk over the
-CP group (`deepinfer_model.deepseek_v41.context_parallel`); decode steps run whole on every CP rank. Only CP rank 0's
-outputs are returned (`deepinfer_engine.executor`).
+Context parallelism (docs/design/parallelism.md, "Context parallelism"): the `cp` ranks of one DP rank (global ranks
+dp_index·cp … dp_index·cp + cp − 1) all receive the DP rank's share of the requests and run identical engines: the same
+deterministic scheduler over the same requests, the same cache layout, the same logits (the model gathers the sampled
+rows to every CP rank), so the same sampled tokens — no step broadcast is needed. The model splits each step holding a
+prefill chunk over the CP group (`deepinfer_model.deepseek_v41.context_parallel`); decode steps run whole on every CP
+rank. Only CP rank 0's outputs are returned (`deepinfer_engine.executor`).
 
 `rank_main` is the entry point of a rank process started by `deepinfer_engine.executor.ParallelExecutor`.
 """
@@ -42,8 +42,8 @@ _COLLECTIVE_TIMEOUT_S = 600.0
 def parallel_config(args: EngineArgs) -> ParallelConfig:
     """The world of `args`: dp · cp processes (rank = dp_index · cp + cp_index).
 
-    `data_parallel_size=1` with `expert_parallel_size=N` means max(1, N // cp) attention-DP ranks (runtime §1.4,
-    §6.1: EP alone implies as many DP ranks as the EP group holds CP groups).
+    `data_parallel_size=1` with `expert_parallel_size=N` means max(1, N // cp) attention-DP ranks (EP alone implies
+    as many DP ranks as the EP group holds CP groups; docs/design/parallelism.md, "Group layout").
 
     Raises:
         ValueError: the EP size does not divide dp · cp (the message names the sizes).

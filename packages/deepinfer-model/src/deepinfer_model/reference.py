@@ -30,9 +30,9 @@ Choices where the spec leaves a point open (each follows what the spec attribute
     3. RoPE FMA: ``fma(a, c, ±b·s)`` is evaluated as an exact FP64 ``a·c`` plus the FP32-rounded ``b·s``, rounded to
        FP32 and then to the storage dtype (a double rounding that can differ from a true FP32 FMA in rare ties).
     4. Attention: unnormalized probabilities ``exp(s − max)`` are rounded to BF16 before the value product; the
-       denominator (keys plus sink) uses the FP32 probabilities (model-attention §3 step 6, A4 "inferred: yes").
+       denominator (keys plus sink) uses the FP32 probabilities (docs/design/numerics.md, "Rounding points").
        The attention output is de-rotated and FP8-quantized from FP32, and the grouped ``wo_a`` output is
-       FP8-quantized from FP32, with no BF16 rounding in between (model-attention §3 step 8).
+       FP8-quantized from FP32, with no BF16 rounding in between (docs/design/numerics.md, "Attention output rounding").
     5. Top-k (indexer, candidate blocks, router): larger score first, ties to the lower index (stable sort).
     6. Engram gate at exactly ``z = 0``: the kernel's copy-sign, i.e. ``sigmoid(+1e−3)`` for ``+0`` (B5).
     7. MoE combine: FP32 sum of the BF16 shared-expert output and the BF16 routed outputs in top-k rank order,
@@ -564,12 +564,13 @@ def _moe(text: TextConfig, w: _Weights, num: _Numerics, prefix: str, x: Tensor, 
 
 
 # ==================================================================================================================
-# 8. Attention: SWA, compressor, indexer, candidate blocks, sharing, YOCO (model-attention §1–§9)
+# 8. Attention: SWA, compressor, indexer, candidate blocks, sharing, YOCO (docs/design/attention.md)
 # ==================================================================================================================
 
 
 def sparse_source_map(source_ids: Sequence[int], num_layers: int) -> list[int]:
-    """Layer → nearest source id at or before it; layers below the first source map to themselves (attention §1.3).
+    """Layer → nearest source id at or before it; layers below the first source map to themselves
+    (docs/design/model.md, "Layer roles").
 
     Args:
         source_ids: non-empty source layer ids.
@@ -598,7 +599,8 @@ def compress_kv(
     *,
     precision: Precision = "exact",
 ) -> Tensor:
-    """Compressed rows before RoPE, ``pre_rope_kv`` (attention §4.1–4.2); one row per complete block of ``c`` tokens.
+    """Compressed rows before RoPE, ``pre_rope_kv`` (docs/design/attention.md, "Compressed rows"); one row per complete
+    block of ``c`` tokens.
 
     Ratio ≥ 2: per channel, softmax over the block's tokens of the FP32 gate scores weights the FP32 latents; the
     FP32 sum is rounded to BF16. Ratio 1: the BF16 latent itself. Then RMSNorm with ``compressor.norm``.
@@ -636,7 +638,8 @@ def _rope_rows(rows: Tensor, cos: Tensor, sin: Tensor, ratio: int) -> Tensor:
 
 
 def index_scores(query: Tensor, head_weights: Tensor, keys: Tensor, *, precision: Precision = "exact") -> Tensor:
-    """Indexer logits ``I(t, b) = Σ_h w[t,h]·max(0, q̂[t,h]·û_b)`` in FP32, stored BF16 (attention §5.3).
+    """Indexer logits ``I(t, b) = Σ_h w[t,h]·max(0, q̂[t,h]·û_b)`` in FP32, stored BF16
+    (docs/design/attention.md, "Index scores").
 
     Args:
         query: ``[n, n_i, d_i]`` FP32 dequantized FP4 index queries.
@@ -652,7 +655,8 @@ def index_scores(query: Tensor, head_weights: Tensor, keys: Tensor, *, precision
 
 
 def select_topk(scores: Tensor, eligible: Tensor, k: int) -> Tensor:
-    """Top-``k`` eligible rows per query, larger score first and ties to the lower row (attention §5.4).
+    """Top-``k`` eligible rows per query, larger score first and ties to the lower row
+    (docs/design/attention.md, "Top-k selection").
 
     Args:
         scores: ``[n, R]`` BF16 or FP32.
@@ -673,7 +677,7 @@ def select_topk(scores: Tensor, eligible: Tensor, k: int) -> Tensor:
 
 
 def candidate_block_mask(scores: Tensor, valid: Tensor, block_size: int, num_blocks: int) -> Tensor:
-    """Rows inside the candidate blocks of each query (attention §5.5).
+    """Rows inside the candidate blocks of each query (docs/design/attention.md, "Candidate blocks").
 
     Blocks of ``block_size`` rows score the max of their valid logits (capped at the largest finite BF16); the block
     holding row ``klen − 1`` scores +∞; the ``num_blocks`` best valid blocks are kept (ties to the lower block).
@@ -705,7 +709,8 @@ def candidate_block_mask(scores: Tensor, valid: Tensor, block_size: int, num_blo
 def attention_core(
     query: Tensor, keys: Tensor, mask: Tensor, sink: Tensor, softmax_scale: float, *, precision: Precision = "exact"
 ) -> Tensor:
-    """One softmax per head over each query's keys plus the per-head sink; K = V (attention §3 step 6).
+    """One softmax per head over each query's keys plus the per-head sink; K = V
+    (docs/design/attention.md, "Per-query attention").
 
     Args:
         query: ``[nq, n_h, D]`` BF16 (RoPE applied; FP32 in fp32 precision).
@@ -741,7 +746,7 @@ def swa_visibility(num_tokens: int, window: int) -> Tensor:
 def _project_query_and_key(
     text: TextConfig, w: _Weights, num: _Numerics, prefix: str, x: Tensor, cos: Tensor, sin: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Q latent, heads and the layer's own SWA key (attention §3 steps 1–4).
+    """Q latent, heads and the layer's own SWA key (docs/design/attention.md, "Per-query attention").
 
     Args:
         x: ``[n, H]`` BF16 attention input; ``cos``/``sin`` ``[n, r/2]`` rows of the tokens' positions.
@@ -787,8 +792,9 @@ def _attention_output(
 class _AttentionState:
     """Per-forward attention objects keyed by the layer that produced them.
 
-    Consumer layers read compressed rows, index keys and top-k from their sources (attention §6); the SWA keys,
-    compressed keys and index keys are also what a cache would hold (read back from their storage formats).
+    Consumer layers read compressed rows, index keys and top-k from their sources
+    (docs/design/attention.md, "Cross-layer sharing"); the SWA keys, compressed keys and index keys are also what a
+    cache would hold (read back from their storage formats).
     """
 
     swa_keys: dict[int, Tensor] = field(default_factory=dict)
@@ -817,10 +823,11 @@ def _selected_rows(
     state: _AttentionState,
     rope: _RopeTable,
 ) -> Tensor:
-    """Compressed rows attended by each query of a compressed layer: ``[n, K]`` int64, −1 padded (attention §4–§6).
+    """Compressed rows attended by each query of a compressed layer: ``[n, K]`` int64, −1 padded.
 
-    Runs, in the order of attention §11 rule 6, whatever this layer owns: compressor (KV source), index keys
-    (index-K source), indexer top-k (index source, restricted to candidate blocks after the candidate source).
+    Runs, in the write order of a step (docs/design/cache.md, "Write order within a step"), whatever this layer owns:
+    compressor (KV source), index keys (index-K source), indexer top-k (index source, restricted to candidate blocks
+    after the candidate source).
     """
     prefix = f"layers.{layer}.attn"
     eps, p = text.rms_norm_eps, num.precision
@@ -832,7 +839,7 @@ def _selected_rows(
     index_k_source = sparse_source_map(text.index_k_source_layer_ids, num_layers)[layer]
     if kv_source == layer:
         hidden = x
-        if text.n_prefill_layer <= layer < num_layers:  # YOCO consumer: compress the shared hidden (attention §7.1)
+        if text.n_prefill_layer <= layer < num_layers:  # YOCO consumer: compress the shared hidden
             assert state.shared_hidden is not None  # set by the boundary layer, which runs first
             hidden = state.shared_hidden
         gate = w[f"{prefix}.compressor.wgate.weight"] if ratio > 1 else None
@@ -850,7 +857,8 @@ def _selected_rows(
     if index_source == layer:
         shape = (text.index_n_heads, text.index_head_dim)
         q_index = num.bf16(q_latent @ w.fp8(f"{prefix}.indexer.wq_b").T).unflatten(-1, shape)
-        # The index query is quantized with the index-K storage recipe before scoring (attention §8).
+        # The index query is quantized with the index-K storage recipe before scoring
+        # (docs/design/numerics.md, "KV storage formats").
         q_index = num.store(apply_rope(q_index, rope.cos[:n, None], rope.sin[:n, None]), fp4_ue8m0_quant_dequant)
         head_weights = num.bf16(_bf16_linear(x, w[f"{prefix}.indexer.weights_proj.weight"]))
         index_keys = _source(state.index_keys, index_k_source, layer, "index keys")
@@ -875,7 +883,8 @@ def _selected_rows(
 def _attention_layer(
     text: TextConfig, w: _Weights, num: _Numerics, layer: int, x: Tensor, state: _AttentionState, rope: _RopeTable
 ) -> Tensor:
-    """One backbone attention sub-layer over a whole causal sequence (attention §3); records into ``state``.
+    """One backbone attention sub-layer over a whole causal sequence (docs/design/attention.md, "Per-query attention");
+    records into ``state``.
 
     Args:
         x: ``[n, H]`` BF16 ``attn_norm`` output of tokens at positions ``0 … n−1``.
@@ -887,7 +896,7 @@ def _attention_layer(
     prefix = f"layers.{layer}.attn"
     n = x.shape[0]
     if layer == text.n_prefill_layer:
-        state.shared_hidden = x  # YOCO shared hidden: the boundary layer's attention input (attention §7.1)
+        state.shared_hidden = x  # YOCO shared hidden: the boundary layer's attention input
     cos, sin = rope.cos[:n], rope.sin[:n]
     q, q_latent, swa_keys = _project_query_and_key(text, w, num, prefix, x, cos, sin)
     state.swa_keys[layer] = swa_keys
@@ -1123,7 +1132,8 @@ def _dspark_attention(
     positions: Tensor,
     rope: _RopeTable,
 ) -> Tensor:
-    """Drafter attention: every slot sees the context keys and all draft keys, non-causal (dspark §5 step 4)."""
+    """Drafter attention: every slot sees the context keys and all draft keys, non-causal
+    (docs/design/model.md, "Draft forward")."""
     cos, sin = rope.cos[positions], rope.sin[positions]
     q, _, draft_keys = _project_query_and_key(text, w, num, prefix, x, cos, sin)
     keys = torch.cat([context_keys, draft_keys]).expand(x.shape[0], -1, -1)

@@ -1,8 +1,9 @@
 """NumPy-compatible ``default_rng(seed).integers(0, bound, size, dtype=int64)`` in pure Python.
 
-The Engram hash multipliers (model-core §12.5) are defined by NumPy's generator: a ``SeedSequence`` hashes the seed
-into four 64-bit words, PCG64 (128-bit LCG, XSL-RR output) is seeded from them, and bounded integers use Lemire's
-multiply-and-reject method. Reproduced here so the model needs no NumPy; the tests compare against NumPy itself.
+The Engram hash multipliers (docs/design/model.md, "Hash multipliers") are defined by NumPy's generator: a
+``SeedSequence`` hashes the seed into four 64-bit words, PCG64 (128-bit LCG, XSL-RR output) is seeded from them, and
+bounded integers use Lemire's multiply-and-reject method. Reproduced here so the model needs no NumPy; the tests compare
+against NumPy itself.
 """
 
 from __future__ import annotations

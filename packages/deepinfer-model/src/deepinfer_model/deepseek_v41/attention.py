@@ -1,5 +1,6 @@
-"""Attention of every layer kind (model-attention §3): MLA-style low-rank q, one shared K=V vector per token in a
-sliding window, plus — on compressed layers — ``index_topk`` compressed rows chosen by the indexer.
+"""Attention of every layer kind (docs/design/attention.md, "Per-query attention"): MLA-style low-rank q, one shared K=V
+vector per token in a sliding window, plus — on compressed layers — ``index_topk`` compressed rows chosen by the
+indexer.
 
 Per step and layer, in order: project q and the SWA KV of the key tokens; (kv source) form and store compressed
 rows; (index-K source) store index keys; (index source) select top-k rows, else reuse the source's; attend over
@@ -133,12 +134,12 @@ class Attention(nn.Module):
         return state.codec(self.swa_group).encode(kv)
 
     def _write_window(self, encoded: torch.Tensor, meta: StepMetadata, state: ModelState) -> None:
-        """Store the last ``min(q_len, ring)`` tokens of every request in the ring (model-attention §10.1)."""
+        """Store the last ``min(q_len, ring)`` tokens of every request in the ring (docs/design/cache.md, "Rings")."""
         rows, keep = meta.ring_tail(state.ring_size(self.swa_group))
         state.write_encoded(self.swa_group, self.spec.layer_id, rows, encoded if keep is None else encoded[keep])
 
     def store_window_keys(self, x: torch.Tensor, ctx: StepContext) -> None:
-        """Project and store window keys without attending (DSpark context keys, dspark.md §4).
+        """Project and store window keys without attending (DSpark context keys; docs/design/model.md, "Context keys").
 
         Args:
             x: [T, H] the projected target features of every key token (activation dtype).
@@ -172,8 +173,9 @@ class Attention(nn.Module):
         ]
 
     def _draft_sources(self, fresh: torch.Tensor, ctx: StepContext) -> list[KeySource]:
-        """Keys of a DSpark draft block (dspark.md §5 step 4): the ``W`` context keys before the block, read from the
-        ring, then every draft key of the same request (non-causal, ``B`` = the longest block of the step).
+        """Keys of a DSpark draft block (docs/design/model.md, "Draft forward"): the ``W`` context keys before the
+        block, read from the ring, then every draft key of the same request (non-causal, ``B`` = the longest block of
+        the step).
 
         Returns:
             [ring context with [T, W] rows, draft keys with [T, B] rows].

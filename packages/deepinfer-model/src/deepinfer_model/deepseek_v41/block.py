@@ -1,4 +1,4 @@
-"""One decoder block (model-core §7.2, §8): optional Engram, attention and MoE sub-layers around the mHC trunk.
+"""One decoder block (docs/design/model.md, "Forward pass"): optional Engram, attention and MoE around the mHC trunk.
 
 Shifted mHC schedule (default): the attention input is read with the read-mix handed in (computed by the previous
 sub-layer) and the FFN input with the attention read-mix; non-shifted: each sub-layer reads with its own read-mix.

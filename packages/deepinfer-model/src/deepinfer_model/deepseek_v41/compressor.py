@@ -1,5 +1,5 @@
-"""KV compressor of compressed kv-source layers (model-attention §4): forms one compressed row per ``c`` raw tokens
-and stores it, RoPE'd at the block's first position, in the layer's paged compressed cache.
+"""KV compressor of compressed kv-source layers (docs/design/attention.md, "KV compressor"): forms one compressed row
+per ``c`` raw tokens and stores it, RoPE'd at the block's first position, in the layer's paged compressed cache.
 
 C1: the row is the token's latent. C2: per channel, a softmax over the block's two gate scores weights the two
 latents; tokens of a block that arrived in an earlier step are read back from the compressor state ring (FP32
@@ -39,10 +39,10 @@ class Compressor(nn.Module):
         """Rows completed in this step: ``floor(q_start/c) … floor(context/c) − 1`` per request.
 
         A decode step instead yields one row per request, ``floor(q_start/c)`` (a static shape): for ``c = 2`` and an
-        even position that row is not complete yet and is written provisionally (see ``_combine_c2``). Nothing reads
-        it before it is complete: queries see rows ``< klen(t) = (t + 1) // c`` only (model-attention §4.3, every
-        reader masks the others), and the step that computes the block's last position forms and rewrites the row
-        before any layer reads it.
+        even position that row is not complete yet and is written provisionally (see ``_combine_c2``). Nothing reads it
+        before it is complete: queries see rows ``< klen(t) = (t + 1) // c`` only (every reader masks the others;
+        docs/design/attention.md, "Row visibility"), and the step that computes the block's last position forms and
+        rewrites the row before any layer reads it.
         """
         if meta.is_decode:
             return torch.arange(meta.q_start.shape[0], device=meta.q_start.device), torch.div(

@@ -1,4 +1,4 @@
-"""``StepContext``: what one forward step carries from layer to layer (model-attention §6).
+"""``StepContext``: what one forward step carries from layer to layer (docs/design/attention.md, "Cross-layer sharing").
 
 Cross-layer items are transient: the compressed rows a kv source produced this step (and their pre-RoPE values,
 which index-K sources project), the top-k row sets of index sources, candidate blocks of the candidate source and

@@ -1,4 +1,4 @@
-"""Balanced context parallelism (CP) of prefill steps for the layered model (runtime §7.2).
+"""Balanced context parallelism (CP) of prefill steps (docs/design/parallelism.md, "Context parallelism").
 
 Every rank of a CP group runs the same step (same batch, same cache layout, its own copy of the full cache). In a
 step that splits (``splits_step``: some request has at least ``2·cp`` query tokens), each such request's chunk is

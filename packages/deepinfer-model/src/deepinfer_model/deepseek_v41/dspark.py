@@ -1,9 +1,9 @@
-"""DSpark drafter blocks (``mtp.{i}``, dspark.md §2): a full SWA-only decoder block with base RoPE and the drafter
-MoE, plus the first block's target-feature projection and the last block's heads.
+"""DSpark drafter blocks (``mtp.{i}``; docs/design/model.md, "DSpark blocks"): a full SWA-only decoder block with base
+RoPE and the drafter MoE, plus the first block's target-feature projection and the last block's heads.
 
 Glossary:
     target features: per token, the mean over mHC streams of the trunk entering each ``dspark_target_layer_ids``
-        layer, concatenated in list order (``[T, n_t·H]``, dspark.md §3).
+        layer, concatenated in list order (``[T, n_t·H]``; docs/design/model.md, "Target features").
     context keys: drafter SWA keys derived from target features (``main_proj`` → ``main_norm`` → block ``wkv``).
     Markov head: low-rank bigram bias ``markov_head.head · markov_head.embed[prev]`` added to draft logits.
     confidence head: ``σ(proj · [h ; markov_embed[prev]])``, the conditional acceptance probability of a draft.
@@ -114,7 +114,7 @@ class DSparkBlock(DecoderBlock, HCHeadParameters):
     def heads(
         self, hidden: torch.Tensor, previous_tokens: torch.Tensor, temperature: torch.Tensor, lm_head: LMHead
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft logits and confidences of draft slots (dspark.md §6 step 2, one sequential step).
+        """Draft logits and confidences of draft slots (one sequential step; docs/design/model.md, "Draft heads").
 
         Args:
             hidden: [n, H] pre-norm drafter hidden ``h_k``.
@@ -133,7 +133,7 @@ class DSparkBlock(DecoderBlock, HCHeadParameters):
         return logits, self.confidence_head(hidden, prev, temperature)
 
     def project_features(self, features: torch.Tensor) -> torch.Tensor:
-        """``m = RMSNorm(F · main_projᵀ; main_norm)`` (dspark.md §4 step 1). Args: features [T, n_t·H].
+        """``m = RMSNorm(F · main_projᵀ; main_norm)`` (docs/design/model.md, "Context keys"). Args: features [T, n_t·H].
         Returns: [T, H] activation dtype."""
         if self.main_proj is None or self.main_norm is None:
             raise RuntimeError("only the first DSpark block owns main_proj / main_norm")

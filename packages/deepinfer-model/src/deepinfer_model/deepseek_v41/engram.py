@@ -1,4 +1,4 @@
-"""Engram: hashed n-gram memory added to the trunk of selected layers (model-core §12).
+"""Engram: hashed n-gram memory added to the trunk of selected layers (docs/design/model.md, "Engram").
 
 Per token: the suffix n-grams (orders 2 … ``N_g``) over the compressed vocabulary are hashed with ``h_e`` odd
 multiplier hashes into prime-sized sub-tables; the gathered FP8 rows are projected by ``engram.wkv`` into one key
@@ -32,7 +32,7 @@ _SEED_STRIDE = 10007
 
 @dataclass(frozen=True)
 class EngramVocab:
-    """Compressed vocabulary of §12.2.
+    """Compressed vocabulary (docs/design/model.md, "Compressed vocabulary").
 
     Attributes:
         old_to_new: [V_t] int64 compressed id of every tokenizer id.
@@ -52,8 +52,9 @@ class EngramVocab:
 
 
 def hash_multipliers(layer_id: int, num_compressed: int, max_ngram: int) -> torch.Tensor:
-    """Odd int64 multipliers ``a_ℓ = 2·r + 1`` (§12.5), ``r`` drawn by NumPy's ``default_rng(10007·ℓ)`` below
-    ``B = max(1, ⌊⌊(2^63 − 1) / V_c⌋ / 2⌋)`` (reproduced without NumPy). Returns: [N_g] int64."""
+    """Odd int64 multipliers ``a_ℓ = 2·r + 1`` (docs/design/model.md, "Hash multipliers"), ``r`` drawn by NumPy's
+    ``default_rng(10007·ℓ)`` below ``B = max(1, ⌊⌊(2^63 − 1) / V_c⌋ / 2⌋)`` (reproduced without NumPy).
+    Returns: [N_g] int64."""
     bound = max(1, (2**63 - 1) // num_compressed // 2)
     values = bounded_int64s(_SEED_STRIDE * layer_id, bound, max_ngram)
     return torch.tensor([2 * value + 1 for value in values], dtype=torch.int64)
@@ -62,7 +63,7 @@ def hash_multipliers(layer_id: int, num_compressed: int, max_ngram: int) -> torc
 def ngram_rows(
     meta: StepMetadata, input_ids: torch.Tensor, prefix_ids: torch.Tensor, vocab: EngramVocab, max_ngram: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Compressed n-gram rows of the step's tokens (§12.3).
+    """Compressed n-gram rows of the step's tokens (docs/design/model.md, "N-gram rows").
 
     Args:
         meta: step metadata.
@@ -91,7 +92,8 @@ def ngram_rows(
 
 
 class EngramTable(nn.Module):
-    """FP8 n-gram table ``[R, d_e]`` with one UE8M0 scale per row and 32 columns (§5.4)."""
+    """FP8 n-gram table ``[R, d_e]`` with one UE8M0 scale per row and 32 columns
+    (docs/design/numerics.md, "Weight formats")."""
 
     def __init__(self, num_rows: int, width: int) -> None:
         super().__init__()
@@ -136,7 +138,10 @@ class Engram(nn.Module):
         return cached
 
     def table_indices(self, rows: torch.Tensor, multipliers: torch.Tensor) -> torch.Tensor:
-        """Hash (§12.6). Args: rows [T, N_g] int64; multipliers [N_g]. Returns: [T, (N_g−1)·h_e] int64 rows."""
+        """Hash (docs/design/model.md, "Engram hash").
+
+        Args: rows [T, N_g] int64; multipliers [N_g]. Returns: [T, (N_g−1)·h_e] int64 rows.
+        """
         mult = multipliers.to(rows.device)
         h = rows[:, 0] * mult[0]
         columns = []
@@ -150,7 +155,7 @@ class Engram(nn.Module):
     def forward(
         self, trunk: torch.Tensor, rows: torch.Tensor, active: torch.Tensor, vocab: EngramVocab
     ) -> torch.Tensor:
-        """Apply the Engram to the trunk (§12.7–12.8).
+        """Apply the Engram to the trunk (docs/design/model.md, "Engram lookup and gate").
 
         Args:
             trunk: [T, m, H] activation dtype.
@@ -172,7 +177,8 @@ class Engram(nn.Module):
         a_x = torch.rsqrt(((x * x).sum(dim=-1) / self.hidden + self.eps).double()).float()
         a_k = torch.rsqrt(((keys * keys).sum(dim=-1) / self.hidden + self.eps).double()).float()
         z = (x * weight[None] * keys).sum(dim=-1) * a_x * a_k / math.sqrt(self.hidden)
-        # Copy-sign: z = +0 gives sigmoid(+1e-3), as the GPU kernel does (model-core §12.8, B5).
+        # Copy-sign: z = +0 gives sigmoid(+1e-3), as the GPU kernel does
+        # (docs/design/model.md, "Engram lookup and gate").
         gate = torch.sigmoid(torch.copysign(torch.sqrt(torch.clamp(z.abs(), min=_GATE_FLOOR)), z))
         updated = round_activation(x + gate[..., None] * value[:, None, :], self.mode)
         return torch.where(active[:, None, None], updated, trunk)

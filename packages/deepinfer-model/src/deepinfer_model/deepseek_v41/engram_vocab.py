@@ -1,4 +1,5 @@
-"""Compressed Engram vocabulary (model-core §12.2), built once from the checkpoint's ``tokenizer.json``.
+"""Compressed Engram vocabulary (docs/design/model.md, "Compressed vocabulary"), built once from the checkpoint's
+``tokenizer.json``.
 
 Every tokenizer id is decoded on its own and keyed by its normalized text (NFKC → NFD → accents stripped →
 lowercase → whitespace runs collapsed to one space → trimmed, a lone space kept); ids with equal keys share one
@@ -24,7 +25,7 @@ _WHITESPACE_RUN = re.compile(r"[ \t\r\n]+")
 
 
 def normalize_engram_key(text: str) -> str:
-    """The §12.2 ``normalize`` of one decoded token (an empty result is the caller's to replace)."""
+    """The ``normalize`` of one decoded token (an empty result is the caller's to replace)."""
     text = unicodedata.normalize("NFD", unicodedata.normalize("NFKC", text))
     text = "".join(char for char in text if unicodedata.category(char) != "Mn").lower()
     text = _WHITESPACE_RUN.sub(" ", text)

@@ -11,7 +11,7 @@ One layer's dispatch (every EP rank calls it once per forward, also with zero to
       │ map_to_physical: one replica per routing choice
       │ dispatcher.dispatch: received rows [m, H], local slot of each choice (-1 = elsewhere), weights
       │ every (row, choice) through this rank's experts: grouped GEMMs over the stored slots in exact mode, one
-      │ experts.compute call per held expert in FP32 mode; the weight acts inside the expert, before w2 (§13.3)
+      │ experts.compute call per held expert in FP32 mode; the weight acts inside the expert, before w2
       ▼
     per-choice outputs [m, k, H] (zeros for choices computed elsewhere)
       │ dispatcher.combine: [n, k, H]; each choice is computed on exactly one rank, so the sum over ranks only adds

@@ -1,4 +1,5 @@
-"""Manifold-constrained hyper-connections (mHC, model-core §10): the ``m``-stream residual trunk.
+"""Manifold-constrained hyper-connections: the ``m``-stream residual trunk
+(docs/design/model.md, "Hyper-connections (mHC)").
 
 Glossary:
     trunk: the residual state ``X`` ``[n, m, H]`` (``m`` = ``hc_mult`` streams).
@@ -8,7 +9,8 @@ Glossary:
 
 In the shifted schedule (``hc_shifted``, the default) a sub-layer reads its input with the read-mix computed by the
 previous sub-layer (the very first read is a one-hot on stream 0) and the network ends with the last read-mix; in the
-non-shifted schedule a sub-layer reads with its own read-mix and an HC head collapses the trunk at the end (§10.9).
+non-shifted schedule a sub-layer reads with its own read-mix and an HC head collapses the trunk at the end
+(docs/design/model.md, "Shifted schedule").
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def round_to_tf32(x: torch.Tensor) -> torch.Tensor:
 
 
 def hc_mix_logits(trunk: torch.Tensor, fn: torch.Tensor, rms_eps: float, mode: ComputeMode) -> torch.Tensor:
-    """``μ = γ · fn·z`` (§10.2): ``fn`` applied to the RMS-normalized flattened trunk.
+    """``μ = γ · fn·z`` (docs/design/model.md, "Mix logits"): ``fn`` applied to the RMS-normalized flattened trunk.
 
     Args: trunk [n, m, H]; fn [rows, m·H] fp32. Returns: [n, rows] fp32.
     """
@@ -61,7 +63,7 @@ def hc_head(
     hc_eps: float,
     mode: ComputeMode,
 ) -> torch.Tensor:
-    """Non-shifted HC head (§10.9): collapse the trunk with its own read-mix.
+    """Non-shifted HC head (docs/design/model.md, "Shifted schedule"): collapse the trunk with its own read-mix.
 
     Args: trunk [n, m, H]; fn [m, m·H]; scale [1]; base [m]. Returns: [n, H] activation dtype.
     """
@@ -79,10 +81,11 @@ def hc_mixes(
     sinkhorn_iters: int,
     mode: ComputeMode,
 ) -> HCMixes:
-    """Token-dependent mixes of one sub-layer (§10.2–10.4), FP32.
+    """Token-dependent mixes of one sub-layer, FP32 (docs/design/model.md, "Read, write and comb mixes").
 
-    The mix GEMM runs in TF32 in exact mode (``fn`` rounded to TF32; the BF16 trunk is exact in TF32, §5.6) and in
-    plain FP32 otherwise; ``γ`` is a correctly rounded FP32 reciprocal square root.
+    The mix GEMM runs in TF32 in exact mode (``fn`` rounded to TF32; the BF16 trunk is exact in TF32;
+    docs/design/numerics.md, "GEMM accumulation") and in plain FP32 otherwise; ``γ`` is a correctly rounded FP32
+    reciprocal square root.
 
     Args:
         trunk: [n, m, H] bf16/fp32.
@@ -111,7 +114,7 @@ def hc_mixes(
 
 
 def hc_read(trunk: torch.Tensor, read_mix: torch.Tensor, mode: ComputeMode) -> torch.Tensor:
-    """``u = Σ_j P_j · X_j`` accumulated in stream order (§10.5).
+    """``u = Σ_j P_j · X_j`` accumulated in stream order (docs/design/model.md, "Read and post").
 
     Args: trunk [n, m, H]; read_mix [n, m]. Returns: [n, H] activation dtype.
     """
@@ -125,7 +128,7 @@ def hc_read(trunk: torch.Tensor, read_mix: torch.Tensor, mode: ComputeMode) -> t
 def hc_post(
     output: torch.Tensor, trunk: torch.Tensor, write_mix: torch.Tensor, comb: torch.Tensor, mode: ComputeMode
 ) -> torch.Tensor:
-    """``X'_o = Q_o · y + Σ_i C_{i,o} · X_i`` (§10.6).
+    """``X'_o = Q_o · y + Σ_i C_{i,o} · X_i`` (docs/design/model.md, "Read and post").
 
     Args:
         output: [n, H] sub-layer output.

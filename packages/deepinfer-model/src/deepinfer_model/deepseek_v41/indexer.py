@@ -1,5 +1,5 @@
-"""Lightning indexer (model-attention §5): index keys for compressed rows, index scores and top-k row selection,
-and the candidate-block restriction.
+"""Lightning indexer (docs/design/attention.md, "Lightning indexer"): index keys for compressed rows, index scores and
+top-k row selection, and the candidate-block restriction.
 
 Index scores for query ``t`` and row ``b < klen(t) = (t+1) // c``: ``I(t, b) = Σ_h w[t,h] · relu(q̂[t,h] · û_b)``
 with index q and keys quantized by the index-K row recipe (FP4 in exact mode), rounded to the activation dtype.
@@ -82,7 +82,8 @@ class Indexer(nn.Module):
         layer_id: int,
         rope: RotaryEmbedding,
     ) -> None:
-        """Project, RoPE and store the index keys of this step's new compressed rows (§5.2)."""
+        """Project, RoPE and store the index keys of this step's new compressed rows
+        (docs/design/attention.md, "Index keys")."""
         if self.wk is None or self.k_norm is None:
             raise RuntimeError(f"layer {layer_id} is not an index-K source")
         keys = rope.rotate(self.k_norm(self.wk(rows.pre_rope_kv)), rows.row * ratio)

@@ -3,8 +3,8 @@
 Build from a ``ModelConfig`` on any device (``meta`` included), ``load_weights`` from ``(hf_name, tensor)`` pairs in
 stored formats, declare the cache groups with ``cache_spec``, allocate a ``ModelState`` and call
 ``forward(batch, state)`` once per step. Each step: embed → expand to ``m`` streams → blocks → final read → RMSNorm →
-LM head (model-core §8); DSpark target features are captured on the way and the drafter's context keys written into
-its rings (dspark.md §4).
+LM head (docs/design/model.md, "Forward pass"); DSpark target features are captured on the way and the drafter's
+context keys written into its rings (docs/design/model.md, "Context keys").
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
         return codecs
 
     def cache_spec(self) -> CacheSpec:
-        """The cache groups of model-attention §11 for this config and compute mode."""
+        """The cache groups (docs/design/cache.md, "Cache groups") for this config and compute mode."""
         cfg = self.config.text
         codecs = self.row_codecs()
         bt = self.max_backtracking_tokens
@@ -260,7 +260,8 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
         return self.head(self.norm(final))
 
     def draft_forward(self, batch: ForwardBatch, state: ModelState) -> torch.Tensor:
-        """DSpark draft forward (dspark.md §5): every request's tokens form one non-causal draft block.
+        """DSpark draft forward (docs/design/model.md, "Draft forward"): every request's tokens form one non-causal
+        draft block.
 
         The runner lays out each request's block as tokens ``[g, N, …, N]`` at positions ``p* + 1 … p* + B``
         (``context_lens = p* + 1 + B``), ``p*`` the last accepted position, whose context keys the main forward
@@ -290,7 +291,7 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
     def draft_heads(
         self, hidden: torch.Tensor, previous_tokens: torch.Tensor, temperature: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft logits and confidences (dspark.md §6) of draft slots; see ``DSparkBlock.heads``.
+        """Draft logits and confidences (docs/design/model.md, "Draft heads") of draft slots; see ``DSparkBlock.heads``.
 
         Args:
             hidden: [n, H] from ``draft_forward``.

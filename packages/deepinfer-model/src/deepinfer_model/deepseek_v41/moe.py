@@ -1,5 +1,5 @@
-"""Mixture of experts of every block (model-core §13): ``sqrtsoftplus`` router with ``noaux_tc`` selection, MXFP4
-routed experts with clamped SwiGLU, optional FP8 shared expert.
+"""Mixture of experts of every block (docs/design/model.md, "Mixture of experts"): ``sqrtsoftplus`` router with
+``noaux_tc`` selection, MXFP4 routed experts with clamped SwiGLU, optional FP8 shared expert.
 
 Expert dispatch goes through the ``ExpertDispatch`` seam: a callable that receives the quantized tokens, their
 routing and a per-expert compute function and returns the FP32 sum of the routed outputs. ``local_expert_dispatch``
@@ -34,7 +34,8 @@ _WEIGHT_NORM_EPS = 1e-20
 def local_expert_dispatch(
     x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: RoutedExperts, bias: torch.Tensor
 ) -> torch.Tensor:
-    """Run every selected expert locally; add the outputs to ``bias`` in FP32, in top-k rank order (§13.6).
+    """Run every selected expert locally; add the outputs to ``bias`` in FP32, in top-k rank order
+    (docs/design/model.md, "MoE combine").
 
     Args:
         x: [n, H] expert inputs (the ``ffn_norm`` output, activation dtype).
@@ -69,10 +70,10 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Args: x [n, H] (text tokens). Returns: ``(topk_ids [n, k] int64, topk_weights [n, k] fp32)``."""
-        logits = x.float() @ self.weight.float().t()  # FP32 logits, never rounded (§13.1)
+        logits = x.float() @ self.weight.float().t()  # FP32 logits, never rounded (docs/design/model.md, "Router")
         scores = torch.sqrt(torch.where(logits > 20.0, logits, torch.log1p(torch.exp(logits))))
         biased = scores + self.bias
-        # Stable descending sort: ties go to the lower expert index (§13.2).
+        # Stable descending sort: ties go to the lower expert index (docs/design/model.md, "Router").
         order = torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, : self.top_k]
         chosen = scores.gather(1, order)
         weights = chosen / (chosen.sum(dim=-1, keepdim=True) + _WEIGHT_NORM_EPS) * self.scaling
@@ -160,7 +161,8 @@ class RoutedExperts(nn.Module):
         return round_activation(mxfp4_grouped_gemm(act, slots, self.w2.weight, self.w2.scale), self.mode)
 
     def compute(self, expert: int, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """One expert (§13.3): the routing weight multiplies the SwiGLU output before ``w2`` and its FP8 cast.
+        """One expert (docs/design/model.md, "Routed experts"): the routing weight multiplies the SwiGLU output before
+        ``w2`` and its FP8 cast.
 
         Args: x [n_e, H] activation dtype; weights [n_e] fp32. Returns: [n_e, H] activation dtype.
         """
@@ -169,7 +171,7 @@ class RoutedExperts(nn.Module):
 
 
 class SharedExperts(nn.Module):
-    """FP8 shared expert block of width ``S·I`` (§13.5)."""
+    """FP8 shared expert block of width ``S·I`` (docs/design/model.md, "Routed experts")."""
 
     def __init__(self, hidden: int, intermediate: int, limit: float | None, mode: ComputeMode) -> None:
         super().__init__()

@@ -1,7 +1,7 @@
 """``ModelState``: the incremental attention state of every layer, stored as byte pools per cache group.
 
-Pools follow the model's ``CacheSpec`` (``deepinfer_model.cache_spec``); per layer kind the content is exactly that of
-model-attention §11:
+Pools follow the model's ``CacheSpec`` (``deepinfer_model.cache_spec``); per layer kind the content is exactly this
+(docs/design/cache.md, "Cache groups"):
 
     group "swa"            SLIDING_WINDOW  [num_state_slots, W + BT, bytes]   SWA KV of the last W + BT positions
     group "compressed_c*"  PAGED           [num_blocks, block_size / c, bytes] compressed rows (kv sources)
@@ -9,9 +9,9 @@ model-attention §11:
     group "compressor_c2"  STATE           [num_state_slots, 2 + BT − 1, bytes] C2 (score, latent) FP32 entries
     group "dspark_swa"     SLIDING_WINDOW  drafter rings (context keys and draft keys)
 
-Consumer layers own no pools: they read their source's pool (§11 rule 3). Rollback needs no action: rows are
-addressed by position, so re-fed positions overwrite their old rows (§11 rule 4) as long as at most ``BT`` positions
-are rolled back.
+Consumer layers own no pools: they read their source's pool (docs/design/cache.md, "Cache groups"). Rollback needs no
+action: rows are addressed by position, so re-fed positions overwrite their old rows (docs/design/cache.md, "Rollback")
+as long as at most ``BT`` positions are rolled back.
 """
 
 from __future__ import annotations

@@ -112,7 +112,7 @@ class StepMetadata:
         return pages * rows_per_block + torch.remainder(row, rows_per_block)
 
     def ring_tail(self, ring_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Flat ring rows the step stores (model-attention §10.1) and which tokens they hold.
+        """Flat ring rows the step stores (docs/design/cache.md, "Rings") and which tokens they hold.
 
         Returns:
             ``(rows [N] int64, keep)``: ``keep`` is the [T] bool mask of ``ring_write_tokens`` (then the rows belong
@@ -125,7 +125,7 @@ class StepMetadata:
         return self.ring_rows(self.token_request[keep], self.positions[keep], ring_size), keep
 
     def ring_write_tokens(self, ring_size: int) -> torch.Tensor:
-        """[T] bool: the token is among the last ``min(q_len, ring_size)`` tokens of its request (prefill rule of
-        model-attention §10.1; older chunk tokens would be overwritten within the same write)."""
+        """[T] bool: the token is among the last ``min(q_len, ring_size)`` tokens of its request (older chunk tokens
+        would be overwritten within the same write; docs/design/cache.md, "Rings")."""
         end = self.q_start[self.token_request] + self.q_len[self.token_request]
         return self.positions >= end - ring_size
