@@ -79,3 +79,21 @@ def test_leading_dims_empty_and_validation(op_device: str) -> None:
     packed, scale = dk.quantize_mxfp4(random_normal((8, 64), seed=3, device=op_device))
     with pytest.raises(ValueError, match="scale must have shape"):
         dk.mxfp4_gemm(x, packed, scale[:4])
+
+
+def test_dequantized_gemm_equals_the_reference_gemms_bitwise() -> None:
+    x = random_normal((5, 96), seed=21, dtype=torch.bfloat16)
+    w_q, w_scale = dk.quantize_fp8_block(random_normal((70, 96), seed=22, std=0.05))
+    w_hat = dk.dequantize_fp8_block(w_q, w_scale)
+    expected = dk.fp8_block_gemm(x, w_q, w_scale)
+    assert_bitwise_equal(dk.dequantized_gemm(x, w_hat), expected)
+    assert_bitwise_equal(dk.dequantized_gemm(x, w_hat.double()), expected)
+    packed, scale = dk.quantize_mxfp4(random_normal((70, 96), seed=23))
+    assert_bitwise_equal(dk.dequantized_gemm(x, dk.dequantize_mxfp4(packed, scale)), dk.mxfp4_gemm(x, packed, scale))
+    assert dk.dequantized_gemm(x[:0], w_hat).shape == (0, 70)
+    with pytest.raises(TypeError, match=r"w_hat has dtype torch\.bfloat16"):
+        dk.dequantized_gemm(x, w_hat.bfloat16())
+    with pytest.raises(ValueError, match="x has 64 columns"):
+        dk.dequantized_gemm(x[:, :64], w_hat)
+    with pytest.raises(ValueError, match="w_hat must be 2-D"):
+        dk.dequantized_gemm(x, w_hat[None])

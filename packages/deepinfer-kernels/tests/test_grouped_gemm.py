@@ -100,3 +100,22 @@ def test_validation() -> None:
         dk.mxfp4_grouped_gemm(x[:, :48], ids, packed[:, :, :24], scale)
     with pytest.raises(ValueError, match="x must be 2-D"):
         dk.mxfp4_grouped_gemm(x[None], ids, packed, scale)
+
+
+def test_dequantized_grouped_gemm_equals_the_reference_bitwise() -> None:
+    experts, n, k = 4, 24, 96
+    packed, scale = _experts(experts, n, k, seed=10, device="cpu")
+    w_hat = torch.stack([dk.dequantize_mxfp4(packed[e], scale[e]) for e in range(experts)])
+    x = random_normal((9, k), seed=11, dtype=torch.bfloat16)
+    ids = torch.tensor([3, 0, -1, 3, 1, 0, 3, -1, 1])
+    expected = dk.mxfp4_grouped_gemm(x, ids, packed, scale)
+    assert_bitwise_equal(dk.dequantized_grouped_gemm(x, ids, w_hat), expected)
+    assert_bitwise_equal(dk.dequantized_grouped_gemm(x, ids, w_hat.double()), expected)
+    with pytest.raises(ValueError, match=r"expert_ids\[0\] is 4; allowed: -1 \(no local expert\) or 0\.\.3"):
+        dk.dequantized_grouped_gemm(x, torch.full((9,), 4), w_hat)
+    with pytest.raises(TypeError, match=r"w_hat has dtype torch\.bfloat16"):
+        dk.dequantized_grouped_gemm(x, ids, w_hat.bfloat16())
+    with pytest.raises(ValueError, match="w_hat must be 3-D"):
+        dk.dequantized_grouped_gemm(x, ids, w_hat[0])
+    with pytest.raises(ValueError, match="x has 64 columns"):
+        dk.dequantized_grouped_gemm(x[:, :64], ids, w_hat)

@@ -7,8 +7,8 @@ Importing this package touches neither the device nor the environment.
 """
 
 from deepinfer_kernels.attention import KeySource, sparse_attention
-from deepinfer_kernels.gemm import fp8_block_gemm, mxfp4_gemm
-from deepinfer_kernels.grouped_gemm import mxfp4_grouped_gemm
+from deepinfer_kernels.gemm import dequantized_gemm, fp8_block_gemm, mxfp4_gemm
+from deepinfer_kernels.grouped_gemm import dequantized_grouped_gemm, mxfp4_grouped_gemm
 from deepinfer_kernels.indexer import indexer_select
 from deepinfer_kernels.kv_cache import store_rows
 from deepinfer_kernels.norm import rms_norm
@@ -36,6 +36,8 @@ __all__ = [
     "dequantize_fp8_block",
     "dequantize_fp8_per_token_group",
     "dequantize_mxfp4",
+    "dequantized_gemm",
+    "dequantized_grouped_gemm",
     "encode_rows",
     "fp8_block_gemm",
     "indexer_select",

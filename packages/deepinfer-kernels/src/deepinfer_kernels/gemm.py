@@ -3,6 +3,10 @@
 
 Implementations: the reference (an exact emulation, FP64 sums), Triton on nvidia (``cuda.gemm``, FP32 sums); ascend
 falls back to the reference.
+
+``dequantized_gemm`` is the same product for a caller that already holds the exactly dequantized weight ``Ŵ``
+(reference only): the reference quantized GEMMs dequantize their whole weight on every call, so a caller that runs
+them many times on one weight (the model's CPU path) can dequantize once and get bit-identical results.
 """
 
 from __future__ import annotations
@@ -12,9 +16,10 @@ import torch
 from deepinfer_kernels import _registry
 from deepinfer_kernels._checks import check_dtype, check_ndim_at_least, check_same_device, check_tensor
 
-__all__ = ["fp8_block_gemm", "mxfp4_gemm"]
+__all__ = ["dequantized_gemm", "fp8_block_gemm", "mxfp4_gemm"]
 
 _ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)
+_DEQUANTIZED_DTYPES = (torch.float32, torch.float64)
 _GROUP = 32
 
 
@@ -96,3 +101,26 @@ def mxfp4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> to
         )
     check_same_device(x=x, packed=packed, scale=scale)
     return _run("mxfp4_gemm", x, n, packed.view(torch.int8), scale)
+
+
+def dequantized_gemm(x: torch.Tensor, w_hat: torch.Tensor) -> torch.Tensor:
+    """``y = bf16(x̂ · Ŵᵀ)`` for a weight given as its exact dequantized values (x quantized as in the GEMMs above).
+
+    ``dequantized_gemm(x, dequantize_fp8_block(w_q, w_scale))`` equals the reference ``fp8_block_gemm(x, w_q,
+    w_scale)`` bit for bit, and likewise with ``dequantize_mxfp4`` / ``mxfp4_gemm``. There is only a reference
+    implementation: on a device with fast GEMMs, call those on the stored weights instead.
+
+    Args:
+        x: [..., K] bf16 or fp32, ``K % 32 == 0``.
+        w_hat: [N, K] fp32 or fp64, same device.
+
+    Returns:
+        [..., N] bf16.
+    """
+    check_tensor("w_hat", w_hat)
+    check_dtype("w_hat", w_hat.dtype, _DEQUANTIZED_DTYPES)
+    if w_hat.dim() != 2:
+        raise ValueError(f"w_hat must be 2-D [N, K], got shape {tuple(w_hat.shape)}")
+    _check_activation(x, w_hat.shape[1])
+    check_same_device(x=x, w_hat=w_hat)
+    return _run("dequantized_gemm", x, w_hat.shape[0], w_hat)

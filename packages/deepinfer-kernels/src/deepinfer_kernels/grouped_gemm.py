@@ -8,6 +8,9 @@ Expert ids are checked only where checking is free of a host synchronization: th
 tensors, or any device without a fast kernel) raises ValueError for ids outside ``[-1, E)``. The Triton kernel does
 not check them, because that would stall the host and break CUDA graph capture; there any id outside ``[0, E)``
 yields a zero row, like ``-1``.
+
+``dequantized_grouped_gemm`` is the same product over experts whose weights the caller already holds exactly
+dequantized (reference only; see ``deepinfer_kernels.gemm.dequantized_gemm``).
 """
 
 from __future__ import annotations
@@ -17,10 +20,33 @@ import torch
 from deepinfer_kernels import _registry
 from deepinfer_kernels._checks import check_dtype, check_same_device, check_tensor
 
-__all__ = ["mxfp4_grouped_gemm"]
+__all__ = ["dequantized_grouped_gemm", "mxfp4_grouped_gemm"]
 
 _ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)
 _GROUP = 32
+
+
+def _check_rows(x: torch.Tensor, expert_ids: torch.Tensor, k: int, described: str) -> None:
+    check_dtype("x", x.dtype, _ACTIVATION_DTYPES)
+    check_dtype("expert_ids", expert_ids.dtype, (torch.int64,))
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [M, K], got shape {tuple(x.shape)}")
+    if x.shape[1] != k:
+        raise ValueError(f"x has {x.shape[1]} columns but {described} has reduction dimension {k}")
+    if k % _GROUP:
+        raise ValueError(f"the reduction dimension ({k}) must be a multiple of {_GROUP}")
+    if tuple(expert_ids.shape) != (x.shape[0],):
+        raise ValueError(
+            f"expert_ids must have shape ({x.shape[0]},) (one id per row of x), got {tuple(expert_ids.shape)}"
+        )
+
+
+def _run(op: str, x: torch.Tensor, expert_ids: torch.Tensor, n: int, *weights: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros((x.shape[0], n), dtype=torch.bfloat16, device=x.device)
+    if out.numel() == 0 or x.shape[1] == 0:
+        return out
+    _registry.resolve(op, x.device.type)(x.contiguous(), expert_ids.contiguous(), *weights, out)
+    return out
 
 
 def mxfp4_grouped_gemm(
@@ -47,33 +73,45 @@ def mxfp4_grouped_gemm(
     """
     for name, value in (("x", x), ("expert_ids", expert_ids), ("packed", packed), ("scale", scale)):
         check_tensor(name, value)
-    check_dtype("x", x.dtype, _ACTIVATION_DTYPES)
-    check_dtype("expert_ids", expert_ids.dtype, (torch.int64,))
     check_dtype("packed", packed.dtype, (torch.int8, torch.uint8))
     check_dtype("scale", scale.dtype, (torch.float8_e8m0fnu,))
-    if x.dim() != 2:
-        raise ValueError(f"x must be 2-D [M, K], got shape {tuple(x.shape)}")
     if packed.dim() != 3:
         raise ValueError(f"packed must be 3-D [E, N, K/2], got shape {tuple(packed.shape)}")
     experts, n, k = packed.shape[0], packed.shape[1], packed.shape[2] * 2
-    if x.shape[1] != k:
-        raise ValueError(f"x has {x.shape[1]} columns but packed {tuple(packed.shape)} has reduction dimension {k}")
-    if k % _GROUP:
-        raise ValueError(f"the reduction dimension ({k}) must be a multiple of {_GROUP}")
+    _check_rows(x, expert_ids, k, f"packed {tuple(packed.shape)}")
     if tuple(scale.shape) != (experts, n, k // _GROUP):
         raise ValueError(
             f"scale must have shape {(experts, n, k // _GROUP)} for packed {tuple(packed.shape)}, "
             f"got {tuple(scale.shape)}"
         )
-    if tuple(expert_ids.shape) != (x.shape[0],):
-        raise ValueError(
-            f"expert_ids must have shape ({x.shape[0]},) (one id per row of x), got {tuple(expert_ids.shape)}"
-        )
     check_same_device(x=x, expert_ids=expert_ids, packed=packed, scale=scale)
-    out = torch.zeros((x.shape[0], n), dtype=torch.bfloat16, device=x.device)
-    if out.numel() == 0 or k == 0:
-        return out
-    _registry.resolve("mxfp4_grouped_gemm", x.device.type)(
-        x.contiguous(), expert_ids.contiguous(), packed.contiguous().view(torch.int8), scale.contiguous(), out
-    )
-    return out
+    return _run("mxfp4_grouped_gemm", x, expert_ids, n, packed.contiguous().view(torch.int8), scale.contiguous())
+
+
+def dequantized_grouped_gemm(x: torch.Tensor, expert_ids: torch.Tensor, w_hat: torch.Tensor) -> torch.Tensor:
+    """``y[m] = bf16(x̂[m] · Ŵ[expert_ids[m]]ᵀ)`` with the experts' weights given exactly dequantized.
+
+    ``dequantized_grouped_gemm(x, ids, Ŵ)`` with ``Ŵ[e] = dequantize_mxfp4(packed[e], scale[e])`` equals the
+    reference ``mxfp4_grouped_gemm(x, ids, packed, scale)`` bit for bit. Reference only: it synchronizes with the
+    host and raises ValueError for ids outside ``[-1, E)``.
+
+    Args:
+        x: [M, K] bf16 or fp32, ``K % 32 == 0``.
+        expert_ids: [M] int64 in ``[-1, E)``; ``-1`` means the row belongs to no local expert.
+        w_hat: [E, N, K] fp32 or fp64, same device.
+
+    Returns:
+        [M, N] bf16; rows with ``expert_ids == -1`` are zero.
+
+    Raises:
+        TypeError: a tensor has the wrong dtype.
+        ValueError: shapes disagree, tensors are on different devices, or an id is out of range.
+    """
+    for name, value in (("x", x), ("expert_ids", expert_ids), ("w_hat", w_hat)):
+        check_tensor(name, value)
+    check_dtype("w_hat", w_hat.dtype, (torch.float32, torch.float64))
+    if w_hat.dim() != 3:
+        raise ValueError(f"w_hat must be 3-D [E, N, K], got shape {tuple(w_hat.shape)}")
+    _check_rows(x, expert_ids, w_hat.shape[2], f"w_hat {tuple(w_hat.shape)}")
+    check_same_device(x=x, expert_ids=expert_ids, w_hat=w_hat)
+    return _run("dequantized_grouped_gemm", x, expert_ids, w_hat.shape[1], w_hat.contiguous())

@@ -23,6 +23,8 @@ def register(registry: OpRegistry) -> None:
     registry.register("fp8_block_gemm", ref, gemm.fp8_block_gemm)
     registry.register("mxfp4_gemm", ref, gemm.mxfp4_gemm)
     registry.register("mxfp4_grouped_gemm", ref, grouped_gemm.mxfp4_grouped_gemm)
+    registry.register("dequantized_gemm", ref, gemm.dequantized_gemm)
+    registry.register("dequantized_grouped_gemm", ref, grouped_gemm.dequantized_grouped_gemm)
     registry.register("encode_rows", ref, row_formats.encode_rows)
     registry.register("decode_rows", ref, row_formats.decode_rows)
     registry.register("store_rows", ref, row_formats.store_rows)

@@ -12,7 +12,7 @@ import torch
 
 from deepinfer_kernels.reference import quant
 
-__all__ = ["fp8_block_gemm", "mxfp4_gemm"]
+__all__ = ["dequantized_gemm", "fp8_block_gemm", "mxfp4_gemm"]
 
 _GROUP = 32
 
@@ -28,8 +28,16 @@ def _quantized_activation(x: torch.Tensor) -> torch.Tensor:
     return x_hat
 
 
-def _product(x_hat: torch.Tensor, w_hat: torch.Tensor, out: torch.Tensor) -> None:
-    out.copy_((x_hat.double() @ w_hat.double().t()).float())
+def dequantized_gemm(x: torch.Tensor, w_hat: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = bf16(x̂ · Ŵᵀ)`` for a weight given as its exact dequantized values: the product both quantized GEMMs
+    below end in.
+
+    Args:
+        x: [num_rows, K] bf16/fp32 activation, ``K % 32 == 0``.
+        w_hat: [N, K] fp32 or fp64, the exactly dequantized weight.
+        out: [num_rows, N] bf16; written.
+    """
+    out.copy_((_quantized_activation(x).double() @ w_hat.double().t()).float())
 
 
 def fp8_block_gemm(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor) -> None:
@@ -43,7 +51,7 @@ def fp8_block_gemm(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, ou
     """
     w_hat = torch.empty(w_q.shape, dtype=torch.float32, device=w_q.device)
     quant.dequantize_fp8_block(w_q, w_scale, w_hat)
-    _product(_quantized_activation(x), w_hat, out)
+    dequantized_gemm(x, w_hat, out)
 
 
 def mxfp4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
@@ -57,4 +65,4 @@ def mxfp4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out: 
     """
     w_hat = torch.empty((packed.shape[0], packed.shape[1] * 2), dtype=torch.float32, device=packed.device)
     quant.dequantize_mxfp4(packed, scale, w_hat)
-    _product(_quantized_activation(x), w_hat, out)
+    dequantized_gemm(x, w_hat, out)

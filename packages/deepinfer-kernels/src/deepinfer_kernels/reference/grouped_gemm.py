@@ -1,4 +1,5 @@
-"""Reference grouped MXFP4 GEMM: the rows of each present expert through the reference ``mxfp4_gemm``.
+"""Reference grouped GEMMs: the rows of each present expert through the reference ``mxfp4_gemm`` (stored MXFP4
+weights) or ``dequantized_gemm`` (weights already dequantized, bit-identical when dequantized from the same bytes).
 
 Loops over the experts that occur (a host synchronization; the reference is the oracle, not a fast path) and
 checks that every expert id lies in ``[-1, E)``.
@@ -6,11 +7,35 @@ checks that every expert id lies in ``[-1, E)``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from deepinfer_kernels.reference.gemm import mxfp4_gemm
+from deepinfer_kernels.reference.gemm import dequantized_gemm, mxfp4_gemm
 
-__all__ = ["mxfp4_grouped_gemm"]
+__all__ = ["dequantized_grouped_gemm", "mxfp4_grouped_gemm"]
+
+
+def _per_expert(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    experts: int,
+    out: torch.Tensor,
+    gemm: Callable[[torch.Tensor, int, torch.Tensor], None],
+) -> None:
+    """``out[rows of e] = gemm(x[rows of e], e)`` for every expert ``e`` present; zero rows for id -1."""
+    bad = (expert_ids < -1) | (expert_ids >= experts)
+    if bool(bad.any()):
+        row = int(torch.nonzero(bad)[0, 0])
+        raise ValueError(
+            f"expert_ids[{row}] is {int(expert_ids[row])}; allowed: -1 (no local expert) or 0..{experts - 1}"
+        )
+    out.zero_()
+    for expert in torch.unique(expert_ids[expert_ids >= 0]).tolist():
+        rows = torch.nonzero(expert_ids == expert).squeeze(1)
+        product = torch.empty((rows.numel(), out.shape[1]), dtype=out.dtype, device=out.device)
+        gemm(x[rows], expert, product)
+        out[rows] = product
 
 
 def mxfp4_grouped_gemm(
@@ -28,16 +53,20 @@ def mxfp4_grouped_gemm(
     Raises:
         ValueError: an expert id is outside ``[-1, E)``.
     """
-    experts = packed.shape[0]
-    bad = (expert_ids < -1) | (expert_ids >= experts)
-    if bool(bad.any()):
-        row = int(torch.nonzero(bad)[0, 0])
-        raise ValueError(
-            f"expert_ids[{row}] is {int(expert_ids[row])}; allowed: -1 (no local expert) or 0..{experts - 1}"
-        )
-    out.zero_()
-    for expert in torch.unique(expert_ids[expert_ids >= 0]).tolist():
-        rows = torch.nonzero(expert_ids == expert).squeeze(1)
-        product = torch.empty((rows.numel(), out.shape[1]), dtype=out.dtype, device=out.device)
-        mxfp4_gemm(x[rows], packed[expert], scale[expert], product)
-        out[rows] = product
+    _per_expert(x, expert_ids, packed.shape[0], out, lambda rows, e, y: mxfp4_gemm(rows, packed[e], scale[e], y))
+
+
+def dequantized_grouped_gemm(x: torch.Tensor, expert_ids: torch.Tensor, w_hat: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[m] = bf16(x̂[m] · Ŵ[expert_ids[m]]ᵀ)`` with the experts' weights already dequantized; zero where
+    ``expert_ids[m] == -1``.
+
+    Args:
+        x: [M, K] bf16/fp32 activation, ``K % 32 == 0``.
+        expert_ids: [M] int64 in ``[-1, E)``.
+        w_hat: [E, N, K] fp32 or fp64, the exactly dequantized weights.
+        out: [M, N] bf16; written (every row).
+
+    Raises:
+        ValueError: an expert id is outside ``[-1, E)``.
+    """
+    _per_expert(x, expert_ids, w_hat.shape[0], out, lambda rows, e, y: dequantized_gemm(rows, w_hat[e], y))

@@ -133,10 +133,11 @@ class ExpertParallelMoE:
         """
         if len(moes) != self.placement.num_layers:
             raise ValueError(f"got {len(moes)} MoE layers, the placement covers {self.placement.num_layers}")
-        # Byte views: the P2P transfer and row copies then need no FP4/UE8M0 support, and write the parameters.
+        # Byte views: the P2P transfer and row copies then need no FP4/UE8M0 support, and write the parameters
+        # (through ``detach``, which shares the version counter that tells kept dequantized weights they are stale).
         layer_weights = [
             [
-                tensor.data.view(torch.uint8)
+                tensor.detach().view(torch.uint8)
                 for stack in (moe.experts.w13, moe.experts.w2)
                 for tensor in stack.parameters()
             ]

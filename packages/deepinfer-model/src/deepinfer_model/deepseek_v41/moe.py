@@ -7,7 +7,7 @@ runs every expert on this rank; ``deepseek_v41.expert_parallel`` plugs in the di
 ``deepinfer_parallel``.
 
 With the local dispatch in exact mode the MoE does not loop over experts: ``RoutedExperts.grouped_sum`` runs every
-(token, top-k choice) row through one grouped MXFP4 GEMM per matrix (``deepinfer_kernels.mxfp4_grouped_gemm``), which
+(token, top-k choice) row through one grouped MXFP4 GEMM per matrix (``Mxfp4ExpertStack.grouped``), which on CUDA
 has static shapes and no host synchronization (CUDA graphs), with the same arithmetic as the per-expert loop.
 """
 
@@ -18,7 +18,6 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from deepinfer_kernels import mxfp4_grouped_gemm
 from deepinfer_model.layers.activation import swiglu_clamped
 from deepinfer_model.layers.linear import Fp8BlockLinear, Mxfp4ExpertStack, make_parameter
 from deepinfer_model.layers.mode import ComputeMode, round_activation
@@ -156,9 +155,8 @@ class RoutedExperts(nn.Module):
         Returns:
             [m, H] activation dtype.
         """
-        gate_up = mxfp4_grouped_gemm(rows, slots, self.w13.weight, self.w13.scale)
-        act = swiglu_clamped(gate_up, self.limit, weights)
-        return round_activation(mxfp4_grouped_gemm(act, slots, self.w2.weight, self.w2.scale), self.mode)
+        act = swiglu_clamped(self.w13.grouped(rows, slots), self.limit, weights)
+        return round_activation(self.w2.grouped(act, slots), self.mode)
 
     def compute(self, expert: int, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """One expert (docs/design/model.md, "Routed experts"): the routing weight multiplies the SwiGLU output before

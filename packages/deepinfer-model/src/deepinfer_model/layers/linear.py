@@ -10,6 +10,9 @@
   (docs/design/numerics.md, "Weight formats"; docs/design/model.md, "Tensor names"); exact mode runs the kernels'
   ``mxfp4_gemm``.
 
+Dequantized weights are kept per layer where that pays (FP32 mode; exact mode on the CPU, where the reference GEMMs
+would otherwise dequantize on every call): see ``deepinfer_model.layers.dequantized``.
+
 Weight loaders: every parameter carries ``param.weight_loader(param, tensor, shard_id)`` which checks shape and dtype
 exactly (no casting) and copies the tensor into its rows. ``shard_id`` is None for plain parameters, the shard
 index for merged layers and ``(expert, shard)`` for expert stacks.
@@ -23,7 +26,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from deepinfer_kernels import dequantize_fp8_block, dequantize_mxfp4, fp8_block_gemm, mxfp4_gemm
+from deepinfer_kernels import (
+    dequantize_fp8_block,
+    dequantize_mxfp4,
+    dequantized_gemm,
+    dequantized_grouped_gemm,
+    fp8_block_gemm,
+    mxfp4_gemm,
+    mxfp4_grouped_gemm,
+)
+from deepinfer_model.layers.dequantized import DequantizedCache
 from deepinfer_model.layers.mode import ComputeMode, fp8_round_trip, round_activation
 
 __all__ = [
@@ -43,26 +55,6 @@ WeightLoader = Callable[[nn.Parameter, torch.Tensor, Any], None]
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-class _DequantizedCache:
-    """FP32 mode keeps dequantized weights (its definition: dequantize once, compute in FP32); exact mode
-    dequantizes per call, standing in for an FP8/FP4 GEMM that reads the stored format directly."""
-
-    def __init__(self, mode: ComputeMode) -> None:
-        self.enabled = mode is ComputeMode.FP32
-        self._values: dict[int, torch.Tensor] = {}
-
-    def get(self, key: int, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
-        if not self.enabled:
-            return compute()
-        value = self._values.get(key)
-        if value is None:
-            value = self._values[key] = compute()
-        return value
-
-    def clear(self) -> None:
-        self._values.clear()
 
 
 def _check_loaded(param: nn.Parameter, target: torch.Tensor, loaded: torch.Tensor) -> None:
@@ -148,7 +140,7 @@ class Fp8BlockLinear(nn.Module):
         self.scale = make_parameter(
             (_cdiv(out_features, FP8_BLOCK), _cdiv(in_features, FP8_BLOCK)), torch.float8_e8m0fnu, self._load_rows
         )
-        self._cache = _DequantizedCache(mode)
+        self._cache = DequantizedCache(mode)
 
     def _load_rows(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         self._cache.clear()
@@ -166,7 +158,7 @@ class Fp8BlockLinear(nn.Module):
 
     def dequantized_weight(self) -> torch.Tensor:
         """The exact FP32 weight ``[out, in]``."""
-        return self._cache.get(0, lambda: dequantize_fp8_block(self.weight, self.scale))
+        return self._cache.get(0, (self.weight, self.scale), lambda: dequantize_fp8_block(self.weight, self.scale))
 
     def forward(self, x: torch.Tensor, prequantized: bool = False) -> torch.Tensor:
         """Apply the layer.
@@ -179,6 +171,8 @@ class Fp8BlockLinear(nn.Module):
             [..., out] in the activation dtype (BF16 exact / FP32).
         """
         if self.mode is ComputeMode.EXACT and not prequantized:
+            if self._cache.keeps(self.weight.device):
+                return dequantized_gemm(x, self.dequantized_weight())
             return fp8_block_gemm(x, self.weight, self.scale)
         return round_activation(x.float() @ self.dequantized_weight().t(), self.mode)
 
@@ -198,7 +192,7 @@ class Fp8GroupedLinear(nn.Module):
         self.in_per_group = in_per_group
         self.out_per_group = out_per_group
         out_features = groups * out_per_group
-        self._cache = _DequantizedCache(mode)
+        self._cache = DequantizedCache(mode)
         self.weight = make_parameter((out_features, in_per_group), torch.float8_e4m3fn, self._load)
         self.scale = make_parameter(
             (_cdiv(out_features, FP8_BLOCK), _cdiv(in_per_group, FP8_BLOCK)), torch.float8_e8m0fnu, self._load
@@ -211,7 +205,7 @@ class Fp8GroupedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Args: x [n, groups·in_per_group] bf16/fp32. Returns: [n, groups·out_per_group] fp32."""
         x_hat = fp8_round_trip(x, self.mode).view(-1, self.groups, self.in_per_group)
-        weight = self._cache.get(0, lambda: dequantize_fp8_block(self.weight, self.scale))
+        weight = self._cache.get(0, (self.weight, self.scale), lambda: dequantize_fp8_block(self.weight, self.scale))
         weight = weight.view(self.groups, self.out_per_group, -1)
         return torch.einsum("ngi,goi->ngo", x_hat, weight).reshape(x.shape[0], -1)
 
@@ -225,7 +219,7 @@ class Mxfp4ExpertStack(nn.Module):
         out_features: output width (sum of ``shard_sizes``).
         shard_sizes: row counts of the per-expert checkpoint tensors merged along the rows (``(I, I)`` for
             ``[w1; w3]``, ``(H,)`` for ``w2``).
-        mode: compute mode (FP32 mode keeps the dequantized experts).
+        mode: compute mode.
         local_experts: logical expert held by each stored slot (an expert-parallel rank holds only its own; a
             logical expert may fill several slots when it has replicas). None stores all ``num_experts`` in order.
     """
@@ -249,7 +243,7 @@ class Mxfp4ExpertStack(nn.Module):
         self.mode = mode
         self.num_experts = num_experts
         self.shard_sizes = shard_sizes
-        self._cache = _DequantizedCache(mode)
+        self._cache = DequantizedCache(mode)
         self.local_experts: tuple[int, ...] = ()
         self._slots: dict[int, list[int]] = {}
         self.set_local_experts(held, len(held))
@@ -318,10 +312,35 @@ class Mxfp4ExpertStack(nn.Module):
         """
         if self.mode is ComputeMode.FP32:
             return x.float() @ self.dequantized_weight(expert).t()
+        if self._cache.keeps(self.weight.device):
+            return dequantized_gemm(x, self.dequantized_weight(expert))
         slot = self._slot(expert)
         return mxfp4_gemm(x, self.weight[slot], self.scale[slot])
 
+    def grouped(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Exact mode: every row through its own stored slot's matrix (``deepinfer_kernels.mxfp4_grouped_gemm``; no
+        host synchronization on CUDA).
+
+        Args:
+            x: [m, in] bf16/fp32.
+            slots: [m] int64 stored slot of each row, -1 for a row no expert here takes (its output is zero).
+
+        Returns:
+            [m, out] bf16.
+        """
+        if self._cache.keeps(self.weight.device):
+            return dequantized_grouped_gemm(x, slots, self.dequantized_slots())
+        return mxfp4_grouped_gemm(x, slots, self.weight, self.scale)
+
+    def dequantized_slots(self) -> torch.Tensor:
+        """The exact FP32 weights of every stored slot, ``[slots, out, in]``."""
+        return self._cache.get(0, (self.weight, self.scale), self._dequantize_slots)
+
+    def _dequantize_slots(self) -> torch.Tensor:
+        slots, rows = self.weight.shape[:2]
+        flat = dequantize_mxfp4(self.weight.view(slots * rows, -1), self.scale.view(slots * rows, -1))
+        return flat.view(slots, rows, -1)
+
     def dequantized_weight(self, expert: int) -> torch.Tensor:
         """The exact FP32 weight ``[out, in]`` of one (logical) expert."""
-        slot = self._slot(expert)
-        return self._cache.get(expert, lambda: dequantize_mxfp4(self.weight[slot], self.scale[slot]))
+        return self.dequantized_slots()[self._slot(expert)]
