@@ -1,9 +1,10 @@
-"""Decode steps take static-shape paths (CUDA-graph friendly) with the exact results of the general path.
+"""Uniform steps take static-shape paths (CUDA-graph friendly) with the exact results of the general path.
 
-A decode step (every request computes one token) writes every token's ring rows without a mask, forms one candidate
-compressed row per request (a provisional one for C2 blocks that are not complete yet), and the MoE runs its experts
-through grouped GEMMs. These tests run the same decode steps through the general path (``max_query_len`` given as a
-bound of 2, which keeps the step off the decode paths) and through the static path with the indexer sized by a fixed
+A uniform step (every request computes the same number of tokens: decode steps, verify steps with equal draft counts)
+writes every token's ring rows without a mask, forms a fixed number of candidate compressed rows per request (a
+provisional one for C2 blocks that are not complete yet), and the MoE runs its experts through grouped GEMMs. These
+tests run the same steps through the general path (``max_query_len`` given as a bound one above the real length,
+which keeps the step off the uniform paths) and through the static path with the indexer sized by a fixed
 context bound, as a captured graph runs it, and require bitwise-equal logits for the real requests. Both runs carry
 the same placeholder requests (token 0 at position 0, null block 0, state slot 0) that pad a step to a graph size:
 padding itself changes the GEMMs' row count, which on CPU may move logits in the last bit, so it is held equal.
@@ -28,28 +29,30 @@ def _prefix(ids: torch.Tensor, start: int) -> list[int]:
     return [-1] * (_MAX_NGRAM - 1 - len(before)) + before
 
 
-def _decode_batch(
+def _step_batch(
     sequences: list[torch.Tensor],
-    positions: list[int],
+    starts: list[int],
     table: torch.Tensor,
     slots: list[int],
     num_padding: int,
     max_query_len: int,
     max_context_len: int,
+    query_len: int = 1,
 ) -> ForwardBatch:
-    """One token per request at ``positions``, then ``num_padding`` placeholder requests (token 0 at position 0,
-    null block 0, state slot 0)."""
-    ids = [int(seq[p]) for seq, p in zip(sequences, positions, strict=True)] + [0] * num_padding
-    pos = positions + [0] * num_padding
-    count = len(ids)
+    """``query_len`` tokens per request from ``starts`` on, then ``num_padding`` placeholder requests of as many
+    tokens (token 0 at positions 0, 1, …, null block 0, state slot 0)."""
+    q = query_len
+    ids = [int(t) for seq, s in zip(sequences, starts, strict=True) for t in seq[s : s + q]] + [0] * (q * num_padding)
+    pos = [s + j for s in starts for j in range(q)] + list(range(q)) * num_padding
+    count = len(starts) + num_padding
     padded_table = torch.cat([table, torch.zeros((num_padding, table.shape[1]), dtype=torch.int32)])
-    prefixes = [_prefix(seq, p) for seq, p in zip(sequences, positions, strict=True)]
+    prefixes = [_prefix(seq, s) for seq, s in zip(sequences, starts, strict=True)]
     prefixes += [[-1] * (_MAX_NGRAM - 1)] * num_padding
     return ForwardBatch(
         input_ids=torch.tensor(ids, dtype=torch.int64),
         positions=torch.tensor(pos, dtype=torch.int64),
-        cu_query_lens=torch.arange(count + 1, dtype=torch.int32),
-        context_lens=torch.tensor([p + 1 for p in pos], dtype=torch.int32),
+        cu_query_lens=torch.arange(0, q * count + 1, q, dtype=torch.int32),
+        context_lens=torch.tensor([s + q for s in starts] + [q] * num_padding, dtype=torch.int32),
         block_table=padded_table,
         state_slots=torch.tensor(slots + [0] * num_padding, dtype=torch.int32),
         engram_prefix_ids=torch.tensor(prefixes, dtype=torch.int64),
@@ -58,13 +61,15 @@ def _decode_batch(
     )
 
 
-def _compare_decode(num_padding: int, fixed_bound: bool, decode_steps: int) -> None:
-    """Prefill three requests, then decode them through both paths and require equal real-request logits."""
+def _compare_decode(num_padding: int, fixed_bound: bool, decode_steps: int, query_len: int = 1) -> None:
+    """Prefill three requests, then run steps of ``query_len`` tokens per request (decode steps, or verify steps of
+    ``query_len − 1`` drafts) through both paths and require equal real-request logits."""
     assert tiny_config().text.engram_max_ngram_size == _MAX_NGRAM
     model = tiny_model(ComputeMode.EXACT)
     # Block 0 and slot 0 stay unused by the requests (the placeholders' null block and slot).
     lengths = [41, 34, 7]
-    sequences = [prompt(n + decode_steps, seed=20 + i) for i, n in enumerate(lengths)]
+    q = query_len
+    sequences = [prompt(n + q * decode_steps, seed=20 + i) for i, n in enumerate(lengths)]
     table = torch.tensor([[1 + r + 3 * b for b in range(12)] for r in range(3)], dtype=torch.int32)
     slots = [1, 2, 3]
     general = model.allocate_state(_BLOCK_SIZE, _NUM_BLOCKS, num_state_slots=4)
@@ -80,21 +85,30 @@ def _compare_decode(num_padding: int, fixed_bound: bool, decode_steps: int) -> N
         model(prefill, general)
         model(prefill, static)
         for step in range(decode_steps):
-            positions = [n + step for n in lengths]
-            longest = max(positions) + 1
+            starts = [n + q * step for n in lengths]
+            longest = max(starts) + q
             bound = 12 * _BLOCK_SIZE if fixed_bound else longest
             expected = model(
-                _decode_batch(
-                    sequences, positions, table, slots, num_padding, max_query_len=2, max_context_len=longest
+                _step_batch(
+                    sequences,
+                    starts,
+                    table,
+                    slots,
+                    num_padding,
+                    max_query_len=q + 1,
+                    max_context_len=longest,
+                    query_len=q,
                 ),
                 general,
             )
             actual = model(
-                _decode_batch(sequences, positions, table, slots, num_padding, max_query_len=1, max_context_len=bound),
+                _step_batch(
+                    sequences, starts, table, slots, num_padding, max_query_len=q, max_context_len=bound, query_len=q
+                ),
                 static,
             )
-            assert actual.shape[0] == 3 + num_padding
-            assert torch.equal(actual[:3], expected[:3]), f"decode step {step} differs"
+            assert actual.shape[0] == q * (3 + num_padding)
+            assert torch.equal(actual[: 3 * q], expected[: 3 * q]), f"step {step} differs"
 
 
 def test_padded_static_decode_with_a_fixed_bound_equals_general_path_exact() -> None:
@@ -106,6 +120,16 @@ def test_padded_static_decode_with_a_fixed_bound_equals_general_path_exact() -> 
 def test_eager_decode_step_equals_general_path_exact() -> None:
     # What an eager decode step computes (no padding, the step's own longest context).
     _compare_decode(num_padding=0, fixed_bound=False, decode_steps=6)
+
+
+def test_padded_uniform_verify_steps_equal_general_path_exact() -> None:
+    # Verify steps of 5 tokens per request (4 drafts), padded like a graph replay: rows of C2 blocks are touched
+    # from odd and even starts, and every step writes the ring tail of 5 tokens without a mask.
+    _compare_decode(num_padding=2, fixed_bound=True, decode_steps=7, query_len=5)
+
+
+def test_uniform_two_token_steps_equal_general_path_exact() -> None:
+    _compare_decode(num_padding=0, fixed_bound=False, decode_steps=5, query_len=2)
 
 
 def test_grouped_expert_sum_equals_per_expert_loop() -> None:

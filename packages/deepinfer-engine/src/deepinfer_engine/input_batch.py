@@ -29,8 +29,8 @@ step in flight is accepted. With `rejected_drafts` set (the speculator's per-slo
 step rejected, `deepinfer_engine.speculative`) `upload` shifts placeholder tokens and their requests' context lengths
 back by that count before it reads the history, on the device.
 
-A decode step replayed from a CUDA graph (`deepinfer_engine.cuda_graphs`) is padded to the graph's size with
-placeholder requests (`pad_decode`) before the upload, so the graph reads every row it was captured with.
+A uniform step replayed from a CUDA graph (`deepinfer_engine.cuda_graphs`) is padded to the graph's size with
+placeholder requests (`pad_uniform`) before the upload, so the graph reads every row it was captured with.
 """
 
 from __future__ import annotations
@@ -220,31 +220,38 @@ class StepBuffers:
             max_context_len=max_context_len,
         )
 
-    def placeholder_batch(self, size: int, max_context_len: int) -> ForwardBatch:
-        """Fill the device buffers with `size` placeholder requests (one token each: token 0 at position 0 in the
-        null block 0 and the never-used state slot 0, no Engram prefix) and return their batch. What CUDA-graph
-        capture and the lockstep padding forward run: their writes land only in the null block and slot 0."""
-        for buffer in (self.input_ids, self.positions, self.state_slots, self.block_table):
-            buffer[:size] = 0
-        self.context_lens[:size] = 1
-        self.cu_query_lens[: size + 1] = torch.arange(size + 1, dtype=torch.int32, device=self.device)
-        self.logits_indices[:size] = torch.arange(size, dtype=torch.int64, device=self.device)
-        self.engram_prefix[:size] = -1
-        return self.batch(size, size, size, 1, max_context_len)
-
-    def pad_decode(self, host: HostStep, num_requests: int, num_logits: int, size: int) -> None:
-        """Extend a filled decode step (one token per request) to `size` requests with placeholders.
-
-        A placeholder is token 0 at position 0 in the null block 0 and the never-used state slot 0 (its writes land
-        only there and its logits are discarded); logits rows `num_logits … size − 1` point at token 0.
+    def placeholder_batch(self, size: int, max_context_len: int, query_len: int = 1) -> ForwardBatch:
+        """Fill the device buffers with `size` placeholder requests of `query_len` tokens (token 0 at positions
+        0 … q − 1 in the null block 0 and the never-used state slot 0, no Engram prefix) and return their batch. What
+        CUDA-graph capture and the lockstep padding forward run: their writes land only in the null block and slot 0.
         """
-        r = num_requests
-        for buffer in (host.token_ids, host.token_slots, host.positions, host.state_slots):
-            buffer[r:size] = 0
-        host.context_lens[r:size] = 1
+        q, tokens = query_len, size * query_len
+        self.state_slots[:size] = 0
+        self.block_table[:size] = 0
+        self.input_ids[:tokens] = 0
+        self.positions[:tokens] = torch.arange(q, dtype=torch.int64, device=self.device).repeat(size)
+        self.context_lens[:size] = q
+        self.cu_query_lens[: size + 1] = torch.arange(0, tokens + 1, q, dtype=torch.int32, device=self.device)
+        self.logits_indices[:tokens] = torch.arange(tokens, dtype=torch.int64, device=self.device)
+        self.engram_prefix[:size] = -1
+        return self.batch(tokens, size, tokens, q, max_context_len)
+
+    def pad_uniform(self, host: HostStep, num_requests: int, query_len: int, num_logits: int, size: int) -> None:
+        """Extend a filled uniform step (`query_len` tokens per request) to `size` requests with placeholders.
+
+        A placeholder is token 0 at positions 0 … q − 1 in the null block 0 and the never-used state slot 0 (its
+        writes land only there and its logits are discarded); logits rows `num_logits … size · q − 1` point at
+        token 0.
+        """
+        r, q = num_requests, query_len
+        for buffer in (host.token_ids, host.token_slots):
+            buffer[r * q : size * q] = 0
+        host.positions[r * q : size * q] = torch.arange(q, dtype=torch.int64).repeat(size - r)
+        host.state_slots[r:size] = 0
+        host.context_lens[r:size] = q
         host.block_table[r:size] = 0
-        host.cu_query_lens[r + 1 : size + 1] = torch.arange(r + 1, size + 1, dtype=torch.int32)
-        host.logits_rows[num_logits:size] = 0
+        host.cu_query_lens[r + 1 : size + 1] = torch.arange(r + 1, size + 1, dtype=torch.int32) * q
+        host.logits_rows[num_logits : size * q] = 0
 
     def record_sampled(self, slots: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor) -> None:
         """Write sampled tokens into the history (device, no sync).

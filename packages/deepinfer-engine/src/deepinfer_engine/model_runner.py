@@ -56,7 +56,7 @@ from itertools import accumulate
 import torch
 
 from deepinfer_engine.config import EngineConfig
-from deepinfer_engine.cuda_graphs import DecodeGraphs, graph_sizes
+from deepinfer_engine.cuda_graphs import DraftGraphs, StepGraphs, graph_sizes
 from deepinfer_engine.input_batch import StepBuffers
 from deepinfer_engine.outputs import ModelRunnerOutput, RequestFailure, ScheduledRequest, SchedulerOutput
 from deepinfer_engine.request import RequestStatus, TopLogprobs
@@ -106,28 +106,38 @@ class ModelRunner:
         self._requests: dict[str, RunnerRequest] = {}
         self._failed: set[str] = set()  # requests reported failed, until the scheduler says they finished
         self._unwaited: list[StepHandle] = []
+        nextn = sched.max_num_draft_tokens
+        self.graphs: StepGraphs | None = None
+        draft_graphs: DraftGraphs | None = None
+        if not config.enforce_eager and self.device.type == "cuda" and model.supports_graphs():
+            sizes = graph_sizes(sched.max_num_seqs, config.cudagraph_batch_size_interval)
+            bound = sched.max_model_len + 2
+            self.graphs = StepGraphs(model, state, self.buffers, sizes, bound, (1, nextn + 1) if nextn else (1,))
+            self.graphs.capture()
+            if nextn:
+                draft_graphs = DraftGraphs(model, state, self.buffers, sizes, nextn, bound + nextn)
+                draft_graphs.capture()
         self.speculator: Speculator | None = None
-        if sched.max_num_draft_tokens:
+        if nextn:
             self.speculator = Speculator(
                 model,
                 state,
                 self.buffers,
                 self.sampler,
-                sched.max_num_draft_tokens,
+                nextn,
                 config.cache.num_state_slots,
                 always_draft=config.async_scheduling,
+                graphs=draft_graphs,
             )
-        self.graphs: DecodeGraphs | None = None
-        if not config.enforce_eager and self.device.type == "cuda" and model.supports_graphs():
-            sizes = graph_sizes(sched.max_num_seqs, config.cudagraph_batch_size_interval)
-            self.graphs = DecodeGraphs(model, state, self.buffers, sizes, sched.max_model_len + 2)
-            self.graphs.capture()
 
     def close(self) -> None:
         """Release the CUDA graphs (call before tearing down process groups)."""
         if self.graphs is not None:
             self.graphs.close()
             self.graphs = None
+        if self.speculator is not None and self.speculator.graphs is not None:
+            self.speculator.graphs.close()
+            self.speculator.graphs = None
 
     def reset(self) -> None:
         """Forget every launched step and every request, after a step raised (the engine aborts the requests).
@@ -272,11 +282,11 @@ class ModelRunner:
         num_logits = add_prompt_rows(scheduler_output, self._requests, handle, host.logits_rows, num_samples)
         num_requests = len(scheduler_output.scheduled_requests)
         size = None
-        if self.graphs is not None and max_query == 1 and num_logits == num_samples:
-            size = self.graphs.size_for(num_requests, max_context)
+        if self.graphs is not None and num_tokens == num_requests * max_query and num_logits == num_samples:
+            size = self.graphs.size_for(num_requests, max_query, max_context)
         if size is not None:
             assert self.graphs is not None
-            logits = self.graphs.replay(host, num_requests, num_logits, size)
+            logits = self.graphs.replay(host, num_requests, max_query, num_logits, size)
         else:
             batch = self.buffers.upload(host, num_tokens, num_requests, num_logits, max_query, max_context)
             logits = self.model(batch, self.state)

@@ -21,8 +21,8 @@ the plain sampler. Per sampling request the step has `d + 1` logits rows (`d` = 
 
 Everything up to the copies to the host runs without a host sync. Requests that need their earlier tokens on the
 host to sample (structured output, penalties, golden tokens: `RunnerRequest.needs_host_history`) verify no drafts: a
-grammar mask or penalty state per verify row is not built here. Steps with drafts run eagerly; CUDA graphs cover only
-steps whose queries are one token long.
+grammar mask or penalty state per verify row is not built here. Verify steps in which every request checks the same
+number of drafts replay CUDA graphs like decode steps, and so does the draft forward (`deepinfer_engine.cuda_graphs`).
 
 Asynchronous scheduling (outputs.py, "Placeholders"). A request whose sampling step N is in flight is scheduled for
 step N + 1 with placeholder inputs (N's emitted token, then its `nextn` drafts) at optimistic positions that assume
@@ -43,6 +43,7 @@ from itertools import accumulate
 
 import torch
 
+from deepinfer_engine.cuda_graphs import DraftGraphs
 from deepinfer_engine.input_batch import StepBuffers
 from deepinfer_engine.runner_state import RunnerRequest, SampledStep, copy_to_host
 from deepinfer_engine.sampling_rows import model_logprobs_for_greedy_rows
@@ -97,6 +98,7 @@ class Speculator:
         num_state_slots: state slots of the cache.
         always_draft: propose drafts for every sampling request (asynchronous scheduling verifies `nextn`
             placeholders for each); the drafts of requests that cannot verify them are rejected unseen.
+        graphs: captured draft forwards (CUDA), or None to run the drafter eagerly.
 
     Raises:
         ValueError: the model has no DSpark blocks, or `nextn` < 1.
@@ -111,6 +113,7 @@ class Speculator:
         nextn: int,
         num_state_slots: int,
         always_draft: bool,
+        graphs: DraftGraphs | None = None,
     ) -> None:
         if not model.config.text.num_nextn_predict_layers:
             raise ValueError(f"nextn={nextn} needs DSpark draft blocks, but the model has none")
@@ -122,6 +125,7 @@ class Speculator:
         self.sampler = sampler
         self.nextn = nextn
         self.always_draft = always_draft
+        self.graphs = graphs
         self.device = buffers.device
         self.noise_token_id = model.config.text.dspark_noise_token_id
         self._slots = torch.arange(nextn, dtype=torch.int64, device=self.device)
@@ -241,8 +245,13 @@ class Speculator:
         n = len(chosen)
         batch_rows = self._to_device([requests[i].batch_index for i in chosen])
         max_context = max(requests[i].first_position + requests[i].num_drafts + b for i in chosen)
-        draft_batch = self.buffers.draft_batch(input_ids, positions, batch_rows, slots, max_context)
-        hidden = self.model.draft_forward(draft_batch, self.state).reshape(n, b, -1)
+        hidden = None
+        if self.graphs is not None:
+            hidden = self.graphs.run(input_ids, positions, batch_rows, slots, max_context)
+        if hidden is None:
+            draft_batch = self.buffers.draft_batch(input_ids, positions, batch_rows, slots, max_context)
+            hidden = self.model.draft_forward(draft_batch, self.state)
+        hidden = hidden.reshape(n, b, -1)
         rows = [
             SamplingRow(params=requests[i].request.params, seed=requests[i].request.seed, position=0) for i in chosen
         ]

@@ -38,17 +38,21 @@ class Compressor(nn.Module):
     def _new_rows(self, meta: StepMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows completed in this step: ``floor(q_start/c) … floor(context/c) − 1`` per request.
 
-        A decode step instead yields one row per request, ``floor(q_start/c)`` (a static shape): for ``c = 2`` and an
-        even position that row is not complete yet and is written provisionally (see ``_combine_c2``). Nothing reads it
-        before it is complete: queries see rows ``< klen(t) = (t + 1) // c`` only (every reader masks the others;
-        docs/design/attention.md, "Row visibility"), and the step that computes the block's last position forms and
-        rewrites the row before any layer reads it.
+        A uniform step (every request computes ``q`` tokens) instead yields a static number of rows per request, the
+        rows its positions touch, ``floor(q_start/c) … floor((context − 1)/c)``, padded to ``q // c + (c > 1)`` by
+        repeating the last one (identical values, written twice). For ``c = 2`` the last row may not be complete yet
+        and is written provisionally (see ``_combine_c2``). Nothing reads it before it is complete: queries see rows
+        ``< klen(t) = (t + 1) // c`` only (every reader masks the others; docs/design/attention.md, "Row
+        visibility"), and the step that computes the block's last position forms and rewrites the row before any
+        layer reads it.
         """
-        if meta.is_decode:
-            return torch.arange(meta.q_start.shape[0], device=meta.q_start.device), torch.div(
-                meta.q_start, self.ratio, rounding_mode="floor"
-            )
         first = torch.div(meta.q_start, self.ratio, rounding_mode="floor")
+        if meta.is_uniform:
+            count = meta.max_query_len // self.ratio + (1 if self.ratio > 1 else 0)
+            last = torch.div(meta.context_lens - 1, self.ratio, rounding_mode="floor")
+            rows = first[:, None] + torch.arange(count, device=first.device)[None, :]
+            request = torch.arange(first.shape[0], device=first.device).repeat_interleave(count)
+            return request, torch.minimum(rows, last[:, None]).reshape(-1)
         counts = torch.div(meta.context_lens, self.ratio, rounding_mode="floor") - first
         request = torch.repeat_interleave(torch.arange(counts.shape[0], device=counts.device), counts)
         starts = torch.cumsum(counts, 0) - counts

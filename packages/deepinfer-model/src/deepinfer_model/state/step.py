@@ -57,8 +57,8 @@ class StepMetadata:
         max_query = batch.max_query_len
         if max_query is None:
             max_query = int(q_len.max().item()) if batch.num_requests else 0
-        if max_query == 1 and batch.num_tokens == batch.num_requests:
-            token_request = torch.arange(batch.num_requests, device=cu.device)
+        if batch.num_tokens == batch.num_requests * max_query:  # uniform: a static shape, no device sync
+            token_request = torch.arange(batch.num_requests, device=cu.device).repeat_interleave(max_query)
         else:
             token_request = torch.repeat_interleave(
                 torch.arange(batch.num_requests, device=cu.device), q_len, output_size=batch.num_tokens
@@ -84,13 +84,14 @@ class StepMetadata:
         return int(self.positions.shape[0])
 
     @property
-    def is_decode(self) -> bool:
-        """Every request computes exactly one token (``max_query_len == 1``, known on the host).
+    def is_uniform(self) -> bool:
+        """Every request computes the same number of tokens, ``max_query_len`` (known on the host): decode steps
+        (one token each), verify steps with equal draft counts, DSpark draft blocks, one-request prefill chunks.
 
-        Decode steps take static-shape code paths (no boolean-mask indexing, no data-dependent row counts), so the
-        same forward can be captured in a CUDA graph.
+        Uniform steps take static-shape code paths (no boolean-mask indexing, no data-dependent row counts), so the
+        same forward can be captured in a CUDA graph (docs/design/scheduler.md, "CUDA graphs").
         """
-        return self.max_query_len == 1 and self.num_tokens == int(self.q_len.shape[0])
+        return self.num_tokens == int(self.q_len.shape[0]) * self.max_query_len
 
     def in_chunk(self, request: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """Whether ``position`` of ``request`` is computed in this step (any equal shapes; bool)."""
@@ -116,10 +117,10 @@ class StepMetadata:
 
         Returns:
             ``(rows [N] int64, keep)``: ``keep`` is the [T] bool mask of ``ring_write_tokens`` (then the rows belong
-            to ``tokens[keep]``), or None in a decode step, where every token is its request's ring tail and
-            ``rows`` has one entry per token (no data-dependent shape).
+            to ``tokens[keep]``), or None when no query is longer than the ring, so every token is its request's
+            ring tail and ``rows`` has one entry per token (no data-dependent shape).
         """
-        if self.is_decode:
+        if self.max_query_len <= ring_size:
             return self.ring_rows(self.token_request, self.positions, ring_size), None
         keep = self.ring_write_tokens(ring_size)
         return self.ring_rows(self.token_request[keep], self.positions[keep], ring_size), keep
