@@ -202,14 +202,15 @@ class DraftGraphs:
         self._fill(0, self.sizes[-1])
         with torch.inference_mode():
             for size in reversed(self.sizes):
-                batch = self._batch(size)
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):
-                    self.model.draft_forward(batch, self.state)
+                    self.model.draft_forward(self._batch(size), self.state)
                 torch.cuda.current_stream().wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    hidden = self.model.draft_forward(batch, self.state)
+                    # Built inside the capture: the batch's derived tensors (context lengths, block-table rows) are
+                    # then recomputed from the static inputs at every replay instead of frozen at capture.
+                    hidden = self.model.draft_forward(self._batch(size), self.state)
                 self._graphs[size] = (graph, hidden)
         torch.cuda.synchronize(self.buffers.device)
 

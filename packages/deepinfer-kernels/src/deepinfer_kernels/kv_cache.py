@@ -30,7 +30,7 @@ def store_rows(pool: torch.Tensor, rows: torch.Tensor, values: torch.Tensor, fmt
 
     Args:
         pool: [S, bytes] or [num_blocks, rows_per_block, bytes] uint8, contiguous; updated in place.
-        rows: [N] int32/int64 distinct flat row indices (−1 = skip).
+        rows: [N] int32/int64 flat row indices (−1 = skip; a repeated row must carry equal values).
         values: [N, width] bf16/fp16/fp32 with ``bytes == bytes_per_row(fmt, width)``.
     """
     flat = flat_pool("pool", pool)
