@@ -124,7 +124,10 @@ class ModelState:
         return self._codecs[name].decode(flat[rows.clamp(min=0)])
 
     def write(self, name: str, layer: int, rows: torch.Tensor, values: torch.Tensor) -> None:
-        """Encode and store in one op. Args: rows [N] int64 flat rows (a repeated row must carry equal values); values [N, width] bf16/fp32."""
+        """Encode and store in one op.
+
+        Args: rows [N] int64 flat rows (a repeated row must carry equal values); values [N, width] bf16/fp32.
+        """
         store_rows(self._flat(name, layer), rows, values, self._codecs[name].row_format)
 
     def write_encoded(self, name: str, layer: int, rows: torch.Tensor, encoded: torch.Tensor) -> None:
