@@ -255,6 +255,7 @@ class ModelRunner:
             num_tokens += n
             host.cu_query_lens[index + 1] = num_tokens
             host.context_lens[index] = end
+            host.known_lens[index] = scheduled.num_known_tokens
             host.state_slots[index] = request.slot
             table = host.block_table[index]
             table.zero_()
