@@ -135,8 +135,8 @@ def test_compact_refuses_logits_of_dropped_tokens() -> None:
     )
     with pytest.raises(ValueError, match=r"logits of tokens \[10\].*dropped"), torch.no_grad():
         model(batch, state)
-    with pytest.raises(ValueError, match="known_lens"), torch.no_grad():
-        model(ForwardBatch.for_requests([ids.tolist()], [0], table, [0]), state)
+    with torch.no_grad():  # no known lengths: nothing to truncate, every row computed
+        assert model(ForwardBatch.for_requests([ids.tolist()], [0], table, [0]), state).shape[0] == 130
 
 
 def test_settings_the_model_cannot_run_are_refused() -> None:

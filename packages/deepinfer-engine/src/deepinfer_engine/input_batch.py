@@ -131,7 +131,14 @@ class StepBuffers:
         return self._host[step % 2]
 
     def upload(
-        self, host: HostStep, num_tokens: int, num_requests: int, num_logits: int, max_query_len: int, max_context: int
+        self,
+        host: HostStep,
+        num_tokens: int,
+        num_requests: int,
+        num_logits: int,
+        max_query_len: int,
+        max_context: int,
+        has_prefill: bool = False,
     ) -> ForwardBatch:
         """Copy the filled prefix of `host` to the device, resolve input ids through the history, build the batch.
 
@@ -143,6 +150,8 @@ class StepBuffers:
                 rows of requests that asked for prompt logprobs.
             max_query_len: longest query of the step (host int, saves a device sync in the model).
             max_context: longest context after the step (host int).
+            has_prefill: some request computes a prefill chunk: the batch carries the known lengths (`known_lens`),
+                which YOCO prefill truncation needs; other steps are never truncated and carry none.
         """
         t, r = num_tokens, num_requests
         copies = [
@@ -172,10 +181,16 @@ class StepBuffers:
             prefix_positions = (context - q_len)[:, None] + self._ngram_offsets[None, :]
             gathered = self.history[self.state_slots[:r].long()[:, None], prefix_positions.clamp(min=0)]
             self.engram_prefix[:r] = torch.where(prefix_positions >= 0, gathered, -1)
-        return self.batch(t, r, num_logits, max_query_len, max_context)
+        return self.batch(t, r, num_logits, max_query_len, max_context, has_prefill)
 
     def batch(
-        self, num_tokens: int, num_requests: int, num_logits: int, max_query_len: int, max_context_len: int
+        self,
+        num_tokens: int,
+        num_requests: int,
+        num_logits: int,
+        max_query_len: int,
+        max_context_len: int,
+        has_prefill: bool = False,
     ) -> ForwardBatch:
         """The `ForwardBatch` over the first rows of the device buffers: every model forward of the runner (eager
         steps, CUDA-graph captures, lockstep padding forwards; drafts: `draft_batch`) reads its batch from here."""
@@ -191,7 +206,7 @@ class StepBuffers:
             logits_indices=self.logits_indices[:num_logits],
             max_query_len=max_query_len,
             max_context_len=max_context_len,
-            known_lens=self.known_lens[:r],
+            known_lens=self.known_lens[:r] if has_prefill else None,
         )
 
     def draft_batch(

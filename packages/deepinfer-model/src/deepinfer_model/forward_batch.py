@@ -46,8 +46,8 @@ class ForwardBatch:
             decode step fixed (CUDA graphs); at most ``block_table.shape[1] · block_size``.
         known_lens: [R] int32 tokens of each request known when the step was scheduled (its whole prompt, or prompt
             and outputs when recomputed; ``data_len``), which YOCO prefill truncation keeps the tail of
-            (docs/design/attention.md, "YOCO prefill truncation"); needed by prefill steps of a model built with
-            truncation on, else unused (None).
+            (docs/design/attention.md, "YOCO prefill truncation"). None when no request of the step computes a
+            prefill chunk: nothing is truncated (decode and verify steps, which CUDA graphs may capture).
     """
 
     input_ids: torch.Tensor

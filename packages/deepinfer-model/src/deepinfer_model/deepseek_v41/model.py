@@ -70,8 +70,8 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
         context_parallel: the CP group prefill steps are split over (``deepseek_v41.context_parallel``; every rank
             of the group runs the same steps). None or a group of one runs every step whole. Also settable as the
             ``context_parallel`` attribute after construction.
-        prefill_truncation: YOCO prefill truncation of prompt chunks (off by default); prefill steps then need
-            ``ForwardBatch.known_lens``.
+        prefill_truncation: YOCO prefill truncation of prompt chunks (off by default); it applies to the steps whose
+            ``ForwardBatch.known_lens`` is set.
 
     Attributes:
         consumer_layer_rows: query rows the YOCO consumer layers computed, summed over layers and eager forwards
@@ -262,7 +262,7 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
         cfg = self.config.text
         meta = StepMetadata.from_batch(batch)
         compaction: Compaction | None = None
-        if self.prefill_truncation.enabled and not meta.is_decode:
+        if self.prefill_truncation.enabled and batch.known_lens is not None and not meta.is_decode:
             meta, compaction = truncate_step(meta, batch.known_lens, self.prefill_truncation)
         split = token_split(batch, meta, self.context_parallel)
         if compaction is not None and split is not WHOLE_STEP:

@@ -141,7 +141,7 @@ class Compaction:
 
 
 def truncate_step(
-    meta: StepMetadata, known_lens: torch.Tensor | None, truncation: PrefillTruncation
+    meta: StepMetadata, known_lens: torch.Tensor, truncation: PrefillTruncation
 ) -> tuple[StepMetadata, Compaction | None]:
     """A non-decode step's metadata under ``truncation``.
 
@@ -154,15 +154,7 @@ def truncate_step(
         ``(meta, compaction)``: ``mask`` sets ``window_floor`` on ``meta`` (only consumer layers apply it) and
         returns no compaction; ``compact`` leaves ``meta`` as is and returns the consumer half's rows (a device
         sync: their number depends on the data).
-
-    Raises:
-        ValueError: ``known_lens`` is missing.
     """
-    if known_lens is None:
-        raise ValueError(
-            "a prefill step of a model with YOCO prefill truncation on needs ForwardBatch.known_lens (each "
-            "request's known length)"
-        )
     floor = known_lens.long() - truncation.keep_tokens
     if truncation.mode == "mask":
         return dataclasses.replace(meta, window_floor=floor), None
