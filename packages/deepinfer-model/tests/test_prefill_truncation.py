@@ -163,3 +163,34 @@ def test_settings_the_model_cannot_run_are_refused() -> None:
         PrefillTruncation("compact", 100).check(straddling, 6)
     with pytest.raises(ValueError, match=r"Engram layers \[5\] are consumers"):
         PrefillTruncation("compact", 100).check(dataclasses.replace(text, engram_layer_ids=(0, 5)), 6)
+
+
+def test_requests_of_one_step_are_truncated_by_their_own_known_lengths() -> None:
+    # Request 0: the middle chunk 41 … 96 of a 130-token prompt (rect_lo 60); request 1: a 40-token prompt (never
+    # truncated); request 2: a decode token after a 100-token prompt (never truncated). Each must equal running
+    # alone under mask.
+    long, short, decoded = prompt(130, seed=26), prompt(40, seed=27), prompt(101, seed=28)
+    model = _model(ComputeMode.FP32, "compact")
+    alone_long, _ = _run(_model(ComputeMode.FP32, "mask"), long, [0, 41, 97])
+    alone_short, _ = _run(_model(ComputeMode.FP32, "mask"), short, [0, 40])
+    alone_decoded, _ = _run(_model(ComputeMode.FP32, "mask"), decoded, [0, 100, 101])
+    state = model.allocate_state(block_size=BLOCK_SIZE, num_blocks=3 * NUM_BLOCKS, num_state_slots=3)
+    table = torch.arange(3 * NUM_BLOCKS, dtype=torch.int32).reshape(3, NUM_BLOCKS)
+    with torch.no_grad():
+        model(dataclasses.replace(chunk_batch(long, 0, 41, table[:1], 0), known_lens=torch.tensor([130])), state)
+        model(dataclasses.replace(chunk_batch(decoded, 0, 100, table[2:], 2), known_lens=torch.tensor([101])), state)
+        prefixes = torch.tensor([long[39:41].tolist(), [-1, -1], decoded[98:100].tolist()])
+        step = ForwardBatch.for_requests(
+            [long[41:97].tolist(), short.tolist(), decoded[100:].tolist()],
+            [41, 0, 100],
+            table,
+            [0, 1, 2],
+            prefixes,
+            known_lens=[130, 40, 101],
+        )
+        logits = model(step, state)
+    kept = [p - 41 for p in _kept_positions(41, 97, 60)]
+    assert logits.shape[0] == len(kept) + 40 + 1
+    assert _max_relative(logits[: len(kept)], alone_long[1][kept]) < 1e-5
+    assert _max_relative(logits[len(kept) : -1], alone_short[0]) < 1e-5
+    assert _max_relative(logits[-1:], alone_decoded[1]) < 1e-5
