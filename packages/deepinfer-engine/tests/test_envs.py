@@ -46,12 +46,22 @@ def test_invalid_value_names_the_variable(name: str, value: str, message: str) -
 
 
 def test_unsupported_variable_set_is_refused_with_the_reason() -> None:
-    with pytest.raises(ValueError, match=r"DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE.*not supported.*'off'"):
-        read_env({"DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE": "compact"})
+    with pytest.raises(ValueError, match=r"DEEPINFER_PREFILL_STORE_EXTRA_STATE.*not supported.*external KV store"):
+        read_env({"DEEPINFER_PREFILL_STORE_EXTRA_STATE": "1"})
 
 
 def test_unsupported_variable_at_its_default_is_accepted() -> None:
-    read_env({"DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE": "off", "DEEPINFER_USE_NEXTN_DECODE": "0"})
+    read_env({"DEEPINFER_PREFILL_STORE_EXTRA_STATE": "0", "DEEPINFER_USE_NEXTN_DECODE": "0"})
+
+
+def test_yoco_prefill_truncation_variables_are_parsed() -> None:
+    settings = read_env(
+        {"DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE": "Compact", "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS": "140"}
+    )
+    assert settings["DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE"] == "compact"
+    assert settings["DEEPINFER_YOCO_PREFILL_KEEP_TOKENS"] == 140
+    with pytest.raises(ValueError, match=r"DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE='trim'.*'off', 'mask', 'compact'"):
+        read_env({"DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE": "trim"})
 
 
 def test_not_applicable_variable_is_accepted(recwarn: pytest.WarningsRecorder) -> None:

@@ -51,6 +51,9 @@ class Admission:
         eos_token_id: the EOS id requests stop at (None: none).
         engine_seed: the engine seed.
         structured: grammar compilation settings.
+        refuses_prompt_logprobs: YOCO prefill truncation is on: the consumer layers skip or narrow the windows of
+            early prompt tokens, so their logits are not the model's, and a request asking for prompt logprobs gets
+            an error output instead (docs/design/attention.md, "YOCO prefill truncation").
     """
 
     def __init__(
@@ -60,12 +63,14 @@ class Admission:
         eos_token_id: int | None,
         engine_seed: int,
         structured: StructuredOutputConfig,
+        refuses_prompt_logprobs: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self.engine_seed = engine_seed
         self.structured = structured
+        self.refuses_prompt_logprobs = refuses_prompt_logprobs
         self._grammar_service: GrammarCompilationService | None = None
         self._pending: dict[str, Admitted] = {}
 
@@ -86,6 +91,12 @@ class Admission:
             self._check_prompt(ids)
             if params.n != 1:
                 raise ValueError(f"n={params.n}: LLM.generate returns one sample per prompt; only n=1 is supported")
+            if params.prompt_logprobs and self.refuses_prompt_logprobs:
+                raise ValueError(
+                    "prompt_logprobs=True is not available while YOCO prefill truncation is on "
+                    "(DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE): the consumer layers skip or narrow early prompt "
+                    "tokens, so their logits are not the model's; unset the variable (or set it to 'off')"
+                )
         except (TypeError, ValueError) as exc:
             prompt_ids = tuple(token_ids) if isinstance(token_ids, Sequence) else ()
             return rejected_output(request_id, text, prompt_ids, FinishReason.ERROR, str(exc), now)

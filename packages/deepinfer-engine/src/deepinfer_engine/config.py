@@ -8,10 +8,11 @@ out (the number of blocks itself is derived from a memory budget by `CacheManage
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from deepinfer_model.deepseek_v41.truncation import PrefillTruncation
 from deepinfer_sampling.config import SamplerConfig
 
 if TYPE_CHECKING:  # importing xgrammar takes seconds; only engines with structured requests pay for it
@@ -97,6 +98,9 @@ class EngineConfig:
         enforce_eager: never capture CUDA graphs (see `EngineArgs`); graphs are only captured on CUDA devices.
         cudagraph_batch_size_interval: spacing of decode graph sizes (docs/design/scheduler.md, "CUDA graphs"), >= 1.
         engram_pad_token_id: raw pad id of Engram n-gram windows.
+        prefill_truncation: YOCO prefill truncation of prompt chunks (docs/design/attention.md, "YOCO prefill
+            truncation"), from DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE and DEEPINFER_YOCO_PREFILL_KEEP_TOKENS; the
+            model is built with it, and requests asking for prompt logprobs are refused while it is on.
     """
 
     model_dir: Path
@@ -113,6 +117,7 @@ class EngineConfig:
     enforce_eager: bool = True
     cudagraph_batch_size_interval: int = 8
     engram_pad_token_id: int = 2
+    prefill_truncation: PrefillTruncation = field(default_factory=PrefillTruncation)
 
     def __post_init__(self) -> None:
         if self.num_blocks < 2:

@@ -36,7 +36,7 @@ from deepinfer_engine._prompts import ParamsLike
 from deepinfer_engine.admission import Admission, Admitted
 from deepinfer_engine.cache_manager import CacheManager
 from deepinfer_engine.config import EngineConfig
-from deepinfer_engine.engine_args import EngineArgs, build_engine_config
+from deepinfer_engine.engine_args import EngineArgs, build_engine_config, prefill_truncation
 from deepinfer_engine.engine_core import EngineCore, ModelRunnerProtocol
 from deepinfer_engine.envs import EnvSettings
 from deepinfer_engine.eplb import EplbController, EplbSettings, EplbStats
@@ -119,6 +119,7 @@ class Engine:
             env["DEEPINFER_ENGRAM_PAD_TOKEN"],
             expert_parallel,
             max_backtracking_tokens=args.nextn + 1,
+            prefill_truncation=prefill_truncation(args, env),
         )
         text = self.model.config.text
         spec = self.model.cache_spec()
@@ -164,7 +165,14 @@ class Engine:
         eos_token_id = self.tokenizer.eos_token_id
         if eos_token_id is None:
             eos_token_id = self.model.config.eos_token_id
-        self.admission = Admission(self.tokenizer, text.vocab_size, eos_token_id, config.seed, config.structured_output)
+        self.admission = Admission(
+            self.tokenizer,
+            text.vocab_size,
+            eos_token_id,
+            config.seed,
+            config.structured_output,
+            refuses_prompt_logprobs=config.prefill_truncation.enabled,
+        )
         self.outputs = OutputProcessor(self.tokenizer)
 
     def generate(

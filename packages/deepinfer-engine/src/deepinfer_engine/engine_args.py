@@ -12,6 +12,8 @@ number of cache blocks):
 - state slots = `int(max_num_seqs * DEEPINFER_NUM_STATE_SLOTS_RATIO) + 1` (docs/design/scheduler.md, "Engine limits").
 - `nextn` > 0 (DSpark speculative decoding, `deepinfer_engine.speculative`) needs a checkpoint with DSpark blocks and
   raises the default token budget to at least `max_num_seqs * (1 + nextn)` (docs/design/scheduler.md, "Engine limits").
+- YOCO prefill truncation (`prefill_truncation`) comes from the environment only; the model checks it against its
+  layers and rings when it is built (docs/design/attention.md, "YOCO prefill truncation").
 """
 
 from __future__ import annotations
@@ -26,9 +28,17 @@ from deepinfer_engine.config import CacheConfig, EngineConfig, Precision, Schedu
 from deepinfer_engine.envs import EnvSettings
 from deepinfer_model.cache_spec import CacheSpec
 from deepinfer_model.deepseek_v41.context import DSPARK_GROUP
+from deepinfer_model.deepseek_v41.truncation import PrefillTruncation
 from deepinfer_sampling.config import SamplerConfig, parse_token_blacklist
 
-__all__ = ["DEFAULT_CPU_CACHE_MEMORY_BYTES", "MAX_MODEL_LEN_CAP", "MAX_NEXTN", "EngineArgs", "build_engine_config"]
+__all__ = [
+    "DEFAULT_CPU_CACHE_MEMORY_BYTES",
+    "MAX_MODEL_LEN_CAP",
+    "MAX_NEXTN",
+    "EngineArgs",
+    "build_engine_config",
+    "prefill_truncation",
+]
 
 MAX_MODEL_LEN_CAP = 131072
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
@@ -241,7 +251,25 @@ def build_engine_config(
         enforce_eager=args.enforce_eager or env["DEEPINFER_ENFORCE_EAGER"],
         cudagraph_batch_size_interval=env["DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL"],
         engram_pad_token_id=env["DEEPINFER_ENGRAM_PAD_TOKEN"],
+        prefill_truncation=prefill_truncation(args, env),
     )
+
+
+def prefill_truncation(args: EngineArgs, env: EnvSettings) -> PrefillTruncation:
+    """The YOCO prefill truncation setting of the environment (its errors name the variables).
+
+    Raises:
+        ValueError: an unknown mode, truncation on with a keep length <= 0, or `compact` with context parallelism
+            (its split steps keep every row on every rank).
+    """
+    mode_name, keep_name = "DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS"
+    truncation = PrefillTruncation(env[mode_name], env[keep_name], mode_name=mode_name, keep_tokens_name=keep_name)
+    if truncation.mode == "compact" and args.context_parallel_size > 1:
+        raise ValueError(
+            f"{mode_name}='compact' does not run with context_parallel_size={args.context_parallel_size}; "
+            "use 'mask' or context_parallel_size=1"
+        )
+    return truncation
 
 
 def _sampler_config(env: EnvSettings) -> SamplerConfig:

@@ -13,6 +13,7 @@ and (on CUDA) graph replays see fixed addresses:
     block_table  [R, B] int32 (0 = null)      → block_table                          block_table [R, B]
     state_slots  [R]  int32                   → state_slots                          state_slots [R]
     logits_rows  [R+T] int64                  → logits_indices                       logits_indices [S (+ Q)]
+    known_lens   [R]  int32                   → known_lens                           known_lens [R]
 
 A step fills host set `step % 2` and copies it with non-blocking copies; the set it overwrites belongs to step − 2,
 whose copies have completed (its results were waited for before this step was built).
@@ -56,6 +57,7 @@ class HostStep:
     block_table: torch.Tensor
     state_slots: torch.Tensor
     logits_rows: torch.Tensor
+    known_lens: torch.Tensor
 
 
 class StepBuffers:
@@ -101,6 +103,7 @@ class StepBuffers:
                 block_table=host(max_num_requests, max_blocks_per_request, dtype=torch.int32),
                 state_slots=host(max_num_requests, dtype=torch.int32),
                 logits_rows=host(max_num_requests + max_num_tokens, dtype=torch.int64),
+                known_lens=host(max_num_requests, dtype=torch.int32),
             )
             for _ in range(2)
         ]
@@ -117,6 +120,7 @@ class StepBuffers:
         self.block_table = dev(max_num_requests, max_blocks_per_request, dtype=torch.int32)
         self.state_slots = dev(max_num_requests, dtype=torch.int32)
         self.logits_indices = dev(max_num_requests + max_num_tokens, dtype=torch.int64)
+        self.known_lens = dev(max_num_requests, dtype=torch.int32)
         self.engram_prefix = dev(max_num_requests, ngram_context, dtype=torch.int64)
         self.history = dev(num_state_slots, max_positions, dtype=torch.int64)
         self._ngram_offsets = torch.arange(-ngram_context, 0, dtype=torch.int64, device=device)
@@ -127,7 +131,14 @@ class StepBuffers:
         return self._host[step % 2]
 
     def upload(
-        self, host: HostStep, num_tokens: int, num_requests: int, num_logits: int, max_query_len: int, max_context: int
+        self,
+        host: HostStep,
+        num_tokens: int,
+        num_requests: int,
+        num_logits: int,
+        max_query_len: int,
+        max_context: int,
+        has_prefill: bool = False,
     ) -> ForwardBatch:
         """Copy the filled prefix of `host` to the device, resolve input ids through the history, build the batch.
 
@@ -139,6 +150,8 @@ class StepBuffers:
                 rows of requests that asked for prompt logprobs.
             max_query_len: longest query of the step (host int, saves a device sync in the model).
             max_context: longest context after the step (host int).
+            has_prefill: some request computes a prefill chunk: the batch carries the known lengths (`known_lens`),
+                which YOCO prefill truncation needs; other steps are never truncated and carry none.
         """
         t, r = num_tokens, num_requests
         copies = [
@@ -149,6 +162,7 @@ class StepBuffers:
             (self.context_lens, host.context_lens, r),
             (self.state_slots, host.state_slots, r),
             (self.logits_indices, host.logits_rows, num_logits),
+            (self.known_lens, host.known_lens, r),
         ]
         for dst, src, n in copies:
             dst[:n].copy_(src[:n], non_blocking=True)
@@ -167,10 +181,16 @@ class StepBuffers:
             prefix_positions = (context - q_len)[:, None] + self._ngram_offsets[None, :]
             gathered = self.history[self.state_slots[:r].long()[:, None], prefix_positions.clamp(min=0)]
             self.engram_prefix[:r] = torch.where(prefix_positions >= 0, gathered, -1)
-        return self.batch(t, r, num_logits, max_query_len, max_context)
+        return self.batch(t, r, num_logits, max_query_len, max_context, has_prefill)
 
     def batch(
-        self, num_tokens: int, num_requests: int, num_logits: int, max_query_len: int, max_context_len: int
+        self,
+        num_tokens: int,
+        num_requests: int,
+        num_logits: int,
+        max_query_len: int,
+        max_context_len: int,
+        has_prefill: bool = False,
     ) -> ForwardBatch:
         """The `ForwardBatch` over the first rows of the device buffers: every model forward of the runner (eager
         steps, CUDA-graph captures, lockstep padding forwards; drafts: `draft_batch`) reads its batch from here."""
@@ -186,6 +206,7 @@ class StepBuffers:
             logits_indices=self.logits_indices[:num_logits],
             max_query_len=max_query_len,
             max_context_len=max_context_len,
+            known_lens=self.known_lens[:r] if has_prefill else None,
         )
 
     def draft_batch(

@@ -17,6 +17,7 @@ from deepinfer_model.config import ModelConfig
 from deepinfer_model.deepseek_v41.engram_vocab import engram_vocab_from_tokenizer
 from deepinfer_model.deepseek_v41.expert_parallel import ExpertParallelMoE
 from deepinfer_model.deepseek_v41.model import DeepseekV41ForCausalLM
+from deepinfer_model.deepseek_v41.truncation import PrefillTruncation
 from deepinfer_model.layers.mode import ComputeMode
 from deepinfer_model.loading.load import load_checkpoint_dir
 
@@ -31,16 +32,19 @@ def load_model(
     engram_pad_token_id: int,
     expert_parallel: ExpertParallelMoE | None = None,
     max_backtracking_tokens: int = 1,
+    prefill_truncation: PrefillTruncation | None = None,
 ) -> DeepseekV41ForCausalLM:
     """The checkpoint's model on `device`, weights loaded, in eval mode.
 
     With `expert_parallel` the model keeps (and loads) only this rank's routed experts and reaches the others over
     the EP group; None keeps every expert in this process. `max_backtracking_tokens` sizes the rings for rolled-back
-    draft positions (`nextn + 1` with speculative decoding, 1 without).
+    draft positions (`nextn + 1` with speculative decoding, 1 without). `prefill_truncation` (None: off) is the YOCO
+    prefill truncation the model runs prompt chunks with.
 
     Raises:
         deepinfer_model.loading.errors.CheckpointError / CoverageError: the checkpoint is incomplete or corrupt.
-        ValueError: the tokenizer does not fit the model's Engram rules.
+        ValueError: the tokenizer does not fit the model's Engram rules, or the model cannot run
+            `prefill_truncation` (`PrefillTruncation.check`).
     """
     checkpoint = load_checkpoint_dir(model_dir)
     config: ModelConfig = checkpoint.config
@@ -54,6 +58,7 @@ def load_model(
             vocab,
             max_backtracking_tokens=max_backtracking_tokens,
             expert_parallel=expert_parallel,
+            prefill_truncation=prefill_truncation,
         )
     model.load_weights(checkpoint.tensors.items())
     model.to(device)  # buffers built from host data during construction follow the parameters

@@ -252,6 +252,7 @@ class ModelRunner:
         host = self.buffers.host_set(scheduler_output.step)
         num_tokens = 0
         max_query = max_context = 0
+        has_prefill = False
         for index, scheduled in enumerate(scheduler_output.scheduled_requests):
             request = self._start(scheduled)
             n = scheduled.num_scheduled_tokens
@@ -265,6 +266,9 @@ class ModelRunner:
             num_tokens += n
             host.cu_query_lens[index + 1] = num_tokens
             host.context_lens[index] = end
+            host.known_lens[index] = scheduled.num_known_tokens
+            # A decode or verify chunk starts at the last known token; anything before it is a prefill chunk.
+            has_prefill |= start < scheduled.num_known_tokens - 1
             host.state_slots[index] = request.slot
             table = host.block_table[index]
             table.zero_()
@@ -288,7 +292,7 @@ class ModelRunner:
             assert self.graphs is not None
             logits = self.graphs.replay(host, num_requests, max_query, num_logits, size)
         else:
-            batch = self.buffers.upload(host, num_tokens, num_requests, num_logits, max_query, max_context)
+            batch = self.buffers.upload(host, num_tokens, num_requests, num_logits, max_query, max_context, has_prefill)
             logits = self.model(batch, self.state)
         if handle.prompt_rows:
             handle.prompt_values = prompt_logprob_values(self.sampler, logits[num_samples:], handle, self._requests)

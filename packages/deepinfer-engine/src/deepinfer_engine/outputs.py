@@ -100,6 +100,9 @@ class ScheduledRequest:
         samples_token: whether this step reaches the end of the known tokens, so the runner samples (a partial
             prompt chunk samples nothing).
         num_prompt_tokens: the request's prompt length (positions below it are prompt tokens).
+        num_known_tokens: the request's tokens known when the step was scheduled (prompt, outputs and outputs in
+            flight): YOCO prefill truncation keeps the tail of that length (docs/design/attention.md, "YOCO prefill
+            truncation"); 0 truncates nothing.
         state_slot: the request's state slot (sliding-window rings and compressor state).
         first_new_block_index: index in the request's block table where `new_block_ids` start; the table holds
             exactly `first_new_block_index + len(new_block_ids)` blocks after this step's allocation (entries
@@ -122,6 +125,7 @@ class ScheduledRequest:
     new_block_ids: tuple[int, ...]
     num_placeholder_tokens: int = 0
     new_request: NewRequestData | None = None
+    num_known_tokens: int = 0
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -92,4 +92,5 @@ def scheduled_request(
         new_block_ids=allocation.new_block_ids,
         num_placeholder_tokens=num_placeholders,
         new_request=new_request,
+        num_known_tokens=num_known,
     )

@@ -44,6 +44,10 @@ class ForwardBatch:
         max_context_len: host int, the longest ``context_lens`` entry or any larger bound (None: read from the
             tensors, a device sync). It sizes the indexer's row dimension, so a fixed bound keeps every shape of a
             decode step fixed (CUDA graphs); at most ``block_table.shape[1] · block_size``.
+        known_lens: [R] int32 tokens of each request known when the step was scheduled (its whole prompt, or prompt
+            and outputs when recomputed; ``data_len``), which YOCO prefill truncation keeps the tail of
+            (docs/design/attention.md, "YOCO prefill truncation"). None when no request of the step computes a
+            prefill chunk: nothing is truncated (decode and verify steps, which CUDA graphs may capture).
     """
 
     input_ids: torch.Tensor
@@ -56,6 +60,7 @@ class ForwardBatch:
     logits_indices: torch.Tensor | None = None
     max_query_len: int | None = None
     max_context_len: int | None = None
+    known_lens: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         num_tokens = self.input_ids.shape[0]
@@ -74,6 +79,8 @@ class ForwardBatch:
             raise ValueError(f"block_table must be [{num_requests}, max_blocks], got {tuple(self.block_table.shape)}")
         if self.state_slots.shape != (num_requests,):
             raise ValueError(f"state_slots must have shape ({num_requests},), got {tuple(self.state_slots.shape)}")
+        if self.known_lens is not None and self.known_lens.shape != (num_requests,):
+            raise ValueError(f"known_lens must have shape ({num_requests},), got {tuple(self.known_lens.shape)}")
 
     @property
     def num_tokens(self) -> int:
@@ -91,6 +98,7 @@ class ForwardBatch:
         block_table: torch.Tensor,
         state_slots: list[int],
         engram_prefix_ids: torch.Tensor | None = None,
+        known_lens: list[int] | None = None,
     ) -> ForwardBatch:
         """Build a batch from per-request query tokens (a convenience for tests and simple runners).
 
@@ -100,6 +108,7 @@ class ForwardBatch:
             block_table: [R, max_blocks] int32.
             state_slots: state slot of each request.
             engram_prefix_ids: [R, N_g − 1] int64 or None.
+            known_lens: each request's known length (``known_lens``), or None.
         """
         lens = [len(ids) for ids in token_ids]
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
@@ -116,4 +125,5 @@ class ForwardBatch:
             engram_prefix_ids=engram_prefix_ids,
             max_query_len=max(lens, default=0),
             max_context_len=max((s + n for s, n in zip(start_positions, lens, strict=True)), default=0),
+            known_lens=None if known_lens is None else torch.tensor(known_lens, dtype=torch.int32),
         )

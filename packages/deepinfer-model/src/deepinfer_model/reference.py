@@ -45,7 +45,9 @@ Choices where the spec leaves a point open (each follows what the spec attribute
     10. Engram vocabulary: passed in as an ``EngramVocabulary`` (built once from ``tokenizer.json`` with
         ``engram_vocabulary_from_tokenizer``), never loaded inside the forward; the pad id is a parameter (the
         runtime reads ``DEEPINFER_ENGRAM_PAD_TOKEN``, default 2).
-    11. YOCO prefill truncation is ``off`` (the exact mode); the forward is one full causal prefill of one request.
+    11. YOCO prefill truncation is ``off`` (the exact mode) unless ``yoco_keep_tokens`` asks for the ``mask`` rule
+        (docs/design/attention.md, "YOCO prefill truncation"); the forward is one full causal prefill of one request,
+        so ``rect_lo = n − keep``. (``compact`` computes the same values for the queries it keeps.)
     12. DSpark: the number of draft slots defaults to ``dspark_block_size``; the context keys are
         computed from the target features inside ``reference_dspark_forward``; the confidence head reads the
         pre-norm hidden.
@@ -881,7 +883,14 @@ def _selected_rows(
 
 
 def _attention_layer(
-    text: TextConfig, w: _Weights, num: _Numerics, layer: int, x: Tensor, state: _AttentionState, rope: _RopeTable
+    text: TextConfig,
+    w: _Weights,
+    num: _Numerics,
+    layer: int,
+    x: Tensor,
+    state: _AttentionState,
+    rope: _RopeTable,
+    window_floor: int | None = None,
 ) -> Tensor:
     """One backbone attention sub-layer over a whole causal sequence (docs/design/attention.md, "Per-query attention");
     records into ``state``.
@@ -889,6 +898,7 @@ def _attention_layer(
     Args:
         x: ``[n, H]`` BF16 ``attn_norm`` output of tokens at positions ``0 … n−1``.
         rope: the layer kind's table with at least ``n`` positions.
+        window_floor: ``rect_lo`` of ``mask`` YOCO prefill truncation (window keys below it are invisible), or None.
 
     Returns:
         the attention output ``[n, H]`` BF16.
@@ -902,6 +912,8 @@ def _attention_layer(
     state.swa_keys[layer] = swa_keys
     keys = swa_keys.expand(n, n, -1)
     mask = swa_visibility(n, text.sliding_window)
+    if window_floor is not None:
+        mask = mask & (torch.arange(n) >= window_floor)[None, :]
     if text.compress_ratios[layer] > 0:
         rows = _selected_rows(text, w, num, layer, x, q_latent, state, rope)
         state.selected_rows[layer] = rows
@@ -1032,6 +1044,7 @@ def reference_forward_full(
     engram_vocabulary: EngramVocabulary | None = None,
     *,
     precision: Precision = "exact",
+    yoco_keep_tokens: int | None = None,
 ) -> ReferenceOutput:
     """One full-sequence causal forward of one request, positions ``0 … n−1`` (docs/design/model.md, "Forward pass").
 
@@ -1041,6 +1054,8 @@ def reference_forward_full(
         token_ids: ``[n]`` int64 ids in ``[0, V)``.
         engram_vocabulary: compressed Engram vocabulary; required when the model has Engram layers.
         precision: ``"exact"`` (the spec's numerics) or ``"fp32"`` (see "Precision" in the module docstring).
+        yoco_keep_tokens: ``KEEP`` of ``mask`` YOCO prefill truncation (choice 11): YOCO consumer layers see window
+            keys at positions ``≥ n − KEEP`` only; None is ``off``.
 
     Returns:
         logits, collapsed hidden, DSpark target features, the compressed rows each query attended and the keys a
@@ -1054,6 +1069,7 @@ def reference_forward_full(
     trunk, read_mix = _expand(w, num, token_ids, text)
     n = token_ids.shape[0]
     tables = {False: _layer_rope_table(text, False, n), True: _layer_rope_table(text, True, n)}
+    floor = None if yoco_keep_tokens is None else n - yoco_keep_tokens
     state = _AttentionState()
     features: dict[int, Tensor] = {}
     pending: _Pending | None = None
@@ -1067,7 +1083,10 @@ def reference_forward_full(
             features[layer] = num.bf16(trunk.float().mean(1))
 
         def attention(x: Tensor, layer: int = layer) -> Tensor:
-            return _attention_layer(text, w, num, layer, x, state, tables[text.compress_ratios[layer] > 0])
+            consumer_floor = floor if layer >= text.n_prefill_layer else None
+            return _attention_layer(
+                text, w, num, layer, x, state, tables[text.compress_ratios[layer] > 0], consumer_floor
+            )
 
         pending, read_mix = _decoder_layer(
             text, w, num, f"layers.{layer}", trunk, read_mix, attention, text.n_routed_experts, text.num_experts_per_tok

@@ -138,17 +138,20 @@ class Attention(nn.Module):
         rows, keep = meta.ring_tail(state.ring_size(self.swa_group))
         state.write_encoded(self.swa_group, self.spec.layer_id, rows, encoded if keep is None else encoded[keep])
 
-    def store_window_keys(self, x: torch.Tensor, ctx: StepContext) -> None:
+    def store_window_keys(self, x: torch.Tensor, meta: StepMetadata, state: ModelState) -> None:
         """Project and store window keys without attending (DSpark context keys; docs/design/model.md, "Context keys").
 
         Args:
-            x: [T, H] the projected target features of every key token (activation dtype).
+            x: [T, H] the projected target features of the tokens ``meta`` addresses (activation dtype).
+            meta: index math of those tokens.
+            state: the cache pools.
         """
-        self._write_window(self._window_kv(x, ctx.key_meta, ctx.state), ctx.key_meta, ctx.state)
+        self._write_window(self._window_kv(x, meta, state), meta, state)
 
     def _window_sources(self, fresh: torch.Tensor, ctx: StepContext) -> list[KeySource]:
         """Every query's window ``t − W + 1 … t``: positions before the step from the ring (read before this step's
-        ring write), positions of the step from the fresh keys.
+        ring write), positions of the step from the fresh keys. A YOCO consumer layer of a truncated prefill step
+        sees positions ``≥ window_floor`` only (docs/design/attention.md, "YOCO prefill truncation").
 
         Args:
             fresh: [T_kv, bytes] encoded window keys of the key tokens.
@@ -163,6 +166,8 @@ class Attention(nn.Module):
         positions = meta.positions[:, None] + offsets[None, :]
         request = meta.token_request[:, None].expand_as(positions)
         seen = positions >= 0
+        if self.spec.is_yoco_consumer and meta.window_floor is not None:
+            seen &= positions >= meta.window_floor[request]
         in_chunk = key_meta.in_chunk(request, positions)
         history = torch.where(seen & ~in_chunk, key_meta.ring_rows(request, positions, ring), -1)
         own = torch.where(seen & in_chunk, key_meta.chunk_index(request, positions), -1)
@@ -213,12 +218,13 @@ class Attention(nn.Module):
         layer = spec.layer_id
         if self.compressor is not None:
             # YOCO consumer kv sources compress the shared hidden, not their own input (docs/design/model.md, "YOCO").
+            # They write rows for every token even when the consumer half computes fewer queries.
             hidden = ctx.key_shared_hidden() if spec.is_yoco_consumer else kv_x
-            ctx.new_rows[layer] = self.compressor(hidden, ctx.key_meta, state, layer, self.rope)
+            ctx.new_rows[layer] = self.compressor(hidden, ctx.step_meta, state, layer, self.rope)
         if spec.owns_index_k:
             assert self.indexer is not None
             self.indexer.write_keys(
-                ctx.new_rows[spec.kv_source], spec.compress_ratio, ctx.key_meta, state, layer, self.rope
+                ctx.new_rows[spec.kv_source], spec.compress_ratio, ctx.step_meta, state, layer, self.rope
             )
         if self.selection is not None:
             assert self.indexer is not None

@@ -121,20 +121,24 @@ class DecoderBlock(nn.Module):
             ctx: step context.
 
         Returns:
-            ``(trunk after this block's MoE post [T, m, H], FFN read-mix [T, m])``.
+            ``(trunk after this block's MoE post [T, m, H], FFN read-mix [T, m])``; at the first YOCO consumer layer of
+            a ``compact`` prefill step only the kept rows ``T_kept``.
         """
         layer = self.spec.layer_id
         if self.engram is not None:
             if ctx.engram_rows is None or ctx.engram_active is None or ctx.engram_vocab is None:
                 raise ValueError(f"layer {layer} has an Engram: the step needs engram_prefix_ids and an EngramVocab")
             trunk = self.engram(trunk, ctx.engram_rows, ctx.engram_active, ctx.engram_vocab)
-        if layer in ctx.capture_layers:
-            ctx.features[layer] = trunk.float().mean(dim=1).to(self.mode.activation_dtype)
         read_a, write_a, comb_a = self._mixes("attn", trunk)
         shifted = self.cfg.hc_shifted
         x = self.attn_norm(hc_read(trunk, read_mix if shifted else read_a, self.mode))
         if self.spec.is_yoco_consumer and ctx.shared_hidden is None:
+            # The shared hidden covers every token; the consumer half may go on with fewer rows from here
+            # (docs/design/attention.md, "YOCO prefill truncation").
             ctx.shared_hidden = x
+            trunk, read_a, write_a, comb_a, x = ctx.enter_consumer_half(trunk, read_a, write_a, comb_a, x)
+        if layer in ctx.capture_layers:
+            ctx.features[layer] = trunk.float().mean(dim=1).to(self.mode.activation_dtype)
         trunk_ffn = hc_post(self.attn(x, ctx), trunk, write_a, comb_a, self.mode)
         read_f, write_f, comb_f = self._mixes("ffn", trunk_ffn)
         y = self.ffn(self.ffn_norm(hc_read(trunk_ffn, read_a if shifted else read_f, self.mode)))

@@ -4,6 +4,10 @@ Cross-layer items are transient: the compressed rows a kv source produced this s
 which index-K sources project), the top-k row sets of index sources, candidate blocks of the candidate source and
 the YOCO shared hidden. Nothing here outlives the step; persistent state lives in ``ModelState``.
 
+Under ``compact`` YOCO prefill truncation (``deepseek_v41.truncation``) the consumer half runs on fewer rows: at the
+boundary layer ``enter_consumer_half`` switches the query and key metadata to the kept rows and gathers the
+cross-layer values carried over; compressed rows and index keys still come from every token (``step_meta``).
+
 How the step's tokens are shared out is the context's ``TokenSplit`` strategy: the whole step here (every token's
 query and key on this process), or the context-parallel split of ``deepseek_v41.context_parallel`` (this rank's
 queries, every chunk token's keys). The forward and the layers are the same code for both; they only ask the
@@ -21,6 +25,7 @@ from deepinfer_model.state import ModelState, StepMetadata
 
 if TYPE_CHECKING:
     from deepinfer_model.deepseek_v41.engram import EngramVocab
+    from deepinfer_model.deepseek_v41.truncation import Compaction
 
 __all__ = ["NewRows", "StepContext", "TokenSplit", "compressed_group", "index_k_group"]
 
@@ -82,7 +87,9 @@ class StepContext:
 
     Attributes:
         meta: index math of the queries this process computes (per-token arrays of its rows only).
-        key_meta: index math of every token of the step: the key tokens, whose cache rows a layer writes.
+        key_meta: index math of the key tokens, whose window keys a layer computes and stores: every token of the
+            step, or the kept rows in the consumer half of a ``compact`` step.
+        step_meta: index math of every token of the step (compressor and index-key inputs, whole-step outputs).
         state: the cache pools.
         split: how the step's tokens are shared out (``TokenSplit``).
         new_rows: kv source → rows it completed this step.
@@ -96,10 +103,12 @@ class StepContext:
         capture_layers: layers whose incoming trunk mean is captured (DSpark target features).
         features: layer → [T, H] captured mean of the trunk entering the layer's attention.
         draft: the step is a DSpark draft forward (each request's tokens are one non-causal draft block).
+        compaction: the consumer half's rows of a ``compact`` prefill step, or None.
     """
 
     meta: StepMetadata
     key_meta: StepMetadata
+    step_meta: StepMetadata
     state: ModelState
     split: TokenSplit = WHOLE_STEP
     new_rows: dict[int, NewRows] = field(default_factory=dict)
@@ -113,6 +122,7 @@ class StepContext:
     capture_layers: frozenset[int] = frozenset()
     features: dict[int, torch.Tensor] = field(default_factory=dict)
     draft: bool = False
+    compaction: Compaction | None = None
 
     @classmethod
     def for_step(
@@ -123,16 +133,31 @@ class StepContext:
         *,
         capture_layers: frozenset[int] = frozenset(),
         draft: bool = False,
+        compaction: Compaction | None = None,
     ) -> StepContext:
         """The context of a step over ``meta`` (every token) shared out by ``split``."""
         return cls(
             meta=split.query_meta(meta),
             key_meta=meta,
+            step_meta=meta,
             state=state,
             split=split,
             capture_layers=capture_layers,
             draft=draft,
+            compaction=compaction,
         )
+
+    def enter_consumer_half(self, *rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Called once, at the first YOCO consumer layer: under ``compact`` switch to the kept rows (queries and
+        window keys), gather the carried top-k and candidate rows, and return ``rows`` (per-token tensors of the
+        layer) gathered; otherwise return ``rows`` unchanged."""
+        compaction = self.compaction
+        if compaction is None:
+            return rows
+        self.meta = self.key_meta = compaction.meta
+        self.topk = {layer: compaction.gather(value) for layer, value in self.topk.items()}
+        self.candidates = {layer: compaction.gather(value) for layer, value in self.candidates.items()}
+        return tuple(compaction.gather(value) for value in rows)
 
     def key_tokens(self, x: torch.Tensor) -> torch.Tensor:
         """A layer's input rows of every key token ``[T, ...]`` from the local rows ``x`` (a collective when split)."""

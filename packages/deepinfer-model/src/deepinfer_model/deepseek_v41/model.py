@@ -4,7 +4,9 @@ Build from a ``ModelConfig`` on any device (``meta`` included), ``load_weights``
 stored formats, declare the cache groups with ``cache_spec``, allocate a ``ModelState`` and call
 ``forward(batch, state)`` once per step. Each step: embed → expand to ``m`` streams → blocks → final read → RMSNorm →
 LM head (docs/design/model.md, "Forward pass"); DSpark target features are captured on the way and the drafter's
-context keys written into its rings (docs/design/model.md, "Context keys").
+context keys written into its rings (docs/design/model.md, "Context keys"). With YOCO prefill truncation
+(``deepseek_v41.truncation``) the consumer half of a prefill step narrows its windows (``mask``) or computes only the
+kept rows (``compact``; docs/design/attention.md, "YOCO prefill truncation").
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from deepinfer_model.deepseek_v41.context import (
     COMPRESSOR_GROUP,
     DSPARK_GROUP,
     SWA_GROUP,
+    WHOLE_STEP,
     StepContext,
     compressed_group,
     index_k_group,
@@ -31,6 +34,7 @@ from deepinfer_model.deepseek_v41.engram import EngramVocab, ngram_rows
 from deepinfer_model.deepseek_v41.expert_parallel import ExpertParallelMoE
 from deepinfer_model.deepseek_v41.hyper_connection import initial_read_mix
 from deepinfer_model.deepseek_v41.moe import ExpertDispatch, MoE, local_expert_dispatch
+from deepinfer_model.deepseek_v41.truncation import Compaction, PrefillTruncation, truncate_step
 from deepinfer_model.deepseek_v41.weight_loading import load_named_weights
 from deepinfer_model.forward_batch import ForwardBatch
 from deepinfer_model.layers.embedding import LMHead, VocabEmbedding
@@ -66,9 +70,17 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
         context_parallel: the CP group prefill steps are split over (``deepseek_v41.context_parallel``; every rank
             of the group runs the same steps). None or a group of one runs every step whole. Also settable as the
             ``context_parallel`` attribute after construction.
+        prefill_truncation: YOCO prefill truncation of prompt chunks (off by default); it applies to the steps whose
+            ``ForwardBatch.known_lens`` is set.
+
+    Attributes:
+        consumer_layer_rows: query rows the YOCO consumer layers computed, summed over layers and eager forwards
+            since construction (a work counter: ``compact`` truncation lowers it; CUDA graph replays are not
+            counted).
 
     Raises:
-        ValueError: ``BT < 1``, or an ``expert_parallel`` placement that does not match the config.
+        ValueError: ``BT < 1``, an ``expert_parallel`` placement that does not match the config, or a truncation
+            setting the model cannot run (``PrefillTruncation.check``).
     """
 
     def __init__(
@@ -81,11 +93,14 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
         expert_parallel: ExpertParallelMoE | None = None,
         draft_expert_parallel: ExpertParallelMoE | None = None,
         context_parallel: RankGroup | None = None,
+        prefill_truncation: PrefillTruncation | None = None,
     ) -> None:
         super().__init__()
         cfg = config.text
         if max_backtracking_tokens < 1:
             raise ValueError(f"max_backtracking_tokens must be >= 1, got {max_backtracking_tokens}")
+        prefill_truncation = prefill_truncation or PrefillTruncation()
+        prefill_truncation.check(cfg, max_backtracking_tokens)
         if expert_parallel is not None:
             expert_parallel.check_covers(cfg.num_hidden_layers, cfg.n_routed_experts, "backbone layers")
         if draft_expert_parallel is not None:
@@ -97,6 +112,8 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
         self.engram_vocab = engram_vocab
         self.max_backtracking_tokens = max_backtracking_tokens
         self.context_parallel = context_parallel
+        self.prefill_truncation = prefill_truncation
+        self.consumer_layer_rows = 0
         backbone = cfg.layers[: cfg.num_hidden_layers]
         self.embed = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, mode)
         self.layers = nn.ModuleList(
@@ -239,24 +256,35 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
             state: cache pools from ``allocate_state`` (updated in place).
 
         Returns:
-            [N, V] fp32 logits of ``batch.logits_indices`` (every token when None).
+            [N, V] fp32 logits of ``batch.logits_indices`` (every token when None; under ``compact`` truncation of a
+            prefill step only kept tokens may be asked for, and None returns the kept rows).
         """
         cfg = self.config.text
         meta = StepMetadata.from_batch(batch)
+        compaction: Compaction | None = None
+        if self.prefill_truncation.enabled and batch.known_lens is not None and not meta.is_decode:
+            meta, compaction = truncate_step(meta, batch.known_lens, self.prefill_truncation)
         split = token_split(batch, meta, self.context_parallel)
-        ctx = StepContext.for_step(meta, state, split, capture_layers=frozenset(cfg.dspark_target_layer_ids))
+        if compaction is not None and split is not WHOLE_STEP:
+            raise ValueError("compact YOCO prefill truncation cannot run a context-parallel split step; use 'mask'")
+        ctx = StepContext.for_step(
+            meta, state, split, capture_layers=frozenset(cfg.dspark_target_layer_ids), compaction=compaction
+        )
         if cfg.engram_enabled:
             self.prepare_engram(batch, ctx)
         hidden = self.embed(split.local(batch.input_ids))
         trunk = hidden[:, None, :].expand(-1, cfg.hc_mult, -1).contiguous()
         read_mix = initial_read_mix(ctx.meta.num_tokens, cfg.hc_mult, hidden.device)
-        for block in self.layers:
+        for spec, block in zip(cfg.layers, self.layers, strict=False):
             trunk, read_mix = block(trunk, read_mix, ctx)
+            if spec.is_yoco_consumer:
+                self.consumer_layer_rows += trunk.shape[0]
         if len(self.mtp):
             self.store_context_keys(ctx)
         final = split.gather(self.collapse(trunk, read_mix, cfg, self.mode))
         if batch.logits_indices is not None:
-            final = final[batch.logits_indices]
+            rows = batch.logits_indices if compaction is None else compaction.logits_rows(batch.logits_indices)
+            final = final[rows]
         return self.head(self.norm(final))
 
     def draft_forward(self, batch: ForwardBatch, state: ModelState) -> torch.Tensor:
@@ -314,7 +342,7 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
         assert cfg.engram_max_ngram_size is not None
         if self.engram_vocab is None:
             raise ValueError("this config has Engram layers: build the model with an EngramVocab")
-        meta = ctx.key_meta
+        meta = ctx.step_meta
         prefix = batch.engram_prefix_ids
         if prefix is None:
             if bool((meta.q_start > 0).any()):
@@ -330,12 +358,15 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
 
     def store_context_keys(self, ctx: StepContext) -> None:
         """Write the drafter's context keys of every token of the step into every DSpark ring
-        (docs/design/model.md, "Context keys")."""
+        (docs/design/model.md, "Context keys"); of the kept rows only when the target layers are YOCO consumers of a
+        ``compact`` step (docs/design/attention.md, "YOCO prefill truncation")."""
         cfg = self.config.text
+        consumers = min(cfg.dspark_target_layer_ids) >= cfg.n_prefill_layer
+        meta = ctx.key_meta if consumers else ctx.step_meta
         features = ctx.split.gather(torch.cat([ctx.features[layer] for layer in cfg.dspark_target_layer_ids], dim=-1))
         first = self.mtp[0]
         assert isinstance(first, DSparkBlock)
         projected = first.project_features(features)
         for block in self.mtp:
             assert isinstance(block, DSparkBlock)
-            block.attn.store_window_keys(projected, ctx)
+            block.attn.store_window_keys(projected, meta, ctx.state)

@@ -36,6 +36,9 @@ class StepMetadata:
         max_query_len: host int, longest query of the step.
         max_context_len: host int, longest context after the step (a step may pass any larger bound: it only bounds
             the indexer's streamed row loop, which a CUDA graph needs fixed; no tensor is sized by it).
+        window_floor: [R] ``rect_lo`` of YOCO prefill truncation, the lowest position a consumer layer's window may
+            read (docs/design/attention.md, "YOCO prefill truncation"); None when the step is not truncated.
+        floor_stores: ring stores skip positions below ``window_floor`` (the consumer half under ``compact``).
     """
 
     token_request: torch.Tensor
@@ -48,6 +51,8 @@ class StepMetadata:
     state_slots: torch.Tensor
     max_query_len: int
     max_context_len: int
+    window_floor: torch.Tensor | None = None
+    floor_stores: bool = False
 
     @classmethod
     def from_batch(cls, batch: ForwardBatch) -> StepMetadata:
@@ -127,6 +132,10 @@ class StepMetadata:
 
     def ring_write_tokens(self, ring_size: int) -> torch.Tensor:
         """[T] bool: the token is among the last ``min(q_len, ring_size)`` tokens of its request (older chunk tokens
-        would be overwritten within the same write; docs/design/cache.md, "Rings")."""
+        would be overwritten within the same write; docs/design/cache.md, "Rings"), and not below ``window_floor``
+        when ``floor_stores``."""
         end = self.q_start[self.token_request] + self.q_len[self.token_request]
-        return self.positions >= end - ring_size
+        keep = self.positions >= end - ring_size
+        if self.floor_stores and self.window_floor is not None:
+            keep &= self.positions >= self.window_floor[self.token_request]
+        return keep
