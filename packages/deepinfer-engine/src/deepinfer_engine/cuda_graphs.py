@@ -34,7 +34,7 @@ from deepinfer_model.deepseek_v41.model import DeepseekV41ForCausalLM
 from deepinfer_model.forward_batch import ForwardBatch
 from deepinfer_model.state import ModelState
 
-__all__ = ["DraftGraphs", "StepGraphs", "graph_sizes"]
+__all__ = ["DraftGraphs", "StepGraphs", "capture_graphs", "graph_sizes"]
 
 
 def graph_sizes(max_size: int, interval: int) -> tuple[int, ...]:
@@ -255,3 +255,26 @@ class DraftGraphs:
         for graph, _ in self._graphs.values():
             graph.reset()
         self._graphs.clear()
+
+
+def capture_graphs(
+    model: DeepseekV41ForCausalLM,
+    state: ModelState,
+    buffers: StepBuffers,
+    sizes: tuple[int, ...],
+    max_model_len: int,
+    nextn: int,
+) -> tuple[StepGraphs, DraftGraphs | None]:
+    """Capture a runner's graphs: decode steps, and with drafting (`nextn` > 0) full verify steps and draft forwards.
+
+    Returns:
+        ``(step graphs, draft graphs or None)``.
+    """
+    bound = max_model_len + 2
+    steps = StepGraphs(model, state, buffers, sizes, bound, (1, nextn + 1) if nextn else (1,))
+    steps.capture()
+    if not nextn:
+        return steps, None
+    drafts = DraftGraphs(model, state, buffers, sizes, nextn, bound + nextn)
+    drafts.capture()
+    return steps, drafts

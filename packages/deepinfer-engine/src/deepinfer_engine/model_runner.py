@@ -56,7 +56,7 @@ from itertools import accumulate
 import torch
 
 from deepinfer_engine.config import EngineConfig
-from deepinfer_engine.cuda_graphs import DraftGraphs, StepGraphs, graph_sizes
+from deepinfer_engine.cuda_graphs import DraftGraphs, StepGraphs, capture_graphs, graph_sizes
 from deepinfer_engine.input_batch import StepBuffers
 from deepinfer_engine.outputs import ModelRunnerOutput, RequestFailure, ScheduledRequest, SchedulerOutput
 from deepinfer_engine.request import RequestStatus, TopLogprobs
@@ -111,12 +111,7 @@ class ModelRunner:
         draft_graphs: DraftGraphs | None = None
         if not config.enforce_eager and self.device.type == "cuda" and model.supports_graphs():
             sizes = graph_sizes(sched.max_num_seqs, config.cudagraph_batch_size_interval)
-            bound = sched.max_model_len + 2
-            self.graphs = StepGraphs(model, state, self.buffers, sizes, bound, (1, nextn + 1) if nextn else (1,))
-            self.graphs.capture()
-            if nextn:
-                draft_graphs = DraftGraphs(model, state, self.buffers, sizes, nextn, bound + nextn)
-                draft_graphs.capture()
+            self.graphs, draft_graphs = capture_graphs(model, state, self.buffers, sizes, sched.max_model_len, nextn)
         self.speculator: Speculator | None = None
         if nextn:
             self.speculator = Speculator(
@@ -135,9 +130,8 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.close()
             self.graphs = None
-        if self.speculator is not None and self.speculator.graphs is not None:
-            self.speculator.graphs.close()
-            self.speculator.graphs = None
+        if self.speculator is not None:
+            self.speculator.close()
 
     def reset(self) -> None:
         """Forget every launched step and every request, after a step raised (the engine aborts the requests).

@@ -280,6 +280,12 @@ class Speculator:
             requests[i].request.draft_probs = stacked[j]
         return drafts
 
+    def close(self) -> None:
+        """Release the draft graphs."""
+        if self.graphs is not None:
+            self.graphs.close()
+            self.graphs = None
+
     def _to_device(self, values: list[int]) -> torch.Tensor:
         """int64 [len(values)] on the device, copied from pinned memory without blocking on CUDA."""
         host = torch.tensor(values, dtype=torch.int64)

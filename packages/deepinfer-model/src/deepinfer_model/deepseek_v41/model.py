@@ -262,7 +262,7 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
         cfg = self.config.text
         meta = StepMetadata.from_batch(batch)
         compaction: Compaction | None = None
-        if self.prefill_truncation.enabled and batch.known_lens is not None and not meta.is_decode:
+        if self.prefill_truncation.enabled and batch.known_lens is not None and meta.max_query_len > 1:
             meta, compaction = truncate_step(meta, batch.known_lens, self.prefill_truncation)
         split = token_split(batch, meta, self.context_parallel)
         if compaction is not None and split is not WHOLE_STEP:
