@@ -42,22 +42,23 @@ def test_request_tokens_do_not_depend_on_the_batch_or_the_engine(root: Path, rec
         else SamplingParams(temperature=0.5 + 0.1 * i, top_k=20 * i, max_tokens=4 + 2 * i, seq_seed=i)
         for i in range(7)
     ]
-    runs = []
+    # The exact compute mode's CPU forward is batch-invariant too: the log-probs agree bit for bit.
+    runs: list[tuple[tuple[int, ...], tuple[float, ...]]] = []
     for async_scheduling in (False, True):
         llm = make_llm(root, nextn=3, async_scheduling=async_scheduling)
         alone = llm.generate(prompt_token_ids=[prompt], sampling_params=[target], use_tqdm=False)[0]
-        runs.append(list(alone.token_ids))
+        runs.append((alone.token_ids, alone.logprobs))
         for position in (0, 3, 7):
             prompts = [*others[:position], prompt, *others[position:]]
             params = [*other_params[:position], target, *other_params[position:]]
-            outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-            runs.append(list(outputs[position].token_ids))
+            output = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)[position]
+            runs.append((output.token_ids, output.logprobs))
         assert alone.metrics.num_verified_draft_tokens > 0
     fresh = make_llm(root, nextn=3, max_num_seqs=4).generate(
         prompt_token_ids=[prompt], sampling_params=target, use_tqdm=False
-    )
-    runs.append(list(fresh[0].token_ids))
-    assert len(runs[0]) == 12
+    )[0]
+    runs.append((fresh.token_ids, fresh.logprobs))
+    assert len(runs[0][0]) == 12
     assert all(run == runs[0] for run in runs)
 
 
