@@ -8,7 +8,7 @@ from typing import Any
 
 from deepinfer_sampling import SamplingParams
 
-__all__ = ["ParamsLike", "as_params", "normalize_prompts", "per_prompt_params"]
+__all__ = ["ParamsLike", "as_params", "normalize_prompts", "per_prompt_params", "stream_indices"]
 
 ParamsLike = SamplingParams | Mapping[str, Any] | None
 
@@ -66,6 +66,21 @@ def per_prompt_params(sampling_params: ParamsLike | Sequence[ParamsLike], num: i
             raise ValueError(f"{len(sampling_params)} sampling params for {num} prompts; give one or one per prompt")
         return list(sampling_params)
     return [sampling_params] * num
+
+
+def stream_indices(per_prompt: Sequence[ParamsLike]) -> list[int]:
+    """Each prompt's stream index: how many earlier prompts of the call share its parameters object.
+
+    With a `seq_seed` the request seed is keyed by it (`deepinfer_sampling.request_seed`): prompts that share one
+    object get distinct streams, and a prompt with its own object keeps its tokens wherever it sits in the call.
+    """
+    seen: dict[int, int] = {}
+    indices = []
+    for params in per_prompt:
+        key = id(params)  # identity: equal but separate objects are separate requests' own parameters
+        indices.append(seen.get(key, 0))
+        seen[key] = indices[-1] + 1
+    return indices
 
 
 def as_params(params: ParamsLike) -> SamplingParams:

@@ -6,9 +6,11 @@ structured output waits until its grammar has compiled in the background: `poll`
 its matcher, or its error output when compilation failed. Nothing about a request is registered anywhere else: the
 scheduler gives the runner what it needs the first time it schedules the request.
 
-Seeds: each request's seed is `deepinfer_sampling.request_seed(seq_seed, index_in_call=prompt index,
-engine_seed=seed, request_counter=request number)`, so a `SamplingParams` shared by many prompts still gives each its
-own random stream, and the same `seq_seed` reproduces a call exactly.
+Seeds: each request's seed is `deepinfer_sampling.request_seed(seq_seed, index_in_call=stream index,
+engine_seed=seed, request_counter=request number)`, where the stream index counts the earlier prompts of the call that
+share the prompt's parameters object (`deepinfer_engine._prompts.stream_indices`). So a `SamplingParams` shared by
+many prompts still gives each its own random stream, a prompt with its own parameters and `seq_seed` gets the same
+tokens wherever it sits in the call, and the same `seq_seed` reproduces a call exactly.
 """
 
 from __future__ import annotations
@@ -80,10 +82,16 @@ class Admission:
         return bool(self._pending)
 
     def admit(
-        self, index: int, request_id: str, text: str | None, token_ids: Sequence[int] | None, params_like: ParamsLike
+        self,
+        index: int,
+        request_id: str,
+        text: str | None,
+        token_ids: Sequence[int] | None,
+        params_like: ParamsLike,
+        stream_index: int,
     ) -> Admitted | GenerateOutput | None:
         """Validate one prompt: its request, its error output when it cannot run, or None while its grammar
-        compiles (`poll` hands it over later)."""
+        compiles (`poll` hands it over later). `stream_index` keys its seed with `seq_seed` (module docstring)."""
         now = time.perf_counter()
         try:
             params = as_params(params_like)
@@ -109,7 +117,7 @@ class Admission:
             stop_token_ids=frozenset(params.stop_token_ids),
         )
         seed = request_seed(
-            params.seq_seed, index_in_call=index, engine_seed=self.engine_seed, request_counter=int(request_id)
+            params.seq_seed, index_in_call=stream_index, engine_seed=self.engine_seed, request_counter=int(request_id)
         )
         admitted = Admitted(index, text, Request(request_id, ids, stop, params=params, seed=seed), now)
         if params.so_args is None:

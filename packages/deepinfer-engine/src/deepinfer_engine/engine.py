@@ -181,15 +181,17 @@ class Engine:
         texts: Sequence[str | None],
         ids: Sequence[Sequence[int] | None],
         params: Sequence[ParamsLike],
+        streams: Sequence[int],
         first_request_id: int,
         use_tqdm: bool,
     ) -> list[GenerateOutput]:
         """Run some prompts of one `generate` call to completion; one output per prompt, in the given order.
 
         Args:
-            indices: each prompt's index in the call (it keys the request seed; the request id is
-                `first_request_id + index`).
+            indices: each prompt's index in the call (the request id is `first_request_id + index`).
             texts, ids, params: each prompt's text, token ids and sampling parameters (aligned with `indices`).
+            streams: each prompt's stream index (`deepinfer_engine._prompts.stream_indices`; with `seq_seed` it keys
+                the request seed).
             first_request_id: the request number of the call's first prompt.
             use_tqdm: show a progress bar and a summary line.
 
@@ -200,9 +202,9 @@ class Engine:
         progress = GenerateProgress(len(indices), use_tqdm)
         interrupted = False
         try:
-            for index, text, token_ids, params_like in zip(indices, texts, ids, params, strict=True):
+            for index, text, token_ids, params_like, stream in zip(indices, texts, ids, params, streams, strict=True):
                 request_id = str(first_request_id + index)
-                admitted = self.admission.admit(index, request_id, text, token_ids, params_like)
+                admitted = self.admission.admit(index, request_id, text, token_ids, params_like, stream)
                 if isinstance(admitted, GenerateOutput):
                     results[index] = admitted
                     progress.update(0, 1)

@@ -232,6 +232,8 @@ def build_engine_config(
         num_compile_threads=env["DEEPINFER_SO_BUILDER_CPUS"],
         compile_timeout_s=env["DEEPINFER_XGRAMMAR_TIMEOUT"],
         cache_limit_bytes=0 if env["DEEPINFER_XGRAMMAR_DISABLE_CACHE"] else (cache_limit if cache_limit > 0 else None),
+        # A verify step tentatively accepts up to nextn drafts, and a preempted in-flight token can be undone.
+        max_rollback_tokens=scheduler.max_num_draft_tokens + 2,
     )
     async_scheduling = env["DEEPINFER_ZERO_OVERHEAD_SCHEDULING"]
     if args.async_scheduling is not None:

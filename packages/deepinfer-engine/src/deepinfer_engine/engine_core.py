@@ -24,13 +24,14 @@ N+1 is committed. `step()` with no unfinished request left only collects the ste
 
 drains everything.
 
-The two modes batch requests differently (a step may carry an extra round or a skipped request, and the draft count
-of a request in flight is planned from bounds), so equality needs a runner whose emitted token at a position does not
-depend on the batch: sampling keyed by (request seed, position) (sampling package), and, with draft tokens at
-temperature > 0, verification that does not depend on how many drafts a step verifies. Greedy verification has
-that property; rejection sampling draws verify rows and the fresh row from different streams, so there
-the two modes agree in distribution but can differ in the last few tokens before max_tokens or max_model_len (where
-asynchronous mode plans drafts from bounds) — as synchronous mode itself differs after a preemption recompute.
+The two modes batch requests differently (a step may carry an extra round or a skipped request), so equality needs a
+runner whose emitted token at a position does not depend on the batch: sampling keyed by (request seed, position)
+(sampling package). With draft tokens at temperature > 0 the token also depends on whether its position is a verify
+row or the fresh row (rejection sampling draws them from different streams), so each step of a request must verify
+the same number of drafts in both modes: a request in flight is planned only when that number does not depend on
+what the step in flight emits (`deepinfer_engine.step_plan`), near max_tokens or max_model_len it waits for the
+results. A preemption recompute still changes the row layout (its prefill samples the next token as a fresh row), in
+both modes alike.
 """
 
 from __future__ import annotations

@@ -143,12 +143,14 @@ class ParallelExecutor:
         texts: Sequence[str | None],
         ids: Sequence[Sequence[int] | None],
         params: Sequence[ParamsLike],
+        streams: Sequence[int],
         first_request_id: int,
     ) -> list[GenerateOutput]:
         """Run one `LLM.generate` call over the ranks; one output per prompt, in input order.
 
         Args:
             texts, ids, params: each prompt's text, token ids and sampling parameters.
+            streams: each prompt's stream index (`deepinfer_engine._prompts.stream_indices`).
             first_request_id: the request number of the call's first prompt.
 
         Raises:
@@ -168,6 +170,7 @@ class ParallelExecutor:
                     [texts[i] for i in share],
                     [ids[i] for i in share],
                     [params[i] for i in share],
+                    [streams[i] for i in share],
                     first_request_id,
                 )
             )

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from deepinfer_engine._prompts import ParamsLike, normalize_prompts, per_prompt_params
+from deepinfer_engine._prompts import ParamsLike, normalize_prompts, per_prompt_params, stream_indices
 from deepinfer_engine.config import EngineConfig
 from deepinfer_engine.engine import Engine, resolve_device
 from deepinfer_engine.engine_args import EngineArgs
@@ -136,12 +136,13 @@ class LLM:
         """
         texts, ids = normalize_prompts(prompts, prompt_token_ids)
         per_prompt = per_prompt_params(sampling_params, len(ids))
+        streams = stream_indices(per_prompt)
         first_request_id = self._request_counter
         self._request_counter += len(ids)
         if self._executor is not None:
-            return self._executor.generate(texts, ids, per_prompt, first_request_id)
+            return self._executor.generate(texts, ids, per_prompt, streams, first_request_id)
         assert self.engine is not None
-        return self.engine.generate(range(len(ids)), texts, ids, per_prompt, first_request_id, use_tqdm)
+        return self.engine.generate(range(len(ids)), texts, ids, per_prompt, streams, first_request_id, use_tqdm)
 
     def eplb_stats(self) -> list[EplbStats]:
         """What expert-parallel load balancing did so far: one entry per rank (in rank order) of a parallel engine

@@ -25,7 +25,9 @@ Under asynchronous scheduling step N+1 is launched before step N's token reaches
 row sampling is *deferred*: its forward is launched in `execute`, and its sampling right after the previous step's
 results arrive, at the end of `wait(previous)` — before the following `execute` launches anything that reads the
 history. The bitmask is filled on the CPU while the forward runs (docs/design/sampling.md, "Bitmask per step"); without
-a step in flight sampling follows the forward at once.
+a step in flight sampling follows the forward at once. A verify row j of such a request counts drafts 1 … j as its
+earlier tokens: they follow the known tokens in `RunnerRequest.tokens` (the step's inputs, or for placeholder inputs
+the drafts `wait` received from the step before).
 
 Prompt logprobs (docs/design/sampling.md, "Prompt logprobs"): for a request that asks for them, every prompt position of
 each prefill chunk that has a next prompt token gets a logits row too (after the sampling rows); the processed log-prob
@@ -121,7 +123,6 @@ class ModelRunner:
                 self.sampler,
                 nextn,
                 config.cache.num_state_slots,
-                always_draft=config.async_scheduling,
                 graphs=draft_graphs,
             )
 
@@ -221,8 +222,12 @@ class ModelRunner:
                     tuple(zip(top_ids[r][:num_top], top_values[r][:num_top], strict=True))
                     for r in range(row, row + len(emitted))
                 )
-                if drafts is not None and drafts[k][0] >= 0:
+                if drafts is not None:
                     drafts_per_request[index] = tuple(drafts[k])
+                    if request is not None and request.needs_host_history and emitted:
+                        # The next step's verify rows see these drafts as committed (`_sample`); a step planned
+                        # before this one was waited for has only placeholders for them.
+                        request.tokens.extend(drafts[k])
                 row += num_drafts + 1
                 if request is not None and accepted is not None:
                     request.num_rejected = num_drafts - accepted[k]
@@ -333,7 +338,7 @@ class ModelRunner:
         assert logits is not None
         scheduled = handle.scheduler_output.scheduled_requests
         rows: list[SamplingRow] = []
-        bitmask_rows: list[tuple[int, RunnerRequest, str, int]] = []
+        bitmask_rows: list[tuple[int, RunnerRequest, str, int, list[int]]] = []
         specs = []
         ends = list(accumulate(s.num_scheduled_tokens for s in scheduled))
         samples = zip(handle.sample_indices, handle.sample_positions, handle.num_drafts, strict=True)
@@ -344,8 +349,11 @@ class ModelRunner:
             # Host-side inputs need the true position: known here for requests whose sampling waited for the step
             # before (`_must_defer`); the device shifts the rows' random keys itself (`Speculator.sample`).
             true_first = first - (request.num_rejected if placeholder else 0)
-            if request.matcher is not None:  # only its first row samples (it verifies no drafts)
-                bitmask_rows.append((len(rows), request, request_id, true_first))
+            # Row j sees drafts 1 … j as committed: they follow the known tokens in `request.tokens` (written by
+            # `_forward`, or by `wait` for placeholder inputs).
+            if request.matcher is not None:
+                drafts = request.tokens[true_first : true_first + num_drafts]
+                bitmask_rows.append((len(rows), request, request_id, true_first, drafts))
             for j in range(num_drafts + 1):
                 outputs: Sequence[int] = ()
                 if request.params.has_penalties:

@@ -53,7 +53,7 @@ class SampledStep:
     top_values: torch.Tensor  # [S, N] float32 host
     event: torch.cuda.Event | None
     num_accepted: torch.Tensor | None = None  # [Q] int64 host: accepted drafts per request (speculative steps)
-    draft_ids: torch.Tensor | None = None  # [Q, nextn] int64 host: next drafts per request, −1 rows for none
+    draft_ids: torch.Tensor | None = None  # [Q, nextn] int64 host: next drafts per request
 
 
 @dataclass

@@ -7,8 +7,8 @@ processed log-prob of that next token under the request's own sampling parameter
 without blocking (`prompt_logprob_values`). The runner reports the values with the step.
 
 Structured output: the grammar matcher of a request must have accepted every earlier token before it can fill the
-request's bitmask row (`fill_bitmask`, on the CPU while the forward runs); a matcher that rejects a
-token fails its request for the step.
+request's bitmask rows, one per verify row and one for the fresh row (`fill_bitmask`, on the CPU while the forward
+runs); a matcher that rejects a committed token fails its request for the step.
 
 Greedy rows (temperature 0) report the model's own log-probs — the log-softmax of the raw logits — for the emitted
 token and its alternatives (`model_logprobs_for_greedy_rows`) and for prompt tokens, as vLLM does: their processed
@@ -88,17 +88,20 @@ def prompt_logprob_values(
 
 
 def fill_bitmask(
-    rows: list[tuple[int, RunnerRequest, str, int]],
+    rows: list[tuple[int, RunnerRequest, str, int, list[int]]],
     num_rows: int,
     vocab_size: int,
     device: torch.device,
     failed: Collection[str],
     failures: dict[str, RequestFailure],
 ) -> torch.Tensor:
-    """Advance each structured request's matcher to its sampling position and fill its mask row (CPU).
+    """Advance each structured request's matcher to its sampling position and fill its mask rows (CPU): its first
+    row with the matcher's state there, row j with the state after tentatively accepting drafts 1 … j (rolled back
+    afterwards; rows after a draft the grammar rejects stay all-allowed, verification never reaches them).
 
     Args:
-        rows: (logits row, runner request, request id, position it samples) per structured request.
+        rows: (first logits row, runner request, request id, position it samples, the drafts it verifies) per
+            structured request.
         num_rows: logits rows of the step.
         vocab_size: V.
         device: where the mask goes.
@@ -112,7 +115,7 @@ def fill_bitmask(
 
     mask = allocate_token_bitmask(num_rows, vocab_size, pin_memory=device.type == "cuda")
     requests = []
-    for row, request, request_id, position in rows:
+    for row, request, request_id, position, drafts in rows:
         if request_id in failed or request_id in failures:
             continue
         matcher = request.matcher
@@ -123,7 +126,7 @@ def fill_bitmask(
             request.num_fed = target
         committed = request.tokens[request.prompt_len + request.num_fed : position]
         request.num_fed = target
-        requests.append(StepMaskRequest(request_id, matcher, row, committed, ()))
+        requests.append(StepMaskRequest(request_id, matcher, row, committed, drafts))
     for request_id, error in fill_step_bitmask(mask, requests).items():
         failures[request_id] = RequestFailure(
             RequestStatus.FINISHED_STRUCTURED_OUTPUT_FAILED, f"structured output failed ({error.kind}): {error.message}"

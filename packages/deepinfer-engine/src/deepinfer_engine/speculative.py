@@ -19,20 +19,22 @@ the plain sampler. Per sampling request the step has `d + 1` logits rows (`d` = 
    draft distribution with the request's own parameters, keyed by (seed, p* + 2 + k, `RandomStream.DRAFT`). Its
    probability row is kept on the device (`RunnerRequest.draft_probs`) for the next step's rejection test.
 
-Everything up to the copies to the host runs without a host sync. Requests that need their earlier tokens on the
-host to sample (structured output, penalties, golden tokens: `RunnerRequest.needs_host_history`) verify no drafts: a
-grammar mask or penalty state per verify row is not built here. Verify steps in which every request checks the same
+Requests whose sampling needs their earlier tokens on the host (`RunnerRequest.needs_host_history`) draft and
+verify like any other (docs/design/speculative.md, "Drafts with grammars, penalties and golden tokens"); the runner
+builds their verify rows so that row j sees drafts 1 … j as if they were committed: the grammar mask of row j is the
+matcher's state after accepting them (rolled back afterwards), the penalty state of row j counts them, and a golden
+token forces row j's token (a draft is accepted iff it equals it). The drafter itself proposes unconstrained drafts: a
+draft the grammar forbids has target probability 0 on its row and is always rejected. Everything up to the copies to
+the host runs without a host sync. Verify steps in which every request checks the same
 number of drafts replay CUDA graphs like decode steps, and so does the draft forward (`deepinfer_engine.cuda_graphs`).
 
 Asynchronous scheduling (outputs.py, "Placeholders"). A request whose sampling step N is in flight is scheduled for
 step N + 1 with placeholder inputs (N's emitted token, then its `nextn` drafts) at optimistic positions that assume
-every draft of N is accepted. So that they exist, the drafter proposes for every sampling request (`always_draft`),
-writes its drafts into the token history after the emitted token, and the verify step takes the drafts it checks
-from the step's device input ids. The per-slot `rejected` counts (drafts N rejected) shift the placeholder rows back
-on the device: inputs and context lengths in `StepBuffers.upload`, random keys, history writes and drafter positions
-here; the runner shifts its host records once N's results are known (`RunnerRequest.num_rejected`). Requests that
-cannot verify drafts keep only their first row (scored as a fresh row, exactly like a step without drafts); their
-placeholder drafts are computed but never emitted. Results therefore equal those of synchronous scheduling.
+every draft of N is accepted. The drafter writes its drafts into the token history after the emitted token, and the
+verify step takes the drafts it checks from the step's device input ids. The per-slot `rejected` counts (drafts N
+rejected) shift the placeholder rows back on the device: inputs and context lengths in `StepBuffers.upload`, random
+keys, history writes and drafter positions here; the runner shifts its host records once N's results are known
+(`RunnerRequest.num_rejected`). Results therefore equal those of synchronous scheduling.
 """
 
 from __future__ import annotations
@@ -55,12 +57,7 @@ from deepinfer_sampling.logprobs import top_logprobs
 from deepinfer_sampling.seeds import RandomStream, random_bits
 from deepinfer_sampling.speculative import verify_rejection
 
-__all__ = ["SpecRequest", "Speculator", "proposes_drafts"]
-
-
-def proposes_drafts(request: RunnerRequest) -> bool:
-    """Whether the drafter proposes drafts for `request` (see the module docstring for the exceptions)."""
-    return not request.needs_host_history and request.params.golden_token_ids is None
+__all__ = ["SpecRequest", "Speculator"]
 
 
 @dataclass(frozen=True)
@@ -96,8 +93,6 @@ class Speculator:
         sampler: the runner's sampler (processed distributions).
         nextn: drafts proposed per request per step, >= 1.
         num_state_slots: state slots of the cache.
-        always_draft: propose drafts for every sampling request (asynchronous scheduling verifies `nextn`
-            placeholders for each); the drafts of requests that cannot verify them are rejected unseen.
         graphs: captured draft forwards (CUDA), or None to run the drafter eagerly.
 
     Raises:
@@ -112,7 +107,6 @@ class Speculator:
         sampler: Sampler,
         nextn: int,
         num_state_slots: int,
-        always_draft: bool,
         graphs: DraftGraphs | None = None,
     ) -> None:
         if not model.config.text.num_nextn_predict_layers:
@@ -124,7 +118,6 @@ class Speculator:
         self.buffers = buffers
         self.sampler = sampler
         self.nextn = nextn
-        self.always_draft = always_draft
         self.graphs = graphs
         self.device = buffers.device
         self.noise_token_id = model.config.text.dspark_noise_token_id
@@ -147,8 +140,7 @@ class Speculator:
 
         Returns:
             The step's `SampledStep`: token_ids [R] (emitted tokens, −1 after them and on rows with nothing to
-            sample), their logprobs and top logprobs per row, num_accepted [S], draft_ids [S, nextn] (−1 rows for
-            requests that propose none).
+            sample), their logprobs and top logprobs per row, num_accepted [S], draft_ids [S, nextn].
         """
         num_drafts = [r.num_drafts for r in requests]
         slots = self._to_device([r.request.slot for r in requests])
@@ -159,46 +151,30 @@ class Speculator:
         batch = replace(batch, positions=row_positions)
         target, invalid = self.sampler.processed_logprobs(logits, batch, bitmask)
 
-        # Requests that cannot verify drafts keep only their first row, as a fresh row.
-        keep: list[int] = []
-        counts: list[int] = []
-        draft_index: list[int] = []
+        draft_index = [i for r in requests for i in (*range(r.draft_index, r.draft_index + r.num_drafts), -1)]
+        fresh_row = target.new_zeros(1, target.shape[1])  # ignored by the verifier
         pieces: list[torch.Tensor] = []
-        piece_rows: list[int] = []
-        row = 0
-        for spec, d in zip(requests, num_drafts, strict=True):
-            verifies = d if proposes_drafts(spec.request) else 0
-            if verifies:
-                probs = spec.request.draft_probs
+        for spec in requests:
+            probs, d = spec.request.draft_probs, spec.num_drafts
+            if d:
                 if probs is None or probs.shape[0] < d:
                     raise RuntimeError(f"{d} drafts scheduled for a request the drafter proposed no drafts for")
                 pieces.append(probs[:d])
-                piece_rows.extend(range(len(keep), len(keep) + d))
-            keep.extend(range(row, row + verifies + 1))
-            draft_index.extend([*range(spec.draft_index, spec.draft_index + verifies), -1])
-            counts.append(verifies)
-            row += d + 1
-        keep_rows = self._to_device(keep)
-        kept = target[keep_rows]
-        draft_probs = torch.zeros_like(kept)  # fresh rows: ignored by the verifier
-        if pieces:
-            draft_probs[self._to_device(piece_rows)] = torch.cat(pieces)
+            pieces.append(fresh_row)
+        draft_probs = torch.cat(pieces)
         index = self._to_device(draft_index)
         draft_ids = torch.where(index >= 0, self.buffers.input_ids[index.clamp(min=0)], -1)
-        forced = batch.forced_token_ids[keep_rows] if batch.has_forced_tokens else None
-        seeds = batch.seeds[keep_rows]
+        forced = batch.forced_token_ids if batch.has_forced_tokens else None
         verified = verify_rejection(
-            kept,
+            target,
             draft_ids,
             draft_probs,
-            self._to_device(counts),
-            seeds,
-            row_positions[keep_rows],
+            self._to_device(num_drafts),
+            batch.seeds,
+            row_positions,
             forced_token_ids=forced,
         )
-        tokens = torch.full_like(row_positions, -1)
-        tokens[keep_rows] = verified.output_token_ids
-        tokens = torch.where(invalid, -1, tokens)
+        tokens = torch.where(invalid, -1, verified.output_token_ids)
         accepted = verified.num_accepted_draft_tokens
         history = self.buffers.history
         row_slots = slots[row_request]
@@ -210,8 +186,8 @@ class Speculator:
             token_logprobs, top_ids, top_values = model_logprobs_for_greedy_rows(
                 logits, batch.temperature == 0, tokens, token_logprobs, top_ids, top_values
             )
-        kept_first = [0, *accumulate(c + 1 for c in counts)][:-1]  # each request's first kept row
-        golden = verified.output_token_ids[self._to_device(kept_first) + accepted]
+        first_rows = [0, *accumulate(d + 1 for d in num_drafts)][:-1]
+        golden = verified.output_token_ids[self._to_device(first_rows) + accepted]
         drafts = self._propose(requests, slots, first - 1 + accepted, golden)
         return copy_to_host(tokens, token_logprobs, top_ids, top_values, accepted, drafts)
 
@@ -222,7 +198,7 @@ class Speculator:
         last_accepted: torch.Tensor,
         golden: torch.Tensor,
     ) -> torch.Tensor:
-        """Draft `nextn` tokens per drafting request and write them into the history after the emitted token.
+        """Draft `nextn` tokens per request and write them into the history after the emitted token.
 
         Args:
             requests: the step's sampling requests.
@@ -231,20 +207,15 @@ class Speculator:
             golden: [S] int64 the token each request emitted last (at p* + 1).
 
         Returns:
-            int64 [S, nextn] drafts (−1 rows for requests that propose none).
+            int64 [S, nextn] drafts.
         """
         b = self.nextn
-        drafts = torch.full((len(requests), b), -1, dtype=torch.int64, device=self.device)
-        chosen = [i for i, r in enumerate(requests) if self.always_draft or proposes_drafts(r.request)]
-        if not chosen:
-            return drafts
-        chosen_ids = self._to_device(chosen)
-        golden, last_accepted, slots = golden[chosen_ids], last_accepted[chosen_ids], slots[chosen_ids]
+        drafts = torch.empty((len(requests), b), dtype=torch.int64, device=self.device)
         positions = last_accepted[:, None] + 1 + self._slots[None, :]
         input_ids = torch.where(self._slots[None, :] == 0, golden[:, None], self.noise_token_id)
-        n = len(chosen)
-        batch_rows = self._to_device([requests[i].batch_index for i in chosen])
-        max_context = max(requests[i].first_position + requests[i].num_drafts + b for i in chosen)
+        n = len(requests)
+        batch_rows = self._to_device([r.batch_index for r in requests])
+        max_context = max(r.first_position + r.num_drafts + b for r in requests)
         hidden = None
         if self.graphs is not None:
             hidden = self.graphs.run(input_ids, positions, batch_rows, slots, max_context)
@@ -252,9 +223,7 @@ class Speculator:
             draft_batch = self.buffers.draft_batch(input_ids, positions, batch_rows, slots, max_context)
             hidden = self.model.draft_forward(draft_batch, self.state)
         hidden = hidden.reshape(n, b, -1)
-        rows = [
-            SamplingRow(params=requests[i].request.params, seed=requests[i].request.seed, position=0) for i in chosen
-        ]
+        rows = [SamplingRow(params=r.request.params, seed=r.request.seed, position=0) for r in requests]
         sampling = SamplingBatch.build(rows, self.sampler.vocab_size, self.device)
         temperature = torch.ones(n, dtype=torch.float32, device=self.device)
         previous = golden
@@ -271,13 +240,13 @@ class Speculator:
             previous = torch.where(empty, logits.argmax(dim=-1), sampled)
             one_hot = torch.zeros_like(row_probs).scatter_(1, previous[:, None], 1.0)
             row_probs = torch.where(empty[:, None], one_hot, row_probs)
-            drafts[chosen_ids, k] = previous
+            drafts[:, k] = previous
             probs.append(row_probs)
         # Placeholder inputs of the next step read the drafts from the history (asynchronous scheduling).
-        self.buffers.history[slots[:, None], positions + 1] = drafts[chosen_ids]
+        self.buffers.history[slots[:, None], positions + 1] = drafts
         stacked = torch.stack(probs, dim=1)
-        for j, i in enumerate(chosen):
-            requests[i].request.draft_probs = stacked[j]
+        for j, r in enumerate(requests):
+            r.request.draft_probs = stacked[j]
         return drafts
 
     def close(self) -> None:

@@ -5,7 +5,11 @@ request's counters. Under asynchronous scheduling a request whose sampling step 
 placeholders (outputs.py, "Placeholders"): one token (the one that step samples) plus `max_num_draft_tokens` drafts
 (the ones it proposes), all read by the runner on the device, at optimistic positions that assume the drafts in
 flight are accepted. A request that the step in flight surely finishes (max_tokens, max_model_len) is not planned
-again; one that it finishes by a stop token is, and that extra result is discarded.
+again; one that it finishes by a stop token is, and that extra result is discarded. A request is planned in flight
+only when it verifies the drafts synchronous scheduling would verify whatever the step in flight emits: near
+max_tokens or max_model_len, where that number depends on the accepted drafts, it waits for the results instead, so
+seeded sampling gives the tokens of synchronous scheduling (a verify row and a fresh row draw different random
+numbers for the same position).
 """
 
 from __future__ import annotations
@@ -37,19 +41,28 @@ def num_new_tokens(request: Request, budget: int, config: SchedulerConfig) -> tu
     """Tokens to compute this step and how many of them are draft tokens; (0, 0) to skip the request."""
     remaining = num_remaining(request)
     num_drafts = 0
+    in_flight = request.num_output_placeholders > 0
+    max_tokens = request.stop.max_tokens
     if remaining == 1:
-        in_flight = request.num_output_placeholders > 0
-        # The step in flight appends at least one token.
+        # The step in flight appends at least one token and at most all its placeholders.
         min_num_outputs = request.num_output_tokens + int(in_flight)
-        if in_flight and (min_num_outputs >= request.stop.max_tokens or request.num_tokens + 1 > config.max_model_len):
+        max_num_outputs = request.num_output_tokens + request.num_output_placeholders
+        if in_flight and (min_num_outputs >= max_tokens or request.num_tokens + 1 > config.max_model_len):
             return 0, 0  # the step in flight surely finishes it
         # In flight, the drafts are the ones that step proposes (a drafter proposes max_num_draft_tokens).
         num_available = config.max_num_draft_tokens if in_flight else len(request.draft_token_ids)
         # Drafts beyond the last token the request may still emit would be wasted.
-        num_drafts = min(num_available, config.max_num_draft_tokens, request.stop.max_tokens - min_num_outputs - 1)
-    num_new = min(remaining + num_drafts, budget, config.max_model_len - request.num_computed_tokens)
+        num_drafts = min(num_available, config.max_num_draft_tokens, max_tokens - min_num_outputs - 1)
+        if max_tokens - max_num_outputs - 1 < num_drafts:
+            # How many drafts synchronous scheduling verifies depends on what the step in flight emits, and a
+            # verified draft's row draws other random numbers than a fresh row: wait for its results.
+            return 0, 0
+    room = config.max_model_len - request.num_computed_tokens  # optimistic in flight: at most the true room
+    if in_flight and room < remaining + num_drafts:
+        return 0, 0  # synchronous scheduling may cut fewer drafts (or none): wait for the results
+    num_new = min(remaining + num_drafts, budget, room)
     if num_new <= 0:
-        return 0, 0  # optimistic positions of a request in flight reached max_model_len
+        return 0, 0
     return num_new, max(0, num_new - remaining)
 
 

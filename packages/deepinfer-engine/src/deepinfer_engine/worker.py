@@ -136,8 +136,10 @@ def rank_main(rank: int, port: int, args: EngineArgs, model_dir: Path, conn: Con
                 if message == "eplb_stats":
                     conn.send(("ok", engine.eplb_stats()))
                     continue
-                indices, texts, ids, params, first_request_id = message
-                conn.send(("ok", engine.generate(indices, texts, ids, params, first_request_id, use_tqdm=False)))
+                indices, texts, ids, params, streams, first_request_id = message
+                conn.send(
+                    ("ok", engine.generate(indices, texts, ids, params, streams, first_request_id, use_tqdm=False))
+                )
             except Exception:
                 conn.send(("error", traceback.format_exc()))
     except Exception:

@@ -19,10 +19,11 @@ Seed semantics. A request's randomness is keyed only by its 64-bit *request seed
 generated and a stream case (see `seeds.py`). The request seed is never the raw `seq_seed`: the engine calls
 `seeds.request_seed(params.seq_seed, ...)`, which mixes
 
-- `seq_seed` with the request's index within the call that shares this params object (prompt index × n + sample
-  index), when `seq_seed` is set: one params object shared by many prompts (or n > 1) gives each sample its own
-  stream, and re-running the same call with the same `seq_seed` reproduces every sample exactly, whatever the batch
-  composition or scheduling;
+- `seq_seed` with the request's index among the call's samples that share this params object (k × n + sample index
+  for the k-th prompt given this object), when `seq_seed` is set: one params object shared by many prompts (or n > 1)
+  gives each sample its own stream; a prompt given its own params object gets index 0, so its tokens do not depend
+  on where it sits in the call; and re-running the same call with the same `seq_seed` reproduces every sample
+  exactly, whatever the batch composition or scheduling;
 - the engine seed with the engine's global request counter, when `seq_seed` is None: successive requests differ, and
   two engines built with the same seed that receive the same requests in the same order reproduce each other.
 

@@ -72,8 +72,8 @@ def request_seed(seq_seed: int | None, *, index_in_call: int, engine_seed: int, 
 
     Args:
         seq_seed: `SamplingParams.seq_seed` (already reduced modulo 2^64) or None.
-        index_in_call: index of the sample among those sharing the params object in one call
-            (prompt index × n + sample index); used when `seq_seed` is set.
+        index_in_call: index of the sample among those sharing the params object in one call (k × n + sample
+            index for the k-th prompt given that object); used when `seq_seed` is set.
         engine_seed: the engine's seed; used when `seq_seed` is None.
         request_counter: the engine's global request counter; used when `seq_seed` is None.
 
