@@ -336,6 +336,9 @@ class ModelRunner:
     def _sample(self, handle: StepHandle) -> None:
         logits = handle.logits
         assert logits is not None
+        if not handle.sample_indices:  # a step of prefill chunks that end before their prompts do
+            handle.logits = None
+            return
         scheduled = handle.scheduler_output.scheduled_requests
         rows: list[SamplingRow] = []
         bitmask_rows: list[tuple[int, RunnerRequest, str, int, list[int]]] = []
