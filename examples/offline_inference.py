@@ -1,8 +1,9 @@
 """Offline batch generation with DeepInfer — the README's main command.
 
-Runs on the built-in tiny DeepSeek-V4.1-Flash checkpoint (random weights in the real checkpoint format, written
-deterministically into a cache directory on first use) unless ``--model`` names a local directory or a Hugging Face
-repo id.
+Runs on the built-in tiny DeepSeek-V4.1-Flash checkpoint (shipped with deepinfer-engine, trained on synthetic
+tasks by ``tools/train_tiny.py``; see ``docs/builtin-checkpoint.md``) unless ``--model`` names a local directory or a
+Hugging Face repo id. The prompts are ones a person can check: a sum, a date, a JSON record and a capital city; each
+answer ends at the first newline (``--stop ""`` lets generation run on to ``--max-tokens``).
 
     pip install uv && uv run --package deepinfer-engine examples/offline_inference.py
 """
@@ -12,10 +13,10 @@ from __future__ import annotations
 import argparse
 
 PROMPTS = [
+    "12+7=",
+    "day after 2024-02-28:",
+    "json name=Ann age=31:",
     "The capital of France is",
-    "def fibonacci(n):",
-    "In a distant galaxy, a small robot",
-    "The three laws of thermodynamics are",
 ]
 
 
@@ -23,13 +24,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="local checkpoint dir or HF repo id (default: built-in tiny)")
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--stop", default="\n", help='stop string (default: newline; "" for none)')
     args = parser.parse_args()
 
     from deepinfer_engine import LLM, SamplingParams
 
     llm = LLM(model=args.model)
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seq_seed=0)
+    stop = (args.stop,) if args.stop else ()
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seq_seed=0, stop=stop)
     for prompt, output in zip(PROMPTS, llm.generate(PROMPTS, params), strict=True):
         print(f"{prompt!r} -> {output.text!r} ({output.finish_reason.value}, {len(output.token_ids)} tokens)")
 

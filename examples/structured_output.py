@@ -1,9 +1,10 @@
 """Structured output with DeepInfer: every completion is constrained by a JSON Schema (or a regex).
 
 The grammar is compiled in the background (xgrammar) when the request arrives; each step the allowed tokens are
-computed on the CPU while the forward runs and applied to the logits before sampling. On the built-in tiny checkpoint
-(random weights) the text is meaningless but always matches the grammar; a completion cut by ``max_tokens`` is a
-valid prefix, so the script prints whether each one parsed.
+computed on the CPU while the forward runs and applied to the logits before sampling. The built-in tiny checkpoint
+has learned to write JSON records from prompts like ``json name=Ann age=31:`` (docs/builtin-checkpoint.md), so the
+records it writes under the schema carry the prompt's values; a completion cut by ``max_tokens`` would be a valid
+prefix, so the script prints whether each one parsed.
 
     uv run --package deepinfer-engine examples/structured_output.py
 """
@@ -15,31 +16,25 @@ import json
 
 SCHEMA = {
     "type": "object",
-    "properties": {
-        "city": {"enum": ["Paris", "Tokyo", "Lima"]},
-        "population_millions": {"type": "integer"},
-        "capital": {"type": "boolean"},
-    },
-    "required": ["city", "population_millions", "capital"],
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "city": {"type": "string"}},
+    "required": ["name", "age"],
     "additionalProperties": False,
 }
+PROMPTS = ["json name=Ann age=31:", "json name=Bob age=7 city=Lima:", "json name=Zoe age=64:", "json name=Kai age=19:"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="local checkpoint dir or HF repo id (default: built-in tiny)")
-    parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args()
 
     from deepinfer_engine import LLM, SamplingParams
 
     llm = LLM(model=args.model)
     so_args = {"schema_type": "json_schema", "schema": json.dumps(SCHEMA)}
-    prompts = ["Describe a city as JSON:"] * 4
-    params = [
-        SamplingParams(temperature=0.7, max_tokens=args.max_tokens, seq_seed=i, so_args=so_args) for i in range(4)
-    ]
-    for output in llm.generate(prompts, params):
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, so_args=so_args)
+    for output in llm.generate(PROMPTS, params):
         try:
             value = json.loads(output.text)
         except json.JSONDecodeError:

@@ -25,10 +25,11 @@ def tiny_dir(root: Path) -> Path:
 
 
 def make_llm(root: Path, **kwargs: Any) -> LLM:
-    """A CPU engine over the tiny checkpoint; small defaults keep each step cheap."""
+    """A CPU engine over the random tiny checkpoint (or `model=`); small defaults keep each step cheap."""
     settings: dict[str, Any] = {"device": "cpu", "max_num_seqs": 8, "block_size": 16, "num_cache_blocks": 256}
     settings.update(kwargs)
-    return LLM(cache_dir=str(root), **settings)
+    model = settings.pop("model", "tiny")  # default: the random tiny checkpoint in `root`
+    return LLM(model, cache_dir=str(root), **settings)
 
 
 def tokens_by_params(

@@ -61,7 +61,8 @@ class EngineArgs:
     """User-facing engine arguments (the keyword arguments of `LLM`).
 
     Attributes:
-        model: checkpoint directory or Hugging Face repo id; None for the built-in tiny checkpoint.
+        model: checkpoint directory or Hugging Face repo id; None for the built-in trained tiny checkpoint; "tiny"
+            for the random tiny checkpoint.
         tokenizer: tokenizer directory; None for the checkpoint directory.
         revision: Hub revision of `model`.
         seed: engine seed.
@@ -84,7 +85,7 @@ class EngineArgs:
         precision: "exact" or "fp32" (FP32 activations and caches, for parity with the reference model).
         device: "cpu", "cuda" or "cuda:N"; None picks CUDA when the kernels platform is NVIDIA.
         async_scheduling: overrides DEEPINFER_ZERO_OVERHEAD_SCHEDULING when not None.
-        cache_dir: where the built-in tiny checkpoint is written; None for ~/.cache/deepinfer.
+        cache_dir: where the random tiny checkpoint (`model="tiny"`) is written; None for ~/.cache/deepinfer.
         nextn: draft tokens the DSpark drafter proposes per request after each sampling step; the next step
             verifies all of them (fewer only near `max_tokens` or `max_model_len`). The reference's `nextn`, there
             set by DEEPINFER_USE_NEXTN_DECODE. 0 (the default) disables speculative decoding; else 1 … `MAX_NEXTN`,

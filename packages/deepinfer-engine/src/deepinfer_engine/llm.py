@@ -51,8 +51,8 @@ class LLM:
     """Offline engine over one checkpoint.
 
     Args:
-        model: checkpoint directory or Hugging Face repo id; None for the built-in tiny checkpoint (written on
-            first use into ~/.cache/deepinfer, or `cache_dir`).
+        model: checkpoint directory or Hugging Face repo id; None for the built-in trained tiny checkpoint;
+            "tiny" for the random tiny checkpoint (written on first use into ~/.cache/deepinfer, or `cache_dir`).
         **kwargs: any `deepinfer_engine.engine_args.EngineArgs` field (tokenizer, seed, max_model_len,
             gpu_memory_utilization, cache_memory_bytes, block_size, max_num_seqs, max_num_batched_tokens, parallel
             sizes, enforce_eager, precision, device, async_scheduling, cache_dir, num_cache_blocks).

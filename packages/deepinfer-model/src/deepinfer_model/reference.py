@@ -82,6 +82,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -122,6 +123,7 @@ __all__ = [
     "EngramVocabulary",
     "Precision",
     "ReferenceOutput",
+    "WeightSource",
     "apply_rope",
     "attention_core",
     "candidate_block_mask",
@@ -146,6 +148,7 @@ __all__ = [
     "index_scores",
     "moe_route",
     "reference_dspark_forward",
+    "reference_dspark_forward_anchors",
     "reference_dspark_heads",
     "reference_forward",
     "reference_forward_full",
@@ -167,6 +170,32 @@ __all__ = [
 # ==================================================================================================================
 # 2. Stored weights and linear layers (docs/design/numerics.md, "Weight formats", "GEMM accumulation")
 # ==================================================================================================================
+
+
+@runtime_checkable
+class WeightSource(Protocol):
+    """Where the forward reads its weights, by HF name without the ``model.`` prefix, every value as FP32 math sees it.
+
+    The entry points take either a mapping of stored tensors (wrapped in the stored-format source ``_Weights``) or any
+    object with these four methods, e.g. FP32 master parameters of a trainer (``requires_grad`` tensors keep their
+    graph: every method must return differentiable views of them).
+    """
+
+    def __getitem__(self, name: str) -> Tensor:
+        """A BF16 or FP32 tensor (norm weights, embeddings, mHC parameters, ...), any float dtype."""
+        ...
+
+    def fp8(self, prefix: str) -> Tensor:
+        """``[out, in]`` FP32 value of the FP8 block-scaled weight ``{prefix}.weight``."""
+        ...
+
+    def mxfp4(self, prefix: str) -> Tensor:
+        """``[out, in]`` FP32 value of the MXFP4 expert weight ``{prefix}.weight``."""
+        ...
+
+    def fp8_rows(self, prefix: str, rows: Tensor) -> Tensor:
+        """``[*rows.shape, d]`` FP32 values of the rows ``rows`` of the FP8 row-scaled table ``{prefix}.weight``."""
+        ...
 
 
 class _Weights:
@@ -194,6 +223,14 @@ class _Weights:
     def mxfp4(self, prefix: str) -> Tensor:
         """Dequantized FP32 ``[out, in]`` of the MXFP4 weight ``{prefix}.weight`` with ``{prefix}.scale``."""
         return dequantize_mxfp4(self[f"{prefix}.weight"], self[f"{prefix}.scale"])
+
+    def fp8_rows(self, prefix: str, rows: Tensor) -> Tensor:
+        """Dequantized FP32 rows ``rows`` of the FP8 table ``{prefix}.weight`` with 1×32 scales ``{prefix}.scale``."""
+        return _dequantize_fp8_rows(self[f"{prefix}.weight"][rows], self[f"{prefix}.scale"][rows])
+
+
+def _weight_source(weights: Mapping[str, Tensor] | WeightSource) -> WeightSource:
+    return weights if isinstance(weights, WeightSource) else _Weights(weights)
 
 
 def _fp8_linear(num: _Numerics, x: Tensor, weight: Tensor) -> Tensor:
@@ -471,7 +508,7 @@ def hc_head(
 
 def _engram_layer(
     text: TextConfig,
-    w: _Weights,
+    w: WeightSource,
     num: _Numerics,
     layer: int,
     trunk: Tensor,
@@ -488,10 +525,10 @@ def _engram_layer(
     compressed = torch.where(in_table, vocabulary.old_to_new[token_ids.clamp(0, table_size - 1)], -1)
     idx = engram_hash(engram_ngram_rows(compressed, max_ngram, vocabulary.pad_id), multipliers, primes, heads)
     prefix = f"layers.{layer}.engram"
-    table, table_scale = w[f"{prefix}.embed.weight"], w[f"{prefix}.embed.scale"]
-    if table.shape[0] < sum(primes):
-        raise ValueError(f"{prefix}.embed.weight has {table.shape[0]} rows, the hash needs {sum(primes)}")
-    gathered = _dequantize_fp8_rows(table[idx], table_scale[idx]).flatten(1)  # [n, (N_g-1)·h_e·d_e]
+    num_rows = w[f"{prefix}.embed.weight"].shape[0]
+    if num_rows < sum(primes):
+        raise ValueError(f"{prefix}.embed.weight has {num_rows} rows, the hash needs {sum(primes)}")
+    gathered = w.fp8_rows(f"{prefix}.embed", idx).flatten(1)  # [n, (N_g-1)·h_e·d_e]
     # The gathered rows are FP8 in storage already, so this FP8 GEMM has no activation quantization.
     kv = num.bf16(gathered @ w.fp8(f"{prefix}.wkv").T).unflatten(-1, (text.hc_mult + 1, text.hidden_size))
     q_weight, k_weight = w[f"{prefix}.q_weight"], w[f"{prefix}.k_weight"]
@@ -537,7 +574,9 @@ def _swiglu(gate_up: Tensor, limit: float | None) -> Tensor:
     return gate / (1 + torch.exp(-gate)) * up
 
 
-def _moe(text: TextConfig, w: _Weights, num: _Numerics, prefix: str, x: Tensor, num_experts: int, top_k: int) -> Tensor:
+def _moe(
+    text: TextConfig, w: WeightSource, num: _Numerics, prefix: str, x: Tensor, num_experts: int, top_k: int
+) -> Tensor:
     """MoE of one block on the BF16 ``ffn_norm`` output ``x [n, H]``; returns BF16 ``[n, H]``
     (docs/design/model.md, "Mixture of experts")."""
     n, hidden = x.shape
@@ -746,7 +785,7 @@ def swa_visibility(num_tokens: int, window: int) -> Tensor:
 
 
 def _project_query_and_key(
-    text: TextConfig, w: _Weights, num: _Numerics, prefix: str, x: Tensor, cos: Tensor, sin: Tensor
+    text: TextConfig, w: WeightSource, num: _Numerics, prefix: str, x: Tensor, cos: Tensor, sin: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Q latent, heads and the layer's own SWA key (docs/design/attention.md, "Per-query attention").
 
@@ -771,7 +810,7 @@ FUSED_OUTPUT_HEADS = (64, 128)  # head counts whose attention output is FP8-quan
 
 
 def _attention_output(
-    text: TextConfig, w: _Weights, num: _Numerics, prefix: str, out: Tensor, cos: Tensor, sin: Tensor
+    text: TextConfig, w: WeightSource, num: _Numerics, prefix: str, out: Tensor, cos: Tensor, sin: Tensor
 ) -> Tensor:
     """De-rotate, grouped ``wo_a`` and ``wo_b``: ``[n, n_h, D]`` FP32 → ``[n, H]`` BF16
     (docs/design/attention.md, "Per-query attention").
@@ -817,7 +856,7 @@ def _source(produced: Mapping[int, Tensor], source: int, layer: int, what: str) 
 
 def _selected_rows(
     text: TextConfig,
-    w: _Weights,
+    w: WeightSource,
     num: _Numerics,
     layer: int,
     x: Tensor,
@@ -884,7 +923,7 @@ def _selected_rows(
 
 def _attention_layer(
     text: TextConfig,
-    w: _Weights,
+    w: WeightSource,
     num: _Numerics,
     layer: int,
     x: Tensor,
@@ -934,7 +973,9 @@ def _attention_layer(
 _Pending = tuple[Tensor, Tensor, Tensor, Tensor]  # (sub-layer output, trunk it received, write-mix, comb)
 
 
-def _mixes(text: TextConfig, w: _Weights, num: _Numerics, name: str, trunk: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _mixes(
+    text: TextConfig, w: WeightSource, num: _Numerics, name: str, trunk: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
     """``(P, Q, C)`` of the mHC parameters ``{name}_fn/_base/_scale`` on ``trunk``."""
     mix = hc_mix_logits(trunk, w[f"{name}_fn"], text.rms_norm_eps, precision=num.precision)
     return hc_split_mixes(mix, w[f"{name}_base"], w[f"{name}_scale"], text.hc_mult, text.hc_eps, text.hc_sinkhorn_iters)
@@ -942,7 +983,7 @@ def _mixes(text: TextConfig, w: _Weights, num: _Numerics, name: str, trunk: Tens
 
 def _decoder_layer(
     text: TextConfig,
-    w: _Weights,
+    w: WeightSource,
     num: _Numerics,
     prefix: str,
     trunk: Tensor,
@@ -974,7 +1015,7 @@ def _decoder_layer(
 
 
 def _collapse(
-    text: TextConfig, w: _Weights, num: _Numerics, head_prefix: str, pending: _Pending, read_mix: Tensor
+    text: TextConfig, w: WeightSource, num: _Numerics, head_prefix: str, pending: _Pending, read_mix: Tensor
 ) -> Tensor:
     """Last post, then the final read-mix (shifted) or the HC head (non-shifted): ``[n, H]`` BF16."""
     trunk = hc_post(*pending, precision=num.precision)
@@ -991,7 +1032,7 @@ def _collapse(
     )
 
 
-def _expand(w: _Weights, num: _Numerics, token_ids: Tensor, text: TextConfig) -> tuple[Tensor, Tensor]:
+def _expand(w: WeightSource, num: _Numerics, token_ids: Tensor, text: TextConfig) -> tuple[Tensor, Tensor]:
     """Embedding copied into the ``m`` streams (BF16 ``[n, m, H]``) and the one-hot stream-0 read-mix ``[n, m]``."""
     if token_ids.dtype != torch.int64 or token_ids.dim() != 1:
         raise TypeError(
@@ -1039,7 +1080,7 @@ class ReferenceOutput:
 
 def reference_forward_full(
     config: ModelConfig,
-    weights: Mapping[str, Tensor],
+    weights: Mapping[str, Tensor] | WeightSource,
     token_ids: Tensor,
     engram_vocabulary: EngramVocabulary | None = None,
     *,
@@ -1050,7 +1091,7 @@ def reference_forward_full(
 
     Args:
         config: the model configuration.
-        weights: HF-named checkpoint tensors in stored formats (``model.`` prefix optional).
+        weights: HF-named checkpoint tensors in stored formats (``model.`` prefix optional), or a ``WeightSource``.
         token_ids: ``[n]`` int64 ids in ``[0, V)``.
         engram_vocabulary: compressed Engram vocabulary; required when the model has Engram layers.
         precision: ``"exact"`` (the spec's numerics) or ``"fp32"`` (see "Precision" in the module docstring).
@@ -1063,7 +1104,7 @@ def reference_forward_full(
     """
     text = config.text
     num = _numerics(precision)
-    w = _Weights(weights)
+    w = _weight_source(weights)
     if text.engram_layer_ids and engram_vocabulary is None:
         raise ValueError(f"Engram layers {list(text.engram_layer_ids)} need an engram_vocabulary")
     trunk, read_mix = _expand(w, num, token_ids, text)
@@ -1109,7 +1150,7 @@ def reference_forward_full(
 
 def reference_forward(
     config: ModelConfig,
-    weights: Mapping[str, Tensor],
+    weights: Mapping[str, Tensor] | WeightSource,
     token_ids: Tensor,
     engram_vocabulary: EngramVocabulary | None = None,
     *,
@@ -1143,7 +1184,7 @@ class DSparkOutput:
 
 def _dspark_attention(
     text: TextConfig,
-    w: _Weights,
+    w: WeightSource,
     num: _Numerics,
     prefix: str,
     x: Tensor,
@@ -1164,7 +1205,7 @@ def _dspark_attention(
 
 def reference_dspark_forward(
     config: ModelConfig,
-    weights: Mapping[str, Tensor],
+    weights: Mapping[str, Tensor] | WeightSource,
     target_features: Tensor,
     anchor_token: int,
     num_slots: int | None = None,
@@ -1179,7 +1220,7 @@ def reference_dspark_forward(
 
     Args:
         config: the model configuration (``num_nextn_predict_layers`` ≥ 1).
-        weights: HF-named stored tensors (``mtp.{i}.*`` plus the shared ``embed.weight``).
+        weights: HF-named stored tensors (``mtp.{i}.*`` plus the shared ``embed.weight``), or a ``WeightSource``.
         target_features: ``[n_ctx, T·H]`` BF16 features of positions ``0 … p*`` (``ReferenceOutput.target_features``;
             FP32 in fp32 precision).
         anchor_token: the golden token ``g`` placed at position ``p* + 1``.
@@ -1199,7 +1240,7 @@ def reference_dspark_forward(
     if slots < 1:
         raise ValueError(f"num_slots must be >= 1, got {slots}")
     num = _numerics(precision)
-    w = _Weights(weights)
+    w = _weight_source(weights)
     eps = text.rms_norm_eps
     last = target_features.shape[0] - 1
     context = torch.arange(max(0, last - text.sliding_window + 1), last + 1)
@@ -1237,9 +1278,101 @@ def reference_dspark_forward(
     return DSparkOutput(hidden, positions, context)
 
 
+def reference_dspark_forward_anchors(
+    config: ModelConfig,
+    weights: Mapping[str, Tensor] | WeightSource,
+    target_features: Tensor,
+    last_positions: Tensor,
+    anchor_tokens: Tensor,
+    num_slots: int | None = None,
+    *,
+    precision: Precision = "exact",
+) -> Tensor:
+    """Many independent draft forwards over one sequence's target features at once (a trainer's batched form of
+    ``reference_dspark_forward``; same math, each anchor's slots see only its own keys).
+
+    Context keys are computed once for every position; anchor ``a`` (last accepted position ``p*_a``) attends the
+    keys of ``max(0, p*_a−W+1) … p*_a`` and its own ``B`` draft keys (docs/design/model.md, "Draft forward").
+
+    Args:
+        config: the model configuration (``num_nextn_predict_layers`` ≥ 1).
+        weights: HF-named stored tensors or a ``WeightSource``.
+        target_features: ``[n, T·H]`` features of positions ``0 … n−1``.
+        last_positions: ``[A]`` int64 ``p*`` of each anchor, in ``[0, n)``.
+        anchor_tokens: ``[A]`` int64 golden token of each anchor (placed at ``p* + 1``).
+        num_slots: draft block length ``B`` (defaults to ``dspark_block_size``).
+        precision: ``"exact"`` or ``"fp32"``.
+
+    Returns:
+        ``[A, B, H]`` pre-norm hidden of every anchor's slots (BF16; FP32 in fp32 precision).
+    """
+    text = config.text
+    slots = text.dspark_block_size if num_slots is None else num_slots
+    n, window = target_features.shape[0], text.sliding_window
+    if last_positions.dim() != 1 or last_positions.shape != anchor_tokens.shape or last_positions.numel() == 0:
+        raise ValueError("last_positions and anchor_tokens must be equal non-empty 1-D tensors")
+    if bool(((last_positions < 0) | (last_positions >= n)).any()):
+        raise ValueError(f"last_positions must lie in [0, {n})")
+    num = _numerics(precision)
+    w = _weight_source(weights)
+    eps = text.rms_norm_eps
+    num_anchors = last_positions.shape[0]
+    rope = _layer_rope_table(text, False, n + slots)
+    context = last_positions[:, None] - window + 1 + torch.arange(window)  # [A, W], negative = no key
+    visible = torch.cat([context >= 0, torch.ones(num_anchors, slots, dtype=torch.bool)], 1)
+    visible = visible.repeat_interleave(slots, 0)  # [A·B, W+B]
+    positions = (last_positions[:, None] + 1 + torch.arange(slots)).flatten()  # [A·B]
+    main = rms_norm(
+        _fp8_linear(num, target_features, w.fp8("mtp.0.main_proj")),
+        w["mtp.0.main_norm.weight"],
+        eps,
+        precision=precision,
+    )
+    noise = torch.full((num_anchors, slots - 1), text.dspark_noise_token_id, dtype=torch.int64)
+    trunk, read_mix = _expand(w, num, torch.cat([anchor_tokens[:, None], noise], 1).flatten(), text)
+    pending: _Pending | None = None
+    for block in range(text.num_nextn_predict_layers):
+        prefix = f"mtp.{block}"
+        if pending is not None:
+            trunk = hc_post(*pending, precision=precision)
+        kv = rms_norm(
+            _fp8_linear(num, main, w.fp8(f"{prefix}.attn.wkv")),
+            w[f"{prefix}.attn.kv_norm.weight"],
+            eps,
+            precision=precision,
+        )
+        all_keys = num.store(apply_rope(kv, rope.cos[:n], rope.sin[:n]), fp8_quant_dequant)  # [n, D]
+        context_keys = all_keys[context.clamp_min(0)]  # [A, W, D]
+
+        def attention(x: Tensor, prefix: str = f"{prefix}.attn", context_keys: Tensor = context_keys) -> Tensor:
+            cos, sin = rope.cos[positions], rope.sin[positions]
+            q, _, draft_keys = _project_query_and_key(text, w, num, prefix, x, cos, sin)
+            keys = torch.cat([context_keys, draft_keys.unflatten(0, (num_anchors, slots))], 1)
+            scale = 1.0 / math.sqrt(text.head_dim)
+            out = attention_core(
+                q, keys.repeat_interleave(slots, 0), visible, w[f"{prefix}.attn_sink"], scale, precision=num.precision
+            )
+            return _attention_output(text, w, num, prefix, out, cos, sin)
+
+        pending, read_mix = _decoder_layer(
+            text,
+            w,
+            num,
+            prefix,
+            trunk,
+            read_mix,
+            attention,
+            text.dspark_n_routed_experts,
+            text.dspark_num_experts_per_tok,
+        )
+    assert pending is not None
+    hidden = _collapse(text, w, num, f"mtp.{text.num_nextn_predict_layers - 1}.", pending, read_mix)
+    return hidden.unflatten(0, (num_anchors, slots))
+
+
 def reference_dspark_heads(
     config: ModelConfig,
-    weights: Mapping[str, Tensor],
+    weights: Mapping[str, Tensor] | WeightSource,
     hidden: Tensor,
     previous_tokens: Tensor,
     temperatures: float | Sequence[float] = 1.0,
@@ -1253,7 +1386,7 @@ def reference_dspark_heads(
 
     Args:
         config: the model configuration.
-        weights: HF-named stored tensors.
+        weights: HF-named stored tensors, or a ``WeightSource``.
         hidden: ``[B, H]`` BF16 from ``reference_dspark_forward`` (FP32 in fp32 precision).
         previous_tokens: ``[B]`` int64, ``[g, d_0, …, d_{B−2}]``.
         temperatures: one confidence temperature or one per slot (each clamped to ≥ 1e−5).
@@ -1263,7 +1396,7 @@ def reference_dspark_heads(
         logits ``[B, V]`` FP32 and confidences ``[B]`` FP32.
     """
     text = config.text
-    w = _Weights(weights)
+    w = _weight_source(weights)
     last = f"mtp.{text.num_nextn_predict_layers - 1}"
     normed = rms_norm(hidden, w[f"{last}.norm.weight"], text.rms_norm_eps, precision=precision)
     logits = _bf16_linear(normed, w["head.weight"])

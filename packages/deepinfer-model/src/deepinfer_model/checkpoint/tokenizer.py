@@ -21,6 +21,7 @@ Training is deterministic: the same config always gives the same ``tokenizer.jso
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from importlib import resources
 from typing import Any
 
@@ -57,8 +58,16 @@ def fixed_tokens(config: ModelConfig) -> dict[int, str]:
     return fixed
 
 
-def build_tokenizer(config: ModelConfig) -> Tokenizer:
+def build_tokenizer(
+    config: ModelConfig, corpus: Iterable[str] | None = None, *, split_digits: bool = False
+) -> Tokenizer:
     """Train the tokenizer of a synthetic checkpoint for ``config`` (vocabulary size = ``text_config.vocab_size``).
+
+    Args:
+        config: the model configuration (vocabulary size and special ids).
+        corpus: training text, one string per line or document; None for the corpus shipped with this package.
+        split_digits: pre-split every digit into its own token (so numbers are spelt digit by digit, which a model
+            that learns arithmetic needs).
 
     Raises:
         ValueError: the fixed ids leave no room for the 256 byte tokens, or the special ids collide.
@@ -75,7 +84,11 @@ def build_tokenizer(config: ModelConfig) -> Tokenizer:
             f"token; a byte-level BPE needs at least {_BYTE_ALPHABET} (vocab_size {vocab_size})"
         )
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if split_digits:
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    else:
+        tokenizer.pre_tokenizer = byte_level
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=limit,
@@ -84,7 +97,8 @@ def build_tokenizer(config: ModelConfig) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(corpus_text().splitlines(keepends=True), trainer=trainer)
+    lines = corpus if corpus is not None else corpus_text().splitlines(keepends=True)
+    tokenizer.train_from_iterator(lines, trainer=trainer)
     trained = tokenizer.get_vocab_size()
     tail = [fixed.get(i, f"<｜reserved▁{i}｜>") for i in range(trained, vocab_size)]
     tokenizer.add_special_tokens(tail)
@@ -114,6 +128,7 @@ def tokenizer_config(config: ModelConfig) -> dict[str, Any]:
     }
 
 
-def tokenizer_json(config: ModelConfig) -> str:
-    """``tokenizer.json`` text for ``config`` (pretty-printed, deterministic)."""
-    return json.dumps(json.loads(build_tokenizer(config).to_str()), ensure_ascii=False, indent=2) + "\n"
+def tokenizer_json(config: ModelConfig, tokenizer: Tokenizer | None = None) -> str:
+    """``tokenizer.json`` text of ``tokenizer`` (default ``build_tokenizer(config)``), pretty-printed, deterministic."""
+    chosen = tokenizer if tokenizer is not None else build_tokenizer(config)
+    return json.dumps(json.loads(chosen.to_str()), ensure_ascii=False, indent=2) + "\n"

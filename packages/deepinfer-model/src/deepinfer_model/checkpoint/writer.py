@@ -37,11 +37,12 @@ from __future__ import annotations
 import json
 import math
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer
 
 from deepinfer_kernels import quantize_fp8_block, quantize_fp8_per_token_group, quantize_mxfp4
 from deepinfer_model.checkpoint.tokenizer import tokenizer_config, tokenizer_json
@@ -129,6 +130,46 @@ def _direct_mxfp4(logical_shape: tuple[int, ...], gen: torch.Generator) -> tuple
     return packed, scale
 
 
+def logical_value(entry: CatalogueEntry, config: ModelConfig, seed: int) -> torch.Tensor:
+    """The random FP32 value of one catalogue weight before it is stored (module docstring): ``[out, in]`` for FP8 and
+    MXFP4 weights (the logical shape), the stored shape otherwise. A trainer starts from these values."""
+    gen = _generator(seed, entry.name)
+    if entry.format in (TensorFormat.FP8_BLOCK, TensorFormat.MXFP4):
+        return _normal(entry.logical_shape, entry.logical_shape[1] ** -0.5, gen)
+    if entry.format is TensorFormat.FP8_ROW:
+        return _normal(entry.shape, 1.0, gen)
+    if entry.format in (TensorFormat.BF16, TensorFormat.F32):
+        return _plain_value(entry, config, gen)
+    raise ValueError(f"catalogue entry {entry.name!r} of format {entry.format} is a scale, not a weight")
+
+
+def stored_pair(entry: CatalogueEntry, value: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The stored form of an FP32 ``value`` of one catalogue weight: the weight and, if it has one, its scale.
+
+    FP8 weights are quantized in 32×32 blocks with UE8M0 scales, MXFP4 experts in 1×32 groups, Engram rows in 1×32
+    FP8 groups, BF16/F32 tensors are cast (docs/design/numerics.md, "Weight formats").
+
+    Raises:
+        ValueError: ``value`` does not have the entry's logical shape.
+    """
+    expected = entry.logical_shape if entry.format in (TensorFormat.FP8_BLOCK, TensorFormat.MXFP4) else entry.shape
+    if tuple(value.shape) != tuple(expected):
+        raise ValueError(f"{entry.name}: value has shape {tuple(value.shape)}, expected {tuple(expected)}")
+    value = value.detach().to("cpu", torch.float32).contiguous()
+    stem = entry.name[: -len(".weight")] if entry.name.endswith(".weight") else entry.name
+    if entry.format is TensorFormat.FP8_BLOCK:
+        weight, scale = quantize_fp8_block(value)
+    elif entry.format is TensorFormat.MXFP4:
+        weight, scale = quantize_mxfp4(value)
+    elif entry.format is TensorFormat.FP8_ROW:
+        weight, scale = quantize_fp8_per_token_group(value, 32)
+    elif entry.format in (TensorFormat.BF16, TensorFormat.F32):
+        return [(entry.name, value.to(SAFETENSORS_TO_TORCH[entry.dtype]))]
+    else:
+        raise ValueError(f"catalogue entry {entry.name!r} of format {entry.format} is a scale, not a weight")
+    return [(entry.name, weight), (f"{stem}.scale", scale)]
+
+
 def tensor_pair(
     entry: CatalogueEntry, config: ModelConfig, seed: int, fast_experts: bool = False
 ) -> list[tuple[str, torch.Tensor]]:
@@ -143,22 +184,10 @@ def tensor_pair(
     Returns:
         ``[(name, tensor)]`` or ``[(weight name, weight), (scale name, scale)]``; dtypes as in the catalogue.
     """
-    gen = _generator(seed, entry.name)
-    stem = entry.name[: -len(".weight")] if entry.name.endswith(".weight") else entry.name
-    if entry.format is TensorFormat.FP8_BLOCK:
-        weight, scale = quantize_fp8_block(_normal(entry.logical_shape, entry.logical_shape[1] ** -0.5, gen))
-    elif entry.format is TensorFormat.MXFP4 and fast_experts:
-        weight, scale = _direct_mxfp4(entry.logical_shape, gen)
-    elif entry.format is TensorFormat.MXFP4:
-        weight, scale = quantize_mxfp4(_normal(entry.logical_shape, entry.logical_shape[1] ** -0.5, gen))
-    elif entry.format is TensorFormat.FP8_ROW:
-        weight, scale = quantize_fp8_per_token_group(_normal(entry.shape, 1.0, gen), 32)
-    elif entry.format in (TensorFormat.BF16, TensorFormat.F32):
-        value = _plain_value(entry, config, gen).to(SAFETENSORS_TO_TORCH[entry.dtype])
-        return [(entry.name, value)]
-    else:
-        raise ValueError(f"catalogue entry {entry.name!r} of format {entry.format} is a scale, not a weight")
-    return [(entry.name, weight), (f"{stem}.scale", scale)]
+    if entry.format is TensorFormat.MXFP4 and fast_experts:
+        weight, scale = _direct_mxfp4(entry.logical_shape, _generator(seed, entry.name))
+        return [(entry.name, weight), (f"{entry.name.removesuffix('.weight')}.scale", scale)]
+    return stored_pair(entry, logical_value(entry, config, seed))
 
 
 def _units(entries: tuple[CatalogueEntry, ...]) -> Iterator[list[CatalogueEntry]]:
@@ -187,12 +216,20 @@ def _plan_shards(entries: tuple[CatalogueEntry, ...], max_shard_bytes: int) -> l
 
 
 def _write_one_shard(
-    path: Path, units: list[list[CatalogueEntry]], config: ModelConfig, seed: int, fast_experts: bool
+    path: Path,
+    units: list[list[CatalogueEntry]],
+    config: ModelConfig,
+    seed: int,
+    fast_experts: bool,
+    values: Mapping[str, torch.Tensor] | None,
 ) -> tuple[int, list[str]]:
     """Build and write one shard; returns its tensor bytes and tensor names (in file order)."""
     tensors: dict[str, torch.Tensor] = {}
     for unit in units:
-        tensors.update(tensor_pair(unit[0], config, seed, fast_experts))
+        if values is None:
+            tensors.update(tensor_pair(unit[0], config, seed, fast_experts))
+        else:
+            tensors.update(stored_pair(unit[0], values[unit[0].name]))
     return write_shard(path, tensors, {"format": "pt"}), list(tensors)
 
 
@@ -204,8 +241,10 @@ def write_checkpoint(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     fast_experts: bool = False,
     num_workers: int = 1,
+    values: Mapping[str, torch.Tensor] | None = None,
+    tokenizer: Tokenizer | None = None,
 ) -> Path:
-    """Write a random checkpoint of ``config`` in the released format (see the module docstring).
+    """Write a checkpoint of ``config`` in the released format: random (see the module docstring) or given values.
 
     Args:
         config: any valid configuration.
@@ -214,6 +253,9 @@ def write_checkpoint(
         max_shard_bytes: upper bound per shard (a single larger weight+scale unit gets a shard of its own).
         fast_experts: draw MXFP4 weights directly in stored form (module docstring); for real-width checkpoints.
         num_workers: shards built and written at once (threads, >= 1); each holds one shard in memory.
+        values: FP32 values of every catalogue weight (no scales; FP8/MXFP4 weights in their logical ``[out, in]``
+            shape), e.g. trained ones, stored with ``stored_pair`` instead of the random draw; ``seed`` is then unused.
+        tokenizer: the tokenizer to ship; None trains ``build_tokenizer(config)`` on the package corpus.
 
     Returns:
         The output directory.
@@ -225,11 +267,16 @@ def write_checkpoint(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     entries = build_catalogue(config)
+    if values is not None:
+        weights = {e.name for e in entries if e.format is not TensorFormat.SCALE}
+        if set(values) != weights:
+            missing, extra = sorted(weights - set(values)), sorted(set(values) - weights)
+            raise ValueError(f"values must name every catalogue weight: missing {missing[:5]}, unknown {extra[:5]}")
     plan = _plan_shards(entries, max_shard_bytes)
     names = [f"model-{number:05d}-of-{len(plan):05d}.safetensors" for number in range(1, len(plan) + 1)]
     with ThreadPoolExecutor(max_workers=num_workers) as pool:
         futures = [
-            pool.submit(_write_one_shard, out / name, units, config, seed, fast_experts)
+            pool.submit(_write_one_shard, out / name, units, config, seed, fast_experts, values)
             for name, units in zip(names, plan, strict=True)
         ]
         written = [future.result() for future in futures]
@@ -241,6 +288,6 @@ def write_checkpoint(
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
     (out / CONFIG_FILE).write_text(json.dumps(config.to_dict(), indent=2) + "\n", encoding="utf-8")
-    (out / TOKENIZER_FILE).write_text(tokenizer_json(config), encoding="utf-8")
+    (out / TOKENIZER_FILE).write_text(tokenizer_json(config, tokenizer), encoding="utf-8")
     (out / TOKENIZER_CONFIG_FILE).write_text(json.dumps(tokenizer_config(config), indent=2) + "\n", encoding="utf-8")
     return out

@@ -1,0 +1,36 @@
+"""tools/train_tiny.py end to end on the CPU with a few steps: it writes a checkpoint the ordinary loader accepts,
+the held-out files and a training summary (slow: about a minute on two cores)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from deepinfer_model.loading.load import load_checkpoint_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_a_few_training_steps_write_a_loadable_checkpoint(tmp_path: Path) -> None:
+    command = [
+        sys.executable,
+        str(ROOT / "tools" / "train_tiny.py"),
+        *("--out", str(tmp_path / "ckpt"), "--data-dir", str(tmp_path / "data")),
+        *("--target-steps", "2", "--draft-steps", "1", "--seq-len", "128", "--warmup", "1"),
+        *("--fake-quant-steps", "1", "--anchors", "16", "--eval-per-task", "1"),
+    ]
+    env = {**os.environ, "DEEPINFER_ACCELERATOR": "cpu"}
+    subprocess.run(command, check=True, capture_output=True, text=True, env=env)
+    checkpoint = load_checkpoint_dir(tmp_path / "ckpt")
+    assert checkpoint.config.text.vocab_size == 1024
+    summary = json.loads((tmp_path / "ckpt" / "training_summary.json").read_text())
+    assert summary["target_steps"] == 2 and summary["draft_steps"] == 1
+    assert set(summary["heldout_stored"]) >= {"add", "count", "copy", "date", "json", "fact", "dspark_tokens_per_step"}
+    shipped = (ROOT / "benchmarks" / "data" / "tiny_heldout.jsonl").read_bytes()
+    assert (tmp_path / "data" / "tiny_heldout.jsonl").read_bytes() == shipped

@@ -1,0 +1,289 @@
+"""Train the built-in tiny checkpoint of deepinfer-engine: the ``tiny`` V4.1-Flash preset on synthetic tasks.
+
+Not part of any wheel. Plain PyTorch on the model package's own single-file reference model, made trainable by
+handing it FP32 master values (``deepinfer_model.reference_values.ValueWeights``) in fp32 precision:
+
+1. data and tokenizer: ``tiny_tasks`` generates the samples (addition, counting, copying, dates, JSON records,
+   capital-city sentences); a byte-level BPE with one token per digit is trained on them (vocabulary 1024, the
+   preset's special ids); ``benchmarks/data/tiny_heldout.jsonl`` and ``tiny_text.txt`` are written from the
+   held-out split;
+2. target: next-token loss on sequences of whole documents (BOS + samples) packed to ``--seq-len`` tokens, AdamW,
+   linear warmup then cosine decay; the last ``--fake-quant-steps`` steps read every FP8/MXFP4 weight through its
+   stored format (straight-through), so the written checkpoint holds what was trained;
+3. DSpark drafter (``mtp.0.*``, target frozen): for many anchors per sequence, the draft block ``[g, noise, ...]``
+   after position ``p*`` is trained to predict the target's greedy tokens at ``p* + 2 + k`` (slot ``k``), with the
+   Markov head fed the previous label; the confidence head is trained alongside, on its own detached inputs, with
+   BCE on whether each slot's draft equals that label;
+4. the values are quantized to the released formats by the checkpoint writer and written with the tokenizer and a
+   model card; held-out accuracy is measured teacher-forced on the FP32 values and on the stored checkpoint.
+
+Indices chosen by top-k (indexer rows, candidate blocks, routed experts) carry no gradient; the scores that are
+also weights (routing weights) do. The shipped files (deepinfer-engine's ``builtin_checkpoint/``) came from one
+NVIDIA H200 (torch 2.11, CUDA 13.0), 420 s of training:
+
+    python tools/train_tiny.py --seed 0 --device cuda --target-steps 409 --draft-steps 271 --seq-len 4096 \
+        --lr 2.5e-3 --warmup 40 --fake-quant-steps 80 --anchors 1024 --out DIR
+
+(the step counts were chosen by ``--time-budget 420 --target-share 0.8``; the log prints the equivalent fixed-step
+command). Runs are deterministic for a given device: the seed fixes the data, the tokenizer and the initial values
+(drawn on the CPU), and deterministic algorithms are requested (``warn_only``: an op without a deterministic CUDA
+kernel warns instead of failing). On a CPU the same command trains too, very slowly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS; must precede CUDA init
+
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import tiny_tasks
+from tiny_eval import evaluate_checkpoint, evaluate_values
+
+from deepinfer_model import reference as ref
+from deepinfer_model.checkpoint.tokenizer import build_tokenizer
+from deepinfer_model.checkpoint.writer import logical_value, write_checkpoint
+from deepinfer_model.config import ModelConfig, load_preset
+from deepinfer_model.loading.catalogue import TensorFormat, build_catalogue
+from deepinfer_model.reference_values import ValueWeights
+
+REPO = Path(__file__).resolve().parent.parent
+TOKENIZER_DOCUMENTS = 20_000
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def train_tokenizer(config: ModelConfig, seed: int) -> Tokenizer:
+    rng = random.Random(f"{seed}-tokenizer")
+    documents = tiny_tasks.training_documents(rng)
+    corpus = ["".join(s.text for s in next(documents)) for _ in range(TOKENIZER_DOCUMENTS)]
+    return build_tokenizer(config, corpus, split_digits=True)
+
+
+def encode_document(tokenizer: Tokenizer, bos: int, samples: list[tiny_tasks.Sample]) -> list[int]:
+    """BOS, then each sample's prompt and answer encoded apart, as inference sees the prompt's tokens."""
+    ids = [bos]
+    for sample in samples:
+        ids += tokenizer.encode(sample.prompt, add_special_tokens=False).ids
+        ids += tokenizer.encode(sample.answer + "\n", add_special_tokens=False).ids
+    return ids
+
+
+def sequences(tokenizer: Tokenizer, bos: int, seed: int, length: int) -> Iterator[list[int]]:
+    """Training sequences of exactly ``length`` tokens: whole documents from position 0, the last one cut."""
+    documents = tiny_tasks.training_documents(random.Random(f"{seed}-train"))
+    while True:
+        ids: list[int] = []
+        while len(ids) < length:
+            ids += encode_document(tokenizer, bos, next(documents))
+        yield ids[:length]
+
+
+def initial_values(config: ModelConfig, seed: int, device: str) -> dict[str, torch.Tensor]:
+    """FP32 master values of every catalogue weight, starting from the checkpoint writer's random draw."""
+    return {
+        entry.name: logical_value(entry, config, seed).to(device).requires_grad_(True)
+        for entry in build_catalogue(config)
+        if entry.format is not TensorFormat.SCALE
+    }
+
+
+def schedule(step: int, total: int, warmup: int) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
+
+
+def train_target(
+    args: argparse.Namespace, config: ModelConfig, values: dict, vocab: ref.EngramVocabulary, data: Iterator[list[int]]
+) -> int:
+    params = [v for k, v in values.items() if not k.startswith("mtp.")]
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    total = args.target_steps
+    step = 0
+    start = time.time()
+    while total is None or step < total:
+        fake_quant = total is not None and step >= total - args.fake_quant_steps
+        for group in opt.param_groups:
+            group["lr"] = args.lr * schedule(step, total or 10**9, args.warmup)
+        ids = torch.tensor(next(data))
+        logits = ref.reference_forward_full(
+            config, ValueWeights(values, fake_quant=fake_quant), ids, vocab, precision="fp32"
+        ).logits
+        loss = F.cross_entropy(logits[:-1], ids[1:])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        if total is None and step == 20:  # calibration: fit the requested wall-clock budget
+            per_step = (time.time() - start) / step
+            total = max(step + 1, int(args.time_budget * args.target_share / per_step))
+            log(f"calibrated: {per_step:.3f} s/step -> --target-steps {total}")
+        if step % 50 == 0 or step == total:
+            log(f"target step {step}/{total} loss {loss.item():.4f} fake_quant={fake_quant}")
+    return step
+
+
+def draft_loss(
+    config: ModelConfig,
+    values: dict,
+    vocab: ref.EngramVocabulary,
+    ids: torch.Tensor,
+    gen: torch.Generator,
+    num_anchors: int,
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Drafter CE and confidence BCE on one sequence (module docstring, step 3); also the slot accuracy."""
+    slots = int(torch.randint(3, 7, (1,), generator=gen, device="cpu"))
+    with torch.no_grad():
+        target = ref.reference_forward_full(config, ValueWeights(values), ids, vocab, precision="fp32")
+        greedy = target.logits.argmax(-1)  # greedy[t] is the target's token for position t + 1
+    n = ids.shape[0]
+    last = torch.randperm(n - slots, generator=gen, device="cpu")[:num_anchors].sort().values.to(ids.device)
+    anchor_tokens = ids[last + 1]
+    labels = greedy[last[:, None] + 1 + torch.arange(slots)]  # [A, B]: the token at p* + 2 + k
+    previous = torch.cat([anchor_tokens[:, None], labels[:, :-1]], 1)
+    hidden = ref.reference_dspark_forward_anchors(
+        config, ValueWeights(values), target.target_features, last, anchor_tokens, slots, precision="fp32"
+    ).flatten(0, 1)
+    logits, _ = ref.reference_dspark_heads(config, ValueWeights(values), hidden, previous.flatten(), precision="fp32")
+    ce = F.cross_entropy(logits, labels.flatten())
+    accepted = (logits.argmax(-1) == labels.flatten()).float()
+    # The confidence head learns on detached inputs so its loss never moves the drafter.
+    frozen = {k: (v if k.endswith("confidence_head.proj.weight") else v.detach()) for k, v in values.items()}
+    _, confidence = ref.reference_dspark_heads(
+        config, ValueWeights(frozen), hidden.detach(), previous.flatten(), precision="fp32"
+    )
+    bce = F.binary_cross_entropy(confidence.clamp(1e-6, 1 - 1e-6), accepted)
+    return ce, bce, accepted.mean().item()
+
+
+def train_drafter(
+    args: argparse.Namespace,
+    config: ModelConfig,
+    values: dict,
+    vocab: ref.EngramVocabulary,
+    data: Iterator[list[int]],
+    budget_left: float | None,
+) -> int:
+    params = [v for k, v in values.items() if k.startswith("mtp.")]
+    opt = torch.optim.AdamW(params, lr=args.draft_lr, betas=(0.9, 0.95), weight_decay=0.0)
+    gen = torch.Generator().manual_seed(args.seed)
+    total = args.draft_steps
+    step = 0
+    start = time.time()
+    while total is None or step < total:
+        for group in opt.param_groups:
+            group["lr"] = args.draft_lr * schedule(step, total or 10**9, args.warmup)
+        ce, bce, accuracy = draft_loss(config, values, vocab, torch.tensor(next(data)), gen, args.anchors)
+        opt.zero_grad(set_to_none=True)
+        (ce + bce).backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        if total is None and step == 10:
+            assert budget_left is not None
+            per_step = (time.time() - start) / step
+            total = max(step + 1, int(budget_left / per_step))
+            log(f"calibrated: {per_step:.3f} s/step -> --draft-steps {total}")
+        if step % 50 == 0 or step == total:
+            log(f"draft step {step}/{total} ce {ce.item():.4f} bce {bce.item():.4f} slot accuracy {accuracy:.3f}")
+    return step
+
+
+def write_data_files(seed: int, data_dir: Path) -> list[tiny_tasks.Sample]:
+    data_dir.mkdir(parents=True, exist_ok=True)
+    held_out = tiny_tasks.held_out_samples(seed)
+    with (data_dir / "tiny_heldout.jsonl").open("w", encoding="utf-8") as out:
+        for sample in held_out:
+            out.write(json.dumps(tiny_tasks.held_out_record(sample)) + "\n")
+    (data_dir / "tiny_text.txt").write_text(tiny_tasks.held_out_text(seed), encoding="utf-8")
+    return held_out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--out", type=Path, required=True, help="checkpoint directory to write")
+    parser.add_argument("--data-dir", type=Path, default=REPO / "benchmarks" / "data")
+    parser.add_argument("--target-steps", type=int, default=None)
+    parser.add_argument("--draft-steps", type=int, default=None)
+    parser.add_argument("--time-budget", type=float, default=None, help="seconds for both phases (calibrates steps)")
+    parser.add_argument("--target-share", type=float, default=0.75, help="share of --time-budget for the target")
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--draft-lr", type=float, default=2e-3)
+    parser.add_argument("--warmup", type=int, default=100)
+    parser.add_argument("--fake-quant-steps", type=int, default=200)
+    parser.add_argument("--anchors", type=int, default=256)
+    parser.add_argument("--eval-per-task", type=int, default=50)
+    args = parser.parse_args()
+    if (args.target_steps is None or args.draft_steps is None) and args.time_budget is None:
+        parser.error("give --target-steps and --draft-steps, or --time-budget")
+
+    began = time.time()
+    torch.manual_seed(args.seed)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    hardware = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU ({os.cpu_count()} cores)"
+    log(f"device {args.device}: {hardware}; torch {torch.__version__}")
+    config = load_preset("tiny")
+    tokenizer = train_tokenizer(config, args.seed)
+    held_out = write_data_files(args.seed, args.data_dir)
+    data = sequences(tokenizer, config.bos_token_id, args.seed, args.seq_len)
+    values = initial_values(config, args.seed, args.device)  # drawn on the CPU, so any device gives the same start
+    torch.set_default_device(args.device)  # the reference model makes its index and table tensors on the default
+    vocab = ref.engram_vocabulary_from_tokenizer(tokenizer)
+
+    target_steps = train_target(args, config, values, vocab, data)
+    for value in values.values():
+        value.requires_grad_(False)
+    for name, value in values.items():
+        if name.startswith("mtp.") and value.is_floating_point():
+            value.requires_grad_(True)
+    budget_left = None if args.time_budget is None else args.time_budget - (time.time() - began)
+    draft_steps = train_drafter(args, config, values, vocab, data, budget_left)
+    train_seconds = time.time() - began
+    log(
+        f"trained in {train_seconds:.0f} s; fixed-step command: --seed {args.seed} --device {args.device} "
+        f"--target-steps {target_steps} --draft-steps {draft_steps} --seq-len {args.seq_len}"
+    )
+
+    plain = {k: v.detach() for k, v in values.items()}
+    fp32_report = evaluate_values(config, ValueWeights(plain), tokenizer, vocab, held_out, args.eval_per_task)
+    log(f"held-out (FP32 values): {json.dumps(fp32_report)}")
+    cpu_values = {k: v.to("cpu") for k, v in plain.items()}
+    torch.set_default_device("cpu")
+    write_checkpoint(config, args.out, values=cpu_values, tokenizer=tokenizer)
+    torch.set_default_device(args.device)
+    stored_report = evaluate_checkpoint(args.out, tokenizer, held_out, args.eval_per_task, args.device)
+    log(f"held-out (stored checkpoint, exact numerics): {json.dumps(stored_report)}")
+    summary = {
+        "seed": args.seed,
+        "hardware": hardware,
+        "target_steps": target_steps,
+        "draft_steps": draft_steps,
+        "seq_len": args.seq_len,
+        "train_seconds": round(train_seconds, 1),
+        "heldout_fp32": fp32_report,
+        "heldout_stored": stored_report,
+    }
+    (args.out / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()
