@@ -97,6 +97,11 @@ class EngineConfig:
         enforce_eager: never capture CUDA graphs (see `EngineArgs`); graphs are only captured on CUDA devices.
         cudagraph_batch_size_interval: spacing of decode graph sizes (docs/design/scheduler.md, "CUDA graphs"), >= 1.
         engram_pad_token_id: raw pad id of Engram n-gram windows.
+        mtp_varlen: confidence-scheduled verification (docs/design/speculative.md, "Confidence-scheduled
+            verification"): each step verifies as many of a request's drafts as the decode cost curve says pay off;
+            off: every draft held is verified. Only with `scheduler.max_num_draft_tokens` > 0.
+        decode_perf_cache_dir: directory of the cached decode cost curves (`deepinfer_engine.decode_cost`).
+        decode_perf_cache_ttl_s: age in seconds after which a cached curve is measured again.
     """
 
     model_dir: Path
@@ -113,6 +118,9 @@ class EngineConfig:
     enforce_eager: bool = True
     cudagraph_batch_size_interval: int = 8
     engram_pad_token_id: int = 2
+    mtp_varlen: bool = False
+    decode_perf_cache_dir: Path | None = None
+    decode_perf_cache_ttl_s: int = 3600
 
     def __post_init__(self) -> None:
         if self.num_blocks < 2:
