@@ -183,6 +183,7 @@ class ModelRunner:
         logprobs_per_request: list[tuple[float, ...]] = [()] * num_scheduled
         top_per_request: list[tuple[TopLogprobs, ...]] = [()] * num_scheduled
         drafts_per_request: list[tuple[int, ...]] = [()] * num_scheduled
+        confidences_per_request: list[tuple[float, ...]] = [()] * num_scheduled
         if handle.sampled is not None:
             sampled = handle.sampled
             if sampled.event is not None:
@@ -191,6 +192,7 @@ class ModelRunner:
             logprobs = sampled.logprobs.tolist()
             accepted = sampled.num_accepted.tolist() if sampled.num_accepted is not None else None
             drafts = sampled.draft_ids.tolist() if sampled.draft_ids is not None else None
+            confidences = sampled.draft_confidences.tolist() if sampled.draft_confidences is not None else None
             top_ids, top_values = sampled.top_ids.tolist(), sampled.top_values.tolist()
             row = 0
             samples = zip(handle.sample_indices, handle.sample_positions, handle.num_drafts, strict=True)
@@ -219,6 +221,8 @@ class ModelRunner:
                 )
                 if drafts is not None and drafts[k][0] >= 0:
                     drafts_per_request[index] = tuple(drafts[k])
+                    assert confidences is not None
+                    confidences_per_request[index] = tuple(confidences[k])
                 row += num_drafts + 1
                 if request is not None and accepted is not None:
                     request.num_rejected = num_drafts - accepted[k]
@@ -234,6 +238,7 @@ class ModelRunner:
             top_logprobs=tuple(top_per_request),
             prompt_logprobs=tuple(tuple(pairs) for pairs in prompt_per_request),
             failures=dict(handle.failures),
+            draft_confidences=tuple(confidences_per_request) if self.speculator is not None else None,
         )
 
     # ---- step parts ------------------------------------------------------------------------------------------
@@ -329,13 +334,16 @@ class ModelRunner:
         specs = []
         ends = list(accumulate(s.num_scheduled_tokens for s in scheduled))
         samples = zip(handle.sample_indices, handle.sample_positions, handle.num_drafts, strict=True)
+        # Host-side inputs need the true position: known here once every step before this one was waited for
+        # (`_must_defer`); otherwise the optimistic one stands (`num_rejected` would belong to an older step, whose
+        # draft count may differ under confidence-scheduled verification). The device shifts the rows' random keys
+        # itself (`Speculator.sample`).
+        known = not self._unwaited or self._unwaited[0] is handle
         for index, first, num_drafts in samples:
             request_id = scheduled[index].request_id
             request = self._requests[request_id]
             placeholder = scheduled[index].num_placeholder_tokens > 0
-            # Host-side inputs need the true position: known here for requests whose sampling waited for the step
-            # before (`_must_defer`); the device shifts the rows' random keys itself (`Speculator.sample`).
-            true_first = first - (request.num_rejected if placeholder else 0)
+            true_first = first - (request.num_rejected if placeholder and known else 0)
             if request.matcher is not None:  # only its first row samples (it verifies no drafts)
                 bitmask_rows.append((len(rows), request, request_id, true_first))
             for j in range(num_drafts + 1):

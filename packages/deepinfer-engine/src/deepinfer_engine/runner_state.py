@@ -54,6 +54,7 @@ class SampledStep:
     event: torch.cuda.Event | None
     num_accepted: torch.Tensor | None = None  # [Q] int64 host: accepted drafts per request (speculative steps)
     draft_ids: torch.Tensor | None = None  # [Q, nextn] int64 host: next drafts per request, −1 rows for none
+    draft_confidences: torch.Tensor | None = None  # [Q, nextn] float32 host: their confidences (0 rows for none)
 
 
 @dataclass
@@ -79,6 +80,7 @@ def copy_to_host(
     top_values: torch.Tensor,
     num_accepted: torch.Tensor | None = None,
     draft_ids: torch.Tensor | None = None,
+    draft_confidences: torch.Tensor | None = None,
 ) -> SampledStep:
     """Start the device-to-host copies of a step's results; the event marks their completion.
 
@@ -89,9 +91,10 @@ def copy_to_host(
         top_values: [S, N] float32 their log-probs.
         num_accepted: [Q] int64 accepted drafts per sampling request, speculative steps only.
         draft_ids: [Q, nextn] int64 next drafts per sampling request, speculative steps only.
+        draft_confidences: [Q, nextn] float32 their confidences, speculative steps only.
     """
     tensors = [token_ids, logprobs, top_ids, top_values]
-    extras = [t for t in (num_accepted, draft_ids) if t is not None]
+    extras = [t for t in (num_accepted, draft_ids, draft_confidences) if t is not None]
     if token_ids.device.type != "cuda":
         host = [t.clone() for t in tensors + extras]
         event = None
@@ -101,5 +104,5 @@ def copy_to_host(
             dst.copy_(src, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-    accepted, drafts = (host[4], host[5]) if extras else (None, None)
-    return SampledStep(host[0], host[1], host[2], host[3], event, accepted, drafts)
+    accepted, drafts, confidences = (host[4], host[5], host[6]) if extras else (None, None, None)
+    return SampledStep(host[0], host[1], host[2], host[3], event, accepted, drafts, confidences)

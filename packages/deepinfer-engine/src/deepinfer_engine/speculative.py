@@ -208,8 +208,8 @@ class Speculator:
             )
         kept_first = [0, *accumulate(c + 1 for c in counts)][:-1]  # each request's first kept row
         golden = verified.output_token_ids[self._to_device(kept_first) + accepted]
-        drafts = self._propose(requests, slots, first - 1 + accepted, golden)
-        return copy_to_host(tokens, token_logprobs, top_ids, top_values, accepted, drafts)
+        drafts, confidences = self._propose(requests, slots, first - 1 + accepted, golden)
+        return copy_to_host(tokens, token_logprobs, top_ids, top_values, accepted, drafts, confidences)
 
     def _propose(
         self,
@@ -217,7 +217,7 @@ class Speculator:
         slots: torch.Tensor,
         last_accepted: torch.Tensor,
         golden: torch.Tensor,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft `nextn` tokens per drafting request and write them into the history after the emitted token.
 
         Args:
@@ -227,13 +227,16 @@ class Speculator:
             golden: [S] int64 the token each request emitted last (at p* + 1).
 
         Returns:
-            int64 [S, nextn] drafts (−1 rows for requests that propose none).
+            int64 [S, nextn] drafts (−1 rows for requests that propose none) and float32 [S, nextn] the confidence
+            head's conditional acceptance probability of each (0 where the draft will not be verified: rows of
+            requests that propose none, and placeholder drafts of requests that cannot verify them).
         """
         b = self.nextn
         drafts = torch.full((len(requests), b), -1, dtype=torch.int64, device=self.device)
+        confidences = torch.zeros((len(requests), b), dtype=torch.float32, device=self.device)
         chosen = [i for i, r in enumerate(requests) if self.always_draft or proposes_drafts(r.request)]
         if not chosen:
-            return drafts
+            return drafts, confidences
         chosen_ids = self._to_device(chosen)
         golden, last_accepted, slots = golden[chosen_ids], last_accepted[chosen_ids], slots[chosen_ids]
         positions = last_accepted[:, None] + 1 + self._slots[None, :]
@@ -251,7 +254,8 @@ class Speculator:
         previous = golden
         probs = []
         for k in range(b):
-            logits, _ = self.model.draft_heads(hidden[:, k], previous, temperature)
+            logits, confidence = self.model.draft_heads(hidden[:, k], previous, temperature)
+            confidences[chosen_ids, k] = confidence
             logprobs, _ = self.sampler.processed_logprobs(logits, sampling)
             row_probs = logprobs.exp()
             bits = random_bits(sampling.seeds, last_accepted + 2 + k, RandomStream.DRAFT, 1)[:, 0]
@@ -269,7 +273,8 @@ class Speculator:
         stacked = torch.stack(probs, dim=1)
         for j, i in enumerate(chosen):
             requests[i].request.draft_probs = stacked[j]
-        return drafts
+        verifiable = self._to_device([int(proposes_drafts(r.request)) for r in requests])
+        return drafts, confidences * verifiable[:, None]
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
         """int64 [len(values)] on the device, copied from pinned memory without blocking on CUDA."""
