@@ -150,3 +150,26 @@ def test_the_summary_line_shows_the_mean_acceptance_length(root: Path, capsys: p
     assert summary.endswith(f", mean acceptance length {length:.2f} ({accepted} of {verified} drafts accepted)")
     make_llm(root).generate(prompt_token_ids=[[5, 6, 7]], sampling_params=GREEDY, use_tqdm=True)
     assert "acceptance" not in capsys.readouterr().err  # nothing verified, nothing said
+
+
+def test_confidence_head_temperatures_from_the_environment(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DEEPINFER_DFLASH_CONFIDENCE_HEAD_TEMPERATURE", "0.5,0")
+    assert make_llm(root, nextn=2).config.confidence_temperatures == (0.5, 1e-5)  # clamped at 1e-5
+    for bad in ("0.5,1,2", "warm", "nan"):
+        monkeypatch.setenv("DEEPINFER_DFLASH_CONFIDENCE_HEAD_TEMPERATURE", bad)
+        with pytest.raises(ValueError, match="DEEPINFER_DFLASH_CONFIDENCE_HEAD_TEMPERATURE"):
+            make_llm(root, nextn=2)
+    # A huge temperature makes every confidence 1/2: the planner then sees 1/2, 1/4 as the estimates.
+    monkeypatch.setenv("DEEPINFER_DFLASH_CONFIDENCE_HEAD_TEMPERATURE", "1e30")
+    llm = make_llm(root, nextn=2, async_scheduling=False)
+    seen: list[list[float]] = []
+    scheduler = llm.engine.scheduler
+    commit = scheduler._commit
+
+    def recording_commit(request: Request, *args: object) -> object:
+        seen.append(list(request.draft_confidences))
+        return commit(request, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(scheduler, "_commit", recording_commit)
+    llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=GREEDY, use_tqdm=False)
+    assert seen and all(c == [0.5, 0.5] for c in seen)

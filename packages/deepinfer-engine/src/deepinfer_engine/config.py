@@ -102,6 +102,8 @@ class EngineConfig:
             off: every draft held is verified. Only with `scheduler.max_num_draft_tokens` > 0.
         decode_perf_cache_dir: directory of the cached decode cost curves (`deepinfer_engine.decode_cost`).
         decode_perf_cache_ttl_s: age in seconds after which a cached curve is measured again.
+        confidence_temperatures: the drafter's confidence-head temperature, one value or one per draft slot, each
+            >= 1e-5 (docs/design/model.md, "Draft heads").
     """
 
     model_dir: Path
@@ -121,6 +123,7 @@ class EngineConfig:
     mtp_varlen: bool = False
     decode_perf_cache_dir: Path | None = None
     decode_perf_cache_ttl_s: int = 3600
+    confidence_temperatures: tuple[float, ...] = (1.0,)
 
     def __post_init__(self) -> None:
         if self.num_blocks < 2:

@@ -16,6 +16,7 @@ number of cache blocks):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from difflib import get_close_matches
 from pathlib import Path
@@ -270,7 +271,27 @@ def build_engine_config(
         mtp_varlen=mtp_varlen,
         decode_perf_cache_dir=Path(perf_dir),
         decode_perf_cache_ttl_s=env["DEEPINFER_DECODE_PERF_CACHE_TTL_SEC"],
+        confidence_temperatures=_confidence_temperatures(env, args.nextn),
     )
+
+
+def _confidence_temperatures(env: EnvSettings, nextn: int) -> tuple[float, ...]:
+    """DEEPINFER_DFLASH_CONFIDENCE_HEAD_TEMPERATURE: one float, or exactly `nextn` comma-separated ones; each clamped
+    to >= 1e-5."""
+    name = "DEEPINFER_DFLASH_CONFIDENCE_HEAD_TEMPERATURE"
+    text = env[name]
+    message = f"environment variable {name}={text!r} must be a finite float or a comma list of them"
+    try:
+        values = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(message) from None
+    if not all(math.isfinite(v) for v in values):
+        raise ValueError(message)
+    if nextn and len(values) > 1 and len(values) != nextn:
+        raise ValueError(
+            f"environment variable {name}={text!r} lists {len(values)} values; nextn={nextn} needs 1 or {nextn}"
+        )
+    return tuple(max(v, 1e-5) for v in values)
 
 
 def default_nextn(model_dir: Path, env: EnvSettings) -> int:

@@ -156,7 +156,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("DEEPINFER_ENABLE_MTP_VARLEN", "bool", False, "confidence-scheduled variable verification",
            _parse_bool, _S, "EngineConfig.mtp_varlen (or the mtp_varlen argument); one-process engines"),
     EnvVar("DEEPINFER_DFLASH_CONFIDENCE_HEAD_TEMPERATURE", "str", "1.0", "confidence-head temperature(s)",
-           _parse_str, _U, "the confidence head only feeds varlen verification, not implemented"),
+           _parse_str, _S, "EngineConfig.confidence_temperatures; a list needs exactly nextn values"),
     EnvVar("DEEPINFER_COMPUTE_SUM_SMALLER_PROBS", "bool", False, "report sum_smaller_probs / drafter logprobs",
            _parse_bool, _U, "these per-token statistics are not reported"),
     EnvVar("DEEPINFER_SAMPLER_FORCE_TOPK", "int", 0, "restrict sampling and logprobs to the top-K logits",

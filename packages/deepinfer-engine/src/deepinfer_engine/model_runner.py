@@ -116,6 +116,7 @@ class ModelRunner:
                 sched.max_num_draft_tokens,
                 config.cache.num_state_slots,
                 always_draft=config.async_scheduling,
+                confidence_temperatures=config.confidence_temperatures,
             )
         self.graphs: DecodeGraphs | None = None
         if not config.enforce_eager and self.device.type == "cuda" and model.supports_graphs():

@@ -97,6 +97,7 @@ class Speculator:
         num_state_slots: state slots of the cache.
         always_draft: propose drafts for every sampling request (asynchronous scheduling verifies `nextn`
             placeholders for each); the drafts of requests that cannot verify them are rejected unseen.
+        confidence_temperatures: the confidence head's temperature, one for every draft slot or one per slot.
 
     Raises:
         ValueError: the model has no DSpark blocks, or `nextn` < 1.
@@ -111,6 +112,7 @@ class Speculator:
         nextn: int,
         num_state_slots: int,
         always_draft: bool,
+        confidence_temperatures: tuple[float, ...] = (1.0,),
     ) -> None:
         if not model.config.text.num_nextn_predict_layers:
             raise ValueError(f"nextn={nextn} needs DSpark draft blocks, but the model has none")
@@ -125,6 +127,9 @@ class Speculator:
         self.device = buffers.device
         self.noise_token_id = model.config.text.dspark_noise_token_id
         self._slots = torch.arange(nextn, dtype=torch.int64, device=self.device)
+        if len(confidence_temperatures) not in (1, nextn):
+            raise ValueError(f"{len(confidence_temperatures)} confidence temperatures for {nextn} draft slots")
+        self.confidence_temperatures = confidence_temperatures * (nextn if len(confidence_temperatures) == 1 else 1)
         # Drafts the last sampling step of the slot's request rejected (scheduled − accepted), read by the next step.
         self.rejected = torch.zeros(num_state_slots, dtype=torch.int64, device=self.device)
         buffers.rejected_drafts = self.rejected
@@ -250,10 +255,10 @@ class Speculator:
             SamplingRow(params=requests[i].request.params, seed=requests[i].request.seed, position=0) for i in chosen
         ]
         sampling = SamplingBatch.build(rows, self.sampler.vocab_size, self.device)
-        temperature = torch.ones(n, dtype=torch.float32, device=self.device)
         previous = golden
         probs = []
         for k in range(b):
+            temperature = torch.full((n,), self.confidence_temperatures[k], dtype=torch.float32, device=self.device)
             logits, confidence = self.model.draft_heads(hidden[:, k], previous, temperature)
             confidences[chosen_ids, k] = confidence
             logprobs, _ = self.sampler.processed_logprobs(logits, sampling)
