@@ -3,12 +3,14 @@
 
 `decode_cost_curve` returns the step time (ms) for a few verified-token counts, the input of
 `deepinfer_sampling.speculative.DecodeCostCurve`. The counts are 1, 2, 4, … up to the most a decode step can verify,
-`max_num_seqs · (1 + nextn)`, which is included. For each count T, `ceil(T / (1 + nextn))` requests are prefilled
-with a short prompt through a `ModelRunner` on a temporary cache (so they hold real drafts); after one warm-up step,
-the decode step that verifies T tokens (each request up to `nextn` drafts) runs `TIMED_STEPS` times and the median
-is kept. The timed step is a whole runner step: forward, verification and the drafter, as the reference counts its
-sampling phase into the step. A count's time is then capped by that of any larger count (noise on a busy host must
-not make a bigger step look cheaper).
+`max_num_seqs · (1 + nextn)`, which is included. For each count T, `ceil(T / (1 + nextn))` requests hold real drafts
+(short prompts prefilled through a `ModelRunner` on a temporary cache); after one warm-up step, the decode step that
+verifies T tokens (each request up to `nextn` drafts) runs `TIMED_STEPS` times and the median is kept. The timed step
+is a whole runner step: forward, verification and the drafter, as the reference counts its sampling phase into the
+step. Counts are measured smallest first; once `MEASURE_BUDGET_S` of measuring has passed, the larger ones are
+extrapolated in proportion to the last measured one (a CPU step of thousands of tokens takes many seconds). A
+count's time is then capped by that of any larger count (noise on a busy host must not make a bigger step look
+cheaper).
 
 Cache: one JSON file per measurement in `EngineConfig.decode_perf_cache_dir`, named `<key>.<uuid4 hex>.<unix
 seconds>` and written through a temporary file and a rename. The key is the SHA-256 of a canonical JSON of what the
@@ -44,6 +46,7 @@ __all__ = ["cost_token_counts", "decode_cost_curve", "measure_decode_cost"]
 logger = logging.getLogger(__name__)
 
 TIMED_STEPS = 3
+MEASURE_BUDGET_S = 20.0  # no larger count is measured after this much measuring; those are extrapolated
 PROMPT_LEN = 4
 STALE_GRACE_S = 2 * 3600
 
@@ -125,11 +128,19 @@ def measure_decode_cost(
     device = torch.device(config.device)
     state = model.allocate_state(block_size, measure_config.num_blocks, measure_config.cache.num_state_slots, device)
     runner = ModelRunner(model, state, measure_config)
+    prefilled: list[tuple[ScheduledRequest, int, tuple[int, ...]]] = []
+    times: list[float] = []
+    start = time.perf_counter()
     try:
-        prefill = _prefill(runner, max_requests, nextn, blocks_per_request, text.vocab_size)
-        steps = [_verify_step(prefill, count, nextn, blocks_per_request) for count in counts]
-        runner.wait(runner.execute(steps[-1]))  # warm-up
-        times = [_median_ms(runner, step) for step in steps]
+        for count in counts:
+            if times and time.perf_counter() - start > MEASURE_BUDGET_S:
+                break
+            needed = range(len(prefilled), -(-count // (1 + nextn)))
+            prefilled += _prefill(runner, needed, nextn, blocks_per_request, text.vocab_size)
+            step = _verify_step(prefilled, count, nextn, blocks_per_request)
+            if not times:
+                runner.wait(runner.execute(step))  # warm-up
+            times.append(_median_ms(runner, step))
     finally:
         runner.close()
         del runner, state
@@ -138,15 +149,21 @@ def measure_decode_cost(
     # A step never costs less than a smaller one: keep each count's time at most that of any larger count.
     for i in range(len(times) - 2, -1, -1):
         times[i] = min(times[i], times[i + 1])
+    # Counts past the time budget: proportional to the last measured one (verify steps are compute-bound there).
+    measured = len(times)
+    times += [times[-1] * count / counts[measured - 1] for count in counts[measured:]]
     return tuple(times)
 
 
 def _prefill(
-    runner: ModelRunner, num_requests: int, nextn: int, blocks_per_request: int, vocab_size: int
+    runner: ModelRunner, indices: range, nextn: int, blocks_per_request: int, vocab_size: int
 ) -> list[tuple[ScheduledRequest, int, tuple[int, ...]]]:
-    """Prefill `num_requests` short prompts; returns each one's scheduled prompt, sampled token and drafts."""
+    """Prefill the short prompts of requests `indices`; returns each one's scheduled prompt, sampled token and
+    drafts."""
+    if not indices:
+        return []
     prefill = []
-    for i in range(num_requests):
+    for i in indices:
         prompt = tuple((11 * (i + p) + 3) % vocab_size for p in range(PROMPT_LEN))
         blocks = tuple(range(1 + i * blocks_per_request, 1 + (i + 1) * blocks_per_request))
         prefill.append(
