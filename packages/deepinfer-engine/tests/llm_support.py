@@ -25,8 +25,15 @@ def tiny_dir(root: Path) -> Path:
 
 
 def make_llm(root: Path, **kwargs: Any) -> LLM:
-    """A CPU engine over the random tiny checkpoint (or `model=`); small defaults keep each step cheap."""
-    settings: dict[str, Any] = {"device": "cpu", "max_num_seqs": 8, "block_size": 16, "num_cache_blocks": 256}
+    """A CPU engine over the random tiny checkpoint (or `model=`); small defaults keep each step cheap, and no drafting
+    unless `nextn` is given (the tiny checkpoint has DSpark blocks, so `LLM` alone would draft 5 tokens per step)."""
+    settings: dict[str, Any] = {
+        "device": "cpu",
+        "max_num_seqs": 8,
+        "block_size": 16,
+        "num_cache_blocks": 256,
+        "nextn": 0,
+    }
     settings.update(kwargs)
     model = settings.pop("model", "tiny")  # default: the random tiny checkpoint in `root`
     return LLM(model, cache_dir=str(root), **settings)

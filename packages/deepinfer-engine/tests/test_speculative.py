@@ -360,10 +360,24 @@ def test_cuda_execute_with_drafts_never_synchronizes(root: Path) -> None:
     assert all(o.metrics.num_verified_draft_tokens > 0 for o in outputs)
 
 
-def test_nextn_defaults_from_the_environment(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _default_nextn(root: Path, **kwargs: object) -> int:
+    llm = LLM(cache_dir=str(root), device="cpu", max_num_seqs=2, num_cache_blocks=32, block_size=16, **kwargs)
+    return llm.config.scheduler.max_num_draft_tokens
+
+
+def test_nextn_defaults_as_the_reference(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DEEPINFER_USE_NEXTN_DECODE", raising=False)
+    assert _default_nextn(root) == 5  # the tiny checkpoint has DSpark blocks
+    assert _default_nextn(root, nextn=0) == 0
+    # Without DSpark blocks nothing drafts, without error; asking for drafts explicitly is an error.
+    no_drafter = _edited_checkpoint(root, "no-drafter", {}, drop_drafter=True)
+    assert _default_nextn(root, model=str(no_drafter)) == 0
     monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "2")
-    assert make_llm(root).engine.config.scheduler.max_num_draft_tokens == 2
-    assert make_llm(root, nextn=0).engine.config.scheduler.max_num_draft_tokens == 0  # the argument wins
+    assert _default_nextn(root) == 2
+    assert _default_nextn(root, model=str(no_drafter)) == 0
+    assert _default_nextn(root, nextn=3) == 3  # the argument wins
+    monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "0")
+    assert _default_nextn(root) == 0
     monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "-1")
     with pytest.raises(ValueError, match="DEEPINFER_USE_NEXTN_DECODE"):
-        make_llm(root)
+        _default_nextn(root)

@@ -36,7 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: detect)")
     gen.add_argument("--precision", choices=("exact", "fp32"), default="exact")
     gen.add_argument(
-        "--nextn", type=int, default=None, help="DSpark draft tokens per step (default: DEEPINFER_USE_NEXTN_DECODE, 0)"
+        "--nextn",
+        type=int,
+        default=None,
+        help="DSpark draft tokens per step (default: DEEPINFER_USE_NEXTN_DECODE, 5; 0 without DSpark blocks)",
     )
     gen.add_argument("--cache-dir", default=None, help="where the built-in tiny checkpoint is written")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")

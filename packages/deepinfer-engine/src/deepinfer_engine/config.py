@@ -101,6 +101,13 @@ class EngineConfig:
         prefill_truncation: YOCO prefill truncation of prompt chunks (docs/design/attention.md, "YOCO prefill
             truncation"), from DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE and DEEPINFER_YOCO_PREFILL_KEEP_TOKENS; the
             model is built with it, and requests asking for prompt logprobs are refused while it is on.
+        mtp_varlen: confidence-scheduled verification (docs/design/speculative.md, "Confidence-scheduled
+            verification"): each step verifies as many of a request's drafts as the decode cost curve says pay off;
+            off: every draft held is verified. Only with `scheduler.max_num_draft_tokens` > 0.
+        decode_perf_cache_dir: directory of the cached decode cost curves (`deepinfer_engine.decode_cost`).
+        decode_perf_cache_ttl_s: age in seconds after which a cached curve is measured again.
+        confidence_temperatures: the drafter's confidence-head temperature, one value or one per draft slot, each
+            >= 1e-5 (docs/design/model.md, "Draft heads").
     """
 
     model_dir: Path
@@ -118,6 +125,10 @@ class EngineConfig:
     cudagraph_batch_size_interval: int = 8
     engram_pad_token_id: int = 2
     prefill_truncation: PrefillTruncation = field(default_factory=PrefillTruncation)
+    mtp_varlen: bool = False
+    decode_perf_cache_dir: Path | None = None
+    decode_perf_cache_ttl_s: int = 3600
+    confidence_temperatures: tuple[float, ...] = (1.0,)
 
     def __post_init__(self) -> None:
         if self.num_blocks < 2:

@@ -36,6 +36,7 @@ from deepinfer_engine._prompts import ParamsLike
 from deepinfer_engine.admission import Admission, Admitted
 from deepinfer_engine.cache_manager import CacheManager
 from deepinfer_engine.config import EngineConfig
+from deepinfer_engine.decode_cost import decode_cost_curve
 from deepinfer_engine.engine_args import EngineArgs, build_engine_config, prefill_truncation
 from deepinfer_engine.engine_core import EngineCore, ModelRunnerProtocol
 from deepinfer_engine.envs import EnvSettings
@@ -142,11 +143,13 @@ class Engine:
         )
         _log_to_stderr_unless_configured()
         logger.info(describe(config, sizing, cache_bytes, text.max_position_embeddings))
+        # Measured before the cache is allocated: the measurement runs on a temporary cache of its own.
+        verify_cost = decode_cost_curve(self.model, args, env, config) if config.mtp_varlen else None
         state = self.model.allocate_state(
             config.cache.block_size, config.num_blocks, config.cache.num_state_slots, device
         )
         self.cache_manager = CacheManager(spec, config.cache, config.num_blocks)
-        self.scheduler = Scheduler(config.scheduler, self.cache_manager)
+        self.scheduler = Scheduler(config.scheduler, self.cache_manager, verify_cost)
         self.runner = ModelRunner(self.model, state, config)
         self._eplb: EplbController | None = None
         rearranges = eplb is not None and eplb.schedule is not None

@@ -18,6 +18,7 @@ number of cache blocks):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from difflib import get_close_matches
 from pathlib import Path
@@ -26,9 +27,12 @@ from typing import Any
 from deepinfer_engine.cache_manager import CacheManager
 from deepinfer_engine.config import CacheConfig, EngineConfig, Precision, SchedulerConfig
 from deepinfer_engine.envs import EnvSettings
+from deepinfer_engine.model_source import default_cache_root
 from deepinfer_model.cache_spec import CacheSpec
+from deepinfer_model.config import ModelConfig
 from deepinfer_model.deepseek_v41.context import DSPARK_GROUP
 from deepinfer_model.deepseek_v41.truncation import PrefillTruncation
+from deepinfer_model.loading.checkpoint_dir import CONFIG_FILE
 from deepinfer_sampling.config import SamplerConfig, parse_token_blacklist
 
 __all__ = [
@@ -37,6 +41,7 @@ __all__ = [
     "MAX_NEXTN",
     "EngineArgs",
     "build_engine_config",
+    "default_nextn",
     "prefill_truncation",
 ]
 
@@ -87,9 +92,12 @@ class EngineArgs:
         async_scheduling: overrides DEEPINFER_ZERO_OVERHEAD_SCHEDULING when not None.
         cache_dir: where the random tiny checkpoint (`model="tiny"`) is written; None for ~/.cache/deepinfer.
         nextn: draft tokens the DSpark drafter proposes per request after each sampling step; the next step
-            verifies all of them (fewer only near `max_tokens` or `max_model_len`). The reference's `nextn`, there
-            set by DEEPINFER_USE_NEXTN_DECODE. 0 (the default) disables speculative decoding; else 1 … `MAX_NEXTN`,
-            and the checkpoint must have DSpark blocks (`deepinfer_engine.speculative`).
+            verifies all of them (fewer near `max_tokens` or `max_model_len`, or as `mtp_varlen` chooses). The
+            reference's `nextn`, there set by DEEPINFER_USE_NEXTN_DECODE. 0 disables speculative decoding; else
+            1 … `MAX_NEXTN`, and the checkpoint must have DSpark blocks (`deepinfer_engine.speculative`). `LLM`
+            fills it when not given: `default_nextn` (DEEPINFER_USE_NEXTN_DECODE, default 5, on a checkpoint with
+            DSpark blocks; 0 without them). Built directly, `EngineArgs` defaults to 0.
+        mtp_varlen: overrides DEEPINFER_ENABLE_MTP_VARLEN (confidence-scheduled verification) when not None.
     """
 
     model: str | None = None
@@ -113,6 +121,7 @@ class EngineArgs:
     async_scheduling: bool | None = None
     cache_dir: str | None = None
     nextn: int = 0
+    mtp_varlen: bool | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
@@ -142,6 +151,8 @@ class EngineArgs:
         nextn = self.nextn
         if isinstance(nextn, bool) or not isinstance(nextn, int) or not 0 <= nextn <= MAX_NEXTN:
             raise ValueError(f"nextn must be an int in [0, {MAX_NEXTN}] (0 disables drafting), got {nextn!r}")
+        if self.mtp_varlen is not None and not isinstance(self.mtp_varlen, bool):
+            raise ValueError(f"mtp_varlen must be a bool or None, got {self.mtp_varlen!r}")
         if self.device is not None and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N' (or None to detect), got {self.device!r}")
 
@@ -239,6 +250,16 @@ def build_engine_config(
     async_scheduling = env["DEEPINFER_ZERO_OVERHEAD_SCHEDULING"]
     if args.async_scheduling is not None:
         async_scheduling = args.async_scheduling
+    mtp_varlen = (env["DEEPINFER_ENABLE_MTP_VARLEN"] if args.mtp_varlen is None else args.mtp_varlen) and args.nextn > 0
+    parallel = {name: getattr(args, name) for name in _PARALLEL_SIZES if getattr(args, name) > 1}
+    if mtp_varlen and parallel:
+        raise ValueError(
+            f"confidence-scheduled verification (DEEPINFER_ENABLE_MTP_VARLEN / mtp_varlen) runs in one-process "
+            f"engines only, got {parallel}; turn it off or use one process"
+        )
+    perf_dir = env["DEEPINFER_DECODE_PERF_CACHE_DIR"]
+    if perf_dir is None:
+        perf_dir = (Path(args.cache_dir) if args.cache_dir is not None else default_cache_root()) / "decode_perf"
     return EngineConfig(
         model_dir=model_dir,
         tokenizer_dir=Path(args.tokenizer) if args.tokenizer is not None else model_dir,
@@ -255,7 +276,38 @@ def build_engine_config(
         cudagraph_batch_size_interval=env["DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL"],
         engram_pad_token_id=env["DEEPINFER_ENGRAM_PAD_TOKEN"],
         prefill_truncation=prefill_truncation(args, env),
+        mtp_varlen=mtp_varlen,
+        decode_perf_cache_dir=Path(perf_dir),
+        decode_perf_cache_ttl_s=env["DEEPINFER_DECODE_PERF_CACHE_TTL_SEC"],
+        confidence_temperatures=_confidence_temperatures(env, args.nextn),
     )
+
+
+def _confidence_temperatures(env: EnvSettings, nextn: int) -> tuple[float, ...]:
+    """DEEPINFER_DFLASH_CONFIDENCE_HEAD_TEMPERATURE: one float, or exactly `nextn` comma-separated ones; each clamped
+    to >= 1e-5."""
+    name = "DEEPINFER_DFLASH_CONFIDENCE_HEAD_TEMPERATURE"
+    text = env[name]
+    message = f"environment variable {name}={text!r} must be a finite float or a comma list of them"
+    try:
+        values = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(message) from None
+    if not all(math.isfinite(v) for v in values):
+        raise ValueError(message)
+    if nextn and len(values) > 1 and len(values) != nextn:
+        raise ValueError(
+            f"environment variable {name}={text!r} lists {len(values)} values; nextn={nextn} needs 1 or {nextn}"
+        )
+    return tuple(max(v, 1e-5) for v in values)
+
+
+def default_nextn(model_dir: Path, env: EnvSettings) -> int:
+    """`nextn` when the user gives none, as the reference: DEEPINFER_USE_NEXTN_DECODE (default 5) when the checkpoint
+    has DSpark blocks (`num_nextn_predict_layers` > 0); 0 without them, since there is nothing to draft with (an
+    explicit `nextn` > 0 on such a checkpoint is an error instead, `build_engine_config`)."""
+    config = ModelConfig.from_json(model_dir / CONFIG_FILE)
+    return env["DEEPINFER_USE_NEXTN_DECODE"] if config.text.num_nextn_predict_layers else 0
 
 
 def prefill_truncation(args: EngineArgs, env: EnvSettings) -> PrefillTruncation:

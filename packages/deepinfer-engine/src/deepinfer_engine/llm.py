@@ -35,7 +35,7 @@ from typing import Any
 from deepinfer_engine._prompts import ParamsLike, normalize_prompts, per_prompt_params, stream_indices
 from deepinfer_engine.config import EngineConfig
 from deepinfer_engine.engine import Engine, resolve_device
-from deepinfer_engine.engine_args import EngineArgs
+from deepinfer_engine.engine_args import EngineArgs, default_nextn
 from deepinfer_engine.envs import read_env
 from deepinfer_engine.eplb import EplbSettings, EplbStats
 from deepinfer_engine.executor import ParallelExecutor
@@ -55,7 +55,9 @@ class LLM:
             "tiny" for the random tiny checkpoint (written on first use into ~/.cache/deepinfer, or `cache_dir`).
         **kwargs: any `deepinfer_engine.engine_args.EngineArgs` field (tokenizer, seed, max_model_len,
             gpu_memory_utilization, cache_memory_bytes, block_size, max_num_seqs, max_num_batched_tokens, parallel
-            sizes, enforce_eager, precision, device, async_scheduling, cache_dir, num_cache_blocks).
+            sizes, enforce_eager, precision, device, async_scheduling, cache_dir, num_cache_blocks, nextn,
+            mtp_varlen). Without `nextn` the engine drafts 5 tokens per step (DEEPINFER_USE_NEXTN_DECODE) when the
+            checkpoint has DSpark blocks, and none otherwise.
 
     Attributes:
         engine: this process's `Engine` (None when the engines run in rank processes); `config` and `model` are
@@ -72,8 +74,6 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         env = read_env()
-        if "nextn" not in kwargs:
-            kwargs = {**kwargs, "nextn": env["DEEPINFER_USE_NEXTN_DECODE"]}
         args = EngineArgs.from_kwargs(model, kwargs)
         parallel = max(args.data_parallel_size, args.expert_parallel_size, args.context_parallel_size) > 1
         if parallel:
@@ -85,6 +85,8 @@ class LLM:
         model_dir = resolve_checkpoint(
             args.model, local_model_dir=env["DEEPINFER_HF_MODEL_DIR"], revision=args.revision, cache_root=cache_root
         )
+        if "nextn" not in kwargs:
+            args = dataclasses.replace(args, nextn=default_nextn(model_dir, env))
         self._request_counter = 0
         self._executor: ParallelExecutor | None = None
         self.engine: Engine | None = None

@@ -60,9 +60,9 @@ import torch
 from deepinfer_engine.config import EngineConfig
 from deepinfer_engine.cuda_graphs import DraftGraphs, StepGraphs, capture_graphs, graph_sizes
 from deepinfer_engine.input_batch import StepBuffers
-from deepinfer_engine.outputs import ModelRunnerOutput, RequestFailure, ScheduledRequest, SchedulerOutput
+from deepinfer_engine.outputs import ModelRunnerOutput, RequestFailure, SchedulerOutput
 from deepinfer_engine.request import RequestStatus, TopLogprobs
-from deepinfer_engine.runner_state import RunnerRequest, StepHandle, copy_to_host
+from deepinfer_engine.runner_state import RunnerRequest, StepHandle, copy_to_host, start_request
 from deepinfer_engine.sampling_rows import (
     add_prompt_rows,
     fill_bitmask,
@@ -124,6 +124,7 @@ class ModelRunner:
                 nextn,
                 config.cache.num_state_slots,
                 graphs=draft_graphs,
+                confidence_temperatures=config.confidence_temperatures,
             )
 
     def close(self) -> None:
@@ -188,6 +189,7 @@ class ModelRunner:
         logprobs_per_request: list[tuple[float, ...]] = [()] * num_scheduled
         top_per_request: list[tuple[TopLogprobs, ...]] = [()] * num_scheduled
         drafts_per_request: list[tuple[int, ...]] = [()] * num_scheduled
+        confidences_per_request: list[tuple[float, ...]] = [()] * num_scheduled
         if handle.sampled is not None:
             sampled = handle.sampled
             if sampled.event is not None:
@@ -196,6 +198,7 @@ class ModelRunner:
             logprobs = sampled.logprobs.tolist()
             accepted = sampled.num_accepted.tolist() if sampled.num_accepted is not None else None
             drafts = sampled.draft_ids.tolist() if sampled.draft_ids is not None else None
+            confidences = sampled.draft_confidences.tolist() if sampled.draft_confidences is not None else None
             top_ids, top_values = sampled.top_ids.tolist(), sampled.top_values.tolist()
             row = 0
             samples = zip(handle.sample_indices, handle.sample_positions, handle.num_drafts, strict=True)
@@ -224,6 +227,8 @@ class ModelRunner:
                 )
                 if drafts is not None:
                     drafts_per_request[index] = tuple(drafts[k])
+                    assert confidences is not None
+                    confidences_per_request[index] = tuple(confidences[k])
                     if request is not None and request.needs_host_history and emitted:
                         # The next step's verify rows see these drafts as committed (`_sample`); a step planned
                         # before this one was waited for has only placeholders for them.
@@ -243,6 +248,7 @@ class ModelRunner:
             top_logprobs=tuple(top_per_request),
             prompt_logprobs=tuple(tuple(pairs) for pairs in prompt_per_request),
             failures=dict(handle.failures),
+            draft_confidences=tuple(confidences_per_request) if self.speculator is not None else None,
         )
 
     # ---- step parts ------------------------------------------------------------------------------------------
@@ -253,7 +259,7 @@ class ModelRunner:
         max_query = max_context = 0
         has_prefill = False
         for index, scheduled in enumerate(scheduler_output.scheduled_requests):
-            request = self._start(scheduled)
+            request = start_request(self._requests, scheduled, self.buffers.max_blocks_per_request)
             n = scheduled.num_scheduled_tokens
             start = scheduled.num_computed_tokens
             end = start + n
@@ -300,33 +306,6 @@ class ModelRunner:
             handle.forward_done.record()
         return logits[:num_samples]
 
-    def _start(self, scheduled: ScheduledRequest) -> RunnerRequest:
-        """Apply a scheduled request's slot and block-table delta; returns its runner state."""
-        new = scheduled.new_request
-        if new is not None and scheduled.request_id not in self._requests:
-            self._requests[scheduled.request_id] = RunnerRequest(
-                params=new.params,
-                seed=new.seed,
-                prompt_len=len(new.prompt_token_ids),
-                matcher=new.grammar,
-                tokens=list(new.prompt_token_ids),
-            )
-        request = self._requests.get(scheduled.request_id)
-        if request is None:
-            raise KeyError(f"request {scheduled.request_id!r} was scheduled without its NewRequestData first")
-        if scheduled.is_new:
-            request.slot = scheduled.state_slot
-            request.block_ids = []
-            request.draft_probs = None
-        del request.block_ids[scheduled.first_new_block_index :]
-        request.block_ids.extend(scheduled.new_block_ids)
-        if len(request.block_ids) > self.buffers.max_blocks_per_request:
-            raise RuntimeError(
-                f"request {scheduled.request_id!r} holds {len(request.block_ids)} blocks; the block table has room "
-                f"for {self.buffers.max_blocks_per_request}"
-            )
-        return request
-
     def _must_defer(self, handle: StepHandle) -> bool:
         if not self._unwaited:
             return False
@@ -345,13 +324,16 @@ class ModelRunner:
         specs = []
         ends = list(accumulate(s.num_scheduled_tokens for s in scheduled))
         samples = zip(handle.sample_indices, handle.sample_positions, handle.num_drafts, strict=True)
+        # Host-side inputs need the true position: known here once every step before this one was waited for
+        # (`_must_defer`); otherwise the optimistic one stands (`num_rejected` would belong to an older step, whose
+        # draft count may differ under confidence-scheduled verification). The device shifts the rows' random keys
+        # itself (`Speculator.sample`).
+        known = not self._unwaited or self._unwaited[0] is handle
         for index, first, num_drafts in samples:
             request_id = scheduled[index].request_id
             request = self._requests[request_id]
             placeholder = scheduled[index].num_placeholder_tokens > 0
-            # Host-side inputs need the true position: known here for requests whose sampling waited for the step
-            # before (`_must_defer`); the device shifts the rows' random keys itself (`Speculator.sample`).
-            true_first = first - (request.num_rejected if placeholder else 0)
+            true_first = first - (request.num_rejected if placeholder and known else 0)
             # Row j sees drafts 1 … j as committed: they follow the known tokens in `request.tokens` (written by
             # `_forward`, or by `wait` for placeholder inputs).
             if request.matcher is not None:

@@ -84,7 +84,12 @@ class OutputProcessor:
             progress.update(len(output.new_token_ids), int(output.completion is not None))
             if output.completion is not None:
                 del self._tracked[output.request_id]
-                finished.append((tracked.index, self._final(tracked, output.completion, now)))
+                final = self._final(tracked, output.completion, now)
+                metrics = final.metrics
+                progress.count_drafts(
+                    metrics.num_generated_tokens, metrics.num_accepted_draft_tokens, metrics.num_verified_draft_tokens
+                )
+                finished.append((tracked.index, final))
         return finished, hits
 
     def _final(self, tracked: _Tracked, completion: CompletionOutput, now: float) -> GenerateOutput:

@@ -176,6 +176,9 @@ class ModelRunnerOutput:
             before the host sees them, so a drafter proposes that many for every request it samples.
         top_logprobs: per request, the alternatives of each emitted token (empty tuples where none were asked
             for), or None when the runner computes none.
+        draft_confidences: per request, the drafter's confidence (conditional acceptance probability) of each of
+            its `draft_token_ids`, or None without a drafter (docs/design/speculative.md, "Confidence-scheduled
+            verification").
         prompt_logprobs: per request, the (prompt position, processed log-prob of its token) pairs computed this
             step (requests that asked for prompt logprobs), or None.
         failures: requests of the step the runner could not serve (nothing to sample, a grammar that rejected a
@@ -189,10 +192,12 @@ class ModelRunnerOutput:
     top_logprobs: tuple[tuple[TopLogprobs, ...], ...] | None = None
     prompt_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
     failures: dict[str, RequestFailure] = field(default_factory=dict)
+    draft_confidences: tuple[tuple[float, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.request_ids)
-        for name in ("sampled_token_ids", "logprobs", "draft_token_ids", "top_logprobs", "prompt_logprobs"):
+        names = ("sampled_token_ids", "logprobs", "draft_token_ids", "top_logprobs", "prompt_logprobs")
+        for name in (*names, "draft_confidences"):
             value = getattr(self, name)
             if value is not None and len(value) != n:
                 raise ValueError(f"ModelRunnerOutput.{name} has {len(value)} entries for {n} requests")

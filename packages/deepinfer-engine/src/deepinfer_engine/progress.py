@@ -1,5 +1,9 @@
 """Progress of one `LLM.generate` call: a tqdm bar over requests with live generated tokens/s, and a one-line
-summary on stderr at the end (requests, prompt and generated tokens, wall time, tokens/s)."""
+summary on stderr at the end (requests, prompt and generated tokens, wall time, tokens/s; with drafting, the mean
+acceptance length and the accepted share of the verified drafts).
+
+Mean acceptance length = tokens emitted per sampling step: each step of a request emits its accepted drafts plus one
+token, so over the finished requests it is Σ generated / Σ (generated − accepted drafts), 1 without drafting."""
 
 from __future__ import annotations
 
@@ -24,6 +28,9 @@ class GenerateProgress:
         self.start = time.perf_counter()
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
+        self.num_finished_tokens = 0  # generated tokens of the finished requests, for the acceptance length
+        self.num_accepted_draft_tokens = 0
+        self.num_verified_draft_tokens = 0
         self.bar = tqdm(total=total, desc="generate", unit="req", disable=not enabled, dynamic_ncols=True)
 
     def update(self, num_new_tokens: int, num_finished: int) -> None:
@@ -33,6 +40,22 @@ class GenerateProgress:
             self.bar.update(num_finished)
         elapsed = time.perf_counter() - self.start
         self.bar.set_postfix_str(f"{self.num_generated_tokens / max(elapsed, 1e-9):.1f} tok/s", refresh=False)
+
+    def count_drafts(self, num_generated: int, num_accepted: int, num_verified: int) -> None:
+        """Count a finished request's generated tokens and its accepted and verified draft tokens."""
+        self.num_finished_tokens += num_generated
+        self.num_accepted_draft_tokens += num_accepted
+        self.num_verified_draft_tokens += num_verified
+
+    def acceptance_summary(self) -> str:
+        """The summary's drafting part: empty when no draft was verified."""
+        if not self.num_verified_draft_tokens:
+            return ""
+        steps = max(self.num_finished_tokens - self.num_accepted_draft_tokens, 1)
+        return (
+            f", mean acceptance length {self.num_finished_tokens / steps:.2f} "
+            f"({self.num_accepted_draft_tokens} of {self.num_verified_draft_tokens} drafts accepted)"
+        )
 
     def close(self, num_failed: int, interrupted: bool = False) -> None:
         """Close the bar and print the summary line; it says how many requests ended with an error, and when the
@@ -51,6 +74,7 @@ class GenerateProgress:
             f"generate: {done}, {self.num_prompt_tokens} prompt tokens, "
             f"{self.num_generated_tokens} generated tokens in {wall:.2f} s "
             f"({self.num_generated_tokens / max(wall, 1e-9):.1f} generated tok/s, "
-            f"{(self.num_prompt_tokens + self.num_generated_tokens) / max(wall, 1e-9):.1f} total tok/s)",
+            f"{(self.num_prompt_tokens + self.num_generated_tokens) / max(wall, 1e-9):.1f} total tok/s)"
+            f"{self.acceptance_summary()}",
             file=sys.stderr,
         )

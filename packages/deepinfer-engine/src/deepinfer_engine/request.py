@@ -166,6 +166,7 @@ class Request:
         self.output_logprobs: list[float] = []
         self.num_computed_tokens = 0
         self.draft_token_ids: list[int] = []
+        self.draft_confidences: list[float] = []  # the drafter's confidence of each draft token (same length)
         self.num_output_placeholders = 0
         self._status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None

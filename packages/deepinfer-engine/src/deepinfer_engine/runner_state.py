@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from deepinfer_engine.outputs import RequestFailure, SchedulerOutput
+from deepinfer_engine.outputs import RequestFailure, ScheduledRequest, SchedulerOutput
 from deepinfer_sampling import SamplingParams
 
 if TYPE_CHECKING:  # importing xgrammar takes seconds; only structured requests need it at run time
     from deepinfer_sampling.structured import RequestGrammarMatcher
 
-__all__ = ["RunnerRequest", "SampledStep", "StepHandle", "copy_to_host"]
+__all__ = ["RunnerRequest", "SampledStep", "StepHandle", "copy_to_host", "start_request"]
 
 
 @dataclass
@@ -54,6 +54,7 @@ class SampledStep:
     event: torch.cuda.Event | None
     num_accepted: torch.Tensor | None = None  # [Q] int64 host: accepted drafts per request (speculative steps)
     draft_ids: torch.Tensor | None = None  # [Q, nextn] int64 host: next drafts per request
+    draft_confidences: torch.Tensor | None = None  # [Q, nextn] float32 host: their confidences
 
 
 @dataclass
@@ -79,6 +80,7 @@ def copy_to_host(
     top_values: torch.Tensor,
     num_accepted: torch.Tensor | None = None,
     draft_ids: torch.Tensor | None = None,
+    draft_confidences: torch.Tensor | None = None,
 ) -> SampledStep:
     """Start the device-to-host copies of a step's results; the event marks their completion.
 
@@ -89,9 +91,10 @@ def copy_to_host(
         top_values: [S, N] float32 their log-probs.
         num_accepted: [Q] int64 accepted drafts per sampling request, speculative steps only.
         draft_ids: [Q, nextn] int64 next drafts per sampling request, speculative steps only.
+        draft_confidences: [Q, nextn] float32 their confidences, speculative steps only.
     """
     tensors = [token_ids, logprobs, top_ids, top_values]
-    extras = [t for t in (num_accepted, draft_ids) if t is not None]
+    extras = [t for t in (num_accepted, draft_ids, draft_confidences) if t is not None]
     if token_ids.device.type != "cuda":
         host = [t.clone() for t in tensors + extras]
         event = None
@@ -101,5 +104,36 @@ def copy_to_host(
             dst.copy_(src, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-    accepted, drafts = (host[4], host[5]) if extras else (None, None)
-    return SampledStep(host[0], host[1], host[2], host[3], event, accepted, drafts)
+    accepted, drafts, confidences = (host[4], host[5], host[6]) if extras else (None, None, None)
+    return SampledStep(host[0], host[1], host[2], host[3], event, accepted, drafts, confidences)
+
+
+def start_request(
+    requests: dict[str, RunnerRequest], scheduled: ScheduledRequest, max_blocks_per_request: int
+) -> RunnerRequest:
+    """Apply a scheduled request's slot and block-table delta to the runner's records; returns its record (created
+    from the request's `NewRequestData` on first sight)."""
+    new = scheduled.new_request
+    if new is not None and scheduled.request_id not in requests:
+        requests[scheduled.request_id] = RunnerRequest(
+            params=new.params,
+            seed=new.seed,
+            prompt_len=len(new.prompt_token_ids),
+            matcher=new.grammar,
+            tokens=list(new.prompt_token_ids),
+        )
+    request = requests.get(scheduled.request_id)
+    if request is None:
+        raise KeyError(f"request {scheduled.request_id!r} was scheduled without its NewRequestData first")
+    if scheduled.is_new:
+        request.slot = scheduled.state_slot
+        request.block_ids = []
+        request.draft_probs = None
+    del request.block_ids[scheduled.first_new_block_index :]
+    request.block_ids.extend(scheduled.new_block_ids)
+    if len(request.block_ids) > max_blocks_per_request:
+        raise RuntimeError(
+            f"request {scheduled.request_id!r} holds {len(request.block_ids)} blocks; the block table has room "
+            f"for {max_blocks_per_request}"
+        )
+    return request

@@ -43,23 +43,24 @@ from collections import deque
 
 from deepinfer_engine.cache_manager import AllocationResult, CacheManager
 from deepinfer_engine.config import SchedulerConfig
-from deepinfer_engine.outputs import (
-    ModelRunnerOutput,
-    RequestOutput,
-    ScheduledRequest,
-    SchedulerOutput,
-)
+from deepinfer_engine.outputs import ModelRunnerOutput, RequestOutput, ScheduledRequest, SchedulerOutput
 from deepinfer_engine.request import Request, RequestStatus, TopLogprobs
 from deepinfer_engine.step_plan import StepInFlight, num_new_tokens, num_remaining, scheduled_request
 from deepinfer_engine.step_results import append_emitted, check_result, completion_of
+from deepinfer_engine.verify_plan import plan_verified_drafts
+from deepinfer_sampling.speculative import DecodeCostCurve
 
 __all__ = ["Scheduler"]
 
 
 class Scheduler:
-    """Continuous-batching scheduler under the step limits of `config`, over the cache of `cache_manager`."""
+    """Continuous-batching scheduler under the step limits of `config`, over the cache of `cache_manager`; with a
+    decode cost curve `verify_cost` each step verifies the drafts the confidences say pay off
+    (`deepinfer_engine.verify_plan`), without one every draft held."""
 
-    def __init__(self, config: SchedulerConfig, cache_manager: CacheManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, cache_manager: CacheManager, verify_cost: DecodeCostCurve | None = None
+    ) -> None:
         limit = cache_manager.max_backtracking_tokens
         if limit is not None and config.max_num_draft_tokens > limit:
             raise ValueError(
@@ -68,6 +69,7 @@ class Scheduler:
             )
         self.config = config
         self.cache_manager = cache_manager
+        self.verify_cost = verify_cost
         self._requests: dict[str, Request] = {}
         self._arrival: dict[str, int] = {}
         self._num_arrivals = 0
@@ -193,12 +195,14 @@ class Scheduler:
 
         victims = sorted(self._running, key=self._victim_key, reverse=True)
         serve = sorted(self._running, key=lambda r: (num_remaining(r) > 1, self._victim_key(r)))
+        cost = self.verify_cost
+        max_drafts = plan_verified_drafts(self._running, self.config, cost) if cost is not None else {}
         for request in serve:
             if budget == 0:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
-            num_new, num_drafts = num_new_tokens(request, budget, self.config)
+            num_new, num_drafts = num_new_tokens(request, budget, self.config, max_drafts.get(request.request_id))
             if num_new == 0:
                 continue  # its step in flight must be committed first
             allocation = self._allocate_or_preempt(request, num_new, victims, scheduled_ids, preempted, step)
@@ -266,6 +270,8 @@ class Scheduler:
             logprobs = runner_output.logprobs[index] if runner_output.logprobs is not None else None
             top = runner_output.top_logprobs[index] if runner_output.top_logprobs is not None else None
             drafts = runner_output.draft_token_ids[index] if runner_output.draft_token_ids is not None else ()
+            confidences = runner_output.draft_confidences
+            request.draft_confidences = list(confidences[index]) if confidences is not None else []
             output = self._commit(request, scheduled, sampled, logprobs, top, drafts, step)
             if output is not None:
                 outputs.append(output)
@@ -307,7 +313,7 @@ class Scheduler:
         self._running.remove(request)
         self.cache_manager.free(request.request_id)
         request.num_computed_tokens = 0
-        request.draft_token_ids = []
+        request.draft_token_ids, request.draft_confidences = [], []
         request.num_output_placeholders = 0
         request.num_preemptions += 1
         if self.config.stop_preempted_requests:

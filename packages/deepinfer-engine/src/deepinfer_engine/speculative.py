@@ -94,6 +94,7 @@ class Speculator:
         nextn: drafts proposed per request per step, >= 1.
         num_state_slots: state slots of the cache.
         graphs: captured draft forwards (CUDA), or None to run the drafter eagerly.
+        confidence_temperatures: the confidence head's temperature, one for every draft slot or one per slot.
 
     Raises:
         ValueError: the model has no DSpark blocks, or `nextn` < 1.
@@ -108,6 +109,7 @@ class Speculator:
         nextn: int,
         num_state_slots: int,
         graphs: DraftGraphs | None = None,
+        confidence_temperatures: tuple[float, ...] = (1.0,),
     ) -> None:
         if not model.config.text.num_nextn_predict_layers:
             raise ValueError(f"nextn={nextn} needs DSpark draft blocks, but the model has none")
@@ -122,6 +124,9 @@ class Speculator:
         self.device = buffers.device
         self.noise_token_id = model.config.text.dspark_noise_token_id
         self._slots = torch.arange(nextn, dtype=torch.int64, device=self.device)
+        if len(confidence_temperatures) not in (1, nextn):
+            raise ValueError(f"{len(confidence_temperatures)} confidence temperatures for {nextn} draft slots")
+        self.confidence_temperatures = confidence_temperatures * (nextn if len(confidence_temperatures) == 1 else 1)
         # Drafts the last sampling step of the slot's request rejected (scheduled − accepted), read by the next step.
         self.rejected = torch.zeros(num_state_slots, dtype=torch.int64, device=self.device)
         buffers.rejected_drafts = self.rejected
@@ -188,8 +193,8 @@ class Speculator:
             )
         first_rows = [0, *accumulate(d + 1 for d in num_drafts)][:-1]
         golden = verified.output_token_ids[self._to_device(first_rows) + accepted]
-        drafts = self._propose(requests, slots, first - 1 + accepted, golden)
-        return copy_to_host(tokens, token_logprobs, top_ids, top_values, accepted, drafts)
+        drafts, confidences = self._propose(requests, slots, first - 1 + accepted, golden)
+        return copy_to_host(tokens, token_logprobs, top_ids, top_values, accepted, drafts, confidences)
 
     def _propose(
         self,
@@ -197,7 +202,7 @@ class Speculator:
         slots: torch.Tensor,
         last_accepted: torch.Tensor,
         golden: torch.Tensor,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft `nextn` tokens per request and write them into the history after the emitted token.
 
         Args:
@@ -207,10 +212,12 @@ class Speculator:
             golden: [S] int64 the token each request emitted last (at p* + 1).
 
         Returns:
-            int64 [S, nextn] drafts.
+            int64 [S, nextn] drafts and float32 [S, nextn] the confidence head's conditional acceptance probability
+            of each.
         """
         b = self.nextn
         drafts = torch.empty((len(requests), b), dtype=torch.int64, device=self.device)
+        confidences = torch.empty((len(requests), b), dtype=torch.float32, device=self.device)
         positions = last_accepted[:, None] + 1 + self._slots[None, :]
         input_ids = torch.where(self._slots[None, :] == 0, golden[:, None], self.noise_token_id)
         n = len(requests)
@@ -225,11 +232,12 @@ class Speculator:
         hidden = hidden.reshape(n, b, -1)
         rows = [SamplingRow(params=r.request.params, seed=r.request.seed, position=0) for r in requests]
         sampling = SamplingBatch.build(rows, self.sampler.vocab_size, self.device)
-        temperature = torch.ones(n, dtype=torch.float32, device=self.device)
         previous = golden
         probs = []
         for k in range(b):
-            logits, _ = self.model.draft_heads(hidden[:, k], previous, temperature)
+            temperature = torch.full((n,), self.confidence_temperatures[k], dtype=torch.float32, device=self.device)
+            logits, confidence = self.model.draft_heads(hidden[:, k], previous, temperature)
+            confidences[:, k] = confidence
             logprobs, _ = self.sampler.processed_logprobs(logits, sampling)
             row_probs = logprobs.exp()
             bits = random_bits(sampling.seeds, last_accepted + 2 + k, RandomStream.DRAFT, 1)[:, 0]
@@ -247,7 +255,7 @@ class Speculator:
         stacked = torch.stack(probs, dim=1)
         for j, r in enumerate(requests):
             r.request.draft_probs = stacked[j]
-        return drafts
+        return drafts, confidences
 
     def close(self) -> None:
         """Release the draft graphs."""

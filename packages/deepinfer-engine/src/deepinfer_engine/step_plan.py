@@ -21,7 +21,7 @@ from deepinfer_engine.config import SchedulerConfig
 from deepinfer_engine.outputs import PLACEHOLDER_TOKEN_ID, NewRequestData, ScheduledRequest, SchedulerOutput
 from deepinfer_engine.request import Request
 
-__all__ = ["StepInFlight", "num_new_tokens", "num_remaining", "scheduled_request"]
+__all__ = ["StepInFlight", "num_allowed_drafts", "num_new_tokens", "num_remaining", "scheduled_request"]
 
 
 @dataclass(frozen=True)
@@ -37,23 +37,37 @@ def num_remaining(request: Request) -> int:
     return request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
 
 
-def num_new_tokens(request: Request, budget: int, config: SchedulerConfig) -> tuple[int, int]:
-    """Tokens to compute this step and how many of them are draft tokens; (0, 0) to skip the request."""
+def num_allowed_drafts(request: Request, config: SchedulerConfig) -> int | None:
+    """Drafts a decoding request (one known token left to compute) may verify this step; None when the step in
+    flight surely finishes it (it is then not planned)."""
+    in_flight = request.num_output_placeholders > 0
+    # The step in flight appends at least one token.
+    min_num_outputs = request.num_output_tokens + int(in_flight)
+    if in_flight and (min_num_outputs >= request.stop.max_tokens or request.num_tokens + 1 > config.max_model_len):
+        return None
+    # In flight, the drafts are the ones that step proposes (a drafter proposes max_num_draft_tokens).
+    num_available = config.max_num_draft_tokens if in_flight else len(request.draft_token_ids)
+    # Drafts beyond the last token the request may still emit would be wasted.
+    return min(num_available, config.max_num_draft_tokens, request.stop.max_tokens - min_num_outputs - 1)
+
+
+def num_new_tokens(
+    request: Request, budget: int, config: SchedulerConfig, max_drafts: int | None = None
+) -> tuple[int, int]:
+    """Tokens to compute this step and how many of them are draft tokens (at most `max_drafts` when given, the
+    confidence-scheduled choice); (0, 0) to skip the request."""
     remaining = num_remaining(request)
     num_drafts = 0
     in_flight = request.num_output_placeholders > 0
     max_tokens = request.stop.max_tokens
     if remaining == 1:
-        # The step in flight appends at least one token and at most all its placeholders.
-        min_num_outputs = request.num_output_tokens + int(in_flight)
-        max_num_outputs = request.num_output_tokens + request.num_output_placeholders
-        if in_flight and (min_num_outputs >= max_tokens or request.num_tokens + 1 > config.max_model_len):
+        allowed = num_allowed_drafts(request, config)
+        if allowed is None:
             return 0, 0  # the step in flight surely finishes it
-        # In flight, the drafts are the ones that step proposes (a drafter proposes max_num_draft_tokens).
-        num_available = config.max_num_draft_tokens if in_flight else len(request.draft_token_ids)
-        # Drafts beyond the last token the request may still emit would be wasted.
-        num_drafts = min(num_available, config.max_num_draft_tokens, max_tokens - min_num_outputs - 1)
-        if max_tokens - max_num_outputs - 1 < num_drafts:
+        num_drafts = allowed if max_drafts is None else min(allowed, max_drafts)
+        # The step in flight appends at most all its placeholders.
+        max_num_outputs = request.num_output_tokens + request.num_output_placeholders
+        if in_flight and max_tokens - max_num_outputs - 1 < num_drafts:
             # How many drafts synchronous scheduling verifies depends on what the step in flight emits, and a
             # verified draft's row draws other random numbers than a fresh row: wait for its results.
             return 0, 0
