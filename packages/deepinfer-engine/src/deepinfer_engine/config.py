@@ -97,6 +97,7 @@ class EngineConfig:
         async_scheduling: schedule step N+1 while step N runs (docs/design/scheduler.md, "Asynchronous scheduling").
         enforce_eager: never capture CUDA graphs (see `EngineArgs`); graphs are only captured on CUDA devices.
         cudagraph_batch_size_interval: spacing of decode graph sizes (docs/design/scheduler.md, "CUDA graphs"), >= 1.
+        draft_cudagraph_batch_size_interval: spacing of the DSpark draft-forward graph sizes, >= 1.
         engram_pad_token_id: raw pad id of Engram n-gram windows.
         prefill_truncation: YOCO prefill truncation of prompt chunks (docs/design/attention.md, "YOCO prefill
             truncation"), from DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE and DEEPINFER_YOCO_PREFILL_KEEP_TOKENS; the
@@ -123,6 +124,7 @@ class EngineConfig:
     async_scheduling: bool = True
     enforce_eager: bool = True
     cudagraph_batch_size_interval: int = 8
+    draft_cudagraph_batch_size_interval: int = 8
     engram_pad_token_id: int = 2
     prefill_truncation: PrefillTruncation = field(default_factory=PrefillTruncation)
     mtp_varlen: bool = False
@@ -135,5 +137,6 @@ class EngineConfig:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {self.num_blocks}")
         if self.precision not in ("exact", "fp32"):
             raise ValueError(f"precision must be 'exact' or 'fp32', got {self.precision!r}")
-        if self.cudagraph_batch_size_interval < 1:
-            raise ValueError(f"cudagraph_batch_size_interval must be >= 1, got {self.cudagraph_batch_size_interval}")
+        for name in ("cudagraph_batch_size_interval", "draft_cudagraph_batch_size_interval"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

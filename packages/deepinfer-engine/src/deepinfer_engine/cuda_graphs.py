@@ -20,9 +20,9 @@ A graph's logits output is overwritten by the next replay of any step graph; the
 the same stream before it launches the next forward, so stream order protects it.
 
 Draft graphs (`DraftGraphs`). The drafter forward of N requests (blocks of ``nextn`` tokens) is replayed from the
-smallest captured size ≥ N, its inputs copied into static buffers and padded with placeholder blocks (state slot 0,
-positions 0 …). They use a memory pool of their own, so a draft replay never overwrites the step graph's logits that
-the verification is still reading.
+smallest captured size ≥ N (spaced by `DEEPINFER_DFLASH_CUDAGRAPH_BATCH_SIZE_INTERVAL`), its inputs copied into static
+buffers and padded with placeholder blocks (state slot 0, positions 0 …). They use a memory pool of their own, so a
+draft replay never overwrites the step graph's logits that the verification is still reading.
 """
 
 from __future__ import annotations
@@ -261,20 +261,24 @@ def capture_graphs(
     model: DeepseekV41ForCausalLM,
     state: ModelState,
     buffers: StepBuffers,
-    sizes: tuple[int, ...],
+    sizes: tuple[tuple[int, ...], tuple[int, ...]],
     max_model_len: int,
     nextn: int,
 ) -> tuple[StepGraphs, DraftGraphs | None]:
     """Capture a runner's graphs: decode steps, and with drafting (`nextn` > 0) full verify steps and draft forwards.
 
+    Args:
+        sizes: the step graphs' sizes and the draft graphs' sizes.
+
     Returns:
         ``(step graphs, draft graphs or None)``.
     """
     bound = max_model_len + 2
-    steps = StepGraphs(model, state, buffers, sizes, bound, (1, nextn + 1) if nextn else (1,))
+    step_sizes, draft_sizes = sizes
+    steps = StepGraphs(model, state, buffers, step_sizes, bound, (1, nextn + 1) if nextn else (1,))
     steps.capture()
     if not nextn:
         return steps, None
-    drafts = DraftGraphs(model, state, buffers, sizes, nextn, bound + nextn)
+    drafts = DraftGraphs(model, state, buffers, draft_sizes, nextn, bound + nextn)
     drafts.capture()
     return steps, drafts

@@ -274,6 +274,7 @@ def build_engine_config(
         async_scheduling=async_scheduling,
         enforce_eager=args.enforce_eager or env["DEEPINFER_ENFORCE_EAGER"],
         cudagraph_batch_size_interval=env["DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL"],
+        draft_cudagraph_batch_size_interval=env["DEEPINFER_DFLASH_CUDAGRAPH_BATCH_SIZE_INTERVAL"],
         engram_pad_token_id=env["DEEPINFER_ENGRAM_PAD_TOKEN"],
         prefill_truncation=prefill_truncation(args, env),
         mtp_varlen=mtp_varlen,

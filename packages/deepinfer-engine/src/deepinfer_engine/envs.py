@@ -170,7 +170,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL", "int", 8, "decode graph size spacing",
            _at_least(1, _parse_int), _S, "EngineConfig.cudagraph_batch_size_interval"),
     EnvVar("DEEPINFER_DFLASH_CUDAGRAPH_BATCH_SIZE_INTERVAL", "int", 8, "drafter graph size spacing",
-           _at_least(1, _parse_int), _U, "drafter forwards run eagerly (no drafter graphs)"),
+           _at_least(1, _parse_int), _S, "EngineConfig.draft_cudagraph_batch_size_interval"),
     EnvVar("DEEPINFER_EXPERT_COUNT_WINDOW_SIZE", "int", 100,
            "EPLB statistics window in counted steps; in [1, interval] when rearrangement is on",
            _at_least(0, _parse_int), _S, "EplbSettings.schedule.window_size"),

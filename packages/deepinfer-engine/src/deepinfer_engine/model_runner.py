@@ -113,7 +113,10 @@ class ModelRunner:
         draft_graphs: DraftGraphs | None = None
         if not config.enforce_eager and self.device.type == "cuda" and model.supports_graphs():
             sizes = graph_sizes(sched.max_num_seqs, config.cudagraph_batch_size_interval)
-            self.graphs, draft_graphs = capture_graphs(model, state, self.buffers, sizes, sched.max_model_len, nextn)
+            draft_sizes = graph_sizes(sched.max_num_seqs, config.draft_cudagraph_batch_size_interval)
+            self.graphs, draft_graphs = capture_graphs(
+                model, state, self.buffers, (sizes, draft_sizes), sched.max_model_len, nextn
+            )
         self.speculator: Speculator | None = None
         if nextn:
             self.speculator = Speculator(
