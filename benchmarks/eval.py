@@ -14,9 +14,9 @@ Parts, in this order, all through the public API (`LLM`, `SamplingParams`, `Gene
 2. JSON validity: the items with a schema again, each constrained by its schema (`so_args` with schema_type
    "json_schema"); valid = the text parses with `json.loads` and has the schema's required keys and types
    (`eval_scoring.schema_violations`); exact = the text equals the answer.
-3. Perplexity: the text tokenized once, cut into prompts of at most max_model_len − 1 tokens each starting with BOS,
-   all scored in one call with `prompt_logprobs=True` (greedy, so the log-probs are the model's own log-softmax);
-   perplexity = exp(mean negative log-likelihood) over every text token.
+3. Perplexity: the text tokenized once, cut into prompts of at most `--context` tokens (default 512; at most
+   max_model_len − 1) each starting with BOS, all scored in one call with `prompt_logprobs=True` (greedy, so the
+   log-probs are the model's own log-softmax); perplexity = exp(mean negative log-likelihood) over every text token.
 4. Acceptance (when the checkpoint has DSpark blocks; `--nextn`, default 5, 0 skips it): a second engine built with
    `nextn` drafts the same prompts greedily, each with max_tokens = the length of its part-1 completion in tokens and
    no stop string, so it emits the same tokens and no step's tokens are dropped. From each output's
@@ -39,7 +39,7 @@ Usage:
 Prints a table last and writes benchmarks/results/eval-<device>.json (or `--out`):
 
     {"settings": {"model", "tasks_file", "text_file", "only", "limit", "max_tokens", "nextn", "seed",
-                  "deterministic", "device", "max_model_len"},
+                  "deterministic", "device", "max_model_len", "context"},
      "tasks": [{"task", "n", "correct", "accuracy"}, ...],            # sorted by task
      "overall": {"n", "correct", "accuracy"},
      "failed_examples": {task: [{"prompt", "answer", "output"}, ...]},  # the first 3 wrong ones of each task
@@ -64,7 +64,7 @@ import pathlib
 import platform
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -103,6 +103,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="engine seed and every request's seq_seed")
     parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: detect)")
     parser.add_argument("--max-model-len", type=int, default=None, help="default: the engine's")
+    parser.add_argument("--context", type=int, default=512, help="perplexity prompt length (at most max_model_len-1)")
     parser.add_argument("--cpu-threads", type=int, default=None, help="torch intra-op threads on CPU")
     parser.add_argument("--deterministic", action="store_true", help="byte-stable JSON: no timings, sorted keys")
     parser.add_argument("--out", type=pathlib.Path, default=None, help="JSON path (default: benchmarks/results/)")
@@ -160,9 +161,9 @@ def _structured(llm: Any, items: list[Item], budgets: list[int], seed: int) -> d
     return {"n": n, "valid": valid, "validity_rate": valid / n, "exact": exact, "exact_match": exact / n}
 
 
-def _perplexity(llm: Any, text: str, seed: int) -> dict[str, Any]:
+def _perplexity(llm: Any, text: str, context: int, seed: int) -> dict[str, Any]:
     tokenizer = llm.tokenizer
-    chunks = text_chunks(tokenizer.encode(text), tokenizer.bos_token_id, llm.config.scheduler.max_model_len - 1)
+    chunks = text_chunks(tokenizer.encode(text), tokenizer.bos_token_id, context)
     params = _greedy(seed, 1, prompt_logprobs=True)
     outputs = llm.generate(prompt_token_ids=chunks, sampling_params=params, use_tqdm=False)
     for index, output in enumerate(outputs):
@@ -227,6 +228,15 @@ def _speedup(points: list[dict[str, Any]]) -> dict[str, float]:
     return {str(b): rate[b, True] / rate[b, False] for b, drafting in rate if drafting and (b, False) in rate}
 
 
+def _part(name: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)`, with a line saying when it started and how long it took (the run's progress)."""
+    print(f"[eval] {name} ...", flush=True)
+    start = time.perf_counter()
+    result = fn(*args)
+    print(f"[eval] {name}: {time.perf_counter() - start:.1f} s", flush=True)
+    return result
+
+
 def _resolve_device(device: str | None) -> str:
     if device is not None:
         return device
@@ -273,6 +283,8 @@ def _print_table(record: dict[str, Any]) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every part of the evaluation; returns the JSON record (module docstring)."""
     only = [name.strip() for name in args.only.split(",") if name.strip()] if args.only else None
+    if args.context < 3:
+        raise EvalInputError(f"--context must be >= 3 (BOS and two text tokens), got {args.context}")
     for name in ("limit", "max_tokens", "speed_prompts"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -297,6 +309,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if nextn and not has_dspark:
         raise EvalInputError(f"--nextn {nextn} needs a checkpoint with DSpark blocks; this one has none (use 0)")
     budgets = [args.max_tokens or len(llm.tokenizer.encode(item.answer + "\n")) + ANSWER_SLACK_TOKENS for item in items]
+    context = min(args.context, llm.config.scheduler.max_model_len - 1)
     record: dict[str, Any] = {}
     record["settings"] = {
         "model": args.model or "built-in",
@@ -310,17 +323,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "deterministic": args.deterministic,
         "device": device_label(llm.config.device),
         "max_model_len": llm.config.scheduler.max_model_len,
+        "context": context,
     }
-    reference, accuracy = _accuracy(llm, items, budgets, args.seed)
+    reference, accuracy = _part(f"accuracy ({len(items)} prompts)", _accuracy, llm, items, budgets, args.seed)
     record.update(accuracy)
-    record["structured"] = _structured(llm, items, budgets, args.seed)
-    record["perplexity"] = _perplexity(llm, text, args.seed)
+    record["structured"] = _part("JSON validity", _structured, llm, items, budgets, args.seed)
+    record["perplexity"] = _part("perplexity", _perplexity, llm, text, context, args.seed)
     record["speculative"] = None
     if nextn:
         drafter = LLM(args.model, nextn=nextn, **engine_args)
-        record["speculative"] = _speculative(drafter, items, reference, nextn, args.seed)
+        record["speculative"] = _part(
+            f"acceptance (nextn {nextn})", _speculative, drafter, items, reference, nextn, args.seed
+        )
         if not args.deterministic:
-            record["speed"] = _speed({False: llm, True: drafter}, items, reference, args)
+            record["speed"] = _part("speed", _speed, {False: llm, True: drafter}, items, reference, args)
             record["speedup"] = _speedup(record["speed"])
         drafter.close()
     if not args.deterministic:

@@ -3,7 +3,7 @@
 - `load_items` reads the held-out JSONL file (one `{"task", "prompt", "answer"[, "schema"]}` object a line) and says
   which line and key is wrong; `select_items` applies the task filter and the per-task limit.
 - `task_accuracy` scores exact matches per task; `schema_violations` checks a parsed JSON value against the subset
-  of JSON Schema the records use (type, required, properties, items, enum).
+  of JSON Schema the records use (type, required, properties, additionalProperties: false, items, enum).
 - `text_chunks` cuts a tokenized text into prompts that fit the context; `perplexity` turns their prompt log-probs
   into tokens, mean negative log-likelihood and perplexity.
 - `acceptance` sums the per-request draft counters of a drafting run into decode steps, accepted drafts per step and
@@ -143,8 +143,9 @@ def task_accuracy(items: Sequence[Item], texts: Sequence[str]) -> list[dict[str,
 def schema_violations(value: Any, schema: dict[str, Any], path: str = "$") -> list[str]:
     """What in `value` breaks `schema` (empty when it conforms), one message per problem with its JSON path.
 
-    Checks "type" (a name or a list of names), "enum", and recursively "required" and "properties" of objects and
-    "items" of arrays; other keywords are not checked. Booleans are not integers or numbers here, as in JSON Schema.
+    Checks "type" (a name or a list of names), "enum", and recursively "required", "properties" and
+    "additionalProperties": false of objects and "items" of arrays; other keywords are not checked. Booleans are not
+    integers or numbers here, as in JSON Schema.
 
     Raises:
         ValueError: the schema names a type that JSON Schema does not have.
@@ -164,6 +165,9 @@ def schema_violations(value: Any, schema: dict[str, Any], path: str = "$") -> li
         problems.append(f"{path}: {value!r} is not one of {schema['enum']}")
     if isinstance(value, dict):
         problems += [f"{path}: missing required key {key!r}" for key in schema.get("required", ()) if key not in value]
+        if schema.get("additionalProperties") is False:
+            known = schema.get("properties", {})
+            problems += [f"{path}: key {key!r} is not allowed" for key in value if key not in known]
         for key, sub in schema.get("properties", {}).items():
             if key in value:
                 problems += schema_violations(value[key], sub, f"{path}.{key}")

@@ -72,6 +72,11 @@ def test_schema_violations(scoring):
         "$.age: expected integer, got float",
     ]
     assert scoring.schema_violations([1], SCHEMA) == ["$: expected object, got list"]
+    closed = {**SCHEMA, "additionalProperties": False}
+    assert scoring.schema_violations({"name": "Ann", "age": 3, "city": "Rome"}, SCHEMA) == []
+    assert scoring.schema_violations({"name": "Ann", "age": 3, "city": "Rome"}, closed) == [
+        "$: key 'city' is not allowed"
+    ]
     listed = {"type": "array", "items": {"type": ["number", "null"], "enum": [1, 2.5, None]}}
     assert scoring.schema_violations([1, 2.5, None], listed) == []
     assert scoring.schema_violations([3, "x"], listed) == [
@@ -148,6 +153,8 @@ def test_script_reports_bad_input_before_loading_a_model(eval_script, tmp_path, 
     tasks, text = _write_inputs(tmp_path)
     with pytest.raises(SystemExit, match=r"eval.py: error: unknown task\(s\) \['dates'\]"):
         eval_script.main(["--tasks", str(tasks), "--text", str(text), "--only", "dates"])
+    with pytest.raises(SystemExit, match="--context must be >= 3"):
+        eval_script.main(["--tasks", str(tasks), "--text", str(text), "--context", "2"])
     with pytest.raises(SystemExit, match=r"--text file .*missing\.txt' does not exist"):
         eval_script.main(["--tasks", str(tasks), "--text", str(tmp_path / "missing.txt")])
 
@@ -155,7 +162,7 @@ def test_script_reports_bad_input_before_loading_a_model(eval_script, tmp_path, 
 def test_deterministic_json_is_byte_stable(eval_script, tmp_path, capsys):
     tasks, text = _write_inputs(tmp_path)
     common = ["--tasks", str(tasks), "--text", str(text), "--device", "cpu", "--max-tokens", "4", "--nextn", "2"]
-    common += ["--max-model-len", "48"]  # the text needs several prompts
+    common += ["--context", "16"]  # the text needs several prompts
     outs = [tmp_path / "first.json", tmp_path / "second.json"]
     for out in outs:
         eval_script.main([*common, "--deterministic", "--out", str(out)])
