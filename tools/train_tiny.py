@@ -46,7 +46,6 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuB
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -55,7 +54,7 @@ from tiny_eval import evaluate_checkpoint, evaluate_values
 
 from deepinfer_model import reference as ref
 from deepinfer_model.checkpoint.tokenizer import build_tokenizer
-from deepinfer_model.checkpoint.writer import logical_value, stored_value, write_checkpoint
+from deepinfer_model.checkpoint.writer import logical_value, write_checkpoint
 from deepinfer_model.config import ModelConfig, load_preset
 from deepinfer_model.loading.catalogue import TensorFormat, build_catalogue
 from deepinfer_model.reference_values import ValueWeights
@@ -98,20 +97,6 @@ def initial_values(config: ModelConfig, seed: int, device: str) -> dict[str, tor
     """FP32 master values of every catalogue weight, starting from the checkpoint writer's random draw."""
     return {
         entry.name: logical_value(entry, config, seed).to(device).requires_grad_(True)
-        for entry in build_catalogue(config)
-        if entry.format is not TensorFormat.SCALE
-    }
-
-
-def checkpoint_values(directory: Path, config: ModelConfig, device: str) -> dict[str, torch.Tensor]:
-    """FP32 master values read back from a written checkpoint (``--init-from``: a second stage continues from the
-    stored, quantized weights; the optimizer state starts afresh)."""
-    index = json.loads((directory / "model.safetensors.index.json").read_text(encoding="utf-8"))
-    stored: dict[str, torch.Tensor] = {}
-    for shard in sorted(set(index["weight_map"].values())):
-        stored.update(load_file(str(directory / shard)))
-    return {
-        entry.name: stored_value(entry, stored).to(device).requires_grad_(True)
         for entry in build_catalogue(config)
         if entry.format is not TensorFormat.SCALE
     }
@@ -247,8 +232,6 @@ def main() -> None:
     parser.add_argument("--fake-quant-steps", type=int, default=200)
     parser.add_argument("--anchors", type=int, default=256)
     parser.add_argument("--eval-per-task", type=int, default=50)
-    parser.add_argument("--init-from", type=Path, default=None, help="continue from this checkpoint (its tokenizer)")
-    parser.add_argument("--data-seed", type=int, default=None, help="seed of the training stream (default --seed)")
     args = parser.parse_args()
     if (args.target_steps is None or args.draft_steps is None) and args.time_budget is None:
         parser.error("give --target-steps and --draft-steps, or --time-budget")
@@ -259,17 +242,10 @@ def main() -> None:
     hardware = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU ({os.cpu_count()} cores)"
     log(f"device {args.device}: {hardware}; torch {torch.__version__}")
     config = load_preset("tiny")
-    continued_from = None
-    if args.init_from is None:
-        tokenizer = train_tokenizer(config, args.seed)
-        values = initial_values(config, args.seed, args.device)  # drawn on the CPU: any device gives the same start
-    else:
-        tokenizer = Tokenizer.from_file(str(args.init_from / "tokenizer.json"))
-        continued_from = json.loads((args.init_from / "training_summary.json").read_text(encoding="utf-8"))
-        values = checkpoint_values(args.init_from, config, args.device)
+    tokenizer = train_tokenizer(config, args.seed)
     held_out = write_data_files(args.seed, args.data_dir)
-    data_seed = args.seed if args.data_seed is None else args.data_seed
-    data = sequences(tokenizer, config.bos_token_id, data_seed, args.seq_len)
+    data = sequences(tokenizer, config.bos_token_id, args.seed, args.seq_len)
+    values = initial_values(config, args.seed, args.device)  # drawn on the CPU, so any device gives the same start
     torch.set_default_device(args.device)  # the reference model makes its index and table tensors on the default
     vocab = ref.engram_vocabulary_from_tokenizer(tokenizer)
 
@@ -297,9 +273,7 @@ def main() -> None:
     stored_report = evaluate_checkpoint(args.out, tokenizer, held_out, args.eval_per_task, args.device)
     log(f"held-out (stored checkpoint, exact numerics): {json.dumps(stored_report)}")
     summary = {
-        "continued_from": continued_from,
         "seed": args.seed,
-        "data_seed": data_seed,
         "hardware": hardware,
         "target_steps": target_steps,
         "draft_steps": draft_steps,

@@ -44,14 +44,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from deepinfer_kernels import (
-    dequantize_fp8_block,
-    dequantize_fp8_per_token_group,
-    dequantize_mxfp4,
-    quantize_fp8_block,
-    quantize_fp8_per_token_group,
-    quantize_mxfp4,
-)
+from deepinfer_kernels import quantize_fp8_block, quantize_fp8_per_token_group, quantize_mxfp4
 from deepinfer_model.checkpoint.tokenizer import tokenizer_config, tokenizer_json
 from deepinfer_model.config import ModelConfig
 from deepinfer_model.loading.catalogue import CatalogueEntry, TensorFormat, build_catalogue
@@ -175,28 +168,6 @@ def stored_pair(entry: CatalogueEntry, value: torch.Tensor) -> list[tuple[str, t
     else:
         raise ValueError(f"catalogue entry {entry.name!r} of format {entry.format} is a scale, not a weight")
     return [(entry.name, weight), (f"{stem}.scale", scale)]
-
-
-def stored_value(entry: CatalogueEntry, stored: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """The FP32 value a stored catalogue weight holds (the inverse of ``stored_pair``, up to its rounding): what a
-    trainer continues from.
-
-    Args:
-        entry: a weight entry (not a scale).
-        stored: the checkpoint's tensors by name (the weight and, for quantized formats, its ``.scale``).
-    """
-    weight = stored[entry.name].to("cpu")
-    if entry.format in (TensorFormat.BF16, TensorFormat.F32):
-        return weight.float()
-    stem = entry.name[: -len(".weight")] if entry.name.endswith(".weight") else entry.name
-    scale = stored[f"{stem}.scale"].to("cpu")
-    if entry.format is TensorFormat.FP8_BLOCK:
-        return dequantize_fp8_block(weight, scale)
-    if entry.format is TensorFormat.MXFP4:
-        return dequantize_mxfp4(weight, scale)
-    if entry.format is TensorFormat.FP8_ROW:
-        return dequantize_fp8_per_token_group(weight, scale)
-    raise ValueError(f"catalogue entry {entry.name!r} of format {entry.format} is a scale, not a weight")
 
 
 def tensor_pair(
