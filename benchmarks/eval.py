@@ -33,7 +33,7 @@ JSON with sorted keys, so two runs on one machine give identical bytes (for regr
 
 Usage:
     uv run python benchmarks/eval.py                                  # built-in checkpoint, default data
-    uv run python benchmarks/eval.py --model DIR --limit 20 --only addition,dates
+    uv run python benchmarks/eval.py --model DIR --limit 20 --only add,date
     uv run python benchmarks/eval.py --deterministic --out /tmp/eval.json
 
 Prints a table last and writes benchmarks/results/eval-<device>.json (or `--out`):
@@ -41,7 +41,7 @@ Prints a table last and writes benchmarks/results/eval-<device>.json (or `--out`
     {"settings": {"model", "tasks_file", "text_file", "only", "limit", "max_tokens", "nextn", "seed",
                   "deterministic", "device", "max_model_len", "context"},
      "tasks": [{"task", "n", "correct", "accuracy"}, ...],            # sorted by task
-     "overall": {"n", "correct", "accuracy"},
+     "overall": {"n", "correct", "accuracy", "errors"},              # errors: requests that did not finish normally
      "failed_examples": {task: [{"prompt", "answer", "output"}, ...]},  # the first 3 wrong ones of each task
      "structured": {"n", "valid", "validity_rate", "exact", "exact_match"} | null,     # null: no item has a schema
      "perplexity": {"tokens", "chunks", "mean_nll", "perplexity"},
@@ -83,7 +83,8 @@ from eval_scoring import (
     text_chunks,
 )
 
-DATA = pathlib.Path(__file__).resolve().parent / "data"
+REPO = pathlib.Path(__file__).resolve().parents[1]
+DATA = REPO / "benchmarks" / "data"
 ANSWER_SLACK_TOKENS = 8
 DEFAULT_NEXTN = 5
 NUM_FAILED_EXAMPLES = 3
@@ -133,7 +134,12 @@ def _accuracy(llm: Any, items: list[Item], budgets: list[int], seed: int) -> tup
             wrong.append({"prompt": item.prompt, "answer": item.answer, "output": text})
     record = {
         "tasks": per_task,
-        "overall": {"n": len(items), "correct": correct, "accuracy": correct / len(items)},
+        "overall": {
+            "n": len(items),
+            "correct": correct,
+            "accuracy": correct / len(items),
+            "errors": sum(not output.ok for output in outputs),
+        },
         "failed_examples": {task: wrong for task, wrong in failed.items() if wrong},
     }
     return outputs, record
@@ -241,6 +247,12 @@ def _part(name: str, fn: Callable[..., Any], *args: Any) -> Any:
     return result
 
 
+def _shown_path(path: pathlib.Path) -> str:
+    """The path relative to the repository when inside it, so results of two checkouts compare equal."""
+    resolved = path.resolve()
+    return str(resolved.relative_to(REPO)) if resolved.is_relative_to(REPO) else str(path)
+
+
 def _resolve_device(device: str | None) -> str:
     if device is not None:
         return device
@@ -257,6 +269,8 @@ def _print_table(record: dict[str, Any]) -> None:
     print(f"{'task':<20} {'n':>6} {'correct':>8} {'accuracy':>9}")
     for row in [*record["tasks"], {"task": "all", **record["overall"]}]:
         print(f"{row['task']:<20} {row['n']:>6} {row['correct']:>8} {row['accuracy']:>9.1%}")
+    if record["overall"]["errors"]:
+        print(f"{record['overall']['errors']} requests did not finish normally (counted wrong)")
     ppl = record["perplexity"]
     print(f"perplexity: {ppl['perplexity']:.4f} over {ppl['tokens']} tokens ({ppl['chunks']} chunks)")
     structured = record["structured"]
@@ -317,8 +331,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     record: dict[str, Any] = {}
     record["settings"] = {
         "model": args.model or "built-in",
-        "tasks_file": str(args.tasks),
-        "text_file": str(args.text),
+        "tasks_file": _shown_path(args.tasks),
+        "text_file": _shown_path(args.text),
         "only": only,
         "limit": args.limit,
         "max_tokens": args.max_tokens,
