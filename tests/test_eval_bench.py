@@ -169,7 +169,8 @@ def test_deterministic_json_is_byte_stable(eval_script, tmp_path, capsys):
     assert outs[0].read_bytes() == outs[1].read_bytes()
     record = json.loads(outs[0].read_text())
     assert [t["task"] for t in record["tasks"]] == ["addition", "copy", "json"]
-    assert record["overall"]["n"] == 4 and record["structured"]["n"] == 1
+    assert record["overall"]["n"] == 4 and record["overall"]["errors"] == 0 and record["structured"]["n"] == 1
+    assert record["settings"]["tasks_file"] == str(tasks) and record["settings"]["context"] == 16
     assert record["perplexity"]["chunks"] > 1 and record["perplexity"]["perplexity"] > 1
     spec = record["speculative"]
     assert spec["nextn"] == 2 and spec["requests"] == 4 and spec["outputs_differ"] == 0
