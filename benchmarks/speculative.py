@@ -52,7 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--nextn", type=int, default=5, help="drafts per step of the drafting modes")
     parser.add_argument("--repeats", type=int, default=2, help="timed calls per mode and batch size")
     parser.add_argument("--max-num-seqs", type=int, default=32, help="engine limit (bounds CUDA-graph captures)")
-    parser.add_argument("--cache-gib", type=float, default=4.0, help="cache per engine (the three share one device)")
+    parser.add_argument("--cache-gib", type=float, default=4.0, help="cache per engine on CUDA (three share one GPU)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--out", type=pathlib.Path, default=None, help="JSON path (default: benchmarks/results/)")
     return parser
@@ -85,7 +85,7 @@ def _engine(mode: str, args: argparse.Namespace, device: str) -> LLM:
         nextn=nextn,
         mtp_varlen=mode == "varlen",
         max_num_seqs=args.max_num_seqs,
-        cache_memory_bytes=int(args.cache_gib * 2**30),
+        cache_memory_bytes=int(args.cache_gib * 2**30) if device.startswith("cuda") else None,
     )
 
 

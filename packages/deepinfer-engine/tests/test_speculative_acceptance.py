@@ -141,12 +141,14 @@ def test_the_cost_curve_is_cached_and_expires(root: Path, monkeypatch: pytest.Mo
 def test_the_summary_line_shows_the_mean_acceptance_length(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     llm = make_llm(root, precision="fp32", nextn=2)
     outputs = llm.generate(prompt_token_ids=random_prompts(3, 3, 9, seed=4), sampling_params=GREEDY, use_tqdm=True)
-    generated = sum(o.metrics.num_generated_tokens for o in outputs)
     accepted = sum(o.metrics.num_accepted_draft_tokens for o in outputs)
     verified = sum(o.metrics.num_verified_draft_tokens for o in outputs)
+    steps = sum(o.metrics.num_sampling_steps for o in outputs)
     assert verified > 0
+    # Nothing cuts these outputs short: every step emitted its accepted drafts plus one token.
+    assert steps == sum(o.metrics.num_generated_tokens for o in outputs) - accepted
     summary = capsys.readouterr().err.strip().splitlines()[-1]
-    length = generated / (generated - accepted)
+    length = 1 + accepted / steps
     assert summary.endswith(f", mean acceptance length {length:.2f} ({accepted} of {verified} drafts accepted)")
     make_llm(root).generate(prompt_token_ids=[[5, 6, 7]], sampling_params=GREEDY, use_tqdm=True)
     assert "acceptance" not in capsys.readouterr().err  # nothing verified, nothing said
@@ -173,3 +175,19 @@ def test_confidence_head_temperatures_from_the_environment(root: Path, monkeypat
     monkeypatch.setattr(scheduler, "_commit", recording_commit)
     llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=GREEDY, use_tqdm=False)
     assert seen and all(c == [0.5, 0.5] for c in seen)
+
+
+def test_the_acceptance_length_stays_within_a_step_when_a_stop_string_cuts_outputs(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Tokens past a stop string are dropped after their step accepted them; counting steps keeps the mean at most
+    # nextn + 1 (counting generated - accepted as steps did not).
+    llm = make_llm(root, precision="fp32", nextn=2)
+    prompts = random_prompts(4, 3, 9, seed=5)
+    free = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+    text = free[0].text
+    stop = SamplingParams(temperature=0.0, max_tokens=GREEDY.max_tokens, stop=[text[len(text) // 2 :][:2]])
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=stop, use_tqdm=True)
+    assert outputs[0].finish_reason.value == "stop" and len(outputs[0].token_ids) < len(free[0].token_ids)
+    length = float(capsys.readouterr().err.strip().splitlines()[-1].split("mean acceptance length ")[1].split()[0])
+    assert 1.0 <= length <= 3.0

@@ -32,6 +32,8 @@ class GenerateMetrics:
             0 without speculative decoding. Under asynchronous scheduling a request that cannot draft (structured
             output, penalties, golden tokens) still computes `nextn` placeholder drafts per step, counted here and
             always rejected.
+        num_sampling_steps: steps that sampled tokens for it; mean acceptance length =
+            1 + `num_accepted_draft_tokens` / `num_sampling_steps` (drafts a stop condition then cut included).
     """
 
     num_prompt_tokens: int
@@ -42,6 +44,7 @@ class GenerateMetrics:
     num_preemptions: int = 0
     num_accepted_draft_tokens: int = 0
     num_verified_draft_tokens: int = 0
+    num_sampling_steps: int = 0
 
 
 @dataclass(frozen=True)

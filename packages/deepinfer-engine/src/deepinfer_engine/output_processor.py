@@ -87,7 +87,7 @@ class OutputProcessor:
                 final = self._final(tracked, output.completion, now)
                 metrics = final.metrics
                 progress.count_drafts(
-                    metrics.num_generated_tokens, metrics.num_accepted_draft_tokens, metrics.num_verified_draft_tokens
+                    metrics.num_sampling_steps, metrics.num_accepted_draft_tokens, metrics.num_verified_draft_tokens
                 )
                 finished.append((tracked.index, final))
         return finished, hits
@@ -108,6 +108,7 @@ class OutputProcessor:
             num_preemptions=completion.metrics.num_preemptions,
             num_accepted_draft_tokens=completion.metrics.num_accepted_draft_tokens,
             num_verified_draft_tokens=completion.metrics.num_verified_draft_tokens,
+            num_sampling_steps=completion.metrics.num_sampling_steps,
         )
         return GenerateOutput(
             request_id=completion.request_id,

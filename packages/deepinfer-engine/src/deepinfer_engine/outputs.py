@@ -222,6 +222,7 @@ class RequestMetrics:
         num_preemptions: times it was preempted.
         num_verified_draft_tokens: draft tokens verified over its lifetime.
         num_accepted_draft_tokens: of those, the accepted ones.
+        num_sampling_steps: steps that sampled a token for it.
     """
 
     arrival_step: int
@@ -231,6 +232,7 @@ class RequestMetrics:
     num_preemptions: int
     num_verified_draft_tokens: int
     num_accepted_draft_tokens: int
+    num_sampling_steps: int
 
 
 @dataclass(frozen=True)

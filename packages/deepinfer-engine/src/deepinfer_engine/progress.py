@@ -2,8 +2,9 @@
 summary on stderr at the end (requests, prompt and generated tokens, wall time, tokens/s; with drafting, the mean
 acceptance length and the accepted share of the verified drafts).
 
-Mean acceptance length = tokens emitted per sampling step: each step of a request emits its accepted drafts plus one
-token, so over the finished requests it is Σ generated / Σ (generated − accepted drafts), 1 without drafting."""
+Mean acceptance length = tokens a sampling step emits: its accepted drafts plus one sampled token, so over the finished
+requests it is 1 + Σ accepted drafts / Σ sampling steps (drafts that a stop condition then cut count as accepted);
+1 without drafting."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ class GenerateProgress:
         self.start = time.perf_counter()
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
-        self.num_finished_tokens = 0  # generated tokens of the finished requests, for the acceptance length
+        self.num_sampling_steps = 0  # of the finished requests, for the acceptance length
         self.num_accepted_draft_tokens = 0
         self.num_verified_draft_tokens = 0
         self.bar = tqdm(total=total, desc="generate", unit="req", disable=not enabled, dynamic_ncols=True)
@@ -41,9 +42,9 @@ class GenerateProgress:
         elapsed = time.perf_counter() - self.start
         self.bar.set_postfix_str(f"{self.num_generated_tokens / max(elapsed, 1e-9):.1f} tok/s", refresh=False)
 
-    def count_drafts(self, num_generated: int, num_accepted: int, num_verified: int) -> None:
-        """Count a finished request's generated tokens and its accepted and verified draft tokens."""
-        self.num_finished_tokens += num_generated
+    def count_drafts(self, num_steps: int, num_accepted: int, num_verified: int) -> None:
+        """Count a finished request's sampling steps and its accepted and verified draft tokens."""
+        self.num_sampling_steps += num_steps
         self.num_accepted_draft_tokens += num_accepted
         self.num_verified_draft_tokens += num_verified
 
@@ -51,9 +52,9 @@ class GenerateProgress:
         """The summary's drafting part: empty when no draft was verified."""
         if not self.num_verified_draft_tokens:
             return ""
-        steps = max(self.num_finished_tokens - self.num_accepted_draft_tokens, 1)
+        length = 1 + self.num_accepted_draft_tokens / max(self.num_sampling_steps, 1)
         return (
-            f", mean acceptance length {self.num_finished_tokens / steps:.2f} "
+            f", mean acceptance length {length:.2f} "
             f"({self.num_accepted_draft_tokens} of {self.num_verified_draft_tokens} drafts accepted)"
         )
 

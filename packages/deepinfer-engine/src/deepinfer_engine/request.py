@@ -179,6 +179,7 @@ class Request:
         self.num_preemptions = 0
         self.num_verified_draft_tokens = 0
         self.num_accepted_draft_tokens = 0
+        self.num_sampling_steps = 0
 
     def __repr__(self) -> str:
         return (

@@ -346,6 +346,7 @@ class Scheduler:
         request.num_output_placeholders -= 1 + num_drafts
         request.num_verified_draft_tokens += num_drafts
         request.num_accepted_draft_tokens += num_accepted
+        request.num_sampling_steps += 1
         num_rejected = num_drafts - num_accepted
         if num_rejected:
             request.num_computed_tokens -= num_rejected

@@ -86,6 +86,7 @@ def completion_of(request: Request, reason: FinishReason, step: int) -> Completi
         num_preemptions=request.num_preemptions,
         num_verified_draft_tokens=request.num_verified_draft_tokens,
         num_accepted_draft_tokens=request.num_accepted_draft_tokens,
+        num_sampling_steps=request.num_sampling_steps,
     )
     prompt_logprobs = None
     if request.params.prompt_logprobs:
