@@ -12,7 +12,7 @@ from deepinfer_engine.progress import GenerateProgress
 from deepinfer_engine.request import FinishReason
 from deepinfer_engine.tokenizer import Tokenizer
 
-METRICS = RequestMetrics(0, 0, 0, 1, 0, 0, 0)
+METRICS = RequestMetrics(0, 0, 0, 1, 0, 0, 0, 0)
 
 
 @pytest.fixture(scope="module")
