@@ -181,6 +181,12 @@ class Request:
         self.num_accepted_draft_tokens = 0
         self.num_sampling_steps = 0
 
+    def count_sampling_step(self, num_verified: int, num_accepted: int) -> None:
+        """Count one step that sampled for this request: the drafts it verified and how many it accepted."""
+        self.num_verified_draft_tokens += num_verified
+        self.num_accepted_draft_tokens += num_accepted
+        self.num_sampling_steps += 1
+
     def __repr__(self) -> str:
         return (
             f"Request({self.request_id!r}, status={self._status.name}, prompt={self.num_prompt_tokens}, "

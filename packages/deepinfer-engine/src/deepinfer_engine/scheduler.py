@@ -344,9 +344,7 @@ class Scheduler:
         num_drafts = scheduled.num_draft_tokens
         num_accepted = len(sampled) - 1
         request.num_output_placeholders -= 1 + num_drafts
-        request.num_verified_draft_tokens += num_drafts
-        request.num_accepted_draft_tokens += num_accepted
-        request.num_sampling_steps += 1
+        request.count_sampling_step(num_drafts, num_accepted)
         num_rejected = num_drafts - num_accepted
         if num_rejected:
             request.num_computed_tokens -= num_rejected
