@@ -75,13 +75,16 @@ class OutputProcessor:
                 tracked.first_token = now
             detokenizer = tracked.detokenizer
             num_before = output.num_output_tokens - len(output.new_token_ids)
+            num_kept = 0  # tokens up to and with a stop string's last token: what the output will hold
             for offset, token_id in enumerate(output.new_token_ids):
+                if tracked.hit is None:
+                    num_kept += 1
                 stop = detokenizer.append(token_id)
                 if stop is not None and tracked.hit is None:
                     tracked.hit = StopStringHit(output.request_id, stop, num_before + offset + 1)
                     if output.completion is None:
                         hits.append(tracked.hit)
-            progress.update(len(output.new_token_ids), int(output.completion is not None))
+            progress.update(num_kept, int(output.completion is not None))
             if output.completion is not None:
                 del self._tracked[output.request_id]
                 final = self._final(tracked, output.completion, now)
