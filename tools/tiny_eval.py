@@ -17,6 +17,7 @@ import torch
 from tokenizers import Tokenizer
 
 from deepinfer_model import reference as ref
+from deepinfer_model import reference_dspark as ref_dspark
 from deepinfer_model.config import ModelConfig
 from deepinfer_model.loading.load import load_checkpoint_dir
 from deepinfer_model.reference import Precision, WeightSource
@@ -55,13 +56,13 @@ def _greedy_drafts(
     """Greedy drafts ``[n, B]`` after every position ``p* ≥ first`` (rows before ``first`` are −1)."""
     n = ids.shape[0]
     last = torch.arange(first, n - 1)
-    hidden = ref.reference_dspark_forward_anchors(
+    hidden = ref_dspark.reference_dspark_forward_anchors(
         config, weights, features, last, ids[last + 1], num_slots, precision=precision
     )
     previous = ids[last + 1]
     drafts = torch.full((n, num_slots), -1, dtype=torch.int64)
     for k in range(num_slots):
-        logits, _ = ref.reference_dspark_heads(config, weights, hidden[:, k], previous, precision=precision)
+        logits, _ = ref_dspark.reference_dspark_heads(config, weights, hidden[:, k], previous, precision=precision)
         previous = logits.argmax(-1)
         drafts[last, k] = previous
     return drafts

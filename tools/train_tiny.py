@@ -53,6 +53,7 @@ import tiny_tasks
 from tiny_eval import evaluate_checkpoint, evaluate_values
 
 from deepinfer_model import reference as ref
+from deepinfer_model import reference_dspark as ref_dspark
 from deepinfer_model.checkpoint.tokenizer import build_tokenizer
 from deepinfer_model.checkpoint.writer import logical_value, write_checkpoint
 from deepinfer_model.config import ModelConfig, load_preset
@@ -157,15 +158,17 @@ def draft_loss(
     anchor_tokens = ids[last + 1]
     labels = greedy[last[:, None] + 1 + torch.arange(slots)]  # [A, B]: the token at p* + 2 + k
     previous = torch.cat([anchor_tokens[:, None], labels[:, :-1]], 1)
-    hidden = ref.reference_dspark_forward_anchors(
+    hidden = ref_dspark.reference_dspark_forward_anchors(
         config, ValueWeights(values), target.target_features, last, anchor_tokens, slots, precision="fp32"
     ).flatten(0, 1)
-    logits, _ = ref.reference_dspark_heads(config, ValueWeights(values), hidden, previous.flatten(), precision="fp32")
+    logits, _ = ref_dspark.reference_dspark_heads(
+        config, ValueWeights(values), hidden, previous.flatten(), precision="fp32"
+    )
     ce = F.cross_entropy(logits, labels.flatten())
     accepted = (logits.argmax(-1) == labels.flatten()).float()
     # The confidence head learns on detached inputs so its loss never moves the drafter.
     frozen = {k: (v if k.endswith("confidence_head.proj.weight") else v.detach()) for k, v in values.items()}
-    _, confidence = ref.reference_dspark_heads(
+    _, confidence = ref_dspark.reference_dspark_heads(
         config, ValueWeights(frozen), hidden.detach(), previous.flatten(), precision="fp32"
     )
     bce = F.binary_cross_entropy(confidence.clamp(1e-6, 1 - 1e-6), accepted)

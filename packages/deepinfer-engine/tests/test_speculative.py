@@ -20,13 +20,8 @@ from deepinfer_engine import LLM, GenerateOutput, SamplingParams
 from deepinfer_engine.model_runner import StepHandle
 from deepinfer_engine.outputs import NewRequestData, ScheduledRequest, SchedulerOutput
 from deepinfer_model.loading.load import load_checkpoint_dir
-from deepinfer_model.reference import (
-    engram_vocabulary_from_tokenizer,
-    reference_dspark_forward,
-    reference_dspark_heads,
-    reference_forward,
-    reference_forward_full,
-)
+from deepinfer_model.reference import engram_vocabulary_from_tokenizer, reference_forward, reference_forward_full
+from deepinfer_model.reference_dspark import reference_dspark_forward, reference_dspark_heads
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 SHARD = "model-00001-of-00001.safetensors"

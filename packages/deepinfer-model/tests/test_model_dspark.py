@@ -14,6 +14,7 @@ from _layered_model_support import (
 )
 
 from deepinfer_model import reference as ref
+from deepinfer_model import reference_dspark as ref_dspark
 from deepinfer_model.checkpoint.tokenizer import build_tokenizer
 from deepinfer_model.forward_batch import ForwardBatch
 from deepinfer_model.layers.mode import ComputeMode
@@ -58,8 +59,8 @@ def test_draft_forward_and_heads_match_reference(mode: ComputeMode, precision: r
     target = torch.cat([features[layer] for layer in text.dspark_target_layer_ids], dim=-1)
     if mode is ComputeMode.FP32:  # exact mode: see the note on MODES
         assert (target - full.target_features).abs().max() <= tolerance * target.abs().max()
-    expected = ref.reference_dspark_forward(config, tiny_weights(), target, anchor, precision=precision)
-    ref_logits, ref_confidence = ref.reference_dspark_heads(
+    expected = ref_dspark.reference_dspark_forward(config, tiny_weights(), target, anchor, precision=precision)
+    ref_logits, ref_confidence = ref_dspark.reference_dspark_heads(
         config, tiny_weights(), expected.hidden, previous, temperature.tolist(), precision=precision
     )
     scale = expected.hidden.float().abs().max()

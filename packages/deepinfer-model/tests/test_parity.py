@@ -24,6 +24,7 @@ from _layered_model_support import (
 )
 
 from deepinfer_model import reference as ref
+from deepinfer_model import reference_dspark as ref_dspark
 from deepinfer_model.checkpoint.tokenizer import build_tokenizer
 from deepinfer_model.config import ModelConfig, preset_json
 from deepinfer_model.deepseek_v41.model import DeepseekV41ForCausalLM
@@ -104,7 +105,7 @@ def test_config_variants_match_reference(changes: dict[str, object]) -> None:
     with torch.no_grad():
         draft = ForwardBatch.for_requests([[anchor] + [3] * 3], [70], table, [0])
         hidden = model.draft_forward(draft, state)
-    expected = ref.reference_dspark_forward(config, weights, full.target_features, anchor, precision="fp32")
+    expected = ref_dspark.reference_dspark_forward(config, weights, full.target_features, anchor, precision="fp32")
     assert (
         hidden.float() - expected.hidden.float()
     ).abs().max() <= RELATIVE_TOLERANCE * expected.hidden.float().abs().max()

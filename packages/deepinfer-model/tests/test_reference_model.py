@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from deepinfer_model import reference as ref
+from deepinfer_model import reference_dspark as ref_dspark
 from deepinfer_model.checkpoint.tokenizer import build_tokenizer
 from deepinfer_model.checkpoint.writer import tensor_pair
 from deepinfer_model.config import ModelConfig, load_preset, preset_json
@@ -143,8 +144,8 @@ def test_model_prefix_is_accepted_and_duplicates_rejected(tiny, tiny_weights, ti
 def test_forward_reads_exactly_the_catalogued_text_tensors(tiny, tiny_weights, tiny_tokens, tiny_output):
     recorder = RecordingWeights(tiny_weights)
     ref.reference_forward(tiny, recorder, tiny_tokens[:24], tiny_vocabulary(tiny))
-    hidden = ref.reference_dspark_forward(tiny, recorder, tiny_output.target_features[:24], 5).hidden
-    ref.reference_dspark_heads(tiny, recorder, hidden, torch.tensor([5, 6, 7, 8]))
+    hidden = ref_dspark.reference_dspark_forward(tiny, recorder, tiny_output.target_features[:24], 5).hidden
+    ref_dspark.reference_dspark_heads(tiny, recorder, hidden, torch.tensor([5, 6, 7, 8]))
     # Routed experts are read only when some token selects them.
     unused = {name for name in tiny_weights if name not in recorder.read and ".ffn.experts." not in name}
     # Image vectors and the image-token router bias belong to the multimodal path only.
@@ -303,7 +304,7 @@ def test_cache_contents_have_the_storage_shapes(tiny, tiny_output):
 def test_worked_example_draft_keys(example):
     """DSpark decode step 1: p* = 37, B = 2 → both slots see context 22–37 and draft keys 38–39."""
     config, weights, output = example
-    draft = ref.reference_dspark_forward(config, weights, output.target_features[:38], anchor_token=5)
+    draft = ref_dspark.reference_dspark_forward(config, weights, output.target_features[:38], anchor_token=5)
     assert draft.context_positions.tolist() == list(range(22, 38))
     assert draft.positions.tolist() == [38, 39]
 
@@ -323,11 +324,11 @@ def test_non_shifted_mhc_uses_the_hc_head(tiny, tiny_tokens):
     assert "hc_head_fn" in weights and "mtp.0.hc_head_fn" in weights
     output = ref.reference_forward_full(config, weights, tiny_tokens[:16], tiny_vocabulary(config))
     assert torch.isfinite(output.logits).all() and 0.05 < output.logits.std().item() < 20.0
-    draft = ref.reference_dspark_forward(config, weights, output.target_features, anchor_token=3)
+    draft = ref_dspark.reference_dspark_forward(config, weights, output.target_features, anchor_token=3)
     assert torch.isfinite(draft.hidden.float()).all()
     del weights["mtp.0.hc_head_fn"]
     with pytest.raises(KeyError, match=r"mtp\.0\.hc_head_fn"):
-        ref.reference_dspark_forward(config, weights, output.target_features, anchor_token=3)
+        ref_dspark.reference_dspark_forward(config, weights, output.target_features, anchor_token=3)
     del weights["hc_head_fn"]
     with pytest.raises(KeyError, match="hc_head_fn"):
         ref.reference_forward(config, weights, tiny_tokens[:16], tiny_vocabulary(config))
@@ -347,38 +348,42 @@ def test_fp8_compressed_kv_is_a_small_perturbation(tiny, tiny_weights, tiny_toke
 
 def test_dspark_forward_and_heads(tiny, tiny_weights, tiny_output):
     text = tiny.text
-    draft = ref.reference_dspark_forward(tiny, tiny_weights, tiny_output.target_features[:70], anchor_token=7)
+    draft = ref_dspark.reference_dspark_forward(tiny, tiny_weights, tiny_output.target_features[:70], anchor_token=7)
     assert draft.hidden.shape == (text.dspark_block_size, text.hidden_size) and draft.hidden.dtype == torch.bfloat16
     assert draft.positions.tolist() == [70, 71, 72, 73]
-    logits, confidence = ref.reference_dspark_heads(tiny, tiny_weights, draft.hidden, torch.tensor([7, 1, 2, 3]))
+    logits, confidence = ref_dspark.reference_dspark_heads(tiny, tiny_weights, draft.hidden, torch.tensor([7, 1, 2, 3]))
     assert logits.shape == (4, text.vocab_size) and torch.isfinite(logits).all()
     assert bool(((confidence > 0) & (confidence < 1)).all())
-    other, _ = ref.reference_dspark_heads(tiny, tiny_weights, draft.hidden, torch.tensor([7, 1, 2, 9]))
+    other, _ = ref_dspark.reference_dspark_heads(tiny, tiny_weights, draft.hidden, torch.tensor([7, 1, 2, 9]))
     assert torch.equal(other[:3], logits[:3]) and not torch.equal(other[3], logits[3])  # Markov term: own prev only
-    sharp, _ = ref.reference_dspark_heads(tiny, tiny_weights, draft.hidden, torch.tensor([7, 1, 2, 3]), [1, 1, 1, 0.5])
+    sharp, _ = ref_dspark.reference_dspark_heads(
+        tiny, tiny_weights, draft.hidden, torch.tensor([7, 1, 2, 3]), [1, 1, 1, 0.5]
+    )
     with pytest.raises(ValueError, match="temperatures"):
-        ref.reference_dspark_heads(tiny, tiny_weights, draft.hidden, torch.tensor([7, 1, 2, 3]), [1.0, 2.0])
+        ref_dspark.reference_dspark_heads(tiny, tiny_weights, draft.hidden, torch.tensor([7, 1, 2, 3]), [1.0, 2.0])
     assert torch.equal(sharp, logits)
 
 
 def test_dspark_reads_only_the_last_window_of_context(tiny, tiny_weights, tiny_output):
     """Slots see context positions p*−W+1 … p* only, and are non-causal among themselves."""
     features = tiny_output.target_features[:70]
-    base = ref.reference_dspark_forward(tiny, tiny_weights, features, anchor_token=7).hidden
+    base = ref_dspark.reference_dspark_forward(tiny, tiny_weights, features, anchor_token=7).hidden
     old_changed = features.clone()
     old_changed[: 70 - tiny.text.sliding_window] = 0
-    assert torch.equal(ref.reference_dspark_forward(tiny, tiny_weights, old_changed, anchor_token=7).hidden, base)
+    assert torch.equal(
+        ref_dspark.reference_dspark_forward(tiny, tiny_weights, old_changed, anchor_token=7).hidden, base
+    )
     recent_changed = features.clone()
     recent_changed[-1] = 0
     assert not torch.equal(
-        ref.reference_dspark_forward(tiny, tiny_weights, recent_changed, anchor_token=7).hidden, base
+        ref_dspark.reference_dspark_forward(tiny, tiny_weights, recent_changed, anchor_token=7).hidden, base
     )
-    other_anchor = ref.reference_dspark_forward(tiny, tiny_weights, features, anchor_token=8).hidden
+    other_anchor = ref_dspark.reference_dspark_forward(tiny, tiny_weights, features, anchor_token=8).hidden
     assert all(not torch.equal(other_anchor[k], base[k]) for k in range(4))  # the anchor reaches every slot
 
 
 def test_dspark_short_context_and_slot_override(tiny, tiny_weights, tiny_output):
-    draft = ref.reference_dspark_forward(tiny, tiny_weights, tiny_output.target_features[:1], 7, num_slots=2)
+    draft = ref_dspark.reference_dspark_forward(tiny, tiny_weights, tiny_output.target_features[:1], 7, num_slots=2)
     assert draft.positions.tolist() == [1, 2] and torch.isfinite(draft.hidden.float()).all()
     with pytest.raises(ValueError, match="target features"):
-        ref.reference_dspark_forward(tiny, tiny_weights, tiny_output.target_features[:, :10], 7)
+        ref_dspark.reference_dspark_forward(tiny, tiny_weights, tiny_output.target_features[:, :10], 7)

@@ -15,6 +15,7 @@ import torch
 from test_reference_model import random_checkpoint, tiny_vocabulary
 
 from deepinfer_model import reference as ref
+from deepinfer_model import reference_dspark as ref_dspark
 from deepinfer_model.checkpoint.tokenizer import build_tokenizer
 from deepinfer_model.config import ModelConfig, load_preset
 
@@ -126,13 +127,13 @@ def test_fp32_mode_is_stable_under_one_ulp_weight_perturbations(tiny, tiny_weigh
 
 def test_fp32_mode_draft_forward_and_heads(tiny, tiny_weights, fp32_output):
     features = fp32_output.target_features[:30]
-    draft = ref.reference_dspark_forward(tiny, tiny_weights, features, anchor_token=7, precision="fp32")
+    draft = ref_dspark.reference_dspark_forward(tiny, tiny_weights, features, anchor_token=7, precision="fp32")
     assert draft.hidden.dtype == torch.float32 and torch.isfinite(draft.hidden).all()
     previous = torch.tensor([7, 1, 2, 3])
-    logits, confidence = ref.reference_dspark_heads(tiny, tiny_weights, draft.hidden, previous, precision="fp32")
+    logits, confidence = ref_dspark.reference_dspark_heads(tiny, tiny_weights, draft.hidden, previous, precision="fp32")
     assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
     assert bool(((confidence > 0) & (confidence < 1)).all())
-    rounded_norm, _ = ref.reference_dspark_heads(tiny, tiny_weights, draft.hidden, previous)
+    rounded_norm, _ = ref_dspark.reference_dspark_heads(tiny, tiny_weights, draft.hidden, previous)
     assert 0 < _relative(logits, rounded_norm) < 1e-2  # only the final norm's BF16 rounding differs: 1.4e-3
 
 

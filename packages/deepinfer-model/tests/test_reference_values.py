@@ -8,6 +8,7 @@ import torch
 from _layered_model_support import prompt, tiny_config, tiny_weights
 
 from deepinfer_model import reference as ref
+from deepinfer_model import reference_dspark as ref_dspark
 from deepinfer_model.checkpoint.tokenizer import build_tokenizer
 from deepinfer_model.checkpoint.writer import logical_value, stored_pair
 from deepinfer_model.loading.catalogue import TensorFormat, build_catalogue
@@ -87,10 +88,14 @@ def test_batched_anchor_draft_forward_matches_the_oracle(precision: ref.Precisio
     features = ref.reference_forward_full(config, weights, ids, vocabulary, precision=precision).target_features
     last = torch.tensor([0, 5, 63, 64, 90])
     anchors = ids[last + 1]
-    batched = ref.reference_dspark_forward_anchors(config, weights, features, last, anchors, 3, precision=precision)
+    batched = ref_dspark.reference_dspark_forward_anchors(
+        config, weights, features, last, anchors, 3, precision=precision
+    )
     assert batched.shape == (5, 3, config.text.hidden_size)
     for row, (p, token) in enumerate(zip(last.tolist(), anchors.tolist(), strict=True)):
-        one = ref.reference_dspark_forward(config, weights, features[: p + 1], token, 3, precision=precision).hidden
+        one = ref_dspark.reference_dspark_forward(
+            config, weights, features[: p + 1], token, 3, precision=precision
+        ).hidden
         scale = one.float().abs().max()
         assert (batched[row].float() - one.float()).abs().max() <= tolerance * scale, p
 
@@ -99,6 +104,6 @@ def test_batched_anchor_draft_forward_rejects_bad_positions() -> None:
     config, weights = tiny_config(), tiny_weights()
     features = torch.zeros(10, config.text.dspark_num_targets * config.text.hidden_size)
     with pytest.raises(ValueError, match="last_positions must lie in"):
-        ref.reference_dspark_forward_anchors(config, weights, features, torch.tensor([10]), torch.tensor([4]))
+        ref_dspark.reference_dspark_forward_anchors(config, weights, features, torch.tensor([10]), torch.tensor([4]))
     with pytest.raises(ValueError, match="equal non-empty 1-D"):
-        ref.reference_dspark_forward_anchors(config, weights, features, torch.tensor([1, 2]), torch.tensor([4]))
+        ref_dspark.reference_dspark_forward_anchors(config, weights, features, torch.tensor([1, 2]), torch.tensor([4]))
