@@ -213,7 +213,11 @@ JSON_SCHEMAS: list[dict] = [
         "properties": {"when": {"type": "string", "format": "date"}, "ip": {"type": "string", "format": "ipv4"}},
         "required": ["when", "ip"],
     },
-    {"type": "object", "properties": {"city": {"enum": ["Zürich", "東京", "São Paulo"]}}, "required": ["city"]},
+    {
+        "type": "object",
+        "properties": {"city": {"enum": ["Z\u00fcrich", "\u6771\u4eac", "S\u00e3o Paulo"]}},
+        "required": ["city"],
+    },
     {
         "type": "object",
         "properties": {
