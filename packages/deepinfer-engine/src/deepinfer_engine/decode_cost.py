@@ -36,7 +36,7 @@ from deepinfer_engine.config import EngineConfig
 from deepinfer_engine.engine_args import EngineArgs, build_engine_config
 from deepinfer_engine.envs import EnvSettings
 from deepinfer_engine.model_runner import ModelRunner
-from deepinfer_engine.outputs import NewRequestData, ScheduledRequest, SchedulerOutput
+from deepinfer_engine.outputs import ScheduledRequest, SchedulerOutput
 from deepinfer_model.deepseek_v41.model import DeepseekV41ForCausalLM
 from deepinfer_sampling import SamplingParams
 from deepinfer_sampling.speculative import DecodeCostCurve
@@ -166,21 +166,8 @@ def _prefill(
     for i in indices:
         prompt = tuple((11 * (i + p) + 3) % vocab_size for p in range(PROMPT_LEN))
         blocks = tuple(range(1 + i * blocks_per_request, 1 + (i + 1) * blocks_per_request))
-        prefill.append(
-            ScheduledRequest(
-                request_id=f"cost-{i}",
-                is_new=True,
-                input_token_ids=prompt,
-                num_computed_tokens=0,
-                num_draft_tokens=0,
-                samples_token=True,
-                num_prompt_tokens=PROMPT_LEN,
-                state_slot=i + 1,
-                first_new_block_index=0,
-                new_block_ids=blocks,
-                new_request=NewRequestData(SamplingParams(max_tokens=nextn + 2), i, prompt),
-            )
-        )
+        params = SamplingParams(max_tokens=nextn + 2)
+        prefill.append(ScheduledRequest.whole_prompt(f"cost-{i}", prompt, i + 1, blocks, params, i))
     output = runner.wait(runner.execute(SchedulerOutput(0, tuple(prefill), frozenset(), ())))
     drafts = output.draft_token_ids
     assert drafts is not None, "the cost curve needs a drafter (nextn > 0)"

@@ -132,6 +132,32 @@ class ScheduledRequest:
         """Tokens computed for this request this step."""
         return len(self.input_token_ids)
 
+    @classmethod
+    def whole_prompt(
+        cls,
+        request_id: str,
+        prompt: tuple[int, ...],
+        state_slot: int,
+        block_ids: tuple[int, ...],
+        params: SamplingParams,
+        seed: int,
+    ) -> ScheduledRequest:
+        """A new request whose whole prompt runs in this step and samples its first token (what start-up
+        measurements schedule without a scheduler)."""
+        return cls(
+            request_id=request_id,
+            is_new=True,
+            input_token_ids=prompt,
+            num_computed_tokens=0,
+            num_draft_tokens=0,
+            samples_token=True,
+            num_prompt_tokens=len(prompt),
+            state_slot=state_slot,
+            first_new_block_index=0,
+            new_block_ids=block_ids,
+            new_request=NewRequestData(params, seed, prompt),
+        )
+
 
 @dataclass(frozen=True)
 class SchedulerOutput:

@@ -36,7 +36,7 @@ from deepinfer_engine.engine_args import (
 )
 from deepinfer_engine.envs import EnvSettings
 from deepinfer_engine.model_runner import ModelRunner
-from deepinfer_engine.outputs import NewRequestData, ScheduledRequest, SchedulerOutput
+from deepinfer_engine.outputs import ScheduledRequest, SchedulerOutput
 from deepinfer_model.deepseek_v41.model import DeepseekV41ForCausalLM
 from deepinfer_sampling import SamplingParams
 
@@ -137,21 +137,9 @@ def profile_step(
     scheduled, first_block = [], 1
     for i, (size, num_blocks) in enumerate(zip(sizes, blocks, strict=True)):
         prompt = tuple((7 * (i + p)) % text.vocab_size for p in range(size))
-        scheduled.append(
-            ScheduledRequest(
-                request_id=f"profile-{i}",
-                is_new=True,
-                input_token_ids=prompt,
-                num_computed_tokens=0,
-                num_draft_tokens=0,
-                samples_token=True,
-                num_prompt_tokens=size,
-                state_slot=i + 1,
-                first_new_block_index=0,
-                new_block_ids=tuple(range(first_block, first_block + num_blocks)),
-                new_request=NewRequestData(SamplingParams(max_tokens=1), i, prompt),
-            )
-        )
+        block_ids = tuple(range(first_block, first_block + num_blocks))
+        params = SamplingParams(max_tokens=1)
+        scheduled.append(ScheduledRequest.whole_prompt(f"profile-{i}", prompt, i + 1, block_ids, params, i))
         first_block += num_blocks
     try:
         runner.wait(runner.execute(SchedulerOutput(0, tuple(scheduled), frozenset(), ())))
