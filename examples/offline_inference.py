@@ -11,6 +11,7 @@ answer ends at the first newline (``--stop ""`` lets generation run on to ``--ma
 from __future__ import annotations
 
 import argparse
+import sys
 
 PROMPTS = [
     "12+7=",
@@ -30,7 +31,10 @@ def main() -> None:
 
     from deepinfer_engine import LLM, SamplingParams
 
-    llm = LLM(model=args.model)
+    try:
+        llm = LLM(model=args.model)
+    except (ValueError, TypeError, OSError) as exc:  # a bad setting or checkpoint: its message says what is allowed
+        sys.exit(f"error: {exc}")
     stop = (args.stop,) if args.stop else ()
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seq_seed=0, stop=stop)
     for prompt, output in zip(PROMPTS, llm.generate(PROMPTS, params), strict=True):
