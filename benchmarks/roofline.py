@@ -214,6 +214,14 @@ def main() -> None:
         torch.cuda.empty_cache()  # the copy's buffers, before the engine takes its memory
     header["gemm"] = machine_rates.gemm_rate(device, args.gemm_size or (8192 if on_cuda else 512))
     print(f"rates: {header['bandwidth']} {header['gemm']}", flush=True)
+    header["methods"] = {
+        "decode": f"model step at context {args.context} over a fresh random cache, max_context_len = context + 1; "
+        "CUDA: median CUDA-event time of CUDA-graph replays (CPU: eager wall time); floor = bytes / bandwidth with "
+        "the distinct experts measured by an eager step",
+        "prefill": "one eager model step of the whole prompt from position 0, last-token logits; floor = FLOPs / "
+        "GEMM rate",
+    }
+    save()
     max_model_len = max([*prefill, args.context + 2]) + 1
     start = time.perf_counter()
     llm = LLM(

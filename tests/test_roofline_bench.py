@@ -185,3 +185,27 @@ def test_script_cpu_run_writes_every_record(tmp_path):
         assert record["ratio"] == pytest.approx(record["step_ms"] / record["floor_ms"])
     assert result["skipped"] == [] and result["errors"] == []
     assert "floor ms" in done.stdout.splitlines()[-4]
+
+
+@pytest.fixture
+def rates(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import machine_rates
+
+    return machine_rates
+
+
+def test_machine_rates_on_the_cpu(rates):
+    copy = rates.copy_bandwidth(torch.device("cpu"), 4, repeats=2)
+    assert copy["bytes"] == 2 * 4 * 2**20 and copy["bytes_per_s"] == pytest.approx(copy["bytes"] / copy["ms"] * 1e3)
+    gemm = rates.gemm_rate(torch.device("cpu"), 64, repeats=2)
+    assert gemm["flops"] == 2 * 64**3 and gemm["flop_per_s"] > 0 and "FP32" in gemm["method"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_machine_rates_on_cuda(rates):
+    device = torch.device("cuda")
+    assert rates.copy_bandwidth(device, 64, repeats=3)["bytes_per_s"] > 1e10
+    gemm = rates.gemm_rate(device, 1024, repeats=3)
+    assert "error" not in gemm and gemm["flop_per_s"] > 1e12 and "_scaled_mm" in gemm["method"]
