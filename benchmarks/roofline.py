@@ -3,16 +3,18 @@
 1. Rates (`machine_rates.py`): the copy bandwidth (one large copy, bytes read + written) and the FP8 GEMM rate
    (`torch._scaled_mm` on random e4m3 matrices; on a CPU an FP32 matmul stands in).
 2. The engine loads the checkpoint (`--model`, default the built-in tiny one); its model runs every point.
-3. Decode at each `--decode-batches` size, context `--context` (long_context.py's "model-step" method: a fresh cache
-   filled with random valid rows, one token per request; on CUDA the median CUDA-event time of CUDA-graph replays,
-   on a CPU the median wall time of eager steps). An eager step first counts the distinct experts each layer's
-   router chose. Bytes = `roofline_counts.decode_bytes` with those counts (with the uniform-routing expectation
-   beside it); floor = bytes / copy bandwidth.
-4. Prefill of one `--prefill-lens` prompt from position 0 as one model step (eager, median of `--prefill-repeats`
-   after one untimed step); FLOPs = `roofline_counts.prefill_flops`; floor = FLOPs / GEMM rate.
+3. Decode at each `--decode-batches` size (CUDA default 1, 64, 256, 16: the acceptance points first), context
+   `--context` (long_context.py's "model-step" method: a fresh cache filled with random valid rows, one token per
+   request; on CUDA the median CUDA-event time of CUDA-graph replays, on a CPU the median wall time of eager steps).
+   An eager step first counts the distinct experts each layer's router chose. Bytes = `roofline_counts.decode_bytes`
+   with those counts (with the uniform-routing expectation beside it); floor = bytes / copy bandwidth.
+4. Prefill of one prompt of each `--prefill-lens` length (CUDA default 8192, then 1024) from position 0 as one model
+   step (eager, median of `--prefill-repeats` after one untimed step); FLOPs = `roofline_counts.prefill_flops`;
+   floor = FLOPs / GEMM rate.
 
-Each point's ratio is step / floor. A point that would end past `--deadline-s` is skipped; the JSON is rewritten after
-every point, so a run that is stopped keeps what it measured.
+Points run in that order. Each point's ratio is step / floor; the records are sorted at the end. A point that would
+end past `--deadline-s` is skipped; the JSON is rewritten after every point, so a run that is stopped keeps what it
+measured.
 
 Usage (the H200 run, about 6 minutes with the checkpoint write):
     python3 -m deepinfer_model write-checkpoint --config v41-flash-scaled --out $CKPT --fast-experts --workers 16
@@ -195,8 +197,10 @@ def main() -> None:
     deadline = Deadline(args.deadline_s)
     device = torch.device(args.device or ("cuda" if current_accelerator() is Accelerator.NVIDIA else "cpu"))
     on_cuda = device.type == "cuda"
-    batches = args.decode_batches or ([1, 16, 64, 256] if on_cuda else [1, 4])
-    prefill = args.prefill_lens or ([1024, 8192] if on_cuda else [64, 256])
+    # Points run in list order, decode first; the CUDA defaults put issue 13's acceptance points (decode at 1, 64 and
+    # 256, the 8K prefill) ahead of the others, so that a tight --deadline-s drops the others first.
+    batches = args.decode_batches or ([1, 64, 256, 16] if on_cuda else [1, 4])
+    prefill = args.prefill_lens or ([8192, 1024] if on_cuda else [64, 256])
     out = args.out or RESULTS / f"roofline-{device_label(str(device))}.json"
     result: dict[str, Any] = {"header": {}, "records": [], "skipped": [], "errors": []}
     header = result["header"]
@@ -266,6 +270,7 @@ def main() -> None:
             save()
     finally:
         llm.close()
+    result["records"].sort(key=lambda r: (r["kind"] != "decode", r["batch"], r["prompt"]))
     save()
     print(f"wrote {out} ({deadline.elapsed():.0f} s in all)")
     print_table(result)
