@@ -33,7 +33,7 @@ import torch
 from bench_common import RESULTS, device_label, int_list, random_prompts
 
 
-def _run_point(llm: Any, prompt_len: int, output_len: int, batch_size: int, seed: int) -> dict[str, Any]:
+def run_point(llm: Any, prompt_len: int, output_len: int, batch_size: int, seed: int) -> dict[str, Any]:
     from deepinfer_engine import SamplingParams
 
     prompts = random_prompts(llm.model.config.text.vocab_size, batch_size, prompt_len, seed)
@@ -61,7 +61,7 @@ def _run_point(llm: Any, prompt_len: int, output_len: int, batch_size: int, seed
     }
 
 
-def _print_table(results: list[dict[str, Any]]) -> None:
+def print_table(results: list[dict[str, Any]]) -> None:
     header = ("prompt", 7), ("output", 7), ("batch", 6), ("out tok/s", 11), ("total tok/s", 12), ("TTFT s", 8)
     print(" ".join(f"{name:>{width}}" for name, width in header), f"{'decode tok/s':>13}")
     for r in results:
@@ -74,15 +74,8 @@ def _print_table(results: list[dict[str, Any]]) -> None:
         )
 
 
-def _plot(results: list[dict[str, Any]], path: pathlib.Path, title: str) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    figure, axis = plt.subplots(figsize=(7, 4.5))
+def plot_throughput(axis: Any, results: list[dict[str, Any]], title: str) -> None:
+    """Output tokens/s against batch size, one line per (prompt, output) length, on a matplotlib axis."""
     series: dict[tuple[int, int], list[tuple[int, float]]] = {}
     for r in results:
         series.setdefault((r["prompt_len"], r["output_len"]), []).append((r["batch_size"], r["output_tokens_per_s"]))
@@ -97,6 +90,26 @@ def _plot(results: list[dict[str, Any]], path: pathlib.Path, title: str) -> bool
     axis.set_title(title)
     axis.grid(True, alpha=0.3)
     axis.legend()
+
+
+def pyplot() -> Any:
+    """matplotlib.pyplot on the file-only Agg backend, or None when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def _plot(results: list[dict[str, Any]], path: pathlib.Path, title: str) -> bool:
+    plt = pyplot()
+    if plt is None:
+        return False
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    plot_throughput(axis, results, title)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
@@ -145,7 +158,7 @@ def main() -> None:
     for prompt_len in prompt_lens:
         for output_len in output_lens:
             for batch_size in batch_sizes:
-                point = _run_point(llm, prompt_len, output_len, batch_size, seed=len(results))
+                point = run_point(llm, prompt_len, output_len, batch_size, seed=len(results))
                 results.append(point)
                 print(
                     f"in {prompt_len:>6} out {output_len:>5} batch {batch_size:>4}: "
@@ -153,7 +166,7 @@ def main() -> None:
                     f"ttft {point['mean_time_to_first_token_s'] or 0:.3f} s",
                     flush=True,
                 )
-    _print_table(results)
+    print_table(results)
     suffix = "-eager" if args.enforce_eager and on_cuda else ""
     out = args.out or RESULTS / f"offline_throughput-{label}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
