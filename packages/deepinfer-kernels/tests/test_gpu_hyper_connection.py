@@ -1,0 +1,61 @@
+"""mHC Triton kernels compiled for a CUDA device (skipped without one) vs the reference on the CPU, at the model's
+shapes (m = 4; H = 256 of the tiny preset, 5120 of v41-flash; decode and prefill token counts).
+
+Tolerances as test_hyper_connection.py: read and post bitwise; mixes within rtol 2e−6 (read, write) and atol 2e−6
+(comb), from the FP32 summation order of the mix GEMM and the device's ``exp``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer_kernels._registry import Backend, implementation
+from deepinfer_kernels.platform import triton_interpreter_enabled
+from deepinfer_kernels.testing import assert_bitwise_equal, assert_close, random_normal
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or triton_interpreter_enabled(),
+        reason="needs a CUDA device with compiled (non-interpreted) Triton",
+    ),
+]
+
+_SHAPES = [(1, 256), (64, 256), (1, 5120), (64, 5120), (777, 5120)]
+
+
+@pytest.mark.parametrize(("n", "hidden"), _SHAPES)
+@pytest.mark.parametrize(("dtype", "tf32"), [(torch.bfloat16, True), (torch.float32, False)])
+def test_hc_mixes_gpu(n: int, hidden: int, dtype: torch.dtype, tf32: bool) -> None:
+    m, rows = 4, 24
+    inputs = (
+        random_normal((n, m, hidden), seed=n, dtype=dtype, std=2.0),
+        random_normal((rows, m * hidden), seed=n + 1, dtype=torch.float32, std=0.05),
+        random_normal((3,), seed=n + 2, dtype=torch.float32).abs() + 0.5,
+        random_normal((rows,), seed=n + 3, dtype=torch.float32, std=0.5),
+    )
+    shapes = ((n, m), (n, m), (n, m, m))
+    expected = [torch.empty(s) for s in shapes]
+    implementation("hc_mixes", Backend.REFERENCE)(*inputs, 1e-6, 1e-6, 20, tf32, *expected)
+    actual = [torch.empty(s, device="cuda") for s in shapes]
+    implementation("hc_mixes", Backend.NVIDIA)(*(t.cuda() for t in inputs), 1e-6, 1e-6, 20, tf32, *actual)
+    assert_close(actual[0].cpu(), expected[0], rtol=2e-6, atol=0.0, message="read mix")
+    assert_close(actual[1].cpu(), expected[1], rtol=2e-6, atol=0.0, message="write mix")
+    assert_close(actual[2].cpu(), expected[2], rtol=0.0, atol=2e-6, message="comb")
+
+
+@pytest.mark.parametrize(("n", "hidden"), _SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_hc_read_and_post_gpu_bitwise(n: int, hidden: int, dtype: torch.dtype) -> None:
+    m = 4
+    trunk = random_normal((n, m, hidden), seed=n, dtype=dtype, std=2.0)
+    y = random_normal((n, hidden), seed=n + 1, dtype=dtype)
+    mix = random_normal((n, m), seed=n + 2, dtype=torch.float32)
+    comb = random_normal((n, m, m), seed=n + 3, dtype=torch.float32).abs()
+    for op, inputs, shape in (("hc_read", (trunk, mix), (n, hidden)), ("hc_post", (y, trunk, mix, comb), trunk.shape)):
+        expected = torch.empty(shape, dtype=dtype)
+        implementation(op, Backend.REFERENCE)(*inputs, expected)
+        actual = torch.empty(shape, dtype=dtype, device="cuda")
+        implementation(op, Backend.NVIDIA)(*(t.cuda() for t in inputs), actual)
+        assert_bitwise_equal(actual.cpu(), expected, message=op)
