@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from deepinfer_kernels._registry import Backend, OpRegistry
 from deepinfer_kernels.cuda import (
+    activation,
     attention,
     gemm,
     grouped_gemm,
@@ -15,6 +16,7 @@ from deepinfer_kernels.cuda import (
     norm,
     quant,
     rope,
+    routing,
     row_formats,
 )
 
@@ -43,3 +45,5 @@ def register(registry: OpRegistry) -> None:
     registry.register("hc_mixes", nvidia, hyper_connection.hc_mixes)
     registry.register("hc_read", nvidia, hyper_connection.hc_read)
     registry.register("hc_post", nvidia, hyper_connection.hc_post)
+    registry.register("swiglu_clamped", nvidia, activation.swiglu_clamped)
+    registry.register("router_topk", nvidia, routing.router_topk)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from deepinfer_kernels._registry import Backend, OpRegistry
 from deepinfer_kernels.reference import (
+    activation,
     attention,
     gemm,
     grouped_gemm,
@@ -12,6 +13,7 @@ from deepinfer_kernels.reference import (
     norm,
     quant,
     rope,
+    routing,
     row_formats,
 )
 
@@ -44,3 +46,5 @@ def register(registry: OpRegistry) -> None:
     registry.register("hc_mixes", ref, hyper_connection.hc_mixes)
     registry.register("hc_read", ref, hyper_connection.hc_read)
     registry.register("hc_post", ref, hyper_connection.hc_post)
+    registry.register("swiglu_clamped", ref, activation.swiglu_clamped)
+    registry.register("router_topk", ref, routing.router_topk)

@@ -1,8 +1,10 @@
-"""mHC Triton kernels compiled for a CUDA device (skipped without one) vs the reference on the CPU, at the model's
-shapes (m = 4; H = 256 of the tiny preset, 5120 of v41-flash; decode and prefill token counts).
+"""The fused small-op Triton kernels (mHC, SwiGLU, router) compiled for a CUDA device (skipped without one) vs the
+reference on the CPU, at the model's shapes (m = 4; H = 256 of the tiny preset, 5120 of v41-flash; decode and prefill
+token counts; 256 experts, top 6).
 
-Tolerances as test_hyper_connection.py: read and post bitwise; mixes within rtol 2e−6 (read, write) and atol 2e−6
-(comb), from the FP32 summation order of the mix GEMM and the device's ``exp``.
+Tolerances as test_hyper_connection.py and test_moe_small_ops.py: mHC read and post bitwise; mixes within rtol 2e−6
+(read, write) and atol 2e−6 (comb), from the FP32 summation order of the mix GEMM and the device's ``exp``; SwiGLU and
+router weights within rtol 2^−20, router ids equal.
 """
 
 from __future__ import annotations
@@ -59,3 +61,27 @@ def test_hc_read_and_post_gpu_bitwise(n: int, hidden: int, dtype: torch.dtype) -
         actual = torch.empty(shape, dtype=dtype, device="cuda")
         implementation(op, Backend.NVIDIA)(*(t.cuda() for t in inputs), actual)
         assert_bitwise_equal(actual.cpu(), expected, message=op)
+
+
+@pytest.mark.parametrize(("rows", "half"), [(1, 2048), (384, 2048), (6 * 777, 256)])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_swiglu_gpu(rows: int, half: int, weighted: bool) -> None:
+    t = random_normal((rows, 2 * half), seed=rows, dtype=torch.bfloat16, std=4.0)
+    weight = random_normal((rows,), seed=rows + 1, dtype=torch.float32).abs() if weighted else None
+    expected = torch.empty(rows, half)
+    implementation("swiglu_clamped", Backend.REFERENCE)(t, 10.0, weight, expected)
+    actual = torch.empty(rows, half, device="cuda")
+    implementation("swiglu_clamped", Backend.NVIDIA)(t.cuda(), 10.0, None if weight is None else weight.cuda(), actual)
+    assert_close(actual.cpu(), expected, rtol=2.0**-20, atol=1e-30)
+
+
+@pytest.mark.parametrize("n", [1, 64, 777])
+def test_router_gpu(n: int) -> None:
+    logits = random_normal((n, 256), seed=n, dtype=torch.float32, std=8.0)
+    bias = random_normal((256,), seed=n + 1, dtype=torch.float32, std=0.5)
+    ids_ref, w_ref = torch.empty(n, 6, dtype=torch.int64), torch.empty(n, 6)
+    implementation("router_topk", Backend.REFERENCE)(logits, bias, 6, 2.5, ids_ref, w_ref)
+    ids, weights = torch.empty(n, 6, dtype=torch.int64, device="cuda"), torch.empty(n, 6, device="cuda")
+    implementation("router_topk", Backend.NVIDIA)(logits.cuda(), bias.cuda(), 6, 2.5, ids, weights)
+    assert torch.equal(ids.cpu(), ids_ref)
+    assert_close(weights.cpu(), w_ref, rtol=2.0**-20, atol=0.0)
