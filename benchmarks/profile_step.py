@@ -170,7 +170,17 @@ def main() -> None:
     from deepinfer_kernels.platform import Accelerator, current_accelerator
 
     device = torch.device(args.device or ("cuda" if current_accelerator() is Accelerator.NVIDIA else "cpu"))
-    llm = LLM(args.model, device=str(device), enforce_eager=True, max_num_seqs=max(args.batches))
+    # The steps run on their own cache (decode_step): the engine keeps a small one and a short profiling step.
+    llm = LLM(
+        args.model,
+        device=str(device),
+        enforce_eager=True,
+        nextn=0,
+        max_num_seqs=max(args.batches),
+        max_model_len=args.context + 2,
+        max_num_batched_tokens=max(args.batches),
+        cache_memory_bytes=1 << 30,
+    )
     points = [profile_point(llm.model, b, args.context, args.steps, args.warmup, device) for b in args.batches]
     llm.close()
     out = args.out or RESULTS / f"profile_step-{device_label(str(device))}.json"

@@ -2,9 +2,9 @@
 reference on the CPU, at the model's shapes (m = 4; H = 256 of the tiny preset, 5120 of v41-flash; decode and prefill
 token counts; 256 experts, top 6).
 
-Tolerances as test_hyper_connection.py and test_moe_small_ops.py: mHC read and post bitwise; mixes within rtol 2e−6
-(read, write) and atol 2e−6 (comb), from the FP32 summation order of the mix GEMM and the device's ``exp``; SwiGLU and
-router weights within rtol 2^−20, router ids equal.
+Tolerances as test_hyper_connection.py and test_moe_small_ops.py: mHC read and post bitwise; mixes within atol 2e−5,
+from the FP32 summation order of the mix GEMM and the device's ``exp``; SwiGLU and router weights within rtol 2^−20,
+router ids equal.
 """
 
 from __future__ import annotations
@@ -42,9 +42,8 @@ def test_hc_mixes_gpu(n: int, hidden: int, dtype: torch.dtype, tf32: bool) -> No
     implementation("hc_mixes", Backend.REFERENCE)(*inputs, 1e-6, 1e-6, 20, tf32, *expected)
     actual = [torch.empty(s, device="cuda") for s in shapes]
     implementation("hc_mixes", Backend.NVIDIA)(*(t.cuda() for t in inputs), 1e-6, 1e-6, 20, tf32, *actual)
-    assert_close(actual[0].cpu(), expected[0], rtol=2e-6, atol=0.0, message="read mix")
-    assert_close(actual[1].cpu(), expected[1], rtol=2e-6, atol=0.0, message="write mix")
-    assert_close(actual[2].cpu(), expected[2], rtol=0.0, atol=2e-6, message="comb")
+    for name, a, e in zip(("read mix", "write mix", "comb"), actual, expected, strict=True):
+        assert_close(a.cpu(), e, rtol=0.0, atol=2e-5, message=name)
 
 
 @pytest.mark.parametrize(("n", "hidden"), _SHAPES)
