@@ -3,7 +3,8 @@ reference properties, wrapper checks.
 
 Tolerances: both kernels run the reference's FP32 operations in order, except ``exp`` (last bits) and, in the
 router, ``log1p`` (``log(1 + x) · x / ((1 + x) − 1)``) and the order of the sum over the chosen experts: SwiGLU within
-rtol 2^−20 + atol 1e−30; router ids equal (random logits have no near-ties) and weights within rtol 2^−20.
+rtol 2^−18 + atol 1e−30 (the compiled ``exp`` is off by up to about 2^−20 relative, 1.03 · 2^−20 seen on the H200);
+router ids equal (random logits have no near-ties) and weights within rtol 2^−20.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def test_swiglu_triton_parity(
     implementation("swiglu_clamped", Backend.NVIDIA)(
         t.to(triton_device), limit, None if weight is None else weight.to(triton_device), actual
     )
-    assert_close(actual.cpu(), expected, rtol=2.0**-20, atol=1e-30)
+    assert_close(actual.cpu(), expected, rtol=2.0**-18, atol=1e-30)
 
 
 @pytest.mark.parametrize(("n", "experts", "top_k"), [(1, 8, 2), (5, 64, 6), (19, 256, 8), (3, 12, 12)])

@@ -112,8 +112,10 @@ def hc_post(
         out: [n, m, H] bf16/fp32, written.
     """
     x, y = trunk.float(), output.float()
+    streams = []
     for o in range(x.shape[1]):
         acc = write_mix[:, o : o + 1] * y
         for i in range(x.shape[1]):
             acc = acc + comb[:, i, o : o + 1] * x[:, i]
-        out[:, o].copy_(acc)
+        streams.append(acc)
+    out.copy_(torch.stack(streams, dim=1))
