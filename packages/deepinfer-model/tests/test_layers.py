@@ -5,11 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer_kernels import KeySource, RowFormat, encode_rows, quantize_fp8_block, quantize_mxfp4, sparse_attention
+from deepinfer_kernels import (
+    KeySource,
+    RowFormat,
+    encode_rows,
+    quantize_fp8_block,
+    quantize_mxfp4,
+    sparse_attention,
+    swiglu_clamped,
+)
 from deepinfer_model import reference as ref
 from deepinfer_model.deepseek_v41.hyper_connection import hc_mixes, hc_post, hc_read
 from deepinfer_model.deepseek_v41.moe import Router
-from deepinfer_model.layers.activation import swiglu_clamped
 from deepinfer_model.layers.embedding import LMHead, VocabEmbedding
 from deepinfer_model.layers.linear import Bf16Linear, Fp8BlockLinear, Fp8GroupedLinear, Mxfp4ExpertStack
 from deepinfer_model.layers.mode import ComputeMode

@@ -6,9 +6,11 @@ The backend is chosen once per op from ``DEEPINFER_ACCELERATOR`` (see ``deepinfe
 Importing this package touches neither the device nor the environment.
 """
 
+from deepinfer_kernels.activation import swiglu_clamped
 from deepinfer_kernels.attention import KeySource, sparse_attention
 from deepinfer_kernels.gemm import dequantized_gemm, fp8_block_gemm, mxfp4_gemm
 from deepinfer_kernels.grouped_gemm import dequantized_grouped_gemm, mxfp4_grouped_gemm
+from deepinfer_kernels.hyper_connection import hc_mix_logits, hc_mixes, hc_post, hc_read
 from deepinfer_kernels.indexer import indexer_select
 from deepinfer_kernels.kv_cache import store_rows
 from deepinfer_kernels.norm import rms_norm
@@ -23,6 +25,7 @@ from deepinfer_kernels.quant import (
     ue8m0_to_float,
 )
 from deepinfer_kernels.rope import apply_rope, rope_cos_sin, rope_inverse_frequencies, yarn_inverse_frequencies
+from deepinfer_kernels.routing import router_topk
 from deepinfer_kernels.row_formats import RowFormat, bytes_per_row, decode_rows, encode_rows
 
 __all__ = [
@@ -40,6 +43,10 @@ __all__ = [
     "dequantized_grouped_gemm",
     "encode_rows",
     "fp8_block_gemm",
+    "hc_mix_logits",
+    "hc_mixes",
+    "hc_post",
+    "hc_read",
     "indexer_select",
     "mxfp4_gemm",
     "mxfp4_grouped_gemm",
@@ -49,8 +56,10 @@ __all__ = [
     "rms_norm",
     "rope_cos_sin",
     "rope_inverse_frequencies",
+    "router_topk",
     "sparse_attention",
     "store_rows",
+    "swiglu_clamped",
     "ue8m0_to_float",
     "yarn_inverse_frequencies",
 ]

@@ -6,13 +6,25 @@ Imported only when the nvidia backend is selected, so importing ``deepinfer_kern
 from __future__ import annotations
 
 from deepinfer_kernels._registry import Backend, OpRegistry
-from deepinfer_kernels.cuda import attention, gemm, grouped_gemm, indexer, norm, quant, rope, row_formats
+from deepinfer_kernels.cuda import (
+    activation,
+    attention,
+    gemm,
+    grouped_gemm,
+    hyper_connection,
+    indexer,
+    norm,
+    quant,
+    rope,
+    routing,
+    row_formats,
+)
 
 __all__ = ["register"]
 
 
 def register(registry: OpRegistry) -> None:
-    """Register the Triton implementations (ue8m0_to_float falls back to the reference)."""
+    """Register the Triton implementations (ue8m0_to_float and hc_mix_logits fall back to the reference)."""
     nvidia = Backend.NVIDIA
     registry.register("rms_norm", nvidia, norm.rms_norm)
     registry.register("apply_rope", nvidia, rope.apply_rope)
@@ -30,3 +42,8 @@ def register(registry: OpRegistry) -> None:
     registry.register("store_rows", nvidia, row_formats.store_rows)
     registry.register("sparse_attention", nvidia, attention.sparse_attention)
     registry.register("indexer_select", nvidia, indexer.indexer_select)
+    registry.register("hc_mixes", nvidia, hyper_connection.hc_mixes)
+    registry.register("hc_read", nvidia, hyper_connection.hc_read)
+    registry.register("hc_post", nvidia, hyper_connection.hc_post)
+    registry.register("swiglu_clamped", nvidia, activation.swiglu_clamped)
+    registry.register("router_topk", nvidia, routing.router_topk)

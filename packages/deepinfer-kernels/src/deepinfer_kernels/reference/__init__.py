@@ -3,7 +3,19 @@
 from __future__ import annotations
 
 from deepinfer_kernels._registry import Backend, OpRegistry
-from deepinfer_kernels.reference import attention, gemm, grouped_gemm, indexer, norm, quant, rope, row_formats
+from deepinfer_kernels.reference import (
+    activation,
+    attention,
+    gemm,
+    grouped_gemm,
+    hyper_connection,
+    indexer,
+    norm,
+    quant,
+    rope,
+    routing,
+    row_formats,
+)
 
 __all__ = ["register"]
 
@@ -30,3 +42,9 @@ def register(registry: OpRegistry) -> None:
     registry.register("store_rows", ref, row_formats.store_rows)
     registry.register("sparse_attention", ref, attention.sparse_attention)
     registry.register("indexer_select", ref, indexer.indexer_select)
+    registry.register("hc_mix_logits", ref, hyper_connection.hc_mix_logits)
+    registry.register("hc_mixes", ref, hyper_connection.hc_mixes)
+    registry.register("hc_read", ref, hyper_connection.hc_read)
+    registry.register("hc_post", ref, hyper_connection.hc_post)
+    registry.register("swiglu_clamped", ref, activation.swiglu_clamped)
+    registry.register("router_topk", ref, routing.router_topk)

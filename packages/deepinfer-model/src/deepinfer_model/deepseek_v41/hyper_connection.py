@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer_model.layers.mode import ComputeMode, round_activation
+import deepinfer_kernels as dk
+from deepinfer_model.layers.mode import ComputeMode
 
 __all__ = [
     "HCMixes",
@@ -27,19 +28,9 @@ __all__ = [
     "hc_post",
     "hc_read",
     "initial_read_mix",
-    "round_to_tf32",
 ]
 
-HC_POST_MULT = 2.0
-
 HCMixes = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-
-
-def round_to_tf32(x: torch.Tensor) -> torch.Tensor:
-    """Round FP32 values to TF32 (10 mantissa bits, nearest-even); the result stays FP32."""
-    bits = x.float().contiguous().view(torch.int32)
-    lsb = (bits >> 13) & 1
-    return ((bits + 0xFFF + lsb) & ~0x1FFF).view(torch.float32)
 
 
 def hc_mix_logits(trunk: torch.Tensor, fn: torch.Tensor, rms_eps: float, mode: ComputeMode) -> torch.Tensor:
@@ -47,11 +38,7 @@ def hc_mix_logits(trunk: torch.Tensor, fn: torch.Tensor, rms_eps: float, mode: C
 
     Args: trunk [n, m, H]; fn [rows, m·H] fp32. Returns: [n, rows] fp32.
     """
-    z = trunk.reshape(trunk.shape[0], -1).float()
-    mean_square = (z * z).sum(dim=-1, keepdim=True) / z.shape[-1]
-    gamma = torch.rsqrt((mean_square + rms_eps).double()).float()
-    weight = round_to_tf32(fn) if mode is ComputeMode.EXACT else fn.float()
-    return (z @ weight.t()) * gamma
+    return dk.hc_mix_logits(trunk, fn, rms_eps, tf32=mode is ComputeMode.EXACT)
 
 
 def hc_head(
@@ -85,7 +72,7 @@ def hc_mixes(
 
     The mix GEMM runs in TF32 in exact mode (``fn`` rounded to TF32; the BF16 trunk is exact in TF32;
     docs/design/numerics.md, "GEMM accumulation") and in plain FP32 otherwise; ``γ`` is a correctly rounded FP32
-    reciprocal square root.
+    reciprocal square root. One kernels op (``deepinfer_kernels.hc_mixes``: two kernels on NVIDIA).
 
     Args:
         trunk: [n, m, H] bf16/fp32.
@@ -100,17 +87,7 @@ def hc_mixes(
     Returns:
         ``(P, Q, C)``: [n, m], [n, m], [n, m, m] fp32.
     """
-    m = trunk.shape[1]
-    mu = hc_mix_logits(trunk, fn, rms_eps, mode)
-    read = torch.sigmoid(mu[:, :m] * scale[0] + base[:m]) + hc_eps
-    write = torch.sigmoid(mu[:, m : 2 * m] * scale[1] + base[m : 2 * m]) * HC_POST_MULT
-    logits = (mu[:, 2 * m :] * scale[2] + base[2 * m :]).view(-1, m, m)
-    comb = torch.softmax(logits, dim=-1) + hc_eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
-    for _ in range(sinkhorn_iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
-    return read, write, comb
+    return dk.hc_mixes(trunk, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters, tf32=mode is ComputeMode.EXACT)
 
 
 def hc_read(trunk: torch.Tensor, read_mix: torch.Tensor, mode: ComputeMode) -> torch.Tensor:
@@ -118,11 +95,7 @@ def hc_read(trunk: torch.Tensor, read_mix: torch.Tensor, mode: ComputeMode) -> t
 
     Args: trunk [n, m, H]; read_mix [n, m]. Returns: [n, H] activation dtype.
     """
-    x = trunk.float()
-    acc = read_mix[:, 0:1] * x[:, 0]
-    for j in range(1, x.shape[1]):
-        acc = acc + read_mix[:, j : j + 1] * x[:, j]
-    return round_activation(acc, mode)
+    return dk.hc_read(trunk, read_mix.float(), mode.activation_dtype)
 
 
 def hc_post(
@@ -138,14 +111,7 @@ def hc_post(
     Returns:
         [n, m, H] activation dtype.
     """
-    x, y = trunk.float(), output.float()
-    streams = []
-    for o in range(x.shape[1]):
-        acc = write_mix[:, o : o + 1] * y
-        for i in range(x.shape[1]):
-            acc = acc + comb[:, i, o : o + 1] * x[:, i]
-        streams.append(acc)
-    return round_activation(torch.stack(streams, dim=1), mode)
+    return dk.hc_post(output, trunk, write_mix, comb, mode.activation_dtype)
 
 
 def initial_read_mix(num_tokens: int, hc_mult: int, device: torch.device) -> torch.Tensor:

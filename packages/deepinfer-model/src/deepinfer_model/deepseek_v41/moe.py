@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from deepinfer_model.layers.activation import swiglu_clamped
+from deepinfer_kernels import router_topk, swiglu_clamped
 from deepinfer_model.layers.linear import Fp8BlockLinear, Mxfp4ExpertStack, make_parameter
 from deepinfer_model.layers.mode import ComputeMode, round_activation
 
@@ -26,8 +26,6 @@ __all__ = ["ExpertDispatch", "MoE", "RoutedExperts", "Router", "local_expert_dis
 
 # (inputs [n, H], topk_ids [n, k], topk_weights [n, k], experts, bias [n, H] fp32) -> bias + routed sum [n, H] fp32
 ExpertDispatch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "RoutedExperts", torch.Tensor], torch.Tensor]
-
-_WEIGHT_NORM_EPS = 1e-20
 
 
 def local_expert_dispatch(
@@ -70,13 +68,8 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Args: x [n, H] (text tokens). Returns: ``(topk_ids [n, k] int64, topk_weights [n, k] fp32)``."""
         logits = x.float() @ self.weight.float().t()  # FP32 logits, never rounded (docs/design/model.md, "Router")
-        scores = torch.sqrt(torch.where(logits > 20.0, logits, torch.log1p(torch.exp(logits))))
-        biased = scores + self.bias
-        # Stable descending sort: ties go to the lower expert index (docs/design/model.md, "Router").
-        order = torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, : self.top_k]
-        chosen = scores.gather(1, order)
-        weights = chosen / (chosen.sum(dim=-1, keepdim=True) + _WEIGHT_NORM_EPS) * self.scaling
-        return order, weights
+        # Scores, the stable biased top-k (ties to the lower expert index) and the weights in one kernels op.
+        return router_topk(logits, self.bias, self.top_k, self.scaling)
 
 
 class RoutedExperts(nn.Module):

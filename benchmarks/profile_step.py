@@ -1,0 +1,203 @@
+"""Kernel launches per decode step: a torch profile of eager decode steps of the engine's model.
+
+For each batch in `--batches` the engine's loaded model (built-in checkpoint unless `--model DIR`) gets a fresh cache
+with random valid rows of `--context` tokens for every request (`long_context.decode_step`, the same step a decode
+step of the engine computes: one token per request), runs `--warmup` eager steps, then `--steps` profiled eager steps
+(no CUDA graphs, so every kernel is seen; sampling excluded).
+
+Counted per step:
+- CUDA: the device kernels of the trace (memcpy / memset counted apart), and the top kernels by total device time
+  with their calls per step.
+- CPU (the stand-in, labelled "aten ops"): the aten ops called directly by the model code (not those nested inside
+  another aten op), without the view and metadata ops that compute nothing (`VIEW_OPS`) and without conversions that
+  had nothing to do (`IF_NEEDED_OPS` calling no other op); each stands for about one kernel launch of a device run.
+  Top ops by self CPU time.
+
+Prints a table last and writes JSON (default benchmarks/results/profile_step-<device>.json).
+
+Usage:
+    python benchmarks/profile_step.py [--model DIR] [--batches 1,64] [--context 128] [--device cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+from collections import defaultdict
+from typing import Any
+
+import torch
+from bench_common import RESULTS, device_label, git_commit, int_list
+from long_context import decode_step
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+# Aten ops that only make views or read metadata: no kernel on a device.
+VIEW_OPS = frozenset(
+    f"aten::{name}"
+    for name in (
+        "view",
+        "_reshape_alias",
+        "_unsafe_view",
+        "slice",
+        "select",
+        "expand",
+        "t",
+        "transpose",
+        "permute",
+        "unsqueeze",
+        "squeeze",
+        "as_strided",
+        "alias",
+        "detach",
+        "lift_fresh",
+        "empty",
+        "empty_like",
+        "empty_strided",
+        "split",
+        "chunk",
+        "unbind",
+        "narrow",
+        "unflatten",
+        "flatten",
+        "result_type",
+        "is_nonzero",
+        "item",
+        "_local_scalar_dense",
+        "resolve_conj",
+        "resolve_neg",
+    )
+)
+# Aten ops that return their input unchanged when nothing is to be done: counted only when they call another op.
+IF_NEEDED_OPS = frozenset(("aten::to", "aten::contiguous", "aten::reshape", "aten::type_as", "aten::clone"))
+_COPY_PREFIXES = ("Memcpy", "Memset")
+
+
+def _cuda_counts(events: list[Any]) -> tuple[dict[str, list[float]], int]:
+    """{kernel name: [calls, device µs]} of the device kernels, and the memcpy/memset count."""
+    kernels: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    copies = 0
+    for event in events:
+        if event.device_type != DeviceType.CUDA:
+            continue
+        if event.name.startswith(_COPY_PREFIXES):
+            copies += 1
+            continue
+        entry = kernels[event.name]
+        entry[0] += 1
+        entry[1] += event.device_time
+    return kernels, copies
+
+
+def _cpu_counts(events: list[Any]) -> dict[str, list[float]]:
+    """{aten op: [calls, self CPU µs]} of the aten ops the model code calls directly, views excluded."""
+    ops: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for event in events:
+        if event.device_type != DeviceType.CPU or not event.name.startswith("aten::") or event.name in VIEW_OPS:
+            continue
+        parent = event.cpu_parent
+        if parent is not None and parent.name.startswith("aten::"):
+            continue
+        if event.name in IF_NEEDED_OPS and not any(c.name not in VIEW_OPS for c in event.cpu_children):
+            continue
+        entry = ops[event.name]
+        entry[0] += 1
+        entry[1] += event.self_cpu_time_total
+    return ops
+
+
+def profile_point(model: Any, batch: int, context: int, steps: int, warmup: int, device: torch.device) -> dict:
+    """One batch size: launches (kernels or aten ops) per step and the top entries by time."""
+    with torch.inference_mode():
+        state, step, _ = decode_step(model, batch, context, context + 1, device, seed=batch)
+        for _ in range(warmup):
+            model(step, state)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            for _ in range(steps):
+                model(step, state)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+    events = list(prof.events())
+    if device.type == "cuda":
+        table, copies = _cuda_counts(events)
+        unit, extra = "kernels", {"memcpy_memset_per_step": copies / steps}
+    else:
+        table, unit, extra = _cpu_counts(events), "aten ops", {}
+    top = sorted(table.items(), key=lambda item: -item[1][1])
+    return {
+        "batch": batch,
+        "context": context,
+        "unit": unit,
+        "launches_per_step": sum(calls for calls, _ in table.values()) / steps,
+        "time_us_per_step": sum(us for _, us in table.values()) / steps,
+        **extra,
+        "top": [
+            {"name": name, "calls_per_step": calls / steps, "us_per_step": us / steps} for name, (calls, us) in top
+        ],
+    }
+
+
+def print_table(points: list[dict], top: int) -> None:
+    for point in points:
+        print(f"\nbatch {point['batch']}: top {top} {point['unit']} by total time per step")
+        print(f"{'calls':>7} {'us':>10}  name")
+        for entry in point["top"][:top]:
+            print(f"{entry['calls_per_step']:>7.0f} {entry['us_per_step']:>10.1f}  {entry['name'][:100]}")
+    print(f"\n{'batch':>6} {'unit':>9} {'per step':>9} {'us/step':>10}")
+    for point in points:
+        launches, us = point["launches_per_step"], point["time_us_per_step"]
+        print(f"{point['batch']:>6} {point['unit']:>9} {launches:>9.0f} {us:>10.0f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="checkpoint directory (default: the built-in checkpoint)")
+    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: detect)")
+    parser.add_argument("--batches", type=int_list, default=[1, 64], help="batch sizes, comma-separated")
+    parser.add_argument("--context", type=int, default=128, help="tokens already in each request's cache")
+    parser.add_argument("--steps", type=int, default=2, help="profiled steps per batch")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (Triton compiles here)")
+    parser.add_argument("--top", type=int, default=15, help="rows of the top-kernels table")
+    parser.add_argument("--label", default=None, help="what was measured (e.g. a branch name), recorded in the JSON")
+    parser.add_argument("--out", type=pathlib.Path, default=None, help="JSON path")
+    args = parser.parse_args()
+
+    from deepinfer_engine import LLM
+    from deepinfer_kernels.platform import Accelerator, current_accelerator
+
+    device = torch.device(args.device or ("cuda" if current_accelerator() is Accelerator.NVIDIA else "cpu"))
+    # The steps run on their own cache (decode_step): the engine keeps a small one and a short profiling step.
+    llm = LLM(
+        args.model,
+        device=str(device),
+        enforce_eager=True,
+        nextn=0,
+        max_num_seqs=max(args.batches),
+        max_model_len=args.context + 2,
+        max_num_batched_tokens=max(args.batches),
+        cache_memory_bytes=1 << 30,
+    )
+    points = [profile_point(llm.model, b, args.context, args.steps, args.warmup, device) for b in args.batches]
+    llm.close()
+    out = args.out or RESULTS / f"profile_step-{device_label(str(device))}.json"
+    result = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "checkpoint": args.model or "built-in",
+        "label": args.label,
+        "git_commit": git_commit(),
+        "method": "eager decode steps of the engine's model (long_context.decode_step), torch.profiler; CUDA: device "
+        "kernels per step; CPU: aten ops called by the model code, views excluded (a stand-in for launches)",
+        "points": points,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print_table(points, args.top)
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,261 @@
+"""Triton mHC ops: the mixes in two kernels, the read and the post in one each (docs/design/kernels.md, "mHC ops").
+
+- Mixes, kernel 1 (``_mix_logits_kernel``): the mix GEMM ``fn·z`` and ``Σz²`` over fixed chunks of ``CHUNK`` columns of
+  the flattened trunk ``z`` (split-K, so a batch-1 step spreads the ``fn`` read over many programs), FP32 partials per
+  chunk. The chunk count depends only on ``m·H``, so the summation order does not depend on the batch.
+- Mixes, kernel 2 (``_mixes_kernel``): one program per token sums the partials in chunk order, forms ``γ`` (FP64
+  reciprocal square root rounded to FP32, as the reference), the logits, both sigmoids, the softmax and every Sinkhorn
+  normalization on the ``m × m`` comb held in registers.
+- Read and post: one program per (token, block of ``H``); FP32 products and sums in the reference's order.
+
+Divisions are IEEE (``tl.div_rn``) and every kernel is compiled with ``enable_fp_fusion=False``: a multiply followed
+by an add is never contracted into an FMA, so the read and the post round exactly as the reference (bitwise equal).
+The mixes differ from the reference only in FP32 summation order (``Σz²`` and the mix GEMM; TF32 operands are exact,
+so ``tl.dot`` in TF32 forms exact products) and in the last bits of ``exp``.
+"""
+
+# Triton reads parameter annotations as kernel type hints, so @triton.jit functions stay unannotated.
+# ruff: noqa: ANN001, ANN202
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer_kernels.cuda._formats import to_output_dtype
+from deepinfer_kernels.cuda._launch import check_launchable
+from deepinfer_kernels.reference.hyper_connection import HC_POST_MULT
+
+__all__ = ["hc_mixes", "hc_post", "hc_read"]
+
+_CHUNK = 512  # columns of z per split-K program
+_BLOCK_K = 64
+_BLOCK_M = 16  # tokens per mix-GEMM program (the MMA minimum)
+_BLOCK_H = 512
+
+
+@triton.jit
+def _round_to_tf32(x):  # type: ignore[no-untyped-def]
+    bits = x.to(tl.int32, bitcast=True)
+    return ((bits + 0xFFF + ((bits >> 13) & 1)) & ~0x1FFF).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mix_logits_kernel(  # type: ignore[no-untyped-def]
+    z_ptr,
+    fn_ptr,
+    part_ptr,
+    sum_sq_ptr,
+    n,
+    width,
+    rows,
+    CHUNK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    TF32: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    split = tl.program_id(1)
+    tokens = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    token_mask = tokens < n
+    fn_rows = tl.arange(0, BLOCK_R)
+    row_mask = fn_rows < rows
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    sum_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    start = split * CHUNK
+    for k0 in range(start, start + CHUNK, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        col_mask = cols < width
+        z = tl.load(
+            z_ptr + tokens[:, None].to(tl.int64) * width + cols[None, :],
+            mask=token_mask[:, None] & col_mask[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        w = tl.load(
+            fn_ptr + fn_rows[:, None] * width + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0
+        )
+        if TF32:
+            # TF32 operands make every product exact; the MMA accumulates in FP32.
+            acc += tl.dot(z, tl.trans(_round_to_tf32(w)), input_precision="tf32")
+        else:
+            acc += tl.dot(z, tl.trans(w), input_precision="ieee")
+        sum_sq += tl.sum(z * z, axis=1)
+    base = split.to(tl.int64) * n + tokens
+    tl.store(part_ptr + base[:, None] * BLOCK_R + fn_rows[None, :], acc, mask=token_mask[:, None])
+    tl.store(sum_sq_ptr + base, sum_sq, mask=token_mask)
+
+
+@triton.jit
+def _sigmoid(x):  # type: ignore[no-untyped-def]
+    return tl.div_rn(1.0, 1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _mixes_kernel(  # type: ignore[no-untyped-def]
+    part_ptr,
+    sum_sq_ptr,
+    scale_ptr,
+    base_ptr,
+    read_ptr,
+    write_ptr,
+    comb_ptr,
+    n,
+    width,  # m·H as a float
+    splits,
+    rms_eps,
+    hc_eps,
+    sinkhorn_iters,
+    M: tl.constexpr,
+    BLOCK_MM: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    POST_MULT: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    streams = tl.arange(0, BLOCK_MM)
+    stream_mask = streams < M
+    comb_mask = stream_mask[:, None] & stream_mask[None, :]
+    comb_index = streams[:, None] * M + streams[None, :]
+    sum_sq = 0.0
+    mu_read = tl.zeros((BLOCK_MM,), dtype=tl.float32)
+    mu_write = tl.zeros((BLOCK_MM,), dtype=tl.float32)
+    mu_comb = tl.zeros((BLOCK_MM, BLOCK_MM), dtype=tl.float32)
+    for split in range(splits):
+        row = (split * n + token) * BLOCK_R
+        sum_sq += tl.load(sum_sq_ptr + split * n + token)
+        mu_read += tl.load(part_ptr + row + streams, mask=stream_mask, other=0.0)
+        mu_write += tl.load(part_ptr + row + M + streams, mask=stream_mask, other=0.0)
+        mu_comb += tl.load(part_ptr + row + 2 * M + comb_index, mask=comb_mask, other=0.0)
+    # γ: FP32 mean square and + eps, the reciprocal square root in FP64, rounded once to FP32.
+    mean_square = tl.div_rn(sum_sq, width)
+    gamma = (1.0 / tl.sqrt((mean_square + rms_eps).to(tl.float64))).to(tl.float32)
+    scale_read = tl.load(scale_ptr)
+    scale_write = tl.load(scale_ptr + 1)
+    scale_comb = tl.load(scale_ptr + 2)
+    base_read = tl.load(base_ptr + streams, mask=stream_mask, other=0.0)
+    base_write = tl.load(base_ptr + M + streams, mask=stream_mask, other=0.0)
+    base_comb = tl.load(base_ptr + 2 * M + comb_index, mask=comb_mask, other=0.0)
+    read = _sigmoid((mu_read * gamma) * scale_read + base_read) + hc_eps
+    write = _sigmoid((mu_write * gamma) * scale_write + base_write) * POST_MULT
+    # Padding lanes get a finite floor (no inf − inf); their exp is 0 in real rows and they are zeroed below.
+    logits = tl.where(comb_mask, (mu_comb * gamma) * scale_comb + base_comb, -1e30)
+    e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+    comb = tl.where(comb_mask, tl.div_rn(e, tl.sum(e, axis=1)[:, None]) + hc_eps, 0.0)
+    comb = tl.div_rn(comb, tl.sum(comb, axis=0)[None, :] + hc_eps)
+    for _ in range(sinkhorn_iters - 1):
+        comb = tl.div_rn(comb, tl.sum(comb, axis=1)[:, None] + hc_eps)
+        comb = tl.div_rn(comb, tl.sum(comb, axis=0)[None, :] + hc_eps)
+    tl.store(read_ptr + token * M + streams, read, mask=stream_mask)
+    tl.store(write_ptr + token * M + streams, write, mask=stream_mask)
+    tl.store(comb_ptr + token * M * M + comb_index, comb, mask=comb_mask)
+
+
+def hc_mixes(
+    trunk: torch.Tensor,
+    fn: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    rms_eps: float,
+    hc_eps: float,
+    sinkhorn_iters: int,
+    tf32: bool,
+    read: torch.Tensor,
+    write: torch.Tensor,
+    comb: torch.Tensor,
+) -> None:
+    """Triton mixes (arguments as ``reference.hyper_connection.hc_mixes``; contiguous inputs)."""
+    check_launchable(trunk=trunk, fn=fn, scale=scale, base=base, read=read, write=write, comb=comb)
+    n, m, hidden = trunk.shape
+    width, rows = m * hidden, fn.shape[0]
+    splits = triton.cdiv(width, _CHUNK)
+    block_r = max(16, triton.next_power_of_2(rows))
+    part = torch.empty((splits, n, block_r), dtype=torch.float32, device=trunk.device)
+    sum_sq = torch.empty((splits, n), dtype=torch.float32, device=trunk.device)
+    _mix_logits_kernel[(triton.cdiv(n, _BLOCK_M), splits)](
+        trunk,
+        fn,
+        part,
+        sum_sq,
+        n,
+        width,
+        rows,
+        CHUNK=_CHUNK,
+        BLOCK_M=_BLOCK_M,
+        BLOCK_R=block_r,
+        BLOCK_K=_BLOCK_K,
+        TF32=tf32,
+        enable_fp_fusion=False,
+    )
+    # Python floats reach the kernel as FP32 values, as the reference adds them to FP32 tensors.
+    _mixes_kernel[(n,)](
+        part,
+        sum_sq,
+        scale,
+        base,
+        read,
+        write,
+        comb,
+        n,
+        float(width),
+        splits,
+        float(rms_eps),
+        float(hc_eps),
+        sinkhorn_iters,
+        M=m,
+        BLOCK_MM=triton.next_power_of_2(m),
+        BLOCK_R=block_r,
+        POST_MULT=HC_POST_MULT,
+        enable_fp_fusion=False,
+    )
+
+
+@triton.jit
+def _read_kernel(x_ptr, mix_ptr, out_ptr, hidden, M: tl.constexpr, BLOCK_H: tl.constexpr):  # type: ignore[no-untyped-def]
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < hidden
+    row = x_ptr + token * M * hidden + cols
+    acc = tl.load(mix_ptr + token * M) * tl.load(row, mask=mask, other=0.0).to(tl.float32)
+    for j in tl.static_range(1, M):
+        acc = acc + tl.load(mix_ptr + token * M + j) * tl.load(row + j * hidden, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * hidden + cols, to_output_dtype(acc, out_ptr), mask=mask)
+
+
+def hc_read(trunk: torch.Tensor, read_mix: torch.Tensor, out: torch.Tensor) -> None:
+    """Triton read (arguments as ``reference.hyper_connection.hc_read``; contiguous inputs; bitwise equal)."""
+    check_launchable(trunk=trunk, read_mix=read_mix, out=out)
+    n, m, hidden = trunk.shape
+    block = min(_BLOCK_H, triton.next_power_of_2(hidden))
+    _read_kernel[(n, triton.cdiv(hidden, block))](
+        trunk, read_mix, out, hidden, M=m, BLOCK_H=block, enable_fp_fusion=False
+    )
+
+
+@triton.jit
+def _post_kernel(  # type: ignore[no-untyped-def]
+    y_ptr, x_ptr, write_ptr, comb_ptr, out_ptr, hidden, M: tl.constexpr, BLOCK_H: tl.constexpr
+):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < hidden
+    y = tl.load(y_ptr + token * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+    row = x_ptr + token * M * hidden + cols
+    for o in tl.static_range(M):
+        acc = tl.load(write_ptr + token * M + o) * y
+        for i in tl.static_range(M):
+            source = tl.load(row + i * hidden, mask=mask, other=0.0).to(tl.float32)
+            acc = acc + tl.load(comb_ptr + token * M * M + i * M + o) * source
+        tl.store(out_ptr + (token * M + o) * hidden + cols, to_output_dtype(acc, out_ptr), mask=mask)
+
+
+def hc_post(
+    output: torch.Tensor, trunk: torch.Tensor, write_mix: torch.Tensor, comb: torch.Tensor, out: torch.Tensor
+) -> None:
+    """Triton post (arguments as ``reference.hyper_connection.hc_post``; contiguous inputs; bitwise equal)."""
+    check_launchable(output=output, trunk=trunk, write_mix=write_mix, comb=comb, out=out)
+    n, m, hidden = trunk.shape
+    block = min(_BLOCK_H, triton.next_power_of_2(hidden))
+    _post_kernel[(n, triton.cdiv(hidden, block))](
+        output, trunk, write_mix, comb, out, hidden, M=m, BLOCK_H=block, enable_fp_fusion=False
+    )
