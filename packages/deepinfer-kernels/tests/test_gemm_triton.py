@@ -134,3 +134,37 @@ def test_nan_weight_code_gives_nan_column(triton_device: str) -> None:
     fast, ref = _both("fp8_block_gemm", triton_device, x, w_q, w_scale, out=torch.empty(3, 40, dtype=torch.bfloat16))
     assert torch.isnan(ref[:, 5]).all() and torch.isnan(fast[:, 5]).all()
     assert not torch.isnan(fast[:, :5]).any() and not torch.isnan(fast[:, 6:]).any()
+
+
+@pytest.mark.parametrize("op", ["fp8_block_gemm", "mxfp4_gemm", "mxfp4_grouped_gemm"])
+def test_split_k_matches_one_program_bitwise(triton_device: str, op: str) -> None:
+    """K = 1024 runs in 4 chunks (cuda.gemm_tiles.k_chunk): chunks as programs of their own plus the reduction give
+    the same bits as one program summing the chunks in order, and both meet the reference's tolerance."""
+    from deepinfer_kernels.cuda.gemm_tiles import BlockConfig, k_chunk
+
+    m, n, k = 3, 64, 1024
+    assert k // k_chunk(n, k) == 4
+    x = _activation(m, k, seed=13, dtype=torch.bfloat16)
+    if op == "fp8_block_gemm":
+        weights: tuple[torch.Tensor, ...] = (random_e4m3((n, k), seed=14), random_ue8m0((n // 32, k // 32), seed=15))
+        w_hat = dk.dequantize_fp8_block(*weights, out_dtype=torch.float32)
+        inputs: tuple[torch.Tensor, ...] = (x, *weights)
+    else:
+        weights = (random_mxfp4_packed((n, k // 2), seed=16), random_ue8m0((n, k // 32), seed=17))
+        w_hat = dk.dequantize_mxfp4(*weights)
+        inputs = (x, *weights)
+        if op == "mxfp4_grouped_gemm":
+            # Two experts (the second a copy of the first), one row without an expert.
+            inputs = (x, torch.tensor([1, -1, 0]), *(torch.stack([w, w]) for w in weights))
+    results = []
+    for split_grid in (True, False):
+        cfg = BlockConfig(block_m=16, block_n=32, num_warps=4, num_stages=2, split_grid=split_grid)
+        out = torch.zeros(m, n, dtype=torch.bfloat16, device=triton_device)
+        implementation(op, Backend.NVIDIA)(*(t.to(triton_device) for t in inputs), out, config=cfg)
+        results.append(out.cpu())
+    assert torch.equal(results[0], results[1])
+    ref = torch.zeros(m, n, dtype=torch.bfloat16)
+    implementation(op, Backend.REFERENCE)(*inputs, ref)
+    assert_gemm_close(results[0], ref, abs_product(dequantized_activation(x), w_hat.double()), k)
+    if op == "mxfp4_grouped_gemm":
+        assert torch.all(results[0][1] == 0)
