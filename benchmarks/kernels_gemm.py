@@ -160,6 +160,20 @@ def tune(
     return best, best_us, same
 
 
+def part_times(n: int, k: int, x: torch.Tensor, repeats: int) -> dict[str, float]:
+    """Diagnostics: the activation quantizer alone and the split-K reduction alone (default tiles)."""
+    from deepinfer_kernels.cuda.gemm import partials, quantized_activation
+    from deepinfer_kernels.cuda.gemm_operands import reduce_partials
+    from deepinfer_kernels.cuda.gemm_tiles import default_config
+
+    out = torch.empty(x.shape[0], n, dtype=torch.bfloat16, device="cuda")
+    partial = partials(x.shape[0], n, k, default_config(x.shape[0]), x.device, zeroed=True)
+    return {
+        "quantize_us": time_us(lambda: quantized_activation(x), repeats),
+        "reduce_us": time_us(lambda: reduce_partials(partial, out), repeats),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="1,16,64", help="comma-separated token counts")
@@ -168,6 +182,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--baseline", action="store_true")
     parser.add_argument("--tune", action="store_true")
+    parser.add_argument("--parts", action="store_true", help="also time the quantizer and the reduction alone")
     parser.add_argument("--compare", default=None, help="JSON of a --baseline run: adds old/new ratios")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels_gemm-<device>.json)")
     args = parser.parse_args()
@@ -214,6 +229,8 @@ def main() -> None:
                     one = torch.zeros(1, n, dtype=out_dtype, device="cuda")
                     call(op, args.baseline, x[:1].contiguous(), None, weights, one, cfg)()
                     point["row0_equals_1_row_call"] = bool(torch.equal(one[0], out[0]))
+                if args.parts and ids is None and op != "lm_head" and not args.baseline:
+                    point.update(part_times(n, k, x, args.repeats))
                 touched = int(torch.unique(ids).numel()) if ids is not None else 1
                 point["weight_bytes"] = (
                     sum(w.numel() * w.element_size() for w in weights)
