@@ -227,7 +227,7 @@ def main() -> None:
                 point["median_us"] = time_us(call(op, args.baseline, x, ids, weights, out, cfg), args.repeats)
                 if ids is None and op != "lm_head":
                     one = torch.zeros(1, n, dtype=out_dtype, device="cuda")
-                    call(op, args.baseline, x[:1].contiguous(), None, weights, one, cfg)()
+                    call(op, args.baseline, x[:1].contiguous(), None, weights, one)()
                     point["row0_equals_1_row_call"] = bool(torch.equal(one[0], out[0]))
                 if args.parts and ids is None and op != "lm_head" and not args.baseline:
                     point.update(part_times(n, k, x, args.repeats))
