@@ -81,12 +81,19 @@ def test_grouped_triton_ids_outside_range_give_zero_rows(triton_device: str) -> 
     assert torch.all(out == 0)
 
 
-@pytest.mark.parametrize(("m", "experts", "block_m"), [(1, 256, 16), (50, 4, 16), (37, 8, 4), (9, 3, 64)])
-def test_expert_tiles_cover_each_routed_row_once(triton_device: str, m: int, experts: int, block_m: int) -> None:
+@pytest.mark.parametrize("one_program", [False, True])
+@pytest.mark.parametrize(
+    ("m", "experts", "block_m"), [(1, 256, 16), (50, 4, 16), (37, 8, 4), (9, 3, 64), (150, 384, 16), (130, 5, 16)]
+)
+def test_expert_tiles_cover_each_routed_row_once(
+    triton_device: str, m: int, experts: int, block_m: int, one_program: bool
+) -> None:
     from deepinfer_kernels.cuda.grouped_gemm import expert_tiles
+    from deepinfer_kernels.cuda.grouped_tiles import expert_tiles_one_program
 
     ids = torch.randint(-1, experts, (m,), generator=torch.Generator().manual_seed(m))
-    order, tile_expert, start, end = expert_tiles(ids, experts, block_m)
+    tables = expert_tiles_one_program if one_program else expert_tiles
+    order, tile_expert, start, end = (t.cpu() for t in tables(ids.to(triton_device), experts, block_m))
     assert tile_expert.numel() == -(-m // block_m) + min(experts, m)
     bucket = torch.where(ids < 0, experts, ids)[order]
     assert torch.equal(torch.sort(order).values, torch.arange(m))
@@ -102,6 +109,13 @@ def test_expert_tiles_cover_each_routed_row_once(triton_device: str, m: int, exp
         assert all(int(ids[order[p]]) == expert for p in positions)
         served.extend(int(order[p]) for p in positions)
     assert sorted(served) == [r for r in range(m) if int(ids[r]) >= 0]
+    if one_program:
+        # The same tables as the PyTorch ops wherever a tile has rows.
+        torch_tables = expert_tiles(ids, experts, block_m)
+        assert torch.equal(order, torch_tables[0])
+        real = tile_expert < experts
+        for mine, theirs in zip((tile_expert, start, end), torch_tables[1:], strict=True):
+            assert torch.equal(mine[real], theirs[real])
 
 
 @pytest.mark.parametrize(("scale_byte", "x_exponent"), [(10, 100), (127, 0), (240, -10)])

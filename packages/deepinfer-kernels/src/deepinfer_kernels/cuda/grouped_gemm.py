@@ -21,6 +21,7 @@ from deepinfer_kernels.cuda._launch import check_launchable
 from deepinfer_kernels.cuda.gemm import launch_grid, mxfp4_kernel, partials, quantized_activation
 from deepinfer_kernels.cuda.gemm_operands import dot_in_bf16, reduce_partials
 from deepinfer_kernels.cuda.gemm_tiles import BlockConfig, block_config
+from deepinfer_kernels.cuda.grouped_tiles import MAX_ROWS, expert_tiles_one_program
 
 # Above this many rows the touched experts alone give enough programs: chunks stay inside one program, which keeps
 # the FP32 partials (C × M × N) out of memory. Either way the sums are the same bits (cuda.gemm_tiles).
@@ -91,7 +92,8 @@ def mxfp4_grouped_gemm(
     cfg = config or block_config("mxfp4_grouped_gemm", triton.cdiv(m, experts), n, k)
     if m > _SPLIT_MAX_ROWS:
         cfg = dataclasses.replace(cfg, split_grid=False)
-    order, tile_expert, tile_start, tile_end = expert_tiles(expert_ids, experts, cfg.block_m)
+    tables = expert_tiles_one_program if m <= MAX_ROWS else expert_tiles
+    order, tile_expert, tile_start, tile_end = tables(expert_ids, experts, cfg.block_m)
     grid, chunk = launch_grid(tile_expert.numel(), n, k, cfg)
     # Rows of no expert get no program: their partials stay zero, so the reduction writes zero rows.
     partial = partials(m, n, k, cfg, x.device, zeroed=True)
