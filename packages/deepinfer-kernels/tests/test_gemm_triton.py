@@ -150,10 +150,12 @@ def test_nan_weight_code_gives_nan_column(triton_device: str) -> None:
     assert not torch.isnan(fast[:, :5]).any() and not torch.isnan(fast[:, 6:]).any()
 
 
+@pytest.mark.parametrize("gemv", [False, True])
 @pytest.mark.parametrize("op", ["fp8_block_gemm", "mxfp4_gemm", "mxfp4_grouped_gemm"])
-def test_split_k_matches_one_program_bitwise(triton_device: str, op: str) -> None:
+def test_split_k_matches_one_program_bitwise(triton_device: str, op: str, gemv: bool) -> None:
     """K = 1024 runs in 4 chunks (cuda.gemm_tiles.k_chunk): chunks as programs of their own plus the reduction give
-    the same bits as one program summing the chunks in order, and both meet the reference's tolerance."""
+    the same bits as one program summing the chunks in order, and both meet the reference's tolerance (MMA and
+    FMA kernels)."""
     from deepinfer_kernels.cuda.gemm_tiles import BlockConfig, k_chunk
 
     m, n, k = 3, 64, 1024
@@ -172,7 +174,7 @@ def test_split_k_matches_one_program_bitwise(triton_device: str, op: str) -> Non
             inputs = (x, torch.tensor([1, -1, 0]), *(torch.stack([w, w]) for w in weights))
     results = []
     for split_grid in (True, False):
-        cfg = BlockConfig(block_m=16, block_n=32, num_warps=4, num_stages=2, split_grid=split_grid)
+        cfg = BlockConfig(block_m=16, block_n=32, num_warps=4, num_stages=2, split_grid=split_grid, gemv=gemv)
         out = torch.zeros(m, n, dtype=torch.bfloat16, device=triton_device)
         implementation(op, Backend.NVIDIA)(*(t.to(triton_device) for t in inputs), out, config=cfg)
         results.append(out.cpu())
@@ -182,3 +184,23 @@ def test_split_k_matches_one_program_bitwise(triton_device: str, op: str) -> Non
     assert_gemm_close(results[0], ref, abs_product(dequantized_activation(x), w_hat.double()), k)
     if op == "mxfp4_grouped_gemm":
         assert torch.all(results[0][1] == 0)
+
+
+@pytest.mark.parametrize("op", ["fp8_block_gemm", "mxfp4_gemm"])
+def test_gemv_row_bits_do_not_depend_on_the_row_count(triton_device: str, op: str) -> None:
+    """The FMA kernels sum every row in the same order whatever the rows per program: row r of a 5-row call (8 rows
+    per program) equals the 1-row call on that row, bit for bit."""
+    m, n, k = 5, 64, 512
+    x = _activation(m, k, seed=18, dtype=torch.bfloat16)
+    if op == "fp8_block_gemm":
+        weights = (random_e4m3((n, k), seed=19), random_ue8m0((n // 32, k // 32), seed=20))
+    else:
+        weights = (random_mxfp4_packed((n, k // 2), seed=21), random_ue8m0((n, k // 32), seed=22))
+    impl = implementation(op, Backend.NVIDIA)
+    device_weights = tuple(w.to(triton_device) for w in weights)
+    together = torch.empty(m, n, dtype=torch.bfloat16, device=triton_device)
+    impl(x.to(triton_device), *device_weights, together)
+    for r in (0, 3):
+        alone = torch.empty(1, n, dtype=torch.bfloat16, device=triton_device)
+        impl(x[r : r + 1].to(triton_device), *device_weights, alone)
+        assert torch.equal(alone[0].cpu(), together[r].cpu())

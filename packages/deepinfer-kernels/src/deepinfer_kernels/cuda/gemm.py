@@ -41,12 +41,24 @@ from deepinfer_kernels.cuda.gemm_operands import (
     e2m1_tiles,
     e4m3_tile,
     finish_tile,
+    native_fp8,
     operand,
     reduce_partials,
 )
 from deepinfer_kernels.cuda.gemm_tiles import BlockConfig, block_config, k_chunk
+from deepinfer_kernels.cuda.gemv import fp8_gemv_kernel, mxfp4_gemv_kernel
 
-__all__ = ["fp8_block_gemm", "launch_grid", "mxfp4_gemm", "mxfp4_kernel", "partials", "quantized_activation"]
+__all__ = [
+    "deinterleaved_activation",
+    "fp8_block_gemm",
+    "gemv_rows",
+    "launch_grid",
+    "mxfp4_gemm",
+    "mxfp4_kernel",
+    "mxfp4_launch",
+    "partials",
+    "quantized_activation",
+]
 
 _GROUP = 32
 
@@ -156,11 +168,12 @@ def mxfp4_kernel(  # type: ignore[no-untyped-def]
     n_offsets = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n_offsets < N
     n_rows = n_offsets.to(tl.int64)
-    # Each nibble plane of the packed weight meets the activation's even resp. odd columns of each 32-column group,
-    # read with a stride of 2: the product is the sum of an even-column and an odd-column dot.
+    # The activation arrives de-interleaved per 32-column group (16 even columns, then 16 odd ones; see
+    # deinterleaved_activation), so each nibble plane of the packed weight meets contiguous activation bytes: the
+    # product is the sum of an even-column and an odd-column dot.
     groups = tl.arange(0, BLOCK_K // 32)
     sixteen = tl.arange(0, 16)
-    q_ptrs = q_ptr + rows[:, None, None] * stride_q + (groups[:, None] * 32 + 2 * sixteen[None, :])[None, :, :]
+    q_ptrs = q_ptr + rows[:, None, None] * stride_q + (groups[:, None] * 32 + sixteen[None, :])[None, :, :]
     qs_ptrs = qs_ptr + rows[:, None] * stride_qs + groups[None, :]
     p_ptrs = packed_ptr + n_rows[:, None, None] * stride_p + (groups[:, None] * 16 + sixteen[None, :])[None, :, :]
     s_ptrs = ws_ptr + n_rows[:, None] * stride_s + groups[None, :]
@@ -175,7 +188,7 @@ def mxfp4_kernel(  # type: ignore[no-untyped-def]
             a_scale = tl.load(qs_ptrs + k0 // 32, mask=a_mask, other=0)
             a_even = e4m3_tile(tl.load(q_ptrs + k0, mask=a_mask[:, :, None], other=0), a_scale, BLOCK_M, BLOCK_K // 2)
             a_odd = e4m3_tile(
-                tl.load(q_ptrs + k0 + 1, mask=a_mask[:, :, None], other=0), a_scale, BLOCK_M, BLOCK_K // 2
+                tl.load(q_ptrs + k0 + 16, mask=a_mask[:, :, None], other=0), a_scale, BLOCK_M, BLOCK_K // 2
             )
             w_mask = n_mask[:, None] & group_mask
             raw = tl.load(p_ptrs + k0 // 2, mask=w_mask[:, :, None], other=0)
@@ -198,6 +211,14 @@ def quantized_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.view(torch.uint8), scale.view(torch.uint8)
 
 
+def deinterleaved_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantized_activation` with each 32-column group's codes reordered for ``mxfp4_kernel``: group g holds
+    columns g·32, g·32+2, …, g·32+30, then g·32+1, …, g·32+31."""
+    q, scale = quantized_activation(x)
+    rows, cols = q.shape
+    return q.view(rows, cols // 32, 16, 2).transpose(2, 3).reshape(rows, cols), scale
+
+
 def launch_grid(row_tiles: int, n: int, k: int, cfg: BlockConfig) -> tuple[tuple[int, int, int], int]:
     """(grid, K chunk length) of a launch: row tiles × N tiles × (K chunks under split-K, else 1)."""
     chunk = k_chunk(n, k)
@@ -210,11 +231,74 @@ def partials(m: int, n: int, k: int, cfg: BlockConfig, device: torch.device, zer
     if not cfg.split_grid:
         return torch.empty(1, dtype=torch.float32, device=device)
     shape = (triton.cdiv(k, k_chunk(n, k)), m, n)
-    return (
-        torch.zeros(shape, dtype=torch.float32, device=device)
-        if zeroed
-        else torch.empty(shape, dtype=torch.float32, device=device)
+    make = torch.zeros if zeroed else torch.empty
+    return make(shape, dtype=torch.float32, device=device)
+
+
+def gemv_rows(rows: int, cfg: BlockConfig) -> int:
+    """Rows per GEMV program: the rows rounded up to a power of two, at most the tile's ``block_m``."""
+    return min(cfg.block_m, triton.next_power_of_2(max(rows, 1)))
+
+
+def mxfp4_launch(
+    q: torch.Tensor,
+    q_scale: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    out: torch.Tensor,
+    tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    rows_per_program: int,
+    cfg: BlockConfig,
+) -> None:
+    """Launch the MXFP4 GEMM (``cfg.gemv``: ``gemv.mxfp4_gemv_kernel`` on codes from :func:`quantized_activation`,
+    else ``mxfp4_kernel`` on codes from :func:`deinterleaved_activation`), dense (``tables`` None; packed [N, K/2])
+    or grouped (``tables`` from ``grouped_gemm.expert_tiles``; packed [E, N, K/2]); reduces split-K partials."""
+    m, k = q.shape
+    n = packed.shape[-2]
+    grouped = tables is not None
+    order, tile_expert, tile_start, tile_end = tables if tables is not None else (packed,) * 4
+    row_tiles = tile_expert.numel() if grouped else triton.cdiv(m, rows_per_program)
+    grid, chunk = launch_grid(row_tiles, n, k, cfg)
+    partial = partials(m, n, k, cfg, q.device, zeroed=grouped)
+    kernel = mxfp4_gemv_kernel if cfg.gemv else mxfp4_kernel
+    rows: dict[str, int | bool] = (
+        {"ROWS": rows_per_program, "NATIVE_FP8": native_fp8(), "E4M3_BIAS": 0 if native_fp8() else 8}
+        if cfg.gemv
+        else {"BLOCK_M": rows_per_program, "BLOCK_K": cfg.block_k, "DOT_BF16": dot_in_bf16()}
     )
+    kernel[grid](
+        q,
+        q_scale,
+        packed.view(torch.uint8),
+        scale.view(torch.uint8),
+        out,
+        partial,
+        order,
+        tile_expert,
+        tile_start,
+        tile_end,
+        m,
+        n,
+        k,
+        chunk,
+        packed.shape[0] if grouped else 1,
+        q.stride(0),
+        q_scale.stride(0),
+        packed.stride(0) if grouped else 0,
+        packed.stride(-2),
+        scale.stride(0) if grouped else 0,
+        scale.stride(-2),
+        out.stride(0),
+        GROUPED=grouped,
+        SPLIT_GRID=cfg.split_grid,
+        BLOCK_N=cfg.block_n,
+        **({"BLOCK_K": cfg.block_k} if cfg.gemv else {}),
+        **rows,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if cfg.split_grid:
+        reduce_partials(partial, out)
 
 
 def fp8_block_gemm(
@@ -233,34 +317,35 @@ def fp8_block_gemm(
     (m, k), n = x.shape, w_q.shape[0]
     q, q_scale = quantized_activation(x)
     cfg = config or block_config("fp8_block_gemm", m, n, k)
-    if cfg.block_n % 32:
-        raise ValueError(f"FP8-block tiles need block_n % 32 == 0 (one weight scale row per 32 rows), got {cfg}")
-    grid, chunk = launch_grid(triton.cdiv(m, cfg.block_m), n, k, cfg)
+    rows = gemv_rows(m, cfg) if cfg.gemv else cfg.block_m
+    grid, chunk = launch_grid(triton.cdiv(m, rows), n, k, cfg)
     partial = partials(m, n, k, cfg, x.device, zeroed=False)
-    _fp8_block_kernel[grid](
-        q,
-        q_scale,
-        w_q.view(torch.uint8),
-        w_scale.view(torch.uint8),
-        out,
-        partial,
-        m,
-        n,
-        k,
-        chunk,
-        q.stride(0),
-        q_scale.stride(0),
-        w_q.stride(0),
-        w_scale.stride(0),
-        out.stride(0),
-        SPLIT_GRID=cfg.split_grid,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        DOT_BF16=dot_in_bf16(),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+    args = (q, q_scale, w_q.view(torch.uint8), w_scale.view(torch.uint8), out, partial, m, n, k, chunk)
+    strides = (q.stride(0), q_scale.stride(0), w_q.stride(0), w_scale.stride(0), out.stride(0))
+    launch = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    if cfg.gemv:
+        fp8_gemv_kernel[grid](
+            *args,
+            *strides,
+            SPLIT_GRID=cfg.split_grid,
+            ROWS=rows,
+            BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k,
+            NATIVE_FP8=native_fp8(),
+            E4M3_BIAS=0 if native_fp8() else 8,
+            **launch,
+        )
+    else:
+        _fp8_block_kernel[grid](
+            *args,
+            *strides,
+            SPLIT_GRID=cfg.split_grid,
+            BLOCK_M=rows,
+            BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k,
+            DOT_BF16=dot_in_bf16(),
+            **launch,
+        )
     if cfg.split_grid:
         reduce_partials(partial, out)
 
@@ -279,43 +364,7 @@ def mxfp4_gemm(
     """
     check_launchable(x=x, packed=packed, scale=scale, out=out)
     (m, k), n = x.shape, packed.shape[0]
-    q, q_scale = quantized_activation(x)
     cfg = config or block_config("mxfp4_gemm", m, n, k)
-    grid, chunk = launch_grid(triton.cdiv(m, cfg.block_m), n, k, cfg)
-    partial = partials(m, n, k, cfg, x.device, zeroed=False)
-    # The routing-table pointers are unused when GROUPED is False; any tensor of the right device fills them.
-    unused = packed
-    mxfp4_kernel[grid](
-        q,
-        q_scale,
-        packed.view(torch.uint8),
-        scale.view(torch.uint8),
-        out,
-        partial,
-        unused,
-        unused,
-        unused,
-        unused,
-        m,
-        n,
-        k,
-        chunk,
-        1,
-        q.stride(0),
-        q_scale.stride(0),
-        0,
-        packed.stride(0),
-        0,
-        scale.stride(0),
-        out.stride(0),
-        GROUPED=False,
-        SPLIT_GRID=cfg.split_grid,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        DOT_BF16=dot_in_bf16(),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
-    if cfg.split_grid:
-        reduce_partials(partial, out)
+    q, q_scale = quantized_activation(x) if cfg.gemv else deinterleaved_activation(x)
+    rows = gemv_rows(m, cfg) if cfg.gemv else cfg.block_m
+    mxfp4_launch(q, q_scale, packed, scale, out, None, rows, cfg)

@@ -19,13 +19,32 @@ import triton.language as tl
 from deepinfer_kernels.cuda._formats import to_output_dtype
 from deepinfer_kernels.platform import triton_interpreter_enabled
 
-__all__ = ["chunk_range", "dot_in_bf16", "e2m1_tiles", "e4m3_tile", "finish_tile", "operand", "reduce_partials"]
+__all__ = [
+    "chunk_range",
+    "dot_in_bf16",
+    "e2m1_half_bits",
+    "e2m1_tiles",
+    "e4m3_tile",
+    "e4m3_unscaled",
+    "finish_tile",
+    "half_to_float",
+    "native_fp8",
+    "operand",
+    "pow2",
+    "reduce_partials",
+]
 
 _REDUCE_BLOCK = 1024
 
 
 def dot_in_bf16() -> bool:
     """Value of the kernels' ``DOT_BF16``: bf16 MMA operands when compiled, FP32 in the interpreter."""
+    return not triton_interpreter_enabled()
+
+
+def native_fp8() -> bool:
+    """Value of the kernels' ``NATIVE_FP8``: hardware e4m3 conversion when compiled; bit decoding in the interpreter,
+    whose e4m3 cast turns the NaN codes into 480."""
     return not triton_interpreter_enabled()
 
 
@@ -38,29 +57,39 @@ def operand(value, DOT_BF16: tl.constexpr):  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _pow2(scale_bytes, bias: tl.constexpr):  # type: ignore[no-untyped-def]
+def pow2(scale_bytes, bias: tl.constexpr):  # type: ignore[no-untyped-def]
     # 2^(b − 127 + bias) built from its FP32 bits; a normal number for scale bytes b ≤ 254 − bias.
     return (((scale_bytes.to(tl.int32) & 0xFF) + bias) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _half(bits):  # type: ignore[no-untyped-def]
+def half_to_float(bits):  # type: ignore[no-untyped-def]
     return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def e4m3_unscaled(raw, NATIVE_FP8: tl.constexpr):  # type: ignore[no-untyped-def]
+    # The e4m3 values of the bytes raw as FP32, exact, NaN codes NaN: the values themselves with the hardware
+    # conversion (NATIVE_FP8), the values times 2^−8 from the fp16 bit placement otherwise (scale with bias 8).
+    if NATIVE_FP8:
+        return raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        c = raw.to(tl.int32) & 0xFF
+        magnitude = c & 0x7F
+        value = half_to_float((magnitude << 7) | ((c & 0x80) << 8))
+        return tl.where(magnitude == 0x7F, (0x7FC00000 + c * 0).to(tl.float32, bitcast=True), value)
 
 
 @triton.jit
 def e4m3_tile(raw, scale_bytes, ROWS: tl.constexpr, COLS: tl.constexpr):  # type: ignore[no-untyped-def]
     # raw [ROWS, G, W] e4m3 bytes (W bytes of each of G scale groups), scale_bytes [ROWS, G] → [ROWS, COLS = G·W]
-    # FP32 values. 0x7F / 0xFF are NaN in e4m3.
-    c = raw.to(tl.int32) & 0xFF
-    magnitude = c & 0x7F
-    value = _half((magnitude << 7) | ((c & 0x80) << 8)) * _pow2(scale_bytes, 8)[:, :, None]
-    value = tl.where(magnitude == 0x7F, (0x7FC00000 + c * 0).to(tl.float32, bitcast=True), value)
+    # FP32 values.
+    value = e4m3_unscaled(raw, False) * pow2(scale_bytes, 8)[:, :, None]
     return tl.reshape(value, (ROWS, COLS))
 
 
 @triton.jit
-def _e2m1_half_bits(code):  # type: ignore[no-untyped-def]
+def e2m1_half_bits(code):  # type: ignore[no-untyped-def]
     # An e2m1 code's exponent and mantissa bits placed at fp16's bits 9–11 give the value times 2^−14 (code 1 = 0.5
     # becomes an fp16 subnormal); its sign bit goes to bit 15.
     return ((code & 0x7) << 9) | ((code & 0x8) << 12)
@@ -72,9 +101,9 @@ def e2m1_tiles(raw, scale_bytes, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):  # 
     # (high-nibble) elements as two [ROWS, BLOCK_K/2] FP32 tiles: column g·16 + j holds element g·32 + 2j of the
     # K step (even tile) or element g·32 + 2j + 1 (odd tile).
     b = raw.to(tl.int32) & 0xFF
-    factor = _pow2(scale_bytes, 14)[:, :, None]
-    even = tl.reshape(_half(_e2m1_half_bits(b & 0xF)) * factor, (ROWS, BLOCK_K // 2))
-    odd = tl.reshape(_half(_e2m1_half_bits(b >> 4)) * factor, (ROWS, BLOCK_K // 2))
+    factor = pow2(scale_bytes, 14)[:, :, None]
+    even = tl.reshape(half_to_float(e2m1_half_bits(b & 0xF)) * factor, (ROWS, BLOCK_K // 2))
+    odd = tl.reshape(half_to_float(e2m1_half_bits(b >> 4)) * factor, (ROWS, BLOCK_K // 2))
     return even, odd
 
 

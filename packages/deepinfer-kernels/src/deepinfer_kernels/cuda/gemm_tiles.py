@@ -40,13 +40,18 @@ _BUCKETS = (16, 32, 64, 256)
 
 @dataclass(frozen=True)
 class BlockConfig:
-    """Tile sizes and launch options of one GEMM launch; ``split_grid`` runs each K chunk in its own program."""
+    """Tile sizes and launch options of one GEMM launch.
+
+    ``split_grid`` runs each K chunk in its own program; ``gemv`` selects the FMA kernels of ``cuda.gemv`` (then
+    ``block_m`` is the most rows a program takes) instead of the MMA kernels of ``cuda.gemm``.
+    """
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
     split_grid: bool
+    gemv: bool = False
     block_k: int = BLOCK_K
 
 
@@ -69,11 +74,11 @@ def row_bucket(rows: int) -> int:
 def default_config(rows: int) -> BlockConfig:
     """Tiles for ``rows`` activation rows per weight (per expert for the grouped GEMM) without a measured entry.
 
-    Small M tiles waste less of the 16-row MMA minimum and narrow N tiles spread the weight over more programs;
-    many rows use 128×128 tiles for reuse. Every choice compiles for sm_90a without register spills.
+    Up to 16 rows the FMA kernels (``cuda.gemv``) over 32-row weight tiles, split-K; then MMA tiles: small M tiles
+    waste less of the 16-row MMA minimum, many rows use 128×128 tiles for reuse. Every choice compiles for sm_90a.
     """
     if rows <= 16:
-        return BlockConfig(block_m=16, block_n=32, num_warps=4, num_stages=4, split_grid=True)
+        return BlockConfig(block_m=16, block_n=32, num_warps=4, num_stages=3, split_grid=True, gemv=True)
     if rows <= 32:
         return BlockConfig(block_m=32, block_n=32, num_warps=4, num_stages=4, split_grid=True)
     if rows <= 64:
@@ -85,11 +90,15 @@ def default_config(rows: int) -> BlockConfig:
 
 def candidate_configs(rows: int) -> list[BlockConfig]:
     """The tiles ``benchmarks/kernels_gemm.py --tune`` times for a row bucket (the default first)."""
-    block_m = min(max(16, row_bucket(rows)), 64)
     out = [default_config(rows)]
+    if rows <= 16:
+        for block_n, num_warps, num_stages in ((32, 4, 2), (32, 4, 4), (64, 4, 3), (64, 8, 3), (16, 4, 3)):
+            out.append(BlockConfig(16, block_n, num_warps, num_stages, split_grid=True, gemv=True))
+        return out
     if rows > 64:
         return out
-    for block_n, num_warps, num_stages in ((32, 4, 4), (32, 2, 4), (32, 4, 6), (64, 4, 4), (64, 8, 4)):
+    block_m = min(row_bucket(rows), 64)
+    for block_n, num_warps, num_stages in ((32, 4, 4), (64, 4, 4), (64, 8, 4)):
         cfg = BlockConfig(block_m, block_n, num_warps, num_stages, split_grid=True)
         if cfg not in out:
             out.append(cfg)

@@ -18,8 +18,7 @@ import torch
 import triton
 
 from deepinfer_kernels.cuda._launch import check_launchable
-from deepinfer_kernels.cuda.gemm import launch_grid, mxfp4_kernel, partials, quantized_activation
-from deepinfer_kernels.cuda.gemm_operands import dot_in_bf16, reduce_partials
+from deepinfer_kernels.cuda.gemm import deinterleaved_activation, gemv_rows, mxfp4_launch, quantized_activation
 from deepinfer_kernels.cuda.gemm_tiles import BlockConfig, block_config
 from deepinfer_kernels.cuda.grouped_tiles import MAX_ROWS, expert_tiles_one_program
 
@@ -87,47 +86,14 @@ def mxfp4_grouped_gemm(
     (m, k), (experts, n) = x.shape, packed.shape[:2]
     if experts == 0:
         return  # no local experts: every row stays zero
-    q, q_scale = quantized_activation(x)
     # Rows per expert are unknown without a sync; the mean sizes the tiles.
-    cfg = config or block_config("mxfp4_grouped_gemm", triton.cdiv(m, experts), n, k)
+    mean_rows = triton.cdiv(m, experts)
+    cfg = config or block_config("mxfp4_grouped_gemm", mean_rows, n, k)
     if m > _SPLIT_MAX_ROWS:
         cfg = dataclasses.replace(cfg, split_grid=False)
+    # FMA tiles take up to twice the mean rows, so that an expert with a few more rows than the mean is still read
+    # once rather than once per tile.
+    rows = gemv_rows(2 * mean_rows, cfg) if cfg.gemv else cfg.block_m
+    q, q_scale = quantized_activation(x) if cfg.gemv else deinterleaved_activation(x)
     tables = expert_tiles_one_program if m <= MAX_ROWS else expert_tiles
-    order, tile_expert, tile_start, tile_end = tables(expert_ids, experts, cfg.block_m)
-    grid, chunk = launch_grid(tile_expert.numel(), n, k, cfg)
-    # Rows of no expert get no program: their partials stay zero, so the reduction writes zero rows.
-    partial = partials(m, n, k, cfg, x.device, zeroed=True)
-    mxfp4_kernel[grid](
-        q,
-        q_scale,
-        packed.view(torch.uint8),
-        scale.view(torch.uint8),
-        out,
-        partial,
-        order,
-        tile_expert,
-        tile_start,
-        tile_end,
-        m,
-        n,
-        k,
-        chunk,
-        experts,
-        q.stride(0),
-        q_scale.stride(0),
-        packed.stride(0),
-        packed.stride(1),
-        scale.stride(0),
-        scale.stride(1),
-        out.stride(0),
-        GROUPED=True,
-        SPLIT_GRID=cfg.split_grid,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        DOT_BF16=dot_in_bf16(),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
-    if cfg.split_grid:
-        reduce_partials(partial, out)
+    mxfp4_launch(q, q_scale, packed, scale, out, tables(expert_ids, experts, rows), rows, cfg)
