@@ -163,7 +163,7 @@ def tune(
     from deepinfer_kernels.cuda.gemm_tiles import candidate_configs
 
     best, best_us, reference, same = None, float("inf"), None, True
-    for cfg in candidate_configs(rows):
+    for cfg in candidate_configs(op, rows):
         out = torch.zeros(x.shape[0], n, dtype=torch.bfloat16, device="cuda")
         us = time_us([call(op, False, x, ids, weights, out, cfg) for weights in copies], repeats)
         if reference is None:
@@ -182,7 +182,7 @@ def part_times(n: int, k: int, x: torch.Tensor, repeats: int) -> dict[str, float
     from deepinfer_kernels.cuda.gemm_tiles import default_config
 
     out = torch.empty(x.shape[0], n, dtype=torch.bfloat16, device="cuda")
-    partial = partials(x.shape[0], n, k, default_config(x.shape[0]), x.device, zeroed=True)
+    partial = partials(x.shape[0], n, k, default_config("fp8_block_gemm", x.shape[0]), x.device, zeroed=True)
     return {
         "quantize_us": time_us([lambda: quantized_activation(x)] * 16, repeats),
         "reduce_us": time_us([lambda: reduce_partials(partial, out)] * 16, repeats),
