@@ -52,7 +52,7 @@ def _run(op: str, backend: Backend, m: int, n: int, *inputs: torch.Tensor) -> to
     return out
 
 
-@pytest.mark.parametrize("m", [1, 64, 512])
+@pytest.mark.parametrize("m", [1, 2, 8, 64, 512])
 @pytest.mark.parametrize("n", [4096, 2048])
 def test_fp8_block_gemm_gpu(m: int, n: int) -> None:
     x = _activation(m, seed=m)
@@ -64,7 +64,7 @@ def test_fp8_block_gemm_gpu(m: int, n: int) -> None:
     assert_gemm_close(fast, ref, abs_product(dequantized_activation(x), w_hat), _K)
 
 
-@pytest.mark.parametrize("m", [1, 64, 512])
+@pytest.mark.parametrize("m", [1, 2, 8, 64, 512])
 @pytest.mark.parametrize("n", [4096, 2048])
 def test_mxfp4_gemm_gpu(m: int, n: int) -> None:
     x = _activation(m, seed=m + 1)
