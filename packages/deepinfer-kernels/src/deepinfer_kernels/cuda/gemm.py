@@ -13,7 +13,8 @@ rounded to bf16 once (nearest even): only the FP32 accumulation order differs fr
 
 The reduction runs in K chunks fixed per weight shape (``cuda.gemm_tiles``): for few rows each chunk is a program of
 its own (split-K) and ``gemm_operands.reduce_partials`` adds the FP32 chunk sums in chunk order; for many rows one
-program sums its chunks in the same order. Both give the same bits.
+program sums its chunks in the same order. Both give the same bits. For one or two rows per weight the launchers
+run the FMA kernels of ``cuda.gemv`` instead of these MMA kernels (``cuda.gemm_tiles``).
 
 Under ``TRITON_INTERPRET=1`` the operands stay FP32 (``DOT_BF16=False``): Triton's interpreter stores bf16 as raw
 uint16 and its ``tl.dot`` multiplies those integers. The values are the same (bf16-exact, hence also TF32-exact), so
