@@ -1,38 +1,43 @@
-"""Quantized GEMMs of deepinfer-kernels: Triton (nvidia backend) vs the PyTorch reference, on one CUDA device.
+"""Quantized GEMMs and the LM head of deepinfer-kernels on one CUDA device, at the ``v41-flash-scaled`` preset's
+decode shapes (docs/hardware.md, "Kernels").
 
-Ops and shapes (K = 4096 unless --k is given):
-- fp8_block_gemm and mxfp4_gemm: x [M, K] bf16 times one weight [N, K] for every M in --rows and N in --n;
-- mxfp4_grouped_gemm: x [M, K] with every row routed to a uniformly random expert of E (--experts), weights
-  [E, 2048, K] (the routed-expert shape of a 4096-wide model; --grouped-n changes it).
+Shapes come from the preset's tensor catalogue: every FP8-block GEMM weight (q/kv/o projections, the indexer's
+``wq_b``, the shared expert's merged ``[w1; w3]`` and ``w2``, Engram's ``wkv``, DSpark's ``main_proj``), the routed
+experts' MXFP4 ``[w1; w3]`` and ``w2`` (one expert: ``mxfp4_gemm``; all experts with 6 routed experts per token:
+``mxfp4_grouped_gemm``), and the BF16 LM head.
 
-Each call is captured in a CUDA graph and the graph replayed (launch cost excluded); calls that cannot be captured
-(the reference's grouped GEMM synchronizes to find the experts present; any call whose capture fails) are timed
-eagerly and marked "eager". Times
-are medians of CUDA-event measurements after warm-up. TFLOPS counts 2·M·N·K; "weight GB/s" counts the weight bytes
-a call must read once (for the grouped GEMM: only the experts that received rows), the figure that matters when few
-rows make the GEMM bandwidth bound.
+Per shape and row count (--rows, tokens; the grouped GEMM gets 6 rows per token) it reports the median time per call
+of CUDA-graph replays (one graph calls the op once per weight copy, enough copies to exceed L2, at most 32: the
+weights come from HBM and the graph launch cost is shared), the weight bytes a call must read once (grouped: only
+the experts that got rows), their GB/s and the ratio to the copy bandwidth measured in the same run (a 1 GiB
+device-to-device copy, read + write bytes).
 
-Usage:
-    python benchmarks/kernels_gemm.py
-    python benchmarks/kernels_gemm.py --rows 1,64 --experts 256 --repeats 20
+Modes:
+- ``--baseline``: times whatever ``deepinfer_kernels`` is on the path with its own tile choice (run it against the
+  previous sources to get the "old" column); LM head as ``h.float() @ w.float().t()``.
+- default: with ``--tune``, times ``gemm_tiles.candidate_configs`` per (op, row bucket, N, K), keeps the fastest
+  and prints the ``MEASURED`` entries; checks that every candidate gives the same bits (the K-chunk order is the
+  same for all tiles) and whether row 0 of an M-row call equals the 1-row call. ``--compare old.json`` adds the
+  old-vs-new ratio. The LM head runs as ``torch.mm(h, w.t(), out_dtype=float32)``.
 
-Prints a table and writes benchmarks/results/kernels_gemm-<device>.json.
+Prints the table last and writes JSON (default benchmarks/results/kernels_gemm-<device>.json).
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import pathlib
 import re
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from deepinfer_kernels._registry import Backend, implementation
 from deepinfer_kernels.benchmarking import cuda_time_ms
 
-BACKENDS = {"triton": Backend.NVIDIA, "reference": Backend.REFERENCE}
+TOP_K = 6
 
 
 def device_label() -> str:
@@ -40,113 +45,247 @@ def device_label() -> str:
     return "nvidia-" + re.sub(r"[^a-z0-9]+", "-", name).strip("-")
 
 
-def generator(seed: int) -> torch.Generator:
-    gen = torch.Generator(device="cuda")
-    gen.manual_seed(seed)
-    return gen
+def random_bytes(shape: tuple[int, ...], low: int = 0, high: int = 256) -> torch.Tensor:
+    return torch.randint(low, high, shape, device="cuda", dtype=torch.int32).to(torch.uint8)
 
 
-def random_bytes(shape: tuple[int, ...], seed: int, low: int = 0, high: int = 256) -> torch.Tensor:
-    return torch.randint(low, high, shape, generator=generator(seed), device="cuda", dtype=torch.int32).to(torch.uint8)
-
-
-def random_scales(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+def scales(shape: tuple[int, ...]) -> torch.Tensor:
     """UE8M0 scales with bytes 118…126 (2^−9 … 2^−1), the range of real weight scales."""
-    return random_bytes(shape, seed, 118, 127).view(torch.float8_e8m0fnu)
+    return random_bytes(shape, 118, 127).view(torch.float8_e8m0fnu)
 
 
-def cases(args: argparse.Namespace) -> list[dict]:
-    """Every (op, shape) with its inputs, FLOP count and weight bytes."""
-    k = args.k
-    out = []
-    for n in args.n:
-        w_q = (random_bytes((n, k), seed=n) & 0xF7).view(torch.float8_e4m3fn)  # bit 3 cleared: no NaN code
-        w_scale = random_scales((-(-n // 32), k // 32), seed=n + 1)
-        packed = random_bytes((n, k // 2), seed=n + 2).view(torch.int8)
-        scale = random_scales((n, k // 32), seed=n + 3)
-        for m in args.rows:
-            x = torch.randn((m, k), generator=generator(m), device="cuda").to(torch.bfloat16)
-            common = {"m": m, "n": n, "k": k, "flops": 2 * m * n * k}
-            out.append({"op": "fp8_block_gemm", **common, "inputs": (x, w_q, w_scale), "weight_bytes": n * k})
-            out.append({"op": "mxfp4_gemm", **common, "inputs": (x, packed, scale), "weight_bytes": n * k // 2})
-    n = args.grouped_n
-    for experts in args.experts:
-        packed = random_bytes((experts, n, k // 2), seed=experts).view(torch.int8)
-        scale = random_scales((experts, n, k // 32), seed=experts + 1)
-        for m in args.rows:
-            x = torch.randn((m, k), generator=generator(m), device="cuda").to(torch.bfloat16)
-            ids = torch.randint(0, experts, (m,), generator=generator(m + experts), device="cuda")
-            present = int(torch.unique(ids).numel())
-            out.append(
-                {
-                    "op": "mxfp4_grouped_gemm",
-                    "m": m,
-                    "n": n,
-                    "k": k,
-                    "experts": experts,
-                    "experts_with_rows": present,
-                    "flops": 2 * m * n * k,
-                    "inputs": (x, ids, packed, scale),
-                    "weight_bytes": present * n * k // 2,
-                }
-            )
-    return out
+def preset_shapes() -> dict[str, list[tuple[str, int, int]]]:
+    """(name, N, K) per op from the v41-flash-scaled catalogue; merged layers as the model runs them."""
+    from deepinfer_model.config import load_preset
+    from deepinfer_model.loading.catalogue import build_catalogue
+
+    fp8: dict[tuple[int, int], str] = {}
+    experts: dict[str, tuple[int, int]] = {}
+    vocab_hidden = (0, 0)
+    for entry in build_catalogue(load_preset("v41-flash-scaled")):
+        name, shape = entry.name, tuple(entry.shape)
+        if name.endswith(".weight") and entry.dtype == "F8_E4M3" and len(shape) == 2:
+            if "engram.embed" in name or "wo_a" in name:  # a row table; a grouped einsum
+                continue
+            if name.endswith(("shared_experts.w3.weight",)):
+                continue
+            n, k = shape
+            if name.endswith("shared_experts.w1.weight"):
+                n *= 2  # merged [w1; w3]
+            fp8.setdefault((n, k), re.sub(r"^(layers|mtp)\.\d+\.", "", name).removesuffix(".weight"))
+        elif ".experts." in name and name.endswith((".w1.weight", ".w2.weight")) and entry.dtype == "I8":
+            n, half_k = shape
+            key = "experts.w13" if name.endswith("w1.weight") else "experts.w2"
+            experts[key] = (2 * n if key == "experts.w13" else n, 2 * half_k)
+        elif name == "embed.weight" or (name.endswith("head.weight") and not name.startswith("mtp")):
+            vocab_hidden = shape
+    return {
+        "fp8_block_gemm": [(name, n, k) for (n, k), name in sorted(fp8.items(), key=lambda item: item[1])],
+        "mxfp4_gemm": [(key, n, k) for key, (n, k) in sorted(experts.items())],
+        "mxfp4_grouped_gemm": [(key, n, k) for key, (n, k) in sorted(experts.items())],
+        "lm_head": [("head", vocab_hidden[0], vocab_hidden[1])],
+    }
+
+
+def copy_bandwidth_gbps() -> float:
+    src = torch.empty(1 << 28, dtype=torch.float32, device="cuda")
+    dst = torch.empty_like(src)
+    ms, _ = cuda_time_ms(lambda: dst.copy_(src), warmup=3, repeats=20)
+    return 2 * src.numel() * src.element_size() / ms / 1e6
+
+
+def routed_ids(tokens: int, experts: int) -> torch.Tensor:
+    """Each token's TOP_K distinct uniformly random experts, flattened (one row per (token, expert))."""
+    return torch.rand(tokens, experts, device="cuda").topk(TOP_K, dim=1).indices.reshape(-1)
+
+
+def inputs_for(op: str, n: int, k: int, experts: int) -> tuple[torch.Tensor, ...]:
+    if op == "fp8_block_gemm":
+        return (random_bytes((n, k)) & 0xF7).view(torch.float8_e4m3fn), scales((-(-n // 32), k // 32))
+    if op == "mxfp4_gemm":
+        return random_bytes((n, k // 2)).view(torch.int8), scales((n, k // 32))
+    if op == "mxfp4_grouped_gemm":
+        return random_bytes((experts, n, k // 2)).view(torch.int8), scales((experts, n, k // 32))
+    return (torch.randn(n, k, device="cuda").to(torch.bfloat16),)
+
+
+def call(
+    op: str,
+    baseline: bool,
+    x: torch.Tensor,
+    ids: torch.Tensor | None,
+    weights: tuple[torch.Tensor, ...],
+    out: torch.Tensor,
+    config: Any = None,
+) -> Callable[[], None]:
+    if op == "lm_head":
+        (w,) = weights
+        if baseline:
+            return lambda: out.copy_(x.float() @ w.float().t())
+        return lambda: torch.mm(x, w.t(), out_dtype=torch.float32, out=out)
+    impl = implementation(op, Backend.NVIDIA)
+    head = (x, ids) if ids is not None else (x,)
+    kwargs = {} if config is None else {"config": config}
+    return lambda: impl(*head, *weights, out, **kwargs)
+
+
+def time_us(fns: list[Callable[[], None]], repeats: int) -> float:
+    """Median µs per call: one CUDA graph runs every fn once (each on its own weight copy, so that the weights do not
+    sit in L2 between calls and the graph launch is shared); the replay time is divided by the calls."""
+
+    def run_all() -> None:
+        for fn in fns:
+            fn()
+
+    ms, graphed = cuda_time_ms(run_all, warmup=3, repeats=repeats)
+    if not graphed:
+        raise RuntimeError("a GEMM could not be captured in a CUDA graph")
+    return ms * 1e3 / len(fns)
+
+
+def weight_copies(weights: tuple[torch.Tensor, ...]) -> list[tuple[torch.Tensor, ...]]:
+    """The weights and enough copies of them to fill 256 MiB (at most 32 in all): more than the 50 MB L2 holds."""
+    size = sum(w.numel() * w.element_size() for w in weights)
+    count = max(1, min(32, -(-(256 << 20) // size)))
+    return [weights] + [tuple(w.clone() for w in weights) for _ in range(count - 1)]
+
+
+def tune(
+    op: str,
+    n: int,
+    x: torch.Tensor,
+    ids: torch.Tensor | None,
+    copies: list[tuple[torch.Tensor, ...]],
+    rows: int,
+    repeats: int,
+) -> tuple[Any, float, bool]:
+    """Fastest candidate tiles; whether every candidate gave the same bits."""
+    from deepinfer_kernels.cuda.gemm_tiles import candidate_configs
+
+    best, best_us, reference, same = None, float("inf"), None, True
+    for cfg in candidate_configs(op, rows):
+        out = torch.zeros(x.shape[0], n, dtype=torch.bfloat16, device="cuda")
+        us = time_us([call(op, False, x, ids, weights, out, cfg) for weights in copies], repeats)
+        if reference is None:
+            reference = out.clone()
+        same &= torch.equal(out, reference)
+        if us < best_us:
+            best, best_us = cfg, us
+    return best, best_us, same
+
+
+def part_times(n: int, k: int, x: torch.Tensor, repeats: int) -> dict[str, float]:
+    """Diagnostics: the activation quantizer alone and the split-K reduction alone (default tiles), 16 calls per
+    graph."""
+    from deepinfer_kernels.cuda.gemm import partials, quantized_activation
+    from deepinfer_kernels.cuda.gemm_operands import reduce_partials
+    from deepinfer_kernels.cuda.gemm_tiles import default_config
+
+    out = torch.empty(x.shape[0], n, dtype=torch.bfloat16, device="cuda")
+    partial = partials(x.shape[0], n, k, default_config("fp8_block_gemm", x.shape[0]), x.device, zeroed=True)
+    return {
+        "quantize_us": time_us([lambda: quantized_activation(x)] * 16, repeats),
+        "reduce_us": time_us([lambda: reduce_partials(partial, out)] * 16, repeats),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", default="1,16,64,512,4096", help="comma-separated M values")
-    parser.add_argument("--n", default="4096,2048", help="comma-separated N values of the dense GEMMs")
-    parser.add_argument("--k", type=int, default=4096)
-    parser.add_argument("--experts", default="16,256", help="comma-separated E values of the grouped GEMM")
-    parser.add_argument("--grouped-n", type=int, default=2048)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=50)
-    parser.add_argument("--reference-repeats", type=int, default=5)
+    parser.add_argument("--rows", default="1,16,64", help="comma-separated token counts")
+    parser.add_argument("--experts", type=int, default=384)
+    parser.add_argument("--grouped-tokens", default="1,64,256", help="token counts of the grouped GEMM")
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--baseline", action="store_true")
+    parser.add_argument("--tune", action="store_true")
+    parser.add_argument("--parts", action="store_true", help="also time the quantizer and the reduction alone")
+    parser.add_argument("--compare", default=None, help="JSON of a --baseline run: adds old/new ratios")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels_gemm-<device>.json)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("kernels_gemm.py needs a CUDA device")
-    args.rows = [int(v) for v in args.rows.split(",")]
-    args.n = [int(v) for v in args.n.split(",")]
-    args.experts = [int(v) for v in args.experts.split(",")]
-
+    torch.manual_seed(0)
     label = device_label()
-    print(f"device {label}, torch {torch.__version__}; median of {args.repeats} (reference: {args.reference_repeats})")
-    print(
-        f"{'op':<20} {'M':>5} {'N':>5} {'K':>5} {'E':>4} {'backend':<10} {'us':>10} {'TFLOPS':>8} {'weight GB/s':>12}"
-    )
-    results = []
-    for case in cases(args):
-        inputs = case.pop("inputs")
-        for backend_name, backend in BACKENDS.items():
-            impl = implementation(case["op"], backend)
-            out = torch.zeros(case["m"], case["n"], dtype=torch.bfloat16, device="cuda")
-            repeats = args.repeats if backend is Backend.NVIDIA else args.reference_repeats
-            # The reference grouped GEMM synchronizes with the host (it lists the experts present): never captured.
-            capture = not (backend is Backend.REFERENCE and case["op"] == "mxfp4_grouped_gemm")
-            run = functools.partial(impl, *inputs, out)
-            ms, graphed = cuda_time_ms(run, warmup=args.warmup, repeats=repeats, capture=capture)
-            point = {
-                **case,
-                "backend": backend_name,
-                "median_us": ms * 1e3,
-                "cuda_graph": graphed,
-                "tflops": case["flops"] / ms / 1e9,
-                "weight_gbps": case["weight_bytes"] / ms / 1e6,
-            }
-            results.append(point)
-            experts = case.get("experts", "")
-            mode = "" if graphed else " eager"
-            print(
-                f"{case['op']:<20} {case['m']:>5} {case['n']:>5} {case['k']:>5} {experts:>4} {backend_name:<10} "
-                f"{point['median_us']:>10.1f} {point['tflops']:>8.2f} {point['weight_gbps']:>12.1f}{mode}"
-            )
+    copy_gbps = copy_bandwidth_gbps()
+    old = {}
+    if args.compare:
+        for p in json.loads(pathlib.Path(args.compare).read_text())["results"]:
+            old[(p["op"], p["n"], p["k"], p["tokens"])] = p["median_us"]
+    results: list[dict[str, Any]] = []
+    measured: dict[str, Any] = {}
+    for op, shapes in preset_shapes().items():
+        for name, n, k in shapes:
+            weights = inputs_for(op, n, k, args.experts)
+            copies = weight_copies(weights)
+            token_counts = [
+                int(v) for v in (args.grouped_tokens if op == "mxfp4_grouped_gemm" else args.rows).split(",")
+            ]
+            first_row: torch.Tensor | None = None
+            for tokens in token_counts:
+                ids = routed_ids(tokens, args.experts) if op == "mxfp4_grouped_gemm" else None
+                m = tokens * TOP_K if ids is not None else tokens
+                x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+                if ids is None and first_row is not None:
+                    x[0] = first_row
+                first_row = x[0].clone()
+                out_dtype = torch.float32 if op == "lm_head" else torch.bfloat16
+                point: dict[str, Any] = {"op": op, "name": name, "n": n, "k": k, "tokens": tokens, "rows": m}
+                if args.tune and not args.baseline and op != "lm_head":
+                    from deepinfer_kernels.cuda.gemm_tiles import row_bucket
+
+                    per_expert = -(-m // args.experts) if ids is not None else m
+                    key = f'("{op}", {row_bucket(per_expert)}, {n}, {k})'
+                    if key in measured:  # tuned at the bucket's first (smallest) token count
+                        cfg = measured[key]
+                    else:
+                        cfg, _, point["candidates_bitwise_equal"] = tune(
+                            op, n, x, ids, copies, per_expert, args.repeats
+                        )
+                        measured[key] = cfg
+                    point["config"] = repr(cfg)
+                else:
+                    cfg = None
+                out = torch.zeros(m, n, dtype=out_dtype, device="cuda")
+                fns = [call(op, args.baseline, x, ids, w, out, cfg) for w in copies]
+                point["median_us"] = time_us(fns, args.repeats)
+                point["calls_per_graph"] = len(fns)
+                if ids is None and op != "lm_head":
+                    one = torch.zeros(1, n, dtype=out_dtype, device="cuda")
+                    call(op, args.baseline, x[:1].contiguous(), None, weights, one)()
+                    point["row0_equals_1_row_call"] = bool(torch.equal(one[0], out[0]))
+                if args.parts and ids is None and op != "lm_head" and not args.baseline:
+                    point.update(part_times(n, k, x, args.repeats))
+                touched = int(torch.unique(ids).numel()) if ids is not None else 1
+                point["weight_bytes"] = (
+                    sum(w.numel() * w.element_size() for w in weights)
+                    * touched
+                    // (args.experts if ids is not None else 1)
+                )
+                point["weight_gbps"] = point["weight_bytes"] / point["median_us"] / 1e3
+                point["copy_fraction"] = point["weight_gbps"] / copy_gbps
+                if (op, n, k, tokens) in old:
+                    point["old_us"] = old[(op, n, k, tokens)]
+                    point["speedup"] = point["old_us"] / point["median_us"]
+                results.append(point)
+                print(f"{op} {name} {n}x{k} tokens={tokens}: {point['median_us']:.1f} us", flush=True)
+    if measured:
+        print("MEASURED = {")
+        for key, cfg in measured.items():
+            print(f"    {key}: {cfg!r},")
+        print("}")
     path = pathlib.Path(args.out or pathlib.Path(__file__).parent / "results" / f"kernels_gemm-{label}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"device": label, "torch": torch.__version__, "warmup": args.warmup, "repeats": args.repeats}
-    meta["reference_repeats"] = args.reference_repeats
-    path.write_text(json.dumps({**meta, "results": results}, indent=2) + "\n")
+    meta = {"device": label, "torch": torch.__version__, "repeats": args.repeats, "copy_gbps": copy_gbps}
+    path.write_text(json.dumps({**meta, "baseline": args.baseline, "results": results}, indent=2) + "\n")
+    print(f"\ndevice {label}, torch {torch.__version__}; copy bandwidth {copy_gbps:.0f} GB/s (read + write)")
+    header = f"{'op':<19} {'shape':<22} {'N':>6} {'K':>5} {'tok':>4} {'old us':>8} {'us':>8} {'x':>5}"
+    print(f"{header} {'GB/s':>6} {'copy%':>6}")
+    for p in results:
+        old_us = f"{p['old_us']:>8.1f}" if "old_us" in p else f"{'':>8}"
+        ratio = f"{p['speedup']:>5.1f}" if "speedup" in p else f"{'':>5}"
+        print(
+            f"{p['op']:<19} {p['name'][:22]:<22} {p['n']:>6} {p['k']:>5} {p['tokens']:>4} {old_us} "
+            f"{p['median_us']:>8.1f} {ratio} {p['weight_gbps']:>6.0f} {100 * p['copy_fraction']:>5.0f}%"
+        )
     print(f"wrote {path}")
 
 

@@ -81,12 +81,19 @@ def test_grouped_triton_ids_outside_range_give_zero_rows(triton_device: str) -> 
     assert torch.all(out == 0)
 
 
-@pytest.mark.parametrize(("m", "experts", "block_m"), [(1, 256, 16), (50, 4, 16), (37, 8, 4), (9, 3, 64)])
-def test_expert_tiles_cover_each_routed_row_once(triton_device: str, m: int, experts: int, block_m: int) -> None:
+@pytest.mark.parametrize("one_program", [False, True])
+@pytest.mark.parametrize(
+    ("m", "experts", "block_m"), [(1, 256, 16), (50, 4, 16), (37, 8, 4), (9, 3, 64), (150, 384, 16), (130, 5, 16)]
+)
+def test_expert_tiles_cover_each_routed_row_once(
+    triton_device: str, m: int, experts: int, block_m: int, one_program: bool
+) -> None:
     from deepinfer_kernels.cuda.grouped_gemm import expert_tiles
+    from deepinfer_kernels.cuda.grouped_tiles import expert_tiles_one_program
 
     ids = torch.randint(-1, experts, (m,), generator=torch.Generator().manual_seed(m))
-    order, tile_expert, start, end = expert_tiles(ids, experts, block_m)
+    tables = expert_tiles_one_program if one_program else expert_tiles
+    order, tile_expert, start, end = (t.cpu() for t in tables(ids.to(triton_device), experts, block_m))
     assert tile_expert.numel() == -(-m // block_m) + min(experts, m)
     bucket = torch.where(ids < 0, experts, ids)[order]
     assert torch.equal(torch.sort(order).values, torch.arange(m))
@@ -102,6 +109,13 @@ def test_expert_tiles_cover_each_routed_row_once(triton_device: str, m: int, exp
         assert all(int(ids[order[p]]) == expert for p in positions)
         served.extend(int(order[p]) for p in positions)
     assert sorted(served) == [r for r in range(m) if int(ids[r]) >= 0]
+    if one_program:
+        # The same tables as the PyTorch ops wherever a tile has rows.
+        torch_tables = expert_tiles(ids, experts, block_m)
+        assert torch.equal(order, torch_tables[0])
+        real = tile_expert < experts
+        for mine, theirs in zip((tile_expert, start, end), torch_tables[1:], strict=True):
+            assert torch.equal(mine[real], theirs[real])
 
 
 @pytest.mark.parametrize(("scale_byte", "x_exponent"), [(10, 100), (127, 0), (240, -10)])
@@ -134,3 +148,62 @@ def test_nan_weight_code_gives_nan_column(triton_device: str) -> None:
     fast, ref = _both("fp8_block_gemm", triton_device, x, w_q, w_scale, out=torch.empty(3, 40, dtype=torch.bfloat16))
     assert torch.isnan(ref[:, 5]).all() and torch.isnan(fast[:, 5]).all()
     assert not torch.isnan(fast[:, :5]).any() and not torch.isnan(fast[:, 6:]).any()
+
+
+@pytest.mark.parametrize("gemv", [False, True])
+@pytest.mark.parametrize("op", ["fp8_block_gemm", "mxfp4_gemm", "mxfp4_grouped_gemm"])
+def test_split_k_matches_one_program_bitwise(triton_device: str, op: str, gemv: bool) -> None:
+    """K = 1024 runs in 4 chunks (cuda.gemm_tiles.k_chunk): chunks as programs of their own plus the reduction give
+    the same bits as one program summing the chunks in order, and both meet the reference's tolerance (MMA and
+    FMA kernels)."""
+    from deepinfer_kernels.cuda.gemm_tiles import BlockConfig, k_chunk
+
+    m, n, k = 3, 64, 1024
+    assert k // k_chunk(n, k) == 4
+    x = _activation(m, k, seed=13, dtype=torch.bfloat16)
+    if op == "fp8_block_gemm":
+        weights: tuple[torch.Tensor, ...] = (random_e4m3((n, k), seed=14), random_ue8m0((n // 32, k // 32), seed=15))
+        w_hat = dk.dequantize_fp8_block(*weights, out_dtype=torch.float32)
+        inputs: tuple[torch.Tensor, ...] = (x, *weights)
+    else:
+        weights = (random_mxfp4_packed((n, k // 2), seed=16), random_ue8m0((n, k // 32), seed=17))
+        w_hat = dk.dequantize_mxfp4(*weights)
+        inputs = (x, *weights)
+        if op == "mxfp4_grouped_gemm":
+            # Two experts (the second a copy of the first), one row without an expert.
+            inputs = (x, torch.tensor([1, -1, 0]), *(torch.stack([w, w]) for w in weights))
+    results = []
+    for split_grid in (True, False):
+        cfg = BlockConfig(block_m=16, block_n=32, num_warps=4, num_stages=2, split_grid=split_grid, gemv=gemv)
+        out = torch.zeros(m, n, dtype=torch.bfloat16, device=triton_device)
+        implementation(op, Backend.NVIDIA)(*(t.to(triton_device) for t in inputs), out, config=cfg)
+        results.append(out.cpu())
+    assert torch.equal(results[0], results[1])
+    ref = torch.zeros(m, n, dtype=torch.bfloat16)
+    implementation(op, Backend.REFERENCE)(*inputs, ref)
+    assert_gemm_close(results[0], ref, abs_product(dequantized_activation(x), w_hat.double()), k)
+    if op == "mxfp4_grouped_gemm":
+        assert torch.all(results[0][1] == 0)
+
+
+@pytest.mark.parametrize("op", ["fp8_block_gemm", "mxfp4_gemm"])
+def test_gemv_row_bits_do_not_depend_on_the_row_count(triton_device: str, op: str) -> None:
+    """The FMA kernels sum every row in the same order whatever the rows per program: row r of a 5-row call (8 rows
+    per program) equals the 1-row call on that row, bit for bit (the tile table uses them for 1-2 rows; forced here)."""
+    m, n, k = 5, 64, 512
+    x = _activation(m, k, seed=18, dtype=torch.bfloat16)
+    if op == "fp8_block_gemm":
+        weights = (random_e4m3((n, k), seed=19), random_ue8m0((n // 32, k // 32), seed=20))
+    else:
+        weights = (random_mxfp4_packed((n, k // 2), seed=21), random_ue8m0((n, k // 32), seed=22))
+    from deepinfer_kernels.cuda.gemm_tiles import BlockConfig
+
+    cfg = BlockConfig(block_m=16, block_n=32, num_warps=4, num_stages=3, split_grid=True, gemv=True)
+    impl = implementation(op, Backend.NVIDIA)
+    device_weights = tuple(w.to(triton_device) for w in weights)
+    together = torch.empty(m, n, dtype=torch.bfloat16, device=triton_device)
+    impl(x.to(triton_device), *device_weights, together, config=cfg)
+    for r in (0, 3):
+        alone = torch.empty(1, n, dtype=torch.bfloat16, device=triton_device)
+        impl(x[r : r + 1].to(triton_device), *device_weights, alone, config=cfg)
+        assert torch.equal(alone[0].cpu(), together[r].cpu())

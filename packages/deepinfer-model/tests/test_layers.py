@@ -221,3 +221,19 @@ def test_pcg64_bounded_integers_match_numpy(seed: int) -> None:
         assert bounded_int64s(seed, bound, 7) == expected
     with pytest.raises(ValueError, match="bound"):
         bounded_int64s(seed, 2**31, 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_lm_head_on_cuda_is_bf16_gemm_with_fp32_accumulation() -> None:
+    """CUDA LM head (BF16 GEMM, FP32 accumulation and logits) vs the FP64 product of the same BF16 operands:
+    within the FP32 summation bound ``K·2^−24·Σ|h_i·w_i|`` plus one FP32 ulp of the rounded result."""
+    vocab, hidden = 1000, 5120
+    head = LMHead(vocab, hidden).cuda()
+    head.weight.data.copy_(torch.randn(vocab, hidden, generator=_gen(20)).to(torch.bfloat16))
+    h = torch.randn(3, hidden, generator=_gen(21)).to(torch.bfloat16).cuda()
+    logits = head(h)
+    assert logits.dtype == torch.float32 and logits.shape == (3, vocab)
+    exact = h.double() @ head.weight.double().t()
+    bound = hidden * 2.0**-24 * (h.double().abs() @ head.weight.double().abs().t()) + exact.abs() * 2.0**-23
+    assert bool(((logits.double() - exact).abs() <= bound).all())

@@ -39,8 +39,9 @@ def to_output_dtype(value, out_ptr):  # type: ignore[no-untyped-def]
     if out_ptr.dtype.element_ty == tl.float32:
         return value
     elif out_ptr.dtype.element_ty == tl.bfloat16:
+        # A NaN stays a NaN (the GPU's canonical NaN 0x7FFFFFFF would carry into the sign bit and give −0).
         bits = value.to(tl.int32, bitcast=True)
-        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        rounded = tl.where(value != value, 0x7FC0, (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)
         return rounded.to(tl.int16).to(tl.bfloat16, bitcast=True)
     else:
         return value.to(out_ptr.dtype.element_ty)

@@ -6,16 +6,25 @@ row and tile offsets, and a ``searchsorted`` of every tile index of the worst-ca
 The grid has ``cdiv(M, BLOCK_M) + min(E, M)`` row tiles — the most that ``Σ_e cdiv(count_e, BLOCK_M)`` can be —
 and tiles past the real count exit at once. Tiles read their rows through the sort order and write results back to
 the original rows, so nothing is permuted in memory. Ids outside ``[0, E)`` (``-1`` included) are put in a bucket
-no tile serves, so their rows keep the zeros the caller initialized ``out`` with.
+no tile serves, so their rows keep the zeros the caller initialized ``out`` with (under split-K the reduction writes
+zeros there). For few rows the K chunks run as programs of their own (split-K, ``cuda.gemm_tiles``).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import triton
 
 from deepinfer_kernels.cuda._launch import check_launchable
-from deepinfer_kernels.cuda.gemm import block_config, deinterleaved_activation, dot_in_bf16, mxfp4_kernel
+from deepinfer_kernels.cuda.gemm import deinterleaved_activation, gemv_rows, mxfp4_launch, quantized_activation
+from deepinfer_kernels.cuda.gemm_tiles import BlockConfig, block_config
+from deepinfer_kernels.cuda.grouped_tiles import MAX_ROWS, expert_tiles_one_program
+
+# Above this many rows the touched experts alone give enough programs: chunks stay inside one program, which keeps
+# the FP32 partials (C × M × N) out of memory. Either way the sums are the same bits (cuda.gemm_tiles).
+_SPLIT_MAX_ROWS = 64
 
 __all__ = ["expert_tiles", "mxfp4_grouped_gemm"]
 
@@ -56,7 +65,12 @@ def expert_tiles(
 
 
 def mxfp4_grouped_gemm(
-    x: torch.Tensor, expert_ids: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out: torch.Tensor
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    out: torch.Tensor,
+    config: BlockConfig | None = None,
 ) -> None:
     """Triton ``out[m] = bf16(x̂[m] · Ŵ[expert_ids[m]]ᵀ)`` (contract of ``reference.grouped_gemm``), sync-free.
 
@@ -66,42 +80,20 @@ def mxfp4_grouped_gemm(
         packed: [E, N, K/2] int8, contiguous (low nibble = even element).
         scale: [E, N, K/32] float8_e8m0fnu, contiguous.
         out: [M, N] bf16, contiguous, zero-initialized by the caller; written.
+        config: tiles to use instead of ``gemm_tiles.block_config``'s (tuning).
     """
     check_launchable(x=x, expert_ids=expert_ids, packed=packed, scale=scale, out=out)
     (m, k), (experts, n) = x.shape, packed.shape[:2]
     if experts == 0:
         return  # no local experts: every row stays zero
-    codes, q_scale = deinterleaved_activation(x)
     # Rows per expert are unknown without a sync; the mean sizes the tiles.
-    cfg = block_config(triton.cdiv(m, experts))
-    order, tile_expert, tile_start, tile_end = expert_tiles(expert_ids, experts, cfg.block_m)
-    grid = (tile_expert.numel(), triton.cdiv(n, cfg.block_n))
-    mxfp4_kernel[grid](
-        codes,
-        q_scale,
-        packed.view(torch.uint8),
-        scale.view(torch.uint8),
-        out,
-        order,
-        tile_expert,
-        tile_start,
-        tile_end,
-        m,
-        n,
-        k,
-        experts,
-        codes.stride(0),
-        q_scale.stride(0),
-        packed.stride(0),
-        packed.stride(1),
-        scale.stride(0),
-        scale.stride(1),
-        out.stride(0),
-        GROUPED=True,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        DOT_BF16=dot_in_bf16(),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+    mean_rows = triton.cdiv(m, experts)
+    cfg = config or block_config("mxfp4_grouped_gemm", mean_rows, n, k)
+    if m > _SPLIT_MAX_ROWS:
+        cfg = dataclasses.replace(cfg, split_grid=False)
+    # FMA tiles take up to twice the mean rows, so that an expert with a few more rows than the mean is still read
+    # once rather than once per tile.
+    rows = gemv_rows(2 * mean_rows, cfg) if cfg.gemv else cfg.block_m
+    q, q_scale = quantized_activation(x) if cfg.gemv else deinterleaved_activation(x)
+    tables = expert_tiles_one_program if m <= MAX_ROWS else expert_tiles
+    mxfp4_launch(q, q_scale, packed, scale, out, tables(expert_ids, experts, rows), rows, cfg)

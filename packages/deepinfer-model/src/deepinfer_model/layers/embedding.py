@@ -37,5 +37,11 @@ class LMHead(nn.Module):
         self.weight = make_parameter((vocab_size, hidden_size), torch.bfloat16)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        """Args: h [n, H]. Returns: logits [n, V] fp32."""
+        """Args: h [n, H]. Returns: logits [n, V] fp32.
+
+        BF16 ``h`` on CUDA runs one BF16 GEMM with FP32 accumulation and FP32 output (cuBLAS), reading the stored
+        weight as it is; elsewhere (CPU, FP32 ``h``) the product is an FP32 GEMM over the widened operands.
+        """
+        if h.is_cuda and h.dtype == torch.bfloat16:
+            return torch.mm(h, self.weight.t(), out_dtype=torch.float32)
         return h.float() @ self.weight.float().t()

@@ -1,0 +1,150 @@
+"""Triton device functions shared by the quantized GEMM kernels: operand decoding, K-chunk ranges, split-K partials
+and their reduction (docs/design/numerics.md, "GEMM accumulation"; docs/design/kernels.md, "GEMM tiles and split-K").
+
+Decoding places a code's bits into an fp16 (the e4m3 magnitude bits at bits 7–13 give the value times 2^−8, the e2m1
+bits at 9–11 the value times 2^−14, subnormal codes included, since fp16 keeps subnormals), widens it to FP32 and
+multiplies by ``2^(b − 127 + 8)`` resp. ``2^(b − 127 + 14)`` built from its bits; see ``cuda.gemm`` for why every
+step is exact.
+"""
+
+# Triton reads parameter annotations as kernel type hints, so @triton.jit functions stay unannotated.
+# ruff: noqa: ANN001, ANN201, ANN202
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer_kernels.cuda._formats import to_output_dtype
+from deepinfer_kernels.platform import triton_interpreter_enabled
+
+__all__ = [
+    "chunk_range",
+    "dot_in_bf16",
+    "e2m1_half_bits",
+    "e2m1_tiles",
+    "e4m3_tile",
+    "e4m3_unscaled",
+    "finish_tile",
+    "half_to_float",
+    "native_fp8",
+    "operand",
+    "pow2",
+    "reduce_partials",
+]
+
+_REDUCE_BLOCK = 1024
+
+
+def dot_in_bf16() -> bool:
+    """Value of the kernels' ``DOT_BF16``: bf16 MMA operands when compiled, FP32 in the interpreter."""
+    return not triton_interpreter_enabled()
+
+
+def native_fp8() -> bool:
+    """Value of the kernels' ``NATIVE_FP8``: hardware e4m3 conversion when compiled; bit decoding in the interpreter,
+    whose e4m3 cast turns the NaN codes into 480."""
+    return not triton_interpreter_enabled()
+
+
+@triton.jit
+def operand(value, DOT_BF16: tl.constexpr):  # type: ignore[no-untyped-def]
+    if DOT_BF16:
+        return value.to(tl.bfloat16)
+    else:
+        return value
+
+
+@triton.jit
+def pow2(scale_bytes, bias: tl.constexpr):  # type: ignore[no-untyped-def]
+    # 2^(b − 127 + bias) built from its FP32 bits; a normal number for scale bytes b ≤ 254 − bias.
+    return (((scale_bytes.to(tl.int32) & 0xFF) + bias) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def half_to_float(bits):  # type: ignore[no-untyped-def]
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def e4m3_unscaled(raw, NATIVE_FP8: tl.constexpr):  # type: ignore[no-untyped-def]
+    # The e4m3 values of the bytes raw as FP32, exact, NaN codes NaN: the values themselves with the hardware
+    # conversion (NATIVE_FP8), the values times 2^−8 from the fp16 bit placement otherwise (scale with bias 8).
+    if NATIVE_FP8:
+        return raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        c = raw.to(tl.int32) & 0xFF
+        magnitude = c & 0x7F
+        value = half_to_float((magnitude << 7) | ((c & 0x80) << 8))
+        return tl.where(magnitude == 0x7F, (0x7FC00000 + c * 0).to(tl.float32, bitcast=True), value)
+
+
+@triton.jit
+def e4m3_tile(raw, scale_bytes, ROWS: tl.constexpr, COLS: tl.constexpr):  # type: ignore[no-untyped-def]
+    # raw [ROWS, G, W] e4m3 bytes (W bytes of each of G scale groups), scale_bytes [ROWS, G] → [ROWS, COLS = G·W]
+    # FP32 values.
+    value = e4m3_unscaled(raw, False) * pow2(scale_bytes, 8)[:, :, None]
+    return tl.reshape(value, (ROWS, COLS))
+
+
+@triton.jit
+def e2m1_half_bits(code):  # type: ignore[no-untyped-def]
+    # An e2m1 code's exponent and mantissa bits placed at fp16's bits 9–11 give the value times 2^−14 (code 1 = 0.5
+    # becomes an fp16 subnormal); its sign bit goes to bit 15.
+    return ((code & 0x7) << 9) | ((code & 0x8) << 12)
+
+
+@triton.jit
+def e2m1_tiles(raw, scale_bytes, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):  # type: ignore[no-untyped-def]
+    # raw [ROWS, BLOCK_K/32, 16] packed bytes, scale_bytes [ROWS, BLOCK_K/32] → the even (low-nibble) and odd
+    # (high-nibble) elements as two [ROWS, BLOCK_K/2] FP32 tiles: column g·16 + j holds element g·32 + 2j of the
+    # K step (even tile) or element g·32 + 2j + 1 (odd tile).
+    b = raw.to(tl.int32) & 0xFF
+    factor = pow2(scale_bytes, 14)[:, :, None]
+    even = tl.reshape(half_to_float(e2m1_half_bits(b & 0xF)) * factor, (ROWS, BLOCK_K // 2))
+    odd = tl.reshape(half_to_float(e2m1_half_bits(b >> 4)) * factor, (ROWS, BLOCK_K // 2))
+    return even, odd
+
+
+@triton.jit
+def chunk_range(K, K_CHUNK, SPLIT_GRID: tl.constexpr):  # type: ignore[no-untyped-def]
+    # The K chunks this program sums: its own (grid axis 2) under split-K, else all of them in order.
+    if SPLIT_GRID:
+        first = tl.program_id(2)
+        return first, first + 1
+    else:
+        return 0, tl.cdiv(K, K_CHUNK)
+
+
+@triton.jit
+def finish_tile(  # type: ignore[no-untyped-def]
+    out_ptr, partial_ptr, total, rows, row_mask, n_offsets, M, N, stride_out, SPLIT_GRID: tl.constexpr
+):
+    # Split-K: the chunk's FP32 sum goes to partial[chunk, row, column] for reduce_partials; else the finished
+    # sum is rounded into out.
+    mask = row_mask[:, None] & (n_offsets < N)[None, :]
+    if SPLIT_GRID:
+        base = partial_ptr + tl.program_id(2).to(tl.int64) * M * N
+        tl.store(base + rows[:, None] * N + n_offsets[None, :], total, mask=mask)
+    else:
+        tl.store(out_ptr + rows[:, None] * stride_out + n_offsets[None, :], to_output_dtype(total, out_ptr), mask=mask)
+
+
+@triton.jit
+def _reduce_kernel(partial_ptr, out_ptr, chunks, M, N, stride_out, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+    index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = index < M * N
+    # Same additions in the same order as the single-program path: 0 + chunk 0 + chunk 1 + …
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    for chunk in range(0, chunks):
+        total += tl.load(partial_ptr + chunk * M * N + index, mask=mask, other=0.0)
+    row, column = index // N, index % N
+    tl.store(out_ptr + row * stride_out + column, to_output_dtype(total, out_ptr), mask=mask)
+
+
+def reduce_partials(partial: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = bf16(Σ_c partial[c])`` summed in chunk order. partial: [C, M, N] fp32; out: [M, N] (row stride free)."""
+    chunks, m, n = partial.shape
+    grid = (triton.cdiv(m * n, _REDUCE_BLOCK),)
+    _reduce_kernel[grid](partial, out, chunks, m, n, out.stride(0), BLOCK=_REDUCE_BLOCK)

@@ -1,0 +1,145 @@
+"""Tile choice of the Triton quantized GEMMs: K chunks per weight shape, tiles per (row bucket, N, K)
+(docs/design/kernels.md, "GEMM tiles and split-K").
+
+The reduction runs in fixed K chunks: each chunk is summed from zero in FP32, then the chunk sums are added in chunk
+order. The chunk length depends only on the weight's shape ``(N, K)`` and the K step is the same for every tile, so
+the order of every FP32 addition of an output element is the same whatever the row count M, the tile, or whether the
+chunks run in separate programs (split-K, the sums reduced by a second kernel in chunk order) or one after another in
+one program. Results are therefore identical run to run and, for a given MMA instruction, independent of M.
+
+Few rows (decode) make a GEMM weight-bandwidth bound: the weight stream must be spread over many more programs than
+the H200's 132 SMs, which needs split-K because ``N / BLOCK_N`` alone is often small (N = 512 … 5120). Many rows use
+large tiles and keep the chunks inside one program (no FP32 partials in memory).
+
+One or two rows per weight (batch-1 decode) use the FMA kernels of ``cuda.gemv``: they read the weight once and never
+move it into an MMA operand layout, which made the 1-row GEMMs about 1.7–2.5× faster than split-K MMA tiles on the
+H200; each further row costs them a full pass of FMAs, so from 3 rows on the MMA tiles are faster.
+The grouped GEMM always uses MMA tiles (its FMA variant was slower at every batch measured).
+
+Tiles per shape come from :data:`MEASURED` (filled from ``benchmarks/kernels_gemm.py --tune`` on the H200), else from
+:func:`default_config`. The lookup is pure Python on ints: nothing synchronizes, so launches stay CUDA-graph safe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "BLOCK_K",
+    "MEASURED",
+    "BlockConfig",
+    "block_config",
+    "candidate_configs",
+    "default_config",
+    "k_chunk",
+    "row_bucket",
+]
+
+BLOCK_K = 128
+# Programs a decode GEMM should have at least (about 8 per SM of an H200); sets the chunk count.
+_DECODE_PROGRAMS = 1024
+_CHUNK_ALIGN = 256
+_DECODE_BLOCK_N = 32
+_BUCKETS = (2, 16, 32, 64, 256)
+
+
+@dataclass(frozen=True)
+class BlockConfig:
+    """Tile sizes and launch options of one GEMM launch.
+
+    ``split_grid`` runs each K chunk in its own program; ``gemv`` selects the FMA kernels of ``cuda.gemv`` (then
+    ``block_m`` is the most rows a program takes) instead of the MMA kernels of ``cuda.gemm``.
+    """
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    split_grid: bool
+    gemv: bool = False
+    block_k: int = BLOCK_K
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def k_chunk(n: int, k: int) -> int:
+    """K columns per reduction chunk for a weight [N, K]: a multiple of 256 (hence of every K step), chosen so that
+    decode tiles of 32 weight rows give about 1024 programs. Depends on ``(N, K)`` only."""
+    chunks = max(1, min(k // _CHUNK_ALIGN, _cdiv(_DECODE_PROGRAMS, _cdiv(n, _DECODE_BLOCK_N))))
+    return _cdiv(_cdiv(k, chunks), _CHUNK_ALIGN) * _CHUNK_ALIGN
+
+
+def row_bucket(rows: int) -> int:
+    """The row bucket tiles are chosen for: the smallest of 2, 16, 32, 64, 256 holding ``rows``, else 4096."""
+    return next((b for b in _BUCKETS if rows <= b), 4096)
+
+
+def default_config(op: str, rows: int) -> BlockConfig:
+    """Tiles for ``op`` on ``rows`` activation rows per weight (per expert for the grouped GEMM) without a measured
+    entry: the FMA kernels for up to 2 rows of a dense GEMM; then MMA tiles, split-K up to 64 rows (small M tiles waste
+    less of the 16-row MMA minimum), 128×128 tiles without split-K for many rows. Every choice compiles for sm_90a."""
+    if rows <= 2 and op != "mxfp4_grouped_gemm":
+        return BlockConfig(block_m=2, block_n=32, num_warps=4, num_stages=3, split_grid=True, gemv=True)
+    if rows <= 16:
+        return BlockConfig(block_m=16, block_n=64, num_warps=4, num_stages=4, split_grid=True)
+    if rows <= 32:
+        return BlockConfig(block_m=32, block_n=32, num_warps=4, num_stages=4, split_grid=True)
+    if rows <= 64:
+        return BlockConfig(block_m=64, block_n=64, num_warps=4, num_stages=4, split_grid=True)
+    if rows <= 256:
+        return BlockConfig(block_m=64, block_n=128, num_warps=8, num_stages=3, split_grid=False)
+    return BlockConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, split_grid=False)
+
+
+def candidate_configs(op: str, rows: int) -> list[BlockConfig]:
+    """The tiles ``benchmarks/kernels_gemm.py --tune`` times for a row bucket (the default first)."""
+    default = default_config(op, rows)
+    if rows > 64:
+        return [default]
+    shapes: tuple[tuple[int, int, int], ...]
+    if default.gemv:
+        shapes = ((32, 4, 2), (32, 4, 4), (64, 4, 3), (64, 8, 3), (16, 4, 3))
+    else:
+        shapes = ((32, 4, 4), (32, 4, 6), (64, 8, 4), (32, 2, 4))
+    out = [default]
+    for block_n, num_warps, num_stages in shapes:
+        cfg = BlockConfig(default.block_m, block_n, num_warps, num_stages, split_grid=True, gemv=default.gemv)
+        if cfg not in out:
+            out.append(cfg)
+    return out
+
+
+def _gemv(block_n: int, num_warps: int, num_stages: int) -> BlockConfig:
+    return BlockConfig(
+        block_m=2, block_n=block_n, num_warps=num_warps, num_stages=num_stages, split_grid=True, gemv=True
+    )
+
+
+def _mma(block_m: int, block_n: int, num_warps: int, num_stages: int) -> BlockConfig:
+    return BlockConfig(block_m, block_n, num_warps, num_stages, split_grid=True)
+
+
+# (op, row bucket, N, K) -> tiles where the fastest candidate on an H200 was not the default (the scaled preset's
+# decode shapes; benchmarks/results/kernels_gemm-nvidia-h200*.json, docs/hardware.md "Kernels"). Bucket 2 was tuned
+# at 1 row, bucket 16 at 1 row, bucket 64 at 64 rows.
+MEASURED: dict[tuple[str, int, int, int], BlockConfig] = {
+    ("fp8_block_gemm", 2, 512, 5120): _gemv(16, 4, 3),
+    ("fp8_block_gemm", 2, 1280, 5120): _gemv(64, 8, 3),
+    ("fp8_block_gemm", 2, 4608, 5120): _gemv(32, 4, 2),
+    ("fp8_block_gemm", 2, 5120, 2304): _gemv(32, 4, 4),
+    ("fp8_block_gemm", 2, 5120, 8192): _gemv(64, 8, 3),
+    ("fp8_block_gemm", 2, 5120, 15360): _gemv(32, 4, 2),
+    ("fp8_block_gemm", 2, 32768, 1280): _gemv(64, 8, 3),
+    ("mxfp4_gemm", 2, 4608, 5120): _gemv(16, 4, 3),
+    ("mxfp4_gemm", 2, 5120, 2304): _gemv(16, 4, 3),
+    ("fp8_block_gemm", 16, 512, 5120): _mma(16, 32, 2, 4),
+    ("fp8_block_gemm", 16, 4096, 1280): _mma(16, 32, 4, 6),
+    ("fp8_block_gemm", 64, 4096, 1280): _mma(64, 64, 8, 4),
+}
+
+
+def block_config(op: str, rows: int, n: int, k: int) -> BlockConfig:
+    """Tiles for ``op`` ("fp8_block_gemm", "mxfp4_gemm" or "mxfp4_grouped_gemm") on ``rows`` rows per weight."""
+    return MEASURED.get((op, row_bucket(rows), n, k)) or default_config(op, rows)

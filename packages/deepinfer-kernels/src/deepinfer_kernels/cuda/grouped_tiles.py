@@ -1,0 +1,113 @@
+"""Tile tables of the grouped MXFP4 GEMM in one Triton program (docs/design/kernels.md, "GEMM tiles and split-K").
+
+Same tables as ``grouped_gemm.expert_tiles``'s PyTorch ops (a stable sort, a scatter-add, cumulative sums and a
+``searchsorted``, about fifteen launches per call) from a single launch, for up to :data:`MAX_ROWS` rows: per-expert
+row counts by comparing every row with every expert, each row's place in the stable expert-sorted order as its
+expert's first position plus the number of earlier rows of the same expert, and each tile's expert as the number of
+experts whose tiles end at or before it. The work is quadratic in the rows, which is why larger calls keep the
+PyTorch ops.
+"""
+
+# Triton reads parameter annotations as kernel type hints, so @triton.jit functions stay unannotated.
+# ruff: noqa: ANN001, ANN202
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["MAX_ROWS", "expert_tiles_one_program"]
+
+MAX_ROWS = 1024
+_CHUNK = 64
+
+
+@triton.jit
+def _buckets(ids_ptr, rows, M, E, PAD: tl.constexpr):  # type: ignore[no-untyped-def]
+    # An id outside [0, E) goes to bucket E (served by no tile); rows past M get PAD, which matches no row or expert.
+    ids = tl.load(ids_ptr + rows, mask=rows < M, other=0)
+    bucket = tl.where((ids >= 0) & (ids < E), ids, E).to(tl.int32)
+    return tl.where(rows < M, bucket, PAD)
+
+
+@triton.jit
+def _pick(onehot, values):  # type: ignore[no-untyped-def]
+    # values[e] for the one e set in each row of onehot [R, E_PAD].
+    return tl.sum(tl.where(onehot, values[None, :], 0), axis=1)
+
+
+@triton.jit
+def _tiles_kernel(  # type: ignore[no-untyped-def]
+    ids_ptr,
+    order_ptr,
+    tile_expert_ptr,
+    tile_start_ptr,
+    tile_end_ptr,
+    M,
+    E,
+    T,
+    BLOCK_M: tl.constexpr,
+    E_PAD: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    experts = tl.arange(0, E_PAD)
+    counts = tl.zeros((E_PAD,), dtype=tl.int32)
+    for r0 in range(0, M, CHUNK):
+        bucket = _buckets(ids_ptr, r0 + tl.arange(0, CHUNK), M, E, -1)
+        counts += tl.sum((bucket[None, :] == experts[:, None]).to(tl.int32), axis=1)
+    counts = tl.where(experts < E, counts, 0)
+    row_end = tl.cumsum(counts, 0)
+    row_start = row_end - counts
+    routed = tl.sum(counts, axis=0)
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    tile_end = tl.cumsum(tiles, 0)
+    tile_first = tile_end - tiles
+    for r0 in range(0, M, CHUNK):
+        rows = r0 + tl.arange(0, CHUNK)
+        bucket = _buckets(ids_ptr, rows, M, E, -1)
+        rank = tl.zeros((CHUNK,), dtype=tl.int32)
+        for s0 in range(0, r0 + CHUNK, CHUNK):
+            others = s0 + tl.arange(0, CHUNK)
+            same = (_buckets(ids_ptr, others, M, E, -2)[None, :] == bucket[:, None]) & (others[None, :] < rows[:, None])
+            rank += tl.sum(same.to(tl.int32), axis=1)
+        first = tl.where(bucket < E, _pick(experts[None, :] == bucket[:, None], row_start), routed)
+        tl.store(order_ptr + first + rank, rows.to(tl.int64), mask=rows < M)
+    for t0 in range(0, T, CHUNK):
+        tile = t0 + tl.arange(0, CHUNK)
+        expert = tl.sum(((tile_end[None, :] <= tile[:, None]) & (experts[None, :] < E)).to(tl.int32), axis=1)
+        onehot = experts[None, :] == tl.minimum(expert, E - 1)[:, None]
+        start = _pick(onehot, row_start) + (tile - _pick(onehot, tile_first)) * BLOCK_M
+        end = tl.minimum(start + BLOCK_M, _pick(onehot, row_end))
+        mask = tile < T
+        tl.store(tile_expert_ptr + tile, expert.to(tl.int64), mask=mask)
+        tl.store(tile_start_ptr + tile, start.to(tl.int64), mask=mask)
+        tl.store(tile_end_ptr + tile, end.to(tl.int64), mask=mask)
+
+
+def expert_tiles_one_program(
+    expert_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``grouped_gemm.expert_tiles`` in one launch, for at most :data:`MAX_ROWS` rows (same outputs for every tile
+    that has rows; spare tiles carry ``num_experts`` as their expert)."""
+    m = expert_ids.numel()
+    if m > MAX_ROWS:
+        raise ValueError(f"expert_tiles_one_program takes at most {MAX_ROWS} rows, got {m}")
+    tiles = triton.cdiv(m, block_m) + min(num_experts, m)
+    order = torch.empty(m, dtype=torch.int64, device=expert_ids.device)
+    tile_expert, tile_start, tile_end = torch.empty((3, tiles), dtype=torch.int64, device=expert_ids.device)
+    _tiles_kernel[(1,)](
+        expert_ids,
+        order,
+        tile_expert,
+        tile_start,
+        tile_end,
+        m,
+        num_experts,
+        tiles,
+        BLOCK_M=block_m,
+        E_PAD=triton.next_power_of_2(num_experts),
+        CHUNK=_CHUNK,
+        num_warps=8,
+    )
+    return order, tile_expert, tile_start, tile_end
