@@ -45,7 +45,7 @@ import os
 import random
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS; must precede CUDA init
@@ -56,6 +56,7 @@ from tokenizers import Tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiny_parallel
+import tiny_resume
 import tiny_tasks
 from tiny_eval import evaluate_checkpoint, evaluate_values
 
@@ -93,12 +94,16 @@ def encode_document(tokenizer: Tokenizer, bos: int, samples: list[tiny_tasks.Sam
     return ids
 
 
-def sequences(tokenizer: Tokenizer, bos: int, seed: int, rank: int, length: int) -> Iterator[list[int]]:
-    """Worker ``rank``'s training sequences of exactly ``length`` tokens: whole documents, the last one cut.
+def stream_rng(seed: int, rank: int) -> random.Random:
+    """Worker ``rank``'s data stream; worker 0 reads the one a single-process run reads (``--workers 1`` reproduces
+    the shipped files)."""
+    return random.Random(f"{seed}-train" if rank == 0 else f"{seed}-train-{rank}")
 
-    Worker 0 reads the stream a single-process run reads, so ``--workers 1`` reproduces the shipped files."""
-    stream = f"{seed}-train" if rank == 0 else f"{seed}-train-{rank}"
-    documents = tiny_tasks.training_documents(random.Random(stream))
+
+def sequences(tokenizer: Tokenizer, bos: int, rng: random.Random, length: int) -> Iterator[list[int]]:
+    """Training sequences of exactly ``length`` tokens: whole documents, the last one cut. Between two sequences the
+    stream's whole state is ``rng``'s (nothing is carried over), which ``tiny_resume`` saves."""
+    documents = tiny_tasks.training_documents(rng)
     while True:
         ids: list[int] = []
         while len(ids) < length:
@@ -121,21 +126,38 @@ def schedule(step: int, total: int, warmup: int) -> float:
     return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
 
 
-def rate(start: float, step: int, args: argparse.Namespace) -> str:
+def rate(start: float, steps: int, args: argparse.Namespace) -> str:
     """Seconds per step and tokens per second of all workers so far (and the device memory peak), for the log."""
-    per_step = (time.time() - start) / step
+    per_step = (time.time() - start) / steps
     workers = tiny_parallel.dist.get_world_size() if tiny_parallel.dist.is_initialized() else 1
     memory = f", {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if args.device.startswith("cuda") else ""
     return f" ({per_step:.3f} s/step, {workers * args.seq_len / per_step / 1e3:.1f} k tokens/s{memory})"
 
 
+Checkpointer = Callable[[str, int, torch.optim.Optimizer], None]
+
+
+def resumed_step(phase: str, saved: tiny_resume.SavedState | None, opt: torch.optim.Optimizer) -> int:
+    """The step ``phase`` starts at: the saved one (with the optimizer state) when the saved run stopped in it."""
+    if saved is None or saved.phase != phase:
+        return 0
+    opt.load_state_dict(saved.optimizer)
+    return saved.step
+
+
 def train_target(
-    args: argparse.Namespace, config: ModelConfig, values: dict, vocab: ref.EngramVocabulary, data: Iterator[list[int]]
+    args: argparse.Namespace,
+    config: ModelConfig,
+    values: dict,
+    vocab: ref.EngramVocabulary,
+    data: Iterator[list[int]],
+    saved: tiny_resume.SavedState | None,
+    checkpoint: Checkpointer,
 ) -> int:
     params = [v for k, v in values.items() if not k.startswith("mtp.")]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     total = args.target_steps
-    step = 0
+    step = first = resumed_step("target", saved, opt)
     start = time.time()
     while total is None or step < total:
         fake_quant = total is not None and step >= total - args.fake_quant_steps
@@ -158,7 +180,10 @@ def train_target(
             log(f"calibrated: {per_step:.3f} s/step -> --target-steps {total}")
         if step % args.log_every == 0 or step == total:
             mean_loss = tiny_parallel.mean_float(loss.item())
-            log(f"target step {step}/{total} loss {mean_loss:.4f} fake_quant={fake_quant}{rate(start, step, args)}")
+            progress = rate(start, step - first, args)
+            log(f"target step {step}/{total} loss {mean_loss:.4f} fake_quant={fake_quant}{progress}")
+        if total is not None and step < total:
+            checkpoint("target", step, opt)
     return step
 
 
@@ -203,14 +228,15 @@ def train_drafter(
     values: dict,
     vocab: ref.EngramVocabulary,
     data: Iterator[list[int]],
+    gen: torch.Generator,
     budget_left: float | None,
-    rank: int,
+    saved: tiny_resume.SavedState | None,
+    checkpoint: Checkpointer,
 ) -> int:
     params = [v for k, v in values.items() if k.startswith("mtp.")]
     opt = torch.optim.AdamW(params, lr=args.draft_lr, betas=(0.9, 0.95), weight_decay=0.0)
-    gen = torch.Generator().manual_seed(args.seed + 1000 * rank)
     total = args.draft_steps
-    step = 0
+    step = first = resumed_step("draft", saved, opt)
     start = time.time()
     while total is None or step < total:
         for group in opt.param_groups:
@@ -232,8 +258,10 @@ def train_drafter(
             accuracy = tiny_parallel.mean_float(accuracy)
             log(
                 f"draft step {step}/{total} ce {ce_mean:.4f} bce {bce_mean:.4f} slot accuracy {accuracy:.3f}"
-                + rate(start, step, args)
+                + rate(start, step - first, args)
             )
+        if total is not None and step < total:
+            checkpoint("draft", step, opt)
     return step
 
 
@@ -257,20 +285,41 @@ def train_worker(rank: int, workers: int, port: int, args: argparse.Namespace, t
     torch.use_deterministic_algorithms(True, warn_only=True)
     config = load_preset("tiny")
     tokenizer = Tokenizer.from_str(tokenizer_json)
-    data = sequences(tokenizer, config.bos_token_id, args.seed, rank, args.seq_len)
-    values = initial_values(config, args.seed, args.device)  # drawn on the CPU, so any device gives the same start
+    stream = stream_rng(args.seed, rank)
+    gen = torch.Generator().manual_seed(args.seed + 1000 * rank)  # draft block lengths and anchors
+    saved = tiny_resume.load(args.state, rank, args.device)
+    if saved is None:
+        values = initial_values(config, args.seed, args.device)  # drawn on the CPU: any device gives the same start
+    else:
+        values = {k: v.requires_grad_(True) for k, v in saved.values.items()}
+        stream.setstate(saved.stream)
+        gen.set_state(saved.generator)
+        log(f"resuming from {args.state}: {saved.phase} step {saved.step}")
+    data = sequences(tokenizer, config.bos_token_id, stream, args.seq_len)
     torch.set_default_device(args.device)  # the reference model makes its index and table tensors on the default
     vocab = ref.engram_vocabulary_from_tokenizer(tokenizer)
 
-    target_steps = train_target(args, config, values, vocab, data)
-    for value in values.values():
-        value.requires_grad_(False)
-    for name, value in values.items():
-        if name.startswith("mtp.") and value.is_floating_point():
-            value.requires_grad_(True)
-    budget_left = None if args.time_budget is None else args.time_budget - (time.time() - began)
-    draft_steps = train_drafter(args, config, values, vocab, data, budget_left, rank)
-    train_seconds = time.time() - began
+    def checkpoint(phase: str, step: int, opt: torch.optim.Optimizer) -> None:
+        """Save the state and stop once ``--stop-after`` seconds have passed (the same decision on every worker)."""
+        if args.stop_after is None or not tiny_parallel.broadcast_int(int(time.time() - began > args.stop_after)):
+            return
+        tiny_resume.save(args.state, rank, phase, step, values, opt, stream, gen)
+        tiny_parallel.barrier()
+        raise tiny_resume.Suspended(f"saved {phase} step {step} to {args.state}; run the same command to continue")
+
+    try:
+        target_steps = args.target_steps
+        if saved is None or saved.phase == "target":
+            target_steps = train_target(args, config, values, vocab, data, saved, checkpoint)
+        for name, value in values.items():
+            value.requires_grad_(name.startswith("mtp."))  # the drafter trains on the frozen target
+        budget_left = None if args.time_budget is None else args.time_budget - (time.time() - began)
+        draft_steps = train_drafter(args, config, values, vocab, data, gen, budget_left, saved, checkpoint)
+    except tiny_resume.Suspended as stop:
+        log(str(stop))
+        tiny_parallel.finish()
+        return
+    train_seconds = time.time() - began  # of this invocation
     tokens = (target_steps + draft_steps) * workers * args.seq_len
     log(
         f"trained in {train_seconds:.0f} s on {tokens / 1e6:.1f} M tokens; fixed-step command: --seed {args.seed} "
@@ -279,23 +328,10 @@ def train_worker(rank: int, workers: int, port: int, args: argparse.Namespace, t
     )
     tiny_parallel.finish()
     if rank == 0:
-        write_and_evaluate(
-            args,
-            config,
-            values,
-            tokenizer,
-            vocab,
-            summary={
-                "seed": args.seed,
-                "hardware": hardware_name(args.device),
-                "workers": workers,
-                "target_steps": target_steps,
-                "draft_steps": draft_steps,
-                "seq_len": args.seq_len,
-                "train_tokens": tokens,
-                "train_seconds": round(train_seconds, 1),
-            },
-        )
+        summary = {"seed": args.seed, "hardware": hardware_name(args.device), "workers": workers}
+        summary |= {"target_steps": target_steps, "draft_steps": draft_steps, "seq_len": args.seq_len}
+        summary |= {"train_tokens": tokens, "train_seconds": round(train_seconds, 1)}
+        write_and_evaluate(args, config, values, tokenizer, vocab, summary)
 
 
 def write_and_evaluate(
@@ -340,9 +376,13 @@ def main() -> None:
     parser.add_argument("--anchors", type=int, default=256)
     parser.add_argument("--eval-per-task", type=int, default=50)
     parser.add_argument("--log-every", type=int, default=50, help="steps between log lines")
+    parser.add_argument("--state", type=Path, default=None, help="directory of the resumable state (tiny_resume)")
+    parser.add_argument("--stop-after", type=float, default=None, help="seconds, then save --state and stop")
     args = parser.parse_args()
     if (args.target_steps is None or args.draft_steps is None) and args.time_budget is None:
         parser.error("give --target-steps and --draft-steps, or --time-budget")
+    if args.stop_after is not None and (args.state is None or args.time_budget is not None):
+        parser.error("--stop-after needs --state and fixed --target-steps/--draft-steps (not --time-budget)")
 
     log(f"device {args.device}: {hardware_name(args.device)}; torch {torch.__version__}; {args.workers} worker(s)")
     config = load_preset("tiny")
