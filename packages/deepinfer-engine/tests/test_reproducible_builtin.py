@@ -87,3 +87,34 @@ def test_greedy_tokens_do_not_depend_on_the_batch(root: Path, recipe: None) -> N
     assert mixed_tokens[::-1] == batch
     for index in (0, 5, 11):
         assert _tokens(llm.generate([prompts[index]], GREEDY, use_tqdm=False)) == [batch[index]]
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch_or_the_engine(root: Path, recipe: None) -> None:
+    prompts = _held_out(8, start=200)
+    params = [
+        SamplingParams(temperature=0.6 + 0.1 * i, top_p=0.9, max_tokens=16, seq_seed=100 + i, ignore_eos=True)
+        for i in range(8)
+    ]
+    llm = LLM(cache_dir=str(root), **ENGINE)  # drafting on, every draft verified (the recipe's fixed length)
+    assert llm.engine.config.scheduler.max_num_draft_tokens > 0 and not llm.engine.config.mtp_varlen
+    first = _tokens(llm.generate(prompts, params, use_tqdm=False))
+    assert _tokens(llm.generate(prompts[::-1], params[::-1], use_tqdm=False))[::-1] == first
+    for index in (2, 7):
+        assert _tokens(llm.generate([prompts[index]], params[index], use_tqdm=False)) == [first[index]]
+    fresh = LLM(cache_dir=str(root), **{**ENGINE, "max_num_seqs": 3})  # at most three requests per step
+    assert _tokens(fresh.generate(prompts, params, use_tqdm=False)) == first
+
+
+def test_greedy_with_drafts_fixed_and_varlen_equals_greedy_without(root: Path, recipe: None) -> None:
+    lines = HELD_OUT.read_text(encoding="utf-8").splitlines()
+    pool = [json.loads(line)["prompt"] for line in lines[::15]][:32]  # every task, several prompt lengths
+    prompts = {n: pool[:n] for n in (1, 7, 32)}
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    plain = LLM(nextn=0, cache_dir=str(root), **ENGINE)
+    expected = {n: _tokens(plain.generate(batch, greedy, use_tqdm=False)) for n, batch in prompts.items()}
+    for varlen in (False, True):
+        llm = LLM(nextn=5, mtp_varlen=varlen, cache_dir=str(root), **ENGINE)
+        for n, batch in prompts.items():
+            outputs = llm.generate(batch, greedy, use_tqdm=False)
+            assert _tokens(outputs) == expected[n], (varlen, n)
+            assert sum(o.metrics.num_verified_draft_tokens for o in outputs) > 0
