@@ -18,7 +18,7 @@ from deepinfer_model.forward_batch import ForwardBatch
 
 HELD_OUT = Path(__file__).resolve().parents[3] / "benchmarks" / "data" / "tiny_heldout.jsonl"
 ENGINE: dict[str, Any] = {"device": "cpu", "max_num_seqs": 32, "block_size": 16, "num_cache_blocks": 512}
-GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +85,9 @@ def test_greedy_tokens_do_not_depend_on_the_batch(root: Path, recipe: None) -> N
     mixed = llm.generate(mixed_prompts, mixed_params, use_tqdm=False)
     mixed_tokens = [o.token_ids for o, params in zip(mixed, mixed_params, strict=True) if params is GREEDY]
     assert mixed_tokens[::-1] == batch
-    for index in (0, 5, 11):
-        assert _tokens(llm.generate([prompts[index]], GREEDY, use_tqdm=False)) == [batch[index]]
+    # Alone: requests 4 and 14 took other tokens than in the batch without the flag when this was written.
+    for index in (0, 4, 14):
+        assert _tokens(llm.generate([prompts[index]], GREEDY, use_tqdm=False)) == [batch[index]], index
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch_or_the_engine(root: Path, recipe: None) -> None:

@@ -116,6 +116,12 @@ def _result_dtype(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.dtype 
 class BatchInvariantOps(TorchDispatchMode):
     """Dispatch mode that evaluates ``INVARIANT_OPS`` in FP64 and rounds once (see the module docstring)."""
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # Nothing here runs under torch.compile; without this PyTorch wraps every dispatch in a Dynamo guard (a few
+        # microseconds per op, and seconds to import Dynamo on first use).
+        return False
+
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
