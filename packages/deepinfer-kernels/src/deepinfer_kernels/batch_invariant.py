@@ -8,7 +8,8 @@ such op — products, sums, softmax and transcendentals, listed in ``INVARIANT_O
 evaluated in FP64 and rounded once to the dtype it would have returned:
 
 - products of BF16, FP8 or FP4-derived values are exact in FP64 and their sums are exact too unless the terms span
-  more than ~30 binades, so the rounded sum does not depend on the summation order;
+  more than about 37 binades, so the rounded sum does not depend on the summation order (with FP32 operands the FP64
+  error is some 2^-29 of an FP32 ulp: two orders round apart only that close to an FP32 rounding boundary);
 - FP64 ``exp``, ``sigmoid``, ``cos``, ... are accurate to an FP64 ulp on either path, so the FP32 value they round to
   is the correctly rounded one whatever the path (barring values within an FP64 ulp of an FP32 rounding boundary).
 
