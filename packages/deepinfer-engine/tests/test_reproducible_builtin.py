@@ -110,7 +110,7 @@ def test_greedy_with_drafts_fixed_and_varlen_equals_greedy_without(root: Path, r
     lines = HELD_OUT.read_text(encoding="utf-8").splitlines()
     pool = [json.loads(line)["prompt"] for line in lines[::15]][:32]  # every task, several prompt lengths
     prompts = {n: pool[:n] for n in (1, 7, 32)}
-    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     plain = LLM(nextn=0, cache_dir=str(root), **ENGINE)
     expected = {n: _tokens(plain.generate(batch, greedy, use_tqdm=False)) for n, batch in prompts.items()}
     for varlen in (False, True):
