@@ -121,6 +121,7 @@ class Engine:
             expert_parallel,
             max_backtracking_tokens=args.nextn + 1,
             prefill_truncation=prefill_truncation(args, env),
+            batch_invariant=env["DEEPINFER_BATCH_INVARIANT"],
         )
         text = self.model.config.text
         spec = self.model.cache_spec()

@@ -130,8 +130,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("DEEPINFER_HF_MODEL_DIR", "path", None, "local copy of the checkpoint used instead of a hub download",
            _parse_str, _S, "model resolution in LLM(...)"),
     EnvVar("DEEPINFER_BATCH_INVARIANT", "bool", False, "bit-identical per-request outputs whatever the batch",
-           _parse_bool, _S, "SamplerConfig.batch_invariant: fixed sampler reductions only; the model forward is not "
-           "batch-invariant yet, on the CPU or NVIDIA (docs/reproducible.md)"),
+           _parse_bool, _S, "SamplerConfig.batch_invariant (fixed sampler reductions) and the model's "
+           "batch_invariant (CPU forward in FP64 sums and transcendentals); the NVIDIA forward is not batch-invariant "
+           "yet (docs/reproducible.md)"),
     EnvVar("DEEPINFER_ZERO_OVERHEAD_SCHEDULING", "bool", True, "asynchronous scheduling (schedule N+1 while N runs)",
            _parse_bool, _S, "EngineCore async mode"),
     EnvVar("DEEPINFER_XGRAMMAR_TIMEOUT", "float s", 20.0, "max wait for one grammar compilation",

@@ -33,13 +33,15 @@ def load_model(
     expert_parallel: ExpertParallelMoE | None = None,
     max_backtracking_tokens: int = 1,
     prefill_truncation: PrefillTruncation | None = None,
+    batch_invariant: bool = False,
 ) -> DeepseekV41ForCausalLM:
     """The checkpoint's model on `device`, weights loaded, in eval mode.
 
     With `expert_parallel` the model keeps (and loads) only this rank's routed experts and reaches the others over
     the EP group; None keeps every expert in this process. `max_backtracking_tokens` sizes the rings for rolled-back
     draft positions (`nextn + 1` with speculative decoding, 1 without). `prefill_truncation` (None: off) is the YOCO
-    prefill truncation the model runs prompt chunks with.
+    prefill truncation the model runs prompt chunks with. `batch_invariant` (DEEPINFER_BATCH_INVARIANT) makes the CPU
+    forward batch-invariant (docs/design/numerics.md, "Batch invariance").
 
     Raises:
         deepinfer_model.loading.errors.CheckpointError / CoverageError: the checkpoint is incomplete or corrupt.
@@ -59,6 +61,7 @@ def load_model(
             max_backtracking_tokens=max_backtracking_tokens,
             expert_parallel=expert_parallel,
             prefill_truncation=prefill_truncation,
+            batch_invariant=batch_invariant,
         )
     model.load_weights(checkpoint.tensors.items())
     model.to(device)  # buffers built from host data during construction follow the parameters

@@ -38,6 +38,7 @@ from deepinfer_model.deepseek_v41.truncation import Compaction, PrefillTruncatio
 from deepinfer_model.deepseek_v41.weight_loading import load_named_weights
 from deepinfer_model.forward_batch import ForwardBatch
 from deepinfer_model.layers.embedding import LMHead, VocabEmbedding
+from deepinfer_model.layers.invariant import batch_invariant_on_cpu
 from deepinfer_model.layers.mode import ComputeMode
 from deepinfer_model.layers.norm import RMSNorm
 from deepinfer_model.state import ModelState, StepMetadata
@@ -72,6 +73,9 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
             ``context_parallel`` attribute after construction.
         prefill_truncation: YOCO prefill truncation of prompt chunks (off by default); it applies to the steps whose
             ``ForwardBatch.known_lens`` is set.
+        batch_invariant: on the CPU, ``forward``, ``draft_forward`` and ``draft_heads`` give every request the same
+            bits whatever else is in the step (``deepinfer_model.layers.invariant``; docs/design/numerics.md, "Batch
+            invariance"); other devices ignore it.
 
     Attributes:
         consumer_layer_rows: query rows the YOCO consumer layers computed, summed over layers and eager forwards
@@ -94,6 +98,7 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
         draft_expert_parallel: ExpertParallelMoE | None = None,
         context_parallel: RankGroup | None = None,
         prefill_truncation: PrefillTruncation | None = None,
+        batch_invariant: bool = False,
     ) -> None:
         super().__init__()
         cfg = config.text
@@ -113,6 +118,7 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
         self.max_backtracking_tokens = max_backtracking_tokens
         self.context_parallel = context_parallel
         self.prefill_truncation = prefill_truncation
+        self.batch_invariant = batch_invariant
         self.consumer_layer_rows = 0
         backbone = cfg.layers[: cfg.num_hidden_layers]
         self.embed = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, mode)
@@ -245,6 +251,7 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
 
     # ---- forward -----------------------------------------------------------------------------------------------
 
+    @batch_invariant_on_cpu
     def forward(self, batch: ForwardBatch, state: ModelState) -> torch.Tensor:
         """One step: compute every query token of the batch, update the caches, return logits.
 
@@ -287,6 +294,7 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
             final = final[rows]
         return self.head(self.norm(final))
 
+    @batch_invariant_on_cpu
     def draft_forward(self, batch: ForwardBatch, state: ModelState) -> torch.Tensor:
         """DSpark draft forward (docs/design/model.md, "Draft forward"): every request's tokens form one non-causal
         draft block.
@@ -316,6 +324,7 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
         assert isinstance(last, DSparkBlock)
         return last.collapse(trunk, read_mix, cfg, self.mode)
 
+    @batch_invariant_on_cpu
     def draft_heads(
         self, hidden: torch.Tensor, previous_tokens: torch.Tensor, temperature: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,180 @@
+"""Batch-invariant evaluation of PyTorch's CPU ops: a row's result does not depend on the other rows of its tensor.
+
+PyTorch's CPU kernels give one row different last bits depending on the shape it sits in: a BLAS blocks its sums by
+the row count, a reduction over a single long row is split across threads while many short rows are not, and
+elementwise transcendental functions take a vectorized path for some shapes and a scalar one (another ``exp``
+approximation) for others (docs/design/numerics.md, "Batch invariance"). Inside ``batch_invariant_ops()`` every
+such op — products, sums, softmax and transcendentals, listed in ``INVARIANT_OPS`` — on BF16/FP16/FP32 inputs is
+evaluated in FP64 and rounded once to the dtype it would have returned:
+
+- products of BF16, FP8 or FP4-derived values are exact in FP64 and their sums are exact too unless the terms span
+  more than about 37 binades, so the rounded sum does not depend on the summation order (with FP32 operands the FP64
+  error is some 2^-29 of an FP32 ulp: two orders round apart only that close to an FP32 rounding boundary);
+- FP64 ``exp``, ``sigmoid``, ``cos``, ... are accurate to an FP64 ulp on either path, so the FP32 value they round to
+  is the correctly rounded one whatever the path (barring values within an FP64 ulp of an FP32 rounding boundary).
+
+Every other op (elementwise ``+ − × ÷``, ``sqrt``, comparisons, ``max``, ``sort``, gathers, casts) is exactly rounded
+already and runs unchanged. FP64 inputs run unchanged. The mode is meant for CPU tensors: on an accelerator FP64 is
+slow and a dispatch mode cannot be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import reduce
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+__all__ = ["INVARIANT_OPS", "BatchInvariantOps", "batch_invariant_ops"]
+
+# Ops whose CPU result for a row depends on the shape around it, by aten name; their in-place (``exp_``) and out=
+# overloads are covered too. Composite ops (matmul, einsum, softmax, linear) are listed as well: under inference mode
+# they reach the dispatch mode before decomposing.
+INVARIANT_OPS: frozenset[str] = frozenset(
+    {
+        # products
+        "mm",
+        "addmm",
+        "bmm",
+        "baddbmm",
+        "matmul",
+        "einsum",
+        "linear",
+        "mv",
+        "dot",
+        # reductions
+        "sum",
+        "mean",
+        "cumsum",
+        "logsumexp",
+        "softmax",
+        "_softmax",
+        "log_softmax",
+        "_log_softmax",
+        "linalg_vector_norm",
+        "norm",
+        # transcendentals
+        "exp",
+        "exp2",
+        "expm1",
+        "log",
+        "log2",
+        "log1p",
+        "sigmoid",
+        "tanh",
+        "silu",
+        "softplus",
+        "gelu",
+        "erf",
+        "sin",
+        "cos",
+        "polar",
+        "rsqrt",
+        "pow",
+    }
+)
+
+_NARROW = (torch.float32, torch.bfloat16, torch.float16)
+_COMPLEX_OF = {torch.float32: torch.complex64, torch.float16: torch.complex32}
+
+
+_INVARIANT_OVERLOADS: dict[Any, bool] = {}
+
+
+def _is_invariant_op(func: Any) -> bool:
+    known = _INVARIANT_OVERLOADS.get(func)
+    if known is None:
+        known = _INVARIANT_OVERLOADS[func] = func.overloadpacket.__name__.removesuffix("_") in INVARIANT_OPS
+    return known
+
+
+def _widen(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.dtype in _NARROW:
+        return value.double()
+    if isinstance(value, torch.Tensor) and value.dtype == torch.complex64:
+        return value.to(torch.complex128)
+    if isinstance(value, torch.dtype) and value in _NARROW:
+        return torch.float64
+    return value
+
+
+def _result_dtype(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.dtype | None:
+    """The floating dtype the op would have returned, or None when it has no narrow floating input."""
+    requested = [v for v in (*args, kwargs.get("dtype")) if isinstance(v, torch.dtype)]
+    if requested:
+        return requested[0]
+    leaves, _ = tree_flatten((args, kwargs))
+    dtypes = [t.dtype for t in leaves if isinstance(t, torch.Tensor) and t.dtype.is_floating_point]
+    if not dtypes or not any(d in _NARROW for d in dtypes):
+        return None
+    return reduce(torch.promote_types, dtypes)
+
+
+class BatchInvariantOps(TorchDispatchMode):
+    """Dispatch mode that evaluates ``INVARIANT_OPS`` in FP64 and rounds once (see the module docstring)."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # Nothing here runs under torch.compile; without this PyTorch wraps every dispatch in a Dynamo guard (a few
+        # microseconds per op, and seconds to import Dynamo on first use).
+        return False
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if not _is_invariant_op(func):
+            return func(*args, **kwargs)
+        dtype = _result_dtype(args, kwargs)
+        if dtype is None or dtype == torch.float64:
+            return func(*args, **kwargs)
+        wide_args, wide_kwargs = tree_map(_widen, (args, kwargs))
+        result = func(*wide_args, **wide_kwargs)
+        written = _written_arguments(func, args, kwargs, wide_args, wide_kwargs)
+        for narrow, wide in written:
+            narrow.copy_(wide)
+        originals = {id(wide): narrow for narrow, wide in written}
+        return tree_map(lambda r: _narrow(r, dtype, originals), result)
+
+
+def _narrow(value: Any, dtype: torch.dtype, originals: dict[int, torch.Tensor]) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    if id(value) in originals:
+        return originals[id(value)]
+    if value.dtype == torch.complex128:
+        return value.to(_COMPLEX_OF.get(dtype, torch.complex128))
+    if value.dtype == torch.float64:
+        return value.to(dtype)
+    return value
+
+
+def _written_arguments(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], wide_args: tuple[Any, ...], wide_kwargs: dict[str, Any]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(caller's tensor, widened copy) of every argument the op writes: ``self`` of in-place ops, ``out=``."""
+    pairs = []
+    for index, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        if argument.kwarg_only or index >= len(args):
+            narrow, wide = kwargs.get(argument.name), wide_kwargs.get(argument.name)
+        else:
+            narrow, wide = args[index], wide_args[index]
+        if isinstance(narrow, torch.Tensor) and isinstance(wide, torch.Tensor) and narrow is not wide:
+            pairs.append((narrow, wide))
+    return pairs
+
+
+@contextmanager
+def batch_invariant_ops(enabled: bool = True) -> Iterator[None]:
+    """Run the body with ``BatchInvariantOps`` (a no-op when ``enabled`` is false)."""
+    if not enabled:
+        yield
+        return
+    with BatchInvariantOps():
+        yield

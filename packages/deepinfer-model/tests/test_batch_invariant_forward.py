@@ -1,0 +1,53 @@
+"""The batch-invariant CPU forward (docs/design/numerics.md, "Batch invariance"): with ``batch_invariant`` the logits
+of a prompt alone and inside a prefill step of prompts of other lengths, at any position, are bit-identical; off
+(the default) the forward is the default evaluation, which the flag changes in the last bits (FP32 mode: within
+1e-4, summation order only; exact mode: BF16/FP8 rounding flips grow on the random checkpoint)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _layered_model_support import prompt, tiny_model
+
+from deepinfer_model.deepseek_v41.model import DeepseekV41ForCausalLM
+from deepinfer_model.forward_batch import ForwardBatch
+from deepinfer_model.layers.mode import ComputeMode
+
+BLOCK = 16
+
+
+def _prefill(model: DeepseekV41ForCausalLM, prompts: list[list[int]]) -> list[torch.Tensor]:
+    num = len(prompts)
+    width = -(-max(len(p) for p in prompts) // BLOCK)
+    state = model.allocate_state(BLOCK, num * width + 1, num + 1)
+    table = torch.arange(1, num * width + 1, dtype=torch.int32).view(num, width)
+    with torch.inference_mode():
+        logits = model(ForwardBatch.for_requests(prompts, [0] * num, table, list(range(1, num + 1))), state)
+    return list(logits.split([len(p) for p in prompts]))
+
+
+def test_a_prompt_alone_and_inside_a_batch_has_the_same_logits() -> None:
+    model = tiny_model(ComputeMode.EXACT)
+    model.batch_invariant = True
+    prompts = [prompt(length, seed=length).tolist() for length in (3, 21, 9, 40, 1, 17)]
+    together = _prefill(model, prompts)
+    shuffled = _prefill(model, prompts[::-1])[::-1]
+    for index, ids in enumerate(prompts):
+        alone = _prefill(model, [ids])[0]
+        assert torch.equal(alone, together[index]), index
+        assert torch.equal(shuffled[index], together[index]), index
+
+
+@pytest.mark.parametrize("mode", [ComputeMode.EXACT, ComputeMode.FP32])
+def test_the_flag_selects_the_invariant_evaluation(mode: ComputeMode) -> None:
+    model = tiny_model(mode)
+    assert not model.batch_invariant
+    prompts = [prompt(length, seed=length).tolist() for length in (5, 30)]
+    default = torch.cat(_prefill(model, prompts))
+    model.batch_invariant = True
+    invariant = torch.cat(_prefill(model, prompts))
+    model.batch_invariant = False
+    assert torch.equal(torch.cat(_prefill(model, prompts)), default)
+    assert not torch.equal(invariant, default)
+    if mode is ComputeMode.FP32:  # no rounding point to flip: the evaluations differ by summation order only
+        torch.testing.assert_close(invariant, default, rtol=1e-4, atol=1e-4)
