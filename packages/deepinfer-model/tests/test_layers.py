@@ -96,6 +96,27 @@ def test_grouped_linear_keeps_fp32_and_matches_per_group_products() -> None:
     assert layer(x).dtype == torch.float32
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_grouped_linear_on_cuda_runs_the_grouped_gemm() -> None:
+    """CUDA ``wo_a`` (kernels' grouped FP8 GEMM on the stored weight) vs the CPU path (FP32 einsum over the kept
+    weight): the same exact products summed in FP32 in two orders, each within ``K·2^−24·S`` of the exact sum
+    (``S = Σ|x̂_i·ŵ_i|``) plus one FP32 ulp."""
+    groups, k, n = 4, 512, 64
+    layer = Fp8GroupedLinear(groups=groups, in_per_group=k, out_per_group=n, mode=EXACT)
+    q, s = quantize_fp8_block(torch.randn(groups * n, k, generator=_gen(30)) / 8)
+    layer.weight.weight_loader(layer.weight, q)
+    layer.scale.weight_loader(layer.scale, s)
+    x = torch.randn(5, groups * k, generator=_gen(31)).to(torch.bfloat16)
+    on_cpu = layer(x)
+    on_cuda = layer.cuda()(x.cuda()).cpu()
+    assert on_cuda.dtype == torch.float32 and on_cuda.shape == on_cpu.shape
+    x_hat = ref.fp8_quant_dequant(x.float()).double().view(5, groups, k).abs()
+    w_hat = ref.dequantize_fp8_block(q, s).double().view(groups, n, k).abs()
+    bound = 2 * k * 2.0**-24 * torch.einsum("mgk,gnk->mgn", x_hat, w_hat).reshape(5, -1) + on_cpu.abs() * 2.0**-23
+    assert bool(((on_cuda.double() - on_cpu.double()).abs() <= bound).all())
+
+
 def test_bf16_linear_norm_embedding_head() -> None:
     x = torch.randn(4, 64, generator=_gen(6)).to(torch.bfloat16)
     lin = Bf16Linear(64, 16, EXACT)

@@ -8,7 +8,13 @@ Importing this package touches neither the device nor the environment.
 
 from deepinfer_kernels.activation import swiglu_clamped
 from deepinfer_kernels.attention import KeySource, sparse_attention
-from deepinfer_kernels.gemm import dequantized_gemm, fp8_block_gemm, mxfp4_gemm
+from deepinfer_kernels.gemm import (
+    dequantized_gemm,
+    fp8_block_gemm,
+    fp8_block_gemm_quantized,
+    fp8_block_grouped_gemm,
+    mxfp4_gemm,
+)
 from deepinfer_kernels.grouped_gemm import dequantized_grouped_gemm, mxfp4_grouped_gemm
 from deepinfer_kernels.hyper_connection import hc_mix_logits, hc_mixes, hc_post, hc_read
 from deepinfer_kernels.indexer import indexer_select
@@ -43,6 +49,8 @@ __all__ = [
     "dequantized_grouped_gemm",
     "encode_rows",
     "fp8_block_gemm",
+    "fp8_block_gemm_quantized",
+    "fp8_block_grouped_gemm",
     "hc_mix_logits",
     "hc_mixes",
     "hc_post",

@@ -9,6 +9,7 @@ from deepinfer_kernels._registry import Backend, OpRegistry
 from deepinfer_kernels.cuda import (
     activation,
     attention,
+    fp8_gemm_ops,
     gemm,
     grouped_gemm,
     hyper_connection,
@@ -36,6 +37,8 @@ def register(registry: OpRegistry) -> None:
     registry.register("dequantize_mxfp4", nvidia, quant.dequantize_mxfp4)
     registry.register("fp8_block_gemm", nvidia, gemm.fp8_block_gemm)
     registry.register("mxfp4_gemm", nvidia, gemm.mxfp4_gemm)
+    registry.register("fp8_block_grouped_gemm", nvidia, fp8_gemm_ops.fp8_block_grouped_gemm)
+    registry.register("fp8_block_gemm_quantized", nvidia, fp8_gemm_ops.fp8_block_gemm_quantized)
     registry.register("mxfp4_grouped_gemm", nvidia, grouped_gemm.mxfp4_grouped_gemm)
     registry.register("encode_rows", nvidia, row_formats.encode_rows)
     registry.register("decode_rows", nvidia, row_formats.decode_rows)

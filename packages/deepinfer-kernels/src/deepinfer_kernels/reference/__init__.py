@@ -34,6 +34,8 @@ def register(registry: OpRegistry) -> None:
     registry.register("dequantize_mxfp4", ref, quant.dequantize_mxfp4)
     registry.register("fp8_block_gemm", ref, gemm.fp8_block_gemm)
     registry.register("mxfp4_gemm", ref, gemm.mxfp4_gemm)
+    registry.register("fp8_block_grouped_gemm", ref, gemm.fp8_block_grouped_gemm)
+    registry.register("fp8_block_gemm_quantized", ref, gemm.fp8_block_gemm_quantized)
     registry.register("mxfp4_grouped_gemm", ref, grouped_gemm.mxfp4_grouped_gemm)
     registry.register("dequantized_gemm", ref, gemm.dequantized_gemm)
     registry.register("dequantized_grouped_gemm", ref, grouped_gemm.dequantized_grouped_gemm)

@@ -5,7 +5,8 @@
   runs the kernels' ``fp8_block_gemm`` (input quantized per token in groups of 32; BF16 output), FP32 mode a plain
   FP32 GEMM with the dequantized weight. ``shard_sizes`` makes it a merged (row-concatenated) layer such as the shared
   expert's ``[w1; w3]`` (docs/design/model.md, "Tensor names").
-- ``Fp8GroupedLinear``: the attention's grouped ``wo_a`` (docs/design/attention.md, "Per-query attention").
+- ``Fp8GroupedLinear``: the attention's grouped ``wo_a`` (docs/design/attention.md, "Per-query attention"); exact mode
+  on an accelerator runs the kernels' ``fp8_block_grouped_gemm`` (FP32 output).
 - ``Mxfp4ExpertStack``: the routed experts' MXFP4 matrices stacked over experts
   (docs/design/numerics.md, "Weight formats"; docs/design/model.md, "Tensor names"); exact mode runs the kernels'
   ``mxfp4_gemm``.
@@ -32,6 +33,7 @@ from deepinfer_kernels import (
     dequantized_gemm,
     dequantized_grouped_gemm,
     fp8_block_gemm,
+    fp8_block_grouped_gemm,
     mxfp4_gemm,
     mxfp4_grouped_gemm,
 )
@@ -203,7 +205,13 @@ class Fp8GroupedLinear(nn.Module):
         default_weight_loader(param, loaded, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Args: x [n, groups·in_per_group] bf16/fp32. Returns: [n, groups·out_per_group] fp32."""
+        """Args: x [n, groups·in_per_group] bf16/fp32. Returns: [n, groups·out_per_group] fp32.
+
+        Exact mode on an accelerator runs the kernels' grouped FP8 GEMM on the stored weight; where dequantized
+        weights are kept (CPU, FP32 mode) an FP32 einsum over the kept weight.
+        """
+        if self.mode is ComputeMode.EXACT and not self._cache.keeps(self.weight.device):
+            return fp8_block_grouped_gemm(x, self.weight, self.scale, self.groups)
         x_hat = fp8_round_trip(x, self.mode).view(-1, self.groups, self.in_per_group)
         weight = self._cache.get(0, (self.weight, self.scale), lambda: dequantize_fp8_block(self.weight, self.scale))
         weight = weight.view(self.groups, self.out_per_group, -1)
