@@ -8,6 +8,10 @@ Cases (old path → new op), per token count (--rows):
   New: ``fp8_block_grouped_gemm`` on the FP8 weight.
 - ``quantized-<name>``: an FP8 block GEMM of the preset on an activation already quantized (``fp8_block_gemm``,
   quantizer included → ``fp8_block_gemm_quantized``, codes and scales given).
+- ``norm-<name>``: ``attn_norm`` (width H) and ``q_norm`` (width q_lora_rank) with their FP8 copy (``rms_norm`` +
+  ``quantize_fp8_per_token_group`` → ``rms_norm_fp8``), and ``norm-<name>+gemm``: the norm and the FP8 GEMM reading it
+  (``wq_a`` resp. ``wq_b``: ``rms_norm`` + ``fp8_block_gemm`` → ``rms_norm_fp8`` + ``fp8_block_gemm_quantized``).
+  No weight bytes for the norm alone (copy% then 0).
 
 Times are medians of CUDA-graph replays (``kernels_gemm.time_us``: one graph calls the op once per weight copy, the
 copies exceeding L2). Prints a table last and writes JSON (default benchmarks/results/kernels_fused-<device>.json).
@@ -78,6 +82,48 @@ def quantized_case(
     return point, weight_copies(inputs_for("fp8_block_gemm", n, k, 0)), make
 
 
+def norm_pair(
+    name: str, width: int, n: int, tokens: int
+) -> list[tuple[dict[str, Any], list[tuple[torch.Tensor, ...]], Callable[..., Any]]]:
+    """The norm of ``width`` columns alone, and with the FP8 GEMM [n, width] that reads it."""
+    x = torch.randn(tokens, width, device="cuda").to(torch.bfloat16)
+    weight = torch.randn(width, device="cuda").to(torch.bfloat16)
+    out = torch.empty(tokens, n, dtype=torch.bfloat16, device="cuda")
+    dense = implementation("fp8_block_gemm", Backend.NVIDIA)
+    from_codes = implementation("fp8_block_gemm_quantized", Backend.NVIDIA)
+
+    def alone(old: bool) -> Callable[[], Any]:
+        if old:
+            return lambda: dk.quantize_fp8_per_token_group(dk.rms_norm(x, weight, 1e-6))
+        return lambda: dk.rms_norm_fp8(x, weight, 1e-6)
+
+    def with_gemm(old: bool, w_q: torch.Tensor, w_scale: torch.Tensor) -> Callable[[], None]:
+        if old:
+            return lambda: dense(dk.rms_norm(x, weight, 1e-6), w_q, w_scale, out)
+        return lambda: from_codes(*dk.rms_norm_fp8(x, weight, 1e-6)[1:], w_q, w_scale, out)
+
+    return [
+        ({"case": f"norm-{name}", "n": width, "k": width, "groups": 1, "tokens": tokens}, [()] * 16, alone),
+        (
+            {"case": f"norm-{name}+gemm", "n": n, "k": width, "groups": 1, "tokens": tokens},
+            weight_copies(inputs_for("fp8_block_gemm", n, width, 0)),
+            with_gemm,
+        ),
+    ]
+
+
+def norm_cases(tokens: int) -> list[tuple[dict[str, Any], list[tuple[torch.Tensor, ...]], Callable[..., Any]]]:
+    """``attn_norm`` → ``wq_a`` and ``q_norm`` → ``wq_b`` of the preset."""
+    from deepinfer_model.config import load_preset
+
+    text = load_preset("v41-flash-scaled").text
+    heads_dim = text.num_attention_heads * text.head_dim
+    return [
+        *norm_pair("attn", text.hidden_size, text.q_lora_rank, tokens),
+        *norm_pair("q", text.q_lora_rank, heads_dim, tokens),
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="1,16,64", help="comma-separated token counts")
@@ -91,11 +137,15 @@ def main() -> None:
     copy_gbps = copy_bandwidth_gbps()
     results: list[dict[str, Any]] = []
     for tokens in (int(v) for v in args.rows.split(",")):
-        cases = [wo_a_case(tokens)]
+        cases = [wo_a_case(tokens), *norm_cases(tokens)]
         cases += [quantized_case(name, n, k, tokens) for name, n, k in preset_shapes()["fp8_block_gemm"]]
         for point, copies, make in cases:
-            point["old_us"] = time_us([make(True, *w) for w in copies], args.repeats)
-            point["new_us"] = time_us([make(False, *w) for w in copies], args.repeats)
+            try:
+                point["old_us"] = time_us([make(True, *w) for w in copies], args.repeats)
+                point["new_us"] = time_us([make(False, *w) for w in copies], args.repeats)
+            except RuntimeError as error:  # e.g. a path that cannot be graph-captured: report it, time the rest
+                print(f"{point['case']} tokens={tokens}: {error}", flush=True)
+                continue
             point["speedup"] = point["old_us"] / point["new_us"]
             point["weight_bytes"] = sum(w.numel() * w.element_size() for w in copies[0])
             point["new_copy_fraction"] = point["weight_bytes"] / point["new_us"] / 1e3 / copy_gbps

@@ -117,6 +117,32 @@ def test_grouped_linear_on_cuda_runs_the_grouped_gemm() -> None:
     assert bool(((on_cuda.double() - on_cpu.double()).abs() <= bound).all())
 
 
+def test_norm_fp8_copy_only_on_an_accelerator() -> None:
+    norm = RMSNorm(64, 1e-6, EXACT)
+    norm.weight.data.copy_(torch.randn(64, generator=_gen(40)).to(torch.bfloat16))
+    x = torch.randn(3, 64, generator=_gen(41)).to(torch.bfloat16)
+    y, copy = norm.with_fp8_copy(x)
+    assert copy is None and torch.equal(y, norm(x))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_norm_fp8_copy_feeds_the_fp8_gemm_bitwise_on_cuda() -> None:
+    """attn_norm → wq_a with the fused norm's FP8 copy equals norm → GEMM with its own quantizer, bit for bit."""
+    hidden, out = 512, 96
+    norm = RMSNorm(hidden, 1e-6, EXACT)
+    norm.weight.data.copy_(torch.randn(hidden, generator=_gen(42)).to(torch.bfloat16))
+    linear = Fp8BlockLinear(hidden, out, EXACT)
+    q, s = quantize_fp8_block(torch.randn(out, hidden, generator=_gen(43)) / 8)
+    linear.weight.weight_loader(linear.weight, q)
+    linear.scale.weight_loader(linear.scale, s)
+    norm, linear = norm.cuda(), linear.cuda()
+    x = torch.randn(7, hidden, generator=_gen(44)).to(torch.bfloat16).cuda()
+    y, copy = norm.with_fp8_copy(x)
+    assert copy is not None and torch.equal(y, norm(x))
+    assert torch.equal(linear(y, fp8_copy=copy), linear(y))
+
+
 def test_bf16_linear_norm_embedding_head() -> None:
     x = torch.randn(4, 64, generator=_gen(6)).to(torch.bfloat16)
     lin = Bf16Linear(64, 16, EXACT)

@@ -19,7 +19,7 @@ from deepinfer_kernels.grouped_gemm import dequantized_grouped_gemm, mxfp4_group
 from deepinfer_kernels.hyper_connection import hc_mix_logits, hc_mixes, hc_post, hc_read
 from deepinfer_kernels.indexer import indexer_select
 from deepinfer_kernels.kv_cache import store_rows
-from deepinfer_kernels.norm import rms_norm
+from deepinfer_kernels.norm import rms_norm, rms_norm_fp8
 from deepinfer_kernels.platform import Accelerator, current_accelerator
 from deepinfer_kernels.quant import (
     dequantize_fp8_block,
@@ -62,6 +62,7 @@ __all__ = [
     "quantize_fp8_per_token_group",
     "quantize_mxfp4",
     "rms_norm",
+    "rms_norm_fp8",
     "rope_cos_sin",
     "rope_inverse_frequencies",
     "router_topk",

@@ -28,6 +28,7 @@ def register(registry: OpRegistry) -> None:
     """Register the Triton implementations (ue8m0_to_float and hc_mix_logits fall back to the reference)."""
     nvidia = Backend.NVIDIA
     registry.register("rms_norm", nvidia, norm.rms_norm)
+    registry.register("rms_norm_fp8", nvidia, norm.rms_norm_fp8)
     registry.register("apply_rope", nvidia, rope.apply_rope)
     registry.register("quantize_fp8_block", nvidia, quant.quantize_fp8_block)
     registry.register("dequantize_fp8_block", nvidia, quant.dequantize_fp8_block)

@@ -24,6 +24,7 @@ def register(registry: OpRegistry) -> None:
     """Register the reference implementation of every op."""
     ref = Backend.REFERENCE
     registry.register("rms_norm", ref, norm.rms_norm)
+    registry.register("rms_norm_fp8", ref, norm.rms_norm_fp8)
     registry.register("apply_rope", ref, rope.apply_rope)
     registry.register("ue8m0_to_float", ref, quant.ue8m0_to_float)
     registry.register("quantize_fp8_block", ref, quant.quantize_fp8_block)

@@ -33,6 +33,7 @@ from deepinfer_kernels import (
     dequantized_gemm,
     dequantized_grouped_gemm,
     fp8_block_gemm,
+    fp8_block_gemm_quantized,
     fp8_block_grouped_gemm,
     mxfp4_gemm,
     mxfp4_grouped_gemm,
@@ -43,6 +44,7 @@ from deepinfer_model.layers.mode import ComputeMode, fp8_round_trip, round_activ
 __all__ = [
     "Bf16Linear",
     "Fp8BlockLinear",
+    "Fp8Copy",
     "Fp8GroupedLinear",
     "Mxfp4ExpertStack",
     "WeightLoader",
@@ -53,6 +55,9 @@ __all__ = [
 FP8_BLOCK = 32
 MXFP4_GROUP = 32
 WeightLoader = Callable[[nn.Parameter, torch.Tensor, Any], None]
+# An activation's per-token-group FP8 copy as its producer computed it: (e4m3 codes, UE8M0 scales), the format of
+# ``deepinfer_kernels.quantize_fp8_per_token_group``.
+Fp8Copy = tuple[torch.Tensor, torch.Tensor]
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -162,12 +167,14 @@ class Fp8BlockLinear(nn.Module):
         """The exact FP32 weight ``[out, in]``."""
         return self._cache.get(0, (self.weight, self.scale), lambda: dequantize_fp8_block(self.weight, self.scale))
 
-    def forward(self, x: torch.Tensor, prequantized: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, prequantized: bool = False, fp8_copy: Fp8Copy | None = None) -> torch.Tensor:
         """Apply the layer.
 
         Args:
             x: [..., in] bf16/fp32.
             prequantized: ``x`` already holds FP8-dequantized values (Engram rows); skip activation quantization.
+            fp8_copy: ``quantize_fp8_per_token_group(x)`` as the producer of ``x`` computed it (a fused norm); exact
+                mode on an accelerator then runs the GEMM on it and launches no quantizer (same result).
 
         Returns:
             [..., out] in the activation dtype (BF16 exact / FP32).
@@ -175,6 +182,8 @@ class Fp8BlockLinear(nn.Module):
         if self.mode is ComputeMode.EXACT and not prequantized:
             if self._cache.keeps(self.weight.device):
                 return dequantized_gemm(x, self.dequantized_weight())
+            if fp8_copy is not None:
+                return fp8_block_gemm_quantized(*fp8_copy, self.weight, self.scale)
             return fp8_block_gemm(x, self.weight, self.scale)
         return round_activation(x.float() @ self.dequantized_weight().t(), self.mode)
 
