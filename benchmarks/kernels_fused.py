@@ -12,6 +12,8 @@ Cases (old path → new op), per token count (--rows):
   ``quantize_fp8_per_token_group`` → ``rms_norm_fp8``), and ``norm-<name>+gemm``: the norm and the FP8 GEMM reading it
   (``wq_a`` resp. ``wq_b``: ``rms_norm`` + ``fp8_block_gemm`` → ``rms_norm_fp8`` + ``fp8_block_gemm_quantized``).
   No weight bytes for the norm alone (copy% then 0).
+- ``swiglu+w2``: the shared expert's SwiGLU and ``w2`` (``swiglu_clamped`` + ``fp8_block_gemm`` →
+  ``swiglu_clamped_fp8`` + ``fp8_block_gemm_quantized``).
 
 Times are medians of CUDA-graph replays (``kernels_gemm.time_us``: one graph calls the op once per weight copy, the
 copies exceeding L2). Prints a table last and writes JSON (default benchmarks/results/kernels_fused-<device>.json).
@@ -124,6 +126,25 @@ def norm_cases(tokens: int) -> list[tuple[dict[str, Any], list[tuple[torch.Tenso
     ]
 
 
+def swiglu_case(tokens: int) -> tuple[dict[str, Any], list[tuple[torch.Tensor, ...]], Callable[..., Any]]:
+    from deepinfer_model.config import load_preset
+
+    text = load_preset("v41-flash-scaled").text
+    half, hidden = text.n_shared_experts * text.moe_intermediate_size, text.hidden_size
+    t = torch.randn(tokens, 2 * half, device="cuda").to(torch.bfloat16)
+    out = torch.empty(tokens, hidden, dtype=torch.bfloat16, device="cuda")
+    dense = implementation("fp8_block_gemm", Backend.NVIDIA)
+    from_codes = implementation("fp8_block_gemm_quantized", Backend.NVIDIA)
+
+    def make(old: bool, w_q: torch.Tensor, w_scale: torch.Tensor) -> Callable[[], None]:
+        if old:
+            return lambda: dense(dk.swiglu_clamped(t, 10.0), w_q, w_scale, out)
+        return lambda: from_codes(*dk.swiglu_clamped_fp8(t, 10.0), w_q, w_scale, out)
+
+    point = {"case": "swiglu+w2", "n": hidden, "k": half, "groups": 1, "tokens": tokens}
+    return point, weight_copies(inputs_for("fp8_block_gemm", hidden, half, 0)), make
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="1,16,64", help="comma-separated token counts")
@@ -137,7 +158,7 @@ def main() -> None:
     copy_gbps = copy_bandwidth_gbps()
     results: list[dict[str, Any]] = []
     for tokens in (int(v) for v in args.rows.split(",")):
-        cases = [wo_a_case(tokens), *norm_cases(tokens)]
+        cases = [wo_a_case(tokens), *norm_cases(tokens), swiglu_case(tokens)]
         cases += [quantized_case(name, n, k, tokens) for name, n, k in preset_shapes()["fp8_block_gemm"]]
         for point, copies, make in cases:
             try:

@@ -16,7 +16,7 @@ from deepinfer_kernels import (
 )
 from deepinfer_model import reference as ref
 from deepinfer_model.deepseek_v41.hyper_connection import hc_mixes, hc_post, hc_read
-from deepinfer_model.deepseek_v41.moe import Router
+from deepinfer_model.deepseek_v41.moe import Router, SharedExperts
 from deepinfer_model.layers.embedding import LMHead, VocabEmbedding
 from deepinfer_model.layers.linear import Bf16Linear, Fp8BlockLinear, Fp8GroupedLinear, Mxfp4ExpertStack
 from deepinfer_model.layers.mode import ComputeMode
@@ -141,6 +141,28 @@ def test_norm_fp8_copy_feeds_the_fp8_gemm_bitwise_on_cuda() -> None:
     y, copy = norm.with_fp8_copy(x)
     assert copy is not None and torch.equal(y, norm(x))
     assert torch.equal(linear(y, fp8_copy=copy), linear(y))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_shared_expert_fused_swiglu_fp8_bitwise_on_cuda() -> None:
+    """The shared expert on CUDA (SwiGLU + FP8 copy in one kernel, w2 on the copy) equals SwiGLU then w2 quantizing
+    the FP32 product itself, bit for bit."""
+    hidden, intermediate = 256, 128
+    experts = SharedExperts(hidden, intermediate, 10.0, EXACT)
+    for linear, rows, cols, shards in (
+        (experts.w13, intermediate, hidden, (0, 1)),
+        (experts.w2, hidden, intermediate, (None,)),
+    ):
+        for shard in shards:
+            q, s = quantize_fp8_block(torch.randn(rows, cols, generator=_gen(50 + (shard or 0))) / 8)
+            linear.weight.weight_loader(linear.weight, q, shard)
+            linear.scale.weight_loader(linear.scale, s, shard)
+    experts = experts.cuda()
+    x = torch.randn(6, hidden, generator=_gen(52)).to(torch.bfloat16).cuda()
+    assert experts.w2.runs_on_fp8_copy()
+    expected = experts.w2(swiglu_clamped(experts.w13(x), 10.0))
+    assert torch.equal(experts(x), expected)
 
 
 def test_bf16_linear_norm_embedding_head() -> None:

@@ -6,7 +6,7 @@ The backend is chosen once per op from ``DEEPINFER_ACCELERATOR`` (see ``deepinfe
 Importing this package touches neither the device nor the environment.
 """
 
-from deepinfer_kernels.activation import swiglu_clamped
+from deepinfer_kernels.activation import swiglu_clamped, swiglu_clamped_fp8
 from deepinfer_kernels.attention import KeySource, sparse_attention
 from deepinfer_kernels.gemm import (
     dequantized_gemm,
@@ -69,6 +69,7 @@ __all__ = [
     "sparse_attention",
     "store_rows",
     "swiglu_clamped",
+    "swiglu_clamped_fp8",
     "ue8m0_to_float",
     "yarn_inverse_frequencies",
 ]

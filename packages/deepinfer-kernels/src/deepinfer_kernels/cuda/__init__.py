@@ -50,4 +50,5 @@ def register(registry: OpRegistry) -> None:
     registry.register("hc_read", nvidia, hyper_connection.hc_read)
     registry.register("hc_post", nvidia, hyper_connection.hc_post)
     registry.register("swiglu_clamped", nvidia, activation.swiglu_clamped)
+    registry.register("swiglu_clamped_fp8", nvidia, activation.swiglu_clamped_fp8)
     registry.register("router_topk", nvidia, routing.router_topk)

@@ -10,14 +10,12 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_kernels.cuda._formats import e4m3_encode, exp2_int, scale_exponent, to_output_dtype
+from deepinfer_kernels.cuda._formats import fp8_token_groups, to_output_dtype
 from deepinfer_kernels.cuda._launch import check_launchable
 
 __all__ = ["rms_norm", "rms_norm_fp8"]
 
 _GROUP: tl.constexpr = tl.constexpr(32)
-_FP8_AMAX_FLOOR: tl.constexpr = tl.constexpr(1e-4)
-_E4M3_MAX: tl.constexpr = tl.constexpr(448.0)
 
 
 @triton.jit
@@ -60,15 +58,12 @@ def _rms_norm_fp8_kernel(  # type: ignore[no-untyped-def]
     stride_scale,
     BLOCK: tl.constexpr,
 ):
-    # The FP8 copy quantizes the rounded output, as the separate quantizer would read it back: per 32 columns,
-    # the same amax, exponent and e4m3 encoding as cuda.quant's per-token-group kernel.
+    # The FP8 copy quantizes the rounded output, as the separate quantizer would read it back, with the same device
+    # function as cuda.quant's per-token-group kernel.
     row, offsets, mask, y = _normed_row(x_ptr, weight_ptr, out_ptr, hidden, eps, stride_x, stride_out, BLOCK)
-    groups = tl.reshape(y.to(tl.float32), (BLOCK // _GROUP, _GROUP))
-    exponent = scale_exponent(tl.max(tl.abs(groups), axis=1), _FP8_AMAX_FLOOR, _E4M3_MAX)
-    codes = tl.reshape(e4m3_encode(groups * exp2_int(-exponent)[:, None]), (BLOCK,))
-    tl.store(q_ptr + row * stride_q + offsets, codes, mask=mask)
+    codes, scale_bytes = fp8_token_groups(tl.reshape(y.to(tl.float32), (BLOCK // _GROUP, _GROUP)))
+    tl.store(q_ptr + row * stride_q + offsets, tl.reshape(codes, (BLOCK,)), mask=mask)
     group_index = tl.arange(0, BLOCK // _GROUP)
-    scale_bytes = (exponent + 127).to(tl.uint8)
     tl.store(scale_ptr + row * stride_scale + group_index, scale_bytes, mask=group_index * _GROUP < hidden)
 
 

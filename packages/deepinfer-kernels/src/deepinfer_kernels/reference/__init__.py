@@ -50,4 +50,5 @@ def register(registry: OpRegistry) -> None:
     registry.register("hc_read", ref, hyper_connection.hc_read)
     registry.register("hc_post", ref, hyper_connection.hc_post)
     registry.register("swiglu_clamped", ref, activation.swiglu_clamped)
+    registry.register("swiglu_clamped_fp8", ref, activation.swiglu_clamped_fp8)
     registry.register("router_topk", ref, routing.router_topk)

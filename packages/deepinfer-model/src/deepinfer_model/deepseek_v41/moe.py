@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from deepinfer_kernels import router_topk, swiglu_clamped
+from deepinfer_kernels import router_topk, swiglu_clamped, swiglu_clamped_fp8
 from deepinfer_model.layers.linear import Fp8BlockLinear, Fp8Copy, Mxfp4ExpertStack, make_parameter
 from deepinfer_model.layers.mode import ComputeMode, round_activation
 
@@ -174,7 +174,11 @@ class SharedExperts(nn.Module):
     def forward(self, x: torch.Tensor, x_fp8: Fp8Copy | None = None) -> torch.Tensor:
         """Args: x [n, H] activation dtype; x_fp8 its FP8 copy or None (``Fp8BlockLinear.forward``). Returns: [n, H]
         activation dtype."""
-        return self.w2(swiglu_clamped(self.w13(x, fp8_copy=x_fp8), self.limit))
+        gate_up = self.w13(x, fp8_copy=x_fp8)
+        if self.w2.runs_on_fp8_copy():
+            # SwiGLU and w2's activation quantization in one kernel (docs/design/kernels.md, "swiglu_clamped_fp8").
+            return self.w2.forward_fp8(swiglu_clamped_fp8(gate_up, self.limit))
+        return self.w2(swiglu_clamped(gate_up, self.limit))
 
 
 class MoE(nn.Module):

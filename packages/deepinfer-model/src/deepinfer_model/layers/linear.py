@@ -183,9 +183,21 @@ class Fp8BlockLinear(nn.Module):
             if self._cache.keeps(self.weight.device):
                 return dequantized_gemm(x, self.dequantized_weight())
             if fp8_copy is not None:
-                return fp8_block_gemm_quantized(*fp8_copy, self.weight, self.scale)
+                return self.forward_fp8(fp8_copy)
             return fp8_block_gemm(x, self.weight, self.scale)
         return round_activation(x.float() @ self.dequantized_weight().t(), self.mode)
+
+    def runs_on_fp8_copy(self) -> bool:
+        """Whether the layer can read an activation's FP8 copy instead of quantizing it (exact mode where dequantized
+        weights are not kept, i.e. on an accelerator; input width a multiple of 32); then :meth:`forward_fp8` may
+        replace :meth:`forward`."""
+        exact = self.mode is ComputeMode.EXACT and self.in_features % FP8_BLOCK == 0
+        return exact and not self._cache.keeps(self.weight.device)
+
+    def forward_fp8(self, fp8_copy: Fp8Copy) -> torch.Tensor:
+        """The exact-mode result for an activation given only as its FP8 copy (codes [..., in], scales [..., in/32]):
+        ``deepinfer_kernels.fp8_block_gemm_quantized``. Returns: [..., out] bf16."""
+        return fp8_block_gemm_quantized(*fp8_copy, self.weight, self.scale)
 
 
 class Fp8GroupedLinear(nn.Module):
