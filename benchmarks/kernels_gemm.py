@@ -65,7 +65,7 @@ def preset_shapes() -> dict[str, list[tuple[str, int, int]]]:
     for entry in build_catalogue(load_preset("v41-flash-scaled")):
         name, shape = entry.name, tuple(entry.shape)
         if name.endswith(".weight") and entry.dtype == "F8_E4M3" and len(shape) == 2:
-            if "engram.embed" in name or "wo_a" in name:  # a row table; a grouped einsum
+            if "engram.embed" in name or "wo_a" in name:  # a row table; grouped (kernels_fused.py)
                 continue
             if name.endswith(("shared_experts.w3.weight",)):
                 continue

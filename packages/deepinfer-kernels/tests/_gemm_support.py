@@ -31,20 +31,24 @@ def abs_product(x_hat: torch.Tensor, w_hat: torch.Tensor) -> torch.Tensor:
     return x_hat.double().abs() @ w_hat.double().abs().t()
 
 
-def assert_gemm_close(actual: torch.Tensor, expected: torch.Tensor, magnitude: torch.Tensor, k: int) -> None:
-    """Assert ``|actual − expected| ≤ ulp_bf16(expected) + K·2^−24·S`` elementwise (on the CPU, in FP64).
+def assert_gemm_close(
+    actual: torch.Tensor, expected: torch.Tensor, magnitude: torch.Tensor, k: int, significant_bits: int = 8
+) -> None:
+    """Assert ``|actual − expected| ≤ ulp(expected) + K·2^−24·S`` elementwise (on the CPU, in FP64).
 
     Args:
-        actual: [M, N] bf16 from the kernel.
-        expected: [M, N] bf16 from the reference.
+        actual: [M, N] bf16 (or fp32) from the kernel.
+        expected: [M, N] bf16 (or fp32) from the reference.
         magnitude: [M, N] ``S`` from :func:`abs_product`.
         k: the reduction length K.
+        significant_bits: of the output format, for its ulp: 8 for bf16, 24 for an FP32 output (whose single
+            rounding then adds one FP32 ulp to the accumulation bound).
     """
     a, e = actual.double().cpu(), expected.double().cpu()
     if a.shape != e.shape or not torch.equal(torch.isfinite(a), torch.isfinite(e)):
         raise AssertionError(f"shapes {tuple(a.shape)} vs {tuple(e.shape)} or non-finite positions differ")
     _, exponent = torch.frexp(e)
-    ulp = torch.pow(2.0, exponent.double() - 8)  # frexp's mantissa is in [0.5, 1); bf16 keeps 8 significant bits
+    ulp = torch.pow(2.0, exponent.double() - significant_bits)  # frexp's mantissa is in [0.5, 1)
     bound = ulp + k * 2.0**-24 * magnitude.double().cpu()
     diff = torch.where(torch.isfinite(e), (a - e).abs(), 0.0)
     bad = diff > bound

@@ -127,3 +127,29 @@ def test_mxfp4_grouped_gemm_cuda_graph_replay(m: int) -> None:
     ids.fill_(-1)
     graph.replay()
     assert torch.all(out == 0)
+
+
+@pytest.mark.parametrize("m", [1, 2, 8, 64, 512])
+def test_fp8_block_grouped_gemm_gpu(m: int) -> None:
+    """The attention's wo_a shape: 8 groups of [1024, 4096], FP32 output (tolerance with an FP32 ulp)."""
+    groups, n = 8, 8192
+    x = torch.randn((m, groups * _K), generator=_generator(m + 3), device="cuda").to(torch.bfloat16)
+    w_q = (_bytes((n, _K), seed=n + m) & 0xF7).view(torch.float8_e4m3fn)
+    w_scale = _bytes((n // 32, _K // 32), n + 2, 118, 127).view(torch.float8_e8m0fnu)
+    fast = torch.zeros(m, n, dtype=torch.float32, device="cuda")
+    implementation("fp8_block_grouped_gemm", Backend.NVIDIA)(x, w_q, w_scale, fast)
+    ref = torch.zeros_like(fast)
+    implementation("fp8_block_grouped_gemm", Backend.REFERENCE)(x, w_q, w_scale, ref)
+    x_hat = dequantized_activation(x).view(m, groups, _K).abs()
+    w_hat = dk.dequantize_fp8_block(w_q, w_scale).double().view(groups, n // groups, _K).abs()
+    magnitude = torch.einsum("mgk,gnk->mgn", x_hat, w_hat).reshape(m, n)
+    assert_gemm_close(fast, ref, magnitude, _K, significant_bits=24)
+
+
+@pytest.mark.parametrize("m", [1, 8, 64, 512])
+def test_fp8_block_gemm_quantized_gpu_equals_fp8_block_gemm(m: int) -> None:
+    x = _activation(m, seed=m + 5)
+    w_q = (_bytes((4096, _K), seed=m + 6) & 0xF7).view(torch.float8_e4m3fn)
+    w_scale = _bytes((4096 // 32, _K // 32), m + 7, 118, 127).view(torch.float8_e8m0fnu)
+    q, q_scale = dk.quantize_fp8_per_token_group(x)
+    assert torch.equal(dk.fp8_block_gemm_quantized(q, q_scale, w_q, w_scale), dk.fp8_block_gemm(x, w_q, w_scale))

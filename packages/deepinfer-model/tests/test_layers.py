@@ -16,7 +16,7 @@ from deepinfer_kernels import (
 )
 from deepinfer_model import reference as ref
 from deepinfer_model.deepseek_v41.hyper_connection import hc_mixes, hc_post, hc_read
-from deepinfer_model.deepseek_v41.moe import Router
+from deepinfer_model.deepseek_v41.moe import Router, SharedExperts
 from deepinfer_model.layers.embedding import LMHead, VocabEmbedding
 from deepinfer_model.layers.linear import Bf16Linear, Fp8BlockLinear, Fp8GroupedLinear, Mxfp4ExpertStack
 from deepinfer_model.layers.mode import ComputeMode
@@ -94,6 +94,75 @@ def test_grouped_linear_keeps_fp32_and_matches_per_group_products() -> None:
     )
     torch.testing.assert_close(layer(x), expected, rtol=1e-6, atol=1e-6)
     assert layer(x).dtype == torch.float32
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_grouped_linear_on_cuda_runs_the_grouped_gemm() -> None:
+    """CUDA ``wo_a`` (kernels' grouped FP8 GEMM on the stored weight) vs the CPU path (FP32 einsum over the kept
+    weight): the same exact products summed in FP32 in two orders, each within ``K·2^−24·S`` of the exact sum
+    (``S = Σ|x̂_i·ŵ_i|``) plus one FP32 ulp."""
+    groups, k, n = 4, 512, 64
+    layer = Fp8GroupedLinear(groups=groups, in_per_group=k, out_per_group=n, mode=EXACT)
+    q, s = quantize_fp8_block(torch.randn(groups * n, k, generator=_gen(30)) / 8)
+    layer.weight.weight_loader(layer.weight, q)
+    layer.scale.weight_loader(layer.scale, s)
+    x = torch.randn(5, groups * k, generator=_gen(31)).to(torch.bfloat16)
+    on_cpu = layer(x)
+    on_cuda = layer.cuda()(x.cuda()).cpu()
+    assert on_cuda.dtype == torch.float32 and on_cuda.shape == on_cpu.shape
+    x_hat = ref.fp8_quant_dequant(x.float()).double().view(5, groups, k).abs()
+    w_hat = ref.dequantize_fp8_block(q, s).double().view(groups, n, k).abs()
+    bound = 2 * k * 2.0**-24 * torch.einsum("mgk,gnk->mgn", x_hat, w_hat).reshape(5, -1) + on_cpu.abs() * 2.0**-23
+    assert bool(((on_cuda.double() - on_cpu.double()).abs() <= bound).all())
+
+
+def test_norm_fp8_copy_only_on_an_accelerator() -> None:
+    norm = RMSNorm(64, 1e-6, EXACT)
+    norm.weight.data.copy_(torch.randn(64, generator=_gen(40)).to(torch.bfloat16))
+    x = torch.randn(3, 64, generator=_gen(41)).to(torch.bfloat16)
+    y, copy = norm.with_fp8_copy(x)
+    assert copy is None and torch.equal(y, norm(x))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_norm_fp8_copy_feeds_the_fp8_gemm_bitwise_on_cuda() -> None:
+    """attn_norm → wq_a with the fused norm's FP8 copy equals norm → GEMM with its own quantizer, bit for bit."""
+    hidden, out = 512, 96
+    norm = RMSNorm(hidden, 1e-6, EXACT)
+    norm.weight.data.copy_(torch.randn(hidden, generator=_gen(42)).to(torch.bfloat16))
+    linear = Fp8BlockLinear(hidden, out, EXACT)
+    q, s = quantize_fp8_block(torch.randn(out, hidden, generator=_gen(43)) / 8)
+    linear.weight.weight_loader(linear.weight, q)
+    linear.scale.weight_loader(linear.scale, s)
+    norm, linear = norm.cuda(), linear.cuda()
+    x = torch.randn(7, hidden, generator=_gen(44)).to(torch.bfloat16).cuda()
+    y, copy = norm.with_fp8_copy(x)
+    assert copy is not None and torch.equal(y, norm(x))
+    assert torch.equal(linear(y, fp8_copy=copy), linear(y))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_shared_expert_fused_swiglu_fp8_bitwise_on_cuda() -> None:
+    """The shared expert on CUDA (SwiGLU + FP8 copy in one kernel, w2 on the copy) equals SwiGLU then w2 quantizing
+    the FP32 product itself, bit for bit."""
+    hidden, intermediate = 256, 128
+    experts = SharedExperts(hidden, intermediate, 10.0, EXACT)
+    for linear, rows, cols, shards in (
+        (experts.w13, intermediate, hidden, (0, 1)),
+        (experts.w2, hidden, intermediate, (None,)),
+    ):
+        for shard in shards:
+            q, s = quantize_fp8_block(torch.randn(rows, cols, generator=_gen(50 + (shard or 0))) / 8)
+            linear.weight.weight_loader(linear.weight, q, shard)
+            linear.scale.weight_loader(linear.scale, s, shard)
+    experts = experts.cuda()
+    x = torch.randn(6, hidden, generator=_gen(52)).to(torch.bfloat16).cuda()
+    assert experts.w2.runs_on_fp8_copy()
+    expected = experts.w2(swiglu_clamped(experts.w13(x), 10.0))
+    assert torch.equal(experts(x), expected)
 
 
 def test_bf16_linear_norm_embedding_head() -> None:

@@ -6,14 +6,20 @@ The backend is chosen once per op from ``DEEPINFER_ACCELERATOR`` (see ``deepinfe
 Importing this package touches neither the device nor the environment.
 """
 
-from deepinfer_kernels.activation import swiglu_clamped
+from deepinfer_kernels.activation import swiglu_clamped, swiglu_clamped_fp8
 from deepinfer_kernels.attention import KeySource, sparse_attention
-from deepinfer_kernels.gemm import dequantized_gemm, fp8_block_gemm, mxfp4_gemm
+from deepinfer_kernels.gemm import (
+    dequantized_gemm,
+    fp8_block_gemm,
+    fp8_block_gemm_quantized,
+    fp8_block_grouped_gemm,
+    mxfp4_gemm,
+)
 from deepinfer_kernels.grouped_gemm import dequantized_grouped_gemm, mxfp4_grouped_gemm
 from deepinfer_kernels.hyper_connection import hc_mix_logits, hc_mixes, hc_post, hc_read
 from deepinfer_kernels.indexer import indexer_select
 from deepinfer_kernels.kv_cache import store_rows
-from deepinfer_kernels.norm import rms_norm
+from deepinfer_kernels.norm import rms_norm, rms_norm_fp8
 from deepinfer_kernels.platform import Accelerator, current_accelerator
 from deepinfer_kernels.quant import (
     dequantize_fp8_block,
@@ -43,6 +49,8 @@ __all__ = [
     "dequantized_grouped_gemm",
     "encode_rows",
     "fp8_block_gemm",
+    "fp8_block_gemm_quantized",
+    "fp8_block_grouped_gemm",
     "hc_mix_logits",
     "hc_mixes",
     "hc_post",
@@ -54,12 +62,14 @@ __all__ = [
     "quantize_fp8_per_token_group",
     "quantize_mxfp4",
     "rms_norm",
+    "rms_norm_fp8",
     "rope_cos_sin",
     "rope_inverse_frequencies",
     "router_topk",
     "sparse_attention",
     "store_rows",
     "swiglu_clamped",
+    "swiglu_clamped_fp8",
     "ue8m0_to_float",
     "yarn_inverse_frequencies",
 ]

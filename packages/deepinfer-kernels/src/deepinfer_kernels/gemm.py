@@ -16,7 +16,7 @@ import torch
 from deepinfer_kernels import _registry
 from deepinfer_kernels._checks import check_dtype, check_ndim_at_least, check_same_device, check_tensor
 
-__all__ = ["dequantized_gemm", "fp8_block_gemm", "mxfp4_gemm"]
+__all__ = ["dequantized_gemm", "fp8_block_gemm", "fp8_block_gemm_quantized", "fp8_block_grouped_gemm", "mxfp4_gemm"]
 
 _ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)
 _DEQUANTIZED_DTYPES = (torch.float32, torch.float64)
@@ -37,8 +37,10 @@ def _check_activation(x: torch.Tensor, reduction: int) -> None:
         raise ValueError(f"the reduction dimension ({reduction}) must be a multiple of {_GROUP}")
 
 
-def _run(op: str, x: torch.Tensor, weight_rows: int, *weight: torch.Tensor) -> torch.Tensor:
-    out = torch.empty((*x.shape[:-1], weight_rows), dtype=torch.bfloat16, device=x.device)
+def _run(
+    op: str, x: torch.Tensor, weight_rows: int, *weight: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    out = torch.empty((*x.shape[:-1], weight_rows), dtype=out_dtype, device=x.device)
     if out.numel() == 0:
         return out
     rows = x.reshape(-1, x.shape[-1]).contiguous()
@@ -46,6 +48,21 @@ def _run(op: str, x: torch.Tensor, weight_rows: int, *weight: torch.Tensor) -> t
         return out.zero_()
     _registry.resolve(op, rows.device.type)(rows, *(w.contiguous() for w in weight), out.view(-1, weight_rows))
     return out
+
+
+def _check_fp8_block_weight(w_q: torch.Tensor, w_scale: torch.Tensor) -> tuple[int, int]:
+    """Check an FP8 32×32-block weight; returns its shape (N, K)."""
+    check_tensor("w_q", w_q)
+    check_tensor("w_scale", w_scale)
+    check_dtype("w_q", w_q.dtype, (torch.float8_e4m3fn,))
+    check_dtype("w_scale", w_scale.dtype, (torch.float8_e8m0fnu,))
+    if w_q.dim() != 2:
+        raise ValueError(f"w_q must be 2-D [N, K], got shape {tuple(w_q.shape)}")
+    n, k = w_q.shape
+    expected = (_cdiv(n, 32), k // 32)
+    if tuple(w_scale.shape) != expected:
+        raise ValueError(f"w_scale must have shape {expected} for w_q {tuple(w_q.shape)}, got {tuple(w_scale.shape)}")
+    return n, k
 
 
 def fp8_block_gemm(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
@@ -60,19 +77,76 @@ def fp8_block_gemm(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor) ->
     Returns:
         [..., N] bf16.
     """
-    check_tensor("w_q", w_q)
-    check_tensor("w_scale", w_scale)
-    check_dtype("w_q", w_q.dtype, (torch.float8_e4m3fn,))
-    check_dtype("w_scale", w_scale.dtype, (torch.float8_e8m0fnu,))
-    if w_q.dim() != 2:
-        raise ValueError(f"w_q must be 2-D [N, K], got shape {tuple(w_q.shape)}")
-    n, k = w_q.shape
+    n, k = _check_fp8_block_weight(w_q, w_scale)
     _check_activation(x, k)
-    expected = (_cdiv(n, 32), k // 32)
-    if tuple(w_scale.shape) != expected:
-        raise ValueError(f"w_scale must have shape {expected} for w_q {tuple(w_q.shape)}, got {tuple(w_scale.shape)}")
     check_same_device(x=x, w_q=w_q, w_scale=w_scale)
     return _run("fp8_block_gemm", x, n, w_q, w_scale)
+
+
+def fp8_block_grouped_gemm(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, groups: int) -> torch.Tensor:
+    """Grouped ``y[..., g·N/G …] = fp32(x̂[..., g·K …] · Ŵ_gᵀ)`` with FP32 output: x quantized per token and 32 columns
+    (docs/design/numerics.md, "Activation quantization"), group g multiplying input slice g by weight rows
+    ``g·N/G … (g+1)·N/G − 1`` (the attention's ``wo_a``; docs/design/numerics.md, "Attention output rounding").
+
+    Args:
+        x: [..., G·K] bf16 or fp32, ``K % 32 == 0``.
+        w_q: [N, K] float8_e4m3fn, same device, ``N/G`` a multiple of 32.
+        w_scale: [N/32, K/32] float8_e8m0fnu, same device.
+        groups: G ≥ 1.
+
+    Returns:
+        [..., N] fp32.
+    """
+    n, k = _check_fp8_block_weight(w_q, w_scale)
+    if not isinstance(groups, int) or groups < 1 or n % (32 * groups):
+        raise ValueError(
+            f"groups must be an int >= 1 dividing the weight's {n} rows into multiples of 32, got {groups!r}"
+        )
+    check_tensor("x", x)
+    check_dtype("x", x.dtype, _ACTIVATION_DTYPES)
+    check_ndim_at_least("x", x, 1)
+    if k % _GROUP or x.shape[-1] != groups * k:
+        raise ValueError(
+            f"x must have groups·K = {groups}·{k} columns with K a multiple of {_GROUP}, got {x.shape[-1]} columns"
+        )
+    check_same_device(x=x, w_q=w_q, w_scale=w_scale)
+    return _run("fp8_block_grouped_gemm", x, n, w_q, w_scale, out_dtype=torch.float32)
+
+
+def fp8_block_gemm_quantized(
+    q: torch.Tensor, q_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor
+) -> torch.Tensor:
+    """:func:`fp8_block_gemm` on an activation already quantized by its producer: ``y = bf16(x̂ · Ŵᵀ)`` with
+    ``x̂ = dequantize_fp8_per_token_group(q, q_scale)``. Equals ``fp8_block_gemm(x, …)`` bit for bit when
+    ``(q, q_scale) = quantize_fp8_per_token_group(x)`` (same implementation).
+
+    Args:
+        q: [..., K] float8_e4m3fn codes, ``K % 32 == 0``.
+        q_scale: [..., K/32] float8_e8m0fnu, same device.
+        w_q: [N, K] float8_e4m3fn, same device.
+        w_scale: [⌈N/32⌉, K/32] float8_e8m0fnu, same device.
+
+    Returns:
+        [..., N] bf16.
+    """
+    n, k = _check_fp8_block_weight(w_q, w_scale)
+    check_tensor("q", q)
+    check_tensor("q_scale", q_scale)
+    check_dtype("q", q.dtype, (torch.float8_e4m3fn,))
+    check_dtype("q_scale", q_scale.dtype, (torch.float8_e8m0fnu,))
+    check_ndim_at_least("q", q, 1)
+    if q.shape[-1] != k or k % _GROUP:
+        raise ValueError(f"q has {q.shape[-1]} columns; the weight needs K = {k}, a multiple of {_GROUP}")
+    if tuple(q_scale.shape) != (*q.shape[:-1], k // _GROUP):
+        raise ValueError(f"q_scale must have shape {(*q.shape[:-1], k // _GROUP)}, got {tuple(q_scale.shape)}")
+    check_same_device(q=q, q_scale=q_scale, w_q=w_q, w_scale=w_scale)
+    out = torch.empty((*q.shape[:-1], n), dtype=torch.bfloat16, device=q.device)
+    if out.numel():
+        impl = _registry.resolve("fp8_block_gemm_quantized", q.device.type)
+        impl(
+            q.reshape(-1, k).contiguous(), q_scale.reshape(-1, k // _GROUP).contiguous(), w_q, w_scale, out.view(-1, n)
+        )
+    return out
 
 
 def mxfp4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

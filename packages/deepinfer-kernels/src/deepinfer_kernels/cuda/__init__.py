@@ -9,6 +9,7 @@ from deepinfer_kernels._registry import Backend, OpRegistry
 from deepinfer_kernels.cuda import (
     activation,
     attention,
+    fp8_gemm_ops,
     gemm,
     grouped_gemm,
     hyper_connection,
@@ -27,6 +28,7 @@ def register(registry: OpRegistry) -> None:
     """Register the Triton implementations (ue8m0_to_float and hc_mix_logits fall back to the reference)."""
     nvidia = Backend.NVIDIA
     registry.register("rms_norm", nvidia, norm.rms_norm)
+    registry.register("rms_norm_fp8", nvidia, norm.rms_norm_fp8)
     registry.register("apply_rope", nvidia, rope.apply_rope)
     registry.register("quantize_fp8_block", nvidia, quant.quantize_fp8_block)
     registry.register("dequantize_fp8_block", nvidia, quant.dequantize_fp8_block)
@@ -36,6 +38,8 @@ def register(registry: OpRegistry) -> None:
     registry.register("dequantize_mxfp4", nvidia, quant.dequantize_mxfp4)
     registry.register("fp8_block_gemm", nvidia, gemm.fp8_block_gemm)
     registry.register("mxfp4_gemm", nvidia, gemm.mxfp4_gemm)
+    registry.register("fp8_block_grouped_gemm", nvidia, fp8_gemm_ops.fp8_block_grouped_gemm)
+    registry.register("fp8_block_gemm_quantized", nvidia, fp8_gemm_ops.fp8_block_gemm_quantized)
     registry.register("mxfp4_grouped_gemm", nvidia, grouped_gemm.mxfp4_grouped_gemm)
     registry.register("encode_rows", nvidia, row_formats.encode_rows)
     registry.register("decode_rows", nvidia, row_formats.decode_rows)
@@ -46,4 +50,5 @@ def register(registry: OpRegistry) -> None:
     registry.register("hc_read", nvidia, hyper_connection.hc_read)
     registry.register("hc_post", nvidia, hyper_connection.hc_post)
     registry.register("swiglu_clamped", nvidia, activation.swiglu_clamped)
+    registry.register("swiglu_clamped_fp8", nvidia, activation.swiglu_clamped_fp8)
     registry.register("router_topk", nvidia, routing.router_topk)

@@ -26,10 +26,14 @@ __all__ = [
     "e4m3_decode",
     "e4m3_encode",
     "exp2_int",
+    "fp8_token_groups",
     "scale_exponent",
     "to_output_dtype",
     "ue8m0_decode",
 ]
+
+_FP8_AMAX_FLOOR: tl.constexpr = tl.constexpr(1e-4)
+_E4M3_MAX: tl.constexpr = tl.constexpr(448.0)
 
 
 @triton.jit
@@ -62,6 +66,14 @@ def scale_exponent(amax, floor: tl.constexpr, max_value: tl.constexpr):  # type:
 @triton.jit
 def exp2_int(exponent):  # type: ignore[no-untyped-def]
     return ((exponent + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fp8_token_groups(values):  # type: ignore[no-untyped-def]
+    # Per-token-group FP8 quantization of values [G, W] (one row per W-column group): the e4m3 codes [G, W] and the
+    # UE8M0 scale bytes [G] (amax floor 1e−4, e4m3 maximum 448; docs/design/numerics.md, "Activation quantization").
+    exponent = scale_exponent(tl.max(tl.abs(values), axis=1), _FP8_AMAX_FLOOR, _E4M3_MAX)
+    return e4m3_encode(values * exp2_int(-exponent)[:, None]), (exponent + 127).to(tl.uint8)
 
 
 @triton.jit

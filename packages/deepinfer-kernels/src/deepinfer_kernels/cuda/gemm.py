@@ -30,6 +30,8 @@ rows of the expert-sorted order it owns from tables built on the device (``cuda.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton
 import triton.language as tl
@@ -42,6 +44,7 @@ from deepinfer_kernels.cuda.gemm_operands import (
     e2m1_tiles,
     e4m3_tile,
     finish_tile,
+    group_activation,
     native_fp8,
     operand,
     reduce_partials,
@@ -52,6 +55,7 @@ from deepinfer_kernels.cuda.gemv import fp8_gemv_kernel, mxfp4_gemv_kernel
 __all__ = [
     "deinterleaved_activation",
     "fp8_block_gemm",
+    "fp8_block_launch",
     "gemv_rows",
     "launch_grid",
     "mxfp4_gemm",
@@ -76,6 +80,7 @@ def _fp8_block_kernel(  # type: ignore[no-untyped-def]
     N,
     K,
     K_CHUNK,
+    N_PER_GROUP,
     stride_q,
     stride_qs,
     stride_w,
@@ -87,6 +92,7 @@ def _fp8_block_kernel(  # type: ignore[no-untyped-def]
     BLOCK_K: tl.constexpr,
     DOT_BF16: tl.constexpr,
 ):
+    q_ptr, qs_ptr = group_activation(q_ptr, qs_ptr, K, N_PER_GROUP, BLOCK_N)
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     row_mask = rows < M
     n_offsets = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -302,26 +308,32 @@ def mxfp4_launch(
         reduce_partials(partial, out)
 
 
-def fp8_block_gemm(
-    x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor, config: BlockConfig | None = None
+def fp8_block_launch(
+    q: torch.Tensor,
+    q_scale: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    out: torch.Tensor,
+    groups: int = 1,
+    config: BlockConfig | None = None,
 ) -> None:
-    """Triton ``out = bf16(x̂ · Ŵᵀ)`` for an FP8 32×32-block weight (contract of ``reference.gemm``).
+    """Launch the FP8 block GEMM on a quantized activation and reduce its split-K partials.
 
-    Args:
-        x: [M, K] bf16/fp32, contiguous, ``K % 32 == 0``.
-        w_q: [N, K] float8_e4m3fn, contiguous.
-        w_scale: [ceil(N/32), K/32] float8_e8m0fnu, contiguous.
-        out: [M, N] bf16, contiguous; written.
-        config: tiles to use instead of ``gemm_tiles.block_config``'s (tuning).
+    ``groups`` > 1 makes it grouped: weight rows ``g·N/groups …`` multiply activation columns ``g·K …`` (K = the
+    weight's width; ``N/groups`` a multiple of 32). q [M, groups·K] e4m3 codes and q_scale [M, groups·K/32] UE8M0
+    bytes, both uint8 as :func:`quantized_activation` returns them (row strides free); w_q, w_scale as in
+    :func:`fp8_block_gemm`; out [M, N] bf16 or fp32, unit column stride, written. ``config``: tiles to use instead of
+    ``gemm_tiles.block_config``'s (tuning).
     """
-    check_launchable(x=x, w_q=w_q, w_scale=w_scale, out=out)
-    (m, k), n = x.shape, w_q.shape[0]
-    q, q_scale = quantized_activation(x)
+    (m, n), k = out.shape, w_q.shape[1]
     cfg = config or block_config("fp8_block_gemm", m, n, k)
+    n_per_group = n // groups
+    while n_per_group % cfg.block_n:  # a tile must not straddle two groups
+        cfg = replace(cfg, block_n=cfg.block_n // 2)
     rows = gemv_rows(m, cfg) if cfg.gemv else cfg.block_m
     grid, chunk = launch_grid(triton.cdiv(m, rows), n, k, cfg)
-    partial = partials(m, n, k, cfg, x.device, zeroed=False)
-    args = (q, q_scale, w_q.view(torch.uint8), w_scale.view(torch.uint8), out, partial, m, n, k, chunk)
+    partial = partials(m, n, k, cfg, out.device, zeroed=False)
+    args = (q, q_scale, w_q.view(torch.uint8), w_scale.view(torch.uint8), out, partial, m, n, k, chunk, n_per_group)
     strides = (q.stride(0), q_scale.stride(0), w_q.stride(0), w_scale.stride(0), out.stride(0))
     launch = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     if cfg.gemv:
@@ -349,6 +361,23 @@ def fp8_block_gemm(
         )
     if cfg.split_grid:
         reduce_partials(partial, out)
+
+
+def fp8_block_gemm(
+    x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor, config: BlockConfig | None = None
+) -> None:
+    """Triton ``out = bf16(x̂ · Ŵᵀ)`` for an FP8 32×32-block weight (contract of ``reference.gemm``).
+
+    Args:
+        x: [M, K] bf16/fp32, contiguous, ``K % 32 == 0``.
+        w_q: [N, K] float8_e4m3fn, contiguous.
+        w_scale: [ceil(N/32), K/32] float8_e8m0fnu, contiguous.
+        out: [M, N] bf16, contiguous; written.
+        config: tiles to use instead of ``gemm_tiles.block_config``'s (tuning).
+    """
+    check_launchable(x=x, w_q=w_q, w_scale=w_scale, out=out)
+    q, q_scale = quantized_activation(x)
+    fp8_block_launch(q, q_scale, w_q, w_scale, out, config=config)
 
 
 def mxfp4_gemm(

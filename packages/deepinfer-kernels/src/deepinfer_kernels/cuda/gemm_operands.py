@@ -27,6 +27,7 @@ __all__ = [
     "e4m3_tile",
     "e4m3_unscaled",
     "finish_tile",
+    "group_activation",
     "half_to_float",
     "native_fp8",
     "operand",
@@ -115,6 +116,15 @@ def chunk_range(K, K_CHUNK, SPLIT_GRID: tl.constexpr):  # type: ignore[no-untype
         return first, first + 1
     else:
         return 0, tl.cdiv(K, K_CHUNK)
+
+
+@triton.jit
+def group_activation(q_ptr, qs_ptr, K, N_PER_GROUP, BLOCK_N: tl.constexpr):  # type: ignore[no-untyped-def]
+    # Grouped FP8 GEMM: weight rows g·N_PER_GROUP … (g+1)·N_PER_GROUP − 1 multiply activation columns g·K … (g+1)·K − 1
+    # (K is the weight's width). A tile of BLOCK_N weight rows lies in one group (the launcher makes BLOCK_N divide
+    # N_PER_GROUP), so the program moves its activation pointers to that group's columns. Dense: N_PER_GROUP = N.
+    group = (tl.program_id(1) * BLOCK_N) // N_PER_GROUP
+    return q_ptr + group * K, qs_ptr + group * (K // 32)
 
 
 @triton.jit

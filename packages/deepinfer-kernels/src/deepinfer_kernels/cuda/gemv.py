@@ -28,6 +28,7 @@ from deepinfer_kernels.cuda.gemm_operands import (
     e2m1_half_bits,
     e4m3_unscaled,
     finish_tile,
+    group_activation,
     half_to_float,
     pow2,
 )
@@ -65,6 +66,7 @@ def fp8_gemv_kernel(  # type: ignore[no-untyped-def]
     N,
     K,
     K_CHUNK,
+    N_PER_GROUP,
     stride_q,
     stride_qs,
     stride_w,
@@ -77,7 +79,9 @@ def fp8_gemv_kernel(  # type: ignore[no-untyped-def]
     NATIVE_FP8: tl.constexpr,
     E4M3_BIAS: tl.constexpr,
 ):
-    """Rows ``pid·ROWS …`` times an FP8 32×32-block weight tile (``E4M3_BIAS``: 0 native, 8 from bits)."""
+    """Rows ``pid·ROWS …`` times an FP8 32×32-block weight tile (``E4M3_BIAS``: 0 native, 8 from bits); weight rows
+    are grouped by ``N_PER_GROUP`` as in ``cuda.gemm._fp8_block_kernel``."""
+    q_ptr, qs_ptr = group_activation(q_ptr, qs_ptr, K, N_PER_GROUP, BLOCK_N)
     slots = tl.arange(0, ROWS)
     start = tl.program_id(0) * ROWS
     n_offsets = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -1,4 +1,5 @@
-"""Triton RMSNorm: one program per row, FP32 sum of squares, ρ in FP64 from it, FP32 product, one rounding."""
+"""Triton RMSNorm: one program per row, FP32 sum of squares, ρ in FP64 from it, FP32 product, one rounding; and
+RMSNorm + FP8 quantization in one kernel (docs/design/kernels.md, "rms_norm_fp8")."""
 
 # Triton reads parameter annotations as kernel type hints, so @triton.jit functions stay unannotated.
 # ruff: noqa: ANN001, ANN202
@@ -9,16 +10,18 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_kernels.cuda._formats import to_output_dtype
+from deepinfer_kernels.cuda._formats import fp8_token_groups, to_output_dtype
 from deepinfer_kernels.cuda._launch import check_launchable
 
-__all__ = ["rms_norm"]
+__all__ = ["rms_norm", "rms_norm_fp8"]
+
+_GROUP: tl.constexpr = tl.constexpr(32)
 
 
 @triton.jit
-def _rms_norm_kernel(  # type: ignore[no-untyped-def]
-    x_ptr, weight_ptr, out_ptr, hidden, eps, stride_x, stride_out, BLOCK: tl.constexpr
-):
+def _normed_row(x_ptr, weight_ptr, out_ptr, hidden, eps, stride_x, stride_out, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+    # Normalizes row program_id(0) and stores it rounded to out's dtype; returns the row index, the column offsets
+    # and mask, and the stored (rounded) values.
     row = tl.program_id(0).to(tl.int64)
     offsets = tl.arange(0, BLOCK)
     mask = offsets < hidden
@@ -28,8 +31,40 @@ def _rms_norm_kernel(  # type: ignore[no-untyped-def]
     mean_sq = sum_sq.to(tl.float64) / hidden + eps
     rho = (1.0 / tl.sqrt(mean_sq)).to(tl.float32)
     weight = tl.load(weight_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    y = (x * rho) * weight
-    tl.store(out_ptr + row * stride_out + offsets, to_output_dtype(y, out_ptr), mask=mask)
+    y = to_output_dtype((x * rho) * weight, out_ptr)
+    tl.store(out_ptr + row * stride_out + offsets, y, mask=mask)
+    return row, offsets, mask, y
+
+
+@triton.jit
+def _rms_norm_kernel(  # type: ignore[no-untyped-def]
+    x_ptr, weight_ptr, out_ptr, hidden, eps, stride_x, stride_out, BLOCK: tl.constexpr
+):
+    _normed_row(x_ptr, weight_ptr, out_ptr, hidden, eps, stride_x, stride_out, BLOCK)
+
+
+@triton.jit
+def _rms_norm_fp8_kernel(  # type: ignore[no-untyped-def]
+    x_ptr,
+    weight_ptr,
+    out_ptr,
+    q_ptr,
+    scale_ptr,
+    hidden,
+    eps,
+    stride_x,
+    stride_out,
+    stride_q,
+    stride_scale,
+    BLOCK: tl.constexpr,
+):
+    # The FP8 copy quantizes the rounded output, as the separate quantizer would read it back, with the same device
+    # function as cuda.quant's per-token-group kernel.
+    row, offsets, mask, y = _normed_row(x_ptr, weight_ptr, out_ptr, hidden, eps, stride_x, stride_out, BLOCK)
+    codes, scale_bytes = fp8_token_groups(tl.reshape(y.to(tl.float32), (BLOCK // _GROUP, _GROUP)))
+    tl.store(q_ptr + row * stride_q + offsets, tl.reshape(codes, (BLOCK,)), mask=mask)
+    group_index = tl.arange(0, BLOCK // _GROUP)
+    tl.store(scale_ptr + row * stride_scale + group_index, scale_bytes, mask=group_index * _GROUP < hidden)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
@@ -46,4 +81,38 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
     eps_fp32 = float(torch.tensor(eps, dtype=torch.float32))
     _rms_norm_kernel[(num_rows,)](
         x, weight, out, hidden, eps_fp32, x.stride(0), out.stride(0), BLOCK=triton.next_power_of_2(hidden)
+    )
+
+
+def rms_norm_fp8(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor
+) -> None:
+    """Triton RMSNorm + per-token-group FP8 quantization of its rounded output in one kernel (contract of
+    ``reference.norm.rms_norm_fp8``; ``out`` bitwise equal to :func:`rms_norm`, ``q``/``scale`` to the quantizer of
+    ``cuda.quant`` on ``out``).
+
+    Args:
+        x: [num_rows, hidden_size] bf16 or fp32, contiguous, ``hidden_size % 32 == 0``.
+        weight: [hidden_size] bf16 or fp32.
+        eps: added to the mean square (used as FP32).
+        out: [num_rows, hidden_size], x's dtype; written.
+        q: [num_rows, hidden_size] float8_e4m3fn; written.
+        scale: [num_rows, hidden_size / 32] float8_e8m0fnu; written.
+    """
+    check_launchable(x=x, weight=weight, out=out, q=q, scale=scale)
+    num_rows, hidden = x.shape
+    eps_fp32 = float(torch.tensor(eps, dtype=torch.float32))
+    _rms_norm_fp8_kernel[(num_rows,)](
+        x,
+        weight,
+        out,
+        q.view(torch.uint8),
+        scale.view(torch.uint8),
+        hidden,
+        eps_fp32,
+        x.stride(0),
+        out.stride(0),
+        q.stride(0),
+        scale.stride(0),
+        BLOCK=triton.next_power_of_2(hidden),
     )

@@ -19,6 +19,7 @@ from deepinfer_kernels.cuda._formats import (
     e4m3_decode,
     e4m3_encode,
     exp2_int,
+    fp8_token_groups,
     scale_exponent,
     to_output_dtype,
     ue8m0_decode,
@@ -81,11 +82,9 @@ def _quantize_group_kernel(  # type: ignore[no-untyped-def]
     c = group * GROUP + tl.arange(0, GROUP)[None, :]
     row_mask = r < rows
     mask = row_mask[:, None]
-    x = tl.load(x_ptr + r[:, None] * stride_x + c, mask=mask, other=0.0).to(tl.float32)
-    exponent = scale_exponent(tl.max(tl.abs(x), axis=1), _FP8_AMAX_FLOOR, _E4M3_MAX)
-    q = e4m3_encode(x * exp2_int(-exponent)[:, None])
+    q, scale_bytes = fp8_token_groups(tl.load(x_ptr + r[:, None] * stride_x + c, mask=mask, other=0.0).to(tl.float32))
     tl.store(q_ptr + r[:, None] * stride_q + c, q, mask=mask)
-    tl.store(scale_ptr + r * stride_scale + group, (exponent + 127).to(tl.uint8), mask=row_mask)
+    tl.store(scale_ptr + r * stride_scale + group, scale_bytes, mask=row_mask)
 
 
 @triton.jit

@@ -24,6 +24,7 @@ def register(registry: OpRegistry) -> None:
     """Register the reference implementation of every op."""
     ref = Backend.REFERENCE
     registry.register("rms_norm", ref, norm.rms_norm)
+    registry.register("rms_norm_fp8", ref, norm.rms_norm_fp8)
     registry.register("apply_rope", ref, rope.apply_rope)
     registry.register("ue8m0_to_float", ref, quant.ue8m0_to_float)
     registry.register("quantize_fp8_block", ref, quant.quantize_fp8_block)
@@ -34,6 +35,8 @@ def register(registry: OpRegistry) -> None:
     registry.register("dequantize_mxfp4", ref, quant.dequantize_mxfp4)
     registry.register("fp8_block_gemm", ref, gemm.fp8_block_gemm)
     registry.register("mxfp4_gemm", ref, gemm.mxfp4_gemm)
+    registry.register("fp8_block_grouped_gemm", ref, gemm.fp8_block_grouped_gemm)
+    registry.register("fp8_block_gemm_quantized", ref, gemm.fp8_block_gemm_quantized)
     registry.register("mxfp4_grouped_gemm", ref, grouped_gemm.mxfp4_grouped_gemm)
     registry.register("dequantized_gemm", ref, gemm.dequantized_gemm)
     registry.register("dequantized_grouped_gemm", ref, grouped_gemm.dequantized_grouped_gemm)
@@ -47,4 +50,5 @@ def register(registry: OpRegistry) -> None:
     registry.register("hc_read", ref, hyper_connection.hc_read)
     registry.register("hc_post", ref, hyper_connection.hc_post)
     registry.register("swiglu_clamped", ref, activation.swiglu_clamped)
+    registry.register("swiglu_clamped_fp8", ref, activation.swiglu_clamped_fp8)
     registry.register("router_topk", ref, routing.router_topk)

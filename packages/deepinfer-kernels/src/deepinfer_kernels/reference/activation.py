@@ -1,10 +1,13 @@
-"""Reference clamped SwiGLU of the MoE experts (docs/design/model.md, "Routed experts"), FP32."""
+"""Reference clamped SwiGLU of the MoE experts (docs/design/model.md, "Routed experts"), FP32; and its FP8 copy
+(docs/design/numerics.md, "Rounding points": SwiGLU × weight FP32 → FP8)."""
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["swiglu_clamped"]
+from deepinfer_kernels.reference import quant
+
+__all__ = ["swiglu_clamped", "swiglu_clamped_fp8"]
 
 
 def swiglu_clamped(t: torch.Tensor, limit: float | None, row_weight: torch.Tensor | None, out: torch.Tensor) -> None:
@@ -26,3 +29,19 @@ def swiglu_clamped(t: torch.Tensor, limit: float | None, row_weight: torch.Tenso
     if row_weight is not None:
         act = act * row_weight[:, None]
     out.copy_(act)
+
+
+def swiglu_clamped_fp8(
+    t: torch.Tensor, limit: float | None, row_weight: torch.Tensor | None, q: torch.Tensor, scale: torch.Tensor
+) -> None:
+    """:func:`swiglu_clamped`, its FP32 result quantized per token and 32 columns
+    (``quant.quantize_fp8_per_token_group``).
+
+    Args:
+        t, limit, row_weight: as in :func:`swiglu_clamped`; ``I % 32 == 0``.
+        q: [n, I] float8_e4m3fn; written.
+        scale: [n, I/32] float8_e8m0fnu; written.
+    """
+    act = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    swiglu_clamped(t, limit, row_weight, act)
+    quant.quantize_fp8_per_token_group(act, q, scale)

@@ -12,7 +12,13 @@ import torch
 
 from deepinfer_kernels.reference import quant
 
-__all__ = ["dequantized_gemm", "fp8_block_gemm", "mxfp4_gemm"]
+__all__ = [
+    "dequantized_gemm",
+    "fp8_block_gemm",
+    "fp8_block_gemm_quantized",
+    "fp8_block_grouped_gemm",
+    "mxfp4_gemm",
+]
 
 _GROUP = 32
 
@@ -23,9 +29,19 @@ def _quantized_activation(x: torch.Tensor) -> torch.Tensor:
     q = torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((rows, cols // _GROUP), dtype=torch.float8_e8m0fnu, device=x.device)
     quant.quantize_fp8_per_token_group(x, q, scale)
-    x_hat = torch.empty((rows, cols), dtype=torch.float32, device=x.device)
+    return _dequantized_activation(q, scale)
+
+
+def _dequantized_activation(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    x_hat = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     quant.dequantize_fp8_per_token_group(q, scale, x_hat)
     return x_hat
+
+
+def _fp8_block_weight(w_q: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    w_hat = torch.empty(w_q.shape, dtype=torch.float32, device=w_q.device)
+    quant.dequantize_fp8_block(w_q, w_scale, w_hat)
+    return w_hat
 
 
 def dequantized_gemm(x: torch.Tensor, w_hat: torch.Tensor, out: torch.Tensor) -> None:
@@ -49,9 +65,41 @@ def fp8_block_gemm(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, ou
         w_scale: [ceil(N/32), K/32] float8_e8m0fnu.
         out: [num_rows, N] bf16; written.
     """
-    w_hat = torch.empty(w_q.shape, dtype=torch.float32, device=w_q.device)
-    quant.dequantize_fp8_block(w_q, w_scale, w_hat)
-    dequantized_gemm(x, w_hat, out)
+    dequantized_gemm(x, _fp8_block_weight(w_q, w_scale), out)
+
+
+def fp8_block_gemm_quantized(
+    q: torch.Tensor, q_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor
+) -> None:
+    """:func:`fp8_block_gemm` on an activation given as its quantized codes and scales: ``out = bf16(x̂ · Ŵᵀ)`` with
+    ``x̂ = dequantize_fp8_per_token_group(q, q_scale)``.
+
+    Args:
+        q: [num_rows, K] float8_e4m3fn.
+        q_scale: [num_rows, K/32] float8_e8m0fnu.
+        w_q: [N, K] float8_e4m3fn.
+        w_scale: [ceil(N/32), K/32] float8_e8m0fnu.
+        out: [num_rows, N] bf16; written.
+    """
+    x_hat = _dequantized_activation(q, q_scale).double()
+    out.copy_((x_hat @ _fp8_block_weight(w_q, w_scale).double().t()).float())
+
+
+def fp8_block_grouped_gemm(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor) -> None:
+    """Grouped ``out[:, g·N/G …] = fp32(x̂[:, g·K …] · Ŵ_gᵀ)``, Ŵ_g the weight's rows ``g·N/G … (g+1)·N/G − 1``; x̂ is
+    quantized per token and 32 columns over the whole row (the same groups as per slice, K being a multiple of 32).
+
+    Args:
+        x: [num_rows, G·K] bf16/fp32 activation.
+        w_q: [N, K] float8_e4m3fn, ``N/G`` a multiple of 32.
+        w_scale: [N/32, K/32] float8_e8m0fnu.
+        out: [num_rows, N] fp32; written.
+    """
+    rows, k = x.shape[0], w_q.shape[1]
+    groups = x.shape[1] // k
+    x_hat = _quantized_activation(x).double().view(rows, groups, k)
+    w_hat = _fp8_block_weight(w_q, w_scale).double().view(groups, -1, k)
+    out.copy_(torch.einsum("mgk,gnk->mgn", x_hat, w_hat).reshape(rows, -1).float())
 
 
 def mxfp4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:

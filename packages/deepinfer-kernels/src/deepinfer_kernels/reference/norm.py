@@ -1,10 +1,13 @@
-"""Reference RMSNorm (docs/design/model.md, "RMSNorm"): FP32 statistics and product, one rounding to the output."""
+"""Reference RMSNorm (docs/design/model.md, "RMSNorm"): FP32 statistics and product, one rounding to the output; and
+RMSNorm followed by FP8 quantization of its output (docs/design/numerics.md, "Rounding points")."""
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["rms_norm"]
+from deepinfer_kernels.reference import quant
+
+__all__ = ["rms_norm", "rms_norm_fp8"]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
@@ -25,3 +28,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
     eps_fp32 = float(torch.tensor(eps, dtype=torch.float32))
     rho = (1.0 / torch.sqrt(sum_sq.double() / x.shape[-1] + eps_fp32)).float()
     out.copy_((xf * rho) * weight.float())
+
+
+def rms_norm_fp8(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor
+) -> None:
+    """:func:`rms_norm` into ``out``, then ``out``'s value (rounded to its dtype) quantized per token and 32 columns
+    into ``q``/``scale`` (``quant.quantize_fp8_per_token_group``).
+
+    Args:
+        x: [num_rows, hidden_size] bf16 or fp32, contiguous, ``hidden_size % 32 == 0``.
+        weight: [hidden_size] bf16 or fp32.
+        eps: added to the mean square.
+        out: [num_rows, hidden_size], x's dtype; written.
+        q: [num_rows, hidden_size] float8_e4m3fn; written.
+        scale: [num_rows, hidden_size / 32] float8_e8m0fnu; written.
+    """
+    rms_norm(x, weight, eps, out)
+    quant.quantize_fp8_per_token_group(out, q, scale)

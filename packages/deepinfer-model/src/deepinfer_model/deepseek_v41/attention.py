@@ -22,7 +22,7 @@ from deepinfer_model.config import LayerSpec, TextConfig
 from deepinfer_model.deepseek_v41.compressor import Compressor
 from deepinfer_model.deepseek_v41.context import StepContext, compressed_group
 from deepinfer_model.deepseek_v41.indexer import Indexer, IndexSelection
-from deepinfer_model.layers.linear import Fp8BlockLinear, Fp8GroupedLinear, make_parameter
+from deepinfer_model.layers.linear import Fp8BlockLinear, Fp8Copy, Fp8GroupedLinear, make_parameter
 from deepinfer_model.layers.mode import ComputeMode
 from deepinfer_model.layers.norm import RMSNorm
 from deepinfer_model.layers.rope import RotaryEmbedding
@@ -96,7 +96,7 @@ class Attention(nn.Module):
             else None
         )
 
-    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: StepContext, x_fp8: Fp8Copy | None = None) -> torch.Tensor:
         """Attention of one layer for the step's tokens.
 
         The layer computes and stores the keys of every key token of the step (``ctx.key_tokens``: its own tokens,
@@ -105,16 +105,18 @@ class Attention(nn.Module):
         Args:
             x: [T, H] ``attn_norm`` output of the local tokens (activation dtype).
             ctx: step context with metadata, state and cross-layer values.
+            x_fp8: the FP8 copy of ``x`` from a fused norm, or None (``Fp8BlockLinear.forward``).
 
         Returns:
             [T, H] activation dtype.
         """
         meta = ctx.meta
         num_tokens = meta.num_tokens
-        q_latent = self.q_norm(self.wq_a(x))
-        q = self.rope.rotate(self.wq_b(q_latent).view(num_tokens, self.n_heads, self.head_dim), meta.positions)
+        q_latent, q_latent_fp8 = self.q_norm.with_fp8_copy(self.wq_a(x, fp8_copy=x_fp8))
+        q = self.wq_b(q_latent, fp8_copy=q_latent_fp8).view(num_tokens, self.n_heads, self.head_dim)
+        q = self.rope.rotate(q, meta.positions)
         kv_x = ctx.key_tokens(x)
-        fresh = self._window_kv(kv_x, ctx.key_meta, ctx.state)
+        fresh = self._window_kv(kv_x, ctx.key_meta, ctx.state, x_fp8 if kv_x is x else None)
         sources = self._draft_sources(fresh, ctx) if ctx.draft else self._window_sources(fresh, ctx)
         if self.spec.is_compressed:
             sources.append(self._compressed_source(q_latent, x, kv_x, ctx))
@@ -127,10 +129,12 @@ class Attention(nn.Module):
         out = self.rope.rotate(out, meta.positions, inverse=True)
         return self.wo_b(self.wo_a(out.reshape(num_tokens, -1)))
 
-    def _window_kv(self, x: torch.Tensor, meta: StepMetadata, state: ModelState) -> torch.Tensor:
+    def _window_kv(
+        self, x: torch.Tensor, meta: StepMetadata, state: ModelState, x_fp8: Fp8Copy | None = None
+    ) -> torch.Tensor:
         """SWA KV of the key tokens ``RoPE(kv_norm(x · wkvᵀ))``, encoded in the ring format: ``[T_kv, bytes]`` uint8,
         the scratch pool the step's fresh window keys are read from."""
-        kv = self.rope.rotate(self.kv_norm(self.wkv(x)), meta.positions)
+        kv = self.rope.rotate(self.kv_norm(self.wkv(x, fp8_copy=x_fp8)), meta.positions)
         return state.codec(self.swa_group).encode(kv)
 
     def _write_window(self, encoded: torch.Tensor, meta: StepMetadata, state: ModelState) -> None:

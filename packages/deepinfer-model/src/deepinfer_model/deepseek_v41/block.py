@@ -131,15 +131,17 @@ class DecoderBlock(nn.Module):
             trunk = self.engram(trunk, ctx.engram_rows, ctx.engram_active, ctx.engram_vocab)
         read_a, write_a, comb_a = self._mixes("attn", trunk)
         shifted = self.cfg.hc_shifted
-        x = self.attn_norm(hc_read(trunk, read_mix if shifted else read_a, self.mode))
+        # The norms' FP8 copies feed the FP8 GEMMs that read their outputs (docs/design/numerics.md, "Rounding points").
+        x, x_fp8 = self.attn_norm.with_fp8_copy(hc_read(trunk, read_mix if shifted else read_a, self.mode))
         if self.spec.is_yoco_consumer and ctx.shared_hidden is None:
             # The shared hidden covers every token; the consumer half may go on with fewer rows from here
-            # (docs/design/attention.md, "YOCO prefill truncation").
+            # (docs/design/attention.md, "YOCO prefill truncation"), so the GEMMs quantize the kept rows themselves.
             ctx.shared_hidden = x
             trunk, read_a, write_a, comb_a, x = ctx.enter_consumer_half(trunk, read_a, write_a, comb_a, x)
+            x_fp8 = None
         if layer in ctx.capture_layers:
             ctx.features[layer] = trunk.float().mean(dim=1).to(self.mode.activation_dtype)
-        trunk_ffn = hc_post(self.attn(x, ctx), trunk, write_a, comb_a, self.mode)
+        trunk_ffn = hc_post(self.attn(x, ctx, x_fp8), trunk, write_a, comb_a, self.mode)
         read_f, write_f, comb_f = self._mixes("ffn", trunk_ffn)
-        y = self.ffn(self.ffn_norm(hc_read(trunk_ffn, read_a if shifted else read_f, self.mode)))
+        y = self.ffn(*self.ffn_norm.with_fp8_copy(hc_read(trunk_ffn, read_a if shifted else read_f, self.mode)))
         return hc_post(y, trunk_ffn, write_f, comb_f, self.mode), read_f

@@ -18,8 +18,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from deepinfer_kernels import router_topk, swiglu_clamped
-from deepinfer_model.layers.linear import Fp8BlockLinear, Mxfp4ExpertStack, make_parameter
+from deepinfer_kernels import router_topk, swiglu_clamped, swiglu_clamped_fp8
+from deepinfer_model.layers.linear import Fp8BlockLinear, Fp8Copy, Mxfp4ExpertStack, make_parameter
 from deepinfer_model.layers.mode import ComputeMode, round_activation
 
 __all__ = ["ExpertDispatch", "MoE", "RoutedExperts", "Router", "local_expert_dispatch"]
@@ -171,9 +171,14 @@ class SharedExperts(nn.Module):
         self.w13 = Fp8BlockLinear(hidden, 2 * intermediate, mode, shard_sizes=(intermediate, intermediate))
         self.w2 = Fp8BlockLinear(intermediate, hidden, mode)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Args: x [n, H] activation dtype. Returns: [n, H] activation dtype."""
-        return self.w2(swiglu_clamped(self.w13(x), self.limit))
+    def forward(self, x: torch.Tensor, x_fp8: Fp8Copy | None = None) -> torch.Tensor:
+        """Args: x [n, H] activation dtype; x_fp8 its FP8 copy or None (``Fp8BlockLinear.forward``). Returns: [n, H]
+        activation dtype."""
+        gate_up = self.w13(x, fp8_copy=x_fp8)
+        if self.w2.runs_on_fp8_copy():
+            # SwiGLU and w2's activation quantization in one kernel (docs/design/kernels.md, "swiglu_clamped_fp8").
+            return self.w2.forward_fp8(swiglu_clamped_fp8(gate_up, self.limit))
+        return self.w2(swiglu_clamped(gate_up, self.limit))
 
 
 class MoE(nn.Module):
@@ -205,11 +210,12 @@ class MoE(nn.Module):
         self.experts = RoutedExperts(num_experts, hidden, intermediate, limit, mode, local_experts)
         self.shared_experts = SharedExperts(hidden, num_shared * intermediate, limit, mode) if num_shared > 0 else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Args: x [n, H] ``ffn_norm`` output (activation dtype). Returns: [n, H] activation dtype."""
+    def forward(self, x: torch.Tensor, x_fp8: Fp8Copy | None = None) -> torch.Tensor:
+        """Args: x [n, H] ``ffn_norm`` output (activation dtype); x_fp8 its FP8 copy from a fused norm, or None (read
+        by the shared expert's ``w13``). Returns: [n, H] activation dtype."""
         topk_ids, topk_weights = self.gate(x)
         if self.shared_experts is not None:
-            bias = self.shared_experts(x).float()
+            bias = self.shared_experts(x, x_fp8).float()
         else:
             bias = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         if self.dispatch is local_expert_dispatch and self.mode is ComputeMode.EXACT:

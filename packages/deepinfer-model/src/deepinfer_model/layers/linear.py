@@ -5,7 +5,8 @@
   runs the kernels' ``fp8_block_gemm`` (input quantized per token in groups of 32; BF16 output), FP32 mode a plain
   FP32 GEMM with the dequantized weight. ``shard_sizes`` makes it a merged (row-concatenated) layer such as the shared
   expert's ``[w1; w3]`` (docs/design/model.md, "Tensor names").
-- ``Fp8GroupedLinear``: the attention's grouped ``wo_a`` (docs/design/attention.md, "Per-query attention").
+- ``Fp8GroupedLinear``: the attention's grouped ``wo_a`` (docs/design/attention.md, "Per-query attention"); exact mode
+  on an accelerator runs the kernels' ``fp8_block_grouped_gemm`` (FP32 output).
 - ``Mxfp4ExpertStack``: the routed experts' MXFP4 matrices stacked over experts
   (docs/design/numerics.md, "Weight formats"; docs/design/model.md, "Tensor names"); exact mode runs the kernels'
   ``mxfp4_gemm``.
@@ -32,6 +33,8 @@ from deepinfer_kernels import (
     dequantized_gemm,
     dequantized_grouped_gemm,
     fp8_block_gemm,
+    fp8_block_gemm_quantized,
+    fp8_block_grouped_gemm,
     mxfp4_gemm,
     mxfp4_grouped_gemm,
 )
@@ -41,6 +44,7 @@ from deepinfer_model.layers.mode import ComputeMode, fp8_round_trip, round_activ
 __all__ = [
     "Bf16Linear",
     "Fp8BlockLinear",
+    "Fp8Copy",
     "Fp8GroupedLinear",
     "Mxfp4ExpertStack",
     "WeightLoader",
@@ -51,6 +55,9 @@ __all__ = [
 FP8_BLOCK = 32
 MXFP4_GROUP = 32
 WeightLoader = Callable[[nn.Parameter, torch.Tensor, Any], None]
+# An activation's per-token-group FP8 copy as its producer computed it: (e4m3 codes, UE8M0 scales), the format of
+# ``deepinfer_kernels.quantize_fp8_per_token_group``.
+Fp8Copy = tuple[torch.Tensor, torch.Tensor]
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -160,12 +167,14 @@ class Fp8BlockLinear(nn.Module):
         """The exact FP32 weight ``[out, in]``."""
         return self._cache.get(0, (self.weight, self.scale), lambda: dequantize_fp8_block(self.weight, self.scale))
 
-    def forward(self, x: torch.Tensor, prequantized: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, prequantized: bool = False, fp8_copy: Fp8Copy | None = None) -> torch.Tensor:
         """Apply the layer.
 
         Args:
             x: [..., in] bf16/fp32.
             prequantized: ``x`` already holds FP8-dequantized values (Engram rows); skip activation quantization.
+            fp8_copy: ``quantize_fp8_per_token_group(x)`` as the producer of ``x`` computed it (a fused norm); exact
+                mode on an accelerator then runs the GEMM on it and launches no quantizer (same result).
 
         Returns:
             [..., out] in the activation dtype (BF16 exact / FP32).
@@ -173,8 +182,22 @@ class Fp8BlockLinear(nn.Module):
         if self.mode is ComputeMode.EXACT and not prequantized:
             if self._cache.keeps(self.weight.device):
                 return dequantized_gemm(x, self.dequantized_weight())
+            if fp8_copy is not None:
+                return self.forward_fp8(fp8_copy)
             return fp8_block_gemm(x, self.weight, self.scale)
         return round_activation(x.float() @ self.dequantized_weight().t(), self.mode)
+
+    def runs_on_fp8_copy(self) -> bool:
+        """Whether the layer can read an activation's FP8 copy instead of quantizing it (exact mode where dequantized
+        weights are not kept, i.e. on an accelerator; input width a multiple of 32); then :meth:`forward_fp8` may
+        replace :meth:`forward`."""
+        exact = self.mode is ComputeMode.EXACT and self.in_features % FP8_BLOCK == 0
+        return exact and not self._cache.keeps(self.weight.device)
+
+    def forward_fp8(self, fp8_copy: Fp8Copy) -> torch.Tensor:
+        """The exact-mode result for an activation given only as its FP8 copy (codes [..., in], scales [..., in/32]):
+        ``deepinfer_kernels.fp8_block_gemm_quantized``. Returns: [..., out] bf16."""
+        return fp8_block_gemm_quantized(*fp8_copy, self.weight, self.scale)
 
 
 class Fp8GroupedLinear(nn.Module):
@@ -203,7 +226,13 @@ class Fp8GroupedLinear(nn.Module):
         default_weight_loader(param, loaded, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Args: x [n, groups·in_per_group] bf16/fp32. Returns: [n, groups·out_per_group] fp32."""
+        """Args: x [n, groups·in_per_group] bf16/fp32. Returns: [n, groups·out_per_group] fp32.
+
+        Exact mode on an accelerator runs the kernels' grouped FP8 GEMM on the stored weight; where dequantized
+        weights are kept (CPU, FP32 mode) an FP32 einsum over the kept weight.
+        """
+        if self.mode is ComputeMode.EXACT and not self._cache.keeps(self.weight.device):
+            return fp8_block_grouped_gemm(x, self.weight, self.scale, self.groups)
         x_hat = fp8_round_trip(x, self.mode).view(-1, self.groups, self.in_per_group)
         weight = self._cache.get(0, (self.weight, self.scale), lambda: dequantize_fp8_block(self.weight, self.scale))
         weight = weight.view(self.groups, self.out_per_group, -1)

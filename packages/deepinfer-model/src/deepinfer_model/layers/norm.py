@@ -1,12 +1,13 @@
-"""RMSNorm layer (docs/design/model.md, "RMSNorm"): FP32 statistics and product, one rounding to the output."""
+"""RMSNorm layer (docs/design/model.md, "RMSNorm"): FP32 statistics and product, one rounding to the output; with
+the FP8 copy of the output for the FP8 GEMMs that read it (docs/design/numerics.md, "Rounding points")."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from deepinfer_kernels import rms_norm
-from deepinfer_model.layers.linear import make_parameter
+from deepinfer_kernels import rms_norm, rms_norm_fp8
+from deepinfer_model.layers.linear import Fp8Copy, make_parameter
 from deepinfer_model.layers.mode import ComputeMode
 
 __all__ = ["RMSNorm"]
@@ -26,3 +27,15 @@ class RMSNorm(nn.Module):
         dtype = self.mode.activation_dtype
         weight = self.weight if dtype == torch.bfloat16 else self.weight.float()
         return rms_norm(x.to(dtype), weight, self.eps)
+
+    def with_fp8_copy(self, x: torch.Tensor) -> tuple[torch.Tensor, Fp8Copy | None]:
+        """The layer's output and, in exact mode on an accelerator, its FP8 copy for ``Fp8BlockLinear``'s
+        ``fp8_copy`` from the same kernel (``deepinfer_kernels.rms_norm_fp8``); None elsewhere (CPU, FP32 mode, a
+        width that is not a multiple of 32), where the GEMMs quantize the output themselves to the same codes.
+
+        Args: x [..., dim] bf16/fp32. Returns: ([..., dim] activation dtype, (codes, scales) or None).
+        """
+        if self.mode is not ComputeMode.EXACT or self.weight.device.type == "cpu" or x.shape[-1] % 32:
+            return self(x), None
+        y, q, scale = rms_norm_fp8(x.to(torch.bfloat16), self.weight, self.eps)
+        return y, (q, scale)

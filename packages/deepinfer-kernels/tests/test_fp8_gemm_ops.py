@@ -1,0 +1,115 @@
+"""Grouped FP32-output FP8 GEMM and the FP8 GEMM on a quantized activation: reference properties, argument checks,
+Triton (interpreter on CPU, compiled on CUDA) vs the reference; tolerance in _gemm_support (an FP32 ulp for the FP32
+output)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _gemm_support import abs_product, assert_gemm_close, dequantized_activation
+
+import deepinfer_kernels as dk
+from deepinfer_kernels._registry import Backend, implementation
+from deepinfer_kernels.testing import random_e4m3, random_normal, random_ue8m0
+
+
+def _activation(m: int, k: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    """Normal rows whose 32-column groups span 2^−10 … 2^10, so activation scales differ between groups."""
+    spread = torch.logspace(-3, 3, k // 32).repeat_interleave(32).roll(seed)
+    return (random_normal((m, k), seed=seed) * spread).to(dtype)
+
+
+def _weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return random_e4m3((n, k), seed=seed), random_ue8m0((-(-n // 32), k // 32), seed=seed + 1)
+
+
+def _block_diagonal(w_hat: torch.Tensor, groups: int) -> torch.Tensor:
+    """[N, K] grouped weight → [N, G·K] dense weight with zeros outside each group's columns."""
+    n, k = w_hat.shape
+    dense = torch.zeros(n, groups * k, dtype=w_hat.dtype)
+    for g in range(groups):
+        rows = slice(g * n // groups, (g + 1) * n // groups)
+        dense[rows, g * k : (g + 1) * k] = w_hat[rows]
+    return dense
+
+
+def test_reference_grouped_gemm_is_the_block_diagonal_product() -> None:
+    groups, n, k = 3, 96, 64
+    x = _activation(5, groups * k, seed=1, dtype=torch.bfloat16)
+    w_q, w_scale = _weight(n, k, seed=2)
+    out = dk.fp8_block_grouped_gemm(x, w_q, w_scale, groups)
+    dense = _block_diagonal(dk.dequantize_fp8_block(w_q, w_scale).double(), groups)
+    # Products with the zeros add nothing, so the FP64 sums (exact here) are the same.
+    assert out.dtype == torch.float32
+    assert torch.equal(out, (dequantized_activation(x) @ dense.t()).float())
+
+
+def test_grouped_gemm_keeps_leading_dims_and_checks_arguments() -> None:
+    w_q, w_scale = _weight(64, 32, seed=3)
+    x = _activation(6, 64, seed=4, dtype=torch.float32).view(2, 3, 64)
+    assert dk.fp8_block_grouped_gemm(x, w_q, w_scale, 2).shape == (2, 3, 64)
+    with pytest.raises(ValueError, match="groups must be"):
+        dk.fp8_block_grouped_gemm(x, w_q, w_scale, 3)
+    with pytest.raises(ValueError, match="groups·K"):
+        dk.fp8_block_grouped_gemm(x[..., :32], w_q, w_scale, 2)
+    with pytest.raises(ValueError, match="w_scale must have shape"):
+        dk.fp8_block_grouped_gemm(x, w_q, w_scale[:1], 2)
+    with pytest.raises(TypeError):
+        dk.fp8_block_grouped_gemm(x.half(), w_q, w_scale, 2)
+
+
+def test_reference_quantized_gemm_equals_fp8_block_gemm() -> None:
+    x = _activation(7, 96, seed=5, dtype=torch.bfloat16).view(7, 96)
+    w_q, w_scale = _weight(40, 96, seed=6)
+    q, q_scale = dk.quantize_fp8_per_token_group(x)
+    assert torch.equal(dk.fp8_block_gemm_quantized(q, q_scale, w_q, w_scale), dk.fp8_block_gemm(x, w_q, w_scale))
+    with pytest.raises(TypeError):
+        dk.fp8_block_gemm_quantized(x, q_scale, w_q, w_scale)
+    with pytest.raises(ValueError, match="q_scale must have shape"):
+        dk.fp8_block_gemm_quantized(q, q_scale[:, :1], w_q, w_scale)
+    with pytest.raises(ValueError, match="columns"):
+        dk.fp8_block_gemm_quantized(q[:, :64], q_scale[:, :2], w_q, w_scale)
+
+
+@pytest.mark.parametrize(("m", "dtype"), [(1, torch.bfloat16), (2, torch.float32), (20, torch.bfloat16)])
+def test_fp8_block_grouped_gemm_triton(triton_device: str, m: int, dtype: torch.dtype) -> None:
+    groups, n, k = 3, 192, 96
+    x = _activation(m, groups * k, seed=m + 10, dtype=dtype)
+    w_q, w_scale = _weight(n, k, seed=m + 11)
+    fast = torch.empty(m, n, dtype=torch.float32, device=triton_device)
+    implementation("fp8_block_grouped_gemm", Backend.NVIDIA)(
+        x.to(triton_device), w_q.to(triton_device), w_scale.to(triton_device), fast
+    )
+    ref = torch.empty(m, n, dtype=torch.float32)
+    implementation("fp8_block_grouped_gemm", Backend.REFERENCE)(x, w_q, w_scale, ref)
+    dense = _block_diagonal(dk.dequantize_fp8_block(w_q, w_scale).double(), groups)
+    assert_gemm_close(fast.cpu(), ref, abs_product(dequantized_activation(x), dense), k, significant_bits=24)
+
+
+def test_grouped_tile_wider_than_a_group_is_narrowed(triton_device: str) -> None:
+    from deepinfer_kernels.cuda.fp8_gemm_ops import fp8_block_grouped_gemm
+    from deepinfer_kernels.cuda.gemm_tiles import BlockConfig
+
+    groups, n, k = 4, 128, 64
+    x = _activation(3, groups * k, seed=12, dtype=torch.bfloat16)
+    w_q, w_scale = _weight(n, k, seed=13)
+    ref = torch.empty(3, n, dtype=torch.float32)
+    implementation("fp8_block_grouped_gemm", Backend.REFERENCE)(x, w_q, w_scale, ref)
+    dense = _block_diagonal(dk.dequantize_fp8_block(w_q, w_scale).double(), groups)
+    wide = BlockConfig(block_m=16, block_n=128, num_warps=4, num_stages=2, split_grid=False)
+    fast = torch.empty(3, n, dtype=torch.float32, device=triton_device)
+    inputs = (t.to(triton_device) for t in (x, w_q, w_scale))
+    fp8_block_grouped_gemm(*inputs, fast, config=wide)
+    assert_gemm_close(fast.cpu(), ref, abs_product(dequantized_activation(x), dense), k, significant_bits=24)
+
+
+@pytest.mark.parametrize("m", [1, 20])
+def test_fp8_block_gemm_quantized_triton_equals_fp8_block_gemm(triton_device: str, m: int) -> None:
+    x = _activation(m, 256, seed=m + 20, dtype=torch.bfloat16).to(triton_device)
+    w_q, w_scale = (t.to(triton_device) for t in _weight(70, 256, seed=m + 21))
+    q, q_scale = dk.quantize_fp8_per_token_group(x)
+    from_codes = torch.empty(m, 70, dtype=torch.bfloat16, device=triton_device)
+    implementation("fp8_block_gemm_quantized", Backend.NVIDIA)(q, q_scale, w_q, w_scale, from_codes)
+    from_x = torch.empty_like(from_codes)
+    implementation("fp8_block_gemm", Backend.NVIDIA)(x, w_q, w_scale, from_x)
+    assert torch.equal(from_codes, from_x)
