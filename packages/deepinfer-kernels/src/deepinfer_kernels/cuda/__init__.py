@@ -13,6 +13,7 @@ from deepinfer_kernels.cuda import (
     grouped_gemm,
     hyper_connection,
     indexer,
+    invariant_matmul,
     norm,
     quant,
     rope,
@@ -47,3 +48,4 @@ def register(registry: OpRegistry) -> None:
     registry.register("hc_post", nvidia, hyper_connection.hc_post)
     registry.register("swiglu_clamped", nvidia, activation.swiglu_clamped)
     registry.register("router_topk", nvidia, routing.router_topk)
+    registry.register("invariant_matmul", nvidia, invariant_matmul.invariant_matmul)
