@@ -137,3 +137,15 @@ def test_the_mode_pins_the_kernel_choices(triton_device: str) -> None:
         assert attention._split_plan(1, 100, torch.device(triton_device)) == (1, 128)
     assert not invariant_kernels()
     _registry.reset()
+
+
+def test_batches_past_the_grid_limit_run_in_several_launches(
+    triton_device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from deepinfer_kernels.cuda import invariant_matmul as kernel
+
+    a = random_normal((5, 3, 20), seed=9, dtype=torch.bfloat16)
+    b = random_normal((5, 20, 7), seed=10, dtype=torch.bfloat16)
+    whole = _triton(a, b, torch.float32, triton_device)
+    monkeypatch.setattr(kernel, "_MAX_GRID_Z", 2)
+    assert torch.equal(_triton(a, b, torch.float32, triton_device), whole)

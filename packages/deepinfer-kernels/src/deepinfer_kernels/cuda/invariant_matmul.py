@@ -31,6 +31,7 @@ __all__ = ["CONFIG", "invariant_matmul"]
 # The one tile configuration. 64-row tiles take a decode batch of up to 64 rows in one pass over the weight (the LM
 # head reads its 1.3 GB once per step); K steps of 64 keep the FP32 path's register tile small.
 CONFIG = {"block_m": 64, "block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 3}
+_MAX_GRID_Z = 65535
 _TENSOR_CORE_PAIRS = {(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16)}
 
 
@@ -90,21 +91,24 @@ def invariant_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> Non
     if not out.numel():
         return
     native = (a.dtype, b.dtype) in _TENSOR_CORE_PAIRS and not triton_interpreter_enabled()
-    grid = (triton.cdiv(m, CONFIG["block_m"]), triton.cdiv(n, CONFIG["block_n"]), batches)
-    _matmul_kernel[grid](
-        a,
-        b,
-        out,
-        m,
-        n,
-        k,
-        *a.stride(),
-        *b.stride(),
-        *out.stride(),
-        BLOCK_M=CONFIG["block_m"],
-        BLOCK_N=CONFIG["block_n"],
-        BLOCK_K=CONFIG["block_k"],
-        NATIVE_DOT=native,
-        num_warps=CONFIG["num_warps"],
-        num_stages=CONFIG["num_stages"],
-    )
+    # CUDA grids allow 65535 programs along the batch axis; more batch entries run in several launches.
+    for start in range(0, batches, _MAX_GRID_Z):
+        stop = min(start + _MAX_GRID_Z, batches)
+        grid = (triton.cdiv(m, CONFIG["block_m"]), triton.cdiv(n, CONFIG["block_n"]), stop - start)
+        _matmul_kernel[grid](
+            a[start:stop],
+            b[start:stop],
+            out[start:stop],
+            m,
+            n,
+            k,
+            *a.stride(),
+            *b.stride(),
+            *out.stride(),
+            BLOCK_M=CONFIG["block_m"],
+            BLOCK_N=CONFIG["block_n"],
+            BLOCK_K=CONFIG["block_k"],
+            NATIVE_DOT=native,
+            num_warps=CONFIG["num_warps"],
+            num_stages=CONFIG["num_stages"],
+        )
