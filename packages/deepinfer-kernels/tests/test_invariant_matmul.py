@@ -149,3 +149,31 @@ def test_batches_past_the_grid_limit_run_in_several_launches(
     whole = _triton(a, b, torch.float32, triton_device)
     monkeypatch.setattr(kernel, "_MAX_GRID_Z", 2)
     assert torch.equal(_triton(a, b, torch.float32, triton_device), whole)
+
+
+def _bytes(shape: tuple[int, ...], seed: int, low: int = 0, high: int = 256) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(low, high, shape, generator=generator, dtype=torch.int32).to(torch.uint8)
+
+
+@pytest.mark.parametrize("op", ["fp8_block_gemm", "mxfp4_gemm"])
+def test_pinned_quantized_gemm_rows_keep_their_bits_across_split_k(triton_device: str, op: str) -> None:
+    """Inside the mode 64 rows run split-K and 65 rows do not (two K chunks here); tile-aligned rows agree bitwise
+    with each other and with a 1-row call."""
+    n, k = 64, 512
+    if op == "fp8_block_gemm":
+        weight = ((_bytes((n, k), 11) & 0xF7).view(torch.float8_e4m3fn), _bytes((n // 32, k // 32), 12, 118, 127))
+    else:
+        weight = (_bytes((n, k // 2), 13).view(torch.int8), _bytes((n, k // 32), 14, 118, 127))
+    w, scale = weight[0].to(triton_device), weight[1].view(torch.float8_e8m0fnu).to(triton_device)
+    x = random_normal((65, k), seed=15, dtype=torch.bfloat16).to(triton_device)
+
+    def run(rows: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(rows.shape[0], n, dtype=torch.bfloat16, device=triton_device)
+        implementation(op, Backend.NVIDIA)(rows, w, scale, out)
+        return out
+
+    with batch_invariant_ops():
+        unsplit, split, alone = run(x), run(x[:64]), run(x[:1])
+    assert torch.equal(unsplit[:64], split)
+    assert torch.equal(alone[0], split[0])
