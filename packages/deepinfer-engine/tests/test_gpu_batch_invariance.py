@@ -71,6 +71,7 @@ def test_a_request_alone_and_in_a_batch_of_64_gets_the_same_bits(root: Path, mon
     llm = LLM(cache_dir=str(root), **ENGINE)
     assert llm.engine.model.batch_invariant and llm.engine.runner.graphs is not None
     alone, together = _alone_and_together(llm, _held_out(32))
+    llm.close()
     for index, (a, t) in enumerate(zip(alone, together, strict=True)):
         assert a == t, index
 
@@ -80,4 +81,5 @@ def test_without_the_flag_some_request_differs(root: Path, monkeypatch: pytest.M
     llm = LLM(cache_dir=str(root), **ENGINE)
     assert not llm.engine.model.batch_invariant
     alone, together = _alone_and_together(llm, _held_out(32))
+    llm.close()
     assert alone != together

@@ -35,7 +35,8 @@ _MAX_GRID_Z = 65535
 _TENSOR_CORE_PAIRS = {(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16)}
 
 
-@triton.jit
+# M is not specialized (Triton would compile M == 1 apart): one binary serves every row count.
+@triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(  # type: ignore[no-untyped-def]
     a_ptr,
     b_ptr,
