@@ -2,7 +2,8 @@
 on the built-in checkpoint with CUDA graphs, a request's greedy tokens and the log-probs of its tokens and their top
 20 alternatives (log-softmax of its logits rows, so equal floats mean equal logits up to a shift) are bitwise the
 same alone and inside a batch of 64 mixed requests (prompt lengths and output lengths differ; a small token budget
-makes prefill chunks run in the same steps as decodes). Without the flag some of them differ."""
+makes prefill chunks run in the same steps as decodes). Without the flag some of them differ. With drafting and
+seeded sampling (the deterministic recipe) tokens do not depend on the batch either."""
 
 from __future__ import annotations
 
@@ -83,3 +84,25 @@ def test_without_the_flag_some_request_differs(root: Path, monkeypatch: pytest.M
     alone, together = _alone_and_together(llm, _held_out(32))
     llm.close()
     assert alone != together
+
+
+def test_the_recipe_with_drafts_and_seeds_does_not_depend_on_the_batch(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The deterministic recipe on NVIDIA (docs/reproducible.md): flag on, fixed-length verification, drafting on,
+    seeded sampling at temperature > 0 — the same tokens in a batch, reversed, and alone."""
+    monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
+    monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "0")
+    llm = LLM(cache_dir=str(root), **{**ENGINE, "nextn": 5})
+    assert llm.engine.config.scheduler.max_num_draft_tokens > 0 and not llm.engine.config.mtp_varlen
+    prompts = _held_out(16, start=200)
+    params = [
+        SamplingParams(temperature=0.6 + 0.05 * i, top_p=0.9, max_tokens=16, seq_seed=100 + i, ignore_eos=True)
+        for i in range(16)
+    ]
+    first = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    reversed_ = [o.token_ids for o in llm.generate(prompts[::-1], params[::-1], use_tqdm=False)][::-1]
+    alone = [llm.generate([prompts[i]], params[i], use_tqdm=False)[0].token_ids for i in (0, 9)]
+    llm.close()
+    assert reversed_ == first
+    assert alone == [first[0], first[9]]
