@@ -47,7 +47,7 @@ def test_triton_matmul_matches_the_fp64_reference(
 def test_a_tile_of_rows_has_the_same_bits_alone_and_in_any_batch(triton_device: str) -> None:
     """Rows keep their bits whatever the row count. The interpreter's ``tl.dot`` is NumPy's BLAS, which rounds a row
     differently by its position inside the tile, so here rows keep their in-tile position (a slice starting at a tile
-    boundary); ``test_gpu_batch_invariance`` checks every position on the GPU."""
+    boundary); ``test_gpu_batch_invariant_ops`` checks every position on the GPU."""
     a = random_normal((1, 150, 300), seed=1, dtype=torch.bfloat16)
     b = random_normal((1, 300, 40), seed=2, dtype=torch.bfloat16)
     together = _triton(a, b, torch.float32, triton_device)
