@@ -12,6 +12,11 @@
    step (eager, median of `--prefill-repeats` after one untimed step); FLOPs = `roofline_counts.prefill_flops`;
    floor = FLOPs / GEMM rate.
 
+5. With `--batch-invariant both` every decode point runs twice, with the model's batch-invariant mode off and on
+   (DEEPINFER_BATCH_INVARIANT; docs/design/numerics.md, "Batch invariance"; graphs captured inside the mode); `on`
+   runs only the mode. Each record has "batch_invariant"; the header's "batch_invariant_overhead" maps each batch
+   to step_on / step_off − 1.
+
 Points run in that order. Each point's ratio is step / floor; the records are sorted at the end. A point that would
 end past `--deadline-s` is skipped; the JSON is rewritten after every point, so a run that is stopped keeps what it
 measured.
@@ -19,6 +24,7 @@ measured.
 Usage (the H200 run, about 6 minutes with the checkpoint write):
     python3 -m deepinfer_model write-checkpoint --config v41-flash-scaled --out $CKPT --fast-experts --workers 16
     python3 benchmarks/roofline.py --model $CKPT --deadline-s 300 --out $OUT/roofline-h200.json
+    python3 benchmarks/roofline.py --model $CKPT --decode-batches 1,64 --prefill-lens 1024 --batch-invariant both
     python benchmarks/roofline.py                   # CPU: the built-in tiny checkpoint, small points
 
 Writes benchmarks/results/roofline-<device>.json: {"header": {device, checkpoint, git_commit, bandwidth, gemm, ...},
@@ -119,6 +125,24 @@ def run_prefill(model: DeepseekV41ForCausalLM, prompt: int, repeats: int, device
     return {"seconds": seconds, "tokens_per_s": prompt / seconds, "cuda_graph": False}
 
 
+def invariant_point(
+    model: DeepseekV41ForCausalLM, invariant: bool, run: Callable[..., dict[str, Any]], *args: Any
+) -> dict[str, Any]:
+    """``run(*args)`` with the model's batch-invariant mode set to ``invariant`` (restored after)."""
+    before = model.batch_invariant
+    model.batch_invariant = invariant
+    try:
+        return {**run(*args), "batch_invariant": invariant}
+    finally:
+        model.batch_invariant = before
+
+
+def invariant_overhead(records: list[dict[str, Any]]) -> dict[int, float]:
+    """Per decode batch measured with the mode off and on: step_on / step_off − 1."""
+    steps = {(r["batch"], r["batch_invariant"]): r["step_ms"] for r in records if r["kind"] == "decode"}
+    return {b: steps[(b, True)] / steps[(b, False)] - 1 for b, on in steps if on and (b, False) in steps}
+
+
 def roofline_record(kind: str, record: dict[str, Any], config: Any, rates: dict[str, Any]) -> dict[str, Any]:
     """The JSON record of a measured point: step_ms, floor_ms, ratio and what they came from."""
     step_ms = record["seconds"] * 1e3
@@ -158,11 +182,14 @@ def print_table(result: dict[str, Any]) -> None:
     print(f"\ncopy bandwidth {bandwidth['bytes_per_s'] / 1e12:.3f} TB/s ({bandwidth['method']})")
     rate = gemm.get("flop_per_s")
     print(f"GEMM rate {rate / 1e12:.1f} TFLOP/s ({gemm['method']})" if rate else f"GEMM rate: {gemm.get('error')}")
-    print(f"{'kind':<8}{'batch':>6}{'prompt':>8}{'step ms':>11}{'floor ms':>11}{'ratio':>8}  basis")
+    print(f"{'kind':<8}{'batch':>6}{'prompt':>8}{'inv':>5}{'step ms':>11}{'floor ms':>11}{'ratio':>8}  basis")
     for r in result["records"]:
         basis = f"{r['bytes'] / 1e9:.3f} GB" if r["kind"] == "decode" else f"{r['flops'] / 1e12:.3f} TFLOP"
         floor = f"{r['floor_ms']:>11.3f}{r['ratio']:>8.2f}" if r["floor_ms"] else f"{'-':>11}{'-':>8}"
-        print(f"{r['kind']:<8}{r['batch']:>6}{r['prompt']:>8}{r['step_ms']:>11.3f}{floor}  {basis}")
+        invariant = "on" if r["batch_invariant"] else "off"
+        print(f"{r['kind']:<8}{r['batch']:>6}{r['prompt']:>8}{invariant:>5}{r['step_ms']:>11.3f}{floor}  {basis}")
+    for batch, overhead in header.get("batch_invariant_overhead", {}).items():
+        print(f"batch-invariant overhead at decode batch {batch}: {overhead * 100:+.1f} %")
     for line in result["skipped"] + result["errors"]:
         print(line)
 
@@ -189,6 +216,12 @@ def main() -> None:
     parser.add_argument("--deadline-s", type=float, default=300.0, help="skip points that would end after this")
     parser.add_argument("--git-commit", default=None, help="commit to record (default: git rev-parse HEAD)")
     parser.add_argument("--out", type=pathlib.Path, default=None, help="JSON path (default: benchmarks/results/)")
+    parser.add_argument(
+        "--batch-invariant",
+        choices=("off", "on", "both"),
+        default="off",
+        help="decode points with the batch-invariant mode off, on, or both (overhead in the header)",
+    )
     args = parser.parse_args()
 
     from deepinfer_engine import LLM
@@ -242,14 +275,19 @@ def main() -> None:
     model = llm.model
     config = model.config
     # Decode steps pass the exact bound C + 1 as max_context_len, as an eager engine step does.
+    modes = {"off": (False,), "on": (True,), "both": (False, True)}[args.batch_invariant]
     plan: list[tuple[str, int, Callable[[], dict[str, Any]]]] = [
         (
             "decode",
             b,
-            functools.partial(run_decode, model, b, args.context, args.context + 1, args.decode_repeats, device),
+            functools.partial(
+                invariant_point, model, invariant, run_decode, model, b, args.context, args.context + 1,
+                args.decode_repeats, device,
+            ),
         )
         for b in batches
-    ]
+        for invariant in modes
+    ]  # fmt: skip
     for prompt in prefill:
         point = long_context.Point("prefill", prompt, 1, "model-step")
         step = functools.partial(run_prefill, model, prompt, args.prefill_repeats, device)
@@ -266,6 +304,8 @@ def main() -> None:
                 result["errors"].append(f"{label}: {record.get('error')}")
             else:
                 result["records"].append(roofline_record(kind, record, config, header))
+                result["records"][-1]["batch_invariant"] = bool(record.get("batch_invariant"))
+                header["batch_invariant_overhead"] = invariant_overhead(result["records"])
                 print(result["records"][-1], flush=True)
             save()
     finally:

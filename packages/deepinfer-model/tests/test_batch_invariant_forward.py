@@ -51,3 +51,22 @@ def test_the_flag_selects_the_invariant_evaluation(mode: ComputeMode) -> None:
     assert not torch.equal(invariant, default)
     if mode is ComputeMode.FP32:  # no rounding point to flip: the evaluations differ by summation order only
         torch.testing.assert_close(invariant, default, rtol=1e-4, atol=1e-4)
+
+
+def test_the_accelerator_routing_keeps_the_forward_invariant(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA route of the mode (products through ``invariant_matmul``, here its FP64 reference on CPU tensors;
+    reductions in FP64; transcendentals unchanged) taken on the CPU: every product of the forward decomposes into
+    routed ``mm``/``bmm`` calls and a prompt's logits stay bit-identical alone and in a batch."""
+    from deepinfer_kernels import batch_invariant
+
+    routed: list[str] = []
+    route = batch_invariant.invariant_product
+
+    def counted(func: object, *args: object) -> object:
+        routed.append(str(func))
+        return route(func, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(batch_invariant, "_on_cpu", lambda args, kwargs: False)
+    monkeypatch.setattr(batch_invariant, "invariant_product", counted)
+    test_a_prompt_alone_and_inside_a_batch_has_the_same_logits()
+    assert {"aten.mm.default", "aten.bmm.default"} <= set(routed)

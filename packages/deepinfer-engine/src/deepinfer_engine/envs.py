@@ -131,8 +131,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
            _parse_str, _S, "model resolution in LLM(...)"),
     EnvVar("DEEPINFER_BATCH_INVARIANT", "bool", False, "bit-identical per-request outputs whatever the batch",
            _parse_bool, _S, "SamplerConfig.batch_invariant (fixed sampler reductions) and the model's "
-           "batch_invariant (CPU forward in FP64 sums and transcendentals); the NVIDIA forward is not batch-invariant "
-           "yet (docs/reproducible.md)"),
+           "batch_invariant (CPU: FP64 products, sums and transcendentals; NVIDIA: fixed-tile GEMMs and attention, "
+           "FP64 reductions; docs/reproducible.md)"),
     EnvVar("DEEPINFER_ZERO_OVERHEAD_SCHEDULING", "bool", True, "asynchronous scheduling (schedule N+1 while N runs)",
            _parse_bool, _S, "EngineCore async mode"),
     EnvVar("DEEPINFER_XGRAMMAR_TIMEOUT", "float s", 20.0, "max wait for one grammar compilation",

@@ -41,7 +41,7 @@ def load_model(
     the EP group; None keeps every expert in this process. `max_backtracking_tokens` sizes the rings for rolled-back
     draft positions (`nextn + 1` with speculative decoding, 1 without). `prefill_truncation` (None: off) is the YOCO
     prefill truncation the model runs prompt chunks with. `batch_invariant` (DEEPINFER_BATCH_INVARIANT) makes the CPU
-    forward batch-invariant (docs/design/numerics.md, "Batch invariance").
+    and CUDA forward batch-invariant (docs/design/numerics.md, "Batch invariance").
 
     Raises:
         deepinfer_model.loading.errors.CheckpointError / CoverageError: the checkpoint is incomplete or corrupt.

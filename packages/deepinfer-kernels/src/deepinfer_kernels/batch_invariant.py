@@ -14,14 +14,23 @@ evaluated in FP64 and rounded once to the dtype it would have returned:
   is the correctly rounded one whatever the path (barring values within an FP64 ulp of an FP32 rounding boundary).
 
 Every other op (elementwise ``+ − × ÷``, ``sqrt``, comparisons, ``max``, ``sort``, gathers, casts) is exactly rounded
-already and runs unchanged. FP64 inputs run unchanged. The mode is meant for CPU tensors: on an accelerator FP64 is
-slow and a dispatch mode cannot be captured in a CUDA graph.
+already and runs unchanged. FP64 inputs run unchanged.
+
+On accelerator tensors (CUDA) the mode routes differently: products (``PRODUCT_OPS``, and ``matmul``, ``einsum``,
+``linear`` decomposed into them) run through ``invariant_products.invariant_matmul`` — one fixed-tile Triton GEMM
+with FP32 accumulation in a K order fixed by K alone — because FP64 GEMMs would cost far more than the step; the
+reductions (``REDUCTION_OPS``) take the FP64 route above; elementwise transcendentals run unchanged (a CUDA
+elementwise kernel computes every element with the same device function, whatever the shape). The mode also sets
+:func:`invariant_kernels`, which makes the Triton kernels of the nvidia backend choose one tile configuration and
+key split for every batch (the quantized GEMMs, sparse attention). A dispatch mode runs on the host, so inside
+``torch.cuda.graph`` capture the kernels it launches are what the graph records, and replays need no Python.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from functools import reduce
 from typing import Any
 
@@ -29,24 +38,24 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["INVARIANT_OPS", "BatchInvariantOps", "batch_invariant_ops"]
+from deepinfer_kernels.invariant_products import PRODUCT_OPS, invariant_product
 
-# Ops whose CPU result for a row depends on the shape around it, by aten name; their in-place (``exp_``) and out=
-# overloads are covered too. Composite ops (matmul, einsum, softmax, linear) are listed as well: under inference mode
-# they reach the dispatch mode before decomposing.
-INVARIANT_OPS: frozenset[str] = frozenset(
+__all__ = [
+    "COMPOSITE_PRODUCT_OPS",
+    "INVARIANT_OPS",
+    "REDUCTION_OPS",
+    "BatchInvariantOps",
+    "batch_invariant_ops",
+    "invariant_kernels",
+]
+
+# Ops whose CPU result for a row depends on the shape around it, by aten name, in three groups: products
+# (``PRODUCT_OPS`` and the composites below), reductions, transcendentals. Their in-place (``exp_``) and out= overloads
+# are covered too. Composite ops (matmul, einsum, softmax, linear) are listed as well: under inference mode they reach
+# the dispatch mode before decomposing; on an accelerator the product composites are decomposed inside the mode.
+COMPOSITE_PRODUCT_OPS: frozenset[str] = frozenset({"matmul", "einsum", "linear"})
+REDUCTION_OPS: frozenset[str] = frozenset(
     {
-        # products
-        "mm",
-        "addmm",
-        "bmm",
-        "baddbmm",
-        "matmul",
-        "einsum",
-        "linear",
-        "mv",
-        "dot",
-        # reductions
         "sum",
         "mean",
         "cumsum",
@@ -57,7 +66,10 @@ INVARIANT_OPS: frozenset[str] = frozenset(
         "_log_softmax",
         "linalg_vector_norm",
         "norm",
-        # transcendentals
+    }
+)
+_TRANSCENDENTAL_OPS: frozenset[str] = frozenset(
+    {
         "exp",
         "exp2",
         "expm1",
@@ -77,19 +89,37 @@ INVARIANT_OPS: frozenset[str] = frozenset(
         "pow",
     }
 )
+INVARIANT_OPS: frozenset[str] = PRODUCT_OPS | COMPOSITE_PRODUCT_OPS | REDUCTION_OPS | _TRANSCENDENTAL_OPS
+
+# Set while a ``batch_invariant_ops`` body runs; read by the nvidia kernels' launchers when they choose tiles.
+_INVARIANT_KERNELS: ContextVar[bool] = ContextVar("deepinfer_invariant_kernels", default=False)
+
+
+def invariant_kernels() -> bool:
+    """Whether the calling code runs inside ``batch_invariant_ops``: kernels must then use one tile configuration
+    and reduction split whatever the batch (docs/design/numerics.md, "Batch invariance")."""
+    return _INVARIANT_KERNELS.get()
+
 
 _NARROW = (torch.float32, torch.bfloat16, torch.float16)
 _COMPLEX_OF = {torch.float32: torch.complex64, torch.float16: torch.complex32}
 
 
-_INVARIANT_OVERLOADS: dict[Any, bool] = {}
+_INVARIANT_NAMES: dict[Any, str | None] = {}
 
 
-def _is_invariant_op(func: Any) -> bool:
-    known = _INVARIANT_OVERLOADS.get(func)
-    if known is None:
-        known = _INVARIANT_OVERLOADS[func] = func.overloadpacket.__name__.removesuffix("_") in INVARIANT_OPS
+def _op_name(func: Any) -> str | None:
+    """The overload's packet name without the in-place suffix when it is one of ``INVARIANT_OPS``, else None."""
+    known = _INVARIANT_NAMES.get(func, "")
+    if known == "":
+        name = func.overloadpacket.__name__.removesuffix("_")
+        known = _INVARIANT_NAMES[func] = name if name in INVARIANT_OPS else None
     return known
+
+
+def _on_cpu(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    leaves, _ = tree_flatten((args, kwargs))
+    return all(t.device.type == "cpu" for t in leaves if isinstance(t, torch.Tensor))
 
 
 def _widen(value: Any) -> Any:
@@ -115,7 +145,8 @@ def _result_dtype(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.dtype 
 
 
 class BatchInvariantOps(TorchDispatchMode):
-    """Dispatch mode that evaluates ``INVARIANT_OPS`` in FP64 and rounds once (see the module docstring)."""
+    """Dispatch mode that evaluates ``INVARIANT_OPS`` in FP64 and rounds once on CPU tensors, and routes products to
+    a fixed-tile GEMM and reductions to FP64 on accelerator tensors (see the module docstring)."""
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -127,11 +158,21 @@ class BatchInvariantOps(TorchDispatchMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        if not _is_invariant_op(func):
+        name = _op_name(func)
+        if name is None:
             return func(*args, **kwargs)
         dtype = _result_dtype(args, kwargs)
         if dtype is None or dtype == torch.float64:
             return func(*args, **kwargs)
+        if not _on_cpu(args, kwargs):
+            if name in COMPOSITE_PRODUCT_OPS:
+                # Decompose with the mode active again, so the mm / bmm / addmm it reduces to come back here.
+                with self:
+                    return func.decompose(*args, **kwargs)
+            if name in PRODUCT_OPS:
+                return invariant_product(func, args, kwargs, dtype)
+            if name not in REDUCTION_OPS:
+                return func(*args, **kwargs)
         wide_args, wide_kwargs = tree_map(_widen, (args, kwargs))
         result = func(*wide_args, **wide_kwargs)
         written = _written_arguments(func, args, kwargs, wide_args, wide_kwargs)
@@ -172,9 +213,14 @@ def _written_arguments(
 
 @contextmanager
 def batch_invariant_ops(enabled: bool = True) -> Iterator[None]:
-    """Run the body with ``BatchInvariantOps`` (a no-op when ``enabled`` is false)."""
+    """Run the body with ``BatchInvariantOps`` and :func:`invariant_kernels` set (a no-op when ``enabled`` is
+    false)."""
     if not enabled:
         yield
         return
-    with BatchInvariantOps():
-        yield
+    token = _INVARIANT_KERNELS.set(True)
+    try:
+        with BatchInvariantOps():
+            yield
+    finally:
+        _INVARIANT_KERNELS.reset(token)

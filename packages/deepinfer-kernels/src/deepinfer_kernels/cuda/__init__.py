@@ -14,6 +14,7 @@ from deepinfer_kernels.cuda import (
     grouped_gemm,
     hyper_connection,
     indexer,
+    invariant_matmul,
     norm,
     quant,
     rope,
@@ -52,3 +53,4 @@ def register(registry: OpRegistry) -> None:
     registry.register("swiglu_clamped", nvidia, activation.swiglu_clamped)
     registry.register("swiglu_clamped_fp8", nvidia, activation.swiglu_clamped_fp8)
     registry.register("router_topk", nvidia, routing.router_topk)
+    registry.register("invariant_matmul", nvidia, invariant_matmul.invariant_matmul)

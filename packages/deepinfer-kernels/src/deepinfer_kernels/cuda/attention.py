@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_kernels.batch_invariant import invariant_kernels
 from deepinfer_kernels.cache_layout import KeySource, RowFormat
 from deepinfer_kernels.cuda._launch import check_launchable
 from deepinfer_kernels.cuda.row_formats import FORMAT_CODES, decode_tile, round_bf16
@@ -334,9 +335,13 @@ def _multiprocessors(device: torch.device) -> int:
 
 def _split_plan(programs: int, num_keys: int, device: torch.device) -> tuple[int, int]:
     """(splits of the key list per query, keys per split): enough programs to fill the device when few queries run
-    (decode), one split otherwise. Splits hold whole tiles."""
+    (decode), one split otherwise. Splits hold whole tiles. Inside ``batch_invariant_ops`` always one split: the
+    split count follows the number of queries, and a split changes the order of the sums (docs/design/numerics.md,
+    "Batch invariance")."""
     block_n = CONFIG["block_n"]
     tiles = max(triton.cdiv(num_keys, block_n), 1)
+    if invariant_kernels():
+        return 1, tiles * block_n
     target = CONFIG["target_programs"] or 2 * _multiprocessors(device)
     splits = max(1, min(tiles, triton.cdiv(target, programs)))
     split_keys = triton.cdiv(tiles, splits) * block_n

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from deepinfer_kernels.batch_invariant import invariant_kernels
+
 __all__ = [
     "BLOCK_K",
     "MEASURED",
@@ -31,6 +33,7 @@ __all__ = [
     "block_config",
     "candidate_configs",
     "default_config",
+    "invariant_config",
     "k_chunk",
     "row_bucket",
 ]
@@ -140,6 +143,17 @@ MEASURED: dict[tuple[str, int, int, int], BlockConfig] = {
 }
 
 
+def invariant_config(rows: int) -> BlockConfig:
+    """The tiles of every GEMM in batch-invariant mode (docs/design/numerics.md, "Batch invariance"): 64×64 MMA tiles
+    whatever the rows, so every row goes through the same MMA instruction and K order. Only ``split_grid`` follows
+    the rows (split-K up to 64 rows, as the default tiles): it does not change the bits (module docstring) and
+    without it a prefill's FP32 partials would take chunks × M × N × 4 bytes."""
+    return BlockConfig(block_m=64, block_n=64, num_warps=4, num_stages=4, split_grid=rows <= 64)
+
+
 def block_config(op: str, rows: int, n: int, k: int) -> BlockConfig:
-    """Tiles for ``op`` ("fp8_block_gemm", "mxfp4_gemm" or "mxfp4_grouped_gemm") on ``rows`` rows per weight."""
+    """Tiles for ``op`` ("fp8_block_gemm", "mxfp4_gemm" or "mxfp4_grouped_gemm") on ``rows`` rows per weight;
+    :func:`invariant_config` inside ``batch_invariant_ops``."""
+    if invariant_kernels():
+        return invariant_config(rows)
     return MEASURED.get((op, row_bucket(rows), n, k)) or default_config(op, rows)

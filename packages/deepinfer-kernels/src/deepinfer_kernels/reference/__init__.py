@@ -10,6 +10,7 @@ from deepinfer_kernels.reference import (
     grouped_gemm,
     hyper_connection,
     indexer,
+    matmul,
     norm,
     quant,
     rope,
@@ -40,6 +41,7 @@ def register(registry: OpRegistry) -> None:
     registry.register("mxfp4_grouped_gemm", ref, grouped_gemm.mxfp4_grouped_gemm)
     registry.register("dequantized_gemm", ref, gemm.dequantized_gemm)
     registry.register("dequantized_grouped_gemm", ref, grouped_gemm.dequantized_grouped_gemm)
+    registry.register("invariant_matmul", ref, matmul.invariant_matmul)
     registry.register("encode_rows", ref, row_formats.encode_rows)
     registry.register("decode_rows", ref, row_formats.decode_rows)
     registry.register("store_rows", ref, row_formats.store_rows)

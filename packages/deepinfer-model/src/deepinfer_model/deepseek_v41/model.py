@@ -38,7 +38,7 @@ from deepinfer_model.deepseek_v41.truncation import Compaction, PrefillTruncatio
 from deepinfer_model.deepseek_v41.weight_loading import load_named_weights
 from deepinfer_model.forward_batch import ForwardBatch
 from deepinfer_model.layers.embedding import LMHead, VocabEmbedding
-from deepinfer_model.layers.invariant import batch_invariant_on_cpu
+from deepinfer_model.layers.invariant import batch_invariant_forward
 from deepinfer_model.layers.mode import ComputeMode
 from deepinfer_model.layers.norm import RMSNorm
 from deepinfer_model.state import ModelState, StepMetadata
@@ -73,9 +73,9 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
             ``context_parallel`` attribute after construction.
         prefill_truncation: YOCO prefill truncation of prompt chunks (off by default); it applies to the steps whose
             ``ForwardBatch.known_lens`` is set.
-        batch_invariant: on the CPU, ``forward``, ``draft_forward`` and ``draft_heads`` give every request the same
-            bits whatever else is in the step (``deepinfer_model.layers.invariant``; docs/design/numerics.md, "Batch
-            invariance"); other devices ignore it.
+        batch_invariant: on the CPU and on CUDA, ``forward``, ``draft_forward`` and ``draft_heads`` give every
+            request the same bits whatever else is in the step (``deepinfer_model.layers.invariant``;
+            docs/design/numerics.md, "Batch invariance"); other devices ignore it.
 
     Attributes:
         consumer_layer_rows: query rows the YOCO consumer layers computed, summed over layers and eager forwards
@@ -251,7 +251,7 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
 
     # ---- forward -----------------------------------------------------------------------------------------------
 
-    @batch_invariant_on_cpu
+    @batch_invariant_forward
     def forward(self, batch: ForwardBatch, state: ModelState) -> torch.Tensor:
         """One step: compute every query token of the batch, update the caches, return logits.
 
@@ -294,7 +294,7 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
             final = final[rows]
         return self.head(self.norm(final))
 
-    @batch_invariant_on_cpu
+    @batch_invariant_forward
     def draft_forward(self, batch: ForwardBatch, state: ModelState) -> torch.Tensor:
         """DSpark draft forward (docs/design/model.md, "Draft forward"): every request's tokens form one non-causal
         draft block.
@@ -324,7 +324,7 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
         assert isinstance(last, DSparkBlock)
         return last.collapse(trunk, read_mix, cfg, self.mode)
 
-    @batch_invariant_on_cpu
+    @batch_invariant_forward
     def draft_heads(
         self, hidden: torch.Tensor, previous_tokens: torch.Tensor, temperature: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

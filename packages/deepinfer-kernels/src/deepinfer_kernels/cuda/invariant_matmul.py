@@ -1,0 +1,115 @@
+"""Triton batched matmul with one fixed tile configuration: a row's result does not depend on the row count
+(docs/design/numerics.md, "Batch invariance").
+
+cuBLAS picks its kernel (tile shape, split-K, stream-K) by the problem shape, so one row of ``a @ b`` gets different
+FP32 summation orders alone and inside a batch. Here every launch uses the same tiles whatever M, N, K and the batch
+count are: one program per (BLOCK_M rows, BLOCK_N columns, batch entry) sums K from zero in BLOCK_K steps, in order,
+into one FP32 accumulator, and rounds once to the output dtype. An output element's arithmetic therefore depends only
+on its own row of ``a``, its own column of ``b`` and K; rows missing from a partial tile are loaded as zeros and touch
+no other row.
+
+BF16×BF16 and FP16×FP16 run on the tensor cores (exact products, FP32 accumulation); every other pair is computed
+as an FP32 ``tl.dot`` with ``input_precision="ieee"`` (what PyTorch's FP32 matmul does with TF32 off). Under
+``TRITON_INTERPRET=1`` BF16 operands are widened to FP32 first (the interpreter multiplies BF16 bit patterns as
+integers); the values, hence the products, are the same.
+"""
+
+# Triton reads parameter annotations as kernel type hints, so @triton.jit functions stay unannotated.
+# ruff: noqa: ANN001, ANN202
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer_kernels.cuda._launch import check_launchable
+from deepinfer_kernels.platform import triton_interpreter_enabled
+
+__all__ = ["CONFIG", "invariant_matmul"]
+
+# The one tile configuration. 64-row tiles take a decode batch of up to 64 rows in one pass over the weight (the LM
+# head reads its 1.3 GB once per step); K steps of 64 keep the FP32 path's register tile small.
+CONFIG = {"block_m": 64, "block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 3}
+_MAX_GRID_Z = 65535
+_TENSOR_CORE_PAIRS = {(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16)}
+
+
+# M is not specialized (Triton would compile M == 1 apart): one binary serves every row count.
+@triton.jit(do_not_specialize=["M"])
+def _matmul_kernel(  # type: ignore[no-untyped-def]
+    a_ptr,
+    b_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_ab,
+    stride_am,
+    stride_ak,
+    stride_bb,
+    stride_bk,
+    stride_bn,
+    stride_ob,
+    stride_om,
+    stride_on,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NATIVE_DOT: tl.constexpr,
+):
+    batch = tl.program_id(2).to(tl.int64)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    a_base = a_ptr + batch * stride_ab + rows[:, None] * stride_am
+    b_base = b_ptr + batch * stride_bb + cols[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + ks
+        a = tl.load(a_base + k[None, :] * stride_ak, mask=(rows[:, None] < M) & (k[None, :] < K), other=0.0)
+        b = tl.load(b_base + k[:, None] * stride_bk, mask=(k[:, None] < K) & (cols[None, :] < N), other=0.0)
+        if NATIVE_DOT:
+            acc = tl.dot(a, b, acc)
+        else:
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    out = out_ptr + batch * stride_ob + rows[:, None] * stride_om + cols[None, :] * stride_on
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+def invariant_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[i] = a[i] @ b[i]`` with FP32 accumulation in a fixed K order, rounded once (contract of
+    ``reference.matmul.invariant_matmul``).
+
+    Args:
+        a: [B, M, K] bf16/fp16/fp32, any strides.
+        b: [B, K, N] bf16/fp16/fp32, any strides.
+        out: [B, M, N] bf16/fp16/fp32; written.
+    """
+    check_launchable(a=a, b=b, out=out)
+    batches, m, k = a.shape
+    n = b.shape[2]
+    if not out.numel():
+        return
+    native = (a.dtype, b.dtype) in _TENSOR_CORE_PAIRS and not triton_interpreter_enabled()
+    # CUDA grids allow 65535 programs along the batch axis; more batch entries run in several launches.
+    for start in range(0, batches, _MAX_GRID_Z):
+        stop = min(start + _MAX_GRID_Z, batches)
+        grid = (triton.cdiv(m, CONFIG["block_m"]), triton.cdiv(n, CONFIG["block_n"]), stop - start)
+        _matmul_kernel[grid](
+            a[start:stop],
+            b[start:stop],
+            out[start:stop],
+            m,
+            n,
+            k,
+            *a.stride(),
+            *b.stride(),
+            *out.stride(),
+            BLOCK_M=CONFIG["block_m"],
+            BLOCK_N=CONFIG["block_n"],
+            BLOCK_K=CONFIG["block_k"],
+            NATIVE_DOT=native,
+            num_warps=CONFIG["num_warps"],
+            num_stages=CONFIG["num_stages"],
+        )

@@ -1,0 +1,179 @@
+"""The batch-invariant products (docs/design/numerics.md, "Batch invariance"): the fixed-tile Triton matmul against
+the FP64 reference on fresh random inputs, a row's bits independent of the other rows, the aten product ops the
+dispatch mode routes to it, and the tile pinning ``batch_invariant_ops`` turns on.
+
+Tolerance of the Triton matmul: FP32 accumulation of exact (BF16/FP16) or FP32-rounded products over K terms, so
+``|actual − reference| ≤ K · 2^-23 · Σ|a||b|`` before the output rounding, plus half an ulp of the output dtype.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer_kernels import _registry
+from deepinfer_kernels._registry import Backend, implementation
+from deepinfer_kernels.batch_invariant import batch_invariant_ops, invariant_kernels
+from deepinfer_kernels.invariant_products import invariant_matmul, invariant_product
+from deepinfer_kernels.testing import random_normal
+
+_HALF_ULP = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
+
+
+def _triton(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, device: str) -> torch.Tensor:
+    out = torch.empty((a.shape[0], a.shape[1], b.shape[2]), dtype=dtype, device=device)
+    implementation("invariant_matmul", Backend.NVIDIA)(a.to(device), b.to(device), out)
+    return out.cpu()
+
+
+@pytest.mark.parametrize(("batches", "m", "n", "k"), [(1, 1, 5, 7), (2, 70, 65, 130), (3, 17, 130, 64), (1, 3, 1, 1)])
+@pytest.mark.parametrize(
+    ("in_dtype", "out_dtype"),
+    [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float32, torch.float32)],
+)
+def test_triton_matmul_matches_the_fp64_reference(
+    triton_device: str, batches: int, m: int, n: int, k: int, in_dtype: torch.dtype, out_dtype: torch.dtype
+) -> None:
+    a = random_normal((batches, m, k), seed=m * 31 + k, dtype=in_dtype)
+    b = random_normal((batches, n, k), seed=n * 17 + k, dtype=in_dtype).transpose(1, 2)  # strided, like w.t()
+    expected = torch.empty((batches, m, n), dtype=out_dtype)
+    implementation("invariant_matmul", Backend.REFERENCE)(a, b, expected)
+    actual = _triton(a, b, out_dtype, triton_device)
+    magnitude = torch.bmm(a.double().abs(), b.double().abs())
+    bound = k * 2.0**-23 * magnitude + _HALF_ULP[out_dtype] * 2 * expected.double().abs() + 1e-30
+    assert ((actual.double() - expected.double()).abs() <= bound).all()
+
+
+def test_a_tile_of_rows_has_the_same_bits_alone_and_in_any_batch(triton_device: str) -> None:
+    """Rows keep their bits whatever the row count. The interpreter's ``tl.dot`` is NumPy's BLAS, which rounds a row
+    differently by its position inside the tile, so here rows keep their in-tile position (a slice starting at a tile
+    boundary); ``test_gpu_batch_invariant_ops`` checks every position on the GPU."""
+    a = random_normal((1, 150, 300), seed=1, dtype=torch.bfloat16)
+    b = random_normal((1, 300, 40), seed=2, dtype=torch.bfloat16)
+    together = _triton(a, b, torch.float32, triton_device)
+    for start, stop in ((0, 1), (64, 65), (64, 150), (128, 131), (0, 100)):
+        alone = _triton(a[:, start:stop], b, torch.float32, triton_device)
+        assert torch.equal(alone, together[:, start:stop]), (start, stop)
+
+
+def test_the_public_op_checks_its_inputs() -> None:
+    a = torch.ones(2, 3)
+    with pytest.raises(ValueError, match="cannot be multiplied"):
+        invariant_matmul(a, torch.ones(4, 5))
+    with pytest.raises(ValueError, match="2-D or both 3-D"):
+        invariant_matmul(a, torch.ones(1, 3, 5))
+    with pytest.raises(TypeError):
+        invariant_matmul(a.long(), torch.ones(3, 5))
+    assert invariant_matmul(a, torch.ones(3, 5), torch.bfloat16).dtype == torch.bfloat16
+
+
+def _inputs() -> dict[str, torch.Tensor]:
+    return {
+        "a": random_normal((4, 6), seed=3),
+        "b": random_normal((6, 5), seed=4),
+        "bias": random_normal((5,), seed=5),
+        "a3": random_normal((2, 4, 6), seed=6),
+        "b3": random_normal((2, 6, 5), seed=7),
+        "v": random_normal((6,), seed=8),
+    }
+
+
+def test_every_routed_aten_product_gives_torch_s_result() -> None:
+    t = _inputs()
+    aten = torch.ops.aten
+    cases = [
+        (aten.mm.default, (t["a"], t["b"]), {}, t["a"] @ t["b"]),
+        (aten.bmm.default, (t["a3"], t["b3"]), {}, t["a3"] @ t["b3"]),
+        (
+            aten.addmm.default,
+            (t["bias"], t["a"], t["b"]),
+            {"beta": 2, "alpha": 0.5},
+            2 * t["bias"] + 0.5 * t["a"] @ t["b"],
+        ),
+        (aten.baddbmm.default, (t["b3"][:, :4], t["a3"], t["b3"]), {}, t["b3"][:, :4] + t["a3"] @ t["b3"]),
+        (aten.mv.default, (t["a"], t["v"]), {}, t["a"] @ t["v"]),
+        (aten.dot.default, (t["v"], t["v"]), {}, t["v"] @ t["v"]),
+    ]
+    for func, args, kwargs, expected in cases:
+        actual = invariant_product(func, args, kwargs, torch.float32)
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5, msg=str(func))
+    nan_bias = torch.full((5,), float("nan"))
+    assert (
+        not invariant_product(aten.addmm.default, (nan_bias, t["a"], t["b"]), {"beta": 0}, torch.float32).isnan().any()
+    )
+
+
+def test_out_and_in_place_overloads_write_their_tensor() -> None:
+    t = _inputs()
+    out = torch.empty(4, 5)
+    returned = invariant_product(torch.ops.aten.mm.out, (t["a"], t["b"]), {"out": out}, torch.float32)
+    assert returned is out
+    torch.testing.assert_close(out, t["a"] @ t["b"], rtol=1e-5, atol=1e-5)
+    target = t["bias"].expand(4, 5).clone()
+    expected = target + t["a"] @ t["b"]
+    assert invariant_product(torch.ops.aten.addmm_.default, (target, t["a"], t["b"]), {}, torch.float32) is target
+    torch.testing.assert_close(target, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_mode_pins_the_kernel_choices(triton_device: str) -> None:
+    from deepinfer_kernels.cuda import attention, gemm_tiles
+
+    assert not invariant_kernels()
+    default_small, default_large = (
+        gemm_tiles.block_config("mxfp4_gemm", 1, 4608, 5120),
+        gemm_tiles.block_config("mxfp4_gemm", 512, 4608, 5120),
+    )
+    assert default_small.gemv and default_small.block_m != default_large.block_m
+    assert attention._split_plan(1, 4096, torch.device(triton_device))[0] > 1
+    with batch_invariant_ops():
+        assert invariant_kernels()
+        configs = {
+            gemm_tiles.block_config(op, rows, 4608, 5120)
+            for op in ("fp8_block_gemm", "mxfp4_gemm", "mxfp4_grouped_gemm")
+            for rows in (1, 2, 16, 64, 65, 4096)
+        }
+        assert {(c.block_m, c.block_n, c.num_warps, c.gemv, c.block_k) for c in configs} == {(64, 64, 4, False, 128)}
+        assert attention._split_plan(1, 4096, torch.device(triton_device)) == (1, 4096)
+        assert attention._split_plan(1, 100, torch.device(triton_device)) == (1, 128)
+    assert not invariant_kernels()
+    _registry.reset()
+
+
+def test_batches_past_the_grid_limit_run_in_several_launches(
+    triton_device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from deepinfer_kernels.cuda import invariant_matmul as kernel
+
+    a = random_normal((5, 3, 20), seed=9, dtype=torch.bfloat16)
+    b = random_normal((5, 20, 7), seed=10, dtype=torch.bfloat16)
+    whole = _triton(a, b, torch.float32, triton_device)
+    monkeypatch.setattr(kernel, "_MAX_GRID_Z", 2)
+    assert torch.equal(_triton(a, b, torch.float32, triton_device), whole)
+
+
+def _bytes(shape: tuple[int, ...], seed: int, low: int = 0, high: int = 256) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(low, high, shape, generator=generator, dtype=torch.int32).to(torch.uint8)
+
+
+@pytest.mark.parametrize("op", ["fp8_block_gemm", "mxfp4_gemm"])
+def test_pinned_quantized_gemm_rows_keep_their_bits_across_split_k(triton_device: str, op: str) -> None:
+    """Inside the mode 64 rows run split-K and 65 rows do not (two K chunks here); tile-aligned rows agree bitwise
+    with each other and with a 1-row call."""
+    n, k = 64, 512
+    if op == "fp8_block_gemm":
+        weight = ((_bytes((n, k), 11) & 0xF7).view(torch.float8_e4m3fn), _bytes((n // 32, k // 32), 12, 118, 127))
+    else:
+        weight = (_bytes((n, k // 2), 13).view(torch.int8), _bytes((n, k // 32), 14, 118, 127))
+    w, scale = weight[0].to(triton_device), weight[1].view(torch.float8_e8m0fnu).to(triton_device)
+    x = random_normal((65, k), seed=15, dtype=torch.bfloat16).to(triton_device)
+
+    def run(rows: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(rows.shape[0], n, dtype=torch.bfloat16, device=triton_device)
+        implementation(op, Backend.NVIDIA)(rows, w, scale, out)
+        return out
+
+    with batch_invariant_ops():
+        unsplit, split, alone = run(x), run(x[:64]), run(x[:1])
+    assert torch.equal(unsplit[:64], split)
+    assert torch.equal(alone[0], split[0])
