@@ -14,6 +14,7 @@ import torch
 from _layered_model_support import prompt, random_weights, tiny_config, tiny_vocab, tiny_weights
 
 from deepinfer_model import reference as ref
+from deepinfer_model import reference_attention, reference_blocks
 from deepinfer_model.checkpoint.tokenizer import build_tokenizer
 from deepinfer_model.config import ModelConfig, preset_json
 from deepinfer_model.deepseek_v41.model import DeepseekV41ForCausalLM
@@ -55,7 +56,10 @@ def test_reference_output_projection_reads_bf16_for_8_heads() -> None:
     text = tiny_config().text
     generator = torch.Generator().manual_seed(8)
     out = torch.randn(16, text.num_attention_heads, text.head_dim, generator=generator)
-    table = ref._layer_rope_table(text, False, 16)
-    weights, numerics = ref._Weights(tiny_weights()), ref._numerics("exact")
-    project = lambda o: ref._attention_output(text, weights, numerics, "layers.0.attn", o, table.cos, table.sin)  # noqa: E731
+    table = reference_blocks._layer_rope_table(text, False, 16)
+    weights, numerics = reference_blocks._Weights(tiny_weights()), ref._numerics("exact")
+
+    def project(o: torch.Tensor) -> torch.Tensor:
+        return reference_attention._attention_output(text, weights, numerics, "layers.0.attn", o, table.cos, table.sin)
+
     assert torch.equal(project(out), project(out.bfloat16().float()))

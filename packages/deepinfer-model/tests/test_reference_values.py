@@ -8,6 +8,7 @@ import torch
 from _layered_model_support import prompt, tiny_config, tiny_weights
 
 from deepinfer_model import reference as ref
+from deepinfer_model import reference_blocks
 from deepinfer_model import reference_dspark as ref_dspark
 from deepinfer_model.checkpoint.tokenizer import build_tokenizer
 from deepinfer_model.checkpoint.writer import logical_value, stored_pair
@@ -17,7 +18,7 @@ from deepinfer_model.reference_values import ValueWeights, bf16_weight_names
 
 def _dequantized_values(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Every catalogue weight of ``weights`` as the FP32 value the stored-format path reads."""
-    source = ref._Weights(weights)
+    source = reference_blocks._Weights(weights)
     values = {}
     for entry in build_catalogue(tiny_config()):
         stem = entry.name.removesuffix(".weight")

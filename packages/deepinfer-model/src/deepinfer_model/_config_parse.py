@@ -1,20 +1,17 @@
-"""Typed reading of ``config.json`` objects into constructor keyword arguments, and the inverse.
+"""Typed reading of ``config.json`` objects into constructor keyword arguments (``ModelConfig.to_dict`` writes them
+back).
 
 Owns the "required / optional with default / required if" rules of every ``config.json`` key: which keys must be
-present, their JSON types and their defaults. Semantic rules (constants, ranges, sharing maps) live in
-``_config_checks``; the dataclasses in ``config``. Every error names the full key path (``text_config.hidden_size``),
-the value and what is allowed.
+present, their JSON types and their defaults. Semantic rules (constants, ranges, sharing maps) live with the
+dataclasses (``config``, ``text_config``, ``config_sections``), which check them at construction. Every error names
+the full key path (``text_config.hidden_size``), the value and what is allowed.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from deepinfer_model.config import ModelConfig
+from typing import Any
 
 _MISSING = object()
 
@@ -248,41 +245,3 @@ def parse_model_config(data: Mapping[str, Any]) -> ParsedConfig:
         quantization=_parse_quantization(quant),
         vision=None if vision is None else _parse_vision(vision),
     )
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, tuple):
-        return [_jsonable(v) for v in value]
-    return value
-
-
-def model_config_to_dict(config: ModelConfig) -> dict[str, Any]:
-    """Inverse of ``parse_model_config``: a ``config.json`` object with HF key names.
-
-    Keys that are not applicable (candidate keys without a candidate source, Engram keys without Engram layers,
-    absent ``rope_scaling``, absent ``image_token_id``) are left out, as a released file would.
-    """
-    text: dict[str, Any] = {}
-    for f in dataclasses.fields(config.text):
-        value = getattr(config.text, f.name)
-        if value is None and f.name not in ("swiglu_limit", "candidate_source_layer_id"):
-            continue
-        if f.name == "rope_scaling":
-            value = {"type": "yarn", **dataclasses.asdict(value)}
-        text[f.name] = _jsonable(value)
-    out: dict[str, Any] = {
-        "architectures": list(config.architectures),
-        "model_type": config.model_type,
-        "dtype": config.dtype,
-        "bos_token_id": config.bos_token_id,
-        "eos_token_id": config.eos_token_id,
-        "pad_token_id": config.pad_token_id,
-    }
-    if config.image_token_id is not None:
-        out["image_token_id"] = config.image_token_id
-    out["tokenizer_compatibility"] = config.tokenizer_compatibility
-    out["quantization_config"] = {k: _jsonable(v) for k, v in dataclasses.asdict(config.quantization).items()}
-    out["text_config"] = text
-    if config.vision is not None:
-        out["vision_config"] = dataclasses.asdict(config.vision)
-    return out

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from deepinfer_model._config_checks import _fail
+from deepinfer_model._config_errors import config_error
 
 __all__ = ["VIT_WIDTH", "QuantizationConfig", "RopeScalingConfig", "VisionConfig"]
 
@@ -33,7 +33,7 @@ class QuantizationConfig:
         for name, spec in expected.items():
             value = getattr(self, name)
             if value != spec.default:
-                raise _fail(f"quantization_config.{name}", value, f"must be {spec.default!r}")
+                raise config_error(f"quantization_config.{name}", value, f"must be {spec.default!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,9 +48,9 @@ class RopeScalingConfig:
 
     def __post_init__(self) -> None:
         if not self.factor > 0:
-            raise _fail("text_config.rope_scaling.factor", self.factor, "must be > 0")
+            raise config_error("text_config.rope_scaling.factor", self.factor, "must be > 0")
         if self.original_max_position_embeddings <= 0:
-            raise _fail(
+            raise config_error(
                 "text_config.rope_scaling.original_max_position_embeddings",
                 self.original_max_position_embeddings,
                 "must be a positive int",
@@ -71,10 +71,12 @@ class VisionConfig:
 
     def __post_init__(self) -> None:
         if self.hidden_size != VIT_WIDTH:
-            raise _fail("vision_config.hidden_size", self.hidden_size, f"must be {VIT_WIDTH} (the fixed ViT width)")
+            raise config_error(
+                "vision_config.hidden_size", self.hidden_size, f"must be {VIT_WIDTH} (the fixed ViT width)"
+            )
         for key in ("downsample_ratio", "patch_size", "max_image_tokens", "min_pixels"):
             value = getattr(self, key)
             if value <= 0:
-                raise _fail(f"vision_config.{key}", value, "must be a positive int")
+                raise config_error(f"vision_config.{key}", value, "must be a positive int")
         if self.max_wh_ratio is not None and not self.max_wh_ratio >= 1:
-            raise _fail("vision_config.max_wh_ratio", self.max_wh_ratio, "must be null or a number >= 1")
+            raise config_error("vision_config.max_wh_ratio", self.max_wh_ratio, "must be null or a number >= 1")

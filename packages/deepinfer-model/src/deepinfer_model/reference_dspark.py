@@ -15,21 +15,16 @@ import torch
 from torch import Tensor
 
 from deepinfer_model.config import ModelConfig, TextConfig
-from deepinfer_model.reference import (
+from deepinfer_model.reference import _collapse, _decoder_layer, _expand, _Pending
+from deepinfer_model.reference_attention import _attention_output, _project_query_and_key, attention_core
+from deepinfer_model.reference_blocks import (
     WeightSource,
-    _attention_output,
     _bf16_linear,
-    _collapse,
-    _decoder_layer,
-    _expand,
     _fp8_linear,
     _layer_rope_table,
-    _Pending,
-    _project_query_and_key,
     _RopeTable,
     _weight_source,
     apply_rope,
-    attention_core,
     hc_post,
     rms_norm,
 )
