@@ -20,8 +20,7 @@ _GROUP: tl.constexpr = tl.constexpr(32)
 
 @triton.jit
 def _normed_row(x_ptr, weight_ptr, out_ptr, hidden, eps, stride_x, stride_out, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
-    # Normalizes row program_id(0) and stores it rounded to out's dtype; returns the row index, the column offsets
-    # and mask, and the stored (rounded) values.
+    # Normalizes row program_id(0) and stores it rounded to out's dtype; returns the row index.
     row = tl.program_id(0).to(tl.int64)
     offsets = tl.arange(0, BLOCK)
     mask = offsets < hidden
@@ -33,7 +32,7 @@ def _normed_row(x_ptr, weight_ptr, out_ptr, hidden, eps, stride_x, stride_out, B
     weight = tl.load(weight_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     y = to_output_dtype((x * rho) * weight, out_ptr)
     tl.store(out_ptr + row * stride_out + offsets, y, mask=mask)
-    return row, offsets, mask, y
+    return row
 
 
 @triton.jit
@@ -58,11 +57,17 @@ def _rms_norm_fp8_kernel(  # type: ignore[no-untyped-def]
     stride_scale,
     BLOCK: tl.constexpr,
 ):
-    # The FP8 copy quantizes the rounded output, as the separate quantizer would read it back, with the same device
-    # function as cuda.quant's per-token-group kernel.
-    row, offsets, mask, y = _normed_row(x_ptr, weight_ptr, out_ptr, hidden, eps, stride_x, stride_out, BLOCK)
-    codes, scale_bytes = fp8_token_groups(tl.reshape(y.to(tl.float32), (BLOCK // _GROUP, _GROUP)))
-    tl.store(q_ptr + row * stride_q + offsets, tl.reshape(codes, (BLOCK,)), mask=mask)
+    # The FP8 copy quantizes the rounded output as the separate quantizer would read it: the row is stored, then read
+    # back in the quantizer's [groups, 32] shape after a barrier. Reshaping the normalized values in registers instead
+    # lets Triton pick another layout for the whole row, which changes the order of the sum of squares (the output then
+    # differed in the last bit from rms_norm's on the H200).
+    row = _normed_row(x_ptr, weight_ptr, out_ptr, hidden, eps, stride_x, stride_out, BLOCK)
+    tl.debug_barrier()
+    columns = tl.arange(0, BLOCK // _GROUP)[:, None] * _GROUP + tl.arange(0, _GROUP)[None, :]
+    in_row = columns < hidden
+    y = tl.load(out_ptr + row * stride_out + columns, mask=in_row, other=0.0).to(tl.float32)
+    codes, scale_bytes = fp8_token_groups(y)
+    tl.store(q_ptr + row * stride_q + columns, codes, mask=in_row)
     group_index = tl.arange(0, BLOCK // _GROUP)
     tl.store(scale_ptr + row * stride_scale + group_index, scale_bytes, mask=group_index * _GROUP < hidden)
 
