@@ -381,7 +381,8 @@ def _engram_layer(
     token_ids: Tensor,
     vocabulary: EngramVocabulary,
 ) -> Tensor:
-    """Apply layer ``layer``'s Engram to the trunk (docs/design/model.md, "Engram")."""
+    """Apply layer ``layer``'s Engram to the trunk ``[B·n, m, H]`` of the sequences ``token_ids`` ``[B, n]``
+    (docs/design/model.md, "Engram"): n-grams within each sequence, table rows per token."""
     max_ngram, heads, _ = _engram_sizes(text)
     index = text.engram_layer_ids.index(layer)
     primes = engram_table_primes(text)[index]
@@ -389,7 +390,8 @@ def _engram_layer(
     table_size = vocabulary.old_to_new.shape[0]
     in_table = (token_ids >= 0) & (token_ids < table_size)
     compressed = torch.where(in_table, vocabulary.old_to_new[token_ids.clamp(0, table_size - 1)], -1)
-    idx = engram_hash(engram_ngram_rows(compressed, max_ngram, vocabulary.pad_id), multipliers, primes, heads)
+    ngrams = engram_ngram_rows(compressed, max_ngram, vocabulary.pad_id).flatten(0, -2)
+    idx = engram_hash(ngrams, multipliers, primes, heads)
     prefix = f"layers.{layer}.engram"
     num_rows = w[f"{prefix}.embed.weight"].shape[0]
     if num_rows < sum(primes):
