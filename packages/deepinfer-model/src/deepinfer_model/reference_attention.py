@@ -210,15 +210,17 @@ def attention_over_key_sets(
     A set of keys shared by all queries (``[..., nk, D]``, e.g. a sequence's window keys under a ``[nq, nk]``
     visibility mask) is never copied per query: at 1,024 tokens a per-query copy of a sequence's keys is 0.5 GiB a
     layer. Sets of per-query keys (``[..., nq, nk, D]``, e.g. each query's selected compressed rows) are read as
-    given. The max subtracted before ``exp`` cancels in the quotient, so no gradient is taken through it.
+    given. The max subtracted before ``exp`` cancels in the quotient, so no gradient is taken through it (and the
+    scores are not kept for one).
     """
+    if not key_sets:
+        raise ValueError("attention needs at least one key set")
     logits = []
     for keys, mask in key_sets:
         shared = keys.dim() == query.dim() - 1
         scores = torch.einsum("...qhd,...kd->...qhk" if shared else "...qhd,...qkd->...qhk", query.float(), keys)
         logits.append((scores * softmax_scale).masked_fill(~mask[..., None, :], -math.inf))
-    peak = torch.stack([part.amax(-1) for part in logits]).amax(0)
-    peak = torch.maximum(peak, sink).detach()
+    peak = torch.maximum(torch.stack([part.detach().amax(-1) for part in logits]).amax(0), sink.detach())
     denominator = torch.exp(sink - peak)
     numerator: Tensor | None = None
     for (keys, _), part in zip(key_sets, logits, strict=True):
@@ -228,7 +230,7 @@ def attention_over_key_sets(
         spec = "...qhk,...kd->...qhd" if shared else "...qhk,...qkd->...qhd"
         term = torch.einsum(spec, _numerics(precision).bf16(probs).float(), keys)
         numerator = term if numerator is None else numerator + term
-    assert numerator is not None, "attention needs at least one key set"
+    assert numerator is not None
     return numerator / denominator[..., None]
 
 
