@@ -114,3 +114,21 @@ def test_batched_anchor_forward_gives_each_sequence_its_own_anchors(vocabulary: 
 def test_token_ids_of_three_dims_are_rejected(vocabulary: ref.EngramVocabulary) -> None:
     with pytest.raises(TypeError, match="1-D or 2-D int64"):
         ref.reference_forward_full(tiny_config(), tiny_weights(), prompt(8)[None, None], vocabulary)
+
+
+@pytest.mark.parametrize("precision", ["exact", "fp32"])
+def test_key_sets_attend_like_their_union_per_query(precision: ref.Precision) -> None:
+    """Shared window keys plus per-query rows give the softmax over each query's concatenated keys."""
+    gen = torch.Generator().manual_seed(3)
+    query = torch.randn(2, 5, 4, 32, generator=gen)
+    shared, own = torch.randn(2, 7, 32, generator=gen), torch.randn(2, 5, 3, 32, generator=gen)
+    shared_mask, own_mask = torch.rand(5, 7, generator=gen) < 0.6, torch.rand(2, 5, 3, generator=gen) < 0.5
+    own_mask[0, 1] = False
+    shared_mask[1] = False  # query 1 of sequence 0 sees no key: zeros
+    sink = torch.randn(4, generator=gen)
+    got = ref.attention_over_key_sets(query, [(shared, shared_mask), (own, own_mask)], sink, 0.2, precision=precision)
+    union = torch.cat([shared[:, None].expand(-1, 5, -1, -1), own], 2)
+    mask = torch.cat([shared_mask.expand(2, -1, -1), own_mask], 2)
+    expected = ref.attention_core(query, union, mask, sink, 0.2, precision=precision)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert bool((got[0, 1] == 0).all())
