@@ -84,3 +84,19 @@ def test_shipped_held_out_files_are_the_generated_ones() -> None:
         assert ("schema" in record) == (record["task"] == "json")
     text = (ROOT / "benchmarks" / "data" / "tiny_text.txt").read_text(encoding="utf-8")
     assert text == tiny_tasks.held_out_text(seed=0)
+
+
+def test_held_out_facts_are_known_facts_in_phrasings_seen_for_other_countries() -> None:
+    """Each country keeps eight of its ten phrasings in training, among them both directions of the fact; every
+    held-out phrasing is a training phrasing for other countries."""
+    held_out = tiny_tasks.HELD_OUT_FACT_PROMPTS
+    assert len(held_out) == tiny_tasks.HELD_OUT_FACT_PHRASINGS * len(tiny_tasks.CAPITALS)
+    trained_templates: set[int] = set()
+    for country, capital in tiny_tasks.CAPITALS.items():
+        prompts = [p.format(country=country, capital=capital) for p, _ in tiny_tasks.FACT_TEMPLATES]
+        trained = [i for i, p in enumerate(prompts) if p not in held_out]
+        assert len(trained) == len(prompts) - tiny_tasks.HELD_OUT_FACT_PHRASINGS
+        answers = {tiny_tasks.FACT_TEMPLATES[i][1] for i in trained}
+        assert answers == {" {capital}.", " {country}."}
+        trained_templates.update(trained)
+    assert trained_templates == set(range(len(tiny_tasks.FACT_TEMPLATES)))

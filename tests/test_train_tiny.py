@@ -56,3 +56,12 @@ def test_a_stopped_and_resumed_run_writes_the_same_checkpoint(tmp_path: Path) ->
     weights = "model-00001-of-00001.safetensors"
     whole = (tmp_path / "whole" / "ckpt" / weights).read_bytes()
     assert (tmp_path / "split" / "ckpt" / weights).read_bytes() == whole
+
+
+@pytest.mark.slow
+def test_a_batched_run_trains_on_batch_sequences_a_step(tmp_path: Path) -> None:
+    log = _short_run(tmp_path, "--batch", "2")
+    assert "--workers 1 --batch 2 --target-steps 3 --draft-steps 2 --seq-len 96" in log
+    summary = json.loads((tmp_path / "ckpt" / "training_summary.json").read_text())
+    assert summary["batch"] == 2 and summary["train_tokens"] == (3 + 2) * 2 * 96
+    assert load_checkpoint_dir(tmp_path / "ckpt").config.text.num_hidden_layers == 7

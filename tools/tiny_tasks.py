@@ -11,13 +11,14 @@ with stop "\\n" returns exactly the answer. Tasks (one generator each, all drive
     date      "day after 2024-02-28:"              "2024-02-29"
               "date 2024-03-09 in words:"          "9 March 2024"
     json      "json name=Ann age=31:"              '{"name": "Ann", "age": 31}'  (sometimes a city too)
-    fact      "The capital of France is"           " Paris."  (four templates over one fact table)
+    fact      "The capital of France is"           " Paris."  (ten phrasings over one fact table)
 
 Held-out split: a sample is held out when a hash of its prompt falls in the held-out tenth (``is_held_out``), so the
-training stream never contains a held-out prompt, by construction. Facts are the exception that proves the rule:
-a fact cannot be answered unless it was seen, so the first fact template ("The capital of X is") is always training
-text and only the other templates' prompts are split by the hash; their held-out items test whether the model
-carries a fact from one phrasing to another (three tenths of them are held out, so that there are enough).
+training stream never contains a held-out prompt, by construction. Facts are split differently, because a fact never
+seen cannot be answered: each country has ten phrasings (six asking for the capital, four for the country), and for
+every country the two phrasings whose prompts hash lowest are held out. Training therefore states every fact in eight
+phrasings, including some of the same direction as each held-out one, and every phrasing for most countries; a
+held-out item asks for a known fact in a phrasing the model has seen for other countries, never for this one.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from dataclasses import dataclass
 from typing import Any
 
 TASKS = ("add", "count", "copy", "date", "json", "fact")
-HELD_OUT_PER_MILLE = {"fact": 300}  # per task; 100 (a tenth) for the others
+HELD_OUT_PER_MILLE = 100  # a tenth of every task but facts (module docstring)
+HELD_OUT_FACT_PHRASINGS = 2  # per country
 
 WORDS = [
     "red",
@@ -148,12 +150,28 @@ CAPITALS = {
     "Thailand": "Bangkok",
     "Vietnam": "Hanoi",
     "Hungary": "Budapest",
+    "Argentina": "Buenos Aires",
+    "Brazil": "Brasilia",
+    "Denmark": "Copenhagen",
+    "Belgium": "Brussels",
+    "Ghana": "Accra",
+    "Colombia": "Bogota",
+    "Australia": "Canberra",
+    "Morocco": "Rabat",
+    "Nepal": "Kathmandu",
+    "Mongolia": "Ulaanbaatar",
 }
 FACT_TEMPLATES = (
     ("The capital of {country} is", " {capital}."),
     ("Q: What is the capital of {country}? A:", " {capital}."),
+    ("The capital city of {country} is", " {capital}."),
+    ("{country} has its capital in", " {capital}."),
+    ("In {country}, the government sits in", " {capital}."),
+    ("capital of {country}:", " {capital}."),
     ("{capital} is the capital of", " {country}."),
     ("The city of {capital} lies in", " {country}."),
+    ("Q: Which country has {capital} as its capital? A:", " {country}."),
+    ("{capital} is a city in", " {country}."),
 )
 
 
@@ -170,12 +188,26 @@ class Sample:
         return f"{self.prompt}{self.answer}\n"
 
 
+def _prompt_hash(prompt: str) -> int:
+    return int.from_bytes(hashlib.sha256(prompt.encode()).digest()[:4], "little")
+
+
+def _fact_prompts(country: str) -> list[str]:
+    return [prompt.format(country=country, capital=CAPITALS[country]) for prompt, _ in FACT_TEMPLATES]
+
+
+HELD_OUT_FACT_PROMPTS = frozenset(
+    prompt
+    for country in CAPITALS
+    for prompt in sorted(_fact_prompts(country), key=_prompt_hash)[:HELD_OUT_FACT_PHRASINGS]
+)
+
+
 def is_held_out(sample: Sample) -> bool:
-    """Whether ``sample`` belongs to the held-out split (a hash of its prompt; see the module docstring)."""
-    if sample.task == "fact" and sample.prompt.startswith("The capital of "):
-        return False
-    digest = hashlib.sha256(sample.prompt.encode()).digest()
-    return int.from_bytes(digest[:4], "little") % 1000 < HELD_OUT_PER_MILLE.get(sample.task, 100)
+    """Whether ``sample`` belongs to the held-out split (see the module docstring)."""
+    if sample.task == "fact":
+        return sample.prompt in HELD_OUT_FACT_PROMPTS
+    return _prompt_hash(sample.prompt) % 1000 < HELD_OUT_PER_MILLE
 
 
 def _operand(rng: random.Random) -> int:
@@ -245,7 +277,7 @@ GENERATORS: dict[str, Callable[[random.Random], Sample]] = {
     "json": _json,
     "fact": _fact,
 }
-TASK_WEIGHTS = {"add": 4, "count": 1, "copy": 1, "date": 3, "json": 1, "fact": 1}
+TASK_WEIGHTS = {"add": 6, "count": 2, "copy": 3, "date": 2, "json": 1, "fact": 3}
 
 
 def training_samples(rng: random.Random) -> Iterator[Sample]:

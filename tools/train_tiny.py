@@ -25,15 +25,17 @@ NVIDIA H200 (torch 2.11, CUDA 13.0), 420 s of training:
         --lr 2.5e-3 --warmup 40 --fake-quant-steps 80 --anchors 1024 --out DIR
 
 (the step counts were chosen by ``--time-budget 420 --target-share 0.8``; the log prints the equivalent fixed-step
-command). Runs are deterministic for a given device and ``--workers``: the seed fixes the data, the tokenizer and the
-initial values (drawn on the CPU), and deterministic algorithms are requested (``warn_only``: an op without a
-deterministic CUDA kernel warns instead of failing). On a CPU the same command trains too, very slowly.
+command). Runs are deterministic for a given device, ``--workers`` and ``--batch``: the seed fixes the data, the
+tokenizer and the initial values (drawn on the CPU), and deterministic algorithms are requested (``warn_only``: an op
+without a deterministic CUDA kernel warns instead of failing). On a CPU the same command trains too, very slowly.
 
+``--batch B`` feeds B sequences of the stream to one forward (the reference model's batched form: ``[B, seq_len]``
+token ids) in both phases, so every operation and host sync of a step is shared by B sequences; a step of one
+sequence is bound by per-operation overhead, not by arithmetic (docs/builtin-checkpoint.md, "Training speed").
 ``--workers N`` trains data-parallel in N processes sharing the device (``tiny_parallel``): each step every worker
-runs one sequence of its own stream and the gradients are averaged, so a step sees N sequences. A step of one
-process is bound by per-operation overhead, which N processes overlap; on one H200, 12 workers at 1,024 tokens
-reached 7.5 k tokens/s against 5.0-5.3 k for one process at 4,096 tokens (docs/builtin-checkpoint.md, "Training
-speed"). ``--workers 1`` (the default) is the single-process run that produced the shipped files, bit for bit.
+runs ``--batch`` sequences of its own stream and the gradients are averaged, so a step sees N·B sequences.
+``--workers 1 --batch 1`` (the defaults) is the single-process run of one sequence a step that produced the shipped
+files.
 """
 
 from __future__ import annotations
@@ -131,7 +133,13 @@ def rate(start: float, steps: int, args: argparse.Namespace) -> str:
     per_step = (time.time() - start) / steps
     workers = tiny_parallel.dist.get_world_size() if tiny_parallel.dist.is_initialized() else 1
     memory = f", {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if args.device.startswith("cuda") else ""
-    return f" ({per_step:.3f} s/step, {workers * args.seq_len / per_step / 1e3:.1f} k tokens/s{memory})"
+    tokens = workers * args.batch * args.seq_len
+    return f" ({per_step:.3f} s/step, {tokens / per_step / 1e3:.1f} k tokens/s{memory})"
+
+
+def next_batch(data: Iterator[list[int]], batch: int) -> torch.Tensor:
+    """``[batch, seq_len]`` token ids: the stream's next ``batch`` sequences."""
+    return torch.tensor([next(data) for _ in range(batch)])
 
 
 Checkpointer = Callable[[str, int, torch.optim.Optimizer], None]
@@ -163,11 +171,11 @@ def train_target(
         fake_quant = total is not None and step >= total - args.fake_quant_steps
         for group in opt.param_groups:
             group["lr"] = args.lr * schedule(step, total or 10**9, args.warmup)
-        ids = torch.tensor(next(data))
+        ids = next_batch(data, args.batch)
         logits = ref.reference_forward_full(
             config, ValueWeights(values, fake_quant=fake_quant), ids, vocab, precision="fp32"
         ).logits
-        loss = F.cross_entropy(logits[:-1], ids[1:])
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         tiny_parallel.average_gradients(params)
@@ -195,19 +203,22 @@ def draft_loss(
     gen: torch.Generator,
     num_anchors: int,
 ) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """Drafter CE and confidence BCE on one sequence (module docstring, step 3); also the slot accuracy."""
+    """Drafter CE and confidence BCE on a batch of sequences ``ids`` ``[S, n]`` (module docstring, step 3), the same
+    block length for all and ``num_anchors`` anchors in each; also the slot accuracy."""
     slots = int(torch.randint(3, 7, (1,), generator=gen, device="cpu"))
     with torch.no_grad():
         target = ref.reference_forward_full(config, ValueWeights(values), ids, vocab, precision="fp32")
-        greedy = target.logits.argmax(-1)  # greedy[t] is the target's token for position t + 1
-    n = ids.shape[0]
-    last = torch.randperm(n - slots, generator=gen, device="cpu")[:num_anchors].sort().values.to(ids.device)
-    anchor_tokens = ids[last + 1]
-    labels = greedy[last[:, None] + 1 + torch.arange(slots)]  # [A, B]: the token at p* + 2 + k
-    previous = torch.cat([anchor_tokens[:, None], labels[:, :-1]], 1)
+        greedy = target.logits.argmax(-1)  # greedy[s, t] is the target's token for position t + 1
+    n = ids.shape[1]
+    draws = [torch.randperm(n - slots, generator=gen, device="cpu")[:num_anchors] for _ in range(ids.shape[0])]
+    last = torch.stack(draws).sort(-1).values.to(ids.device)  # [S, A]
+    anchor_tokens = ids.gather(1, last + 1)
+    label_positions = last[..., None] + 1 + torch.arange(slots)  # [S, A, B]: the token at p* + 2 + k
+    labels = greedy.gather(1, label_positions.flatten(1)).view(label_positions.shape)
+    previous = torch.cat([anchor_tokens[..., None], labels[..., :-1]], -1)
     hidden = ref_dspark.reference_dspark_forward_anchors(
         config, ValueWeights(values), target.target_features, last, anchor_tokens, slots, precision="fp32"
-    ).flatten(0, 1)
+    ).flatten(0, 2)
     logits, _ = ref_dspark.reference_dspark_heads(
         config, ValueWeights(values), hidden, previous.flatten(), precision="fp32"
     )
@@ -241,7 +252,8 @@ def train_drafter(
     while total is None or step < total:
         for group in opt.param_groups:
             group["lr"] = args.draft_lr * schedule(step, total or 10**9, args.warmup)
-        ce, bce, accuracy = draft_loss(config, values, vocab, torch.tensor(next(data)), gen, args.anchors)
+        ids = next_batch(data, args.batch)
+        ce, bce, accuracy = draft_loss(config, values, vocab, ids, gen, args.anchors)
         opt.zero_grad(set_to_none=True)
         (ce + bce).backward()
         tiny_parallel.average_gradients(params)
@@ -320,15 +332,16 @@ def train_worker(rank: int, workers: int, port: int, args: argparse.Namespace, t
         tiny_parallel.finish()
         return
     train_seconds = time.time() - began  # of this invocation
-    tokens = (target_steps + draft_steps) * workers * args.seq_len
+    tokens = (target_steps + draft_steps) * workers * args.batch * args.seq_len
     log(
         f"trained in {train_seconds:.0f} s on {tokens / 1e6:.1f} M tokens; fixed-step command: --seed {args.seed} "
-        f"--device {args.device} --workers {workers} --target-steps {target_steps} --draft-steps {draft_steps} "
-        f"--seq-len {args.seq_len}"
+        f"--device {args.device} --workers {workers} --batch {args.batch} --target-steps {target_steps} "
+        f"--draft-steps {draft_steps} --seq-len {args.seq_len} --lr {args.lr} --draft-lr {args.draft_lr} "
+        f"--warmup {args.warmup} --fake-quant-steps {args.fake_quant_steps} --anchors {args.anchors}"
     )
     tiny_parallel.finish()
     if rank == 0:
-        summary = {"seed": args.seed, "hardware": hardware_name(args.device), "workers": workers}
+        summary = {"seed": args.seed, "hardware": hardware_name(args.device), "workers": workers, "batch": args.batch}
         summary |= {"target_steps": target_steps, "draft_steps": draft_steps, "seq_len": args.seq_len}
         summary |= {"train_tokens": tokens, "train_seconds": round(train_seconds, 1)}
         write_and_evaluate(args, config, values, tokenizer, vocab, summary)
@@ -368,7 +381,8 @@ def main() -> None:
     parser.add_argument("--draft-steps", type=int, default=None)
     parser.add_argument("--time-budget", type=float, default=None, help="seconds for both phases (calibrates steps)")
     parser.add_argument("--target-share", type=float, default=0.75, help="share of --time-budget for the target")
-    parser.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence; each worker runs one a step")
+    parser.add_argument("--batch", type=int, default=1, help="sequences per worker per step, in one forward")
+    parser.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence")
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--draft-lr", type=float, default=2e-3)
     parser.add_argument("--warmup", type=int, default=100)
@@ -381,6 +395,8 @@ def main() -> None:
     args = parser.parse_args()
     if (args.target_steps is None or args.draft_steps is None) and args.time_budget is None:
         parser.error("give --target-steps and --draft-steps, or --time-budget")
+    if args.batch < 1:
+        parser.error(f"--batch must be at least 1, got {args.batch}")
     if args.stop_after is not None and (args.state is None or args.time_budget is not None):
         parser.error("--stop-after needs --state and fixed --target-steps/--draft-steps (not --time-budget)")
 

@@ -92,6 +92,7 @@ from deepinfer_model.reference_attention import (
     _attention_layer,
     _AttentionState,
     attention_core,
+    attention_over_key_sets,
     candidate_block_mask,
     compress_kv,
     index_scores,
@@ -153,6 +154,7 @@ __all__ = [
     "WeightSource",
     "apply_rope",
     "attention_core",
+    "attention_over_key_sets",
     "candidate_block_mask",
     "compress_kv",
     "dequantize_fp8_block",
@@ -258,13 +260,18 @@ def _collapse(
 
 
 def _expand(w: WeightSource, num: _Numerics, token_ids: Tensor, text: TextConfig) -> tuple[Tensor, Tensor]:
-    """Embedding copied into the ``m`` streams (BF16 ``[n, m, H]``) and the one-hot stream-0 read-mix ``[n, m]``."""
-    if token_ids.dtype != torch.int64 or token_ids.dim() != 1:
+    """Embedding copied into the ``m`` streams (BF16 ``[N, m, H]``) and the one-hot stream-0 read-mix ``[N, m]``.
+
+    ``token_ids`` is ``[n]`` or ``[B, n]`` (a batch of sequences); the trunk holds every token, ``N = B·n``
+    (sequence-major): the per-token parts of the model run on all of them at once.
+    """
+    if token_ids.dtype != torch.int64 or token_ids.dim() not in (1, 2):
         raise TypeError(
-            f"token ids must be a 1-D int64 tensor, got {token_ids.dtype} with shape {tuple(token_ids.shape)}"
+            f"token ids must be a 1-D or 2-D int64 tensor, got {token_ids.dtype} with shape {tuple(token_ids.shape)}"
         )
     if token_ids.numel() == 0:
         raise ValueError("token ids must not be empty")
+    token_ids = token_ids.flatten()
     bad = (token_ids < 0) | (token_ids >= text.vocab_size)
     if bool(bad.any()):
         raise ValueError(f"token id {int(token_ids[bad][0])} is outside the text vocabulary [0, {text.vocab_size})")
@@ -278,6 +285,9 @@ def _expand(w: WeightSource, num: _Numerics, token_ids: Tensor, text: TextConfig
 @dataclass(frozen=True)
 class ReferenceOutput:
     """Everything ``reference_forward_full`` computes that tests and the drafter need.
+
+    Shapes are those of one sequence; a batched forward (``[B, n]`` token ids) puts a leading ``B`` on every tensor
+    (``sequence(b)`` is the output of sequence ``b``).
 
     Attributes (BF16 tensors are FP32 in fp32 precision; stored keys are then the unquantized FP32 values):
         logits: ``[n, V]`` FP32.
@@ -302,6 +312,23 @@ class ReferenceOutput:
     index_keys: Mapping[int, Tensor]
     candidate_rows: Tensor | None
 
+    def sequence(self, index: int) -> ReferenceOutput:
+        """The output of sequence ``index`` of a batched forward (every tensor without its leading batch dim)."""
+
+        def pick(by_layer: Mapping[int, Tensor]) -> dict[int, Tensor]:
+            return {layer: tensor[index] for layer, tensor in by_layer.items()}
+
+        return ReferenceOutput(
+            self.logits[index],
+            self.hidden[index],
+            self.target_features[index],
+            pick(self.selected_rows),
+            pick(self.swa_keys),
+            pick(self.compressed_keys),
+            pick(self.index_keys),
+            None if self.candidate_rows is None else self.candidate_rows[index],
+        )
+
 
 def reference_forward_full(
     config: ModelConfig,
@@ -312,12 +339,18 @@ def reference_forward_full(
     precision: Precision = "exact",
     yoco_keep_tokens: int | None = None,
 ) -> ReferenceOutput:
-    """One full-sequence causal forward of one request, positions ``0 … n−1`` (docs/design/model.md, "Forward pass").
+    """One full-sequence causal forward of one request, positions ``0 … n−1`` (docs/design/model.md, "Forward pass"),
+    or of a batch of equal-length requests at once.
+
+    A batch runs every per-token part (linears, norms, mHC, MoE, Engram lookups) over all ``B·n`` tokens at once and
+    every per-sequence part (attention windows, compressor, indexer top-k, candidate blocks, Engram n-grams, YOCO)
+    along the batch dim, so each sequence gets what its own forward gives (up to FP32 summation order: the GEMM
+    shapes differ); a trainer batches sequences this way.
 
     Args:
         config: the model configuration.
         weights: HF-named checkpoint tensors in stored formats (``model.`` prefix optional), or a ``WeightSource``.
-        token_ids: ``[n]`` int64 ids in ``[0, V)``.
+        token_ids: ``[n]`` int64 ids in ``[0, V)``, or ``[B, n]`` for ``B`` sequences.
         engram_vocabulary: compressed Engram vocabulary; required when the model has Engram layers.
         precision: ``"exact"`` (the spec's numerics) or ``"fp32"`` (see "Precision" in the module docstring).
         yoco_keep_tokens: ``KEEP`` of ``mask`` YOCO prefill truncation (choice 11): YOCO consumer layers see window
@@ -325,15 +358,17 @@ def reference_forward_full(
 
     Returns:
         logits, collapsed hidden, DSpark target features, the compressed rows each query attended and the keys a
-        cache would hold.
+        cache would hold (each with a leading ``B`` for ``[B, n]`` token ids).
     """
     text = config.text
     num = _numerics(precision)
     w = _weight_source(weights)
     if text.engram_layer_ids and engram_vocabulary is None:
         raise ValueError(f"Engram layers {list(text.engram_layer_ids)} need an engram_vocabulary")
-    trunk, read_mix = _expand(w, num, token_ids, text)
-    n = token_ids.shape[0]
+    batched = token_ids.dim() == 2
+    ids = token_ids if batched else token_ids[None]  # one sequence is a batch of one
+    trunk, read_mix = _expand(w, num, ids, text)
+    batch, n = ids.shape
     tables = {False: _layer_rope_table(text, False, n), True: _layer_rope_table(text, True, n)}
     floor = None if yoco_keep_tokens is None else n - yoco_keep_tokens
     state = _AttentionState()
@@ -344,15 +379,15 @@ def reference_forward_full(
             trunk = hc_post(*pending, precision=precision)
         if layer in text.engram_layer_ids:
             assert engram_vocabulary is not None
-            trunk = _engram_layer(text, w, num, layer, trunk, token_ids, engram_vocabulary)
+            trunk = _engram_layer(text, w, num, layer, trunk, ids, engram_vocabulary)
         if layer in text.dspark_target_layer_ids:
             features[layer] = num.bf16(trunk.float().mean(1))
 
         def attention(x: Tensor, layer: int = layer) -> Tensor:
             consumer_floor = floor if layer >= text.n_prefill_layer else None
-            return _attention_layer(
-                text, w, num, layer, x, state, tables[text.compress_ratios[layer] > 0], consumer_floor
-            )
+            rope = tables[text.compress_ratios[layer] > 0]
+            sequences = x.unflatten(0, (batch, n))
+            return _attention_layer(text, w, num, layer, sequences, state, rope, consumer_floor).flatten(0, 1)
 
         pending, read_mix = _decoder_layer(
             text, w, num, f"layers.{layer}", trunk, read_mix, attention, text.n_routed_experts, text.num_experts_per_tok
@@ -361,16 +396,17 @@ def reference_forward_full(
     hidden = _collapse(text, w, num, "", pending, read_mix)
     logits = _bf16_linear(rms_norm(hidden, w["norm.weight"], text.rms_norm_eps, precision=precision), w["head.weight"])
     target_features = torch.cat([features[t] for t in text.dspark_target_layer_ids], dim=-1)
-    return ReferenceOutput(
-        logits,
-        hidden,
-        target_features,
+    output = ReferenceOutput(
+        logits.unflatten(0, (batch, n)),
+        hidden.unflatten(0, (batch, n)),
+        target_features.unflatten(0, (batch, n)),
         state.selected_rows,
         state.swa_keys,
         state.compressed_keys,
         state.index_keys,
         state.candidates,
     )
+    return output if batched else output.sequence(0)
 
 
 def reference_forward(
@@ -381,5 +417,6 @@ def reference_forward(
     *,
     precision: Precision = "exact",
 ) -> Tensor:
-    """Logits ``[n, V]`` FP32 of one full causal forward; see ``reference_forward_full`` for the arguments."""
+    """Logits ``[n, V]`` (``[B, n, V]`` for a batch) FP32 of one full causal forward; see ``reference_forward_full``
+    for the arguments."""
     return reference_forward_full(config, weights, token_ids, engram_vocabulary, precision=precision).logits

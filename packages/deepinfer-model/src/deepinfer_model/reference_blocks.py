@@ -307,10 +307,12 @@ def hc_read(trunk: Tensor, pre: Tensor, *, precision: Precision = "exact") -> Te
     Returns:
         ``[n, H]`` BF16 (FP32 in fp32 precision).
     """
-    x = trunk.float()
-    acc = pre[:, 0:1] * x[:, 0]
-    for j in range(1, x.shape[1]):
-        acc = acc + pre[:, j : j + 1] * x[:, j]
+    # One unbind and one split instead of a slice per product: in a backward each slice would add a zero-filled copy
+    # of the whole trunk; the values read are the same.
+    x, weights = trunk.float().unbind(1), pre.split(1, dim=1)
+    acc = weights[0] * x[0]
+    for j in range(1, len(x)):
+        acc = acc + weights[j] * x[j]
     return _numerics(precision).bf16(acc)
 
 
@@ -328,13 +330,14 @@ def hc_post(output: Tensor, trunk: Tensor, post: Tensor, comb: Tensor, *, precis
     Returns:
         ``[n, m, H]`` BF16 new trunk (FP32 in fp32 precision).
     """
-    x = trunk.float()
+    x = trunk.float().unbind(1)  # unbound once, as in hc_read
     y = output.float()
+    writes, mixes = post.split(1, dim=1), comb.split(1, dim=2)  # mixes[o][:, i] is C_io, [n, 1]
     streams = []
-    for o in range(x.shape[1]):
-        acc = post[:, o : o + 1] * y
-        for i in range(x.shape[1]):
-            acc = acc + comb[:, i, o : o + 1] * x[:, i]
+    for o in range(len(x)):
+        acc = writes[o] * y
+        for i in range(len(x)):
+            acc = acc + mixes[o][:, i] * x[i]
         streams.append(acc)
     return _numerics(precision).bf16(torch.stack(streams, dim=1))
 
@@ -381,7 +384,8 @@ def _engram_layer(
     token_ids: Tensor,
     vocabulary: EngramVocabulary,
 ) -> Tensor:
-    """Apply layer ``layer``'s Engram to the trunk (docs/design/model.md, "Engram")."""
+    """Apply layer ``layer``'s Engram to the trunk ``[B·n, m, H]`` of the sequences ``token_ids`` ``[B, n]``
+    (docs/design/model.md, "Engram"): n-grams within each sequence, table rows per token."""
     max_ngram, heads, _ = _engram_sizes(text)
     index = text.engram_layer_ids.index(layer)
     primes = engram_table_primes(text)[index]
@@ -389,7 +393,8 @@ def _engram_layer(
     table_size = vocabulary.old_to_new.shape[0]
     in_table = (token_ids >= 0) & (token_ids < table_size)
     compressed = torch.where(in_table, vocabulary.old_to_new[token_ids.clamp(0, table_size - 1)], -1)
-    idx = engram_hash(engram_ngram_rows(compressed, max_ngram, vocabulary.pad_id), multipliers, primes, heads)
+    ngrams = engram_ngram_rows(compressed, max_ngram, vocabulary.pad_id).flatten(0, -2)
+    idx = engram_hash(ngrams, multipliers, primes, heads)
     prefix = f"layers.{layer}.engram"
     num_rows = w[f"{prefix}.embed.weight"].shape[0]
     if num_rows < sum(primes):

@@ -64,8 +64,8 @@ def _dspark_attention(
     (docs/design/model.md, "Draft forward")."""
     cos, sin = rope.cos[positions], rope.sin[positions]
     q, _, draft_keys = _project_query_and_key(text, w, num, prefix, x, cos, sin)
-    keys = torch.cat([context_keys, draft_keys]).expand(x.shape[0], -1, -1)
-    mask = torch.ones(keys.shape[:2], dtype=torch.bool)
+    keys = torch.cat([context_keys, draft_keys])  # [n_ctx + B, D], read by every slot
+    mask = torch.ones(x.shape[0], keys.shape[0], dtype=torch.bool)
     scale = 1.0 / math.sqrt(text.head_dim)
     out = attention_core(q, keys, mask, w[f"{prefix}.attn_sink"], scale, precision=num.precision)
     return _attention_output(text, w, num, prefix, out, cos, sin)
@@ -156,48 +156,54 @@ def reference_dspark_forward_anchors(
     *,
     precision: Precision = "exact",
 ) -> Tensor:
-    """Many independent draft forwards over one sequence's target features at once (a trainer's batched form of
-    ``reference_dspark_forward``; same math, each anchor's slots see only its own keys).
+    """Many independent draft forwards over one sequence's target features at once, or over each sequence of a batch
+    (a trainer's batched form of ``reference_dspark_forward``; same math, each anchor's slots see only its own keys).
 
     Context keys are computed once for every position; anchor ``a`` (last accepted position ``p*_a``) attends the
-    keys of ``max(0, p*_a−W+1) … p*_a`` and its own ``B`` draft keys (docs/design/model.md, "Draft forward").
+    keys of ``max(0, p*_a−W+1) … p*_a`` of its own sequence and its own ``B`` draft keys
+    (docs/design/model.md, "Draft forward").
 
     Args:
         config: the model configuration (``num_nextn_predict_layers`` ≥ 1).
         weights: HF-named stored tensors or a ``WeightSource``.
-        target_features: ``[n, T·H]`` features of positions ``0 … n−1``.
-        last_positions: ``[A]`` int64 ``p*`` of each anchor, in ``[0, n)``.
-        anchor_tokens: ``[A]`` int64 golden token of each anchor (placed at ``p* + 1``).
+        target_features: ``[n, T·H]`` features of positions ``0 … n−1``, or ``[S, n, T·H]`` for ``S`` sequences.
+        last_positions: ``[A]`` int64 ``p*`` of each anchor in ``[0, n)`` (``[S, A]``: ``A`` anchors per sequence).
+        anchor_tokens: ``[A]`` (``[S, A]``) int64 golden token of each anchor (placed at ``p* + 1``).
         num_slots: draft block length ``B`` (defaults to ``dspark_block_size``).
         precision: ``"exact"`` or ``"fp32"``.
 
     Returns:
-        ``[A, B, H]`` pre-norm hidden of every anchor's slots (BF16; FP32 in fp32 precision).
+        ``[A, B, H]`` (``[S, A, B, H]``) pre-norm hidden of every anchor's slots (BF16; FP32 in fp32 precision).
     """
     text = config.text
     slots = text.dspark_block_size if num_slots is None else num_slots
-    n, window = target_features.shape[0], text.sliding_window
-    if last_positions.dim() != 1 or last_positions.shape != anchor_tokens.shape or last_positions.numel() == 0:
-        raise ValueError("last_positions and anchor_tokens must be equal non-empty 1-D tensors")
-    if bool(((last_positions < 0) | (last_positions >= n)).any()):
+    batched = target_features.dim() == 3
+    shape = last_positions.shape
+    if last_positions.dim() != 1 + batched or anchor_tokens.shape != shape or last_positions.numel() == 0:
+        raise ValueError("last_positions and anchor_tokens must be equal non-empty 1-D tensors ([S, A] for a batch)")
+    features = target_features if batched else target_features[None]  # one sequence is a batch of one
+    last, tokens = (last_positions, anchor_tokens) if batched else (last_positions[None], anchor_tokens[None])
+    (sequences, n), window = features.shape[:2], text.sliding_window
+    if last.shape[0] != sequences:
+        raise ValueError(f"got anchors for {last.shape[0]} sequences, target features of {sequences}")
+    if bool(((last < 0) | (last >= n)).any()):
         raise ValueError(f"last_positions must lie in [0, {n})")
     num = _numerics(precision)
     w = _weight_source(weights)
     eps = text.rms_norm_eps
-    num_anchors = last_positions.shape[0]
+    num_anchors = last.shape[1]
     rope = _layer_rope_table(text, False, n + slots)
-    context = last_positions[:, None] - window + 1 + torch.arange(window)  # [A, W], negative = no key
-    visible = torch.cat([context >= 0, torch.ones(num_anchors, slots, dtype=torch.bool)], 1)
-    visible = visible.repeat_interleave(slots, 0)  # [A·B, W+B]
-    positions = (last_positions[:, None] + 1 + torch.arange(slots)).flatten()  # [A·B]
+    context = last[..., None] - window + 1 + torch.arange(window)  # [S, A, W], negative = no key
+    visible = torch.cat([context >= 0, torch.ones(sequences, num_anchors, slots, dtype=torch.bool)], -1)
+    positions = last[..., None] + 1 + torch.arange(slots)  # [S, A, B]
     main = rms_norm(
-        _fp8_linear(num, target_features, w.fp8("mtp.0.main_proj")),
+        _fp8_linear(num, features, w.fp8("mtp.0.main_proj")),
         w["mtp.0.main_norm.weight"],
         eps,
         precision=precision,
     )
-    noise = torch.full((num_anchors, slots - 1), text.dspark_noise_token_id, dtype=torch.int64)
-    trunk, read_mix = _expand(w, num, torch.cat([anchor_tokens[:, None], noise], 1).flatten(), text)
+    noise = torch.full((sequences, num_anchors, slots - 1), text.dspark_noise_token_id, dtype=torch.int64)
+    trunk, read_mix = _expand(w, num, torch.cat([tokens[..., None], noise], -1).flatten(0, 1), text)
     pending: _Pending | None = None
     for block in range(text.num_nextn_predict_layers):
         prefix = f"mtp.{block}"
@@ -209,18 +215,17 @@ def reference_dspark_forward_anchors(
             eps,
             precision=precision,
         )
-        all_keys = num.store(apply_rope(kv, rope.cos[:n], rope.sin[:n]), fp8_quant_dequant)  # [n, D]
-        context_keys = all_keys[context.clamp_min(0)]  # [A, W, D]
+        all_keys = num.store(apply_rope(kv, rope.cos[:n], rope.sin[:n]), fp8_quant_dequant)  # [S, n, D]
+        context_keys = all_keys[torch.arange(sequences)[:, None, None], context.clamp_min(0)]  # [S, A, W, D]
 
         def attention(x: Tensor, prefix: str = f"{prefix}.attn", context_keys: Tensor = context_keys) -> Tensor:
             cos, sin = rope.cos[positions], rope.sin[positions]
-            q, _, draft_keys = _project_query_and_key(text, w, num, prefix, x, cos, sin)
-            keys = torch.cat([context_keys, draft_keys.unflatten(0, (num_anchors, slots))], 1)
+            q, _, draft_keys = _project_query_and_key(text, w, num, prefix, x.unflatten(0, positions.shape), cos, sin)
+            # An anchor's keys are read by all its slots: [S, A, W + B, D] under the [S, A, 1, W + B] mask.
+            keys = torch.cat([context_keys, draft_keys], -2)
             scale = 1.0 / math.sqrt(text.head_dim)
-            out = attention_core(
-                q, keys.repeat_interleave(slots, 0), visible, w[f"{prefix}.attn_sink"], scale, precision=num.precision
-            )
-            return _attention_output(text, w, num, prefix, out, cos, sin)
+            out = attention_core(q, keys, visible[..., None, :], w[f"{prefix}.attn_sink"], scale, precision=precision)
+            return _attention_output(text, w, num, prefix, out, cos, sin).flatten(0, 2)
 
         pending, read_mix = _decoder_layer(
             text,
@@ -235,7 +240,8 @@ def reference_dspark_forward_anchors(
         )
     assert pending is not None
     hidden = _collapse(text, w, num, f"mtp.{text.num_nextn_predict_layers - 1}.", pending, read_mix)
-    return hidden.unflatten(0, (num_anchors, slots))
+    hidden = hidden.unflatten(0, positions.shape)
+    return hidden if batched else hidden[0]
 
 
 def reference_dspark_heads(

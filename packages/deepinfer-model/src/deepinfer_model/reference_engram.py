@@ -238,17 +238,18 @@ def engram_ngram_rows(compressed_ids: Tensor, max_ngram: int, pad_id: int) -> Te
     entry is ``pad_id``.
 
     Args:
-        compressed_ids: ``[n]`` int64 compressed ids (−1 = sentinel).
+        compressed_ids: ``[..., n]`` int64 compressed ids (−1 = sentinel) of one sequence or a batch of them.
         max_ngram: ``N_g``.
         pad_id: compressed pad id.
 
     Returns:
-        ``[n, N_g]`` int64.
+        ``[..., n, N_g]`` int64.
     """
-    n = compressed_ids.shape[0]
-    padded = torch.cat([torch.full((max_ngram - 1,), pad_id, dtype=torch.int64), compressed_ids])
-    rows = torch.stack([padded[max_ngram - 1 - r : max_ngram - 1 - r + n] for r in range(max_ngram)], dim=1)
-    hit_sentinel = torch.cumsum((rows < 0).int(), dim=1) > 0
+    n = compressed_ids.shape[-1]
+    before = torch.full((*compressed_ids.shape[:-1], max_ngram - 1), pad_id, dtype=torch.int64)
+    padded = torch.cat([before, compressed_ids], dim=-1)
+    rows = torch.stack([padded[..., max_ngram - 1 - r : max_ngram - 1 - r + n] for r in range(max_ngram)], dim=-1)
+    hit_sentinel = torch.cumsum((rows < 0).int(), dim=-1) > 0
     return torch.where(hit_sentinel, torch.full_like(rows, pad_id), rows)
 
 
