@@ -11,8 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from deepinfer_model.loading.load import load_checkpoint_dir
+from deepinfer_model.reference_values import values_from_stored
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -65,3 +67,20 @@ def test_a_batched_run_trains_on_batch_sequences_a_step(tmp_path: Path) -> None:
     summary = json.loads((tmp_path / "ckpt" / "training_summary.json").read_text())
     assert summary["batch"] == 2 and summary["train_tokens"] == (3 + 2) * 2 * 96
     assert load_checkpoint_dir(tmp_path / "ckpt").config.text.num_hidden_layers == 7
+
+
+@pytest.mark.slow
+def test_a_drafter_stage_from_a_written_checkpoint_keeps_its_target(tmp_path: Path) -> None:
+    # Second stage (docs/builtin-checkpoint.md): --init-from a written checkpoint, --target-steps 0, drafter only.
+    _short_run(tmp_path / "first")
+    first = tmp_path / "first" / "ckpt"
+    out = tmp_path / "second"
+    _short_run(out, "--init-from", str(first), "--target-steps", "0", "--draft-steps", "2")
+    before, after = load_checkpoint_dir(first).tensors, load_checkpoint_dir(out / "ckpt").tensors
+    config = load_checkpoint_dir(first).config
+    old, new = values_from_stored(config, before), values_from_stored(config, after)
+    assert all(torch.equal(new[name], value) for name, value in old.items() if not name.startswith("mtp."))
+    assert any(not torch.equal(new[name], value) for name, value in old.items() if name.startswith("mtp."))
+    assert (out / "ckpt" / "tokenizer.json").read_text() == (first / "tokenizer.json").read_text()
+    summary = json.loads((out / "ckpt" / "training_summary.json").read_text())
+    assert summary["target_steps"] == 0 and summary["init_from"]["target_steps"] == 3

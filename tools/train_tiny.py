@@ -68,7 +68,8 @@ from deepinfer_model.checkpoint.tokenizer import build_tokenizer
 from deepinfer_model.checkpoint.writer import logical_value, write_checkpoint
 from deepinfer_model.config import ModelConfig, load_preset
 from deepinfer_model.loading.catalogue import TensorFormat, build_catalogue
-from deepinfer_model.reference_values import ValueWeights
+from deepinfer_model.loading.load import load_checkpoint_dir
+from deepinfer_model.reference_values import ValueWeights, values_from_stored
 
 REPO = Path(__file__).resolve().parent.parent
 TOKENIZER_DOCUMENTS = 20_000
@@ -300,7 +301,10 @@ def train_worker(rank: int, workers: int, port: int, args: argparse.Namespace, t
     stream = stream_rng(args.seed, rank)
     gen = torch.Generator().manual_seed(args.seed + 1000 * rank)  # draft block lengths and anchors
     saved = tiny_resume.load(args.state, rank, args.device)
-    if saved is None:
+    if saved is None and args.init_from is not None:
+        stored = load_checkpoint_dir(args.init_from).tensors
+        values = {k: v.to(args.device).requires_grad_(True) for k, v in values_from_stored(config, stored).items()}
+    elif saved is None:
         values = initial_values(config, args.seed, args.device)  # drawn on the CPU: any device gives the same start
     else:
         values = {k: v.requires_grad_(True) for k, v in saved.values.items()}
@@ -338,12 +342,15 @@ def train_worker(rank: int, workers: int, port: int, args: argparse.Namespace, t
         f"--device {args.device} --workers {workers} --batch {args.batch} --target-steps {target_steps} "
         f"--draft-steps {draft_steps} --seq-len {args.seq_len} --lr {args.lr} --draft-lr {args.draft_lr} "
         f"--warmup {args.warmup} --fake-quant-steps {args.fake_quant_steps} --anchors {args.anchors}"
+        + ("" if args.init_from is None else f" --init-from {args.init_from}")
     )
     tiny_parallel.finish()
     if rank == 0:
         summary = {"seed": args.seed, "hardware": hardware_name(args.device), "workers": workers, "batch": args.batch}
         summary |= {"target_steps": target_steps, "draft_steps": draft_steps, "seq_len": args.seq_len}
         summary |= {"train_tokens": tokens, "train_seconds": round(train_seconds, 1)}
+        if args.init_from is not None:  # keep the record of the run that wrote the starting checkpoint
+            summary["init_from"] = json.loads((args.init_from / "training_summary.json").read_text(encoding="utf-8"))
         write_and_evaluate(args, config, values, tokenizer, vocab, summary)
 
 
@@ -390,6 +397,9 @@ def main() -> None:
     parser.add_argument("--anchors", type=int, default=256)
     parser.add_argument("--eval-per-task", type=int, default=50)
     parser.add_argument("--log-every", type=int, default=50, help="steps between log lines")
+    parser.add_argument(
+        "--init-from", type=Path, default=None, help="start from this written checkpoint (its tokenizer too)"
+    )
     parser.add_argument("--state", type=Path, default=None, help="directory of the resumable state (tiny_resume)")
     parser.add_argument("--stop-after", type=float, default=None, help="seconds, then save --state and stop")
     args = parser.parse_args()
@@ -402,7 +412,10 @@ def main() -> None:
 
     log(f"device {args.device}: {hardware_name(args.device)}; torch {torch.__version__}; {args.workers} worker(s)")
     config = load_preset("tiny")
-    tokenizer = train_tokenizer(config, args.seed)
+    if args.init_from is None:
+        tokenizer = train_tokenizer(config, args.seed)
+    else:
+        tokenizer = Tokenizer.from_file(str(args.init_from / "tokenizer.json"))
     write_data_files(args.seed, args.data_dir)
     tiny_parallel.spawn(train_worker, (args, tokenizer.to_str()), args.workers)
 

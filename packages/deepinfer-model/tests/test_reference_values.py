@@ -8,29 +8,11 @@ import torch
 from _layered_model_support import prompt, tiny_config, tiny_weights
 
 from deepinfer_model import reference as ref
-from deepinfer_model import reference_blocks
 from deepinfer_model import reference_dspark as ref_dspark
 from deepinfer_model.checkpoint.tokenizer import build_tokenizer
 from deepinfer_model.checkpoint.writer import logical_value, stored_pair
 from deepinfer_model.loading.catalogue import TensorFormat, build_catalogue
-from deepinfer_model.reference_values import ValueWeights, bf16_weight_names
-
-
-def _dequantized_values(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Every catalogue weight of ``weights`` as the FP32 value the stored-format path reads."""
-    source = reference_blocks._Weights(weights)
-    values = {}
-    for entry in build_catalogue(tiny_config()):
-        stem = entry.name.removesuffix(".weight")
-        if entry.format is TensorFormat.FP8_BLOCK:
-            values[entry.name] = source.fp8(stem)
-        elif entry.format is TensorFormat.MXFP4:
-            values[entry.name] = source.mxfp4(stem)
-        elif entry.format is TensorFormat.FP8_ROW:
-            values[entry.name] = source.fp8_rows(stem, torch.arange(entry.shape[0]))
-        elif entry.format is not TensorFormat.SCALE:
-            values[entry.name] = weights[entry.name].float()
-    return values
+from deepinfer_model.reference_values import ValueWeights, bf16_weight_names, values_from_stored
 
 
 @pytest.fixture(scope="module")
@@ -43,10 +25,35 @@ def test_value_weights_give_the_stored_path_logits(precision: ref.Precision, voc
     config, weights, ids = tiny_config(), tiny_weights(), prompt(90, seed=3)
     stored = ref.reference_forward_full(config, weights, ids, vocabulary, precision=precision)
     values = ref.reference_forward_full(
-        config, ValueWeights(_dequantized_values(weights)), ids, vocabulary, precision=precision
+        config, ValueWeights(values_from_stored(config, weights)), ids, vocabulary, precision=precision
     )
     assert torch.equal(stored.logits, values.logits)
     assert torch.equal(stored.target_features, values.target_features)
+
+
+@pytest.mark.parametrize("source", ["writer", "hand-made codes"])
+def test_values_from_stored_write_back_to_the_same_values(source: str) -> None:
+    # A trainer continuing from a written checkpoint must not move its weights: values -> stored -> values is the
+    # identity. The bytes may differ: a block whose largest code rounds to the bottom of its scale's range (or
+    # hand-made codes that do not use the range) is stored again with half the scale and doubled codes.
+    config = tiny_config()
+    entries = [e for e in build_catalogue(config) if e.format is not TensorFormat.SCALE]
+    if source == "writer":
+        stored = dict(pair for e in entries for pair in stored_pair(e, logical_value(e, config, seed=5)))
+    else:
+        stored = tiny_weights()
+    values = values_from_stored(config, stored)
+    again = values_from_stored(config, dict(pair for e in entries for pair in stored_pair(e, values[e.name])))
+    assert values.keys() == {e.name for e in entries}
+    assert all(torch.equal(again[name], value) for name, value in values.items())
+
+
+def test_values_from_stored_names_a_missing_scale() -> None:
+    stored = dict(tiny_weights())
+    name = next(e.name for e in build_catalogue(tiny_config()) if e.format is TensorFormat.MXFP4)
+    del stored[name.removesuffix(".weight") + ".scale"]
+    with pytest.raises(KeyError, match="scale"):
+        values_from_stored(tiny_config(), stored)
 
 
 def test_fake_quant_reads_what_the_writer_stores(vocabulary: ref.EngramVocabulary) -> None:
@@ -63,7 +70,7 @@ def test_fake_quant_reads_what_the_writer_stores(vocabulary: ref.EngramVocabular
 
 def test_gradients_reach_every_kind_of_weight(vocabulary: ref.EngramVocabulary) -> None:
     config, ids = tiny_config(), prompt(48, seed=7)
-    values = {k: v.clone().requires_grad_(True) for k, v in _dequantized_values(tiny_weights()).items()}
+    values = {k: v.clone().requires_grad_(True) for k, v in values_from_stored(tiny_config(), tiny_weights()).items()}
     logits = ref.reference_forward_full(
         config, ValueWeights(values, fake_quant=True), ids, vocabulary, precision="fp32"
     )

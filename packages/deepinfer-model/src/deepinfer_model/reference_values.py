@@ -22,12 +22,43 @@ from deepinfer_model.config import ModelConfig
 from deepinfer_model.loading.catalogue import TensorFormat, build_catalogue
 from deepinfer_model.reference_formats import _dequantize_fp8_rows, dequantize_fp8_block, dequantize_mxfp4
 
-__all__ = ["ValueWeights", "bf16_weight_names"]
+__all__ = ["ValueWeights", "bf16_weight_names", "values_from_stored"]
 
 
 def bf16_weight_names(config: ModelConfig) -> frozenset[str]:
     """Names of the catalogue weights stored as BF16 (the ones ``fake_quant`` rounds to BF16)."""
     return frozenset(e.name for e in build_catalogue(config) if e.format is TensorFormat.BF16)
+
+
+def values_from_stored(config: ModelConfig, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """FP32 values of every catalogue weight read back from stored tensors (``LoadedCheckpoint.tensors``): the
+    inverse of the checkpoint writer's quantization, so a trainer can continue from a written checkpoint. FP8/MXFP4
+    weights come back in their logical ``[out, in]`` shape; writing the values again stores the same numbers.
+
+    Raises:
+        KeyError: a weight or its scale is missing from ``tensors`` (the message names it).
+    """
+
+    def stored(name: str) -> Tensor:
+        if name not in tensors:
+            raise KeyError(f"stored tensor {name!r} is missing")
+        return tensors[name]
+
+    values: dict[str, Tensor] = {}
+    for entry in build_catalogue(config):
+        if entry.format is TensorFormat.SCALE:
+            continue
+        weight = stored(entry.name)
+        scale_name = f"{entry.name.removesuffix('.weight')}.scale"
+        if entry.format is TensorFormat.FP8_BLOCK:
+            values[entry.name] = dequantize_fp8_block(weight, stored(scale_name))
+        elif entry.format is TensorFormat.MXFP4:
+            values[entry.name] = dequantize_mxfp4(weight, stored(scale_name))
+        elif entry.format is TensorFormat.FP8_ROW:
+            values[entry.name] = _dequantize_fp8_rows(weight, stored(scale_name))
+        else:
+            values[entry.name] = weight.float()
+    return values
 
 
 def _straight_through(value: Tensor, stored: Tensor) -> Tensor:
