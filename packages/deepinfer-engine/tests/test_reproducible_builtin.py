@@ -6,7 +6,9 @@ without drafts for batches of 1, 7 and 32."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,18 +56,35 @@ def _prefill_logits(llm: LLM, prompts: list[list[int]]) -> list[torch.Tensor]:
     return list(logits.split([len(p) for p in prompts]))
 
 
+@contextlib.contextmanager
+def _torch_threads(num: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(num)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _alone_equals_together(llm: LLM, prompts: list[list[int]]) -> bool:
+    together = _prefill_logits(llm, prompts)
+    alone = [_prefill_logits(llm, [prompt])[0] for prompt in prompts]
+    return all(torch.equal(a, b) for a, b in zip(alone, together, strict=True))
+
+
 def test_a_prompt_alone_and_inside_a_batch_has_the_same_logits(root: Path, recipe: None) -> None:
     llm = LLM(nextn=0, cache_dir=str(root), **ENGINE)
     prompts = [llm.engine.tokenizer.encode(text) for text in _held_out(16)]
     assert llm.engine.model.batch_invariant
-    together = _prefill_logits(llm, prompts)
-    alone = [_prefill_logits(llm, [prompt])[0] for prompt in prompts]
-    assert all(torch.equal(a, b) for a, b in zip(alone, together, strict=True))
-    # The same model without the flag: BLAS blocking and vectorized paths change the last bits of some rows.
+    for threads in (1, 2):
+        with _torch_threads(threads):
+            assert _alone_equals_together(llm, prompts), threads
+    # The same model without the flag: BLAS blocking, reductions split across threads and vectorized paths change
+    # the last bits of some rows. On one thread the default path agrees for these prompts with this checkpoint (the
+    # previous one differed in 1 of 16); on two, as the engine runs on a 2-core machine, 13 of 16 differ.
     llm.engine.model.batch_invariant = False
-    together = _prefill_logits(llm, prompts)
-    alone = [_prefill_logits(llm, [prompt])[0] for prompt in prompts]
-    assert not all(torch.equal(a, b) for a, b in zip(alone, together, strict=True))
+    with _torch_threads(2):
+        assert not _alone_equals_together(llm, prompts)
 
 
 def test_greedy_tokens_do_not_depend_on_the_batch(root: Path, recipe: None) -> None:
