@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _gpu_marks import COMPILED_TRITON_ON_GPU
 
 import deepinfer_kernels as dk
 from deepinfer_kernels._registry import Backend, implementation
-from deepinfer_kernels.platform import triton_interpreter_enabled
 from deepinfer_kernels.testing import (
     assert_bitwise_equal,
     assert_close,
@@ -17,13 +17,7 @@ from deepinfer_kernels.testing import (
     random_ue8m0,
 )
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or triton_interpreter_enabled(),
-        reason="needs a CUDA device with compiled (non-interpreted) Triton",
-    ),
-]
+pytestmark = COMPILED_TRITON_ON_GPU
 
 
 def _both(op: str, inputs: tuple[torch.Tensor | float, ...], outputs: tuple[torch.Tensor, ...]):

@@ -10,19 +10,13 @@ from collections.abc import Callable
 import pytest
 import torch
 from _cache_inputs import random_pool
+from _gpu_marks import COMPILED_TRITON_ON_GPU
 
 import deepinfer_kernels as dk
 from deepinfer_kernels._registry import Backend, implementation
 from deepinfer_kernels.batch_invariant import batch_invariant_ops
-from deepinfer_kernels.platform import triton_interpreter_enabled
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or triton_interpreter_enabled(),
-        reason="needs a CUDA device with compiled (non-interpreted) Triton",
-    ),
-]
+pytestmark = COMPILED_TRITON_ON_GPU
 
 _K = 4096
 _POSITIONS = (0, 1, 17, 63)

@@ -6,19 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 from _cache_inputs import assert_equivalent_selection, random_pool, random_rows
+from _gpu_marks import COMPILED_TRITON_ON_GPU
 
 import deepinfer_kernels as dk
 from deepinfer_kernels._registry import Backend, implementation
-from deepinfer_kernels.platform import triton_interpreter_enabled
 from deepinfer_kernels.testing import assert_bitwise_equal, random_normal, seeded_generator
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or triton_interpreter_enabled(),
-        reason="needs a CUDA device with compiled (non-interpreted) Triton",
-    ),
-]
+pytestmark = COMPILED_TRITON_ON_GPU
 
 F = dk.RowFormat
 

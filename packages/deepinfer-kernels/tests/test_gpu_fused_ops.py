@@ -12,18 +12,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _gpu_marks import COMPILED_TRITON_ON_GPU
 
 from deepinfer_kernels._registry import Backend, implementation
-from deepinfer_kernels.platform import triton_interpreter_enabled
 from deepinfer_kernels.testing import assert_bitwise_equal, assert_close, random_normal
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or triton_interpreter_enabled(),
-        reason="needs a CUDA device with compiled (non-interpreted) Triton",
-    ),
-]
+pytestmark = COMPILED_TRITON_ON_GPU
 
 _SHAPES = [(1, 256), (64, 256), (1, 5120), (64, 5120), (777, 5120)]
 

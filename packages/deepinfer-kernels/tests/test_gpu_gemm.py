@@ -8,19 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 from _gemm_support import abs_product, assert_gemm_close, dequantized_activation
+from _gpu_marks import COMPILED_TRITON_ON_GPU
 
 import deepinfer_kernels as dk
 from deepinfer_kernels import _registry
 from deepinfer_kernels._registry import Backend, implementation
-from deepinfer_kernels.platform import triton_interpreter_enabled
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or triton_interpreter_enabled(),
-        reason="needs a CUDA device with compiled (non-interpreted) Triton",
-    ),
-]
+pytestmark = COMPILED_TRITON_ON_GPU
 
 _K = 4096
 

@@ -5,17 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _gpu_marks import COMPILED_TRITON_ON_GPU
 
 import deepinfer_kernels as dk
-from deepinfer_kernels.platform import triton_interpreter_enabled
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or triton_interpreter_enabled(),
-        reason="needs a CUDA device with compiled (non-interpreted) Triton",
-    ),
-]
+pytestmark = COMPILED_TRITON_ON_GPU
 
 
 def _inputs(rows: int, hidden: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _gpu_marks import compiled_triton_on_gpu
 
 import deepinfer_kernels as dk
 from deepinfer_kernels._registry import Backend, implementation
-from deepinfer_kernels.platform import triton_interpreter_enabled
 from deepinfer_kernels.testing import random_normal
 
 
@@ -68,11 +68,7 @@ def test_swiglu_fp8_triton_equals_swiglu_then_quantizer(
     _assert_same_bits(fused, separate)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or triton_interpreter_enabled(),
-    reason="needs a CUDA device with compiled (non-interpreted) Triton",
-)
+@compiled_triton_on_gpu
 @pytest.mark.parametrize("rows", [1, 64, 1000])
 @pytest.mark.parametrize("half", [2048, 3072])
 def test_swiglu_fp8_gpu_equals_swiglu_then_quantizer(rows: int, half: int) -> None:
