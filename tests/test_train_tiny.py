@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -84,3 +85,19 @@ def test_a_drafter_stage_from_a_written_checkpoint_keeps_its_target(tmp_path: Pa
     assert (out / "ckpt" / "tokenizer.json").read_text() == (first / "tokenizer.json").read_text()
     summary = json.loads((out / "ckpt" / "training_summary.json").read_text())
     assert summary["target_steps"] == 0 and summary["init_from"]["target_steps"] == 3
+
+
+def test_init_from_a_missing_or_foreign_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
+    command = [sys.executable, str(ROOT / "tools" / "train_tiny.py"), "--out", str(tmp_path / "out")]
+    command += ["--target-steps", "0", "--draft-steps", "1", "--init-from"]
+    env = {**os.environ, "DEEPINFER_ACCELERATOR": "cpu"}
+    missing = subprocess.run([*command, str(tmp_path / "none")], capture_output=True, text=True, env=env)
+    assert missing.returncode == 2 and "--init-from: checkpoint directory" in missing.stderr
+    foreign = tmp_path / "foreign"
+    builtin = ROOT / "packages" / "deepinfer-engine" / "src" / "deepinfer_engine" / "builtin_checkpoint"
+    shutil.copytree(builtin, foreign)
+    config = json.loads((foreign / "config.json").read_text())
+    config.get("text_config", config)["rms_norm_eps"] = 1e-5
+    (foreign / "config.json").write_text(json.dumps(config))
+    other = subprocess.run([*command, str(foreign)], capture_output=True, text=True, env=env)
+    assert other.returncode == 2 and "not a checkpoint of the tiny preset" in other.stderr

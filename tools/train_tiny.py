@@ -68,6 +68,8 @@ from deepinfer_model.checkpoint.tokenizer import build_tokenizer
 from deepinfer_model.checkpoint.writer import logical_value, write_checkpoint
 from deepinfer_model.config import ModelConfig, load_preset
 from deepinfer_model.loading.catalogue import TensorFormat, build_catalogue
+from deepinfer_model.loading.checkpoint_dir import open_checkpoint_dir
+from deepinfer_model.loading.errors import CheckpointError
 from deepinfer_model.loading.load import load_checkpoint_dir
 from deepinfer_model.reference_values import ValueWeights, values_from_stored
 
@@ -415,6 +417,12 @@ def main() -> None:
     if args.init_from is None:
         tokenizer = train_tokenizer(config, args.seed)
     else:
+        try:
+            start = open_checkpoint_dir(args.init_from)  # config and index only; each worker reads the weights
+        except CheckpointError as error:
+            parser.error(f"--init-from: {error}")
+        if start.config != config:
+            parser.error(f"--init-from {args.init_from}: not a checkpoint of the tiny preset this script trains")
         tokenizer = Tokenizer.from_file(str(args.init_from / "tokenizer.json"))
     write_data_files(args.seed, args.data_dir)
     tiny_parallel.spawn(train_worker, (args, tokenizer.to_str()), args.workers)
