@@ -114,7 +114,7 @@ class Attention(nn.Module):
         num_tokens = meta.num_tokens
         q_latent, q_latent_fp8 = self.q_norm.with_fp8_copy(self.wq_a(x, fp8_copy=x_fp8))
         q = self.wq_b(q_latent, fp8_copy=q_latent_fp8).view(num_tokens, self.n_heads, self.head_dim)
-        q = self.rope.rotate(q, meta.positions)
+        q = self.rope.rotate(q, self.rope.table_at(meta))
         kv_x = ctx.key_tokens(x)
         fresh = self._window_kv(kv_x, ctx.key_meta, ctx.state, x_fp8 if kv_x is x else None)
         sources = self._draft_sources(fresh, ctx) if ctx.draft else self._window_sources(fresh, ctx)
@@ -126,7 +126,7 @@ class Attention(nn.Module):
             out = out.to(torch.bfloat16)
         # De-rotation and the FP8 quantization of ``wo_a`` read the attention output as it left the kernel: FP32
         # for the fused head counts, BF16 otherwise (docs/design/numerics.md, "Attention output rounding").
-        out = self.rope.rotate(out, meta.positions, inverse=True)
+        out = self.rope.rotate(out, self.rope.table_at(meta, inverse=True))
         return self.wo_b(self.wo_a(out.reshape(num_tokens, -1)))
 
     def _window_kv(
@@ -134,7 +134,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """SWA KV of the key tokens ``RoPE(kv_norm(x · wkvᵀ))``, encoded in the ring format: ``[T_kv, bytes]`` uint8,
         the scratch pool the step's fresh window keys are read from."""
-        kv = self.rope.rotate(self.kv_norm(self.wkv(x, fp8_copy=x_fp8)), meta.positions)
+        kv = self.rope.rotate(self.kv_norm(self.wkv(x, fp8_copy=x_fp8)), self.rope.table_at(meta))
         return state.codec(self.swa_group).encode(kv)
 
     def _write_window(self, encoded: torch.Tensor, meta: StepMetadata, state: ModelState) -> None:
@@ -153,9 +153,10 @@ class Attention(nn.Module):
         self._write_window(self._window_kv(x, meta, state), meta, state)
 
     def _window_sources(self, fresh: torch.Tensor, ctx: StepContext) -> list[KeySource]:
-        """Every query's window ``t − W + 1 … t``: positions before the step from the ring (read before this step's
-        ring write), positions of the step from the fresh keys. A YOCO consumer layer of a truncated prefill step
-        sees positions ``≥ window_floor`` only (docs/design/attention.md, "YOCO prefill truncation").
+        """Every query's window ``t − W + 1 … t`` (``window_rows``): positions before the step from the ring (read
+        before this step's ring write), positions of the step from the fresh keys. A YOCO consumer layer of a
+        truncated prefill step sees positions ``≥ window_floor`` only (docs/design/attention.md, "YOCO prefill
+        truncation").
 
         Args:
             fresh: [T_kv, bytes] encoded window keys of the key tokens.
@@ -164,17 +165,13 @@ class Attention(nn.Module):
         Returns:
             [ring history, fresh keys], each with [T, W] rows.
         """
-        meta, key_meta, state = ctx.meta, ctx.key_meta, ctx.state
+        state = ctx.state
         ring = state.ring_size(self.swa_group)
-        offsets = torch.arange(self.window, device=fresh.device) - (self.window - 1)
-        positions = meta.positions[:, None] + offsets[None, :]
-        request = meta.token_request[:, None].expand_as(positions)
-        seen = positions >= 0
-        if self.spec.is_yoco_consumer and meta.window_floor is not None:
-            seen &= positions >= meta.window_floor[request]
-        in_chunk = key_meta.in_chunk(request, positions)
-        history = torch.where(seen & ~in_chunk, key_meta.ring_rows(request, positions, ring), -1)
-        own = torch.where(seen & in_chunk, key_meta.chunk_index(request, positions), -1)
+        floored = self.spec.is_yoco_consumer and ctx.meta.window_floor is not None
+        history, own = ctx.memo.get(
+            ("window_rows", ring, self.window, floored),
+            lambda: window_rows(ctx.meta, ctx.key_meta, ring, self.window, floored),
+        )
         fmt = state.codec(self.swa_group).row_format
         return [
             KeySource(state.pool(self.swa_group, self.spec.layer_id), history, fmt),
@@ -182,22 +179,16 @@ class Attention(nn.Module):
         ]
 
     def _draft_sources(self, fresh: torch.Tensor, ctx: StepContext) -> list[KeySource]:
-        """Keys of a DSpark draft block (docs/design/model.md, "Draft forward"): the ``W`` context keys before the
-        block, read from the ring, then every draft key of the same request (non-causal, ``B`` = the longest block of
-        the step).
+        """Keys of a DSpark draft block (``draft_rows``; docs/design/model.md, "Draft forward").
 
         Returns:
             [ring context with [T, W] rows, draft keys with [T, B] rows].
         """
-        meta, state = ctx.meta, ctx.state
+        state = ctx.state
         ring = state.ring_size(self.swa_group)
-        request = meta.token_request
-        offsets = torch.arange(self.window, device=fresh.device) - self.window
-        context = meta.q_start[request][:, None] + offsets[None, :]
-        history = torch.where(context >= 0, meta.ring_rows(request[:, None], context, ring), -1)
-        slots = torch.arange(meta.max_query_len, device=fresh.device)[None, :]
-        in_block = slots < meta.q_len[request][:, None]
-        drafts = torch.where(in_block, meta.cu_query_lens[request][:, None] + slots, -1)
+        history, drafts = ctx.memo.get(
+            ("draft_rows", ring, self.window), lambda: draft_rows(ctx.meta, ring, self.window)
+        )
         fmt = state.codec(self.swa_group).row_format
         return [
             KeySource(state.pool(self.swa_group, self.spec.layer_id), history, fmt),
@@ -218,7 +209,7 @@ class Attention(nn.Module):
         Returns:
             The kv source's compressed pool with [T, K] rows.
         """
-        spec, meta, state = self.spec, ctx.meta, ctx.state
+        spec, state = self.spec, ctx.state
         layer = spec.layer_id
         if self.compressor is not None:
             # YOCO consumer kv sources compress the shared hidden, not their own input (docs/design/model.md, "YOCO").
@@ -233,8 +224,69 @@ class Attention(nn.Module):
         if self.selection is not None:
             assert self.indexer is not None
             ctx.topk[layer] = self.indexer.select(q_latent, x, ctx, self.rope, self.selection)
-        selected = ctx.topk[spec.index_source]
         group = compressed_group(spec.compress_ratio)
-        rows = meta.paged_rows(meta.token_request[:, None].expand_as(selected), selected, state.rows_per_block(group))
-        fmt = state.codec(group).row_format
-        return KeySource(state.pool(group, spec.kv_source), torch.where(selected >= 0, rows, -1), fmt)
+        rows_per_block = state.rows_per_block(group)
+        # Every layer reading the same index source's selection reads the same flat rows. Memo key: the index source
+        # and the page geometry; valid while ``ctx.topk`` holds that source's selection (the memo is cleared when
+        # ``enter_consumer_half`` replaces it).
+        rows = ctx.memo.get(
+            ("selected_rows", spec.index_source, rows_per_block),
+            lambda: selected_rows(ctx.meta, ctx.topk[spec.index_source], rows_per_block),
+        )
+        return KeySource(state.pool(group, spec.kv_source), rows, state.codec(group).row_format)
+
+
+def window_rows(
+    meta: StepMetadata, key_meta: StepMetadata, ring: int, window: int, floored: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where every query's window keys ``t − W + 1 … t`` are read from: ring rows for positions before the step,
+    fresh-key rows (chunk indices) for positions of the step. The same for every layer with the same ring size and
+    window, and the same YOCO floor role (``floored``: positions below ``meta.window_floor`` are not seen), so a
+    step builds it once (``StepContext.memo``).
+
+    Args:
+        meta: index math of the queries.
+        key_meta: index math of the key tokens (their chunk and cache addressing).
+        ring: ring size of the layer's SWA group.
+        window: ``W``.
+        floored: apply ``meta.window_floor``.
+
+    Returns:
+        ``(history, own)``: [T, W] int64 flat ring rows and [T, W] int64 fresh-key rows, −1 = not read.
+    """
+    offsets = torch.arange(window, device=meta.positions.device) - (window - 1)
+    positions = meta.positions[:, None] + offsets[None, :]
+    request = meta.token_request[:, None].expand_as(positions)
+    seen = positions >= 0
+    if floored:
+        assert meta.window_floor is not None
+        seen &= positions >= meta.window_floor[request]
+    in_chunk = key_meta.in_chunk(request, positions)
+    history = torch.where(seen & ~in_chunk, key_meta.ring_rows(request, positions, ring), -1)
+    own = torch.where(seen & in_chunk, key_meta.chunk_index(request, positions), -1)
+    return history, own
+
+
+def draft_rows(meta: StepMetadata, ring: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where a DSpark draft block's keys are read from (docs/design/model.md, "Draft forward"): the ``W`` context keys
+    before the block from the ring, then every draft key of the same request (non-causal, ``B`` = the longest block
+    of the step). The same for every DSpark layer with the same ring size and window (``StepContext.memo``).
+
+    Returns:
+        ``(history, drafts)``: [T, W] int64 flat ring rows and [T, B] int64 fresh-key rows, −1 = not read.
+    """
+    device = meta.positions.device
+    request = meta.token_request
+    offsets = torch.arange(window, device=device) - window
+    context = meta.q_start[request][:, None] + offsets[None, :]
+    history = torch.where(context >= 0, meta.ring_rows(request[:, None], context, ring), -1)
+    slots = torch.arange(meta.max_query_len, device=device)[None, :]
+    in_block = slots < meta.q_len[request][:, None]
+    drafts = torch.where(in_block, meta.cu_query_lens[request][:, None] + slots, -1)
+    return history, drafts
+
+
+def selected_rows(meta: StepMetadata, selected: torch.Tensor, rows_per_block: int) -> torch.Tensor:
+    """Flat paged rows [T, K] int64 of the selected logical rows ``selected`` [T, K] of each query, −1 = none."""
+    rows = meta.paged_rows(meta.token_request[:, None].expand_as(selected), selected, rows_per_block)
+    return torch.where(selected >= 0, rows, -1)

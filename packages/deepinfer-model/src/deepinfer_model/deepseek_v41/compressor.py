@@ -15,10 +15,10 @@ from deepinfer_model.deepseek_v41.context import COMPRESSOR_GROUP, NewRows, comp
 from deepinfer_model.layers.linear import Bf16Linear
 from deepinfer_model.layers.mode import ComputeMode, round_activation
 from deepinfer_model.layers.norm import RMSNorm
-from deepinfer_model.layers.rope import RotaryEmbedding
+from deepinfer_model.layers.rope import RopeTable, RotaryEmbedding
 from deepinfer_model.state import ModelState, StepMetadata
 
-__all__ = ["Compressor"]
+__all__ = ["Compressor", "completed_rows", "new_compressed_rows", "new_rows_rope_table", "new_rows_slots"]
 
 
 class Compressor(nn.Module):
@@ -35,30 +35,6 @@ class Compressor(nn.Module):
         self.wgate = Bf16Linear(hidden, head_dim, mode, fp32_output=True) if ratio == 2 else None
         self.norm = RMSNorm(head_dim, eps, mode)
 
-    def _new_rows(self, meta: StepMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows completed in this step: ``floor(q_start/c) … floor(context/c) − 1`` per request.
-
-        A uniform step (every request computes ``q`` tokens) instead yields a static number of rows per request, the
-        rows its positions touch, ``floor(q_start/c) … floor((context − 1)/c)``, padded to ``q // c + (c > 1)`` by
-        repeating the last one (identical values, written twice). For ``c = 2`` the last row may not be complete yet
-        and is written provisionally (see ``_combine_c2``). Nothing reads it before it is complete: queries see rows
-        ``< klen(t) = (t + 1) // c`` only (every reader masks the others; docs/design/attention.md, "Row
-        visibility"), and the step that computes the block's last position forms and rewrites the row before any
-        layer reads it.
-        """
-        first = torch.div(meta.q_start, self.ratio, rounding_mode="floor")
-        if meta.is_uniform:
-            count = meta.max_query_len // self.ratio + (1 if self.ratio > 1 else 0)
-            last = torch.div(meta.context_lens - 1, self.ratio, rounding_mode="floor")
-            rows = first[:, None] + torch.arange(count, device=first.device)[None, :]
-            request = torch.arange(first.shape[0], device=first.device).repeat_interleave(count)
-            return request, torch.minimum(rows, last[:, None]).reshape(-1)
-        counts = torch.div(meta.context_lens, self.ratio, rounding_mode="floor") - first
-        request = torch.repeat_interleave(torch.arange(counts.shape[0], device=counts.device), counts)
-        starts = torch.cumsum(counts, 0) - counts
-        row = first[request] + torch.arange(request.shape[0], device=counts.device) - starts[request]
-        return request, row
-
     def forward(
         self, hidden: torch.Tensor, meta: StepMetadata, state: ModelState, layer_id: int, rope: RotaryEmbedding
     ) -> NewRows:
@@ -74,45 +50,104 @@ class Compressor(nn.Module):
         Returns:
             The new rows with their pre-RoPE values.
         """
-        request, row = self._new_rows(meta)
+        ratio = self.ratio
+        request, row = new_compressed_rows(meta, ratio)
         latent = self.wkv(hidden)
         if self.wgate is None:
-            rows = latent[meta.chunk_index(request, row)]
+            # Each C1 row is one chunk token's latent; which token is the same for every C1 kv source.
+            rows = latent[meta.memo.get(("compressed_row_tokens", ratio), lambda: meta.chunk_index(request, row))]
         else:
             score = self.wgate(hidden)
-            rows = self._combine_c2(torch.cat([score, latent.float()], dim=-1), request, row, meta, state, layer_id)
+            rows = self._combine_c2(torch.cat([score, latent.float()], dim=-1), meta, state, layer_id)
         pre_rope = self.norm(rows)
-        keys = rope.rotate(pre_rope, row * self.ratio)
-        group = compressed_group(self.ratio)
-        state.write(group, layer_id, meta.paged_rows(request, row, state.rows_per_block(group)), keys)
+        keys = rope.rotate(pre_rope, new_rows_rope_table(rope, meta, ratio))
+        group = compressed_group(ratio)
+        state.write(group, layer_id, new_rows_slots(meta, ratio, state.rows_per_block(group)), keys)
         return NewRows(request=request, row=row, pre_rope_kv=pre_rope)
 
-    def _combine_c2(
-        self,
-        entries: torch.Tensor,
-        request: torch.Tensor,
-        row: torch.Tensor,
-        meta: StepMetadata,
-        state: ModelState,
-        layer_id: int,
-    ) -> torch.Tensor:
+    def _combine_c2(self, entries: torch.Tensor, meta: StepMetadata, state: ModelState, layer_id: int) -> torch.Tensor:
         """Softmax-weighted latent of each new C2 row; then store the chunk's tail in the state ring.
 
         Args:
             entries: [T, 2D] fp32 ``(score | latent)`` of the chunk tokens.
         """
         ring = state.ring_size(COMPRESSOR_GROUP)
-        offsets = torch.arange(self.ratio, device=row.device)
-        positions = row[:, None] * self.ratio + offsets[None, :]
-        req = request[:, None].expand_as(positions)
-        # A provisional decode row (its block's last position is not computed yet) repeats the current token in
-        # place of the missing one: finite values, never read (``_new_rows``). A no-op for complete rows.
-        positions = torch.minimum(positions, meta.context_lens[req] - 1)
-        from_chunk = entries[meta.chunk_index(req, positions)]
-        from_ring = state.read(COMPRESSOR_GROUP, layer_id, meta.ring_rows(req, positions, ring))
-        block = torch.where(meta.in_chunk(req, positions)[..., None], from_chunk, from_ring)
+        from_chunk, from_ring, in_chunk = meta.memo.get(
+            ("compressor_block_sources", self.ratio, ring), lambda: block_sources(meta, self.ratio, ring)
+        )
+        block = torch.where(in_chunk, entries[from_chunk], state.read(COMPRESSOR_GROUP, layer_id, from_ring))
         score, latent = block[..., : self.head_dim], block[..., self.head_dim :]
         combined = (torch.softmax(score, dim=1) * latent).sum(dim=1)
         tail_rows, keep = meta.ring_tail(ring)
         state.write(COMPRESSOR_GROUP, layer_id, tail_rows, entries if keep is None else entries[keep])
         return round_activation(combined, self.mode)
+
+
+def new_compressed_rows(meta: StepMetadata, ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(request [N], row [N])`` int64: the compressed rows of ratio ``ratio`` the step completes
+    (``completed_rows``), built once per step for every kv source of that ratio (memo key: the ratio)."""
+    return meta.memo.get(("compressed_new_rows", ratio), lambda: completed_rows(meta, ratio))
+
+
+def new_rows_slots(meta: StepMetadata, ratio: int, rows_per_block: int) -> torch.Tensor:
+    """[N] int64 flat paged rows of ``new_compressed_rows(meta, ratio)`` in a group of ``rows_per_block`` rows per
+    page: the compressed rows' and their index keys' slots (memo key: the ratio and the page geometry)."""
+
+    def build() -> torch.Tensor:
+        request, row = new_compressed_rows(meta, ratio)
+        return meta.paged_rows(request, row, rows_per_block)
+
+    return meta.memo.get(("compressed_new_rows_slots", ratio, rows_per_block), build)
+
+
+def new_rows_rope_table(rope: RotaryEmbedding, meta: StepMetadata, ratio: int) -> RopeTable:
+    """The rotation of ``new_compressed_rows(meta, ratio)`` at their blocks' first positions ``b·c``
+    (docs/design/attention.md, "RoPE positions"), built once per step for every RoPE with ``rope``'s frequencies."""
+    return rope.step_table(
+        meta.memo, ("compressed_new_rows", ratio), lambda: new_compressed_rows(meta, ratio)[1] * ratio
+    )
+
+
+def completed_rows(meta: StepMetadata, ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(request [N], row [N])`` int64, the rows of ratio ``c`` completed in this step: ``floor(q_start/c) …
+    floor(context/c) − 1`` per request.
+
+    A uniform step (every request computes ``q`` tokens) instead yields a static number of rows per request, the
+    rows its positions touch, ``floor(q_start/c) … floor((context − 1)/c)``, padded to ``q // c + (c > 1)`` by
+    repeating the last one (identical values, written twice). For ``c = 2`` the last row may not be complete yet
+    and is written provisionally (see ``_combine_c2``). Nothing reads it before it is complete: queries see rows
+    ``< klen(t) = (t + 1) // c`` only (every reader masks the others; docs/design/attention.md, "Row
+    visibility"), and the step that computes the block's last position forms and rewrites the row before any
+    layer reads it.
+    """
+    first = torch.div(meta.q_start, ratio, rounding_mode="floor")
+    if meta.is_uniform:
+        count = meta.max_query_len // ratio + (1 if ratio > 1 else 0)
+        last = torch.div(meta.context_lens - 1, ratio, rounding_mode="floor")
+        rows = first[:, None] + torch.arange(count, device=first.device)[None, :]
+        request = torch.arange(first.shape[0], device=first.device).repeat_interleave(count)
+        return request, torch.minimum(rows, last[:, None]).reshape(-1)
+    counts = torch.div(meta.context_lens, ratio, rounding_mode="floor") - first
+    request = torch.repeat_interleave(torch.arange(counts.shape[0], device=counts.device), counts)
+    starts = torch.cumsum(counts, 0) - counts
+    row = first[request] + torch.arange(request.shape[0], device=counts.device) - starts[request]
+    return request, row
+
+
+def block_sources(meta: StepMetadata, ratio: int, ring: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where the ``c`` positions of every new row (``new_compressed_rows``) are read from: the chunk's tokens or the
+    compressor state ring of ``ring`` rows per slot.
+
+    A provisional decode row (its block's last position is not computed yet) repeats the current token in place of
+    the missing one: finite values, never read (``completed_rows``). A no-op for complete rows.
+
+    Returns:
+        ``(token [N, c], ring_row [N, c], in_chunk [N, c, 1] bool)`` int64 indices, ``in_chunk`` choosing between them.
+    """
+    request, row = new_compressed_rows(meta, ratio)
+    offsets = torch.arange(ratio, device=row.device)
+    positions = row[:, None] * ratio + offsets[None, :]
+    req = request[:, None].expand_as(positions)
+    positions = torch.minimum(positions, meta.context_lens[req] - 1)
+    in_chunk = meta.in_chunk(req, positions)[..., None]
+    return meta.chunk_index(req, positions), meta.ring_rows(req, positions, ring), in_chunk

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from deepinfer_model.state import ModelState, StepMetadata
+from deepinfer_model.state import ModelState, StepMemo, StepMetadata
 
 if TYPE_CHECKING:
     from deepinfer_model.deepseek_v41.engram import EngramVocab
@@ -104,6 +104,8 @@ class StepContext:
         features: layer → [T, H] captured mean of the trunk entering the layer's attention.
         draft: the step is a DSpark draft forward (each request's tokens are one non-causal draft block).
         compaction: the consumer half's rows of a ``compact`` prefill step, or None.
+        memo: index tensors derived from ``meta``, ``key_meta`` and the cross-layer items (``StepMemo``), built
+            once per step by the first layer that asks; cleared when ``enter_consumer_half`` replaces them.
     """
 
     meta: StepMetadata
@@ -123,6 +125,7 @@ class StepContext:
     features: dict[int, torch.Tensor] = field(default_factory=dict)
     draft: bool = False
     compaction: Compaction | None = None
+    memo: StepMemo = field(default_factory=StepMemo)
 
     @classmethod
     def for_step(
@@ -155,6 +158,7 @@ class StepContext:
         if compaction is None:
             return rows
         self.meta = self.key_meta = compaction.meta
+        self.memo.clear()
         self.topk = {layer: compaction.gather(value) for layer, value in self.topk.items()}
         self.candidates = {layer: compaction.gather(value) for layer, value in self.candidates.items()}
         return tuple(compaction.gather(value) for value in rows)

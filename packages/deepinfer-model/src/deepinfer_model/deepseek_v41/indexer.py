@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from deepinfer_kernels import indexer_select
+from deepinfer_model.deepseek_v41.compressor import new_rows_rope_table, new_rows_slots
 from deepinfer_model.deepseek_v41.context import NewRows, StepContext, index_k_group
 from deepinfer_model.layers.linear import Bf16Linear, Fp8BlockLinear
 from deepinfer_model.layers.mode import ComputeMode
@@ -83,13 +84,13 @@ class Indexer(nn.Module):
         rope: RotaryEmbedding,
     ) -> None:
         """Project, RoPE and store the index keys of this step's new compressed rows
-        (docs/design/attention.md, "Index keys")."""
+        (docs/design/attention.md, "Index keys"); ``rows`` are the kv source's rows of ``meta``
+        (``new_compressed_rows(meta, ratio)``), so their positions and slots are the ones the kv source used."""
         if self.wk is None or self.k_norm is None:
             raise RuntimeError(f"layer {layer_id} is not an index-K source")
-        keys = rope.rotate(self.k_norm(self.wk(rows.pre_rope_kv)), rows.row * ratio)
+        keys = rope.rotate(self.k_norm(self.wk(rows.pre_rope_kv)), new_rows_rope_table(rope, meta, ratio))
         group = index_k_group(ratio)
-        slots = meta.paged_rows(rows.request, rows.row, state.rows_per_block(group))
-        state.write(group, layer_id, slots, keys)
+        state.write(group, layer_id, new_rows_slots(meta, ratio, state.rows_per_block(group)), keys)
 
     def select(
         self, q_latent: torch.Tensor, hidden: torch.Tensor, ctx: StepContext, rope: RotaryEmbedding, how: IndexSelection
@@ -114,12 +115,16 @@ class Indexer(nn.Module):
         num_tokens = meta.num_tokens
         group = index_k_group(how.ratio)
         codec = state.codec(group)
-        q = rope.rotate(self.wq_b(q_latent).view(num_tokens, self.n_heads, self.index_dim), meta.positions)
+        q = rope.rotate(self.wq_b(q_latent).view(num_tokens, self.n_heads, self.index_dim), rope.table_at(meta))
         # The index query is read through the index-K row format, as the keys are
         # (docs/design/attention.md, "Index query and weights").
         q = codec.decode(codec.encode(q))
         weights = self.weights_proj(hidden).float()
-        klen = torch.div(meta.positions + 1, how.ratio, rounding_mode="floor")
+        # Rows visible to each query (docs/design/attention.md, "Row visibility"); the same for every index source of
+        # the ratio (memo key: the ratio).
+        klen = meta.memo.get(
+            ("visible_rows", how.ratio), lambda: torch.div(meta.positions + 1, how.ratio, rounding_mode="floor")
+        )
         candidates = None if how.candidate_source is None else ctx.candidates[how.candidate_source]
         rows, blocks = indexer_select(
             q,

@@ -7,17 +7,51 @@ It answers, for the step's tokens and for positions of their requests, "is this 
         flat = block_table[r, b // P] · P + b mod P                     (pool viewed as [num_blocks·P, bytes])
     ring row of position p of request r (ring of S rows per state slot):
         flat = state_slots[r] · S + p mod S                             (pool viewed as [num_slots·S, bytes])
+
+Index tensors that every layer would otherwise recompute identically (ring rows of a ring size, a RoPE table, a
+compress ratio's new rows) are built once per step and kept in the metadata's ``StepMemo``
+(docs/design/attention.md, "Step-invariant index math").
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar, cast
 
 import torch
 
 from deepinfer_model.forward_batch import ForwardBatch
 
-__all__ = ["StepMetadata"]
+__all__ = ["StepMemo", "StepMetadata"]
+
+_T = TypeVar("_T")
+
+
+class StepMemo:
+    """Values computed once per step and reused by every layer that asks with the same key.
+
+    The owner (a ``StepMetadata``, or a ``StepContext`` for values that also read its cross-layer items) is built
+    anew by every forward, inside a captured CUDA graph too, so nothing memoized outlives the step; a memoized tensor
+    is created by the first layer that asks and read, never modified, by the others.
+    """
+
+    def __init__(self) -> None:
+        self._values: dict[Hashable, Any] = {}
+
+    def get(self, key: Hashable, build: Callable[[], _T]) -> _T:
+        """``build()`` on the first call with ``key``, the same value on later calls.
+
+        ``key`` must name everything ``build`` reads besides the owner's step data (sizes, ratios, layer roles):
+        equal keys must mean equal values.
+        """
+        if key not in self._values:
+            self._values[key] = build()
+        return cast(_T, self._values[key])
+
+    def clear(self) -> None:
+        """Forget every value (the owner's step data changed)."""
+        self._values.clear()
 
 
 @dataclass(frozen=True)
@@ -39,6 +73,8 @@ class StepMetadata:
         window_floor: [R] ``rect_lo`` of YOCO prefill truncation, the lowest position a consumer layer's window may
             read (docs/design/attention.md, "YOCO prefill truncation"); None when the step is not truncated.
         floor_stores: ring stores skip positions below ``window_floor`` (the consumer half under ``compact``).
+        memo: index tensors derived from these fields alone, built once per step (``StepMemo``; a metadata made by
+            ``dataclasses.replace`` starts with an empty one).
     """
 
     token_request: torch.Tensor
@@ -53,6 +89,7 @@ class StepMetadata:
     max_context_len: int
     window_floor: torch.Tensor | None = None
     floor_stores: bool = False
+    memo: StepMemo = field(default_factory=StepMemo, init=False, repr=False, compare=False)
 
     @classmethod
     def from_batch(cls, batch: ForwardBatch) -> StepMetadata:
@@ -123,8 +160,12 @@ class StepMetadata:
         Returns:
             ``(rows [N] int64, keep)``: ``keep`` is the [T] bool mask of ``ring_write_tokens`` (then the rows belong
             to ``tokens[keep]``), or None when no query is longer than the ring, so every token is its request's
-            ring tail and ``rows`` has one entry per token (no data-dependent shape).
+            ring tail and ``rows`` has one entry per token (no data-dependent shape). Built once per ring size
+            (``memo``): the window rings of every layer and the DSpark rings store the same rows.
         """
+        return self.memo.get(("ring_tail", ring_size), lambda: self._ring_tail(ring_size))
+
+    def _ring_tail(self, ring_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.max_query_len <= ring_size:
             return self.ring_rows(self.token_request, self.positions, ring_size), None
         keep = self.ring_write_tokens(ring_size)
