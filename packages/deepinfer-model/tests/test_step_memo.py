@@ -47,13 +47,13 @@ def test_memo_builds_each_key_once_and_forgets_on_clear() -> None:
     assert memo.get(("rows", 4), build(("rows", 4))) is not first and len(calls) == 3
 
 
-def _decode_meta() -> StepMetadata:
+def _chunk_meta() -> StepMetadata:
     table = torch.arange(6, dtype=torch.int32).view(2, 3)
     return StepMetadata.from_batch(ForwardBatch.for_requests([[1, 2, 3], [4, 5, 6]], [10, 20], table, [0, 1]))
 
 
 def test_replaced_metadata_starts_empty() -> None:
-    meta = _decode_meta()
+    meta = _chunk_meta()
     rows, _ = meta.ring_tail(5)
     assert meta.ring_tail(5)[0] is rows
     replaced = dataclasses.replace(meta, window_floor=meta.q_start)
@@ -61,7 +61,7 @@ def test_replaced_metadata_starts_empty() -> None:
 
 
 def test_the_consumer_half_of_a_compact_step_starts_an_empty_context_memo() -> None:
-    meta = _decode_meta()
+    meta = _chunk_meta()
     kept = dataclasses.replace(meta, floor_stores=True)
     compaction = Compaction(kept, torch.arange(meta.num_tokens), torch.arange(meta.num_tokens))
     state = DeepseekV41ForCausalLM(tiny_config()).allocate_state(block_size=BLOCK_SIZE, num_blocks=6, num_state_slots=2)
@@ -72,16 +72,17 @@ def test_the_consumer_half_of_a_compact_step_starts_an_empty_context_memo() -> N
 
 
 def test_ring_tail_of_each_ring_size_is_its_own() -> None:
-    meta = _decode_meta()
-    for ring in (2, 3, 7):
+    meta = _chunk_meta()  # 3 tokens per request: rings of 2 keep the last two
+    tails = {ring: meta.ring_tail(ring) for ring in (2, 3, 7)}
+    for ring in (7, 2, 3):
         rows, keep = meta.ring_tail(ring)
+        assert rows is tails[ring][0]
         mask = meta.ring_write_tokens(ring)
-        expected_keep = None if meta.max_query_len <= ring else mask
-        expected = meta.ring_rows(meta.token_request[mask], meta.positions[mask], ring)
-        assert torch.equal(rows, expected)
-        assert (keep is None) == (expected_keep is None)
-        if keep is not None:
-            assert torch.equal(keep, mask)
+        assert torch.equal(rows, meta.ring_rows(meta.token_request[mask], meta.positions[mask], ring))
+        if ring < 3:
+            assert keep is not None and torch.equal(keep, mask)
+        else:
+            assert keep is None
 
 
 def _model(truncation: str) -> DeepseekV41ForCausalLM:
