@@ -19,6 +19,11 @@ the plain sampler. Per sampling request the step has `d + 1` logits rows (`d` = 
    draft distribution with the request's own parameters, keyed by (seed, p* + 2 + k, `RandomStream.DRAFT`). Its
    probability row is kept on the device (`RunnerRequest.draft_probs`) for the next step's rejection test.
 
+Greedy steps (docs/design/speculative.md, "Greedy steps"), decided on the host from the requests' parameters: when
+every row is greedy, verification is `verify_greedy` (argmax matching, no draft distributions, no draws), and when
+`Sampler.processed_is_raw_argmax` holds for the draft rows, each draft is the argmax of its draft logits with a
+one-hot probability row. Both give bit for bit what the general path gives.
+
 Requests whose sampling needs their earlier tokens on the host (`RunnerRequest.needs_host_history`) draft and
 verify like any other (docs/design/speculative.md, "Drafts with grammars, penalties and golden tokens"); the runner
 builds their verify rows so that row j sees drafts 1 … j as if they were committed: the grammar mask of row j is the

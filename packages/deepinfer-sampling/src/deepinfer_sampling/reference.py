@@ -10,7 +10,7 @@ Given masked logits z of a row (`masking.preprocess_logits`), temperature T, top
    (the smallest prefix whose mass exceeds top_p), and s >= log(min_p) (p >= min_p · p_max). All three are measured
    on the same temperature-scaled distribution and are prefixes of the same order, so the kept set is the shortest.
 4. ℓ' = s − log Σ_kept exp(s) on kept tokens, −inf elsewhere.
-5. Greedy rows: ℓ' is one-hot at the argmax of z (ties → lowest id).
+5. Greedy rows: ℓ' is one-hot at the argmax of z (ties → lowest id); a batch of greedy rows only computes just that.
 The sample is `inverse_cdf_sample(exp(ℓ'), bits)`.
 """
 

@@ -27,8 +27,9 @@ recovered tokens ``RECOVERED``, bonus tokens ``SAMPLE`` (the plain sampler's str
 gets exactly the token the plain sampler would give it) — so results never depend on the batch's composition. q is the
 sampler's processed distribution (``Sampler.processed_logprobs``: masks incl. the grammar bitmask, temperature,
 top-k/top-p), so a grammar-invalid draft has q(x) = 0 and is always rejected, and greedy rows (one-hot q) reduce to
-argmax matching. Golden (forced) rows accept a draft iff it equals the forced id and emit the forced id. Everything
-is tensor code with shapes known from the inputs: no host sync.
+argmax matching; ``verify_greedy`` is that reduction for steps whose rows are all greedy (no draft distributions, no
+draws, the same results). Golden (forced) rows accept a draft iff it equals the forced id and emit the forced id.
+Everything is tensor code with shapes known from the inputs: no host sync.
 """
 
 from __future__ import annotations
