@@ -2,7 +2,8 @@
 (CPU, the built-in checkpoint, whose drafts are often accepted, nextn = 5): every result of every `Speculator.sample`
 call — emitted tokens, logprobs and top logprobs, accepted counts, drafts, confidences and the draft probability rows
 kept for the next step — is bit for bit what the general path (processed distributions, `verify_rejection`, sampled
-drafts) gives on the same engine inputs; a batch with one sampled request takes the general path."""
+drafts) gives on the same engine inputs, also for greedy requests with penalties, golden tokens, a grammar or EOS
+masking; a batch with one sampled request takes the general path."""
 
 from __future__ import annotations
 
@@ -120,3 +121,36 @@ def test_a_batch_with_a_sampled_request_takes_the_general_path(root: Path, monke
     _general_path(monkeypatch)
     general, _ = _run(root, prompts, params)
     _assert_bitwise_equal(mixed, general)
+
+
+@pytest.mark.parametrize("eos_suppressed", [False, True], ids=["argmax_drafts", "sampled_drafts"])
+def test_greedy_steps_with_masks_penalties_and_golden_tokens(
+    root: Path, eos_suppressed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Verification takes the greedy path in every step; the drafts are argmaxes unless a request masks EOS on them.
+    common = {"temperature": 0.0, "max_tokens": 14, "ignore_eos": True, "top_logprobs": 2}
+    params = [
+        SamplingParams(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=-0.2, **common),
+        SamplingParams(golden_token_ids=(40, 41, 40), **common),
+        SamplingParams(so_args={"schema_type": "regex", "schema": "[0-9]{2,12}"}, **common),
+    ]
+    if eos_suppressed:
+        params.append(SamplingParams(first_n_token_no_eos=30, **common))
+    prompts = _prompts(len(params), 41)
+    builds: list[int] = []
+    build = SamplingBatch.build.__func__  # type: ignore[attr-defined]
+
+    def counted_build(cls: type[SamplingBatch], rows: Any, *args: Any, **kwargs: Any) -> SamplingBatch:
+        builds.append(len(rows))
+        return build(cls, rows, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(SamplingBatch, "build", classmethod(counted_build))
+        fast, fast_calls = _run(root, prompts, params)
+    assert fast_calls["verify_rejection"] == 0 and fast_calls["verify_greedy"] > 1
+    # One batch per sampling step, plus one for the draft rows of each step in which the EOS-masking request drafts.
+    steps = fast_calls["verify_greedy"]
+    assert len(builds) > steps if eos_suppressed else len(builds) == steps
+    _general_path(monkeypatch)
+    general, _ = _run(root, prompts, params)
+    _assert_bitwise_equal(fast, general)
