@@ -326,6 +326,7 @@ class Speculator:
 
     def _upload(self, requests: Sequence[SpecRequest]) -> _StepRows:
         """The step's host integers on the device, in one copy."""
+        # Lists and values in the order of `_StepRows`' fields.
         per_request: list[list[int]] = [[], [], [], [], []]
         per_row: list[list[int]] = [[], [], [], [], [], [], []]
         for i, r in enumerate(requests):
