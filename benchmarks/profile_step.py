@@ -56,6 +56,7 @@ VIEW_OPS = frozenset(
         "empty_like",
         "empty_strided",
         "split",
+        "split_with_sizes",
         "chunk",
         "unbind",
         "narrow",
@@ -90,7 +91,7 @@ def _cuda_counts(events: list[Any]) -> tuple[dict[str, list[float]], int]:
     return kernels, copies
 
 
-def _cpu_counts(events: list[Any]) -> dict[str, list[float]]:
+def cpu_op_counts(events: list[Any]) -> dict[str, list[float]]:
     """{aten op: [calls, self CPU µs]} of the aten ops the model code calls directly, views excluded."""
     ops: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for event in events:
@@ -126,7 +127,7 @@ def profile_point(model: Any, batch: int, context: int, steps: int, warmup: int,
         table, copies = _cuda_counts(events)
         unit, extra = "kernels", {"memcpy_memset_per_step": copies / steps}
     else:
-        table, unit, extra = _cpu_counts(events), "aten ops", {}
+        table, unit, extra = cpu_op_counts(events), "aten ops", {}
     top = sorted(table.items(), key=lambda item: -item[1][1])
     return {
         "batch": batch,

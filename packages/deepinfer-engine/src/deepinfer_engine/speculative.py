@@ -19,6 +19,11 @@ the plain sampler. Per sampling request the step has `d + 1` logits rows (`d` = 
    draft distribution with the request's own parameters, keyed by (seed, p* + 2 + k, `RandomStream.DRAFT`). Its
    probability row is kept on the device (`RunnerRequest.draft_probs`) for the next step's rejection test.
 
+Greedy steps (docs/design/speculative.md, "Greedy steps"), decided on the host from the requests' parameters: when
+every row is greedy, verification is `verify_greedy` (argmax matching, no draft distributions, no draws), and when
+`Sampler.processed_is_raw_argmax` holds for the draft rows, each draft is the argmax of its draft logits with a
+one-hot probability row. Both give bit for bit what the general path gives.
+
 Requests whose sampling needs their earlier tokens on the host (`RunnerRequest.needs_host_history`) draft and
 verify like any other (docs/design/speculative.md, "Drafts with grammars, penalties and golden tokens"); the runner
 builds their verify rows so that row j sees drafts 1 … j as if they were committed: the grammar mask of row j is the
@@ -41,7 +46,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from itertools import accumulate
+from itertools import chain
 
 import torch
 
@@ -55,7 +60,7 @@ from deepinfer_sampling import LOGPROB_FLOOR, Sampler, SamplingBatch, SamplingRo
 from deepinfer_sampling.inverse_cdf import inverse_cdf_sample
 from deepinfer_sampling.logprobs import top_logprobs
 from deepinfer_sampling.seeds import RandomStream, random_bits
-from deepinfer_sampling.speculative import verify_rejection
+from deepinfer_sampling.speculative import RowLayout, verify_greedy, verify_rejection
 
 __all__ = ["SpecRequest", "Speculator"]
 
@@ -80,6 +85,42 @@ class SpecRequest:
     num_drafts: int
     draft_index: int
     placeholder: bool
+
+
+@dataclass(frozen=True)
+class _StepRows:
+    """A step's host integers on the device (int64 views of one upload): per request [S] and per logits row [R].
+
+    Attributes:
+        slots: state slot of each request.
+        first_positions: P0 of each request (optimistic for placeholder requests).
+        num_drafts: drafts each request verifies.
+        first_rows: index of each request's first row.
+        batch_rows: each request's row in the step's block table.
+        row_slots: state slot of each row's request.
+        row_positions: position of each row (optimistic for placeholder requests).
+        row_placeholder: 1 on the rows of placeholder requests, else 0.
+        draft_index: index in the step's input tokens of the draft each row scores (any input token on fresh rows).
+        row_request, row_offset, row_fresh: the rows' `RowLayout` (request index, index within the request, 1 on
+            each request's fresh row).
+    """
+
+    slots: torch.Tensor
+    first_positions: torch.Tensor
+    num_drafts: torch.Tensor
+    first_rows: torch.Tensor
+    batch_rows: torch.Tensor
+    row_slots: torch.Tensor
+    row_positions: torch.Tensor
+    row_placeholder: torch.Tensor
+    draft_index: torch.Tensor
+    row_request: torch.Tensor
+    row_offset: torch.Tensor
+    row_fresh: torch.Tensor
+
+    def layout(self) -> RowLayout:
+        """The rows' layout for the verifiers."""
+        return RowLayout(self.row_request, self.row_offset, self.row_fresh.bool())
 
 
 class Speculator:
@@ -124,9 +165,11 @@ class Speculator:
         self.device = buffers.device
         self.noise_token_id = model.config.text.dspark_noise_token_id
         self._slots = torch.arange(nextn, dtype=torch.int64, device=self.device)
+        self._first_slot = self._slots == 0
         if len(confidence_temperatures) not in (1, nextn):
             raise ValueError(f"{len(confidence_temperatures)} confidence temperatures for {nextn} draft slots")
         self.confidence_temperatures = confidence_temperatures * (nextn if len(confidence_temperatures) == 1 else 1)
+        self._confidence_temperatures = torch.tensor(self.confidence_temperatures, dtype=torch.float32).to(self.device)
         # Drafts the last sampling step of the slot's request rejected (scheduled − accepted), read by the next step.
         self.rejected = torch.zeros(num_state_slots, dtype=torch.int64, device=self.device)
         buffers.rejected_drafts = self.rejected
@@ -147,17 +190,53 @@ class Speculator:
             The step's `SampledStep`: token_ids [R] (emitted tokens, −1 after them and on rows with nothing to
             sample), their logprobs and top logprobs per row, num_accepted [S], draft_ids [S, nextn].
         """
-        num_drafts = [r.num_drafts for r in requests]
-        slots = self._to_device([r.request.slot for r in requests])
-        shift = self.rejected[slots] * self._to_device([int(r.placeholder) for r in requests])
-        first = self._to_device([r.first_position for r in requests]) - shift  # true P0 per request
-        row_request = self._to_device([i for i, d in enumerate(num_drafts) for _ in range(d + 1)])
-        row_positions = first[row_request] + self._to_device([j for d in num_drafts for j in range(d + 1)])
+        rows = self._upload(requests)
+        if any(r.placeholder for r in requests):
+            # Placeholder rows sit at optimistic positions: shift them back by the drafts the last step rejected.
+            row_positions = rows.row_positions - self.rejected[rows.row_slots] * rows.row_placeholder
+            first = row_positions[rows.first_rows]  # true P0 per request
+        else:
+            row_positions, first = rows.row_positions, rows.first_positions
         batch = replace(batch, positions=row_positions)
         target, invalid = self.sampler.processed_logprobs(logits, batch, bitmask)
+        draft_ids = self.buffers.input_ids[rows.draft_index]  # fresh rows read a token the verifiers ignore
+        forced = batch.forced_token_ids if batch.has_forced_tokens else None
+        draft_probs = self._draft_probs(requests, target.shape[1], stack=not batch.all_greedy)
+        layout = rows.layout()
+        if draft_probs is None:
+            # Every target row is one-hot: argmax matching, no draft distributions, no random draws.
+            verified = verify_greedy(target, draft_ids, rows.num_drafts, forced_token_ids=forced, layout=layout)
+        else:
+            verified = verify_rejection(
+                target,
+                draft_ids,
+                draft_probs,
+                rows.num_drafts,
+                batch.seeds,
+                row_positions,
+                forced_token_ids=forced,
+                layout=layout,
+            )
+        tokens = torch.where(invalid, -1, verified.output_token_ids)
+        accepted = verified.num_accepted_draft_tokens
+        history = self.buffers.history
+        written = (rows.row_slots, row_positions)
+        history[written] = torch.where(tokens >= 0, tokens, history[written])
+        self.rejected[rows.slots] = rows.num_drafts - accepted
+        token_logprobs = target.gather(1, tokens.clamp(min=0)[:, None])[:, 0].clamp(min=LOGPROB_FLOOR)
+        top_ids, top_values = top_logprobs(target, min(batch.max_top_logprobs, target.shape[1]))
+        if batch.any_greedy:
+            token_logprobs, top_ids, top_values = model_logprobs_for_greedy_rows(
+                logits, batch.temperature == 0, tokens, token_logprobs, top_ids, top_values
+            )
+        golden = verified.output_token_ids[rows.first_rows + accepted]
+        drafts, confidences = self._propose(requests, rows, first + accepted, golden)
+        return copy_to_host(tokens, token_logprobs, top_ids, top_values, accepted, drafts, confidences)
 
-        draft_index = [i for r in requests for i in (*range(r.draft_index, r.draft_index + r.num_drafts), -1)]
-        fresh_row = target.new_zeros(1, target.shape[1])  # ignored by the verifier
+    def _draft_probs(self, requests: Sequence[SpecRequest], vocab_size: int, stack: bool) -> torch.Tensor | None:
+        """Check that every request holds draft probability rows for the drafts it verifies; with `stack`, return
+        them in row order with a zero row for each fresh row ([R, V], what `verify_rejection` reads)."""
+        fresh_row = torch.zeros((1, vocab_size), dtype=torch.float32, device=self.device) if stack else None
         pieces: list[torch.Tensor] = []
         for spec in requests:
             probs, d = spec.request.draft_probs, spec.num_drafts
@@ -165,103 +244,107 @@ class Speculator:
                 if probs is None or probs.shape[0] < d:
                     raise RuntimeError(f"{d} drafts scheduled for a request the drafter proposed no drafts for")
                 pieces.append(probs[:d])
-            pieces.append(fresh_row)
-        draft_probs = torch.cat(pieces)
-        index = self._to_device(draft_index)
-        draft_ids = torch.where(index >= 0, self.buffers.input_ids[index.clamp(min=0)], -1)
-        forced = batch.forced_token_ids if batch.has_forced_tokens else None
-        verified = verify_rejection(
-            target,
-            draft_ids,
-            draft_probs,
-            self._to_device(num_drafts),
-            batch.seeds,
-            row_positions,
-            forced_token_ids=forced,
-        )
-        tokens = torch.where(invalid, -1, verified.output_token_ids)
-        accepted = verified.num_accepted_draft_tokens
-        history = self.buffers.history
-        row_slots = slots[row_request]
-        history[row_slots, row_positions] = torch.where(tokens >= 0, tokens, history[row_slots, row_positions])
-        self.rejected[slots] = self._to_device(num_drafts) - accepted
-        token_logprobs = target.gather(1, tokens.clamp(min=0)[:, None])[:, 0].clamp(min=LOGPROB_FLOOR)
-        top_ids, top_values = top_logprobs(target, min(batch.max_top_logprobs, target.shape[1]))
-        if any(r.request.params.is_greedy for r in requests):
-            token_logprobs, top_ids, top_values = model_logprobs_for_greedy_rows(
-                logits, batch.temperature == 0, tokens, token_logprobs, top_ids, top_values
-            )
-        first_rows = [0, *accumulate(d + 1 for d in num_drafts)][:-1]
-        golden = verified.output_token_ids[self._to_device(first_rows) + accepted]
-        drafts, confidences = self._propose(requests, slots, first - 1 + accepted, golden)
-        return copy_to_host(tokens, token_logprobs, top_ids, top_values, accepted, drafts, confidences)
+            if fresh_row is not None:
+                pieces.append(fresh_row)  # ignored by the verifier
+        return torch.cat(pieces) if fresh_row is not None else None
 
     def _propose(
-        self,
-        requests: Sequence[SpecRequest],
-        slots: torch.Tensor,
-        last_accepted: torch.Tensor,
-        golden: torch.Tensor,
+        self, requests: Sequence[SpecRequest], rows: _StepRows, next_position: torch.Tensor, golden: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft `nextn` tokens per request and write them into the history after the emitted token.
 
         Args:
             requests: the step's sampling requests.
-            slots: [S] int64 their state slots.
-            last_accepted: [S] int64 p*, position of each request's last accepted token.
-            golden: [S] int64 the token each request emitted last (at p* + 1).
+            rows: their uploaded host values.
+            next_position: [S] int64 p* + 1, position of each request's last emitted token.
+            golden: [S] int64 that token.
 
         Returns:
             int64 [S, nextn] drafts and float32 [S, nextn] the confidence head's conditional acceptance probability
             of each.
         """
-        b = self.nextn
-        drafts = torch.empty((len(requests), b), dtype=torch.int64, device=self.device)
-        confidences = torch.empty((len(requests), b), dtype=torch.float32, device=self.device)
-        positions = last_accepted[:, None] + 1 + self._slots[None, :]
-        input_ids = torch.where(self._slots[None, :] == 0, golden[:, None], self.noise_token_id)
-        n = len(requests)
-        batch_rows = self._to_device([r.batch_index for r in requests])
+        b, n = self.nextn, len(requests)
+        positions = next_position[:, None] + self._slots[None, :]
+        input_ids = torch.where(self._first_slot[None, :], golden[:, None], self.noise_token_id)
         max_context = max(r.first_position + r.num_drafts + b for r in requests)
         hidden = None
         if self.graphs is not None:
-            hidden = self.graphs.run(input_ids, positions, batch_rows, slots, max_context)
+            hidden = self.graphs.run(input_ids, positions, rows.batch_rows, rows.slots, max_context)
         if hidden is None:
-            draft_batch = self.buffers.draft_batch(input_ids, positions, batch_rows, slots, max_context)
+            draft_batch = self.buffers.draft_batch(input_ids, positions, rows.batch_rows, rows.slots, max_context)
             hidden = self.model.draft_forward(draft_batch, self.state)
         hidden = hidden.reshape(n, b, -1)
-        rows = [SamplingRow(params=r.request.params, seed=r.request.seed, position=0) for r in requests]
-        sampling = SamplingBatch.build(rows, self.sampler.vocab_size, self.device)
+        draft_rows = [SamplingRow(params=r.request.params, seed=r.request.seed, position=0) for r in requests]
+        # Greedy drafts are the argmax of the draft logits (docs/design/speculative.md, "Greedy steps").
+        sampling = None
+        if not self.sampler.processed_is_raw_argmax(draft_rows):
+            sampling = SamplingBatch.build(draft_rows, self.sampler.vocab_size, self.device)
         previous = golden
-        probs = []
+        drafts, confidences, probs = [], [], []
         for k in range(b):
-            temperature = torch.full((n,), self.confidence_temperatures[k], dtype=torch.float32, device=self.device)
+            temperature = self._confidence_temperatures[k].expand(n)
             logits, confidence = self.model.draft_heads(hidden[:, k], previous, temperature)
-            confidences[:, k] = confidence
-            logprobs, _ = self.sampler.processed_logprobs(logits, sampling)
-            row_probs = logprobs.exp()
-            bits = random_bits(sampling.seeds, last_accepted + 2 + k, RandomStream.DRAFT, 1)[:, 0]
-            sampled = inverse_cdf_sample(row_probs, bits)
-            # Nothing to sample (every draft logit masked): propose the argmax with probability 1, which is then the
-            # distribution the draft came from, so verification stays exact.
-            empty = sampled < 0
-            previous = torch.where(empty, logits.argmax(dim=-1), sampled)
-            one_hot = torch.zeros_like(row_probs).scatter_(1, previous[:, None], 1.0)
-            row_probs = torch.where(empty[:, None], one_hot, row_probs)
-            drafts[:, k] = previous
-            probs.append(row_probs)
+            if sampling is None:
+                previous = logits.argmax(dim=-1)
+            else:
+                previous, row_probs = self._sample_draft(logits, sampling, next_position + 1 + k)
+                probs.append(row_probs)
+            drafts.append(previous)
+            confidences.append(confidence)
+        draft_ids = torch.stack(drafts, dim=1)
         # Placeholder inputs of the next step read the drafts from the history (asynchronous scheduling).
-        self.buffers.history[slots[:, None], positions + 1] = drafts
-        stacked = torch.stack(probs, dim=1)
-        for j, r in enumerate(requests):
-            r.request.draft_probs = stacked[j]
-        return drafts, confidences
+        self.buffers.history[rows.slots[:, None], positions + 1] = draft_ids
+        if probs:
+            draft_probs = torch.stack(probs, dim=1)
+        else:  # what the sampled path gives greedy drafts
+            draft_probs = logits.new_zeros((n, b, logits.shape[1])).scatter_(2, draft_ids[:, :, None], 1.0)
+        for r, row_probs in zip(requests, draft_probs.unbind(0), strict=True):
+            r.request.draft_probs = row_probs
+        return draft_ids, torch.stack(confidences, dim=1)
+
+    def _sample_draft(
+        self, logits: torch.Tensor, sampling: SamplingBatch, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft slot's tokens [S], sampled from the processed draft distributions keyed by (seed, `positions`,
+        `RandomStream.DRAFT`), and those distributions [S, V]."""
+        logprobs, _ = self.sampler.processed_logprobs(logits, sampling)
+        row_probs = logprobs.exp()
+        bits = random_bits(sampling.seeds, positions, RandomStream.DRAFT, 1)[:, 0]
+        sampled = inverse_cdf_sample(row_probs, bits)
+        # Nothing to sample (every draft logit masked): propose the argmax with probability 1, which is then the
+        # distribution the draft came from, so verification stays exact.
+        empty = sampled < 0
+        token = torch.where(empty, logits.argmax(dim=-1), sampled)
+        one_hot = torch.zeros_like(row_probs).scatter_(1, token[:, None], 1.0)
+        return token, torch.where(empty[:, None], one_hot, row_probs)
 
     def close(self) -> None:
         """Release the draft graphs."""
         if self.graphs is not None:
             self.graphs.close()
             self.graphs = None
+
+    def _upload(self, requests: Sequence[SpecRequest]) -> _StepRows:
+        """The step's host integers on the device, in one copy."""
+        # Lists and values in the order of `_StepRows`' fields.
+        per_request: list[list[int]] = [[], [], [], [], []]
+        per_row: list[list[int]] = [[], [], [], [], [], [], []]
+        for i, r in enumerate(requests):
+            first_row = len(per_row[0])
+            for values, value in zip(
+                per_request, (r.request.slot, r.first_position, r.num_drafts, first_row, r.batch_index), strict=True
+            ):
+                values.append(value)
+            for j in range(r.num_drafts + 1):
+                fresh = j == r.num_drafts
+                # Row j < d scores the input token at draft_index + j; the fresh row reads the one before the drafts.
+                draft = r.draft_index - 1 if fresh else r.draft_index + j
+                row = (r.request.slot, r.first_position + j, int(r.placeholder), draft, i, j, int(fresh))
+                for values, value in zip(per_row, row, strict=True):
+                    values.append(value)
+        uploaded = self._to_device(list(chain(*per_request, *per_row)))
+        sizes = [len(requests)] * len(per_request) + [len(per_row[0])] * len(per_row)
+        return _StepRows(*uploaded.split(sizes))
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
         """int64 [len(values)] on the device, copied from pinned memory without blocking on CUDA."""

@@ -42,6 +42,7 @@ from deepinfer_sampling.speculative import (
     VerificationOutput,
     redistribute_verified_drafts,
     schedule_num_verified_drafts,
+    verify_greedy,
     verify_rejection,
 )
 
@@ -50,5 +51,6 @@ __all__ += [
     "VerificationOutput",
     "redistribute_verified_drafts",
     "schedule_num_verified_drafts",
+    "verify_greedy",
     "verify_rejection",
 ]

@@ -10,7 +10,7 @@ Given masked logits z of a row (`masking.preprocess_logits`), temperature T, top
    (the smallest prefix whose mass exceeds top_p), and s >= log(min_p) (p >= min_p · p_max). All three are measured
    on the same temperature-scaled distribution and are prefixes of the same order, so the kept set is the shortest.
 4. ℓ' = s − log Σ_kept exp(s) on kept tokens, −inf elsewhere.
-5. Greedy rows: ℓ' is one-hot at the argmax of z (ties → lowest id).
+5. Greedy rows: ℓ' is one-hot at the argmax of z (ties → lowest id); a batch of greedy rows only computes just that.
 The sample is `inverse_cdf_sample(exp(ℓ'), bits)`.
 """
 
@@ -77,6 +77,8 @@ def processed_logprobs(z: torch.Tensor, batch: SamplingBatch, exact_sums: bool) 
     Returns:
         float32 [B, V]; −inf outside the kept set.
     """
+    if batch.all_greedy:  # nothing but the one-hot rows of step 5 to compute
+        return _argmax_one_hot(z)
     greedy = batch.temperature == 0.0
     top = z.amax(dim=-1, keepdim=True)
     temperature = torch.where(greedy, 1.0, batch.temperature)[:, None]
@@ -86,8 +88,12 @@ def processed_logprobs(z: torch.Tensor, batch: SamplingBatch, exact_sums: bool) 
     logprobs = shifted - _logsumexp(shifted, exact_sums)[:, None]
     if not batch.any_greedy:
         return logprobs
-    one_hot = torch.full_like(z, float("-inf")).scatter_(1, z.argmax(dim=-1, keepdim=True), 0.0)
-    return torch.where(greedy[:, None], one_hot, logprobs)
+    return torch.where(greedy[:, None], _argmax_one_hot(z), logprobs)
+
+
+def _argmax_one_hot(z: torch.Tensor) -> torch.Tensor:
+    """Log-probs of step 5: 0 at each row's argmax (ties → lowest id), −inf elsewhere."""
+    return torch.full_like(z, float("-inf")).scatter_(1, z.argmax(dim=-1, keepdim=True), 0.0)
 
 
 def sample(

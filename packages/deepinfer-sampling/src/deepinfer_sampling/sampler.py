@@ -25,13 +25,14 @@ fused Triton kernel (`fused/`); step 12 is `logprobs.py`.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from deepinfer_sampling import reference
 from deepinfer_sampling._devices import same_device
-from deepinfer_sampling.batch import SamplingBatch
+from deepinfer_sampling.batch import SamplingBatch, SamplingRow
 from deepinfer_sampling.config import SamplerConfig
 from deepinfer_sampling.logprobs import LOGPROB_FLOOR, sum_smaller_probs, top_logprobs
 from deepinfer_sampling.masking import check_bitmask, preprocess_logits
@@ -134,6 +135,27 @@ class Sampler:
         z, invalid = preprocess_logits(logits, batch, self._banned, bitmask, self.config.force_top_k)
         logprobs = reference.processed_logprobs(z, batch, self._exact_sums)
         return logprobs.masked_fill_(invalid[:, None], float("-inf")), invalid
+
+    def processed_is_raw_argmax(self, rows: Sequence[SamplingRow]) -> bool:
+        """Whether `processed_logprobs` of these rows without a bitmask is, on every valid row, one-hot at the argmax
+        of the raw logits (ties → lowest id), so that a caller may take that argmax instead. Decided on the host.
+
+        True when no token is banned and every row is greedy, masks no EOS (`first_n_token_no_eos`) and has no
+        penalty state: then steps 2–5 leave the logits' order as it is (penalties over no tokens change at most the
+        sign of a zero, forced top-K keeps the largest logit) and a greedy row's distribution is one-hot at the
+        argmax. Invalid rows (NaN, +inf or no finite logit) stay all −inf either way.
+
+        Args:
+            rows: the rows, as `SamplingBatch.build` would get them.
+        """
+        if self._banned is not None:
+            return False
+        return all(
+            row.params.is_greedy
+            and row.num_generated_tokens >= row.params.first_n_token_no_eos
+            and not (row.params.has_penalties and (row.output_token_ids or row.prompt_token_ids))
+            for row in rows
+        )
 
     def __call__(
         self, logits: torch.Tensor, batch: SamplingBatch, bitmask: torch.Tensor | None = None

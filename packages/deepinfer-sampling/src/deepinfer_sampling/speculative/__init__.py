@@ -13,6 +13,7 @@ from deepinfer_sampling.speculative.verify import (
     RowLayout,
     VerificationOutput,
     row_layout,
+    verify_greedy,
     verify_rejection,
 )
 
@@ -27,5 +28,6 @@ __all__ = [
     "redistribute_verified_drafts",
     "row_layout",
     "schedule_num_verified_drafts",
+    "verify_greedy",
     "verify_rejection",
 ]

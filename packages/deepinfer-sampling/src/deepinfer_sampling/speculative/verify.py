@@ -27,8 +27,9 @@ recovered tokens ``RECOVERED``, bonus tokens ``SAMPLE`` (the plain sampler's str
 gets exactly the token the plain sampler would give it) — so results never depend on the batch's composition. q is the
 sampler's processed distribution (``Sampler.processed_logprobs``: masks incl. the grammar bitmask, temperature,
 top-k/top-p), so a grammar-invalid draft has q(x) = 0 and is always rejected, and greedy rows (one-hot q) reduce to
-argmax matching. Golden (forced) rows accept a draft iff it equals the forced id and emit the forced id. Everything
-is tensor code with shapes known from the inputs: no host sync.
+argmax matching; ``verify_greedy`` is that reduction for steps whose rows are all greedy (no draft distributions, no
+draws, the same results). Golden (forced) rows accept a draft iff it equals the forced id and emit the forced id.
+Everything is tensor code with shapes known from the inputs: no host sync.
 """
 
 from __future__ import annotations
@@ -124,6 +125,7 @@ def verify_rejection(
     *,
     forced_token_ids: torch.Tensor | None = None,
     draft_prob_penalty: float = DRAFT_PROB_PENALTY,
+    layout: RowLayout | None = None,
 ) -> VerificationOutput:
     """Lossless speculative (rejection) sampling over packed rows; see the module docstring.
 
@@ -140,6 +142,7 @@ def verify_rejection(
             (``SamplingBatch.positions``).
         forced_token_ids: int64 [R] golden tokens (−1 = not forced), or None.
         draft_prob_penalty: δ >= 0; the residual subtracts e^−δ·p instead of p.
+        layout: ``row_layout(num_draft_tokens, R)`` when the caller has it already (e.g. uploaded from the host).
 
     Returns:
         The step's ``VerificationOutput``.
@@ -151,7 +154,7 @@ def verify_rejection(
     _check_rows("draft_probs", draft_probs, (num_rows, vocab_size), device)
     if not draft_prob_penalty >= 0:
         raise ValueError(f"draft_prob_penalty={draft_prob_penalty} must be >= 0")
-    layout = row_layout(num_draft_tokens, num_rows)
+    layout = layout if layout is not None else row_layout(num_draft_tokens, num_rows)
     verify_row = ~layout.is_fresh & (draft_token_ids >= 0)
     safe_draft = draft_token_ids.clamp(min=0)[:, None]
 
@@ -173,11 +176,81 @@ def verify_rejection(
     sampled = inverse_cdf_sample(weights, random_bits(seeds, positions, stream, 1)[:, 0])
     candidates = torch.where(sampled >= 0, sampled, target_logprobs.argmax(dim=-1))
     candidates = torch.where(accepted, draft_token_ids, candidates)
+    accept_probs = torch.where(layout.is_fresh, 1.0, (1.0 - residual_mass).clamp(min=0.0))
+    return _finish(
+        accepted,
+        candidates,
+        accept_probs,
+        verify_row,
+        draft_token_ids,
+        forced_token_ids,
+        layout,
+        num_draft_tokens.shape[0],
+    )
+
+
+def verify_greedy(
+    target_logprobs: torch.Tensor,
+    draft_token_ids: torch.Tensor,
+    num_draft_tokens: torch.Tensor,
+    *,
+    forced_token_ids: torch.Tensor | None = None,
+    layout: RowLayout | None = None,
+) -> VerificationOutput:
+    """``verify_rejection`` for rows whose processed target distribution q is one-hot (greedy rows; rows with nothing
+    to sample are all −inf): the same output tokens and accepted counts whatever the draft distributions, without
+    them and without random draws (docs/design/speculative.md, "Greedy steps").
+
+    With q one-hot at t, a draft x is accepted iff q(x) = 1, i.e. x = t (``u·p(x) < q(x)`` holds for every uniform
+    u < 1 and p(x) <= 1 exactly then). Every other row emits t: the residual ``max(q − α·p, 0)`` of a rejected draft
+    is 0 except at t, and a row whose weights are all 0 takes q's argmax, t (or id 0 on an all −inf row).
+
+    Args:
+        target_logprobs: float32 [R, V], one-hot (0 at one id, −inf elsewhere) or all −inf rows.
+        draft_token_ids: int64 [R], as for ``verify_rejection``.
+        num_draft_tokens: int [B], drafts verified per request (R = Σ (d_b + 1)).
+        forced_token_ids: int64 [R] golden tokens (−1 = not forced), or None.
+        layout: ``row_layout(num_draft_tokens, R)`` when the caller has it already.
+
+    Returns:
+        The step's ``VerificationOutput``; its ``accept_probs`` are q(x), the exact acceptance probabilities
+        (``verify_rejection``'s ``1 − Σ residual`` differs from them by the α penalty).
+    """
+    num_rows, _ = target_logprobs.shape
+    _check_rows("draft_token_ids", draft_token_ids, (num_rows,), target_logprobs.device)
+    layout = layout if layout is not None else row_layout(num_draft_tokens, num_rows)
+    verify_row = ~layout.is_fresh & (draft_token_ids >= 0)
+    target_of_draft = torch.exp(target_logprobs.gather(1, draft_token_ids.clamp(min=0)[:, None])[:, 0])
+    accepted = verify_row & (target_of_draft == 1.0)
+    accept_probs = torch.where(verify_row, target_of_draft, layout.is_fresh.to(torch.float32))
+    candidates = target_logprobs.argmax(dim=-1)
+    return _finish(
+        accepted,
+        candidates,
+        accept_probs,
+        verify_row,
+        draft_token_ids,
+        forced_token_ids,
+        layout,
+        num_draft_tokens.shape[0],
+    )
+
+
+def _finish(
+    accepted: torch.Tensor,
+    candidates: torch.Tensor,
+    accept_probs: torch.Tensor,
+    verify_row: torch.Tensor,
+    draft_token_ids: torch.Tensor,
+    forced_token_ids: torch.Tensor | None,
+    layout: RowLayout,
+    num_requests: int,
+) -> VerificationOutput:
+    """Golden rows (accept a draft iff it equals the forced id, emit the forced id), then the prefix rule."""
     if forced_token_ids is not None:
-        _check_rows("forced_token_ids", forced_token_ids, (num_rows,), device)
+        _check_rows("forced_token_ids", forced_token_ids, tuple(accepted.shape), accepted.device)
         forced = forced_token_ids >= 0
         accepted = torch.where(forced, verify_row & (draft_token_ids == forced_token_ids), accepted)
         candidates = torch.where(forced, forced_token_ids, candidates)
-    output, num_accepted = _emit(accepted, candidates, layout, num_draft_tokens.shape[0])
-    accept_probs = torch.where(layout.is_fresh, 1.0, (1.0 - residual_mass).clamp(min=0.0))
+    output, num_accepted = _emit(accepted, candidates, layout, num_requests)
     return VerificationOutput(output, num_accepted, accept_probs)
