@@ -54,7 +54,8 @@ def profile_steps(model: str | None, max_tokens: int, prompt: str) -> None:
         raise SystemExit("the steps measurement needs a CUDA device")
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for nextn in (0, NEXTN):
-        llm = LLM(model, device="cuda", nextn=nextn, max_num_seqs=8)
+        # A fixed cache: sizing from free memory would count the previous engine, still bound while this one builds.
+        llm = LLM(model, device="cuda", nextn=nextn, max_num_seqs=8, cache_memory_bytes=4 << 30)
         llm.generate([prompt], params, use_tqdm=False)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             output = llm.generate([prompt], params, use_tqdm=False)[0]

@@ -18,24 +18,27 @@ handing it FP32 master values (``deepinfer_model.reference_values.ValueWeights``
    model card; held-out accuracy is measured teacher-forced on the FP32 values and on the stored checkpoint.
 
 Indices chosen by top-k (indexer rows, candidate blocks, routed experts) carry no gradient; the scores that are
-also weights (routing weights) do. The shipped files (deepinfer-engine's ``builtin_checkpoint/``) came from one
-NVIDIA H200 (torch 2.11, CUDA 13.0), 420 s of training:
+also weights (routing weights) do. The shipped files (deepinfer-engine's ``builtin_checkpoint/``) came from two
+stages: the target on one NVIDIA H200 (torch 2.11, CUDA 13.0; 475 s of training), then the drafter alone on a CPU
+from stage 1's files (docs/builtin-checkpoint.md)::
 
-    python tools/train_tiny.py --seed 0 --device cuda --target-steps 409 --draft-steps 271 --seq-len 4096 \
-        --lr 2.5e-3 --warmup 40 --fake-quant-steps 80 --anchors 1024 --out DIR
+    python tools/train_tiny.py --seed 0 --device cuda --workers 1 --batch 32 --target-steps 549 --draft-steps 11 \
+        --seq-len 1024 --lr 2e-3 --draft-lr 2e-3 --warmup 40 --fake-quant-steps 80 --anchors 512 --out STAGE1
+    python tools/train_tiny.py --seed 0 --device cpu --init-from STAGE1 --target-steps 0 --draft-steps 3200 \
+        --batch 4 --seq-len 256 --anchors 64 --draft-lr 1e-3 --warmup 50 --out DIR
 
-(the step counts were chosen by ``--time-budget 420 --target-share 0.8``; the log prints the equivalent fixed-step
-command). Runs are deterministic for a given device, ``--workers`` and ``--batch``: the seed fixes the data, the
-tokenizer and the initial values (drawn on the CPU), and deterministic algorithms are requested (``warn_only``: an op
-without a deterministic CUDA kernel warns instead of failing). On a CPU the same command trains too, very slowly.
+(stage 1's step counts were chosen by ``--time-budget 440 --target-share 0.97``; the log prints the equivalent
+fixed-step command). Runs are deterministic for a given device, ``--workers`` and ``--batch``: the seed fixes the
+data, the tokenizer and the initial values (drawn on the CPU), and deterministic algorithms are requested
+(``warn_only``: an op without a deterministic CUDA kernel warns instead of failing). On a CPU the same command trains
+too, very slowly.
 
 ``--batch B`` feeds B sequences of the stream to one forward (the reference model's batched form: ``[B, seq_len]``
 token ids) in both phases, so every operation and host sync of a step is shared by B sequences; a step of one
 sequence is bound by per-operation overhead, not by arithmetic (docs/builtin-checkpoint.md, "Training speed").
 ``--workers N`` trains data-parallel in N processes sharing the device (``tiny_parallel``): each step every worker
 runs ``--batch`` sequences of its own stream and the gradients are averaged, so a step sees N·B sequences.
-``--workers 1 --batch 1`` (the defaults) is the single-process run of one sequence a step that produced the shipped
-files.
+``--workers 1 --batch 1`` (the defaults) train one process on one sequence a step.
 """
 
 from __future__ import annotations
