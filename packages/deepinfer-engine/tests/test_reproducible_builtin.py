@@ -80,8 +80,8 @@ def test_a_prompt_alone_and_inside_a_batch_has_the_same_logits(root: Path, recip
         with _torch_threads(threads):
             assert _alone_equals_together(llm, prompts), threads
     # The same model without the flag: BLAS blocking, reductions split across threads and vectorized paths change
-    # the last bits of some rows. On one thread the default path agrees for these prompts with this checkpoint (the
-    # previous one differed in 1 of 16); on two, as the engine runs on a 2-core machine, 13 of 16 differ.
+    # the last bits of some rows. On one thread whether any of these prompts differs depends on the checkpoint; on
+    # two, as the engine runs on a 2-core machine, some differ (docs/design/numerics.md, "Batch invariance").
     llm.engine.model.batch_invariant = False
     with _torch_threads(2):
         assert not _alone_equals_together(llm, prompts)
