@@ -10,10 +10,11 @@ Two measurements, on the built-in checkpoint unless `--model DIR`:
   generate `--max-tokens` tokens with `nextn` = 5 (after one warm-up call). The aten ops called directly by that
   code are counted as `profile_step.py` counts them (views and conversions that did nothing excluded), a stand-in
   for kernel launches that runs on the CPU; on CUDA the kernel launches under each call are counted too. The engine
-  runs eagerly, and the ops of the model's `draft_forward` (a CUDA graph in a graph-capturing engine) and
-  `draft_heads` are counted apart from the speculator's own. Reported per batch and part: the ops of a drafting step
-  (every request verifies `nextn` drafts; the median over those calls), the mean over all calls, and the
-  speculator's most called ops; JSON to benchmarks/results/profile_drafting_ops-<device>.json unless `--out`.
+  runs eagerly, and the ops of the model's `draft_forward` (a CUDA graph in a graph-capturing engine) and draft
+  heads (`draft_logits`, `draft_heads`) are counted apart from the speculator's own. Reported per batch and part: the
+  ops of a drafting step (every request verifies `nextn` drafts; the median over those calls), the mean over all
+  calls, and the speculator's most called ops; JSON to benchmarks/results/profile_drafting_ops-<device>.json unless
+  `--out`.
 
 Usage:
     python benchmarks/profile_drafting.py steps [--model DIR] [--max-tokens 64] \
@@ -44,6 +45,9 @@ GRAPH_LAUNCHES = ("cudaGraphLaunch", "cuGraphLaunch")
 SAMPLE_RANGE = "profile_drafting::Speculator.sample"
 # Model calls inside `Speculator.sample`, counted apart: the draft forward is a CUDA graph on a GPU.
 PART_RANGES = {"draft_forward": "profile_drafting::draft_forward", "draft_heads": "profile_drafting::draft_heads"}
+# The model methods labelled, by the part they count in: the draft heads are the LM head of every slot plus each
+# slot's Markov bias and confidence.
+LABELLED_METHODS = {"draft_forward": "draft_forward", "draft_logits": "draft_heads", "draft_heads": "draft_heads"}
 PART_KEYS = {None: "speculator", **{range_name: name for name, range_name in PART_RANGES.items()}}
 NEXTN = 5
 
@@ -106,8 +110,8 @@ def sampling_ops_point(model: str | None, device: str, batch: int, max_tokens: i
 
     # Instance attributes: only this engine's speculator and model are labelled.
     speculator.sample = counted_sample  # type: ignore[method-assign]
-    for name, range_name in PART_RANGES.items():
-        setattr(speculator.model, name, _label(range_name, getattr(speculator.model, name)))
+    for method, part in LABELLED_METHODS.items():
+        setattr(speculator.model, method, _label(PART_RANGES[part], getattr(speculator.model, method)))
     prompts = [f"{i % 90 + 10}+{i % 7 + 2}=" for i in range(batch)]
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seq_seed=0)
     llm.generate(prompts, params, use_tqdm=False)

@@ -50,7 +50,7 @@ def test_draft_forward_and_heads_match_reference(mode: ComputeMode, precision: r
         hidden = model.draft_forward(draft, state)
         previous = torch.tensor([anchor, 5, 9, 11])
         temperature = torch.tensor([1.0, 2.0, 0.5, 1.0])
-        logits, confidence = model.draft_heads(hidden, previous, temperature)
+        logits, confidence = model.draft_heads(model.draft_logits(hidden), hidden, previous, temperature)
 
     for hook in hooks:
         hook.remove()
@@ -110,3 +110,30 @@ def test_draft_blocks_of_two_requests_are_independent() -> None:
     both = drafts([0, 1])
     torch.testing.assert_close(both[0], drafts([0])[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(both[1], drafts([1])[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("batch_invariant", [True, False])
+def test_draft_logits_of_all_slots_at_once_are_each_slots_own(batch_invariant: bool) -> None:
+    """The drafter passes every slot of its blocks to ``draft_logits`` in one call: each row's logits are those of the
+    row alone (bit for bit under ``batch_invariant``; within FP32 summation order otherwise), and ``draft_heads``
+    adds the Markov bias of the row's previous token."""
+    model = tiny_model(ComputeMode.EXACT)
+    model.batch_invariant = batch_invariant
+    hidden = torch.randn(12, tiny_config().text.hidden_size, generator=torch.Generator().manual_seed(3))
+    hidden = hidden.to(torch.bfloat16)
+    with torch.inference_mode():
+        together = model.draft_logits(hidden)
+        alone = torch.cat([model.draft_logits(hidden[i : i + 1]) for i in range(hidden.shape[0])])
+        previous = torch.arange(hidden.shape[0]) * 7
+        temperature = torch.ones(hidden.shape[0])
+        logits, confidence = model.draft_heads(together, hidden, previous, temperature)
+        markov = model.mtp[-1].markov_head
+        bias = markov.bias(markov.previous_embedding(previous))
+    assert together.shape == (hidden.shape[0], tiny_config().text.vocab_size) and together.dtype == torch.float32
+    if batch_invariant:  # the bias above was computed outside the mode's FP64 products: equal up to its rounding
+        assert torch.equal(together, alone)
+        torch.testing.assert_close(logits, together + bias, rtol=1e-6, atol=1e-6)
+    else:
+        torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-5)
+        assert torch.equal(logits, together + bias)
+    assert confidence.shape == (hidden.shape[0],) and bool(((confidence > 0) & (confidence < 1)).all())

@@ -273,6 +273,8 @@ class Speculator:
         if hidden is None:
             draft_batch = self.buffers.draft_batch(input_ids, positions, rows.batch_rows, rows.slots, max_context)
             hidden = self.model.draft_forward(draft_batch, self.state)
+        # The LM head over every slot at once; only the Markov bias and the confidence wait for the previous draft.
+        head_logits = self.model.draft_logits(hidden).view(n, b, -1)
         hidden = hidden.reshape(n, b, -1)
         draft_rows = [SamplingRow(params=r.request.params, seed=r.request.seed, position=0) for r in requests]
         # Greedy drafts are the argmax of the draft logits (docs/design/speculative.md, "Greedy steps").
@@ -283,7 +285,7 @@ class Speculator:
         drafts, confidences, probs = [], [], []
         for k in range(b):
             temperature = self._confidence_temperatures[k].expand(n)
-            logits, confidence = self.model.draft_heads(hidden[:, k], previous, temperature)
+            logits, confidence = self.model.draft_heads(head_logits[:, k], hidden[:, k], previous, temperature)
             if sampling is None:
                 previous = logits.argmax(dim=-1)
             else:

@@ -111,26 +111,40 @@ class DSparkBlock(DecoderBlock, HCHeadParameters):
         if last:
             self.add_hc_head(cfg)
 
-    def heads(
-        self, hidden: torch.Tensor, previous_tokens: torch.Tensor, temperature: torch.Tensor, lm_head: LMHead
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft logits and confidences of draft slots (one sequential step; docs/design/model.md, "Draft heads").
+    def head_logits(self, hidden: torch.Tensor, lm_head: LMHead) -> torch.Tensor:
+        """Draft logits before the Markov bias, ``lm_head(norm(h))``, for any number of rows: every slot of a block at
+        once, since no slot's ``h`` depends on the tokens drafted before it (docs/design/model.md, "Draft heads").
 
         Args:
-            hidden: [n, H] pre-norm drafter hidden ``h_k``.
-            previous_tokens: [n] int64 previous token of each slot (``g`` for slot 0, else the previous draft).
-            temperature: [n] fp32 confidence temperatures ``τ_k``.
+            hidden: [m, H] pre-norm drafter hidden.
             lm_head: the backbone's (tied) LM head.
+
+        Returns:
+            [m, V] fp32.
+        """
+        if self.norm is None:
+            raise RuntimeError("only the last DSpark block owns the final norm and the heads")
+        return lm_head(self.norm(hidden))
+
+    def slot_heads(
+        self, logits: torch.Tensor, hidden: torch.Tensor, previous_tokens: torch.Tensor, temperature: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft slot's sequential part (docs/design/model.md, "Draft heads"): the Markov bias of the previous
+        token added to the slot's ``head_logits``, and the confidence.
+
+        Args:
+            logits: [n, V] fp32 ``head_logits`` of the slot's rows.
+            hidden: [n, H] pre-norm drafter hidden ``h_k`` of those rows.
+            previous_tokens: [n] int64 previous token of each row (``g`` for slot 0, else the previous draft).
+            temperature: [n] fp32 confidence temperatures ``τ_k``.
 
         Returns:
             ``(logits [n, V] fp32, confidences [n] fp32)``.
         """
-        if self.norm is None or self.markov_head is None or self.confidence_head is None:
+        if self.markov_head is None or self.confidence_head is None:
             raise RuntimeError("only the last DSpark block owns the final norm and the heads")
-        logits = lm_head(self.norm(hidden))
         prev = self.markov_head.previous_embedding(previous_tokens)
-        logits = logits + self.markov_head.bias(prev)
-        return logits, self.confidence_head(hidden, prev, temperature)
+        return logits + self.markov_head.bias(prev), self.confidence_head(hidden, prev, temperature)
 
     def project_features(self, features: torch.Tensor) -> torch.Tensor:
         """``m = RMSNorm(F · main_projᵀ; main_norm)`` (docs/design/model.md, "Context keys"). Args: features [T, n_t·H].

@@ -73,8 +73,8 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
             ``context_parallel`` attribute after construction.
         prefill_truncation: YOCO prefill truncation of prompt chunks (off by default); it applies to the steps whose
             ``ForwardBatch.known_lens`` is set.
-        batch_invariant: on the CPU and on CUDA, ``forward``, ``draft_forward`` and ``draft_heads`` give every
-            request the same bits whatever else is in the step (``deepinfer_model.layers.invariant``;
+        batch_invariant: on the CPU and on CUDA, ``forward``, ``draft_forward``, ``draft_logits`` and ``draft_heads``
+            give every request the same bits whatever else is in the step (``deepinfer_model.layers.invariant``;
             docs/design/numerics.md, "Batch invariance"); other devices ignore it.
 
     Attributes:
@@ -320,27 +320,43 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
         read_mix = initial_read_mix(meta.num_tokens, cfg.hc_mult, hidden.device)
         for block in self.mtp:
             trunk, read_mix = block(trunk, read_mix, ctx)
-        last = self.mtp[-1]
-        assert isinstance(last, DSparkBlock)
-        return last.collapse(trunk, read_mix, cfg, self.mode)
+        return self._last_dspark().collapse(trunk, read_mix, cfg, self.mode)
+
+    @batch_invariant_forward
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft logits before the Markov bias of any number of draft rows (``DSparkBlock.head_logits``): a drafter
+        passes every slot of its blocks at once, so the LM head is read once per draft step, not once per slot.
+
+        Args:
+            hidden: [m, H] from ``draft_forward``.
+
+        Returns:
+            [m, V] fp32.
+        """
+        return self._last_dspark().head_logits(hidden, self.head)
 
     @batch_invariant_forward
     def draft_heads(
-        self, hidden: torch.Tensor, previous_tokens: torch.Tensor, temperature: torch.Tensor
+        self, logits: torch.Tensor, hidden: torch.Tensor, previous_tokens: torch.Tensor, temperature: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft logits and confidences (docs/design/model.md, "Draft heads") of draft slots; see ``DSparkBlock.heads``.
+        """Draft logits and confidences of one draft slot (docs/design/model.md, "Draft heads"); see
+        ``DSparkBlock.slot_heads``.
 
         Args:
-            hidden: [n, H] from ``draft_forward``.
-            previous_tokens: [n] int64 previous token of each slot.
+            logits: [n, V] fp32 ``draft_logits`` of the slot's rows.
+            hidden: [n, H] from ``draft_forward``, the same rows.
+            previous_tokens: [n] int64 previous token of each row.
             temperature: [n] fp32 confidence temperatures.
 
         Returns:
             ``(logits [n, V] fp32, confidences [n] fp32)``.
         """
+        return self._last_dspark().slot_heads(logits, hidden, previous_tokens, temperature)
+
+    def _last_dspark(self) -> DSparkBlock:
         last = self.mtp[-1]
         assert isinstance(last, DSparkBlock)
-        return last.heads(hidden, previous_tokens, temperature, self.head)
+        return last
 
     def prepare_engram(self, batch: ForwardBatch, ctx: StepContext) -> None:
         """Set the step's compressed n-gram rows (and the vocabulary) on ``ctx`` from ``batch``'s tokens.
