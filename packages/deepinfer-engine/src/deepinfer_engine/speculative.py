@@ -168,8 +168,8 @@ class Speculator:
         self._first_slot = self._slots == 0
         if len(confidence_temperatures) not in (1, nextn):
             raise ValueError(f"{len(confidence_temperatures)} confidence temperatures for {nextn} draft slots")
-        self.confidence_temperatures = confidence_temperatures * (nextn if len(confidence_temperatures) == 1 else 1)
-        self._confidence_temperatures = torch.tensor(self.confidence_temperatures, dtype=torch.float32).to(self.device)
+        per_slot = confidence_temperatures * (nextn if len(confidence_temperatures) == 1 else 1)
+        self._confidence_temperatures = torch.tensor(per_slot, dtype=torch.float32).to(self.device)
         # Drafts the last sampling step of the slot's request rejected (scheduled − accepted), read by the next step.
         self.rejected = torch.zeros(num_state_slots, dtype=torch.int64, device=self.device)
         buffers.rejected_drafts = self.rejected
