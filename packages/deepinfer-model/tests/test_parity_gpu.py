@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from _layered_model_support import prompt, tiny_config, tiny_model, tiny_weights
+from _layered_model_support import prompt, tiny_config, tiny_model, tiny_vocab, tiny_weights
 
 from deepinfer_model import reference as ref
 from deepinfer_model.checkpoint.tokenizer import build_tokenizer
@@ -104,3 +104,24 @@ def test_cuda_incremental_decode_matches_full_prefill() -> None:
     full = run([0, 72])
     incremental = run([0, 31, 66, *range(67, 73)])
     assert (incremental - full).abs().max() <= 1e-4 * full.abs().max()
+
+
+def test_engram_on_cuda_feeds_its_stored_rows_to_the_fp8_gemm() -> None:
+    """CUDA Engram (exact mode): ``wkv`` reads the gathered table rows as their FP8 copy, and the stream update equals
+    the CPU path (dequantized rows × kept dequantized weight) within BF16 rounding: the same exact products summed in
+    FP32 in another order can round a key or value to the neighbouring BF16 number."""
+    model = tiny_model(ComputeMode.EXACT)
+    engram = next(block.engram for block in model.layers if block.engram is not None)
+    generator = torch.Generator().manual_seed(5)
+    tokens, hc, hidden = 9, engram.hc_mult, engram.hidden
+    trunk = torch.randn(tokens, hc, hidden, generator=generator).to(torch.bfloat16)
+    vocab = tiny_vocab()
+    rows = torch.randint(0, vocab.num_compressed, (tokens, engram.max_ngram), generator=generator)
+    active = torch.ones(tokens, dtype=torch.bool)
+    active[3] = False
+    on_cpu = engram(trunk, rows, active, vocab)
+    engram = engram.cuda()
+    assert engram.wkv.runs_on_fp8_copy()
+    on_cuda = engram(trunk.cuda(), rows.cuda(), active.cuda(), vocab.to("cuda")).cpu()
+    assert torch.equal(on_cuda[3], trunk[3])
+    torch.testing.assert_close(on_cuda.float(), on_cpu.float(), rtol=2.0**-7, atol=2.0**-7 * on_cpu.abs().max().item())

@@ -168,9 +168,15 @@ class Engram(nn.Module):
         """
         num_tokens = trunk.shape[0]
         index = self.table_indices(rows, self.multipliers(vocab.num_compressed))
-        gathered = dequantize_fp8_per_token_group(self.embed.weight[index], self.embed.scale[index])
-        gathered = gathered.reshape(num_tokens, -1)
-        kv = self.wkv(gathered, prequantized=True).float().view(num_tokens, self.hc_mult + 1, self.hidden)
+        codes = self.embed.weight[index].reshape(num_tokens, -1)
+        scales = self.embed.scale[index].reshape(num_tokens, -1)
+        if self.wkv.runs_on_fp8_copy():
+            # The gathered rows are already an FP8 copy with 32-column scales: the FP8 GEMM reads them as they are
+            # (no dequantized activation, no dequantized weight per step).
+            kv = self.wkv.forward_fp8((codes, scales))
+        else:
+            kv = self.wkv(dequantize_fp8_per_token_group(codes, scales), prequantized=True)
+        kv = kv.float().view(num_tokens, self.hc_mult + 1, self.hidden)
         keys, value = kv[:, : self.hc_mult], kv[:, self.hc_mult]
         x = trunk.float()
         weight = self.q_weight.float() * self.k_weight.float()
