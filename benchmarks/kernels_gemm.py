@@ -197,6 +197,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--baseline", action="store_true")
     parser.add_argument("--tune", action="store_true")
+    parser.add_argument("--ops", default=None, help="comma-separated ops to run (default: all)")
     parser.add_argument("--parts", action="store_true", help="also time the quantizer and the reduction alone")
     parser.add_argument("--compare", default=None, help="JSON of a --baseline run: adds old/new ratios")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels_gemm-<device>.json)")
@@ -213,6 +214,8 @@ def main() -> None:
     results: list[dict[str, Any]] = []
     measured: dict[str, Any] = {}
     for op, shapes in preset_shapes().items():
+        if args.ops and op not in args.ops.split(","):
+            continue
         for name, n, k in shapes:
             weights = inputs_for(op, n, k, args.experts)
             copies = weight_copies(weights)

@@ -186,6 +186,39 @@ def test_split_k_matches_one_program_bitwise(triton_device: str, op: str, gemv: 
         assert torch.all(results[0][1] == 0)
 
 
+@pytest.mark.parametrize("split_grid", [False, True])
+@pytest.mark.parametrize("op", ["mxfp4_gemm", "mxfp4_grouped_gemm"])
+def test_mxfp4_scaled_dot_decoding_matches_the_kernels_own(triton_device: str, op: str, split_grid: bool) -> None:
+    """MXFP4 MMA tiles with ``tl.dot_scaled`` decoding the stored operands and with ``mxfp4_kernel``'s own bit
+    decoding both meet the reference's tolerance (only the FP32 summation order may differ); K = 1024 in 4 chunks,
+    37 rows over three row tiles, rows without an expert left at zero."""
+    from deepinfer_kernels.cuda.gemm_tiles import BlockConfig
+
+    m, n, k = 37, 96, 1024
+    x = _activation(m, k, seed=23, dtype=torch.bfloat16)
+    weights = (random_mxfp4_packed((n, k // 2), seed=24), random_ue8m0((n, k // 32), seed=25))
+    inputs: tuple[torch.Tensor, ...] = (x, *weights)
+    if op == "mxfp4_grouped_gemm":
+        second = (random_mxfp4_packed((n, k // 2), seed=26), random_ue8m0((n, k // 32), seed=27))
+        ids = torch.randint(-1, 2, (m,), generator=torch.Generator().manual_seed(28))
+        inputs = (x, ids, *(torch.stack(pair) for pair in zip(weights, second, strict=True)))
+    results = []
+    for scaled in (False, True):
+        cfg = BlockConfig(16, 32, num_warps=4, num_stages=2, split_grid=split_grid, dot_scaled=scaled)
+        out = torch.zeros(m, n, dtype=torch.bfloat16, device=triton_device)
+        implementation(op, Backend.NVIDIA)(*(t.to(triton_device) for t in inputs), out, config=cfg)
+        results.append(out.cpu())
+    ref = torch.zeros(m, n, dtype=torch.bfloat16)
+    implementation(op, Backend.REFERENCE)(*inputs, ref)
+    bound = abs_product(dequantized_activation(x), dk.dequantize_mxfp4(*weights).double())
+    if op == "mxfp4_grouped_gemm":
+        second_hat = dk.dequantize_mxfp4(*second).double()
+        bound = torch.where((ids == 1)[:, None], abs_product(dequantized_activation(x), second_hat), bound)
+        assert all(torch.all(result[ids == -1] == 0) for result in results)
+    for result in results:
+        assert_gemm_close(result, ref, bound, k)
+
+
 @pytest.mark.parametrize("op", ["fp8_block_gemm", "mxfp4_gemm"])
 def test_gemv_row_bits_do_not_depend_on_the_row_count(triton_device: str, op: str) -> None:
     """The FMA kernels sum every row in the same order whatever the rows per program: row r of a 5-row call (8 rows

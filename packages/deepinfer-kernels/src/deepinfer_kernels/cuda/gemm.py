@@ -53,6 +53,7 @@ from deepinfer_kernels.cuda.gemm_tiles import BlockConfig, block_config, k_chunk
 from deepinfer_kernels.cuda.gemv import fp8_gemv_kernel, mxfp4_gemv_kernel
 
 __all__ = [
+    "activation_for",
     "deinterleaved_activation",
     "fp8_block_gemm",
     "fp8_block_launch",
@@ -124,6 +125,52 @@ def _fp8_block_kernel(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
+def _mxfp4_scaled_tiles(  # type: ignore[no-untyped-def]
+    q_ptr,
+    qs_ptr,
+    packed_ptr,
+    ws_ptr,
+    rows,
+    row_mask,
+    n_rows,
+    n_mask,
+    groups,
+    K,
+    K_CHUNK,
+    stride_q,
+    stride_qs,
+    stride_p,
+    stride_s,
+    SPLIT_GRID: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # The chunk sums of mxfp4_kernel's tile through tl.dot_scaled: activation [BLOCK_M, BLOCK_K] e4m3 codes in column
+    # order, weight [BLOCK_K/2, BLOCK_N] bytes packed along K (low nibble first, as stored), scales [rows, groups].
+    cols = tl.arange(0, BLOCK_K)
+    halves = tl.arange(0, BLOCK_K // 2)
+    q_ptrs = q_ptr + rows[:, None] * stride_q + cols[None, :]
+    qs_ptrs = qs_ptr + rows[:, None] * stride_qs + groups[None, :]
+    p_ptrs = packed_ptr + n_rows[None, :] * stride_p + halves[:, None]
+    s_ptrs = ws_ptr + n_rows[:, None] * stride_s + groups[None, :]
+    first, last = chunk_range(K, K_CHUNK, SPLIT_GRID)
+    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for chunk in range(first, last):
+        k_end = tl.minimum(chunk * K_CHUNK + K_CHUNK, K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(chunk * K_CHUNK, k_end, BLOCK_K):
+            group_in = (k0 + groups * 32 < k_end)[None, :]
+            a = tl.load(q_ptrs + k0, mask=row_mask[:, None] & (k0 + cols < k_end)[None, :], other=0)
+            a_scale = tl.load(qs_ptrs + k0 // 32, mask=row_mask[:, None] & group_in, other=0)
+            w = tl.load(p_ptrs + k0 // 2, mask=(k0 + 2 * halves < k_end)[:, None] & n_mask[None, :], other=0)
+            w_scale = tl.load(s_ptrs + k0 // 32, mask=n_mask[:, None] & group_in, other=0)
+            acc = tl.dot_scaled(a, a_scale, "e4m3", w, w_scale, "e2m1", acc)
+        total += acc
+    return total
+
+
+@triton.jit
 def mxfp4_kernel(  # type: ignore[no-untyped-def]
     q_ptr,
     qs_ptr,
@@ -153,8 +200,14 @@ def mxfp4_kernel(  # type: ignore[no-untyped-def]
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_BF16: tl.constexpr,
+    DOT_SCALED: tl.constexpr,
 ):
     """Dense (``GROUPED=False``: one weight, rows ``pid·BLOCK_M …``) or grouped MXFP4 GEMM tile.
+
+    ``DOT_SCALED``: the operands go to ``tl.dot_scaled`` as they are stored (e4m3 activation codes in column order,
+    packed e2m1 weight bytes, both with their UE8M0 group scales); Triton decodes them to the same BF16 values this
+    kernel's own decoding gives (exact, see the module docstring) before the same BF16 MMA with FP32 accumulation.
+    Otherwise the kernel decodes them itself, on an activation de-interleaved per group (``deinterleaved_activation``).
 
     Grouped: program ``pid`` owns positions ``[block_start[pid], block_end[pid])`` of the expert-sorted row order
     ``order`` and multiplies them by expert ``block_expert[pid]``; ``block_expert ≥ num_experts`` marks a spare
@@ -175,10 +228,17 @@ def mxfp4_kernel(  # type: ignore[no-untyped-def]
     n_offsets = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n_offsets < N
     n_rows = n_offsets.to(tl.int64)
+    groups = tl.arange(0, BLOCK_K // 32)
+    if DOT_SCALED:
+        total = _mxfp4_scaled_tiles(
+            q_ptr, qs_ptr, packed_ptr, ws_ptr, rows, row_mask, n_rows, n_mask, groups, K, K_CHUNK,
+            stride_q, stride_qs, stride_p, stride_s, SPLIT_GRID, BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+        finish_tile(out_ptr, partial_ptr, total, rows, row_mask, n_offsets, M, N, stride_out, SPLIT_GRID)
+        return
     # The activation arrives de-interleaved per 32-column group (16 even columns, then 16 odd ones; see
     # deinterleaved_activation), so each nibble plane of the packed weight meets contiguous activation bytes: the
     # product is the sum of an even-column and an odd-column dot.
-    groups = tl.arange(0, BLOCK_K // 32)
     sixteen = tl.arange(0, 16)
     q_ptrs = q_ptr + rows[:, None, None] * stride_q + (groups[:, None] * 32 + sixteen[None, :])[None, :, :]
     qs_ptrs = qs_ptr + rows[:, None] * stride_qs + groups[None, :]
@@ -226,6 +286,12 @@ def deinterleaved_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return q.view(rows, cols // 32, 16, 2).transpose(2, 3).reshape(rows, cols), scale
 
 
+def activation_for(x: torch.Tensor, cfg: BlockConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The activation codes an MXFP4 launch with tiles ``cfg`` reads: in column order for the FMA kernels and
+    ``tl.dot_scaled``, de-interleaved per group for ``mxfp4_kernel``'s own decoding."""
+    return quantized_activation(x) if cfg.gemv or cfg.dot_scaled else deinterleaved_activation(x)
+
+
 def launch_grid(row_tiles: int, n: int, k: int, cfg: BlockConfig) -> tuple[tuple[int, int, int], int]:
     """(grid, K chunk length) of a launch: row tiles × N tiles × (K chunks under split-K, else 1)."""
     chunk = k_chunk(n, k)
@@ -271,7 +337,12 @@ def mxfp4_launch(
     rows: dict[str, int | bool] = (
         {"ROWS": rows_per_program, "NATIVE_FP8": native_fp8(), "E4M3_BIAS": 0 if native_fp8() else 8}
         if cfg.gemv
-        else {"BLOCK_M": rows_per_program, "BLOCK_K": cfg.block_k, "DOT_BF16": dot_in_bf16()}
+        else {
+            "BLOCK_M": rows_per_program,
+            "BLOCK_K": cfg.block_k,
+            "DOT_BF16": dot_in_bf16(),
+            "DOT_SCALED": cfg.dot_scaled,
+        }
     )
     kernel[grid](
         q,
@@ -395,6 +466,6 @@ def mxfp4_gemm(
     check_launchable(x=x, packed=packed, scale=scale, out=out)
     (m, k), n = x.shape, packed.shape[0]
     cfg = config or block_config("mxfp4_gemm", m, n, k)
-    q, q_scale = quantized_activation(x) if cfg.gemv else deinterleaved_activation(x)
+    q, q_scale = activation_for(x, cfg)
     rows = gemv_rows(m, cfg) if cfg.gemv else cfg.block_m
     mxfp4_launch(q, q_scale, packed, scale, out, None, rows, cfg)

@@ -44,6 +44,7 @@ _DECODE_PROGRAMS = 1024
 _CHUNK_ALIGN = 256
 _DECODE_BLOCK_N = 32
 _BUCKETS = (2, 16, 32, 64, 256)
+_MXFP4_OPS = ("mxfp4_gemm", "mxfp4_grouped_gemm")
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,8 @@ class BlockConfig:
     """Tile sizes and launch options of one GEMM launch.
 
     ``split_grid`` runs each K chunk in its own program; ``gemv`` selects the FMA kernels of ``cuda.gemv`` (then
-    ``block_m`` is the most rows a program takes) instead of the MMA kernels of ``cuda.gemm``.
+    ``block_m`` is the most rows a program takes) instead of the MMA kernels of ``cuda.gemm``; ``dot_scaled`` (MXFP4
+    MMA tiles only) lets ``tl.dot_scaled`` decode the operands instead of ``mxfp4_kernel``'s own bit decoding.
     """
 
     block_m: int
@@ -61,6 +63,7 @@ class BlockConfig:
     split_grid: bool
     gemv: bool = False
     block_k: int = BLOCK_K
+    dot_scaled: bool = False
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -79,21 +82,27 @@ def row_bucket(rows: int) -> int:
     return next((b for b in _BUCKETS if rows <= b), 4096)
 
 
+def _scaled_dots(op: str) -> bool:
+    # MXFP4 MMA tiles decode through tl.dot_scaled (measured faster on the H200, docs/design/kernels.md).
+    return op in _MXFP4_OPS
+
+
 def default_config(op: str, rows: int) -> BlockConfig:
     """Tiles for ``op`` on ``rows`` activation rows per weight (per expert for the grouped GEMM) without a measured
     entry: the FMA kernels for up to 2 rows of a dense GEMM; then MMA tiles, split-K up to 64 rows (small M tiles waste
     less of the 16-row MMA minimum), 128×128 tiles without split-K for many rows. Every choice compiles for sm_90a."""
     if rows <= 2 and op != "mxfp4_grouped_gemm":
         return BlockConfig(block_m=2, block_n=32, num_warps=4, num_stages=3, split_grid=True, gemv=True)
+    scaled = _scaled_dots(op)
     if rows <= 16:
-        return BlockConfig(block_m=16, block_n=64, num_warps=4, num_stages=4, split_grid=True)
+        return BlockConfig(16, 64, num_warps=4, num_stages=4, split_grid=True, dot_scaled=scaled)
     if rows <= 32:
-        return BlockConfig(block_m=32, block_n=32, num_warps=4, num_stages=4, split_grid=True)
+        return BlockConfig(32, 32, num_warps=4, num_stages=4, split_grid=True, dot_scaled=scaled)
     if rows <= 64:
-        return BlockConfig(block_m=64, block_n=64, num_warps=4, num_stages=4, split_grid=True)
+        return BlockConfig(64, 64, num_warps=4, num_stages=4, split_grid=True, dot_scaled=scaled)
     if rows <= 256:
-        return BlockConfig(block_m=64, block_n=128, num_warps=8, num_stages=3, split_grid=False)
-    return BlockConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, split_grid=False)
+        return BlockConfig(64, 128, num_warps=8, num_stages=3, split_grid=False, dot_scaled=scaled)
+    return BlockConfig(128, 128, num_warps=8, num_stages=3, split_grid=False, dot_scaled=scaled)
 
 
 def candidate_configs(op: str, rows: int) -> list[BlockConfig]:
@@ -107,10 +116,15 @@ def candidate_configs(op: str, rows: int) -> list[BlockConfig]:
     else:
         shapes = ((32, 4, 4), (32, 4, 6), (64, 8, 4), (32, 2, 4))
     out = [default]
+    # MXFP4 MMA tiles are timed with both decodings.
+    decodings = (default.dot_scaled, not default.dot_scaled) if _scaled_dots(op) and not default.gemv else (False,)
     for block_n, num_warps, num_stages in shapes:
-        cfg = BlockConfig(default.block_m, block_n, num_warps, num_stages, split_grid=True, gemv=default.gemv)
-        if cfg not in out:
-            out.append(cfg)
+        for scaled in decodings:
+            cfg = BlockConfig(
+                default.block_m, block_n, num_warps, num_stages, split_grid=True, gemv=default.gemv, dot_scaled=scaled
+            )
+            if cfg not in out:
+                out.append(cfg)
     return out
 
 
@@ -143,17 +157,17 @@ MEASURED: dict[tuple[str, int, int, int], BlockConfig] = {
 }
 
 
-def invariant_config(rows: int) -> BlockConfig:
+def invariant_config(op: str, rows: int) -> BlockConfig:
     """The tiles of every GEMM in batch-invariant mode (docs/design/numerics.md, "Batch invariance"): 64×64 MMA tiles
     whatever the rows, so every row goes through the same MMA instruction and K order. Only ``split_grid`` follows
     the rows (split-K up to 64 rows, as the default tiles): it does not change the bits (module docstring) and
     without it a prefill's FP32 partials would take chunks × M × N × 4 bytes."""
-    return BlockConfig(block_m=64, block_n=64, num_warps=4, num_stages=4, split_grid=rows <= 64)
+    return BlockConfig(64, 64, num_warps=4, num_stages=4, split_grid=rows <= 64, dot_scaled=_scaled_dots(op))
 
 
 def block_config(op: str, rows: int, n: int, k: int) -> BlockConfig:
     """Tiles for ``op`` ("fp8_block_gemm", "mxfp4_gemm" or "mxfp4_grouped_gemm") on ``rows`` rows per weight;
     :func:`invariant_config` inside ``batch_invariant_ops``."""
     if invariant_kernels():
-        return invariant_config(rows)
+        return invariant_config(op, rows)
     return MEASURED.get((op, row_bucket(rows), n, k)) or default_config(op, rows)

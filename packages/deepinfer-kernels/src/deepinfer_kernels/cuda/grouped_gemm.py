@@ -18,7 +18,7 @@ import torch
 import triton
 
 from deepinfer_kernels.cuda._launch import check_launchable
-from deepinfer_kernels.cuda.gemm import deinterleaved_activation, gemv_rows, mxfp4_launch, quantized_activation
+from deepinfer_kernels.cuda.gemm import activation_for, gemv_rows, mxfp4_launch
 from deepinfer_kernels.cuda.gemm_tiles import BlockConfig, block_config
 from deepinfer_kernels.cuda.grouped_tiles import MAX_ROWS, expert_tiles_one_program
 
@@ -94,6 +94,6 @@ def mxfp4_grouped_gemm(
     # FMA tiles take up to twice the mean rows, so that an expert with a few more rows than the mean is still read
     # once rather than once per tile.
     rows = gemv_rows(2 * mean_rows, cfg) if cfg.gemv else cfg.block_m
-    q, q_scale = quantized_activation(x) if cfg.gemv else deinterleaved_activation(x)
+    q, q_scale = activation_for(x, cfg)
     tables = expert_tiles_one_program if m <= MAX_ROWS else expert_tiles
     mxfp4_launch(q, q_scale, packed, scale, out, tables(expert_ids, experts, rows), rows, cfg)
