@@ -165,6 +165,24 @@ def test_indexer_candidates_and_blocks_match_reference(triton_device: str) -> No
     assert_equivalent_selection(rows, expected, logits, tol)
 
 
+def test_indexer_selects_every_row_without_a_top_k(triton_device: str) -> None:
+    """One row chunk of no more rows (blocks) than are selected (short contexts): the Triton path takes the chunk as
+    the selection without a top-k; the ids still match the reference, ascending and −1 padded, with restriction and
+    with candidate blocks (100 rows in one 128-row chunk, 16 blocks of 8 per chunk)."""
+    case = random_selection_case(2, 5, 100, 16, 32, 3, seed=31)
+    case["num_rows"][0] = 100
+    case["num_rows"][1] = 0
+    (rows, blocks), (expected, expected_blocks) = _select_both(
+        triton_device, case, 128, candidate_block_size=8, num_candidate_blocks=20
+    )
+    assert torch.equal(rows, expected) and blocks is not None and expected_blocks is not None
+    assert torch.equal(blocks, expected_blocks)
+    assert rows[0].tolist() == list(range(100)) + [-1] * 28
+    restricted = torch.where(expected_blocks[:, :6] >= 0, expected_blocks[:, :6], -1)
+    (rows, _), (expected, _) = _select_both(triton_device, case, 64, candidates=restricted, candidate_block_size=8)
+    assert torch.equal(rows, expected)
+
+
 def test_indexer_ties_go_to_the_lower_row(triton_device: str) -> None:
     case = random_selection_case(1, 3, 300, 32, 32, 2, seed=5)
     case["key_pool"][:] = case["key_pool"][0]

@@ -126,6 +126,17 @@ def _ids(keys: torch.Tensor) -> torch.Tensor:
     return sorted_selection(torch.where(keys == _INT64_MIN, -1, ids))
 
 
+def _write_ids(out: torch.Tensor, merged: torch.Tensor, selected: int, chunk_is_selection: bool) -> None:
+    # out [t, selected] gets the ids of the selection: the merged top (columns < selected), or the chunk's keys
+    # (columns ≥ selected, at most ``selected`` of them) padded with −1.
+    if not chunk_is_selection:
+        out.copy_(_ids(merged[:, :selected]))
+        return
+    chunk = merged.shape[1] - selected
+    out[:, :chunk] = _ids(merged[:, selected:])
+    out[:, chunk:] = -1
+
+
 def indexer_select(
     q: torch.Tensor,
     weights: torch.Tensor,
@@ -185,6 +196,10 @@ def indexer_select(
         "BF16_DOT": key_format is not RowFormat.RAW_FP32 and not triton_interpreter_enabled(),
         "num_warps": CONFIG["num_warps"],
     }
+    # One chunk holding no more rows (blocks) than are selected: every valid one is selected, so the chunk's keys
+    # are the selection and no top-k runs (short contexts; shapes are still host ints).
+    rows_all = span <= row_chunk and row_chunk <= topk
+    blocks_all = span <= row_chunk and blocks_per_chunk <= num_candidate_blocks
     for q_start in range(0, num_tokens, query_chunk):
         count = min(query_chunk, num_tokens - q_start)
         merged[:count, :topk] = _INT64_MIN
@@ -197,11 +212,11 @@ def indexer_select(
                 q_start, slot_start, span, num_heads, key_pool.shape[1], rows_per_block,
                 **statics,
             )  # fmt: skip
-            if topk:
+            if topk and not rows_all:
                 merged[:count, :topk] = torch.topk(merged[:count], topk, dim=1, sorted=False).values
-            if num_candidate_blocks:
+            if num_candidate_blocks and not blocks_all:
                 top = torch.topk(merged_blocks[:count], num_candidate_blocks, dim=1, sorted=False).values
                 merged_blocks[:count, :num_candidate_blocks] = top
-        out_rows[q_start : q_start + count] = _ids(merged[:count, :topk])
+        _write_ids(out_rows[q_start : q_start + count], merged[:count], topk, rows_all)
         if out_blocks is not None:
-            out_blocks[q_start : q_start + count] = _ids(merged_blocks[:count, :num_candidate_blocks])
+            _write_ids(out_blocks[q_start : q_start + count], merged_blocks[:count], num_candidate_blocks, blocks_all)
