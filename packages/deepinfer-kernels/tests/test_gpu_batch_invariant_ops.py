@@ -115,22 +115,32 @@ def test_mxfp4_grouped_gemm_rows() -> None:
 
 
 def test_sparse_attention_rows_with_other_key_counts() -> None:
-    """A query alone (its own key list) vs among 64 queries whose key lists are longer (its rows padded with −1)."""
-    heads, width = 64, 512
-    pool = random_pool(3000, width, dk.RowFormat.FP8, seed=12, device="cuda")
-    q = _randn((64, heads, width), seed=13)
-    sink = _randn((heads,), seed=14, dtype=torch.float32)
-    lengths = torch.randint(1, 2048, (64,), generator=_generator(15), device="cuda")
-    rows = torch.randint(0, 3000, (64, 2048), generator=_generator(16), device="cuda")
-    rows = torch.where(torch.arange(2048, device="cuda")[None, :] < lengths[:, None], rows, -1)
+    """A query alone (its own key lists) vs among 64 and 300 queries whose key lists are longer (its rows padded with
+    −1 per source): alone and among 64 the key list is split over programs, among 300 one program folds the chunks."""
+    heads, width, widths = 64, 512, (128, 4, 2048)
+    pools = [random_pool(3000, width, dk.RowFormat.FP8, seed=12 + i, device="cuda") for i in range(3)]
+    q = _randn((300, heads, width), seed=15)
+    sink = _randn((heads,), seed=16, dtype=torch.float32)
+    rows, lengths = [], []
+    for i, n in enumerate(widths):
+        length = torch.randint(0, n + 1, (300,), generator=_generator(17 + i), device="cuda")
+        ids = torch.randint(0, 3000, (300, n), generator=_generator(20 + i), device="cuda")
+        rows.append(torch.where(torch.arange(n, device="cuda")[None, :] < length[:, None], ids, -1))
+        lengths.append(length)
+
+    def attend(token: slice, own: bool) -> torch.Tensor:
+        sources = [
+            dk.KeySource(pool, r[token, : int(length[token].max()) if own else None], dk.RowFormat.FP8)
+            for pool, r, length in zip(pools, rows, lengths, strict=True)
+        ]
+        return dk.sparse_attention(q[token], sources, sink, width**-0.5, True)
+
     with batch_invariant_ops():
-        together = dk.sparse_attention(q, [dk.KeySource(pool, rows, dk.RowFormat.FP8)], sink, width**-0.5, True)
+        together = {count: attend(slice(0, count), own=False) for count in (64, 300)}
         for row in _POSITIONS:
-            own = rows[row : row + 1, : int(lengths[row])]
-            alone = dk.sparse_attention(
-                q[row : row + 1], [dk.KeySource(pool, own, dk.RowFormat.FP8)], sink, width**-0.5, True
-            )
-            assert torch.equal(alone[0], together[row]), row
+            alone = attend(slice(row, row + 1), own=True)
+            for count, result in together.items():
+                assert torch.equal(alone[0], result[row]), (row, count)
 
 
 def test_a_graph_captured_inside_the_mode_replays_its_bits() -> None:

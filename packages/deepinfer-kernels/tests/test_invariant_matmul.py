@@ -124,7 +124,8 @@ def test_the_mode_pins_the_kernel_choices(triton_device: str) -> None:
         gemm_tiles.block_config("mxfp4_gemm", 512, 4608, 5120),
     )
     assert default_small.gemv and default_small.block_m != default_large.block_m
-    assert attention._split_plan(1, 4096, torch.device(triton_device))[0] > 1
+    default_chunk, default_splits = attention._split_plan(1, [4096], torch.device(triton_device))
+    assert sum(default_splits) > 1 and default_chunk != attention.INVARIANT_CHUNK_KEYS
     with batch_invariant_ops():
         assert invariant_kernels()
         configs = {
@@ -133,8 +134,10 @@ def test_the_mode_pins_the_kernel_choices(triton_device: str) -> None:
             for rows in (1, 2, 16, 64, 65, 4096)
         }
         assert {(c.block_m, c.block_n, c.num_warps, c.gemv, c.block_k) for c in configs} == {(64, 64, 4, False, 128)}
-        assert attention._split_plan(1, 4096, torch.device(triton_device)) == (1, 4096)
-        assert attention._split_plan(1, 100, torch.device(triton_device)) == (1, 128)
+        # Chunks of fixed keys from each source's start, whatever the queries; many queries fold them in registers.
+        assert attention._split_plan(1, [4096], torch.device(triton_device)) == (128, [32])
+        assert attention._split_plan(1, [128, 3, 300], torch.device(triton_device)) == (128, [1, 1, 3])
+        assert attention._split_plan(10_000, [4096], torch.device(triton_device)) == (128, [])
     assert not invariant_kernels()
     _registry.reset()
 

@@ -1,19 +1,27 @@
 """Triton sparse attention over up to three key sources read straight from their pools (docs/design/kernels.md,
-"sparse_attention").
+"sparse_attention"); the kernels are in ``cuda/attention_kernels.py``.
 
-One program per (query, block of heads, split of the key list). Two passes over the gathered rows (decoded in
-registers from FP8 / FP4 / FP32 rows): the first finds the softmax maximum over the sink and every key of every
-source, the second sums ``exp(logit − max)`` and the value products of its split's keys. Taking every probability
-relative to the final maximum (rather than a running one) makes its BF16 rounding in exact mode the reference's, so
-the output differs from the reference only by FP32 summation order; a running maximum rounds each probability at
-another scale, a relative error of 2^-9 on every term that exact mode then turns into BF16/FP8 rounding flips
-everywhere. When few queries run (decode), the key list is split over several programs that share the maximum (each
-finds it over all keys) and whose sums are added afterwards (flash-decoding); the partial sums are
-O(queries × splits × H × D), bounded because only few queries split.
+Every probability is taken relative to the final softmax maximum (over the sink and every valid key), not a running
+one: that makes its BF16 rounding in exact mode the reference's, so the output differs from the reference only by
+FP32 summation order; a running maximum rounds each probability at another scale, a relative error of 2^-9 on every
+term that exact mode then turns into BF16/FP8 rounding flips everywhere.
+
+Many queries (prefill): one program per (query, block of heads) makes two passes over the gathered rows (decoded in
+registers from FP8 / FP4 / FP32 rows), the first for the maximum, the second for ``Σ exp(logit − max)`` and the
+value products. Few queries (decode): each source's key list is cut into chunks from the source's start and every
+chunk is a split with its own programs: ``split_max_kernel`` writes each split's maximum of its own keys,
+``attend_kernel`` takes the maximum over the sink and all splits' maxima and sums its split's keys at it, and
+``combine_kernel`` adds the splits' sums in split order and divides. Every key tile is decoded twice whatever the
+split count; the partial sums are O(queries × splits × H × D), bounded because only few queries split.
+
+Batch invariance (docs/design/numerics.md, "Batch invariance"): inside ``batch_invariant_ops`` the chunks are a fixed
+:data:`INVARIANT_CHUNK_KEYS` keys counted from each source's start, so a chunk holds the same key positions whatever
+the other requests of the step: a source's width (the step's longest list, e.g. the draft block) moves only its own
+last chunks, and chunks past a query's own keys hold −1 rows only and add exact zeros. Every chunk is summed from
+zero in tile order and the chunk sums are added in chunk order after the sink's term, by the combine when split or by
+the single program when not (``FOLD``), so whether the step splits (which follows the number of queries) changes no
+bit either; the maximum is exact in any order.
 """
-
-# Triton reads parameter annotations as kernel type hints, so @triton.jit functions stay unannotated.
-# ruff: noqa: ANN001, ANN202
 
 from __future__ import annotations
 
@@ -22,241 +30,25 @@ from collections.abc import Sequence
 
 import torch
 import triton
-import triton.language as tl
 
 from deepinfer_kernels.batch_invariant import invariant_kernels
 from deepinfer_kernels.cache_layout import KeySource, RowFormat
 from deepinfer_kernels.cuda._launch import check_launchable
-from deepinfer_kernels.cuda.row_formats import FORMAT_CODES, decode_tile, round_bf16
+from deepinfer_kernels.cuda.attention_kernels import attend_kernel, combine_kernel, split_max_kernel
+from deepinfer_kernels.cuda.row_formats import FORMAT_CODES
 from deepinfer_kernels.platform import triton_interpreter_enabled
 from deepinfer_kernels.reference import attention as reference
 
-__all__ = ["MAX_SOURCES", "sparse_attention"]
+__all__ = ["INVARIANT_CHUNK_KEYS", "MAX_SOURCES", "sparse_attention"]
 
 MAX_SOURCES = 3
 # Heads per program and keys per tile (H200 sweep in docs/design/kernels.md, "What ran on the H200").
 # target_programs: programs to aim for when splitting the key list (None = twice the multiprocessors).
 CONFIG: dict[str, int | None] = {"block_h": 32, "block_n": 32, "num_warps": 8, "num_stages": 2, "target_programs": None}
-
-
-@triton.jit
-def _source_logits(  # type: ignore[no-untyped-def]
-    q, pool_ptr, rows_ptr, stride_rows, n, hi, row_bytes, token, scale, d, d_mask, WIDTH, FMT, BF16_DOT
-):
-    """Scaled logits [BLOCK_H, BLOCK_N] (−inf for missing or out-of-range rows) and the decoded rows of tile ``n``."""
-    idx = tl.load(rows_ptr + token * stride_rows + n, mask=n < hi, other=-1).to(tl.int64)
-    valid = idx >= 0
-    base = tl.maximum(idx, 0) * row_bytes
-    keys = decode_tile(pool_ptr, base[:, None], d[None, :], valid[:, None] & d_mask[None, :], WIDTH, FMT)
-    if BF16_DOT:
-        logits = tl.dot(q.to(tl.bfloat16), tl.trans(keys.to(tl.bfloat16)))
-    else:
-        logits = tl.dot(q.to(tl.float32), tl.trans(keys), input_precision="ieee")
-    return tl.where(valid[None, :], logits * scale, float("-inf")), keys
-
-
-@triton.jit
-def _source_max(  # type: ignore[no-untyped-def]
-    m,
-    q,
-    pool_ptr,
-    rows_ptr,
-    stride_rows,
-    num_keys,
-    row_bytes,
-    token,
-    scale,
-    d,
-    d_mask,
-    WIDTH: tl.constexpr,
-    FMT: tl.constexpr,
-    BF16_DOT: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    # Every key of the source, whatever the split: all splits must take their probabilities at one maximum.
-    for start in range(0, num_keys, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        logits, _ = _source_logits(
-            q, pool_ptr, rows_ptr, stride_rows, n, num_keys, row_bytes, token, scale, d, d_mask, WIDTH, FMT, BF16_DOT
-        )
-        m = tl.maximum(m, tl.max(logits, axis=1))
-    return m
-
-
-@triton.jit
-def _attend_source(  # type: ignore[no-untyped-def]
-    acc,
-    denom,
-    m,
-    q,
-    pool_ptr,
-    rows_ptr,
-    stride_rows,
-    num_keys,
-    offset,
-    split_start,
-    split_keys,
-    row_bytes,
-    token,
-    scale,
-    d,
-    d_mask,
-    WIDTH: tl.constexpr,
-    FMT: tl.constexpr,
-    BF16_DOT: tl.constexpr,
-    ROUND: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    # This program's share of the source: keys [lo, hi) of the split's range of the concatenated key list.
-    lo = tl.minimum(tl.maximum(split_start - offset, 0), num_keys)
-    hi = tl.minimum(tl.maximum(split_start + split_keys - offset, 0), num_keys)
-    for start in range(lo, hi, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        logits, keys = _source_logits(
-            q, pool_ptr, rows_ptr, stride_rows, n, hi, row_bytes, token, scale, d, d_mask, WIDTH, FMT, BF16_DOT
-        )
-        probs = tl.exp(logits - m[:, None])
-        denom += tl.sum(probs, axis=1)
-        if ROUND and BF16_DOT:
-            acc += tl.dot(round_bf16(probs), keys.to(tl.bfloat16))
-        elif ROUND:
-            acc += tl.dot(round_bf16(probs).to(tl.float32), keys, input_precision="ieee")
-        else:
-            acc += tl.dot(probs, keys, input_precision="ieee")
-    return acc, denom
-
-
-@triton.jit
-def _sparse_attention_kernel(  # type: ignore[no-untyped-def]
-    q_ptr,
-    sink_ptr,
-    out_ptr,
-    part_l_ptr,
-    num_heads,
-    scale,
-    split_keys,
-    pool0,
-    rows0,
-    stride0,
-    keys0,
-    bytes0,
-    pool1,
-    rows1,
-    stride1,
-    keys1,
-    bytes1,
-    pool2,
-    rows2,
-    stride2,
-    keys2,
-    bytes2,
-    WIDTH: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    FMT0: tl.constexpr,
-    FMT1: tl.constexpr,
-    FMT2: tl.constexpr,
-    BF16_0: tl.constexpr,
-    BF16_1: tl.constexpr,
-    BF16_2: tl.constexpr,
-    ROUND: tl.constexpr,
-    SPLITS: tl.constexpr,
-):
-    token = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(2)
-    split_start = split * split_keys
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    d = tl.arange(0, BLOCK_D)
-    h_mask = h < num_heads
-    d_mask = d < WIDTH
-    offsets = (token * num_heads + h[:, None]) * WIDTH + d[None, :]
-    q_mask = h_mask[:, None] & d_mask[None, :]
-    q = tl.load(q_ptr + offsets, mask=q_mask, other=0.0)
-    sink = tl.load(sink_ptr + h, mask=h_mask, other=0.0)
-    # Pass 1: the softmax maximum over the sink and every key.
-    m = sink
-    m = _source_max(m, q, pool0, rows0, stride0, keys0, bytes0, token, scale, d, d_mask, WIDTH, FMT0, BF16_0, BLOCK_N)
-    m = _source_max(m, q, pool1, rows1, stride1, keys1, bytes1, token, scale, d, d_mask, WIDTH, FMT1, BF16_1, BLOCK_N)
-    m = _source_max(m, q, pool2, rows2, stride2, keys2, bytes2, token, scale, d, d_mask, WIDTH, FMT2, BF16_2, BLOCK_N)
-    # Pass 2: this split's sums at that maximum; the sink (a logit with a zero value) enters once, in split 0.
-    denom = tl.where(split == 0, tl.exp(sink - m), 0.0)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    acc, denom = _attend_source(
-        acc,
-        denom,
-        m,
-        q,
-        pool0,
-        rows0,
-        stride0,
-        keys0,
-        0,
-        split_start,
-        split_keys,
-        bytes0,
-        token,
-        scale,
-        d,
-        d_mask,
-        WIDTH,
-        FMT0,
-        BF16_0,
-        ROUND,
-        BLOCK_N,
-    )
-    acc, denom = _attend_source(
-        acc,
-        denom,
-        m,
-        q,
-        pool1,
-        rows1,
-        stride1,
-        keys1,
-        keys0,
-        split_start,
-        split_keys,
-        bytes1,
-        token,
-        scale,
-        d,
-        d_mask,
-        WIDTH,
-        FMT1,
-        BF16_1,
-        ROUND,
-        BLOCK_N,
-    )
-    acc, denom = _attend_source(
-        acc,
-        denom,
-        m,
-        q,
-        pool2,
-        rows2,
-        stride2,
-        keys2,
-        keys0 + keys1,
-        split_start,
-        split_keys,
-        bytes2,
-        token,
-        scale,
-        d,
-        d_mask,
-        WIDTH,
-        FMT2,
-        BF16_2,
-        ROUND,
-        BLOCK_N,
-    )
-    if SPLITS == 1:
-        tl.store(out_ptr + offsets, acc / denom[:, None], mask=q_mask)
-    else:
-        part = (token * SPLITS + split) * num_heads + h
-        tl.store(out_ptr + part[:, None] * WIDTH + d[None, :], acc, mask=q_mask)
-        tl.store(part_l_ptr + part, denom, mask=h_mask)
+# Keys per chunk in batch-invariant mode: four tiles. A split then reads 128 rows (67 KB of FP8 rows at width 512)
+# against its 32 KB query block, and a decode query (128 + few + 512 keys) still makes six splits per head block,
+# while the partial sums written and read back stay half of what 64-key chunks would cost.
+INVARIANT_CHUNK_KEYS = 128
 
 
 def sparse_attention(
@@ -296,34 +88,39 @@ def sparse_attention(
         # interpreter computes BF16 dots wrongly; there the same products run as FP32 dots.)
         fmt_args[f"BF16_{i}"] = bf16_dots and source.fmt is not RowFormat.RAW_FP32
     head_blocks = triton.cdiv(num_heads, CONFIG["block_h"])
-    splits, split_keys = _split_plan(num_tokens * head_blocks, sum(s.rows.shape[1] for s in sources), q.device)
-    if splits == 1:
-        target, part_l = out, out
-    else:
-        target = torch.empty((num_tokens, splits, num_heads, width), dtype=torch.float32, device=q.device)
-        part_l = torch.empty((num_tokens, splits, num_heads), dtype=torch.float32, device=q.device)
-    _sparse_attention_kernel[(num_tokens, head_blocks, splits)](
-        q,
-        sink,
-        target,
-        part_l,
-        num_heads,
-        scale,
-        split_keys,
-        *source_args,
-        WIDTH=width,
-        BLOCK_D=max(triton.next_power_of_2(width), 16),
-        BLOCK_H=CONFIG["block_h"],
-        BLOCK_N=CONFIG["block_n"],
-        ROUND=round_probs_bf16,
-        SPLITS=splits,
-        num_warps=CONFIG["num_warps"],
-        num_stages=CONFIG["num_stages"],
-        **fmt_args,
+    chunk_keys, split_counts = _split_plan(num_tokens * head_blocks, [s.rows.shape[1] for s in sources], q.device)
+    counts = split_counts + [0] * (MAX_SOURCES - len(split_counts))
+    num_splits = max(sum(counts), 1)
+    shared = (num_heads, scale, chunk_keys, num_splits, counts[0], counts[0] + counts[1], *source_args)
+    blocks = {"WIDTH": width, "BLOCK_D": max(triton.next_power_of_2(width), 16), "BLOCK_H": CONFIG["block_h"]}
+    launch = {"num_warps": CONFIG["num_warps"], "num_stages": CONFIG["num_stages"]}
+    kernel_args = {**blocks, "BLOCK_N": CONFIG["block_n"], **fmt_args, **launch}
+    if not split_counts:
+        attend_kernel[(num_tokens, head_blocks)](
+            q,
+            sink,
+            out,
+            out,
+            out,
+            *shared,
+            ROUND=round_probs_bf16,
+            SPLIT=False,
+            FOLD=invariant_kernels(),
+            **kernel_args,
+        )
+        return
+    # Buffers sized from T, splits and H only (host shapes), so a captured step replays with the same plan.
+    part_m = torch.empty((num_tokens, num_splits, num_heads), dtype=torch.float32, device=q.device)
+    part_l = torch.empty_like(part_m)
+    part_acc = torch.empty((num_tokens, num_splits, num_heads, width), dtype=torch.float32, device=q.device)
+    grid = (num_tokens, head_blocks, num_splits)
+    split_max_kernel[grid](q, part_m, *shared, **kernel_args)
+    attend_kernel[grid](
+        q, sink, part_acc, part_m, part_l, *shared, ROUND=round_probs_bf16, SPLIT=True, FOLD=False, **kernel_args
     )
-    if splits > 1:
-        # Every split took its probabilities at the same maximum: the sums just add.
-        torch.div(target.sum(dim=1), part_l.sum(dim=1)[..., None], out=out)
+    combine_kernel[(num_tokens, head_blocks)](
+        sink, out, part_m, part_acc, part_l, num_heads, num_splits, **blocks, **launch
+    )
 
 
 @functools.cache
@@ -333,16 +130,19 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _split_plan(programs: int, num_keys: int, device: torch.device) -> tuple[int, int]:
-    """(splits of the key list per query, keys per split): enough programs to fill the device when few queries run
-    (decode), one split otherwise. Splits hold whole tiles. Inside ``batch_invariant_ops`` always one split: the
-    split count follows the number of queries, and a split changes the order of the sums (docs/design/numerics.md,
-    "Batch invariance")."""
+def _split_plan(programs: int, widths: list[int], device: torch.device) -> tuple[int, list[int]]:
+    """(keys per chunk, splits per source; an empty list = no split, one program per query and head block).
+
+    Each source's keys are cut into chunks of ``chunk_keys`` from the source's start; with splits, every chunk is one
+    split. Splits are taken when the queries alone would leave the device idle (decode): about twice the
+    multiprocessors in programs. Default mode sizes the chunks to reach that count. Inside ``batch_invariant_ops``
+    the chunks are :data:`INVARIANT_CHUNK_KEYS` keys whatever the batch, and a query's bits do not depend on whether
+    its chunks are split over programs (docs/design/numerics.md, "Batch invariance").
+    """
     block_n = CONFIG["block_n"]
-    tiles = max(triton.cdiv(num_keys, block_n), 1)
-    if invariant_kernels():
-        return 1, tiles * block_n
+    tiles = max(triton.cdiv(sum(widths), block_n), 1)
     target = CONFIG["target_programs"] or 2 * _multiprocessors(device)
-    splits = max(1, min(tiles, triton.cdiv(target, programs)))
-    split_keys = triton.cdiv(tiles, splits) * block_n
-    return triton.cdiv(max(num_keys, 1), split_keys), split_keys
+    wanted = min(tiles, triton.cdiv(target, programs))
+    chunk_keys = INVARIANT_CHUNK_KEYS if invariant_kernels() else triton.cdiv(tiles, wanted) * block_n
+    counts = [triton.cdiv(width, chunk_keys) for width in widths]
+    return chunk_keys, counts if wanted > 1 and sum(counts) > 1 else []

@@ -1,0 +1,87 @@
+"""Triton sparse attention with the key list split over programs (docs/design/kernels.md, "sparse_attention"):
+against the dense re-computation for several split counts, with empty sources, all-invalid splits and sink-only
+queries; in batch-invariant mode a query's output is bitwise the same alone and inside a batch whose other queries
+have other key counts (the rows padded with −1 to the longest list), split or not. Runs in Triton's interpreter on
+CPU tensors, or on a CUDA device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _cache_inputs import dense_attention, random_pool, random_rows
+
+import deepinfer_kernels as dk
+from deepinfer_kernels._registry import Backend, implementation
+from deepinfer_kernels.batch_invariant import batch_invariant_ops
+from deepinfer_kernels.testing import assert_bitwise_equal, random_normal
+
+F = dk.RowFormat
+_FORMATS = (F.FP8, F.FP8, F.FP4_E4M3)
+
+
+def _case(num_tokens: int, heads: int, width: int, counts: tuple[int, ...], seed: int) -> tuple:
+    q = random_normal((num_tokens, heads, width), seed=seed, dtype=torch.bfloat16)
+    sink = random_normal((heads,), seed=seed + 1)
+    sources = []
+    for i, count in enumerate(counts):
+        pool = random_pool(2 * count + 5, width, _FORMATS[i], seed=seed + 10 * i)
+        sources.append(
+            dk.KeySource(pool, random_rows(num_tokens, count, pool.shape[0], seed=seed + 10 * i + 3), _FORMATS[i])
+        )
+    return q, sources, sink
+
+
+def _triton(device: str, q: torch.Tensor, sources: list, sink: torch.Tensor, round_probs: bool) -> torch.Tensor:
+    moved = [dk.KeySource(s.pool.to(device), s.rows.to(device), s.fmt) for s in sources]
+    out = torch.full(q.shape, float("nan"), device=device)
+    implementation("sparse_attention", Backend.NVIDIA)(q.to(device), moved, sink.to(device), 0.125, round_probs, out)
+    return out.cpu()
+
+
+@pytest.mark.parametrize("round_probs", [True, False])
+@pytest.mark.parametrize(("block_n", "target_programs"), [(16, 12), (16, 1000), (32, 40)])
+def test_split_key_lists_match_dense(
+    triton_device: str, monkeypatch: pytest.MonkeyPatch, block_n: int, target_programs: int, round_probs: bool
+) -> None:
+    from deepinfer_kernels.cuda import attention
+
+    monkeypatch.setitem(attention.CONFIG, "block_n", block_n)
+    monkeypatch.setitem(attention.CONFIG, "target_programs", target_programs)
+    q, sources, sink = _case(4, 3, 64, (37, 0, 70), seed=block_n + target_programs)
+    sources[2].rows[0, 30:] = -1  # query 0: the later splits of the selected rows hold no valid key
+    for source in sources:
+        source.rows[1] = -1  # query 1: the sink only
+    sources[0].rows[2] = -1  # query 2: no window key
+    chunk_keys, splits = attention._split_plan(4, [37, 0, 70], torch.device(triton_device))
+    assert sum(splits) > 1 and chunk_keys % block_n == 0  # the split path runs
+    actual = _triton(triton_device, q, sources, sink, round_probs)
+    expected = dense_attention(q, sources, sink, 0.125, round_probs)
+    # Summation order only; with BF16 probabilities a last-bit FP32 difference may pick the other BF16 neighbour.
+    rtol = 2.0**-8 if round_probs else 1e-5
+    assert ((actual - expected).abs() <= rtol * float(expected.abs().max()) + 1e-6).all()
+    assert torch.equal(actual[1], torch.zeros(3, 64))
+
+
+@pytest.mark.parametrize("target_programs", [None, 1000])
+def test_invariant_mode_gives_a_query_the_same_bits_alone_and_in_a_batch(
+    triton_device: str, monkeypatch: pytest.MonkeyPatch, target_programs: int | None
+) -> None:
+    from deepinfer_kernels.cuda import attention
+
+    # Small chunks of two tiles, so that short lists already split and chunks hold more than one tile.
+    monkeypatch.setitem(attention.CONFIG, "block_n", 16)
+    monkeypatch.setitem(attention.CONFIG, "target_programs", target_programs)
+    monkeypatch.setattr(attention, "INVARIANT_CHUNK_KEYS", 32)
+    num_tokens, widths = 6, (50, 9, 120)
+    q, sources, sink = _case(num_tokens, 2, 64, widths, seed=31)
+    lengths = torch.tensor([[50, 3, 70], [20, 9, 120], [1, 0, 33], [50, 9, 5], [7, 1, 119], [0, 0, 0]])
+    for i, source in enumerate(sources):
+        source.rows[torch.arange(widths[i])[None, :] >= lengths[:, i : i + 1]] = -1
+    expected = dense_attention(q, sources, sink, 0.125, True)
+    with batch_invariant_ops():
+        together = _triton(triton_device, q, sources, sink, True)
+        for t in range(num_tokens):
+            own = [dk.KeySource(s.pool, s.rows[t : t + 1, : int(lengths[t, i])], s.fmt) for i, s in enumerate(sources)]
+            alone = _triton(triton_device, q[t : t + 1], own, sink, True)
+            assert_bitwise_equal(alone[0], together[t])
+    assert ((together - expected).abs() <= 2.0**-8 * float(expected.abs().max()) + 1e-6).all()
