@@ -18,7 +18,13 @@ from deepinfer_model import reference as ref
 from deepinfer_model.deepseek_v41.hyper_connection import hc_mixes, hc_post, hc_read
 from deepinfer_model.deepseek_v41.moe import Router, SharedExperts
 from deepinfer_model.layers.embedding import LMHead, VocabEmbedding
-from deepinfer_model.layers.linear import Bf16Linear, Fp8BlockLinear, Fp8GroupedLinear, Mxfp4ExpertStack
+from deepinfer_model.layers.linear import (
+    Bf16Linear,
+    Fp8BlockLinear,
+    Fp8GroupedLinear,
+    Mxfp4ExpertStack,
+    bf16_weight_product,
+)
 from deepinfer_model.layers.mode import ComputeMode
 from deepinfer_model.layers.norm import RMSNorm
 from deepinfer_model.layers.rope import RotaryEmbedding
@@ -306,3 +312,29 @@ def test_lm_head_on_cuda_is_bf16_gemm_with_fp32_accumulation() -> None:
     exact = h.double() @ head.weight.double().t()
     bound = hidden * 2.0**-24 * (h.double().abs() @ head.weight.double().abs().t()) + exact.abs() * 2.0**-23
     assert bool(((logits.double() - exact).abs() <= bound).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_bf16_weight_products_on_cuda_read_the_stored_weight() -> None:
+    """``bf16_weight_product`` on CUDA (BF16 GEMM, FP32 accumulation; 3-D input) is within the FP32 summation bound
+    of the FP64 product, like the LM head; ``Bf16Linear`` returns it, and the router picks the CPU's experts."""
+    hidden, out = 512, 64
+    x = torch.randn(2, 5, hidden, generator=_gen(22)).to(torch.bfloat16)
+    weight = torch.randn(out, hidden, generator=_gen(23)).to(torch.bfloat16)
+    got = bf16_weight_product(x.cuda(), weight.cuda()).cpu()
+    assert got.dtype == torch.float32 and got.shape == (2, 5, out)
+    exact = x.double() @ weight.double().t()
+    bound = hidden * 2.0**-24 * (x.double().abs() @ weight.double().abs().t()) + exact.abs() * 2.0**-23
+    assert bool(((got.double() - exact).abs() <= bound).all())
+    linear = Bf16Linear(hidden, out, EXACT, fp32_output=True)
+    linear.weight.data.copy_(weight)
+    assert torch.equal(linear.cuda()(x.cuda()).cpu(), got)
+    router = Router(out, hidden, top_k=4, scaling=1.5)
+    router.weight.data.copy_(weight)
+    router.bias.data.zero_()
+    router.bias_vl.data.zero_()
+    expected_ids, expected_weights = router(x[0])
+    ids, weights = router.cuda()(x[0].cuda())
+    assert torch.equal(ids.cpu(), expected_ids)
+    torch.testing.assert_close(weights.cpu(), expected_weights, rtol=1e-5, atol=1e-6)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from deepinfer_kernels import router_topk, swiglu_clamped, swiglu_clamped_fp8
-from deepinfer_model.layers.linear import Fp8BlockLinear, Fp8Copy, Mxfp4ExpertStack, make_parameter
+from deepinfer_model.layers.linear import Fp8BlockLinear, Fp8Copy, Mxfp4ExpertStack, bf16_weight_product, make_parameter
 from deepinfer_model.layers.mode import ComputeMode, round_activation
 
 __all__ = ["ExpertDispatch", "MoE", "RoutedExperts", "Router", "local_expert_dispatch"]
@@ -67,7 +67,8 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Args: x [n, H] (text tokens). Returns: ``(topk_ids [n, k] int64, topk_weights [n, k] fp32)``."""
-        logits = x.float() @ self.weight.float().t()  # FP32 logits, never rounded (docs/design/model.md, "Router")
+        # FP32 logits, never rounded (docs/design/model.md, "Router").
+        logits = bf16_weight_product(x, self.weight)
         # Scores, the stable biased top-k (ties to the lower expert index) and the weights in one kernels op.
         return router_topk(logits, self.bias, self.top_k, self.scaling)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer_model.layers.linear import make_parameter
+from deepinfer_model.layers.linear import bf16_weight_product, make_parameter
 from deepinfer_model.layers.mode import ComputeMode
 
 __all__ = ["LMHead", "VocabEmbedding"]
@@ -39,9 +39,6 @@ class LMHead(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """Args: h [n, H]. Returns: logits [n, V] fp32.
 
-        BF16 ``h`` on CUDA runs one BF16 GEMM with FP32 accumulation and FP32 output (cuBLAS), reading the stored
-        weight as it is; elsewhere (CPU, FP32 ``h``) the product is an FP32 GEMM over the widened operands.
+        ``linear.bf16_weight_product``: on CUDA a BF16 ``h`` reads the stored weight as it is.
         """
-        if h.is_cuda and h.dtype == torch.bfloat16:
-            return torch.mm(h, self.weight.t(), out_dtype=torch.float32)
-        return h.float() @ self.weight.float().t()
+        return bf16_weight_product(h, self.weight)
