@@ -187,21 +187,27 @@ def test_split_k_matches_one_program_bitwise(triton_device: str, op: str, gemv: 
 
 
 @pytest.mark.parametrize("split_grid", [False, True])
-@pytest.mark.parametrize("op", ["mxfp4_gemm", "mxfp4_grouped_gemm"])
-def test_mxfp4_scaled_dot_decoding_matches_the_kernels_own(triton_device: str, op: str, split_grid: bool) -> None:
-    """MXFP4 MMA tiles with ``tl.dot_scaled`` decoding the stored operands and with ``mxfp4_kernel``'s own bit
-    decoding both meet the reference's tolerance (only the FP32 summation order may differ); K = 1024 in 4 chunks,
-    37 rows over three row tiles, rows without an expert left at zero."""
+@pytest.mark.parametrize("op", ["fp8_block_gemm", "mxfp4_gemm", "mxfp4_grouped_gemm"])
+def test_scaled_dot_decoding_meets_the_reference_bound(triton_device: str, op: str, split_grid: bool) -> None:
+    """MMA tiles with ``tl.dot_scaled`` decoding the stored operands and with the kernels' own bit decoding both
+    meet the reference's bound (only the FP32 summation order may differ); K = 1024 in 4 chunks, 37 rows over three
+    row tiles, rows without an expert left at zero."""
     from deepinfer_kernels.cuda.gemm_tiles import BlockConfig
 
     m, n, k = 37, 96, 1024
     x = _activation(m, k, seed=23, dtype=torch.bfloat16)
-    weights = (random_mxfp4_packed((n, k // 2), seed=24), random_ue8m0((n, k // 32), seed=25))
-    inputs: tuple[torch.Tensor, ...] = (x, *weights)
-    if op == "mxfp4_grouped_gemm":
+    ids = torch.randint(-1, 2, (m,), generator=torch.Generator().manual_seed(28))
+    if op == "fp8_block_gemm":
+        weights = (random_e4m3((n, k), seed=24), random_ue8m0((n // 32, k // 32), seed=25))
+        w_hats = [dk.dequantize_fp8_block(*weights, out_dtype=torch.float32)]
+        inputs: tuple[torch.Tensor, ...] = (x, *weights)
+    else:
+        weights = (random_mxfp4_packed((n, k // 2), seed=24), random_ue8m0((n, k // 32), seed=25))
         second = (random_mxfp4_packed((n, k // 2), seed=26), random_ue8m0((n, k // 32), seed=27))
-        ids = torch.randint(-1, 2, (m,), generator=torch.Generator().manual_seed(28))
-        inputs = (x, ids, *(torch.stack(pair) for pair in zip(weights, second, strict=True)))
+        w_hats = [dk.dequantize_mxfp4(*weights), dk.dequantize_mxfp4(*second)]
+        inputs = (x, *weights)
+        if op == "mxfp4_grouped_gemm":
+            inputs = (x, ids, *(torch.stack(pair) for pair in zip(weights, second, strict=True)))
     results = []
     for scaled in (False, True):
         cfg = BlockConfig(16, 32, num_warps=4, num_stages=2, split_grid=split_grid, dot_scaled=scaled)
@@ -210,10 +216,10 @@ def test_mxfp4_scaled_dot_decoding_matches_the_kernels_own(triton_device: str, o
         results.append(out.cpu())
     ref = torch.zeros(m, n, dtype=torch.bfloat16)
     implementation(op, Backend.REFERENCE)(*inputs, ref)
-    bound = abs_product(dequantized_activation(x), dk.dequantize_mxfp4(*weights).double())
+    x_hat = dequantized_activation(x)
+    bound = abs_product(x_hat, w_hats[0].double())
     if op == "mxfp4_grouped_gemm":
-        second_hat = dk.dequantize_mxfp4(*second).double()
-        bound = torch.where((ids == 1)[:, None], abs_product(dequantized_activation(x), second_hat), bound)
+        bound = torch.where((ids == 1)[:, None], abs_product(x_hat, w_hats[1].double()), bound)
         assert all(torch.all(result[ids == -1] == 0) for result in results)
     for result in results:
         assert_gemm_close(result, ref, bound, k)

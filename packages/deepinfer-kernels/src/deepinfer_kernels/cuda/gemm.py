@@ -92,6 +92,7 @@ def _fp8_block_kernel(  # type: ignore[no-untyped-def]
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_BF16: tl.constexpr,
+    DOT_SCALED: tl.constexpr,
 ):
     q_ptr, qs_ptr = group_activation(q_ptr, qs_ptr, K, N_PER_GROUP, BLOCK_N)
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -100,6 +101,14 @@ def _fp8_block_kernel(  # type: ignore[no-untyped-def]
     n_mask = n_offsets < N
     n_rows = n_offsets.to(tl.int64)
     groups = tl.arange(0, BLOCK_K // 32)
+    if DOT_SCALED:
+        # tl.dot_scaled on the stored codes: the weight's 32×32 block scale serves each of its rows (n // 32).
+        total = _scaled_tiles(
+            q_ptr, qs_ptr, w_ptr, ws_ptr, rows, row_mask, n_rows, n_mask, n_rows // 32, groups, K, K_CHUNK,
+            stride_q, stride_qs, stride_w, 1, stride_ws, "e4m3", SPLIT_GRID, BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+        finish_tile(out_ptr, partial_ptr, total, rows, row_mask, n_offsets, M, N, stride_out, SPLIT_GRID)
+        return
     within = groups[:, None] * 32 + tl.arange(0, 32)[None, :]
     q_ptrs = q_ptr + rows[:, None, None] * stride_q + within[None, :, :]
     qs_ptrs = qs_ptr + rows[:, None] * stride_qs + groups[None, :]
@@ -125,35 +134,39 @@ def _fp8_block_kernel(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _mxfp4_scaled_tiles(  # type: ignore[no-untyped-def]
+def _scaled_tiles(  # type: ignore[no-untyped-def]
     q_ptr,
     qs_ptr,
-    packed_ptr,
+    w_ptr,
     ws_ptr,
     rows,
     row_mask,
     n_rows,
     n_mask,
+    scale_rows,
     groups,
     K,
     K_CHUNK,
     stride_q,
     stride_qs,
-    stride_p,
-    stride_s,
+    stride_w,
+    PER_BYTE: tl.constexpr,
+    stride_ws,
+    W_FORMAT: tl.constexpr,
     SPLIT_GRID: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    # The chunk sums of mxfp4_kernel's tile through tl.dot_scaled: activation [BLOCK_M, BLOCK_K] e4m3 codes in column
-    # order, weight [BLOCK_K/2, BLOCK_N] bytes packed along K (low nibble first, as stored), scales [rows, groups].
+    # The chunk sums of a quantized GEMM tile through tl.dot_scaled: activation [BLOCK_M, BLOCK_K] e4m3 codes in
+    # column order; weight [BLOCK_K / PER_BYTE, BLOCK_N] bytes of W_FORMAT ("e4m3", or "e2m1" packed two per byte
+    # along K, low nibble first, as stored); UE8M0 scales per row and 32 columns (the weight's from row scale_rows).
     cols = tl.arange(0, BLOCK_K)
-    halves = tl.arange(0, BLOCK_K // 2)
+    w_cols = tl.arange(0, BLOCK_K // PER_BYTE)
     q_ptrs = q_ptr + rows[:, None] * stride_q + cols[None, :]
     qs_ptrs = qs_ptr + rows[:, None] * stride_qs + groups[None, :]
-    p_ptrs = packed_ptr + n_rows[None, :] * stride_p + halves[:, None]
-    s_ptrs = ws_ptr + n_rows[:, None] * stride_s + groups[None, :]
+    w_ptrs = w_ptr + n_rows[None, :] * stride_w + w_cols[:, None]
+    ws_ptrs = ws_ptr + scale_rows[:, None] * stride_ws + groups[None, :]
     first, last = chunk_range(K, K_CHUNK, SPLIT_GRID)
     total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for chunk in range(first, last):
@@ -163,9 +176,10 @@ def _mxfp4_scaled_tiles(  # type: ignore[no-untyped-def]
             group_in = (k0 + groups * 32 < k_end)[None, :]
             a = tl.load(q_ptrs + k0, mask=row_mask[:, None] & (k0 + cols < k_end)[None, :], other=0)
             a_scale = tl.load(qs_ptrs + k0 // 32, mask=row_mask[:, None] & group_in, other=0)
-            w = tl.load(p_ptrs + k0 // 2, mask=(k0 + 2 * halves < k_end)[:, None] & n_mask[None, :], other=0)
-            w_scale = tl.load(s_ptrs + k0 // 32, mask=n_mask[:, None] & group_in, other=0)
-            acc = tl.dot_scaled(a, a_scale, "e4m3", w, w_scale, "e2m1", acc)
+            w_in = (k0 + PER_BYTE * w_cols < k_end)[:, None] & n_mask[None, :]
+            w = tl.load(w_ptrs + k0 // PER_BYTE, mask=w_in, other=0)
+            w_scale = tl.load(ws_ptrs + k0 // 32, mask=n_mask[:, None] & group_in, other=0)
+            acc = tl.dot_scaled(a, a_scale, "e4m3", w, w_scale, W_FORMAT, acc)
         total += acc
     return total
 
@@ -230,9 +244,9 @@ def mxfp4_kernel(  # type: ignore[no-untyped-def]
     n_rows = n_offsets.to(tl.int64)
     groups = tl.arange(0, BLOCK_K // 32)
     if DOT_SCALED:
-        total = _mxfp4_scaled_tiles(
-            q_ptr, qs_ptr, packed_ptr, ws_ptr, rows, row_mask, n_rows, n_mask, groups, K, K_CHUNK,
-            stride_q, stride_qs, stride_p, stride_s, SPLIT_GRID, BLOCK_M, BLOCK_N, BLOCK_K,
+        total = _scaled_tiles(
+            q_ptr, qs_ptr, packed_ptr, ws_ptr, rows, row_mask, n_rows, n_mask, n_rows, groups, K, K_CHUNK,
+            stride_q, stride_qs, stride_p, 2, stride_s, "e2m1", SPLIT_GRID, BLOCK_M, BLOCK_N, BLOCK_K,
         )  # fmt: skip
         finish_tile(out_ptr, partial_ptr, total, rows, row_mask, n_offsets, M, N, stride_out, SPLIT_GRID)
         return
@@ -428,6 +442,7 @@ def fp8_block_launch(
             BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k,
             DOT_BF16=dot_in_bf16(),
+            DOT_SCALED=cfg.dot_scaled,
             **launch,
         )
     if cfg.split_grid:

@@ -22,7 +22,7 @@ Tiles per shape come from :data:`MEASURED` (filled from ``benchmarks/kernels_gem
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from deepinfer_kernels.batch_invariant import invariant_kernels
 
@@ -108,16 +108,16 @@ def default_config(op: str, rows: int) -> BlockConfig:
 def candidate_configs(op: str, rows: int) -> list[BlockConfig]:
     """The tiles ``benchmarks/kernels_gemm.py --tune`` times for a row bucket (the default first)."""
     default = default_config(op, rows)
+    # MMA tiles are timed with both operand decodings (the kernel's own and tl.dot_scaled's).
+    decodings = (False,) if default.gemv else (default.dot_scaled, not default.dot_scaled)
     if rows > 64:
-        return [default]
+        return [replace(default, dot_scaled=scaled) for scaled in decodings]
     shapes: tuple[tuple[int, int, int], ...]
     if default.gemv:
         shapes = ((32, 4, 2), (32, 4, 4), (64, 4, 3), (64, 8, 3), (16, 4, 3))
     else:
         shapes = ((32, 4, 4), (32, 4, 6), (64, 8, 4), (32, 2, 4))
     out = [default]
-    # MXFP4 MMA tiles are timed with both decodings.
-    decodings = (default.dot_scaled, not default.dot_scaled) if _scaled_dots(op) and not default.gemv else (False,)
     for block_n, num_warps, num_stages in shapes:
         for scaled in decodings:
             cfg = BlockConfig(
