@@ -44,7 +44,6 @@ _DECODE_PROGRAMS = 1024
 _CHUNK_ALIGN = 256
 _DECODE_BLOCK_N = 32
 _BUCKETS = (2, 16, 32, 64, 256)
-_MXFP4_OPS = ("mxfp4_gemm", "mxfp4_grouped_gemm")
 
 
 @dataclass(frozen=True)
@@ -83,8 +82,9 @@ def row_bucket(rows: int) -> int:
 
 
 def _scaled_dots(op: str) -> bool:
-    # MXFP4 MMA tiles decode through tl.dot_scaled (measured faster on the H200, docs/design/kernels.md).
-    return op in _MXFP4_OPS
+    # FP8 MMA tiles decode through tl.dot_scaled, MXFP4 ones with the kernel's own bit decoding: the faster of the
+    # two in the H200 tuning run (docs/design/kernels.md, "GEMM tiles and split-K").
+    return op == "fp8_block_gemm"
 
 
 def default_config(op: str, rows: int) -> BlockConfig:
@@ -134,13 +134,16 @@ def _gemv(block_n: int, num_warps: int, num_stages: int) -> BlockConfig:
     )
 
 
-def _mma(block_m: int, block_n: int, num_warps: int, num_stages: int) -> BlockConfig:
-    return BlockConfig(block_m, block_n, num_warps, num_stages, split_grid=True)
+def _mma(
+    block_m: int, block_n: int, num_warps: int, num_stages: int, split_grid: bool = True, scaled: bool = False
+) -> BlockConfig:
+    return BlockConfig(block_m, block_n, num_warps, num_stages, split_grid=split_grid, dot_scaled=scaled)
 
 
 # (op, row bucket, N, K) -> tiles where the fastest candidate on an H200 was not the default (the scaled preset's
 # decode shapes; benchmarks/results/kernels_gemm-nvidia-h200*.json, docs/hardware.md "Kernels"). Bucket 2 was tuned
-# at 1 row, bucket 16 at 1 row, bucket 64 at 64 rows.
+# at 1 row, bucket 16 at 1 row (the grouped GEMM's buckets at 64 and 256 tokens), bucket 64 at 64 rows, bucket 4096
+# at 4096 rows. The FP8 entries of buckets 16 and 2 predate tl.dot_scaled (own decoding).
 MEASURED: dict[tuple[str, int, int, int], BlockConfig] = {
     ("fp8_block_gemm", 2, 512, 5120): _gemv(16, 4, 3),
     ("fp8_block_gemm", 2, 1280, 5120): _gemv(64, 8, 3),
@@ -153,7 +156,21 @@ MEASURED: dict[tuple[str, int, int, int], BlockConfig] = {
     ("mxfp4_gemm", 2, 5120, 2304): _gemv(16, 4, 3),
     ("fp8_block_gemm", 16, 512, 5120): _mma(16, 32, 2, 4),
     ("fp8_block_gemm", 16, 4096, 1280): _mma(16, 32, 4, 6),
-    ("fp8_block_gemm", 64, 4096, 1280): _mma(64, 64, 8, 4),
+    ("fp8_block_gemm", 64, 512, 5120): _mma(64, 32, 4, 4, scaled=True),
+    ("fp8_block_gemm", 64, 1280, 5120): _mma(64, 32, 4, 4, scaled=True),
+    ("fp8_block_gemm", 64, 4096, 1280): _mma(64, 32, 4, 4, scaled=True),
+    ("fp8_block_gemm", 64, 4608, 5120): _mma(64, 32, 2, 4, scaled=True),
+    ("fp8_block_gemm", 64, 5120, 2304): _mma(64, 32, 4, 4, scaled=True),
+    ("fp8_block_gemm", 64, 5120, 8192): _mma(64, 32, 2, 4, scaled=True),
+    ("fp8_block_gemm", 64, 5120, 15360): _mma(64, 32, 2, 4, scaled=True),
+    ("fp8_block_gemm", 64, 25600, 6144): _mma(64, 32, 2, 4, scaled=True),
+    ("fp8_block_gemm", 64, 32768, 1280): _mma(64, 32, 2, 4, scaled=True),
+    ("fp8_block_gemm", 4096, 5120, 15360): _mma(128, 128, 8, 3, split_grid=False),
+    ("fp8_block_gemm", 4096, 25600, 6144): _mma(128, 128, 8, 3, split_grid=False),
+    ("mxfp4_grouped_gemm", 2, 4608, 5120): _mma(16, 64, 8, 4),
+    ("mxfp4_grouped_gemm", 2, 5120, 2304): _mma(16, 64, 8, 4),
+    ("mxfp4_grouped_gemm", 16, 4608, 5120): _mma(16, 64, 8, 4),
+    ("mxfp4_grouped_gemm", 16, 5120, 2304): _mma(16, 64, 8, 4),
 }
 
 
