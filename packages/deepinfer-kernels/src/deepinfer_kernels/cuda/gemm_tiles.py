@@ -142,8 +142,8 @@ def _mma(
 
 # (op, row bucket, N, K) -> tiles where the fastest candidate on an H200 was not the default (the scaled preset's
 # decode shapes; benchmarks/results/kernels_gemm-nvidia-h200*.json, docs/hardware.md "Kernels"). Bucket 2 was tuned
-# at 1 row, bucket 16 at 1 row (the grouped GEMM's buckets at 64 and 256 tokens), bucket 64 at 64 rows, bucket 4096
-# at 4096 rows. The FP8 entries of buckets 16 and 2 predate tl.dot_scaled (own decoding).
+# at 1 row, bucket 16 at 1 row, bucket 64 at 64 rows, bucket 4096 at 4096 rows. The FP8 entries of buckets 2 and 16
+# predate tl.dot_scaled (own decoding).
 MEASURED: dict[tuple[str, int, int, int], BlockConfig] = {
     ("fp8_block_gemm", 2, 512, 5120): _gemv(16, 4, 3),
     ("fp8_block_gemm", 2, 1280, 5120): _gemv(64, 8, 3),
@@ -167,10 +167,6 @@ MEASURED: dict[tuple[str, int, int, int], BlockConfig] = {
     ("fp8_block_gemm", 64, 32768, 1280): _mma(64, 32, 2, 4, scaled=True),
     ("fp8_block_gemm", 4096, 5120, 15360): _mma(128, 128, 8, 3, split_grid=False),
     ("fp8_block_gemm", 4096, 25600, 6144): _mma(128, 128, 8, 3, split_grid=False),
-    ("mxfp4_grouped_gemm", 2, 4608, 5120): _mma(16, 64, 8, 4),
-    ("mxfp4_grouped_gemm", 2, 5120, 2304): _mma(16, 64, 8, 4),
-    ("mxfp4_grouped_gemm", 16, 4608, 5120): _mma(16, 64, 8, 4),
-    ("mxfp4_grouped_gemm", 16, 5120, 2304): _mma(16, 64, 8, 4),
 }
 
 
