@@ -266,6 +266,29 @@ def decode_step(
     return state, step, rows
 
 
+def prefill_step(model: DeepseekV41ForCausalLM, prompt: int, device: torch.device) -> tuple[ModelState, ForwardBatch]:
+    """One request's whole `prompt` of random tokens from position 0 over a fresh cache, logits of its last token;
+    returns the cache and the step."""
+    from deepinfer_model.forward_batch import ForwardBatch
+
+    pages = -(-(prompt + 1) // BLOCK_SIZE)
+    generator = torch.Generator().manual_seed(prompt)
+    ids = torch.randint(MIN_TOKEN_ID, model.config.text.vocab_size, (prompt,), generator=generator)
+    state = model.allocate_state(BLOCK_SIZE, 1 + pages, 1, device)
+    step = ForwardBatch(
+        input_ids=ids.to(device),
+        positions=torch.arange(prompt, device=device),
+        cu_query_lens=torch.tensor([0, prompt], dtype=torch.int32, device=device),
+        context_lens=torch.tensor([prompt], dtype=torch.int32, device=device),
+        block_table=torch.arange(1, 1 + pages, dtype=torch.int32, device=device).view(1, pages),
+        state_slots=torch.zeros(1, dtype=torch.int32, device=device),
+        logits_indices=torch.tensor([prompt - 1], device=device),
+        max_query_len=prompt,
+        max_context_len=prompt,
+    )
+    return state, step
+
+
 def run_model_step(
     model: DeepseekV41ForCausalLM, point: Point, bound: int, graphs: bool, repeats: int, device: torch.device
 ) -> dict[str, Any]:

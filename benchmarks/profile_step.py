@@ -1,9 +1,10 @@
-"""Kernel launches per decode step: a torch profile of eager decode steps of the engine's model.
+"""Kernel launches per model step: a torch profile of eager decode (and prefill) steps of the engine's model.
 
 For each batch in `--batches` the engine's loaded model (built-in checkpoint unless `--model DIR`) gets a fresh cache
 with random valid rows of `--context` tokens for every request (`long_context.decode_step`, the same step a decode
-step of the engine computes: one token per request), runs `--warmup` eager steps, then `--steps` profiled eager steps
-(no CUDA graphs, so every kernel is seen; sampling excluded).
+step of the engine computes: one token per request); for each length in `--prefill-lens`, one request's whole prompt
+from position 0 over a fresh cache (`long_context.prefill_step`). Each runs `--warmup` eager steps, then `--steps`
+profiled eager steps (no CUDA graphs, so every kernel is seen; sampling excluded).
 
 Counted per step:
 - CUDA: the device kernels of the trace (memcpy / memset counted apart), and the top kernels by total device time
@@ -16,7 +17,8 @@ Counted per step:
 Prints a table last and writes JSON (default benchmarks/results/profile_step-<device>.json).
 
 Usage:
-    python benchmarks/profile_step.py [--model DIR] [--batches 1,64] [--context 128] [--device cuda]
+    python benchmarks/profile_step.py [--model DIR] [--batches 1,64] [--context 128] [--prefill-lens 8192]
+        [--device cuda]
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Any
 
 import torch
 from bench_common import RESULTS, device_label, git_commit, int_list
-from long_context import decode_step
+from long_context import decode_step, prefill_step
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
@@ -108,10 +110,17 @@ def cpu_op_counts(events: list[Any]) -> dict[str, list[float]]:
     return ops
 
 
-def profile_point(model: Any, batch: int, context: int, steps: int, warmup: int, device: torch.device) -> dict:
-    """One batch size: launches (kernels or aten ops) per step and the top entries by time."""
+def profile_point(
+    model: Any, kind: str, size: int, context: int, steps: int, warmup: int, device: torch.device
+) -> dict:
+    """One decode batch size (``kind`` "decode", ``size`` requests) or one prefill prompt length (``kind``
+    "prefill", one request of ``size`` tokens from position 0): launches (kernels or aten ops) per step and the top
+    entries by time."""
     with torch.inference_mode():
-        state, step, _ = decode_step(model, batch, context, context + 1, device, seed=batch)
+        if kind == "decode":
+            state, step, _ = decode_step(model, size, context, context + 1, device, seed=size)
+        else:
+            state, step = prefill_step(model, size, device)
         for _ in range(warmup):
             model(step, state)
         if device.type == "cuda":
@@ -130,8 +139,8 @@ def profile_point(model: Any, batch: int, context: int, steps: int, warmup: int,
         table, unit, extra = cpu_op_counts(events), "aten ops", {}
     top = sorted(table.items(), key=lambda item: -item[1][1])
     return {
-        "batch": batch,
-        "context": context,
+        "kind": kind,
+        **({"batch": size, "context": context} if kind == "decode" else {"batch": 1, "prompt": size}),
         "unit": unit,
         "launches_per_step": sum(calls for calls, _ in table.values()) / steps,
         "time_us_per_step": sum(us for _, us in table.values()) / steps,
@@ -144,14 +153,18 @@ def profile_point(model: Any, batch: int, context: int, steps: int, warmup: int,
 
 def print_table(points: list[dict], top: int) -> None:
     for point in points:
-        print(f"\nbatch {point['batch']}: top {top} {point['unit']} by total time per step")
+        print(f"\n{_label(point)}: top {top} {point['unit']} by total time per step")
         print(f"{'calls':>7} {'us':>10}  name")
         for entry in point["top"][:top]:
             print(f"{entry['calls_per_step']:>7.0f} {entry['us_per_step']:>10.1f}  {entry['name'][:100]}")
-    print(f"\n{'batch':>6} {'unit':>9} {'per step':>9} {'us/step':>10}")
+    print(f"\n{'step':>14} {'unit':>9} {'per step':>9} {'us/step':>10}")
     for point in points:
         launches, us = point["launches_per_step"], point["time_us_per_step"]
-        print(f"{point['batch']:>6} {point['unit']:>9} {launches:>9.0f} {us:>10.0f}")
+        print(f"{_label(point):>14} {point['unit']:>9} {launches:>9.0f} {us:>10.0f}")
+
+
+def _label(point: dict) -> str:
+    return f"batch {point['batch']}" if point["kind"] == "decode" else f"prefill {point['prompt']}"
 
 
 def main() -> None:
@@ -160,6 +173,7 @@ def main() -> None:
     parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: detect)")
     parser.add_argument("--batches", type=int_list, default=[1, 64], help="batch sizes, comma-separated")
     parser.add_argument("--context", type=int, default=128, help="tokens already in each request's cache")
+    parser.add_argument("--prefill-lens", type=int_list, default=[], help="prompt lengths of prefill steps to profile")
     parser.add_argument("--steps", type=int, default=2, help="profiled steps per batch")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (Triton compiles here)")
     parser.add_argument("--top", type=int, default=15, help="rows of the top-kernels table")
@@ -178,11 +192,12 @@ def main() -> None:
         enforce_eager=True,
         nextn=0,
         max_num_seqs=max(args.batches),
-        max_model_len=args.context + 2,
-        max_num_batched_tokens=max(args.batches),
+        max_model_len=max([args.context + 2, *args.prefill_lens]),
+        max_num_batched_tokens=max([*args.batches, *args.prefill_lens]),
         cache_memory_bytes=1 << 30,
     )
-    points = [profile_point(llm.model, b, args.context, args.steps, args.warmup, device) for b in args.batches]
+    sizes = [("decode", b) for b in args.batches] + [("prefill", n) for n in args.prefill_lens]
+    points = [profile_point(llm.model, kind, n, args.context, args.steps, args.warmup, device) for kind, n in sizes]
     llm.close()
     out = args.out or RESULTS / f"profile_step-{device_label(str(device))}.json"
     result = {
@@ -190,7 +205,8 @@ def main() -> None:
         "checkpoint": args.model or "built-in",
         "label": args.label,
         "git_commit": git_commit(),
-        "method": "eager decode steps of the engine's model (long_context.decode_step), torch.profiler; CUDA: device "
+        "method": "eager decode steps (long_context.decode_step) and prefill steps (long_context.prefill_step) of the "
+        "engine's model, torch.profiler; CUDA: device "
         "kernels per step; CPU: aten ops called by the model code, views excluded (a stand-in for launches)",
         "points": points,
     }

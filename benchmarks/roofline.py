@@ -48,7 +48,7 @@ import long_context
 import machine_rates
 import roofline_counts
 import torch
-from bench_common import MIN_TOKEN_ID, RESULTS, Deadline, device_label, git_commit, int_list, median_wall_s
+from bench_common import RESULTS, Deadline, device_label, git_commit, int_list, median_wall_s
 
 if TYPE_CHECKING:
     from deepinfer_model.deepseek_v41.model import DeepseekV41ForCausalLM
@@ -93,25 +93,9 @@ def run_decode(
 
 
 def run_prefill(model: DeepseekV41ForCausalLM, prompt: int, repeats: int, device: torch.device) -> dict[str, Any]:
-    """One prefill step of a random `prompt`-token request over a fresh cache, logits of its last token."""
-    from deepinfer_model.forward_batch import ForwardBatch
-
-    text = model.config.text
-    pages = -(-(prompt + 1) // long_context.BLOCK_SIZE)
-    ids = torch.randint(MIN_TOKEN_ID, text.vocab_size, (prompt,), generator=torch.Generator().manual_seed(prompt))
+    """One prefill step of a random `prompt`-token request over a fresh cache (`long_context.prefill_step`)."""
     with torch.inference_mode():
-        state = model.allocate_state(long_context.BLOCK_SIZE, 1 + pages, 1, device)
-        step = ForwardBatch(
-            input_ids=ids.to(device),
-            positions=torch.arange(prompt, device=device),
-            cu_query_lens=torch.tensor([0, prompt], dtype=torch.int32, device=device),
-            context_lens=torch.tensor([prompt], dtype=torch.int32, device=device),
-            block_table=torch.arange(1, 1 + pages, dtype=torch.int32, device=device).view(1, pages),
-            state_slots=torch.zeros(1, dtype=torch.int32, device=device),
-            logits_indices=torch.tensor([prompt - 1], device=device),
-            max_query_len=prompt,
-            max_context_len=prompt,
-        )
+        state, step = long_context.prefill_step(model, prompt, device)
 
         def forward() -> None:
             model(step, state)

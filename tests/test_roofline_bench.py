@@ -209,3 +209,20 @@ def test_machine_rates_on_cuda(rates):
     assert rates.copy_bandwidth(device, 64, repeats=3)["bytes_per_s"] > 1e10
     gemm = rates.gemm_rate(device, 1024, repeats=3)
     assert "error" not in gemm and gemm["flop_per_s"] > 1e12 and "_scaled_mm" in gemm["method"]
+
+
+def test_profile_step_counts_decode_and_prefill_steps(monkeypatch, tiny_llm):
+    """benchmarks/profile_step.py's points on the CPU stand-in: a one-request decode step and a 24-token prefill each
+    count the aten ops the model code calls (the table lists every op counted)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import profile_step
+
+    cpu = torch.device("cpu")
+    decode = profile_step.profile_point(tiny_llm.model, "decode", 1, 20, steps=1, warmup=0, device=cpu)
+    prefill = profile_step.profile_point(tiny_llm.model, "prefill", 24, 20, steps=1, warmup=0, device=cpu)
+    assert (decode["kind"], decode["batch"], decode["context"]) == ("decode", 1, 20)
+    assert (prefill["kind"], prefill["batch"], prefill["prompt"]) == ("prefill", 1, 24)
+    for point in (decode, prefill):
+        assert point["unit"] == "aten ops" and point["launches_per_step"] > 100
+        assert point["launches_per_step"] == sum(entry["calls_per_step"] for entry in point["top"])
+    assert prefill["time_us_per_step"] > 0
