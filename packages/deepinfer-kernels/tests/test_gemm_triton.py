@@ -246,3 +246,30 @@ def test_gemv_row_bits_do_not_depend_on_the_row_count(triton_device: str, op: st
         alone = torch.empty(1, n, dtype=torch.bfloat16, device=triton_device)
         impl(x[r : r + 1].to(triton_device), *device_weights, alone, config=cfg)
         assert torch.equal(alone[0].cpu(), together[r].cpu())
+
+
+def test_expert_rows_share_the_tile_tables(triton_device: str) -> None:
+    """Two grouped GEMMs over one ``ExpertRows`` store (a MoE's w13 and w2): the second reuses the first's tile
+    tables (one entry in ``derived``; replacing them with tables of no work zeroes its result, so they are read), and
+    both equal the calls without a store bit for bit."""
+    m, k, n = 9, 256, 64
+    x = _activation(m, k, seed=40, dtype=torch.bfloat16).to(triton_device)
+    ids = torch.tensor([2, -1, 0, 2, 1, 1, 0, 2, 2]).to(triton_device)
+    first = (random_mxfp4_packed((3, n, k // 2), seed=41), random_ue8m0((3, n, k // 32), seed=42))
+    second = (random_mxfp4_packed((3, 2 * n, k // 2), seed=43), random_ue8m0((3, 2 * n, k // 32), seed=44))
+    gemm = implementation("mxfp4_grouped_gemm", Backend.NVIDIA)
+
+    def run(weights: tuple[torch.Tensor, ...], derived: dict | None) -> torch.Tensor:
+        out = torch.zeros(m, weights[0].shape[1], dtype=torch.bfloat16, device=triton_device)
+        gemm(x, ids, *(w.to(triton_device) for w in weights), out, derived=derived)
+        return out
+
+    shared = dk.ExpertRows(ids).derived
+    y1 = run(first, shared)
+    assert len(shared) == 1
+    y2 = run(second, shared)
+    assert len(shared) == 1
+    assert torch.equal(y1, run(first, None)) and torch.equal(y2, run(second, None))
+    ((key, (order, tile_expert, start, end)),) = shared.items()
+    shared[key] = (order, torch.full_like(tile_expert, 3), start, end)  # expert 3 of 3: every tile exits
+    assert torch.all(run(second, shared) == 0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer_kernels import (
+    ExpertRows,
     fp8_block_gemm,
     mxfp4_gemm,
     mxfp4_grouped_gemm,
@@ -78,7 +79,7 @@ def test_expert_stack_follows_an_eplb_rearrangement() -> None:
     x = _x(7, seed=11)
     slots = torch.tensor([0, 3, -1, 1, 2, 3, 0])
     before = [(stack.weight[e].clone(), stack.scale[e].clone()) for e in range(EXPERTS)]
-    assert_bitwise_equal(stack.grouped(x, slots), mxfp4_grouped_gemm(x, slots, stack.weight, stack.scale))
+    assert_bitwise_equal(stack.grouped(x, ExpertRows(slots)), mxfp4_grouped_gemm(x, slots, stack.weight, stack.scale))
     assert_bitwise_equal(stack(x, 2), mxfp4_gemm(x, *before[2]))
     # Rearrange the slots in place the way expert-parallel rebalancing does: byte views through ``detach``.
     placement = [2, 0, 3, 1]
@@ -88,7 +89,7 @@ def test_expert_stack_follows_an_eplb_rearrangement() -> None:
     assert torch.equal(stack.weight, stored[0]) and torch.equal(
         stack.scale.view(torch.uint8), stored[1].view(torch.uint8)
     )
-    assert_bitwise_equal(stack.grouped(x, slots), mxfp4_grouped_gemm(x, slots, *stored))
+    assert_bitwise_equal(stack.grouped(x, ExpertRows(slots)), mxfp4_grouped_gemm(x, slots, *stored))
     stack.set_local_experts(placement)
     for expert in range(EXPERTS):
         assert_bitwise_equal(stack(x, expert), mxfp4_gemm(x, *before[expert]))
@@ -98,9 +99,9 @@ def test_expert_stack_follows_a_reload_of_one_expert() -> None:
     stack = _stack(seed=20)
     x = _x(4, seed=21)
     slots = torch.tensor([1, 1, 0, 3])
-    stack.grouped(x, slots)
+    stack.grouped(x, ExpertRows(slots))
     packed, scale = quantize_mxfp4(torch.randn(OUT, IN, generator=_gen(22)))
     stack.weight.weight_loader(stack.weight, packed, (1, 0))
     stack.scale.weight_loader(stack.scale, scale, (1, 0))
-    assert_bitwise_equal(stack.grouped(x, slots), mxfp4_grouped_gemm(x, slots, stack.weight, stack.scale))
+    assert_bitwise_equal(stack.grouped(x, ExpertRows(slots)), mxfp4_grouped_gemm(x, slots, stack.weight, stack.scale))
     assert_bitwise_equal(stack(x, 1), mxfp4_gemm(x, packed, scale))

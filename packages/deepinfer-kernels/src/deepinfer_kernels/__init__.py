@@ -15,7 +15,7 @@ from deepinfer_kernels.gemm import (
     fp8_block_grouped_gemm,
     mxfp4_gemm,
 )
-from deepinfer_kernels.grouped_gemm import dequantized_grouped_gemm, mxfp4_grouped_gemm
+from deepinfer_kernels.grouped_gemm import ExpertRows, dequantized_grouped_gemm, mxfp4_grouped_gemm
 from deepinfer_kernels.hyper_connection import hc_mix_logits, hc_mixes, hc_post, hc_read
 from deepinfer_kernels.indexer import indexer_select
 from deepinfer_kernels.kv_cache import store_rows
@@ -36,6 +36,7 @@ from deepinfer_kernels.row_formats import RowFormat, bytes_per_row, decode_rows,
 
 __all__ = [
     "Accelerator",
+    "ExpertRows",
     "KeySource",
     "RowFormat",
     "apply_rope",

@@ -15,12 +15,32 @@ dequantized (reference only; see ``deepinfer_kernels.gemm.dequantized_gemm``).
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+from typing import Any
+
 import torch
 
 from deepinfer_kernels import _registry
 from deepinfer_kernels._checks import check_dtype, check_same_device, check_tensor
 
-__all__ = ["dequantized_grouped_gemm", "mxfp4_grouped_gemm"]
+__all__ = ["ExpertRows", "dequantized_grouped_gemm", "mxfp4_grouped_gemm"]
+
+
+class ExpertRows:
+    """The expert ids of a grouped GEMM's rows, passed to every grouped GEMM over the same rows (a MoE's ``w13`` and
+    ``w2``) so that what a backend derives from the ids alone is derived once: the nvidia backend keeps its
+    expert-sorted tile tables in :attr:`derived` and the next call reuses them (docs/design/kernels.md, "GEMM tiles
+    and split-K"). Build one per set of ids and do not change ``ids`` afterwards.
+
+    Attributes:
+        ids: [M] int64 expert id of each row.
+        derived: what backends derived from ``ids``, by a key of their own.
+    """
+
+    def __init__(self, ids: torch.Tensor) -> None:
+        self.ids = ids
+        self.derived: dict[Hashable, Any] = {}
+
 
 _ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)
 _GROUP = 32
@@ -41,16 +61,18 @@ def _check_rows(x: torch.Tensor, expert_ids: torch.Tensor, k: int, described: st
         )
 
 
-def _run(op: str, x: torch.Tensor, expert_ids: torch.Tensor, n: int, *weights: torch.Tensor) -> torch.Tensor:
+def _run(
+    op: str, x: torch.Tensor, expert_ids: torch.Tensor, n: int, *weights: torch.Tensor, **options: Any
+) -> torch.Tensor:
     out = torch.zeros((x.shape[0], n), dtype=torch.bfloat16, device=x.device)
     if out.numel() == 0 or x.shape[1] == 0:
         return out
-    _registry.resolve(op, x.device.type)(x.contiguous(), expert_ids.contiguous(), *weights, out)
+    _registry.resolve(op, x.device.type)(x.contiguous(), expert_ids.contiguous(), *weights, out, **options)
     return out
 
 
 def mxfp4_grouped_gemm(
-    x: torch.Tensor, expert_ids: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor
+    x: torch.Tensor, expert_ids: torch.Tensor | ExpertRows, packed: torch.Tensor, scale: torch.Tensor
 ) -> torch.Tensor:
     """``y[m] = bf16(x̂[m] · Ŵ[expert_ids[m]]ᵀ)``: x quantized per token and 32 columns
     (docs/design/numerics.md, "Activation quantization"), weights MXFP4 (docs/design/numerics.md, "Weight formats").
@@ -60,7 +82,8 @@ def mxfp4_grouped_gemm(
 
     Args:
         x: [M, K] bf16 or fp32, ``K % 32 == 0``.
-        expert_ids: [M] int64 in ``[-1, E)``; ``-1`` means the row belongs to no local expert.
+        expert_ids: [M] int64 in ``[-1, E)``; ``-1`` means the row belongs to no local expert. An
+            :class:`ExpertRows` over them lets the GEMMs that share the rows share what is derived from the ids.
         packed: [E, N, K/2] int8 or uint8 (low nibble = even element), same device.
         scale: [E, N, K/32] float8_e8m0fnu, same device.
 
@@ -71,6 +94,8 @@ def mxfp4_grouped_gemm(
         TypeError: a tensor has the wrong dtype.
         ValueError: shapes disagree, tensors are on different devices, or (reference only) an id is out of range.
     """
+    rows = expert_ids if isinstance(expert_ids, ExpertRows) else None
+    expert_ids = expert_ids.ids if isinstance(expert_ids, ExpertRows) else expert_ids
     for name, value in (("x", x), ("expert_ids", expert_ids), ("packed", packed), ("scale", scale)):
         check_tensor(name, value)
     check_dtype("packed", packed.dtype, (torch.int8, torch.uint8))
@@ -85,7 +110,8 @@ def mxfp4_grouped_gemm(
             f"got {tuple(scale.shape)}"
         )
     check_same_device(x=x, expert_ids=expert_ids, packed=packed, scale=scale)
-    return _run("mxfp4_grouped_gemm", x, expert_ids, n, packed.contiguous().view(torch.int8), scale.contiguous())
+    weights = (packed.contiguous().view(torch.int8), scale.contiguous())
+    return _run("mxfp4_grouped_gemm", x, expert_ids, n, *weights, derived=None if rows is None else rows.derived)
 
 
 def dequantized_grouped_gemm(x: torch.Tensor, expert_ids: torch.Tensor, w_hat: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,8 @@ zeros there). For few rows the K chunks run as programs of their own (split-K, `
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Hashable
+from typing import Any
 
 import torch
 import triton
@@ -71,6 +73,7 @@ def mxfp4_grouped_gemm(
     scale: torch.Tensor,
     out: torch.Tensor,
     config: BlockConfig | None = None,
+    derived: dict[Hashable, Any] | None = None,
 ) -> None:
     """Triton ``out[m] = bf16(x̂[m] · Ŵ[expert_ids[m]]ᵀ)`` (contract of ``reference.grouped_gemm``), sync-free.
 
@@ -81,6 +84,8 @@ def mxfp4_grouped_gemm(
         scale: [E, N, K/32] float8_e8m0fnu, contiguous.
         out: [M, N] bf16, contiguous, zero-initialized by the caller; written.
         config: tiles to use instead of ``gemm_tiles.block_config``'s (tuning).
+        derived: an ``ExpertRows``'s store: the tile tables for these ids are taken from it when an earlier call
+            over the same rows built them (same expert count and rows per tile), else built and kept there.
     """
     check_launchable(x=x, expert_ids=expert_ids, packed=packed, scale=scale, out=out)
     (m, k), (experts, n) = x.shape, packed.shape[:2]
@@ -95,5 +100,10 @@ def mxfp4_grouped_gemm(
     # once rather than once per tile.
     rows = gemv_rows(2 * mean_rows, cfg) if cfg.gemv else cfg.block_m
     q, q_scale = activation_for(x, cfg)
-    tables = expert_tiles_one_program if m <= MAX_ROWS else expert_tiles
-    mxfp4_launch(q, q_scale, packed, scale, out, tables(expert_ids, experts, rows), rows, cfg)
+    key = ("mxfp4_grouped_gemm tiles", experts, rows)
+    tables = None if derived is None else derived.get(key)
+    if tables is None:
+        tables = (expert_tiles_one_program if m <= MAX_ROWS else expert_tiles)(expert_ids, experts, rows)
+        if derived is not None:
+            derived[key] = tables
+    mxfp4_launch(q, q_scale, packed, scale, out, tables, rows, cfg)

@@ -7,7 +7,8 @@ checks that every expert id lies in ``[-1, E)``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
+from typing import Any
 
 import torch
 
@@ -39,9 +40,15 @@ def _per_expert(
 
 
 def mxfp4_grouped_gemm(
-    x: torch.Tensor, expert_ids: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out: torch.Tensor
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    out: torch.Tensor,
+    derived: dict[Hashable, Any] | None = None,
 ) -> None:
-    """``out[m] = bf16(x̂[m] · Ŵ[expert_ids[m]]ᵀ)``, zero where ``expert_ids[m] == -1``.
+    """``out[m] = bf16(x̂[m] · Ŵ[expert_ids[m]]ᵀ)``, zero where ``expert_ids[m] == -1``. ``derived`` (an
+    ``ExpertRows``'s store) is left as it is: the reference derives nothing from the ids that it could keep.
 
     Args:
         x: [M, K] bf16/fp32 activation, ``K % 32 == 0``.

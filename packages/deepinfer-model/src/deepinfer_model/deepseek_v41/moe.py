@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from deepinfer_kernels import router_topk, swiglu_clamped, swiglu_clamped_fp8
+from deepinfer_kernels import ExpertRows, router_topk, swiglu_clamped, swiglu_clamped_fp8
 from deepinfer_model.layers.linear import Fp8BlockLinear, Fp8Copy, Mxfp4ExpertStack, bf16_weight_product, make_parameter
 from deepinfer_model.layers.mode import ComputeMode, round_activation
 
@@ -149,8 +149,9 @@ class RoutedExperts(nn.Module):
         Returns:
             [m, H] activation dtype.
         """
-        act = swiglu_clamped(self.w13.grouped(rows, slots), self.limit, weights)
-        return round_activation(self.w2.grouped(act, slots), self.mode)
+        shared = ExpertRows(slots)  # w13 and w2 multiply the same rows: one set of tile tables
+        act = swiglu_clamped(self.w13.grouped(rows, shared), self.limit, weights)
+        return round_activation(self.w2.grouped(act, shared), self.mode)
 
     def compute(self, expert: int, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """One expert (docs/design/model.md, "Routed experts"): the routing weight multiplies the SwiGLU output before

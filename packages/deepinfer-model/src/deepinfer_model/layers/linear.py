@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from deepinfer_kernels import (
+    ExpertRows,
     dequantize_fp8_block,
     dequantize_mxfp4,
     dequantized_gemm,
@@ -360,19 +361,20 @@ class Mxfp4ExpertStack(nn.Module):
         slot = self._slot(expert)
         return mxfp4_gemm(x, self.weight[slot], self.scale[slot])
 
-    def grouped(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    def grouped(self, x: torch.Tensor, slots: ExpertRows) -> torch.Tensor:
         """Exact mode: every row through its own stored slot's matrix (``deepinfer_kernels.mxfp4_grouped_gemm``; no
         host synchronization on CUDA).
 
         Args:
             x: [m, in] bf16/fp32.
-            slots: [m] int64 stored slot of each row, -1 for a row no expert here takes (its output is zero).
+            slots: ids [m] int64: the stored slot of each row, -1 for a row no expert here takes (its output is
+                zero); shared by the stacks that multiply the same rows, which then share the tile tables.
 
         Returns:
             [m, out] bf16.
         """
         if self._cache.keeps(self.weight.device):
-            return dequantized_grouped_gemm(x, slots, self.dequantized_slots())
+            return dequantized_grouped_gemm(x, slots.ids, self.dequantized_slots())
         return mxfp4_grouped_gemm(x, slots, self.weight, self.scale)
 
     def dequantized_slots(self) -> torch.Tensor:
