@@ -94,8 +94,9 @@ def mxfp4_grouped_gemm(
         TypeError: a tensor has the wrong dtype.
         ValueError: shapes disagree, tensors are on different devices, or (reference only) an id is out of range.
     """
-    rows = expert_ids if isinstance(expert_ids, ExpertRows) else None
-    expert_ids = expert_ids.ids if isinstance(expert_ids, ExpertRows) else expert_ids
+    derived = None
+    if isinstance(expert_ids, ExpertRows):
+        derived, expert_ids = expert_ids.derived, expert_ids.ids
     for name, value in (("x", x), ("expert_ids", expert_ids), ("packed", packed), ("scale", scale)):
         check_tensor(name, value)
     check_dtype("packed", packed.dtype, (torch.int8, torch.uint8))
@@ -111,7 +112,7 @@ def mxfp4_grouped_gemm(
         )
     check_same_device(x=x, expert_ids=expert_ids, packed=packed, scale=scale)
     weights = (packed.contiguous().view(torch.int8), scale.contiguous())
-    return _run("mxfp4_grouped_gemm", x, expert_ids, n, *weights, derived=None if rows is None else rows.derived)
+    return _run("mxfp4_grouped_gemm", x, expert_ids, n, *weights, derived=derived)
 
 
 def dequantized_grouped_gemm(x: torch.Tensor, expert_ids: torch.Tensor, w_hat: torch.Tensor) -> torch.Tensor:
