@@ -18,6 +18,7 @@ from llm_support import make_llm
 
 import deepinfer_engine.speculative as speculative
 from deepinfer_engine import SamplingParams
+from deepinfer_engine.admission import Admission
 from deepinfer_sampling import Sampler, SamplingBatch
 
 NEXTN = 5
@@ -75,9 +76,13 @@ def _run(root: Path, prompts: list[str], params: list[SamplingParams]) -> tuple[
         return call
 
     speculator.sample = recorded_sample  # type: ignore[method-assign]
+    poll = Admission.poll
     with pytest.MonkeyPatch.context() as patch:
         for name in ("verify_greedy", "verify_rejection"):
             patch.setattr(speculative, name, counted(name))
+        # A grammar compiles in the background, so its request would join the first step it is ready for: the two
+        # runs compared would batch differently. Waiting for it before the first step gives both the same steps.
+        patch.setattr(Admission, "poll", lambda self, wait_s: poll(self, 60.0))
         outputs = llm.generate(prompts, params, use_tqdm=False)
     llm.close()
     assert sum(o.metrics.num_accepted_draft_tokens for o in outputs) > 0
