@@ -15,9 +15,11 @@ device-to-device copy, read + write bytes).
 Modes:
 - ``--baseline``: times whatever ``deepinfer_kernels`` is on the path with its own tile choice (run it against the
   previous sources to get the "old" column); LM head as ``h.float() @ w.float().t()``.
-- default: with ``--tune``, times ``gemm_tiles.candidate_configs`` per (op, row bucket, N, K), keeps the fastest
-  and prints the ``MEASURED`` entries; checks that every candidate gives the same bits (the K-chunk order is the
-  same for all tiles) and whether row 0 of an M-row call equals the 1-row call. ``--compare old.json`` adds the
+- default: with ``--tune``, times ``gemm_tiles.candidate_configs`` per (op, row bucket, N, K) (``--decodings``
+  limits the MMA candidates, ``--max-candidates`` their number: the first candidates are the default tile in each
+  decoding), records every candidate's time, keeps the fastest and prints the ``MEASURED``
+  entries; checks that the candidates of one decoding give the same bits (the K-chunk order is the same for all
+  tiles) and whether row 0 of an M-row call equals the 1-row call. ``--compare old.json`` adds the
   old-vs-new ratio. The LM head runs as ``torch.mm(h, w.t(), out_dtype=float32)``.
 
 Prints the table last and writes JSON (default benchmarks/results/kernels_gemm-<device>.json).
@@ -158,20 +160,26 @@ def tune(
     copies: list[tuple[torch.Tensor, ...]],
     rows: int,
     repeats: int,
-) -> tuple[Any, float, bool]:
-    """Fastest candidate tiles; whether every candidate gave the same bits."""
+    decodings: list[str] | None,
+    max_candidates: int | None,
+) -> tuple[Any, list[dict[str, Any]], bool]:
+    """Fastest candidate tiles (only those with one of ``decodings`` when given, the first ``max_candidates`` of
+    them), every candidate's time, and whether candidates of the same decoding gave the same bits (the K-chunk order
+    is the same for all tiles)."""
     from deepinfer_kernels.cuda.gemm_tiles import candidate_configs
 
-    best, best_us, reference, same = None, float("inf"), None, True
-    for cfg in candidate_configs(op, rows):
+    best, best_us, timed, same = None, float("inf"), [], True
+    reference: dict[str, torch.Tensor] = {}
+    candidates = [c for c in candidate_configs(op, rows) if c.gemv or not decodings or c.decoding in decodings]
+    for cfg in candidates[:max_candidates]:
         out = torch.zeros(x.shape[0], n, dtype=torch.bfloat16, device="cuda")
         us = time_us([call(op, False, x, ids, weights, out, cfg) for weights in copies], repeats)
-        if reference is None:
-            reference = out.clone()
-        same &= torch.equal(out, reference)
+        timed.append({"config": repr(cfg), "us": us})
+        print(f"  {cfg!r}: {us:.1f} us", flush=True)
+        same &= torch.equal(out, reference.setdefault(cfg.decoding, out.clone()))
         if us < best_us:
             best, best_us = cfg, us
-    return best, best_us, same
+    return best, timed, same
 
 
 def part_times(n: int, k: int, x: torch.Tensor, repeats: int) -> dict[str, float]:
@@ -198,6 +206,8 @@ def main() -> None:
     parser.add_argument("--baseline", action="store_true")
     parser.add_argument("--tune", action="store_true")
     parser.add_argument("--ops", default=None, help="comma-separated ops to run (default: all)")
+    parser.add_argument("--decodings", default=None, help="with --tune: only MMA candidates of these decodings")
+    parser.add_argument("--max-candidates", type=int, default=None, help="with --tune: time only the first N")
     parser.add_argument("--parts", action="store_true", help="also time the quantizer and the reduction alone")
     parser.add_argument("--compare", default=None, help="JSON of a --baseline run: adds old/new ratios")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels_gemm-<device>.json)")
@@ -240,8 +250,9 @@ def main() -> None:
                     if key in measured:  # tuned at the bucket's first (smallest) token count
                         cfg = measured[key]
                     else:
-                        cfg, _, point["candidates_bitwise_equal"] = tune(
-                            op, n, x, ids, copies, per_expert, args.repeats
+                        decodings = args.decodings.split(",") if args.decodings else None
+                        cfg, point["candidates"], point["candidates_bitwise_equal"] = tune(
+                            op, n, x, ids, copies, per_expert, args.repeats, decodings, args.max_candidates
                         )
                         measured[key] = cfg
                     point["config"] = repr(cfg)

@@ -188,11 +188,11 @@ def test_split_k_matches_one_program_bitwise(triton_device: str, op: str, gemv: 
 
 @pytest.mark.parametrize("split_grid", [False, True])
 @pytest.mark.parametrize("op", ["fp8_block_gemm", "mxfp4_gemm", "mxfp4_grouped_gemm"])
-def test_scaled_dot_decoding_meets_the_reference_bound(triton_device: str, op: str, split_grid: bool) -> None:
-    """MMA tiles with ``tl.dot_scaled`` decoding the stored operands and with the kernels' own bit decoding both
-    meet the reference's bound (only the FP32 summation order may differ); K = 1024 in 4 chunks, 37 rows over three
-    row tiles, rows without an expert left at zero."""
-    from deepinfer_kernels.cuda.gemm_tiles import BlockConfig
+def test_every_decoding_meets_the_reference_bound(triton_device: str, op: str, split_grid: bool) -> None:
+    """MMA tiles with each operand decoding (the kernels' own into BF16, ``tl.dot_scaled``'s, and unscaled FP16 per
+    group) meet the reference's bound (only the FP32 summation order may differ); K = 1024 in 4 chunks, 37 rows over
+    three row tiles, rows without an expert left at zero."""
+    from deepinfer_kernels.cuda.gemm_tiles import DECODINGS, BlockConfig
 
     m, n, k = 37, 96, 1024
     x = _activation(m, k, seed=23, dtype=torch.bfloat16)
@@ -209,8 +209,8 @@ def test_scaled_dot_decoding_meets_the_reference_bound(triton_device: str, op: s
         if op == "mxfp4_grouped_gemm":
             inputs = (x, ids, *(torch.stack(pair) for pair in zip(weights, second, strict=True)))
     results = []
-    for scaled in (False, True):
-        cfg = BlockConfig(16, 32, num_warps=4, num_stages=2, split_grid=split_grid, dot_scaled=scaled)
+    for decoding in DECODINGS:
+        cfg = BlockConfig(16, 32, num_warps=4, num_stages=2, split_grid=split_grid, decoding=decoding)
         out = torch.zeros(m, n, dtype=torch.bfloat16, device=triton_device)
         implementation(op, Backend.NVIDIA)(*(t.to(triton_device) for t in inputs), out, config=cfg)
         results.append(out.cpu())

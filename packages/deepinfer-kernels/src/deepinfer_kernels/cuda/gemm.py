@@ -41,12 +41,15 @@ from deepinfer_kernels.cuda._launch import check_launchable
 from deepinfer_kernels.cuda.gemm_operands import (
     chunk_range,
     dot_in_bf16,
+    e2m1_halves,
     e2m1_tiles,
+    e4m3_half,
     e4m3_tile,
     finish_tile,
     group_activation,
     native_fp8,
     operand,
+    pow2,
     reduce_partials,
 )
 from deepinfer_kernels.cuda.gemm_tiles import BlockConfig, block_config, k_chunk
@@ -92,7 +95,8 @@ def _fp8_block_kernel(  # type: ignore[no-untyped-def]
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_BF16: tl.constexpr,
-    DOT_SCALED: tl.constexpr,
+    DECODING: tl.constexpr,
+    NATIVE_FP8: tl.constexpr,
 ):
     q_ptr, qs_ptr = group_activation(q_ptr, qs_ptr, K, N_PER_GROUP, BLOCK_N)
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -101,11 +105,18 @@ def _fp8_block_kernel(  # type: ignore[no-untyped-def]
     n_mask = n_offsets < N
     n_rows = n_offsets.to(tl.int64)
     groups = tl.arange(0, BLOCK_K // 32)
-    if DOT_SCALED:
-        # tl.dot_scaled on the stored codes: the weight's 32×32 block scale serves each of its rows (n // 32).
+    # The weight's 32×32 block scale serves each of its rows (n // 32).
+    if DECODING == "dot_scaled":
         total = _scaled_tiles(
             q_ptr, qs_ptr, w_ptr, ws_ptr, rows, row_mask, n_rows, n_mask, n_rows // 32, groups, K, K_CHUNK,
             stride_q, stride_qs, stride_w, 1, stride_ws, "e4m3", SPLIT_GRID, BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+        finish_tile(out_ptr, partial_ptr, total, rows, row_mask, n_offsets, M, N, stride_out, SPLIT_GRID)
+        return
+    if DECODING == "group_fp16":
+        total = _group_tiles(
+            q_ptr, qs_ptr, w_ptr, ws_ptr, rows, row_mask, n_rows, n_mask, n_rows // 32, K, K_CHUNK,
+            stride_q, stride_qs, stride_w, stride_ws, "e4m3", SPLIT_GRID, BLOCK_M, BLOCK_N, BLOCK_K, NATIVE_FP8,
         )  # fmt: skip
         finish_tile(out_ptr, partial_ptr, total, rows, row_mask, n_offsets, M, N, stride_out, SPLIT_GRID)
         return
@@ -185,6 +196,69 @@ def _scaled_tiles(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
+def _group_tiles(  # type: ignore[no-untyped-def]
+    q_ptr,
+    qs_ptr,
+    w_ptr,
+    ws_ptr,
+    rows,
+    row_mask,
+    n_rows,
+    n_mask,
+    scale_rows,
+    K,
+    K_CHUNK,
+    stride_q,
+    stride_qs,
+    stride_w,
+    stride_ws,
+    W_FORMAT: tl.constexpr,
+    SPLIT_GRID: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NATIVE: tl.constexpr,
+):
+    # The chunk sums of a quantized GEMM tile, decoding "group_fp16": per 32-column group one MMA on the unscaled
+    # FP16 operands (exact products, FP32 sum), then the group sum times the activation's factor, then times the
+    # weight's (in that order: with activation scale bytes in [105, 246] the first product stays inside FP32's normal
+    # range, so both are exact wherever the result is a normal number). W_FORMAT "e4m3": weight codes [BLOCK_N, 32]
+    # and activation codes in column order, one MMA; "e2m1": the group's 16 packed weight bytes and the activation
+    # de-interleaved per group (deinterleaved_activation), an MMA for the even and one for the odd columns.
+    # The interpreter's operands are FP32 with the e4m3 values times 2^−8 (e4m3_half), undone by the factors' bias.
+    E4M3_BIAS: tl.constexpr = 0 if NATIVE else 8
+    W_BIAS: tl.constexpr = 14 if W_FORMAT == "e2m1" else E4M3_BIAS
+    WIDTH: tl.constexpr = 16 if W_FORMAT == "e2m1" else 32
+    cols = tl.arange(0, WIDTH)
+    q_ptrs = q_ptr + rows[:, None] * stride_q + cols[None, :]
+    w_ptrs = w_ptr + n_rows[:, None] * stride_w + cols[None, :]
+    first, last = chunk_range(K, K_CHUNK, SPLIT_GRID)
+    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for chunk in range(first, last):
+        k_end = tl.minimum(chunk * K_CHUNK + K_CHUNK, K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(chunk * K_CHUNK, k_end, BLOCK_K):
+            for g in tl.static_range(BLOCK_K // 32):
+                col = k0 + g * 32
+                # K is a multiple of 32, so whole groups are in or out of range (vector masks: see cuda.gemv._row).
+                a_mask = row_mask[:, None] & (col + cols * 0 < k_end)[None, :]
+                w_mask = n_mask[:, None] & (col + cols * 0 < k_end)[None, :]
+                if W_FORMAT == "e2m1":
+                    w_even, w_odd = e2m1_halves(tl.load(w_ptrs + col // 2, mask=w_mask, other=0), NATIVE)
+                    a_even = e4m3_half(tl.load(q_ptrs + col, mask=a_mask, other=0), NATIVE)
+                    a_odd = e4m3_half(tl.load(q_ptrs + col + 16, mask=a_mask, other=0), NATIVE)
+                    part = tl.dot(a_odd, tl.trans(w_odd), tl.dot(a_even, tl.trans(w_even)))
+                else:
+                    w = e4m3_half(tl.load(w_ptrs + col, mask=w_mask, other=0), NATIVE)
+                    part = tl.dot(e4m3_half(tl.load(q_ptrs + col, mask=a_mask, other=0), NATIVE), tl.trans(w))
+                a_scale = tl.load(qs_ptr + rows * stride_qs + col // 32, mask=row_mask & (col + rows * 0 < k_end))
+                w_scale = tl.load(ws_ptr + scale_rows * stride_ws + col // 32, mask=n_mask & (col + n_rows * 0 < k_end))
+                acc += part * pow2(a_scale, E4M3_BIAS)[:, None] * pow2(w_scale, W_BIAS)[None, :]
+        total += acc
+    return total
+
+
+@triton.jit
 def mxfp4_kernel(  # type: ignore[no-untyped-def]
     q_ptr,
     qs_ptr,
@@ -214,14 +288,17 @@ def mxfp4_kernel(  # type: ignore[no-untyped-def]
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_BF16: tl.constexpr,
-    DOT_SCALED: tl.constexpr,
+    DECODING: tl.constexpr,
+    NATIVE_FP8: tl.constexpr,
 ):
     """Dense (``GROUPED=False``: one weight, rows ``pid·BLOCK_M …``) or grouped MXFP4 GEMM tile.
 
-    ``DOT_SCALED``: the operands go to ``tl.dot_scaled`` as they are stored (e4m3 activation codes in column order,
-    packed e2m1 weight bytes, both with their UE8M0 group scales); Triton decodes them to the same BF16 values this
-    kernel's own decoding gives (exact, see the module docstring) before the same BF16 MMA with FP32 accumulation.
-    Otherwise the kernel decodes them itself, on an activation de-interleaved per group (``deinterleaved_activation``).
+    ``DECODING`` (``gemm_tiles.BlockConfig``): ``"dot_scaled"`` gives the operands to ``tl.dot_scaled`` as they are
+    stored (e4m3 activation codes in column order, packed e2m1 weight bytes, both with their UE8M0 group scales);
+    Triton decodes them to the same BF16 values this kernel's own decoding gives (exact, see the module docstring)
+    before the same BF16 MMA with FP32 accumulation. Otherwise the kernel decodes them itself, on an activation
+    de-interleaved per group (``deinterleaved_activation``): scaled into BF16 (``"scaled_bf16"``) or unscaled FP16
+    with the scales applied to each group's sum (``"group_fp16"``, ``_group_tiles``).
 
     Grouped: program ``pid`` owns positions ``[block_start[pid], block_end[pid])`` of the expert-sorted row order
     ``order`` and multiplies them by expert ``block_expert[pid]``; ``block_expert ≥ num_experts`` marks a spare
@@ -243,10 +320,17 @@ def mxfp4_kernel(  # type: ignore[no-untyped-def]
     n_mask = n_offsets < N
     n_rows = n_offsets.to(tl.int64)
     groups = tl.arange(0, BLOCK_K // 32)
-    if DOT_SCALED:
+    if DECODING == "dot_scaled":
         total = _scaled_tiles(
             q_ptr, qs_ptr, packed_ptr, ws_ptr, rows, row_mask, n_rows, n_mask, n_rows, groups, K, K_CHUNK,
             stride_q, stride_qs, stride_p, 2, stride_s, "e2m1", SPLIT_GRID, BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+        finish_tile(out_ptr, partial_ptr, total, rows, row_mask, n_offsets, M, N, stride_out, SPLIT_GRID)
+        return
+    if DECODING == "group_fp16":
+        total = _group_tiles(
+            q_ptr, qs_ptr, packed_ptr, ws_ptr, rows, row_mask, n_rows, n_mask, n_rows, K, K_CHUNK,
+            stride_q, stride_qs, stride_p, stride_s, "e2m1", SPLIT_GRID, BLOCK_M, BLOCK_N, BLOCK_K, NATIVE_FP8,
         )  # fmt: skip
         finish_tile(out_ptr, partial_ptr, total, rows, row_mask, n_offsets, M, N, stride_out, SPLIT_GRID)
         return
@@ -302,8 +386,9 @@ def deinterleaved_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 def activation_for(x: torch.Tensor, cfg: BlockConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """The activation codes an MXFP4 launch with tiles ``cfg`` reads: in column order for the FMA kernels and
-    ``tl.dot_scaled``, de-interleaved per group for ``mxfp4_kernel``'s own decoding."""
-    return quantized_activation(x) if cfg.gemv or cfg.dot_scaled else deinterleaved_activation(x)
+    ``tl.dot_scaled``, de-interleaved per group for ``mxfp4_kernel``'s own decodings."""
+    in_order = cfg.gemv or cfg.decoding == "dot_scaled"
+    return quantized_activation(x) if in_order else deinterleaved_activation(x)
 
 
 def launch_grid(row_tiles: int, n: int, k: int, cfg: BlockConfig) -> tuple[tuple[int, int, int], int]:
@@ -355,7 +440,8 @@ def mxfp4_launch(
             "BLOCK_M": rows_per_program,
             "BLOCK_K": cfg.block_k,
             "DOT_BF16": dot_in_bf16(),
-            "DOT_SCALED": cfg.dot_scaled,
+            "DECODING": cfg.decoding,
+            "NATIVE_FP8": native_fp8(),
         }
     )
     kernel[grid](
@@ -442,7 +528,8 @@ def fp8_block_launch(
             BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k,
             DOT_BF16=dot_in_bf16(),
-            DOT_SCALED=cfg.dot_scaled,
+            DECODING=cfg.decoding,
+            NATIVE_FP8=native_fp8(),
             **launch,
         )
     if cfg.split_grid:

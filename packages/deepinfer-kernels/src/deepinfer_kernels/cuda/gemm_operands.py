@@ -4,7 +4,9 @@ and their reduction (docs/design/numerics.md, "GEMM accumulation"; docs/design/k
 Decoding places a code's bits into an fp16 (the e4m3 magnitude bits at bits 7–13 give the value times 2^−8, the e2m1
 bits at 9–11 the value times 2^−14, subnormal codes included, since fp16 keeps subnormals), widens it to FP32 and
 multiplies by ``2^(b − 127 + 8)`` resp. ``2^(b − 127 + 14)`` built from its bits; see ``cuda.gemm`` for why every
-step is exact.
+step is exact. The FP16 operands of the ``group_fp16`` decoding stop before the widening: the e2m1 fp16 bits are
+built four bytes at a time by a few PTX integer instructions (``e2m1_halves``), the e4m3 ones by the hardware
+conversion (``e4m3_half``), and the scales are applied to the group sums instead.
 """
 
 # Triton reads parameter annotations as kernel type hints, so @triton.jit functions stay unannotated.
@@ -23,7 +25,9 @@ __all__ = [
     "chunk_range",
     "dot_in_bf16",
     "e2m1_half_bits",
+    "e2m1_halves",
     "e2m1_tiles",
+    "e4m3_half",
     "e4m3_tile",
     "e4m3_unscaled",
     "finish_tile",
@@ -94,6 +98,58 @@ def e2m1_half_bits(code):  # type: ignore[no-untyped-def]
     # An e2m1 code's exponent and mantissa bits placed at fp16's bits 9–11 give the value times 2^−14 (code 1 = 0.5
     # becomes an fp16 subnormal); its sign bit goes to bit 15.
     return ((code & 0x7) << 9) | ((code & 0x8) << 12)
+
+
+# Four packed e2m1 bytes ($4) → the fp16 bits of their low nibbles ($0: bytes 0, 1; $1: bytes 2, 3) and high nibbles
+# ($2, $3), each value times 2^−14 as in e2m1_half_bits. prmt spreads two bytes to bits 0–7 and 16–23; per nibble the
+# magnitude bits are shifted to 9–11 and 25–27 and the sign bit to 15 and 31 (lop3 0xF8: a | (b & c)). The bytes
+# prmt leaves beside them land outside both masks.
+_E2M1_HALVES_PTX = """
+{
+.reg .b32 x, m, s;
+prmt.b32 x, $4, $4, 0x3120;
+shl.b32 m, x, 9;
+and.b32 m, m, 0x0E000E00;
+shl.b32 s, x, 12;
+lop3.b32 $0, m, s, 0x80008000, 0xF8;
+shl.b32 m, x, 5;
+and.b32 m, m, 0x0E000E00;
+shl.b32 s, x, 8;
+lop3.b32 $2, m, s, 0x80008000, 0xF8;
+prmt.b32 x, $4, $4, 0x3322;
+shl.b32 m, x, 9;
+and.b32 m, m, 0x0E000E00;
+shl.b32 s, x, 12;
+lop3.b32 $1, m, s, 0x80008000, 0xF8;
+shl.b32 m, x, 5;
+and.b32 m, m, 0x0E000E00;
+shl.b32 s, x, 8;
+lop3.b32 $3, m, s, 0x80008000, 0xF8;
+}
+"""
+
+
+@triton.jit
+def e2m1_halves(raw, NATIVE: tl.constexpr):  # type: ignore[no-untyped-def]
+    # Packed e2m1 bytes raw (uint8) → (low-nibble, high-nibble) values times 2^−14: fp16 from the PTX above when
+    # compiled (NATIVE), FP32 from the same bit placement in the interpreter (no inline assembly there).
+    if NATIVE:
+        return tl.inline_asm_elementwise(
+            _E2M1_HALVES_PTX, "=r,=r,=r,=r,r", [raw], dtype=(tl.float16, tl.float16), is_pure=True, pack=4
+        )
+    else:
+        b = raw.to(tl.int32) & 0xFF
+        return half_to_float(e2m1_half_bits(b & 0xF)), half_to_float(e2m1_half_bits(b >> 4))
+
+
+@triton.jit
+def e4m3_half(raw, NATIVE: tl.constexpr):  # type: ignore[no-untyped-def]
+    # e4m3 bytes → their values as fp16 by the hardware conversion (NATIVE; exact, e4m3 ⊂ fp16), else the values
+    # times 2^−8 as FP32 from the bits (e4m3_unscaled).
+    if NATIVE:
+        return raw.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    else:
+        return e4m3_unscaled(raw, False)
 
 
 @triton.jit

@@ -28,6 +28,7 @@ from deepinfer_kernels.batch_invariant import invariant_kernels
 
 __all__ = [
     "BLOCK_K",
+    "DECODINGS",
     "MEASURED",
     "BlockConfig",
     "block_config",
@@ -44,6 +45,7 @@ _DECODE_PROGRAMS = 1024
 _CHUNK_ALIGN = 256
 _DECODE_BLOCK_N = 32
 _BUCKETS = (2, 16, 32, 64, 256)
+DECODINGS = ("scaled_bf16", "dot_scaled", "group_fp16")
 
 
 @dataclass(frozen=True)
@@ -51,8 +53,14 @@ class BlockConfig:
     """Tile sizes and launch options of one GEMM launch.
 
     ``split_grid`` runs each K chunk in its own program; ``gemv`` selects the FMA kernels of ``cuda.gemv`` (then
-    ``block_m`` is the most rows a program takes) instead of the MMA kernels of ``cuda.gemm``; ``dot_scaled`` (MXFP4
-    MMA tiles only) lets ``tl.dot_scaled`` decode the operands instead of ``mxfp4_kernel``'s own bit decoding.
+    ``block_m`` is the most rows a program takes) instead of the MMA kernels of ``cuda.gemm``; ``decoding`` (MMA
+    tiles only) is how operands reach the tensor cores, one of :data:`DECODINGS`:
+
+    - ``"scaled_bf16"``: the kernel decodes both operands from their bits and scales them into BF16, one MMA per K
+      step;
+    - ``"dot_scaled"``: ``tl.dot_scaled`` decodes the stored codes with their scales;
+    - ``"group_fp16"``: the kernel decodes unscaled FP16 operands (cheap: no scaling, no FP32 round trip), one MMA
+      per 32-column group, and scales each group's FP32 sum by the two power-of-two factors.
     """
 
     block_m: int
@@ -62,7 +70,11 @@ class BlockConfig:
     split_grid: bool
     gemv: bool = False
     block_k: int = BLOCK_K
-    dot_scaled: bool = False
+    decoding: str = "scaled_bf16"
+
+    def __post_init__(self) -> None:
+        if self.decoding not in DECODINGS:
+            raise ValueError(f"BlockConfig.decoding must be one of {DECODINGS}, got {self.decoding!r}")
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -81,10 +93,10 @@ def row_bucket(rows: int) -> int:
     return next((b for b in _BUCKETS if rows <= b), 4096)
 
 
-def _scaled_dots(op: str) -> bool:
-    # FP8 MMA tiles decode through tl.dot_scaled, MXFP4 ones with the kernel's own bit decoding: the faster of the
-    # two in the H200 tuning run (docs/design/kernels.md, "GEMM tiles and split-K").
-    return op == "fp8_block_gemm"
+def _decoding(op: str) -> str:
+    # FP8 MMA tiles decode through tl.dot_scaled, MXFP4 ones to unscaled FP16 per group: the fastest decodings in
+    # the H200 tuning runs (docs/design/kernels.md, "GEMM tiles and split-K").
+    return "dot_scaled" if op == "fp8_block_gemm" else "group_fp16"
 
 
 def default_config(op: str, rows: int) -> BlockConfig:
@@ -93,35 +105,37 @@ def default_config(op: str, rows: int) -> BlockConfig:
     less of the 16-row MMA minimum), 128×128 tiles without split-K for many rows. Every choice compiles for sm_90a."""
     if rows <= 2 and op != "mxfp4_grouped_gemm":
         return BlockConfig(block_m=2, block_n=32, num_warps=4, num_stages=3, split_grid=True, gemv=True)
-    scaled = _scaled_dots(op)
+    decoding = _decoding(op)
     if rows <= 16:
-        return BlockConfig(16, 64, num_warps=4, num_stages=4, split_grid=True, dot_scaled=scaled)
+        return BlockConfig(16, 64, num_warps=4, num_stages=4, split_grid=True, decoding=decoding)
     if rows <= 32:
-        return BlockConfig(32, 32, num_warps=4, num_stages=4, split_grid=True, dot_scaled=scaled)
+        return BlockConfig(32, 32, num_warps=4, num_stages=4, split_grid=True, decoding=decoding)
     if rows <= 64:
-        return BlockConfig(64, 64, num_warps=4, num_stages=4, split_grid=True, dot_scaled=scaled)
+        return BlockConfig(64, 64, num_warps=4, num_stages=4, split_grid=True, decoding=decoding)
     if rows <= 256:
-        return BlockConfig(64, 128, num_warps=8, num_stages=3, split_grid=False, dot_scaled=scaled)
-    return BlockConfig(128, 128, num_warps=8, num_stages=3, split_grid=False, dot_scaled=scaled)
+        return BlockConfig(64, 128, num_warps=8, num_stages=3, split_grid=False, decoding=decoding)
+    return BlockConfig(128, 128, num_warps=8, num_stages=3, split_grid=False, decoding=decoding)
 
 
 def candidate_configs(op: str, rows: int) -> list[BlockConfig]:
-    """The tiles ``benchmarks/kernels_gemm.py --tune`` times for a row bucket (the default first)."""
+    """The tiles ``benchmarks/kernels_gemm.py --tune`` times for a row bucket: the default first, then its tiles
+    with every other decoding, then other tile shapes with every decoding (MMA tiles), so a default that changes
+    is always timed against the one before it."""
     default = default_config(op, rows)
-    # MMA tiles are timed with both operand decodings (the kernel's own and tl.dot_scaled's).
-    decodings = (False,) if default.gemv else (default.dot_scaled, not default.dot_scaled)
+    others = () if default.gemv else tuple(d for d in DECODINGS if d != default.decoding)
+    decodings = (default.decoding, *others)
+    out = [replace(default, decoding=decoding) for decoding in decodings]
     if rows > 64:
-        return [replace(default, dot_scaled=scaled) for scaled in decodings]
+        return out
     shapes: tuple[tuple[int, int, int], ...]
     if default.gemv:
         shapes = ((32, 4, 2), (32, 4, 4), (64, 4, 3), (64, 8, 3), (16, 4, 3))
     else:
-        shapes = ((32, 4, 4), (32, 4, 6), (64, 8, 4), (32, 2, 4))
-    out = [default]
+        shapes = ((32, 4, 4), (32, 4, 6), (64, 8, 4), (128, 4, 4))
     for block_n, num_warps, num_stages in shapes:
-        for scaled in decodings:
+        for decoding in decodings:
             cfg = BlockConfig(
-                default.block_m, block_n, num_warps, num_stages, split_grid=True, gemv=default.gemv, dot_scaled=scaled
+                default.block_m, block_n, num_warps, num_stages, split_grid=True, gemv=default.gemv, decoding=decoding
             )
             if cfg not in out:
                 out.append(cfg)
@@ -135,9 +149,9 @@ def _gemv(block_n: int, num_warps: int, num_stages: int) -> BlockConfig:
 
 
 def _mma(
-    block_m: int, block_n: int, num_warps: int, num_stages: int, split_grid: bool = True, scaled: bool = False
+    block_m: int, block_n: int, num_warps: int, num_stages: int, split_grid: bool = True, decoding: str = "scaled_bf16"
 ) -> BlockConfig:
-    return BlockConfig(block_m, block_n, num_warps, num_stages, split_grid=split_grid, dot_scaled=scaled)
+    return BlockConfig(block_m, block_n, num_warps, num_stages, split_grid=split_grid, decoding=decoding)
 
 
 # (op, row bucket, N, K) -> tiles where the fastest candidate on an H200 was not the default (the scaled preset's
@@ -156,15 +170,15 @@ MEASURED: dict[tuple[str, int, int, int], BlockConfig] = {
     ("mxfp4_gemm", 2, 5120, 2304): _gemv(16, 4, 3),
     ("fp8_block_gemm", 16, 512, 5120): _mma(16, 32, 2, 4),
     ("fp8_block_gemm", 16, 4096, 1280): _mma(16, 32, 4, 6),
-    ("fp8_block_gemm", 64, 512, 5120): _mma(64, 32, 4, 4, scaled=True),
-    ("fp8_block_gemm", 64, 1280, 5120): _mma(64, 32, 4, 4, scaled=True),
-    ("fp8_block_gemm", 64, 4096, 1280): _mma(64, 32, 4, 4, scaled=True),
-    ("fp8_block_gemm", 64, 4608, 5120): _mma(64, 32, 2, 4, scaled=True),
-    ("fp8_block_gemm", 64, 5120, 2304): _mma(64, 32, 4, 4, scaled=True),
-    ("fp8_block_gemm", 64, 5120, 8192): _mma(64, 32, 2, 4, scaled=True),
-    ("fp8_block_gemm", 64, 5120, 15360): _mma(64, 32, 2, 4, scaled=True),
-    ("fp8_block_gemm", 64, 25600, 6144): _mma(64, 32, 2, 4, scaled=True),
-    ("fp8_block_gemm", 64, 32768, 1280): _mma(64, 32, 2, 4, scaled=True),
+    ("fp8_block_gemm", 64, 512, 5120): _mma(64, 32, 4, 4, decoding="dot_scaled"),
+    ("fp8_block_gemm", 64, 1280, 5120): _mma(64, 32, 4, 4, decoding="dot_scaled"),
+    ("fp8_block_gemm", 64, 4096, 1280): _mma(64, 32, 4, 4, decoding="dot_scaled"),
+    ("fp8_block_gemm", 64, 4608, 5120): _mma(64, 32, 2, 4, decoding="dot_scaled"),
+    ("fp8_block_gemm", 64, 5120, 2304): _mma(64, 32, 4, 4, decoding="dot_scaled"),
+    ("fp8_block_gemm", 64, 5120, 8192): _mma(64, 32, 2, 4, decoding="dot_scaled"),
+    ("fp8_block_gemm", 64, 5120, 15360): _mma(64, 32, 2, 4, decoding="dot_scaled"),
+    ("fp8_block_gemm", 64, 25600, 6144): _mma(64, 32, 2, 4, decoding="dot_scaled"),
+    ("fp8_block_gemm", 64, 32768, 1280): _mma(64, 32, 2, 4, decoding="dot_scaled"),
     ("fp8_block_gemm", 4096, 5120, 15360): _mma(128, 128, 8, 3, split_grid=False),
     ("fp8_block_gemm", 4096, 25600, 6144): _mma(128, 128, 8, 3, split_grid=False),
 }
@@ -175,7 +189,7 @@ def invariant_config(op: str, rows: int) -> BlockConfig:
     whatever the rows, so every row goes through the same MMA instruction and K order. Only ``split_grid`` follows
     the rows (split-K up to 64 rows, as the default tiles): it does not change the bits (module docstring) and
     without it a prefill's FP32 partials would take chunks × M × N × 4 bytes."""
-    return BlockConfig(64, 64, num_warps=4, num_stages=4, split_grid=rows <= 64, dot_scaled=_scaled_dots(op))
+    return BlockConfig(64, 64, num_warps=4, num_stages=4, split_grid=rows <= 64, decoding=_decoding(op))
 
 
 def block_config(op: str, rows: int, n: int, k: int) -> BlockConfig:
