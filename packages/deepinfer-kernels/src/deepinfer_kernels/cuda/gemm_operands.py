@@ -104,7 +104,8 @@ def e2m1_half_bits(code):  # type: ignore[no-untyped-def]
 # ($2, $3), each value times 2^−14 as in e2m1_half_bits. prmt spreads two bytes to bits 0–7 and 16–23; per nibble the
 # magnitude bits are shifted to 9–11 and 25–27 and the sign bit to 15 and 31 (lop3 0xF8: a | (b & c)). The bytes
 # prmt leaves beside them land outside both masks.
-_E2M1_HALVES_PTX = """
+_E2M1_HALVES_PTX = tl.constexpr(
+    """
 {
 .reg .b32 x, m, s;
 prmt.b32 x, $4, $4, 0x3120;
@@ -127,6 +128,7 @@ shl.b32 s, x, 8;
 lop3.b32 $3, m, s, 0x80008000, 0xF8;
 }
 """
+)
 
 
 @triton.jit
