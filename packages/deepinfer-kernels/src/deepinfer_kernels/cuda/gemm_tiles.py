@@ -94,9 +94,9 @@ def row_bucket(rows: int) -> int:
 
 
 def _decoding(op: str) -> str:
-    # FP8 MMA tiles decode through tl.dot_scaled, MXFP4 ones to unscaled FP16 per group: the fastest decodings in
-    # the H200 tuning runs (docs/design/kernels.md, "GEMM tiles and split-K").
-    return "dot_scaled" if op == "fp8_block_gemm" else "group_fp16"
+    # FP8 MMA tiles decode through tl.dot_scaled, MXFP4 ones with the kernel's own scaled BF16 decoding: the faster
+    # decodings in most shapes of the H200 tuning runs (docs/design/kernels.md, "GEMM tiles and split-K").
+    return "dot_scaled" if op == "fp8_block_gemm" else "scaled_bf16"
 
 
 def default_config(op: str, rows: int) -> BlockConfig:
@@ -156,8 +156,8 @@ def _mma(
 
 # (op, row bucket, N, K) -> tiles where the fastest candidate on an H200 was not the default (the scaled preset's
 # decode shapes; benchmarks/results/kernels_gemm-nvidia-h200*.json, docs/hardware.md "Kernels"). Bucket 2 was tuned
-# at 1 row, bucket 16 at 1 row, bucket 64 at 64 rows, bucket 4096 at 4096 rows. The FP8 entries of buckets 2 and 16
-# predate tl.dot_scaled (own decoding).
+# at 1 row (the grouped GEMM's at 1 token, 6 rows over 6 experts), bucket 16 at 1 row, bucket 64 at 64 rows, bucket
+# 4096 at 4096 rows. The FP8 entries of buckets 2 and 16 predate tl.dot_scaled (own decoding).
 MEASURED: dict[tuple[str, int, int, int], BlockConfig] = {
     ("fp8_block_gemm", 2, 512, 5120): _gemv(16, 4, 3),
     ("fp8_block_gemm", 2, 1280, 5120): _gemv(64, 8, 3),
@@ -168,6 +168,8 @@ MEASURED: dict[tuple[str, int, int, int], BlockConfig] = {
     ("fp8_block_gemm", 2, 32768, 1280): _gemv(64, 8, 3),
     ("mxfp4_gemm", 2, 4608, 5120): _gemv(16, 4, 3),
     ("mxfp4_gemm", 2, 5120, 2304): _gemv(16, 4, 3),
+    ("mxfp4_grouped_gemm", 2, 4608, 5120): _mma(16, 64, 4, 4, decoding="group_fp16"),
+    ("mxfp4_grouped_gemm", 2, 5120, 2304): _mma(16, 64, 4, 4, decoding="group_fp16"),
     ("fp8_block_gemm", 16, 512, 5120): _mma(16, 32, 2, 4),
     ("fp8_block_gemm", 16, 4096, 1280): _mma(16, 32, 4, 6),
     ("fp8_block_gemm", 64, 512, 5120): _mma(64, 32, 4, 4, decoding="dot_scaled"),
