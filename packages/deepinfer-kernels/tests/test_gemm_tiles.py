@@ -1,0 +1,47 @@
+"""Tile choice of the Triton quantized GEMMs (``cuda.gemm_tiles``): pure Python, no device needed."""
+
+from __future__ import annotations
+
+import pytest
+
+from deepinfer_kernels.cuda.gemm_tiles import (
+    DECODINGS,
+    MEASURED,
+    BlockConfig,
+    block_config,
+    candidate_configs,
+    default_config,
+)
+
+OPS = ("fp8_block_gemm", "mxfp4_gemm", "mxfp4_grouped_gemm")
+
+
+def test_unknown_decoding_is_rejected_with_the_allowed_ones() -> None:
+    with pytest.raises(ValueError, match="scaled_bf16"):
+        BlockConfig(16, 64, num_warps=4, num_stages=4, split_grid=True, decoding="fp4_native")
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("rows", [1, 2, 16, 64, 256, 4096])
+def test_candidates_start_with_the_default_and_time_every_decoding(op: str, rows: int) -> None:
+    """The tuner times the default tile first and, for MMA tiles, the default tile in every decoding: a changed
+    default is always measured against the one it replaced."""
+    default = default_config(op, rows)
+    candidates = candidate_configs(op, rows)
+    assert candidates[0] == default
+    assert len(set(candidates)) == len(candidates)
+    if default.gemv:
+        assert all(c.gemv for c in candidates)
+    else:
+        same_tile = [
+            c
+            for c in candidates
+            if (c.block_m, c.block_n, c.num_warps) == (default.block_m, default.block_n, default.num_warps)
+        ]
+        assert {c.decoding for c in same_tile} == set(DECODINGS)
+
+
+def test_measured_entries_win_over_the_default() -> None:
+    for (op, bucket, n, k), cfg in MEASURED.items():
+        assert block_config(op, bucket, n, k) == cfg
+        assert cfg.decoding in DECODINGS
