@@ -81,6 +81,42 @@ def test_grouped_triton_ids_outside_range_give_zero_rows(triton_device: str) -> 
     assert torch.all(out == 0)
 
 
+@pytest.mark.parametrize("decoding", ["scaled_bf16", "group_fp16"])
+@pytest.mark.parametrize("split_grid", [False, True])
+def test_grouped_rows_in_one_tile_skip_the_tables(triton_device: str, decoding: str, split_grid: bool) -> None:
+    """At most one tile of rows: programs find their expert's rows by scanning the ids (no tile tables). Each row
+    equals the same row computed through the tables inside a larger call with the same tiles, bit for bit; rows of
+    no expert (-1, out of range) stay zero; an expert's rows need not be adjacent or start at row 0."""
+    from deepinfer_kernels.cuda.gemm_tiles import BlockConfig
+
+    experts, n, k = 4, 64, 512
+    packed = random_mxfp4_packed((experts, n, k // 2), seed=50).to(triton_device)
+    scale = random_ue8m0((experts, n, k // 32), seed=51).to(triton_device)
+    ids = torch.tensor([-1, 2, 0, 2, 7, 3, 2, 0, -1, 3, 2], device=triton_device)
+    more = torch.randint(-1, experts, (30,), generator=torch.Generator().manual_seed(52)).to(triton_device)
+    x = _activation(ids.numel() + more.numel(), k, seed=53, dtype=torch.bfloat16).to(triton_device)
+    cfg = BlockConfig(16, 32, num_warps=4, num_stages=2, split_grid=split_grid, decoding=decoding)
+    gemm = implementation("mxfp4_grouped_gemm", Backend.NVIDIA)
+    small = torch.zeros(ids.numel(), n, dtype=torch.bfloat16, device=triton_device)
+    gemm(x[: ids.numel()], ids, packed, scale, small, config=cfg)
+    large = torch.zeros(x.shape[0], n, dtype=torch.bfloat16, device=triton_device)
+    gemm(x, torch.cat([ids, more]), packed, scale, large, config=cfg)
+    assert torch.equal(small, large[: ids.numel()])
+    served = (ids >= 0) & (ids < experts)
+    assert torch.all(small[~served] == 0) and torch.all((small[served] != 0).any(dim=1))
+    ref = torch.zeros(ids.numel(), n, dtype=torch.bfloat16)
+    local = torch.where(served, ids, -1).cpu()  # the reference accepts only -1 for rows of no local expert
+    implementation("mxfp4_grouped_gemm", Backend.REFERENCE)(
+        x[: ids.numel()].cpu(), local, packed.cpu(), scale.cpu(), ref
+    )
+    x_hat = dequantized_activation(x[: ids.numel()].cpu())
+    bound = torch.zeros(ids.numel(), n, dtype=torch.float64)
+    for m, expert in enumerate(ids.tolist()):
+        if 0 <= expert < experts:
+            bound[m] = abs_product(x_hat[m : m + 1], dk.dequantize_mxfp4(packed[expert].cpu(), scale[expert].cpu()))[0]
+    assert_gemm_close(small.cpu(), ref, bound, k)
+
+
 @pytest.mark.parametrize("one_program", [False, True])
 @pytest.mark.parametrize(
     ("m", "experts", "block_m"), [(1, 256, 16), (50, 4, 16), (37, 8, 4), (9, 3, 64), (150, 384, 16), (130, 5, 16)]
@@ -251,10 +287,10 @@ def test_gemv_row_bits_do_not_depend_on_the_row_count(triton_device: str, op: st
 def test_expert_rows_share_the_tile_tables(triton_device: str) -> None:
     """Two grouped GEMMs over one ``ExpertRows`` store (a MoE's w13 and w2): the second reuses the first's tile
     tables (one entry in ``derived``; replacing them with tables of no work zeroes its result, so they are read), and
-    both equal the calls without a store bit for bit."""
-    m, k, n = 9, 256, 64
+    both equal the calls without a store bit for bit. 20 rows: more than one 16-row tile, so tables are built."""
+    m, k, n = 20, 256, 64
     x = _activation(m, k, seed=40, dtype=torch.bfloat16).to(triton_device)
-    ids = torch.tensor([2, -1, 0, 2, 1, 1, 0, 2, 2]).to(triton_device)
+    ids = torch.tensor([2, -1, 0, 2, 1, 1, 0, 2, 2, 0, 1, 2, 2, -1, 0, 0, 1, 2, 1, 0]).to(triton_device)
     first = (random_mxfp4_packed((3, n, k // 2), seed=41), random_ue8m0((3, n, k // 32), seed=42))
     second = (random_mxfp4_packed((3, 2 * n, k // 2), seed=43), random_ue8m0((3, 2 * n, k // 32), seed=44))
     gemm = implementation("mxfp4_grouped_gemm", Backend.NVIDIA)

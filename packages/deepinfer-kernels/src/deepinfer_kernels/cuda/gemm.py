@@ -290,6 +290,7 @@ def mxfp4_kernel(  # type: ignore[no-untyped-def]
     DOT_BF16: tl.constexpr,
     DECODING: tl.constexpr,
     NATIVE_FP8: tl.constexpr,
+    SCAN: tl.constexpr,
 ):
     """Dense (``GROUPED=False``: one weight, rows ``pid·BLOCK_M …``) or grouped MXFP4 GEMM tile.
 
@@ -302,15 +303,28 @@ def mxfp4_kernel(  # type: ignore[no-untyped-def]
 
     Grouped: program ``pid`` owns positions ``[block_start[pid], block_end[pid])`` of the expert-sorted row order
     ``order`` and multiplies them by expert ``block_expert[pid]``; ``block_expert ≥ num_experts`` marks a spare
-    program of the worst-case grid, which exits at once.
+    program of the worst-case grid, which exits at once. ``SCAN`` (all ``M ≤ BLOCK_M`` rows fit one tile): there are
+    no tables and ``order_ptr`` holds the expert ids; program ``pid`` serves the expert of row ``pid`` if that row is
+    the expert's first, with every row of that expert in one tile (so each weight is still read once), and exits
+    otherwise.
     """
     if GROUPED:
-        expert = tl.load(block_expert_ptr + tl.program_id(0))
-        if expert >= num_experts:
-            return
-        positions = tl.load(block_start_ptr + tl.program_id(0)) + tl.arange(0, BLOCK_M)
-        row_mask = positions < tl.load(block_end_ptr + tl.program_id(0))
-        rows = tl.load(order_ptr + positions, mask=row_mask, other=0).to(tl.int64)
+        if SCAN:
+            slots = tl.arange(0, BLOCK_M)
+            ids = tl.load(order_ptr + slots, mask=slots < M, other=-1)
+            expert = tl.load(order_ptr + tl.program_id(0))
+            first = tl.min(tl.where(ids == expert, slots, BLOCK_M), axis=0)
+            if (expert < 0) | (expert >= num_experts) | (first != tl.program_id(0)):
+                return
+            rows = slots.to(tl.int64)
+            row_mask = ids == expert
+        else:
+            expert = tl.load(block_expert_ptr + tl.program_id(0))
+            if expert >= num_experts:
+                return
+            positions = tl.load(block_start_ptr + tl.program_id(0)) + tl.arange(0, BLOCK_M)
+            row_mask = positions < tl.load(block_end_ptr + tl.program_id(0))
+            rows = tl.load(order_ptr + positions, mask=row_mask, other=0).to(tl.int64)
         packed_ptr += expert.to(tl.int64) * stride_pe
         ws_ptr += expert.to(tl.int64) * stride_se
     else:
@@ -418,22 +432,29 @@ def mxfp4_launch(
     packed: torch.Tensor,
     scale: torch.Tensor,
     out: torch.Tensor,
-    tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | torch.Tensor | None,
     rows_per_program: int,
     cfg: BlockConfig,
 ) -> None:
     """Launch the MXFP4 GEMM (``cfg.gemv``: ``gemv.mxfp4_gemv_kernel`` on codes from :func:`quantized_activation`,
-    else ``mxfp4_kernel`` on codes from :func:`deinterleaved_activation`), dense (``tables`` None; packed [N, K/2])
-    or grouped (``tables`` from ``grouped_gemm.expert_tiles``; packed [E, N, K/2]); reduces split-K partials."""
+    else ``mxfp4_kernel`` on codes from :func:`activation_for`), dense (``tables`` None; packed [N, K/2]) or grouped
+    (packed [E, N, K/2]; ``tables`` from ``grouped_gemm.expert_tiles``, or, for MMA tiles of at least M rows, the
+    expert ids themselves: ``mxfp4_kernel``'s ``SCAN``); reduces split-K partials."""
     m, k = q.shape
     n = packed.shape[-2]
-    grouped = tables is not None
-    order, tile_expert, tile_start, tile_end = tables if tables is not None else (packed,) * 4
-    row_tiles = tile_expert.numel() if grouped else triton.cdiv(m, rows_per_program)
+    grouped, scan = tables is not None, isinstance(tables, torch.Tensor)
+    if isinstance(tables, torch.Tensor):
+        if cfg.gemv or m > rows_per_program:
+            raise ValueError(f"a grouped launch without tile tables needs MMA tiles of at least M = {m} rows")
+        order = tile_expert = tile_start = tile_end = tables
+        row_tiles = m
+    else:
+        order, tile_expert, tile_start, tile_end = tables if tables is not None else (packed,) * 4
+        row_tiles = tile_expert.numel() if grouped else triton.cdiv(m, rows_per_program)
     grid, chunk = launch_grid(row_tiles, n, k, cfg)
     partial = partials(m, n, k, cfg, q.device, zeroed=grouped)
     kernel = mxfp4_gemv_kernel if cfg.gemv else mxfp4_kernel
-    rows: dict[str, int | bool] = (
+    rows: dict[str, int | bool | str] = (
         {"ROWS": rows_per_program, "NATIVE_FP8": native_fp8(), "E4M3_BIAS": 0 if native_fp8() else 8}
         if cfg.gemv
         else {
@@ -442,6 +463,7 @@ def mxfp4_launch(
             "DOT_BF16": dot_in_bf16(),
             "DECODING": cfg.decoding,
             "NATIVE_FP8": native_fp8(),
+            "SCAN": scan,
         }
     )
     kernel[grid](
