@@ -135,10 +135,10 @@ def _fp8_block_kernel(  # type: ignore[no-untyped-def]
             group_mask = (k0 + groups * 32 < k_end)[None, :]
             a_mask = row_mask[:, None] & group_mask
             q = tl.load(q_ptrs + k0, mask=a_mask[:, :, None], other=0)
-            a = e4m3_tile(q, tl.load(qs_ptrs + k0 // 32, mask=a_mask, other=0), BLOCK_M, BLOCK_K)
+            a = e4m3_tile(q, tl.load(qs_ptrs + k0 // 32, mask=a_mask, other=0), BLOCK_M, BLOCK_K, NATIVE_FP8)
             w_mask = n_mask[:, None] & group_mask
             w = tl.load(w_ptrs + k0, mask=w_mask[:, :, None], other=0)
-            b = e4m3_tile(w, tl.load(ws_ptrs + k0 // 32, mask=w_mask, other=0), BLOCK_N, BLOCK_K)
+            b = e4m3_tile(w, tl.load(ws_ptrs + k0 // 32, mask=w_mask, other=0), BLOCK_N, BLOCK_K, NATIVE_FP8)
             acc = tl.dot(operand(a, DOT_BF16), tl.trans(operand(b, DOT_BF16)), acc)
         total += acc
     finish_tile(out_ptr, partial_ptr, total, rows, row_mask, n_offsets, M, N, stride_out, SPLIT_GRID)
@@ -365,13 +365,14 @@ def mxfp4_kernel(  # type: ignore[no-untyped-def]
             group_mask = (k0 + groups * 32 < k_end)[None, :]
             a_mask = row_mask[:, None] & group_mask
             a_scale = tl.load(qs_ptrs + k0 // 32, mask=a_mask, other=0)
-            a_even = e4m3_tile(tl.load(q_ptrs + k0, mask=a_mask[:, :, None], other=0), a_scale, BLOCK_M, BLOCK_K // 2)
-            a_odd = e4m3_tile(
-                tl.load(q_ptrs + k0 + 16, mask=a_mask[:, :, None], other=0), a_scale, BLOCK_M, BLOCK_K // 2
-            )
+            even_codes = tl.load(q_ptrs + k0, mask=a_mask[:, :, None], other=0)
+            odd_codes = tl.load(q_ptrs + k0 + 16, mask=a_mask[:, :, None], other=0)
+            a_even = e4m3_tile(even_codes, a_scale, BLOCK_M, BLOCK_K // 2, NATIVE_FP8)
+            a_odd = e4m3_tile(odd_codes, a_scale, BLOCK_M, BLOCK_K // 2, NATIVE_FP8)
             w_mask = n_mask[:, None] & group_mask
             raw = tl.load(p_ptrs + k0 // 2, mask=w_mask[:, :, None], other=0)
-            b_even, b_odd = e2m1_tiles(raw, tl.load(s_ptrs + k0 // 32, mask=w_mask, other=0), BLOCK_N, BLOCK_K)
+            w_scale = tl.load(s_ptrs + k0 // 32, mask=w_mask, other=0)
+            b_even, b_odd = e2m1_tiles(raw, w_scale, BLOCK_N, BLOCK_K, NATIVE_FP8)
             acc = tl.dot(operand(a_even, DOT_BF16), tl.trans(operand(b_even, DOT_BF16)), acc)
             acc = tl.dot(operand(a_odd, DOT_BF16), tl.trans(operand(b_odd, DOT_BF16)), acc)
         total += acc

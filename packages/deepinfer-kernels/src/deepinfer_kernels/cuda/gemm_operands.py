@@ -86,10 +86,13 @@ def e4m3_unscaled(raw, NATIVE_FP8: tl.constexpr):  # type: ignore[no-untyped-def
 
 
 @triton.jit
-def e4m3_tile(raw, scale_bytes, ROWS: tl.constexpr, COLS: tl.constexpr):  # type: ignore[no-untyped-def]
+def e4m3_tile(raw, scale_bytes, ROWS: tl.constexpr, COLS: tl.constexpr, NATIVE: tl.constexpr):  # type: ignore[no-untyped-def]
     # raw [ROWS, G, W] e4m3 bytes (W bytes of each of G scale groups), scale_bytes [ROWS, G] → [ROWS, COLS = G·W]
-    # FP32 values.
-    value = e4m3_unscaled(raw, False) * pow2(scale_bytes, 8)[:, :, None]
+    # FP32 values (the hardware conversion when NATIVE, else the bits times 2^−8, undone by the factor's bias).
+    if NATIVE:
+        value = e4m3_unscaled(raw, True) * pow2(scale_bytes, 0)[:, :, None]
+    else:
+        value = e4m3_unscaled(raw, False) * pow2(scale_bytes, 8)[:, :, None]
     return tl.reshape(value, (ROWS, COLS))
 
 
@@ -155,14 +158,15 @@ def e4m3_half(raw, NATIVE: tl.constexpr):  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def e2m1_tiles(raw, scale_bytes, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):  # type: ignore[no-untyped-def]
+def e2m1_tiles(raw, scale_bytes, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, NATIVE: tl.constexpr):  # type: ignore[no-untyped-def]
     # raw [ROWS, BLOCK_K/32, 16] packed bytes, scale_bytes [ROWS, BLOCK_K/32] → the even (low-nibble) and odd
     # (high-nibble) elements as two [ROWS, BLOCK_K/2] FP32 tiles: column g·16 + j holds element g·32 + 2j of the
-    # K step (even tile) or element g·32 + 2j + 1 (odd tile).
-    b = raw.to(tl.int32) & 0xFF
+    # K step (even tile) or element g·32 + 2j + 1 (odd tile). The codes are decoded by e2m1_halves (values times
+    # 2^−14), which the scale factor's bias restores.
     factor = pow2(scale_bytes, 14)[:, :, None]
-    even = tl.reshape(half_to_float(e2m1_half_bits(b & 0xF)) * factor, (ROWS, BLOCK_K // 2))
-    odd = tl.reshape(half_to_float(e2m1_half_bits(b >> 4)) * factor, (ROWS, BLOCK_K // 2))
+    even, odd = e2m1_halves(raw, NATIVE)
+    even = tl.reshape(even.to(tl.float32) * factor, (ROWS, BLOCK_K // 2))
+    odd = tl.reshape(odd.to(tl.float32) * factor, (ROWS, BLOCK_K // 2))
     return even, odd
 
 

@@ -139,6 +139,9 @@ def candidate_configs(op: str, rows: int) -> list[BlockConfig]:
             )
             if cfg not in out:
                 out.append(cfg)
+    if op == "mxfp4_grouped_gemm" and rows <= 2:
+        # The FMA kernel, not a default for the grouped GEMM, stays a candidate at about one row per expert.
+        out += [_gemv(block_n, num_warps, num_stages) for block_n, num_warps, num_stages in ((32, 4, 3), (64, 4, 3))]
     return out
 
 

@@ -11,7 +11,8 @@ bits) and power-of-two scaling is exact, so only the FP32 summation order differ
 layout does not depend on ``ROWS``), and K runs in the same fixed chunks as ``cuda.gemm`` (split-K with the same
 reduction), so the bits of a row do not depend on the other rows.
 
-FP8 weights and activations use the hardware e4m3 conversion when compiled (``NATIVE_FP8``); the interpreter decodes
+FP8 weights and activations use the hardware e4m3 conversion when compiled (``NATIVE_FP8``), MXFP4 weights the PTX
+decoding of ``gemm_operands.e2m1_halves`` (the same values as the bit placement); the interpreter decodes
 bits (``gemm_operands.e4m3_unscaled``).
 """
 
@@ -25,11 +26,10 @@ import triton.language as tl
 
 from deepinfer_kernels.cuda.gemm_operands import (
     chunk_range,
-    e2m1_half_bits,
+    e2m1_halves,
     e4m3_unscaled,
     finish_tile,
     group_activation,
-    half_to_float,
     pow2,
 )
 
@@ -175,10 +175,10 @@ def mxfp4_gemv_kernel(  # type: ignore[no-untyped-def]
         for k0 in range(chunk * K_CHUNK, k_end, BLOCK_K):
             group_ok = k0 + groups * 32 < k_end
             w_mask = n_mask[:, None] & group_ok[None, :]
-            raw = tl.load(p_ptrs + k0 // 2, mask=w_mask[:, :, None], other=0).to(tl.int32) & 0xFF
-            # e2m1 values times 2^−14 (gemm_operands.e2m1_half_bits); the factor restores 2^14.
-            w_even = half_to_float(e2m1_half_bits(raw & 0xF))
-            w_odd = half_to_float(e2m1_half_bits(raw >> 4))
+            # e2m1 values times 2^−14 (gemm_operands.e2m1_halves: four bytes per few PTX instructions when compiled);
+            # the factor restores 2^14.
+            w_even, w_odd = e2m1_halves(tl.load(p_ptrs + k0 // 2, mask=w_mask[:, :, None], other=0), NATIVE_FP8)
+            w_even, w_odd = w_even.to(tl.float32), w_odd.to(tl.float32)
             w_factor = pow2(tl.load(s_ptrs + k0 // 32, mask=w_mask, other=0), 14)
             for r in tl.static_range(ROWS):
                 row, valid = _row(order_ptr, start, end, r, groups, GROUPED)

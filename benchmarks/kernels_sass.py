@@ -1,0 +1,153 @@
+"""Static instruction counts of the quantized GEMM kernels for sm_90, on any machine (no GPU needed).
+
+Each kernel variant is compiled by Triton for an H100/H200 target (``GPUTarget("cuda", 90, 32)``, with the
+16-divisibility hints a real launch gets for its pointers, strides, N, K and the K chunk), disassembled with the
+``cuobjdump`` Triton ships, and its innermost loop (the largest body closed by a backward branch, with
+``num_stages=1`` so that software pipelining does not copy it) is counted: SASS instructions per thread per K step,
+and per weight element a thread handles in that step. A weight-streaming GEMM is ALU-bound once it needs more than
+about 4 instructions per FP4 element (132 SMs x 4 schedulers x 1.98 GHz issue 33 T thread instructions/s against the
+8.4 T elements/s that 4.2 TB/s of FP4 carry), so this ratio says how far decoding and operand movement keep a kernel
+from the memory roofline before anything is timed (docs/design/kernels.md, "GEMM tiles and split-K").
+
+Usage:
+    python benchmarks/kernels_sass.py [--out benchmarks/results/kernels_sass-sm90.json]
+
+Prints a table last and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import pathlib
+import re
+import subprocess
+import tempfile
+from typing import Any
+
+import triton
+from bench_common import RESULTS, git_commit
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from deepinfer_kernels.cuda.gemm import _fp8_block_kernel, mxfp4_kernel
+from deepinfer_kernels.cuda.gemv import fp8_gemv_kernel, mxfp4_gemv_kernel
+
+TARGET = GPUTarget("cuda", 90, 32)
+POINTER_TYPES = {"out_ptr": "*bf16", "partial_ptr": "*fp32"}
+INDEX_POINTERS = ("order_ptr", "block_expert_ptr", "block_start_ptr", "block_end_ptr")
+UNALIGNED = ("M", "num_experts")  # runtime values with no divisibility a launch could rely on
+CLASSES = {
+    "global loads": ("LDG",),
+    "shared memory": ("LDS", "STS", "LDSM"),
+    "barriers": ("BAR",),
+    "MMA": ("HMMA", "HGMMA"),
+    "conversions": ("F2FP", "F2F", "HADD2", "I2F", "F2I"),
+    "FP32 math": ("FMUL", "FFMA", "FADD"),
+    "integer / bit": ("IMAD", "LOP3", "PRMT", "SHF", "IADD3", "LEA", "ISETP", "SEL"),
+}
+
+
+def variants() -> list[dict[str, Any]]:
+    """(name, kernel, constexprs, warps, weight elements per thread per K step) of each counted variant: the
+    decode-size tiles of the scaled preset's GEMMs (16 × 64 MMA tiles, 2-row FMA tiles with 32 weight rows)."""
+    mma = {"SPLIT_GRID": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "DOT_BF16": True, "NATIVE_FP8": True}
+    gemv = {"SPLIT_GRID": True, "ROWS": 2, "BLOCK_N": 32, "BLOCK_K": 128, "NATIVE_FP8": True, "E4M3_BIAS": 0}
+    out: list[dict[str, Any]] = []
+    for decoding in ("scaled_bf16", "dot_scaled", "group_fp16"):
+        grouped = {**mma, "GROUPED": True, "DECODING": decoding, "SCAN": False}
+        out.append({"name": f"mxfp4 grouped MMA {decoding}", "kernel": mxfp4_kernel, "constexprs": grouped})
+        fp8 = {**mma, "DECODING": decoding}
+        out.append({"name": f"fp8 MMA {decoding}", "kernel": _fp8_block_kernel, "constexprs": fp8})
+    out.append(
+        {"name": "mxfp4 grouped FMA (2 rows)", "kernel": mxfp4_gemv_kernel, "constexprs": {**gemv, "GROUPED": True}}
+    )
+    out.append({"name": "fp8 FMA (2 rows)", "kernel": fp8_gemv_kernel, "constexprs": gemv})
+    for v in out:
+        c = v["constexprs"]
+        v["warps"] = 4
+        v["weight_elements_per_thread"] = c["BLOCK_N"] * c["BLOCK_K"] // (32 * v["warps"])
+    return out
+
+
+def compile_variant(kernel: Any, constexprs: dict[str, Any], warps: int) -> Any:
+    names = kernel.arg_names
+    signature: dict[str, str] = {}
+    for name in names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = POINTER_TYPES.get(name, "*i64" if name in INDEX_POINTERS else "*u8")
+        else:
+            signature[name] = "i32"
+    aligned = [n for n in names if n not in constexprs and n not in UNALIGNED]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=TARGET, options={"num_warps": warps, "num_stages": 1})
+
+
+def sass(cubin: bytes) -> list[tuple[int, str, str]]:
+    """(address, opcode, operands) of every instruction."""
+    tool = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        text = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    pattern = re.compile(r"\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)(?:\.[A-Z0-9_.]+)?\s*(.*)")
+    return [(int(m[1], 16), m[2], m[3]) for m in map(pattern.match, text.splitlines()) if m]
+
+
+def innermost_loop(instructions: list[tuple[int, str, str]]) -> collections.Counter[str]:
+    """Opcode counts of the largest loop body (a backward ``BRA`` and the instructions from its target)."""
+    index = {address: i for i, (address, _, _) in enumerate(instructions)}
+    best = (0, -1)
+    for i, (address, opcode, operands) in enumerate(instructions):
+        target = re.search(r"0x([0-9a-f]+)", operands) if opcode == "BRA" else None
+        if target and int(target[1], 16) < address and int(target[1], 16) in index:
+            start = index[int(target[1], 16)]
+            if i - start > best[1] - best[0]:
+                best = (start, i)
+    return collections.Counter(opcode for _, opcode, _ in instructions[best[0] : best[1] + 1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "kernels_sass-sm90.json")
+    args = parser.parse_args()
+    rows = []
+    for v in variants():
+        ops = innermost_loop(sass(compile_variant(v["kernel"], v["constexprs"], v["warps"]).asm["cubin"]))
+        total = sum(ops.values())
+        classes = {label: sum(ops[o] for o in opcodes) for label, opcodes in CLASSES.items()}
+        rows.append(
+            {
+                "name": v["name"],
+                "constexprs": v["constexprs"],
+                "warps": v["warps"],
+                "loop_instructions_per_thread": total,
+                "weight_elements_per_thread": v["weight_elements_per_thread"],
+                "instructions_per_weight_element": total / v["weight_elements_per_thread"],
+                "classes": classes,
+                "opcodes": dict(ops.most_common()),
+            }
+        )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"target": "cuda sm_90", "triton": triton.__version__, "git_commit": git_commit()}
+    args.out.write_text(json.dumps({**meta, "results": rows}, indent=1) + "\n")
+    labels = list(CLASSES)
+    print(f"\nK-loop SASS per thread and K step (Triton {triton.__version__}, sm_90, num_stages=1)")
+    print(f"{'kernel':<30} {'instr':>6} {'elem':>5} {'/elem':>6} " + " ".join(f"{lab[:9]:>9}" for lab in labels))
+    for r in rows:
+        print(
+            f"{r['name']:<30} {r['loop_instructions_per_thread']:>6} {r['weight_elements_per_thread']:>5} "
+            f"{r['instructions_per_weight_element']:>6.1f} " + " ".join(f"{r['classes'][lab]:>9}" for lab in labels)
+        )
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
