@@ -8,6 +8,7 @@ Importing this package touches neither the device nor the environment.
 
 from deepinfer_kernels.activation import swiglu_clamped, swiglu_clamped_fp8
 from deepinfer_kernels.attention import KeySource, sparse_attention
+from deepinfer_kernels.engram import engram_gate
 from deepinfer_kernels.gemm import (
     dequantized_gemm,
     fp8_block_gemm,
@@ -49,6 +50,7 @@ __all__ = [
     "dequantized_gemm",
     "dequantized_grouped_gemm",
     "encode_rows",
+    "engram_gate",
     "fp8_block_gemm",
     "fp8_block_gemm_quantized",
     "fp8_block_grouped_gemm",

@@ -6,6 +6,7 @@ from deepinfer_kernels._registry import Backend, OpRegistry
 from deepinfer_kernels.reference import (
     activation,
     attention,
+    engram,
     gemm,
     grouped_gemm,
     hyper_connection,
@@ -54,3 +55,4 @@ def register(registry: OpRegistry) -> None:
     registry.register("swiglu_clamped", ref, activation.swiglu_clamped)
     registry.register("swiglu_clamped_fp8", ref, activation.swiglu_clamped_fp8)
     registry.register("router_topk", ref, routing.router_topk)
+    registry.register("engram_gate", ref, engram.engram_gate)

@@ -11,22 +11,20 @@ Glossary:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from deepinfer_kernels import dequantize_fp8_per_token_group
+from deepinfer_kernels import dequantize_fp8_per_token_group, engram_gate
 from deepinfer_model.config import TextConfig
 from deepinfer_model.deepseek_v41._pcg64 import bounded_int64s
 from deepinfer_model.layers.linear import Fp8BlockLinear, make_parameter
-from deepinfer_model.layers.mode import ComputeMode, round_activation
+from deepinfer_model.layers.mode import ComputeMode
 from deepinfer_model.state import StepMetadata
 
 __all__ = ["Engram", "EngramVocab", "hash_multipliers", "ngram_rows"]
 
-_GATE_FLOOR = 1e-6
 _SEED_STRIDE = 10007
 
 
@@ -176,15 +174,9 @@ class Engram(nn.Module):
             kv = self.wkv.forward_fp8((codes, scales))
         else:
             kv = self.wkv(dequantize_fp8_per_token_group(codes, scales), prequantized=True)
-        kv = kv.float().view(num_tokens, self.hc_mult + 1, self.hidden)
-        keys, value = kv[:, : self.hc_mult], kv[:, self.hc_mult]
-        x = trunk.float()
-        weight = self.q_weight.float() * self.k_weight.float()
-        a_x = torch.rsqrt(((x * x).sum(dim=-1) / self.hidden + self.eps).double()).float()
-        a_k = torch.rsqrt(((keys * keys).sum(dim=-1) / self.hidden + self.eps).double()).float()
-        z = (x * weight[None] * keys).sum(dim=-1) * a_x * a_k / math.sqrt(self.hidden)
-        # Copy-sign: z = +0 gives sigmoid(+1e-3), as the GPU kernel does
-        # (docs/design/model.md, "Engram lookup and gate").
-        gate = torch.sigmoid(torch.copysign(torch.sqrt(torch.clamp(z.abs(), min=_GATE_FLOOR)), z))
-        updated = round_activation(x + gate[..., None] * value[:, None, :], self.mode)
-        return torch.where(active[:, None, None], updated, trunk)
+        kv = kv.view(num_tokens, self.hc_mult + 1, self.hidden)
+        # One kernel for the gate and the update (docs/design/model.md, "Engram lookup and gate"); the streams keep
+        # the trunk's dtype, the mode's activation dtype.
+        return engram_gate(
+            trunk, kv[:, : self.hc_mult], kv[:, self.hc_mult], self.q_weight, self.k_weight, active, self.eps
+        )

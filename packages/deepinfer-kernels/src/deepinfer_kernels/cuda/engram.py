@@ -1,0 +1,136 @@
+"""Triton Engram gate: one program per token computes the gate of each of its ``m`` streams and applies it, in one
+launch instead of about thirty elementwise and reduction kernels (docs/design/kernels.md, "engram_gate").
+
+The three sums per stream (Σx², Σk², Σx·w·k) run over H in fixed ``BLOCK_H`` column chunks: each lane adds its column
+of every chunk in chunk order, then the lanes are summed. The order depends on H and the block shape only, never on
+the other tokens, so a token's result does not depend on the batch (batch-invariant by construction). The reciprocal
+roots are taken in FP64 from the FP32 mean squares, as in the reference; the outputs are rounded once to the
+trunk's dtype (nearest even), and inactive tokens' streams are stored as they were read.
+"""
+
+# Triton reads parameter annotations as kernel type hints, so @triton.jit functions stay unannotated.
+# ruff: noqa: ANN001, ANN202
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer_kernels.cuda._formats import to_output_dtype
+from deepinfer_kernels.cuda._launch import check_launchable
+from deepinfer_kernels.engram import GATE_FLOOR
+
+__all__ = ["engram_gate"]
+
+_BLOCK_H = 512
+
+
+@triton.jit
+def _reciprocal_rms(sum_sq, hidden, eps):  # type: ignore[no-untyped-def]
+    # 1 / sqrt(Σu² / H + eps): the mean square in FP32, the root and reciprocal in FP64, rounded once to FP32.
+    return (1.0 / tl.sqrt((sum_sq / hidden + eps).to(tl.float64))).to(tl.float32)
+
+
+@triton.jit
+def _engram_gate_kernel(  # type: ignore[no-untyped-def]
+    trunk_ptr,
+    keys_ptr,
+    value_ptr,
+    q_ptr,
+    k_ptr,
+    active_ptr,
+    out_ptr,
+    streams,
+    hidden,
+    eps,
+    sqrt_hidden,
+    stride_trunk_t,
+    stride_trunk_m,
+    stride_keys_t,
+    stride_keys_m,
+    stride_value_t,
+    stride_out_t,
+    stride_out_m,
+    M_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    FLOOR: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    m = tl.arange(0, M_PAD)
+    m_ok = m < streams
+    cols = tl.arange(0, BLOCK_H)
+    xx = tl.zeros((M_PAD, BLOCK_H), dtype=tl.float32)
+    kk = tl.zeros((M_PAD, BLOCK_H), dtype=tl.float32)
+    xwk = tl.zeros((M_PAD, BLOCK_H), dtype=tl.float32)
+    for h0 in range(0, hidden, BLOCK_H):
+        h = h0 + cols
+        mask = m_ok[:, None] & (h < hidden)[None, :]
+        x = tl.load(trunk_ptr + t * stride_trunk_t + m[:, None] * stride_trunk_m + h[None, :], mask=mask, other=0)
+        k = tl.load(keys_ptr + t * stride_keys_t + m[:, None] * stride_keys_m + h[None, :], mask=mask, other=0)
+        weight_at = m[:, None] * hidden + h[None, :]
+        w = tl.load(q_ptr + weight_at, mask=mask, other=0).to(tl.float32)
+        w = w * tl.load(k_ptr + weight_at, mask=mask, other=0).to(tl.float32)
+        x = x.to(tl.float32)
+        k = k.to(tl.float32)
+        xx += x * x
+        kk += k * k
+        xwk += x * w * k
+    z = tl.sum(xwk, axis=1) * _reciprocal_rms(tl.sum(xx, axis=1), hidden, eps)
+    z = z * _reciprocal_rms(tl.sum(kk, axis=1), hidden, eps) / sqrt_hidden
+    # copysign(sqrt(max(|z|, floor)), z) on the bits: z = +0 counts as positive, −0 as negative, as in the reference.
+    magnitude = tl.sqrt(tl.maximum(tl.abs(z), FLOOR))
+    signed = (magnitude.to(tl.int32, bitcast=True) | (z.to(tl.int32, bitcast=True) & -0x80000000)).to(
+        tl.float32, bitcast=True
+    )
+    gate = tl.sigmoid(signed)
+    active = tl.load(active_ptr + t + m * 0) != 0
+    for h0 in range(0, hidden, BLOCK_H):
+        h = h0 + cols
+        mask = m_ok[:, None] & (h < hidden)[None, :]
+        x = tl.load(trunk_ptr + t * stride_trunk_t + m[:, None] * stride_trunk_m + h[None, :], mask=mask, other=0)
+        v = tl.load(value_ptr + t * stride_value_t + h, mask=h < hidden, other=0).to(tl.float32)
+        updated = to_output_dtype(x.to(tl.float32) + gate[:, None] * v[None, :], out_ptr)
+        result = tl.where(active[:, None], updated, x)
+        tl.store(out_ptr + t * stride_out_t + m[:, None] * stride_out_m + h[None, :], result, mask=mask)
+
+
+def engram_gate(
+    trunk: torch.Tensor,
+    keys: torch.Tensor,
+    value: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    active: torch.Tensor,
+    eps: float,
+    out: torch.Tensor,
+) -> None:
+    """Triton ``deepinfer_kernels.engram_gate`` (shapes there; last dimensions contiguous, weights contiguous)."""
+    check_launchable(trunk=trunk, keys=keys, value=value, q_weight=q_weight, k_weight=k_weight, out=out)
+    tokens, streams, hidden = trunk.shape
+    _engram_gate_kernel[(tokens,)](
+        trunk,
+        keys,
+        value,
+        q_weight,
+        k_weight,
+        active.view(torch.uint8),
+        out,
+        streams,
+        hidden,
+        eps,
+        math.sqrt(hidden),
+        trunk.stride(0),
+        trunk.stride(1),
+        keys.stride(0),
+        keys.stride(1),
+        value.stride(0),
+        out.stride(0),
+        out.stride(1),
+        M_PAD=triton.next_power_of_2(streams),
+        BLOCK_H=min(_BLOCK_H, triton.next_power_of_2(hidden)),
+        FLOOR=GATE_FLOOR,
+        num_warps=4,
+    )

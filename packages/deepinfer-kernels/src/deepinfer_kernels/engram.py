@@ -1,0 +1,83 @@
+"""Public Engram gate op (docs/design/model.md, "Engram lookup and gate"): validation and allocation, then the
+resolved backend (docs/design/kernels.md, "engram_gate")."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from deepinfer_kernels import _registry
+from deepinfer_kernels._checks import check_dtype, check_same_device, check_tensor
+
+__all__ = ["GATE_FLOOR", "engram_gate"]
+
+# The gate's floor on |z| before the square root (sqrt(1e−6) = 1e−3 at z = 0).
+GATE_FLOOR = 1e-6
+_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def _check_shape(name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:
+    if tuple(tensor.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(tensor.shape)}")
+
+
+def engram_gate(
+    trunk: torch.Tensor,
+    keys: torch.Tensor,
+    value: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    active: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    """The Engram gate on ``m`` residual streams, in FP32 with one rounding per output.
+
+    Per token ``t`` and stream ``j``, with ``x = trunk[t, j]``, ``k = keys[t, j]``, ``w = q_weight[j] · k_weight[j]``
+    (FP32 product), ``a(u) = 1 / sqrt(Σu² / H + eps)`` (the mean square in FP32, the reciprocal root in FP64, then
+    FP32), ``z = Σ(x · w · k) · a(x) · a(k) / sqrt(H)`` and ``g = sigmoid(copysign(sqrt(max(|z|, 1e−6)), z))``:
+    ``out[t, j] = round(x + g · value[t])`` to trunk's dtype for active tokens, ``trunk[t, j]`` unchanged otherwise.
+    Backends may sum in their own order (the reference: torch's FP32 sums).
+
+    Args:
+        trunk: [T, m, H] bf16 or fp32, the streams (last dimension contiguous).
+        keys: [T, m, H] bf16 or fp32, one key per stream (any strides with a contiguous last dimension: a view of
+            the projection's output is fine).
+        value: [T, H] bf16 or fp32, the value shared by the streams (same stride rule).
+        q_weight, k_weight: [m, H] bf16 or fp32.
+        active: [T] bool; inactive tokens keep their streams.
+        eps: positive finite float added to the mean squares.
+
+    Returns:
+        [T, m, H] tensor with trunk's dtype, contiguous.
+
+    Raises:
+        TypeError: an argument is not a tensor or has an unsupported dtype.
+        ValueError: shapes disagree, ``eps`` is not positive and finite, or devices differ.
+    """
+    for name, tensor in (("trunk", trunk), ("keys", keys), ("value", value), ("q_weight", q_weight)):
+        check_tensor(name, tensor)
+        check_dtype(name, tensor.dtype, _DTYPES)
+    check_tensor("k_weight", k_weight)
+    check_dtype("k_weight", k_weight.dtype, _DTYPES)
+    check_tensor("active", active)
+    check_dtype("active", active.dtype, (torch.bool,))
+    if trunk.dim() != 3:
+        raise ValueError(f"trunk must have shape [T, m, H], got {tuple(trunk.shape)}")
+    tokens, streams, hidden = trunk.shape
+    _check_shape("keys", keys, (tokens, streams, hidden))
+    _check_shape("value", value, (tokens, hidden))
+    _check_shape("q_weight", q_weight, (streams, hidden))
+    _check_shape("k_weight", k_weight, (streams, hidden))
+    _check_shape("active", active, (tokens,))
+    if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps > 0):
+        raise ValueError(f"eps must be a positive finite float, got {eps!r}")
+    check_same_device(trunk=trunk, keys=keys, value=value, q_weight=q_weight, k_weight=k_weight, active=active)
+    out = torch.empty(trunk.shape, dtype=trunk.dtype, device=trunk.device)
+    if trunk.numel() == 0:
+        return out
+    rows = [t if t.stride(-1) == 1 else t.contiguous() for t in (trunk, keys, value)]
+    _registry.resolve("engram_gate", trunk.device.type)(
+        *rows, q_weight.contiguous(), k_weight.contiguous(), active, float(eps), out
+    )
+    return out
