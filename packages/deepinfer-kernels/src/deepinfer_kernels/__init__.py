@@ -8,6 +8,7 @@ Importing this package touches neither the device nor the environment.
 
 from deepinfer_kernels.activation import swiglu_clamped, swiglu_clamped_fp8
 from deepinfer_kernels.attention import KeySource, sparse_attention
+from deepinfer_kernels.combine import moe_combine
 from deepinfer_kernels.engram import engram_gate
 from deepinfer_kernels.gemm import (
     dequantized_gemm,
@@ -59,6 +60,7 @@ __all__ = [
     "hc_post",
     "hc_read",
     "indexer_select",
+    "moe_combine",
     "mxfp4_gemm",
     "mxfp4_grouped_gemm",
     "quantize_fp8_block",

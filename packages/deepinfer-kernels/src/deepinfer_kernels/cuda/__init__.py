@@ -9,6 +9,7 @@ from deepinfer_kernels._registry import Backend, OpRegistry
 from deepinfer_kernels.cuda import (
     activation,
     attention,
+    combine,
     engram,
     fp8_gemm_ops,
     gemm,
@@ -55,4 +56,5 @@ def register(registry: OpRegistry) -> None:
     registry.register("swiglu_clamped_fp8", nvidia, activation.swiglu_clamped_fp8)
     registry.register("router_topk", nvidia, routing.router_topk)
     registry.register("engram_gate", nvidia, engram.engram_gate)
+    registry.register("moe_combine", nvidia, combine.moe_combine)
     registry.register("invariant_matmul", nvidia, invariant_matmul.invariant_matmul)

@@ -139,15 +139,19 @@ def candidate_configs(op: str, rows: int) -> list[BlockConfig]:
             )
             if cfg not in out:
                 out.append(cfg)
+    if default.gemv and op != "mxfp4_grouped_gemm":
+        # Narrow FMA tiles with every K chunk in one program: enough programs without split-K on wide weights, and no
+        # reduction launch (the same bits either way).
+        out += [_gemv(block_n, num_warps, 3, split_grid=False) for block_n, num_warps in ((8, 2), (16, 4))]
     if op == "mxfp4_grouped_gemm" and rows <= 2:
         # The FMA kernel, not a default for the grouped GEMM, stays a candidate at about one row per expert.
         out += [_gemv(block_n, num_warps, num_stages) for block_n, num_warps, num_stages in ((32, 4, 3), (64, 4, 3))]
     return out
 
 
-def _gemv(block_n: int, num_warps: int, num_stages: int) -> BlockConfig:
+def _gemv(block_n: int, num_warps: int, num_stages: int, split_grid: bool = True) -> BlockConfig:
     return BlockConfig(
-        block_m=2, block_n=block_n, num_warps=num_warps, num_stages=num_stages, split_grid=True, gemv=True
+        block_m=2, block_n=block_n, num_warps=num_warps, num_stages=num_stages, split_grid=split_grid, gemv=True
     )
 
 

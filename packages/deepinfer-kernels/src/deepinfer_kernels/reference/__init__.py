@@ -6,6 +6,7 @@ from deepinfer_kernels._registry import Backend, OpRegistry
 from deepinfer_kernels.reference import (
     activation,
     attention,
+    combine,
     engram,
     gemm,
     grouped_gemm,
@@ -56,3 +57,4 @@ def register(registry: OpRegistry) -> None:
     registry.register("swiglu_clamped_fp8", ref, activation.swiglu_clamped_fp8)
     registry.register("router_topk", ref, routing.router_topk)
     registry.register("engram_gate", ref, engram.engram_gate)
+    registry.register("moe_combine", ref, combine.moe_combine)

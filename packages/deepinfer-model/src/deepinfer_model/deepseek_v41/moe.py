@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from deepinfer_kernels import ExpertRows, router_topk, swiglu_clamped, swiglu_clamped_fp8
+from deepinfer_kernels import ExpertRows, moe_combine, router_topk, swiglu_clamped, swiglu_clamped_fp8
 from deepinfer_model.layers.linear import Fp8BlockLinear, Fp8Copy, Mxfp4ExpertStack, bf16_weight_product, make_parameter
 from deepinfer_model.layers.mode import ComputeMode, round_activation
 
@@ -114,28 +114,32 @@ class RoutedExperts(nn.Module):
         self.expert_slot.copy_(self._slot_table())
 
     def grouped_sum(
-        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, bias: torch.Tensor
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        bias: torch.Tensor | None,
+        out_dtype: torch.dtype = torch.float32,
     ) -> torch.Tensor:
         """Every (token, top-k choice) row through grouped MXFP4 GEMMs, summed onto ``bias`` in top-k order (exact
-        mode; the arithmetic of ``local_expert_dispatch`` over ``compute``, without host synchronization).
+        mode; the arithmetic of ``local_expert_dispatch`` over ``compute``, without host synchronization). The sum
+        is the kernels' ``moe_combine``: FP32 in top-k order, rounded once to ``out_dtype``.
 
         Args:
             x: [n, H] expert inputs (activation dtype).
             topk_ids: [n, k] int64 logical expert ids (experts not held here contribute zero).
             topk_weights: [n, k] fp32 routing weights.
-            bias: [n, H] fp32 added first.
+            bias: [n, H] added first (widened to FP32), or None for +0.
+            out_dtype: dtype of the result.
 
         Returns:
-            [n, H] fp32.
+            [n, H] ``out_dtype``.
         """
         n, k = topk_ids.shape
         slots = self.expert_slot[topk_ids.reshape(-1)]
         rows = x[:, None, :].expand(n, k, x.shape[1]).reshape(n * k, x.shape[1])
-        routed = self.grouped_rows(rows, slots, topk_weights.reshape(-1)).float().view(n, k, -1)
-        out = bias
-        for choice in range(k):
-            out = out + routed[:, choice]
-        return out
+        routed = self.grouped_rows(rows, slots, topk_weights.reshape(-1)).view(n, k, -1)
+        return moe_combine(routed, bias, out_dtype)
 
     def grouped_rows(self, rows: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``compute`` of every row with its own stored expert slot, through two grouped MXFP4 GEMMs (exact mode; no
@@ -216,12 +220,9 @@ class MoE(nn.Module):
         """Args: x [n, H] ``ffn_norm`` output (activation dtype); x_fp8 its FP8 copy from a fused norm, or None (read
         by the shared expert's ``w13``). Returns: [n, H] activation dtype."""
         topk_ids, topk_weights = self.gate(x)
-        if self.shared_experts is not None:
-            bias = self.shared_experts(x, x_fp8).float()
-        else:
-            bias = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        shared = None if self.shared_experts is None else self.shared_experts(x, x_fp8)
         if self.dispatch is local_expert_dispatch and self.mode is ComputeMode.EXACT:
-            routed = self.experts.grouped_sum(x, topk_ids, topk_weights, bias)
-        else:
-            routed = self.dispatch(x, topk_ids, topk_weights, self.experts, bias)
-        return round_activation(routed, self.mode)
+            # The combine widens the shared output, adds and rounds in one kernel.
+            return self.experts.grouped_sum(x, topk_ids, topk_weights, shared, self.mode.activation_dtype)
+        bias = torch.zeros(x.shape, dtype=torch.float32, device=x.device) if shared is None else shared.float()
+        return round_activation(self.dispatch(x, topk_ids, topk_weights, self.experts, bias), self.mode)
