@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["FLOAT_DTYPES", "OUT_DTYPES", "check_dtype", "check_ndim_at_least", "check_same_device", "check_tensor"]
+__all__ = [
+    "FLOAT_DTYPES",
+    "OUT_DTYPES",
+    "check_dtype",
+    "check_ndim_at_least",
+    "check_same_device",
+    "check_shape",
+    "check_tensor",
+]
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -27,6 +35,12 @@ def check_ndim_at_least(name: str, tensor: torch.Tensor, ndim: int) -> None:
     """Raise ValueError unless ``tensor`` has at least ``ndim`` dimensions."""
     if tensor.dim() < ndim:
         raise ValueError(f"{name} must have at least {ndim} dimension(s), got shape {tuple(tensor.shape)}")
+
+
+def check_shape(name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:
+    """Raise ValueError unless ``tensor`` has exactly ``shape``."""
+    if tuple(tensor.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(tensor.shape)}")
 
 
 def check_same_device(**tensors: torch.Tensor) -> None:

@@ -8,18 +8,13 @@ import math
 import torch
 
 from deepinfer_kernels import _registry
-from deepinfer_kernels._checks import check_dtype, check_same_device, check_tensor
+from deepinfer_kernels._checks import check_dtype, check_same_device, check_shape, check_tensor
 
 __all__ = ["GATE_FLOOR", "engram_gate"]
 
 # The gate's floor on |z| before the square root (sqrt(1e−6) = 1e−3 at z = 0).
 GATE_FLOOR = 1e-6
 _DTYPES = (torch.bfloat16, torch.float32)
-
-
-def _check_shape(name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:
-    if tuple(tensor.shape) != shape:
-        raise ValueError(f"{name} must have shape {shape}, got {tuple(tensor.shape)}")
 
 
 def engram_gate(
@@ -65,11 +60,11 @@ def engram_gate(
     if trunk.dim() != 3:
         raise ValueError(f"trunk must have shape [T, m, H], got {tuple(trunk.shape)}")
     tokens, streams, hidden = trunk.shape
-    _check_shape("keys", keys, (tokens, streams, hidden))
-    _check_shape("value", value, (tokens, hidden))
-    _check_shape("q_weight", q_weight, (streams, hidden))
-    _check_shape("k_weight", k_weight, (streams, hidden))
-    _check_shape("active", active, (tokens,))
+    check_shape("keys", keys, (tokens, streams, hidden))
+    check_shape("value", value, (tokens, hidden))
+    check_shape("q_weight", q_weight, (streams, hidden))
+    check_shape("k_weight", k_weight, (streams, hidden))
+    check_shape("active", active, (tokens,))
     if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps > 0):
         raise ValueError(f"eps must be a positive finite float, got {eps!r}")
     check_same_device(trunk=trunk, keys=keys, value=value, q_weight=q_weight, k_weight=k_weight, active=active)

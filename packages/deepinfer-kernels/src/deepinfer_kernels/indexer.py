@@ -6,16 +6,11 @@ from __future__ import annotations
 import torch
 
 from deepinfer_kernels import _registry
-from deepinfer_kernels._checks import check_dtype, check_same_device, check_tensor
+from deepinfer_kernels._checks import check_dtype, check_same_device, check_shape, check_tensor
 from deepinfer_kernels.cache_layout import RowFormat, width_of
 from deepinfer_kernels.kv_cache import INDEX_DTYPES, flat_pool
 
 __all__ = ["indexer_select"]
-
-
-def _check_shape(name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:
-    if tuple(tensor.shape) != shape:
-        raise ValueError(f"{name} must have shape {shape}, got {tuple(tensor.shape)}")
 
 
 def indexer_select(
@@ -79,9 +74,9 @@ def indexer_select(
     if q.dim() != 3:
         raise ValueError(f"q must be [T, Hi, d], got {tuple(q.shape)}")
     num_tokens, num_heads, dim = q.shape
-    _check_shape("weights", weights, (num_tokens, num_heads))
-    _check_shape("token_request", token_request, (num_tokens,))
-    _check_shape("num_rows", num_rows, (num_tokens,))
+    check_shape("weights", weights, (num_tokens, num_heads))
+    check_shape("token_request", token_request, (num_tokens,))
+    check_shape("num_rows", num_rows, (num_tokens,))
     if block_table.dim() != 2:
         raise ValueError(f"block_table must be [R, max_blocks], got {tuple(block_table.shape)}")
     pool = flat_pool("key_pool", key_pool)
