@@ -97,15 +97,15 @@ def mxfp4_grouped_gemm(
     cfg = config or block_config("mxfp4_grouped_gemm", mean_rows, n, k)
     if m > _SPLIT_MAX_ROWS:
         cfg = dataclasses.replace(cfg, split_grid=False)
-    # FMA tiles take up to twice the mean rows, so that an expert with a few more rows than the mean is still read
-    # once rather than once per tile.
-    rows = gemv_rows(2 * mean_rows, cfg) if cfg.gemv else cfg.block_m
     q, q_scale = activation_for(x, cfg)
     if not cfg.gemv and m <= cfg.block_m:
         # Every row fits one MMA tile: each program finds its expert's rows itself (mxfp4_kernel's SCAN), which saves
         # the tile-table launch (about 33 µs at batch 1 on the H200, longer than the GEMM's own share of a weight).
         mxfp4_launch(q, q_scale, packed, scale, out, expert_ids, cfg.block_m, cfg)
         return
+    # FMA tiles take up to twice the mean rows, so that an expert with a few more rows than the mean is still read
+    # once rather than once per tile.
+    rows = gemv_rows(2 * mean_rows, cfg) if cfg.gemv else cfg.block_m
     key = ("mxfp4_grouped_gemm tiles", experts, rows)
     tables = None if derived is None else derived.get(key)
     if tables is None:

@@ -110,7 +110,6 @@ class Engram(nn.Module):
         if cfg.engram_max_ngram_size is None or cfg.engram_n_heads is None or cfg.engram_head_dim is None:
             raise ValueError(f"layer {layer_id} has an Engram but the Engram config keys are missing")
         self.layer_id = layer_id
-        self.mode = mode
         self.max_ngram = cfg.engram_max_ngram_size
         self.n_heads = cfg.engram_n_heads
         self.hc_mult = cfg.hc_mult
