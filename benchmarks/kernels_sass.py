@@ -33,6 +33,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from deepinfer_kernels.cuda.gemm import _fp8_block_kernel, mxfp4_kernel
+from deepinfer_kernels.cuda.gemm_tiles import DECODINGS, decodings
 from deepinfer_kernels.cuda.gemv import fp8_gemv_kernel, mxfp4_gemv_kernel
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -56,11 +57,15 @@ def variants() -> list[dict[str, Any]]:
     mma = {"SPLIT_GRID": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "DOT_BF16": True, "NATIVE_FP8": True}
     gemv = {"SPLIT_GRID": True, "ROWS": 2, "BLOCK_N": 32, "BLOCK_K": 128, "NATIVE_FP8": True, "E4M3_BIAS": 0}
     out: list[dict[str, Any]] = []
-    for decoding in ("scaled_bf16", "dot_scaled", "group_fp16"):
+    for decoding in DECODINGS:
         grouped = {**mma, "GROUPED": True, "DECODING": decoding, "SCAN": False}
         out.append({"name": f"mxfp4 grouped MMA {decoding}", "kernel": mxfp4_kernel, "constexprs": grouped})
-        fp8 = {**mma, "DECODING": decoding}
-        out.append({"name": f"fp8 MMA {decoding}", "kernel": _fp8_block_kernel, "constexprs": fp8})
+        if decoding in decodings("fp8_block_gemm"):
+            fp8 = {**mma, "DECODING": decoding}
+            out.append({"name": f"fp8 MMA {decoding}", "kernel": _fp8_block_kernel, "constexprs": fp8})
+    # The weight-first tiles' own shape: 128 weight rows (two 64-row wgmma blocks), 8 activation rows.
+    swapped = {**mma, "GROUPED": True, "DECODING": "swap_ab", "SCAN": False, "BLOCK_M": 8, "BLOCK_N": 128}
+    out.append({"name": "mxfp4 grouped swap_ab 8x128", "kernel": mxfp4_kernel, "constexprs": swapped})
     out.append(
         {"name": "mxfp4 grouped FMA (2 rows)", "kernel": mxfp4_gemv_kernel, "constexprs": {**gemv, "GROUPED": True}}
     )

@@ -10,6 +10,7 @@ from deepinfer_kernels.cuda.gemm_tiles import (
     BlockConfig,
     block_config,
     candidate_configs,
+    decodings,
     default_config,
 )
 
@@ -31,17 +32,25 @@ def test_candidates_start_with_the_default_and_time_every_decoding(op: str, rows
     assert candidates[0] == default
     assert len(set(candidates)) == len(candidates)
     if default.gemv:
-        assert all(c.gemv for c in candidates)
+        assert all(c.gemv or c.decoding == "swap_ab" for c in candidates)
     else:
         same_tile = [
             c
             for c in candidates
             if (c.block_m, c.block_n, c.num_warps) == (default.block_m, default.block_n, default.num_warps)
         ]
-        assert {c.decoding for c in same_tile} == set(DECODINGS)
+        assert {c.decoding for c in same_tile} == set(decodings(op))
 
 
 def test_measured_entries_win_over_the_default() -> None:
     for (op, bucket, n, k), cfg in MEASURED.items():
         assert block_config(op, bucket, n, k) == cfg
-        assert cfg.decoding in DECODINGS
+        assert cfg.decoding in decodings(op)
+
+
+def test_weight_first_tiles_are_mxfp4_candidates_only() -> None:
+    """``swap_ab`` is an MXFP4 kernel's decoding: a candidate of both MXFP4 GEMMs at few rows, never of the FP8 GEMM."""
+    assert set(DECODINGS) - set(decodings("fp8_block_gemm")) == {"swap_ab"}
+    for op in OPS:
+        has_swap = any(c.decoding == "swap_ab" for c in candidate_configs(op, 1))
+        assert has_swap == op.startswith("mxfp4")

@@ -228,7 +228,7 @@ def test_every_decoding_meets_the_reference_bound(triton_device: str, op: str, s
     """MMA tiles with each operand decoding (the kernels' own into BF16, ``tl.dot_scaled``'s, and unscaled FP16 per
     group) meet the reference's bound (only the FP32 summation order may differ); K = 1024 in 4 chunks, 37 rows over
     three row tiles, rows without an expert left at zero."""
-    from deepinfer_kernels.cuda.gemm_tiles import DECODINGS, BlockConfig
+    from deepinfer_kernels.cuda.gemm_tiles import BlockConfig, decodings
 
     m, n, k = 37, 96, 1024
     x = _activation(m, k, seed=23, dtype=torch.bfloat16)
@@ -245,7 +245,7 @@ def test_every_decoding_meets_the_reference_bound(triton_device: str, op: str, s
         if op == "mxfp4_grouped_gemm":
             inputs = (x, ids, *(torch.stack(pair) for pair in zip(weights, second, strict=True)))
     results = []
-    for decoding in DECODINGS:
+    for decoding in decodings(op):
         cfg = BlockConfig(16, 32, num_warps=4, num_stages=2, split_grid=split_grid, decoding=decoding)
         out = torch.zeros(m, n, dtype=torch.bfloat16, device=triton_device)
         implementation(op, Backend.NVIDIA)(*(t.to(triton_device) for t in inputs), out, config=cfg)

@@ -58,11 +58,12 @@ def test_matches_per_row_gemm(op_device: str, dtype: torch.dtype) -> None:
 
 def test_expert_rows_give_the_bare_ids_result(op_device: str) -> None:
     """The public op on an ``ExpertRows``: w13- and w2-like calls over one store equal the calls on the bare ids bit
-    for bit (the nvidia backend keeps its tile tables in the store, the reference nothing)."""
+    for bit (the nvidia backend keeps its tile tables in the store, the reference nothing). 42 rows: more than one MMA
+    tile holds, so the nvidia backend builds tables (a call whose rows fit one tile needs none)."""
     packed, scale = _experts(4, 32, 64, seed=5, device=op_device)
     wide = _experts(4, 64, 64, seed=6, device=op_device)
-    x = random_normal((7, 64), seed=7, dtype=torch.bfloat16, device=op_device)
-    ids = torch.tensor([3, 0, -1, 3, 1, 0, 3], device=op_device)
+    x = random_normal((42, 64), seed=7, dtype=torch.bfloat16, device=op_device)
+    ids = torch.tensor([3, 0, -1, 3, 1, 0, 3] * 6, device=op_device)
     shared = dk.ExpertRows(ids)
     assert torch.equal(dk.mxfp4_grouped_gemm(x, shared, packed, scale), dk.mxfp4_grouped_gemm(x, ids, packed, scale))
     assert torch.equal(dk.mxfp4_grouped_gemm(x, shared, *wide), dk.mxfp4_grouped_gemm(x, ids, *wide))

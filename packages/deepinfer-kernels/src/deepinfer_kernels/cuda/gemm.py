@@ -43,16 +43,19 @@ from deepinfer_kernels.cuda.gemm_operands import (
     dot_in_bf16,
     e2m1_halves,
     e2m1_tiles,
+    e2m1_word_pairs,
     e4m3_half,
     e4m3_tile,
+    e4m3_unscaled,
     finish_tile,
     group_activation,
     native_fp8,
     operand,
     pow2,
     reduce_partials,
+    word_pair_columns,
 )
-from deepinfer_kernels.cuda.gemm_tiles import BlockConfig, block_config, k_chunk
+from deepinfer_kernels.cuda.gemm_tiles import BlockConfig, block_config, decodings, k_chunk
 from deepinfer_kernels.cuda.gemv import fp8_gemv_kernel, mxfp4_gemv_kernel
 
 __all__ = [
@@ -259,6 +262,67 @@ def _group_tiles(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
+def _swapped_tiles(  # type: ignore[no-untyped-def]
+    q_ptr,
+    qs_ptr,
+    w_ptr,
+    ws_ptr,
+    rows,
+    row_mask,
+    n_rows,
+    n_mask,
+    K,
+    K_CHUNK,
+    stride_q,
+    stride_qs,
+    stride_w,
+    stride_ws,
+    SPLIT_GRID: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_BF16: tl.constexpr,
+    NATIVE: tl.constexpr,
+):
+    # The chunk sums of an MXFP4 GEMM tile, decoding "swap_ab", transposed: [BLOCK_N, BLOCK_M] = Ŵ·x̂ᵀ, the weight
+    # being the MMA's first operand (Hopper's wgmma takes it from registers). Per 32-column group each weight row's
+    # four packed words are decoded by e2m1_word_pairs, scaled into BF16, and joined into the [BLOCK_N, 32] operand;
+    # the join puts each thread's words where the operand layout wants them, so the decoded values never pass
+    # through shared memory. The activation (codes in column order) is read in the same column order
+    # (word_pair_columns): the MMA sums the same products as in column order.
+    E4M3_BIAS: tl.constexpr = 0 if NATIVE else 8
+    words_ptr = w_ptr.to(tl.pointer_type(tl.int32))
+    lanes = tl.arange(0, 4)
+    w_ptrs = words_ptr + n_rows[:, None] * (stride_w // 4) + lanes[None, :]
+    q_ptrs = q_ptr + rows[None, :] * stride_q + word_pair_columns()[:, None]
+    first, last = chunk_range(K, K_CHUNK, SPLIT_GRID)
+    total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for chunk in range(first, last):
+        k_end = tl.minimum(chunk * K_CHUNK + K_CHUNK, K)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k0 in range(chunk * K_CHUNK, k_end, BLOCK_K):
+            for g in tl.static_range(BLOCK_K // 32):
+                col = k0 + g * 32
+                # K is a multiple of 32, so whole groups are in or out of range (vector masks: see cuda.gemv._row).
+                w_in = n_mask & (col + n_rows * 0 < k_end)
+                words = tl.load(w_ptrs + col // 8, mask=w_in[:, None], other=0)
+                w_scale = tl.load(ws_ptr + n_rows * stride_ws + col // 32, mask=w_in, other=0).to(tl.int32)
+                pairs = e2m1_word_pairs(
+                    tl.join(words, words), tl.broadcast_to(w_scale[:, None, None], (BLOCK_N, 4, 2)), NATIVE
+                )
+                # [BLOCK_N, word, pair element, o % 2, o // 2] → k = 8·o + 2·word + pair element
+                w = tl.join(tl.join(pairs[0], pairs[1]), tl.join(pairs[2], pairs[3]))
+                w = tl.reshape(tl.permute(w, (0, 4, 3, 1, 2)), (BLOCK_N, 32))
+                a_in = row_mask & (col + rows * 0 < k_end)
+                a_scale = tl.load(qs_ptr + rows * stride_qs + col // 32, mask=a_in, other=0)
+                codes = tl.load(q_ptrs + col, mask=a_in[None, :], other=0)
+                a = e4m3_unscaled(codes, NATIVE) * pow2(a_scale, E4M3_BIAS)[None, :]
+                acc = tl.dot(operand(w, DOT_BF16), operand(a, DOT_BF16), acc)
+        total += acc
+    return tl.trans(total)
+
+
+@triton.jit
 def mxfp4_kernel(  # type: ignore[no-untyped-def]
     q_ptr,
     qs_ptr,
@@ -297,9 +361,11 @@ def mxfp4_kernel(  # type: ignore[no-untyped-def]
     ``DECODING`` (``gemm_tiles.BlockConfig``): ``"dot_scaled"`` gives the operands to ``tl.dot_scaled`` as they are
     stored (e4m3 activation codes in column order, packed e2m1 weight bytes, both with their UE8M0 group scales);
     Triton decodes them to the same BF16 values this kernel's own decoding gives (exact, see the module docstring)
-    before the same BF16 MMA with FP32 accumulation. Otherwise the kernel decodes them itself, on an activation
-    de-interleaved per group (``deinterleaved_activation``): scaled into BF16 (``"scaled_bf16"``) or unscaled FP16
-    with the scales applied to each group's sum (``"group_fp16"``, ``_group_tiles``).
+    before the same BF16 MMA with FP32 accumulation. ``"swap_ab"`` (``_swapped_tiles``) decodes the weight itself,
+    scaled into BF16, straight into the registers of the MMA's first operand (the tile is computed transposed; the
+    activation, in column order, is its narrow second operand). Otherwise the kernel decodes them itself, on an
+    activation de-interleaved per group (``deinterleaved_activation``): scaled into BF16 (``"scaled_bf16"``) or
+    unscaled FP16 with the scales applied to each group's sum (``"group_fp16"``, ``_group_tiles``).
 
     Grouped: program ``pid`` owns positions ``[block_start[pid], block_end[pid])`` of the expert-sorted row order
     ``order`` and multiplies them by expert ``block_expert[pid]``; ``block_expert ≥ num_experts`` marks a spare
@@ -338,6 +404,13 @@ def mxfp4_kernel(  # type: ignore[no-untyped-def]
         total = _scaled_tiles(
             q_ptr, qs_ptr, packed_ptr, ws_ptr, rows, row_mask, n_rows, n_mask, n_rows, groups, K, K_CHUNK,
             stride_q, stride_qs, stride_p, 2, stride_s, "e2m1", SPLIT_GRID, BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+        finish_tile(out_ptr, partial_ptr, total, rows, row_mask, n_offsets, M, N, stride_out, SPLIT_GRID)
+        return
+    if DECODING == "swap_ab":
+        total = _swapped_tiles(
+            q_ptr, qs_ptr, packed_ptr, ws_ptr, rows, row_mask, n_rows, n_mask, K, K_CHUNK,
+            stride_q, stride_qs, stride_p, stride_s, SPLIT_GRID, BLOCK_M, BLOCK_N, BLOCK_K, DOT_BF16, NATIVE_FP8,
         )  # fmt: skip
         finish_tile(out_ptr, partial_ptr, total, rows, row_mask, n_offsets, M, N, stride_out, SPLIT_GRID)
         return
@@ -402,7 +475,7 @@ def deinterleaved_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 def activation_for(x: torch.Tensor, cfg: BlockConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """The activation codes an MXFP4 launch with tiles ``cfg`` reads: in column order for the FMA kernels and
     ``tl.dot_scaled``, de-interleaved per group for ``mxfp4_kernel``'s own decodings."""
-    in_order = cfg.gemv or cfg.decoding == "dot_scaled"
+    in_order = cfg.gemv or cfg.decoding in ("dot_scaled", "swap_ab")
     return quantized_activation(x) if in_order else deinterleaved_activation(x)
 
 
@@ -444,6 +517,8 @@ def mxfp4_launch(
     m, k = q.shape
     n = packed.shape[-2]
     grouped, scan = tables is not None, isinstance(tables, torch.Tensor)
+    if cfg.decoding == "swap_ab" and (packed.data_ptr() % 4 or packed.stride(-2) % 4):
+        raise ValueError("decoding 'swap_ab' reads the packed weight in 4-byte words: its rows must be 4-byte aligned")
     if isinstance(tables, torch.Tensor):
         if cfg.gemv or m > rows_per_program:
             raise ValueError(f"a grouped launch without tile tables needs MMA tiles of at least M = {m} rows")
@@ -521,6 +596,8 @@ def fp8_block_launch(
     """
     (m, n), k = out.shape, w_q.shape[1]
     cfg = config or block_config("fp8_block_gemm", m, n, k)
+    if cfg.decoding not in decodings("fp8_block_gemm"):
+        raise ValueError(f"the FP8 block GEMM has the decodings {decodings('fp8_block_gemm')}, not {cfg.decoding!r}")
     n_per_group = n // groups
     while n_per_group % cfg.block_n:  # a tile must not straddle two groups
         cfg = replace(cfg, block_n=cfg.block_n // 2)

@@ -27,6 +27,7 @@ __all__ = [
     "e2m1_half_bits",
     "e2m1_halves",
     "e2m1_tiles",
+    "e2m1_word_pairs",
     "e4m3_half",
     "e4m3_tile",
     "e4m3_unscaled",
@@ -37,6 +38,7 @@ __all__ = [
     "operand",
     "pow2",
     "reduce_partials",
+    "word_pair_columns",
 ]
 
 _REDUCE_BLOCK = 1024
@@ -145,6 +147,86 @@ def e2m1_halves(raw, NATIVE: tl.constexpr):  # type: ignore[no-untyped-def]
     else:
         b = raw.to(tl.int32) & 0xFF
         return half_to_float(e2m1_half_bits(b & 0xF)), half_to_float(e2m1_half_bits(b >> 4))
+
+
+# One packed e2m1 word ($4; $5 repeats it) and the BF16 bits of its 32-column group's factor 2^(b − 127) in both
+# halves ($6; $7 repeats it) → four BF16 pairs: the low nibbles of bytes 0, 1 ($0) and of bytes 2, 3 ($1), the high
+# nibbles of bytes 0, 1 ($2) and of bytes 2, 3 ($3), each value times the factor. prmt spreads two bytes to the two
+# halves as in _E2M1_HALVES_PTX; each nibble's magnitude bits go to BF16 bits 6–8 (the value times 2^−126, code 1
+# a BF16 subnormal) and its sign to bit 15; one multiply by 2^126 (0x7E80) makes the value normal, a second applies
+# the factor. Both products are exact: powers of two, normal results for factor bytes in [2, 252].
+_E2M1_WORD_PTX = tl.constexpr(
+    """
+{
+.reg .b32 x, m, s, c;
+mov.b32 c, 0x7E807E80;
+prmt.b32 x, $4, $4, 0x3120;
+shl.b32 m, x, 6;
+and.b32 m, m, 0x01C001C0;
+shl.b32 s, x, 12;
+lop3.b32 m, m, s, 0x80008000, 0xF8;
+mul.rn.bf16x2 m, m, c;
+mul.rn.bf16x2 $0, m, $6;
+shl.b32 m, x, 2;
+and.b32 m, m, 0x01C001C0;
+shl.b32 s, x, 8;
+lop3.b32 m, m, s, 0x80008000, 0xF8;
+mul.rn.bf16x2 m, m, c;
+mul.rn.bf16x2 $2, m, $6;
+prmt.b32 x, $4, $4, 0x3322;
+shl.b32 m, x, 6;
+and.b32 m, m, 0x01C001C0;
+shl.b32 s, x, 12;
+lop3.b32 m, m, s, 0x80008000, 0xF8;
+mul.rn.bf16x2 m, m, c;
+mul.rn.bf16x2 $1, m, $6;
+shl.b32 m, x, 2;
+and.b32 m, m, 0x01C001C0;
+shl.b32 s, x, 8;
+lop3.b32 m, m, s, 0x80008000, 0xF8;
+mul.rn.bf16x2 m, m, c;
+mul.rn.bf16x2 $3, m, $6;
+}
+"""
+)
+
+
+@triton.jit
+def e2m1_word_pairs(words, scale_bytes, NATIVE: tl.constexpr):  # type: ignore[no-untyped-def]
+    # words [R, C, 2] int32 packed e2m1 words (each repeated along the last axis), scale_bytes [R, C, 2] their
+    # groups' UE8M0 bytes → four [R, C, 2] tensors of scaled values, pair element j of output o being the code
+    # word_pair_columns places at 8·o + j: BF16 from the PTX above when NATIVE, FP32 from the bit placement of
+    # e2m1_half_bits otherwise (the interpreter).
+    if NATIVE:
+        factor = ((scale_bytes & 0xFF) << 7) * 0x10001
+        return tl.inline_asm_elementwise(
+            _E2M1_WORD_PTX,
+            "=r,=r,=r,=r,r,r,r,r",
+            [words, factor],
+            dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16),
+            is_pure=True,
+            pack=2,
+        )
+    else:
+        factor = pow2(scale_bytes, 14)
+        pair = tl.arange(0, 2)[None, None, :]
+        low_bytes = (words >> (8 * pair)) & 0xFF
+        high_bytes = (words >> (8 * pair + 16)) & 0xFF
+        return (
+            half_to_float(e2m1_half_bits(low_bytes & 0xF)) * factor,
+            half_to_float(e2m1_half_bits(high_bytes & 0xF)) * factor,
+            half_to_float(e2m1_half_bits(low_bytes >> 4)) * factor,
+            half_to_float(e2m1_half_bits(high_bytes >> 4)) * factor,
+        )
+
+
+@triton.jit
+def word_pair_columns():  # type: ignore[no-untyped-def]
+    # The column within a 32-column group of each k of a "swap_ab" MMA: k = 8·o + 2·c + j holds pair element j of
+    # output o of e2m1_word_pairs on the group's word c (codes 8c … 8c+7; low nibbles are the even columns).
+    k = tl.arange(0, 32)
+    o = k // 8
+    return 8 * ((k % 8) // 2) + 4 * (o % 2) + o // 2 + 2 * (k % 2)
 
 
 @triton.jit

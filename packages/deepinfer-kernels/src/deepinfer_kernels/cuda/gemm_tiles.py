@@ -33,6 +33,7 @@ __all__ = [
     "BlockConfig",
     "block_config",
     "candidate_configs",
+    "decodings",
     "default_config",
     "invariant_config",
     "k_chunk",
@@ -45,7 +46,7 @@ _DECODE_PROGRAMS = 1024
 _CHUNK_ALIGN = 256
 _DECODE_BLOCK_N = 32
 _BUCKETS = (2, 16, 32, 64, 256)
-DECODINGS = ("scaled_bf16", "dot_scaled", "group_fp16")
+DECODINGS = ("scaled_bf16", "dot_scaled", "group_fp16", "swap_ab")
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,10 @@ class BlockConfig:
       step;
     - ``"dot_scaled"``: ``tl.dot_scaled`` decodes the stored codes with their scales;
     - ``"group_fp16"``: the kernel decodes unscaled FP16 operands (cheap: no scaling, no FP32 round trip), one MMA
-      per 32-column group, and scales each group's FP32 sum by the two power-of-two factors.
+      per 32-column group, and scales each group's FP32 sum by the two power-of-two factors;
+    - ``"swap_ab"`` (MXFP4 only): the MMA computes the tile transposed with the weight as its first operand, decoded
+      and scaled into BF16 straight into that operand's registers (no shared-memory round trip); ``block_m``
+      activation rows are the MMA's narrow side (8 or 16 suit few rows per weight).
     """
 
     block_m: int
@@ -75,6 +79,12 @@ class BlockConfig:
     def __post_init__(self) -> None:
         if self.decoding not in DECODINGS:
             raise ValueError(f"BlockConfig.decoding must be one of {DECODINGS}, got {self.decoding!r}")
+
+
+def decodings(op: str) -> tuple[str, ...]:
+    """The decodings ``op``'s MMA kernel has: every one of :data:`DECODINGS` for the MXFP4 GEMMs, all but
+    ``"swap_ab"`` for the FP8 block GEMM."""
+    return DECODINGS if op.startswith("mxfp4") else tuple(d for d in DECODINGS if d != "swap_ab")
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -122,9 +132,9 @@ def candidate_configs(op: str, rows: int) -> list[BlockConfig]:
     with every other decoding, then other tile shapes with every decoding (MMA tiles), so a default that changes
     is always timed against the one before it."""
     default = default_config(op, rows)
-    others = () if default.gemv else tuple(d for d in DECODINGS if d != default.decoding)
-    decodings = (default.decoding, *others)
-    out = [replace(default, decoding=decoding) for decoding in decodings]
+    others = () if default.gemv else tuple(d for d in decodings(op) if d != default.decoding)
+    kinds = (default.decoding, *others)
+    out = [replace(default, decoding=decoding) for decoding in kinds]
     if rows > 64:
         return out
     shapes: tuple[tuple[int, int, int], ...]
@@ -133,7 +143,7 @@ def candidate_configs(op: str, rows: int) -> list[BlockConfig]:
     else:
         shapes = ((32, 4, 4), (32, 4, 6), (64, 8, 4), (128, 4, 4))
     for block_n, num_warps, num_stages in shapes:
-        for decoding in decodings:
+        for decoding in kinds:
             cfg = BlockConfig(
                 default.block_m, block_n, num_warps, num_stages, split_grid=True, gemv=default.gemv, decoding=decoding
             )
@@ -143,6 +153,10 @@ def candidate_configs(op: str, rows: int) -> list[BlockConfig]:
         # Narrow FMA tiles with every K chunk in one program: enough programs without split-K on wide weights, and no
         # reduction launch (the same bits either way).
         out += [_gemv(block_n, num_warps, 3, split_grid=False) for block_n, num_warps in ((8, 2), (16, 4))]
+    if op.startswith("mxfp4") and rows <= 16:
+        # Weight-first MMA tiles: 8 or 16 activation rows on the MMA's narrow side, 64 or 128 weight rows.
+        swapped = (_mma(m, n, 4, stages, decoding="swap_ab") for m in (8, 16) for n, stages in ((128, 3), (64, 4)))
+        out += [cfg for cfg in swapped if cfg not in out]
     if op == "mxfp4_grouped_gemm" and rows <= 2:
         # The FMA kernel, not a default for the grouped GEMM, stays a candidate at about one row per expert.
         out += [_gemv(block_n, num_warps, num_stages) for block_n, num_warps, num_stages in ((32, 4, 3), (64, 4, 3))]
