@@ -177,9 +177,11 @@ def _mma(
 
 # (op, row bucket, N, K) -> tiles where the fastest candidate on an H200 was not the default (the scaled preset's
 # decode shapes; benchmarks/results/kernels_gemm-nvidia-h200*.json, docs/hardware.md "Kernels"). Bucket 2 was tuned
-# at 1 row, bucket 16 at 1 row, bucket 64 at 64 rows, bucket 4096 at 4096 rows. The FP8 entries of buckets 2 and 16
-# predate tl.dot_scaled (own decoding). The grouped MXFP4 GEMM has none: its bucket 2 holds both 1 token (where
-# group_fp16 was 5 % faster) and 64 tokens (where it was 1–8 % slower).
+# at 1 row, bucket 16 at 1 row (the grouped GEMM's at 256 tokens), bucket 64 at 64 rows, bucket 4096 at 4096 rows.
+# The FP8 entries of buckets 2 and 16 predate tl.dot_scaled (own decoding). The grouped MXFP4 GEMM's bucket 2 holds
+# both 1 token and 64 tokens (about one row per expert): its 128-column tiles were the fastest scaled_bf16 tiles at
+# both, 16–21 % faster than the default (kernels_gemm-mxfp4-swap-t*.json), and faster than swap_ab except on w2 at
+# 1 token (50.6 against 54.4 µs).
 MEASURED: dict[tuple[str, int, int, int], BlockConfig] = {
     ("fp8_block_gemm", 2, 512, 5120): _gemv(16, 4, 3),
     ("fp8_block_gemm", 2, 1280, 5120): _gemv(64, 8, 3),
@@ -201,6 +203,10 @@ MEASURED: dict[tuple[str, int, int, int], BlockConfig] = {
     ("fp8_block_gemm", 64, 5120, 15360): _mma(64, 32, 2, 4, decoding="dot_scaled"),
     ("fp8_block_gemm", 64, 25600, 6144): _mma(64, 32, 2, 4, decoding="dot_scaled"),
     ("fp8_block_gemm", 64, 32768, 1280): _mma(64, 32, 2, 4, decoding="dot_scaled"),
+    ("mxfp4_grouped_gemm", 2, 4608, 5120): _mma(16, 128, 4, 4),
+    ("mxfp4_grouped_gemm", 2, 5120, 2304): _mma(16, 128, 4, 4),
+    ("mxfp4_grouped_gemm", 16, 4608, 5120): _mma(16, 128, 4, 4),
+    ("mxfp4_grouped_gemm", 16, 5120, 2304): _mma(16, 128, 4, 4),
     ("fp8_block_gemm", 4096, 5120, 15360): _mma(128, 128, 8, 3, split_grid=False),
     ("fp8_block_gemm", 4096, 25600, 6144): _mma(128, 128, 8, 3, split_grid=False),
 }
