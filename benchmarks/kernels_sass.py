@@ -53,7 +53,8 @@ CLASSES = {
 
 def variants() -> list[dict[str, Any]]:
     """(name, kernel, constexprs, warps, weight elements per thread per K step) of each counted variant: the
-    decode-size tiles of the scaled preset's GEMMs (16 × 64 MMA tiles, 2-row FMA tiles with 32 weight rows)."""
+    decode-size tiles of the scaled preset's GEMMs (16 × 64 MMA tiles, 2-row FMA tiles with 32 weight rows) and the
+    grouped GEMM's 16 × 128 tiles."""
     mma = {"SPLIT_GRID": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "DOT_BF16": True, "NATIVE_FP8": True}
     gemv = {"SPLIT_GRID": True, "ROWS": 2, "BLOCK_N": 32, "BLOCK_K": 128, "NATIVE_FP8": True, "E4M3_BIAS": 0}
     out: list[dict[str, Any]] = []
@@ -63,9 +64,12 @@ def variants() -> list[dict[str, Any]]:
         if decoding in decodings("fp8_block_gemm"):
             fp8 = {**mma, "DECODING": decoding}
             out.append({"name": f"fp8 MMA {decoding}", "kernel": _fp8_block_kernel, "constexprs": fp8})
-    # The weight-first tiles' own shape: 128 weight rows (two 64-row wgmma blocks), 8 activation rows.
-    swapped = {**mma, "GROUPED": True, "DECODING": "swap_ab", "SCAN": False, "BLOCK_M": 8, "BLOCK_N": 128}
-    out.append({"name": "mxfp4 grouped swap_ab 8x128", "kernel": mxfp4_kernel, "constexprs": swapped})
+    # The grouped GEMM's measured decode tile (16 x 128) and its tuning candidates with a 64-column K step.
+    wide = {**mma, "GROUPED": True, "SCAN": False, "BLOCK_N": 128}
+    for decoding, block_k in (("scaled_bf16", 128), ("scaled_bf16", 64), ("swap_ab", 64)):
+        constexprs = {**wide, "DECODING": decoding, "BLOCK_K": block_k}
+        name = f"mxfp4 grouped 16x128 k{block_k} {decoding}"
+        out.append({"name": name, "kernel": mxfp4_kernel, "constexprs": constexprs})
     out.append(
         {"name": "mxfp4 grouped FMA (2 rows)", "kernel": mxfp4_gemv_kernel, "constexprs": {**gemv, "GROUPED": True}}
     )
@@ -145,10 +149,10 @@ def main() -> None:
     args.out.write_text(json.dumps({**meta, "results": rows}, indent=1) + "\n")
     labels = list(CLASSES)
     print(f"\nK-loop SASS per thread and K step (Triton {triton.__version__}, sm_90, num_stages=1)")
-    print(f"{'kernel':<30} {'instr':>6} {'elem':>5} {'/elem':>6} " + " ".join(f"{lab[:9]:>9}" for lab in labels))
+    print(f"{'kernel':<40} {'instr':>6} {'elem':>5} {'/elem':>6} " + " ".join(f"{lab[:9]:>9}" for lab in labels))
     for r in rows:
         print(
-            f"{r['name']:<30} {r['loop_instructions_per_thread']:>6} {r['weight_elements_per_thread']:>5} "
+            f"{r['name']:<40} {r['loop_instructions_per_thread']:>6} {r['weight_elements_per_thread']:>5} "
             f"{r['instructions_per_weight_element']:>6.1f} " + " ".join(f"{r['classes'][lab]:>9}" for lab in labels)
         )
     print(f"wrote {args.out}")

@@ -285,39 +285,41 @@ def _swapped_tiles(  # type: ignore[no-untyped-def]
     NATIVE: tl.constexpr,
 ):
     # The chunk sums of an MXFP4 GEMM tile, decoding "swap_ab", transposed: [BLOCK_N, BLOCK_M] = Ŵ·x̂ᵀ, the weight
-    # being the MMA's first operand (Hopper's wgmma takes it from registers). Per 32-column group each weight row's
-    # four packed words are decoded by e2m1_word_pairs, scaled into BF16, and joined into the [BLOCK_N, 32] operand;
-    # the join puts each thread's words where the operand layout wants them, so the decoded values never pass
-    # through shared memory. The activation (codes in column order) is read in the same column order
-    # (word_pair_columns): the MMA sums the same products as in column order.
+    # being the MMA's first operand (Hopper's wgmma takes it from registers). Per K step each weight row's packed
+    # words (four per 32-column group, read as 16-byte vectors) are decoded by e2m1_word_pairs, scaled into BF16,
+    # and joined into the [BLOCK_N, BLOCK_K] operand; the join puts each thread's words where the operand layout wants
+    # them, so only packed words, never decoded values, can pass through shared memory. The activation (codes in
+    # column order) is read in the same column order (word_pair_columns): the MMA sums the same products.
     E4M3_BIAS: tl.constexpr = 0 if NATIVE else 8
-    words_ptr = w_ptr.to(tl.pointer_type(tl.int32))
-    lanes = tl.arange(0, 4)
-    w_ptrs = words_ptr + n_rows[:, None] * (stride_w // 4) + lanes[None, :]
-    q_ptrs = q_ptr + rows[None, :] * stride_q + word_pair_columns()[:, None]
+    GROUPS: tl.constexpr = BLOCK_K // 32
+    words = tl.arange(0, BLOCK_K // 8)
+    groups = tl.arange(0, GROUPS)
+    w_ptrs = w_ptr.to(tl.pointer_type(tl.int32)) + n_rows[:, None] * (stride_w // 4) + words[None, :]
+    ws_ptrs = ws_ptr + n_rows[:, None] * stride_ws + groups[None, :]
+    q_ptrs = q_ptr + rows[None, :] * stride_q + word_pair_columns(BLOCK_K)[:, None]
+    qs_ptrs = qs_ptr + rows[None, :] * stride_qs + groups[:, None]
     first, last = chunk_range(K, K_CHUNK, SPLIT_GRID)
     total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for chunk in range(first, last):
         k_end = tl.minimum(chunk * K_CHUNK + K_CHUNK, K)
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for k0 in range(chunk * K_CHUNK, k_end, BLOCK_K):
-            for g in tl.static_range(BLOCK_K // 32):
-                col = k0 + g * 32
-                # K is a multiple of 32, so whole groups are in or out of range (vector masks: see cuda.gemv._row).
-                w_in = n_mask & (col + n_rows * 0 < k_end)
-                words = tl.load(w_ptrs + col // 8, mask=w_in[:, None], other=0)
-                w_scale = tl.load(ws_ptr + n_rows * stride_ws + col // 32, mask=w_in, other=0).to(tl.int32)
-                pairs = e2m1_word_pairs(
-                    tl.join(words, words), tl.broadcast_to(w_scale[:, None, None], (BLOCK_N, 4, 2)), NATIVE
-                )
-                # [BLOCK_N, word, pair element, o % 2, o // 2] → k = 8·o + 2·word + pair element
-                w = tl.join(tl.join(pairs[0], pairs[1]), tl.join(pairs[2], pairs[3]))
-                w = tl.reshape(tl.permute(w, (0, 4, 3, 1, 2)), (BLOCK_N, 32))
-                a_in = row_mask & (col + rows * 0 < k_end)
-                a_scale = tl.load(qs_ptr + rows * stride_qs + col // 32, mask=a_in, other=0)
-                codes = tl.load(q_ptrs + col, mask=a_in[None, :], other=0)
-                a = e4m3_unscaled(codes, NATIVE) * pow2(a_scale, E4M3_BIAS)[None, :]
-                acc = tl.dot(operand(w, DOT_BF16), operand(a, DOT_BF16), acc)
+            # K is a multiple of 32, so whole groups are in or out of range.
+            raw = tl.load(w_ptrs + k0 // 8, mask=n_mask[:, None] & (k0 + 8 * words < k_end)[None, :], other=0)
+            w_in = n_mask[:, None] & (k0 + 32 * groups < k_end)[None, :]
+            w_scale = tl.load(ws_ptrs + k0 // 32, mask=w_in, other=0).to(tl.int32)
+            raw = tl.reshape(raw, (BLOCK_N, GROUPS, 4))
+            pairs = e2m1_word_pairs(
+                tl.join(raw, raw), tl.broadcast_to(w_scale[:, :, None, None], (BLOCK_N, GROUPS, 4, 2)), NATIVE
+            )
+            # [BLOCK_N, group, word, pair element, o % 2, o // 2] → k = 32·group + 8·o + 2·word + pair element
+            w = tl.join(tl.join(pairs[0], pairs[1]), tl.join(pairs[2], pairs[3]))
+            w = tl.reshape(tl.permute(w, (0, 1, 5, 4, 2, 3)), (BLOCK_N, BLOCK_K))
+            a_in = row_mask[None, :] & (k0 + 32 * groups < k_end)[:, None]
+            a_scale = tl.load(qs_ptrs + k0 // 32, mask=a_in, other=0)
+            codes = tl.load(q_ptrs + k0, mask=row_mask[None, :] & (k0 + word_pair_columns(BLOCK_K) < k_end)[:, None])
+            a = tl.reshape(e4m3_unscaled(codes, NATIVE), (GROUPS, 32, BLOCK_M)) * pow2(a_scale, E4M3_BIAS)[:, None, :]
+            acc = tl.dot(operand(w, DOT_BF16), operand(tl.reshape(a, (BLOCK_K, BLOCK_M)), DOT_BF16), acc)
         total += acc
     return tl.trans(total)
 

@@ -193,10 +193,10 @@ mul.rn.bf16x2 $3, m, $6;
 
 @triton.jit
 def e2m1_word_pairs(words, scale_bytes, NATIVE: tl.constexpr):  # type: ignore[no-untyped-def]
-    # words [R, C, 2] int32 packed e2m1 words (each repeated along the last axis), scale_bytes [R, C, 2] their
-    # groups' UE8M0 bytes → four [R, C, 2] tensors of scaled values, pair element j of output o being the code
-    # word_pair_columns places at 8·o + j: BF16 from the PTX above when NATIVE, FP32 from the bit placement of
-    # e2m1_half_bits otherwise (the interpreter).
+    # words [R, G, C, 2] int32 packed e2m1 words (each repeated along the last axis), scale_bytes [R, G, C, 2] their
+    # groups' UE8M0 bytes → four [R, G, C, 2] tensors of scaled values, pair element j of output o of word c being
+    # the code word_pair_columns places at 8·o + 2·c + j: BF16 from the PTX above when NATIVE, FP32 from the bit
+    # placement of e2m1_half_bits otherwise (the interpreter).
     if NATIVE:
         factor = ((scale_bytes & 0xFF) << 7) * 0x10001
         return tl.inline_asm_elementwise(
@@ -209,7 +209,7 @@ def e2m1_word_pairs(words, scale_bytes, NATIVE: tl.constexpr):  # type: ignore[n
         )
     else:
         factor = pow2(scale_bytes, 14)
-        pair = tl.arange(0, 2)[None, None, :]
+        pair = tl.arange(0, 2)[None, None, None, :]
         low_bytes = (words >> (8 * pair)) & 0xFF
         high_bytes = (words >> (8 * pair + 16)) & 0xFF
         return (
@@ -221,12 +221,12 @@ def e2m1_word_pairs(words, scale_bytes, NATIVE: tl.constexpr):  # type: ignore[n
 
 
 @triton.jit
-def word_pair_columns():  # type: ignore[no-untyped-def]
-    # The column within a 32-column group of each k of a "swap_ab" MMA: k = 8·o + 2·c + j holds pair element j of
-    # output o of e2m1_word_pairs on the group's word c (codes 8c … 8c+7; low nibbles are the even columns).
-    k = tl.arange(0, 32)
-    o = k // 8
-    return 8 * ((k % 8) // 2) + 4 * (o % 2) + o // 2 + 2 * (k % 2)
+def word_pair_columns(BLOCK_K: tl.constexpr):  # type: ignore[no-untyped-def]
+    # The column of each k of a "swap_ab" MMA's K step: k = 32·g + 8·o + 2·c + j holds pair element j of output o of
+    # e2m1_word_pairs on word c of group g (codes 8c … 8c+7 of the group; low nibbles are the even columns).
+    k = tl.arange(0, BLOCK_K)
+    o = (k % 32) // 8
+    return 32 * (k // 32) + 8 * ((k % 8) // 2) + 4 * (o % 2) + o // 2 + 2 * (k % 2)
 
 
 @triton.jit

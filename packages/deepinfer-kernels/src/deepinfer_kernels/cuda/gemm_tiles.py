@@ -153,10 +153,17 @@ def candidate_configs(op: str, rows: int) -> list[BlockConfig]:
         # Narrow FMA tiles with every K chunk in one program: enough programs without split-K on wide weights, and no
         # reduction launch (the same bits either way).
         out += [_gemv(block_n, num_warps, 3, split_grid=False) for block_n, num_warps in ((8, 2), (16, 4))]
-    if op.startswith("mxfp4") and rows <= 16:
-        # Weight-first MMA tiles: 8 or 16 activation rows on the MMA's narrow side, 64 or 128 weight rows.
-        swapped = (_mma(m, n, 4, stages, decoding="swap_ab") for m in (8, 16) for n, stages in ((128, 3), (64, 4)))
-        out += [cfg for cfg in swapped if cfg not in out]
+    if op == "mxfp4_grouped_gemm" and rows <= 16:
+        # 128- and 256-column tiles (the fastest at 1, 64 and 256 tokens on the grouped GEMM), weight-first or with a
+        # 64-column K step (fewer registers: 127 against 167 for the scaled 16×128 tile, static count for sm_90).
+        wide = [
+            _mma(16, 128, 4, 4, block_k=64),
+            _mma(16, 128, 4, 4, decoding="swap_ab", block_k=64),
+            _mma(16, 128, 4, 3, decoding="swap_ab"),
+            _mma(16, 128, 8, 3, decoding="swap_ab"),
+            _mma(16, 256, 8, 3, decoding="swap_ab"),
+        ]
+        out += [cfg for cfg in wide if cfg not in out]
     if op == "mxfp4_grouped_gemm" and rows <= 2:
         # The FMA kernel, not a default for the grouped GEMM, stays a candidate at about one row per expert.
         out += [_gemv(block_n, num_warps, num_stages) for block_n, num_warps, num_stages in ((32, 4, 3), (64, 4, 3))]
@@ -170,9 +177,17 @@ def _gemv(block_n: int, num_warps: int, num_stages: int, split_grid: bool = True
 
 
 def _mma(
-    block_m: int, block_n: int, num_warps: int, num_stages: int, split_grid: bool = True, decoding: str = "scaled_bf16"
+    block_m: int,
+    block_n: int,
+    num_warps: int,
+    num_stages: int,
+    split_grid: bool = True,
+    decoding: str = "scaled_bf16",
+    block_k: int = BLOCK_K,
 ) -> BlockConfig:
-    return BlockConfig(block_m, block_n, num_warps, num_stages, split_grid=split_grid, decoding=decoding)
+    return BlockConfig(
+        block_m, block_n, num_warps, num_stages, split_grid=split_grid, decoding=decoding, block_k=block_k
+    )
 
 
 # (op, row bucket, N, K) -> tiles where the fastest candidate on an H200 was not the default (the scaled preset's
@@ -212,12 +227,19 @@ MEASURED: dict[tuple[str, int, int, int], BlockConfig] = {
 }
 
 
+# Batch-invariant tiles (block_m, block_n, warps, stages) per op, else 64×64 with 4 warps. The grouped GEMM's rows per
+# expert stay few at decode: its 16×128 tiles were the fastest at 1, 64 and 256 tokens (MEASURED above).
+_INVARIANT_TILES = {"mxfp4_grouped_gemm": (16, 128, 4, 4)}
+
+
 def invariant_config(op: str, rows: int) -> BlockConfig:
-    """The tiles of every GEMM in batch-invariant mode (docs/design/numerics.md, "Batch invariance"): 64×64 MMA tiles
-    whatever the rows, so every row goes through the same MMA instruction and K order. Only ``split_grid`` follows
-    the rows (split-K up to 64 rows, as the default tiles): it does not change the bits (module docstring) and
-    without it a prefill's FP32 partials would take chunks × M × N × 4 bytes."""
-    return BlockConfig(64, 64, num_warps=4, num_stages=4, split_grid=rows <= 64, decoding=_decoding(op))
+    """The tiles of every GEMM in batch-invariant mode (docs/design/numerics.md, "Batch invariance"): one MMA tile per
+    op whatever the rows, so every row goes through the same MMA instruction and K order (a row's place in the tile
+    does not change its bits). Only ``split_grid`` follows the rows (split-K up to 64 rows, as the default tiles): it
+    does not change the bits (module docstring) and without it a prefill's FP32 partials would take chunks × M × N × 4
+    bytes."""
+    block_m, block_n, num_warps, num_stages = _INVARIANT_TILES.get(op, (64, 64, 4, 4))
+    return BlockConfig(block_m, block_n, num_warps, num_stages, split_grid=rows <= 64, decoding=_decoding(op))
 
 
 def block_config(op: str, rows: int, n: int, k: int) -> BlockConfig:
