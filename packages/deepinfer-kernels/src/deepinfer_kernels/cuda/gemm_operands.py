@@ -149,46 +149,35 @@ def e2m1_halves(raw, NATIVE: tl.constexpr):  # type: ignore[no-untyped-def]
         return half_to_float(e2m1_half_bits(b & 0xF)), half_to_float(e2m1_half_bits(b >> 4))
 
 
-# One packed e2m1 word ($4; $5 repeats it) and the BF16 bits of its 32-column group's factor 2^(b − 127) in both
-# halves ($6; $7 repeats it) → four BF16 pairs: the low nibbles of bytes 0, 1 ($0) and of bytes 2, 3 ($1), the high
-# nibbles of bytes 0, 1 ($2) and of bytes 2, 3 ($3), each value times the factor. prmt spreads two bytes to the two
-# halves as in _E2M1_HALVES_PTX; each nibble's magnitude bits go to BF16 bits 6–8 (the value times 2^−126, code 1
-# a BF16 subnormal) and its sign to bit 15; one multiply by 2^126 (0x7E80) makes the value normal, a second applies
-# the factor. Both products are exact: powers of two, normal results for factor bytes in [2, 252].
-_E2M1_WORD_PTX = tl.constexpr(
-    """
-{
-.reg .b32 x, m, s, c;
-mov.b32 c, 0x7E807E80;
-prmt.b32 x, $4, $4, 0x3120;
-shl.b32 m, x, 6;
-and.b32 m, m, 0x01C001C0;
-shl.b32 s, x, 12;
-lop3.b32 m, m, s, 0x80008000, 0xF8;
-mul.rn.bf16x2 m, m, c;
-mul.rn.bf16x2 $0, m, $6;
-shl.b32 m, x, 2;
-and.b32 m, m, 0x01C001C0;
-shl.b32 s, x, 8;
-lop3.b32 m, m, s, 0x80008000, 0xF8;
-mul.rn.bf16x2 m, m, c;
-mul.rn.bf16x2 $2, m, $6;
-prmt.b32 x, $4, $4, 0x3322;
-shl.b32 m, x, 6;
-and.b32 m, m, 0x01C001C0;
-shl.b32 s, x, 12;
-lop3.b32 m, m, s, 0x80008000, 0xF8;
-mul.rn.bf16x2 m, m, c;
-mul.rn.bf16x2 $1, m, $6;
-shl.b32 m, x, 2;
-and.b32 m, m, 0x01C001C0;
-shl.b32 s, x, 8;
-lop3.b32 m, m, s, 0x80008000, 0xF8;
-mul.rn.bf16x2 m, m, c;
-mul.rn.bf16x2 $3, m, $6;
-}
-"""
-)
+def _e2m1_bf16_ptx(factor_01: str, factor_23: str) -> str:
+    """PTX: four packed e2m1 bytes ($4) → four BF16 pairs, the low nibbles of bytes 0, 1 ($0) and of bytes 2, 3 ($1),
+    the high nibbles of bytes 0, 1 ($2) and of bytes 2, 3 ($3), each value times a power-of-two factor whose BF16
+    bits the operands ``factor_01`` (pairs of bytes 0, 1) and ``factor_23`` hold in both halves.
+
+    prmt spreads two bytes to the two halves as in _E2M1_HALVES_PTX; each nibble's magnitude bits go to BF16 bits
+    6–8 (the value times 2^−126, code 1 a BF16 subnormal) and its sign to bit 15; one multiply by 2^126 (0x7E80)
+    makes the value normal, a second applies the factor. Both products are exact: powers of two, normal results for
+    factor bytes in [2, 252]."""
+    pairs = []
+    for out, (select, factor) in enumerate((("0x3120", factor_01), ("0x3322", factor_23))):
+        pairs.append(f"prmt.b32 x, $4, $4, {select};")
+        for low_nibble, target in ((True, out), (False, out + 2)):
+            magnitude, sign = (6, 12) if low_nibble else (2, 8)
+            pairs += [
+                f"shl.b32 m, x, {magnitude};",
+                "and.b32 m, m, 0x01C001C0;",
+                f"shl.b32 s, x, {sign};",
+                "lop3.b32 m, m, s, 0x80008000, 0xF8;",
+                "mul.rn.bf16x2 m, m, c;",
+                f"mul.rn.bf16x2 ${target}, m, {factor};",
+            ]
+    return "\n".join(["{", ".reg .b32 x, m, s, c;", "mov.b32 c, 0x7E807E80;", *pairs, "}"])
+
+
+# e2m1_word_pairs: the word in $4 (and again in $5), its group's factor bits in $6 (and $7).
+_E2M1_WORD_PTX = tl.constexpr(_e2m1_bf16_ptx("$6", "$6"))
+# e2m1_tiles: the factor bits of bytes 0, 1 in $5, of bytes 2, 3 in $6 (16-bit operands, packed two per register).
+_E2M1_SCALED_PTX = tl.constexpr(_e2m1_bf16_ptx("$5", "$6"))
 
 
 @triton.jit
@@ -242,14 +231,25 @@ def e4m3_half(raw, NATIVE: tl.constexpr):  # type: ignore[no-untyped-def]
 @triton.jit
 def e2m1_tiles(raw, scale_bytes, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, NATIVE: tl.constexpr):  # type: ignore[no-untyped-def]
     # raw [ROWS, BLOCK_K/32, 16] packed bytes, scale_bytes [ROWS, BLOCK_K/32] → the even (low-nibble) and odd
-    # (high-nibble) elements as two [ROWS, BLOCK_K/2] FP32 tiles: column g·16 + j holds element g·32 + 2j of the
-    # K step (even tile) or element g·32 + 2j + 1 (odd tile). The codes are decoded by e2m1_halves (values times
-    # 2^−14), which the scale factor's bias restores.
-    factor = pow2(scale_bytes, 14)[:, :, None]
-    even, odd = e2m1_halves(raw, NATIVE)
-    even = tl.reshape(even.to(tl.float32) * factor, (ROWS, BLOCK_K // 2))
-    odd = tl.reshape(odd.to(tl.float32) * factor, (ROWS, BLOCK_K // 2))
-    return even, odd
+    # (high-nibble) elements, scaled, as two [ROWS, BLOCK_K/2] tiles: column g·16 + j holds element g·32 + 2j of the
+    # K step (even tile) or element g·32 + 2j + 1 (odd tile). Compiled (NATIVE): BF16 from _E2M1_SCALED_PTX. In the
+    # interpreter: FP32 from e2m1_halves (values times 2^−14), which the scale factor's bias restores.
+    if NATIVE:
+        # BF16 straight from the PTX, scaled there (the same values, no FP32 round trip); BF16 bits of 2^(b − 127).
+        bits = ((scale_bytes.to(tl.int32) & 0xFF) << 7).to(tl.int16)
+        even, odd = tl.inline_asm_elementwise(
+            _E2M1_SCALED_PTX,
+            "=r,=r,=r,=r,r,r,r",
+            [raw, tl.broadcast_to(bits[:, :, None], (ROWS, BLOCK_K // 32, 16))],
+            dtype=(tl.bfloat16, tl.bfloat16),
+            is_pure=True,
+            pack=4,
+        )
+    else:
+        factor = pow2(scale_bytes, 14)[:, :, None]
+        even, odd = e2m1_halves(raw, NATIVE)
+        even, odd = even.to(tl.float32) * factor, odd.to(tl.float32) * factor
+    return tl.reshape(even, (ROWS, BLOCK_K // 2)), tl.reshape(odd, (ROWS, BLOCK_K // 2))
 
 
 @triton.jit
