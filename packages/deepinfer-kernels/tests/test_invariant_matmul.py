@@ -128,12 +128,16 @@ def test_the_mode_pins_the_kernel_choices(triton_device: str) -> None:
     assert sum(default_splits) > 1 and default_chunk != attention.INVARIANT_CHUNK_KEYS
     with batch_invariant_ops():
         assert invariant_kernels()
-        configs = {
-            gemm_tiles.block_config(op, rows, 4608, 5120)
-            for op in ("fp8_block_gemm", "mxfp4_gemm", "mxfp4_grouped_gemm")
-            for rows in (1, 2, 16, 64, 65, 4096)
+        # One MMA tile per op at every row count (only split-K, which keeps the bits, follows the rows).
+        tiles = {
+            (64, 64, 4, False, 128): ("fp8_block_gemm", "mxfp4_gemm"),
+            (16, 128, 4, False, 128): ("mxfp4_grouped_gemm",),
         }
-        assert {(c.block_m, c.block_n, c.num_warps, c.gemv, c.block_k) for c in configs} == {(64, 64, 4, False, 128)}
+        for tile, ops in tiles.items():
+            for op in ops:
+                configs = {gemm_tiles.block_config(op, rows, 4608, 5120) for rows in (1, 2, 16, 64, 65, 4096)}
+                assert {(c.block_m, c.block_n, c.num_warps, c.gemv, c.block_k) for c in configs} == {tile}
+                assert len({(c.num_stages, c.decoding) for c in configs}) == 1
         # Chunks of fixed keys from each source's start, whatever the queries; many queries fold them in registers.
         assert attention._split_plan(1, [4096], torch.device(triton_device)) == (128, [32])
         assert attention._split_plan(1, [128, 3, 300], torch.device(triton_device)) == (128, [1, 1, 3])
