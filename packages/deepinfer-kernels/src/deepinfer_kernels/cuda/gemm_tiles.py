@@ -64,7 +64,7 @@ class BlockConfig:
       per 32-column group, and scales each group's FP32 sum by the two power-of-two factors;
     - ``"swap_ab"`` (MXFP4 only): the MMA computes the tile transposed with the weight as its first operand, decoded
       and scaled into BF16 straight into that operand's registers (no shared-memory round trip); ``block_m``
-      activation rows are the MMA's narrow side (8 or 16 suit few rows per weight).
+      activation rows are the MMA's narrow side (16 suits few rows per weight; 8-row tiles were slower on the H200).
     """
 
     block_m: int
@@ -155,7 +155,7 @@ def candidate_configs(op: str, rows: int) -> list[BlockConfig]:
         out += [_gemv(block_n, num_warps, 3, split_grid=False) for block_n, num_warps in ((8, 2), (16, 4))]
     if op == "mxfp4_grouped_gemm" and rows <= 16:
         # 128- and 256-column tiles (the fastest at 1, 64 and 256 tokens on the grouped GEMM), weight-first or with a
-        # 64-column K step (fewer registers: 127 against 167 for the scaled 16×128 tile, static count for sm_90).
+        # 64-column K step (fewer registers per thread: 127 against 206 for the scaled 16×128 tile, sm_90 cubin).
         wide = [
             _mma(16, 128, 4, 4, block_k=64),
             _mma(16, 128, 4, 4, decoding="swap_ab", block_k=64),
