@@ -228,9 +228,10 @@ MEASURED: dict[tuple[str, int, int, int], BlockConfig] = {
 }
 
 
-# Batch-invariant tiles (block_m, block_n, warps, stages) per op, else 64×64 with 4 warps. The grouped GEMM's rows per
-# expert stay few at decode: its 16×128 tiles were the fastest at 1, 64 and 256 tokens (MEASURED above).
-_INVARIANT_TILES = {"mxfp4_grouped_gemm": (16, 128, 4, 4)}
+# Batch-invariant tiles (block_m, block_n, warps, stages, K step) per op, else 64×64 with 4 warps. The grouped GEMM's
+# rows per expert stay few at decode: its 16×128 tiles with a 64-column K step were the fastest at 1 and 64 tokens
+# (MEASURED above).
+_INVARIANT_TILES = {"mxfp4_grouped_gemm": (16, 128, 4, 4, 64)}
 
 
 def invariant_config(op: str, rows: int) -> BlockConfig:
@@ -239,8 +240,10 @@ def invariant_config(op: str, rows: int) -> BlockConfig:
     does not change its bits). Only ``split_grid`` follows the rows (split-K up to 64 rows, as the default tiles): it
     does not change the bits (module docstring) and without it a prefill's FP32 partials would take chunks × M × N × 4
     bytes."""
-    block_m, block_n, num_warps, num_stages = _INVARIANT_TILES.get(op, (64, 64, 4, 4))
-    return BlockConfig(block_m, block_n, num_warps, num_stages, split_grid=rows <= 64, decoding=_decoding(op))
+    block_m, block_n, num_warps, num_stages, block_k = _INVARIANT_TILES.get(op, (64, 64, 4, 4, BLOCK_K))
+    return BlockConfig(
+        block_m, block_n, num_warps, num_stages, split_grid=rows <= 64, block_k=block_k, decoding=_decoding(op)
+    )
 
 
 def block_config(op: str, rows: int, n: int, k: int) -> BlockConfig:
