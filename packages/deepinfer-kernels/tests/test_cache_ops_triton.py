@@ -183,6 +183,21 @@ def test_indexer_selects_every_row_without_a_top_k(triton_device: str) -> None:
     assert torch.equal(rows, expected)
 
 
+def test_indexer_candidate_lists_wider_than_the_rows_reach(triton_device: str) -> None:
+    """Candidate lists as wide as a long context's (12 entries, ascending, −1 padded) on a short one (max_rows 22,
+    block size 4: six reachable blocks; the Triton path scans only those): every visible candidate row is selected
+    (top-k 30), as by the reference."""
+    case = random_selection_case(2, 6, 22, 4, 32, 2, seed=9)
+    case["num_rows"][0] = 22
+    gen = torch.Generator().manual_seed(2)
+    candidates = torch.stack([torch.randperm(12, generator=gen)[:9].sort().values for _ in range(6)])
+    candidates[0] = torch.arange(9)  # the last reachable block (rows 20, 21) is entry 5
+    candidates = torch.cat([candidates, torch.full((6, 3), -1)], dim=1)
+    (rows, _), (expected, _) = _select_both(triton_device, case, 30, candidates=candidates, candidate_block_size=4)
+    assert torch.equal(rows, expected)
+    assert rows[0].tolist() == list(range(22)) + [-1] * 8
+
+
 def test_indexer_ties_go_to_the_lower_row(triton_device: str) -> None:
     case = random_selection_case(1, 3, 300, 32, 32, 2, seed=5)
     case["key_pool"][:] = case["key_pool"][0]

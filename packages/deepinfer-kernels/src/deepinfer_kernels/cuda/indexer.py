@@ -169,7 +169,10 @@ def indexer_select(
     num_tokens, num_heads, dim = q.shape
     if num_tokens == 0:
         return
-    span = max_rows if candidates is None else candidates.shape[1] * bs
+    # Candidate lists are ascending and distinct, so entry j holds a block ≥ j: entries past the blocks that
+    # max_rows can reach are invisible rows, and the scan stops there (the lists are as wide as the most blocks
+    # any layer keeps, far more than a short context has).
+    span = max_rows if candidates is None else min(candidates.shape[1], triton.cdiv(max_rows, bs)) * bs
     row_chunk = min(triton.cdiv(max(span, 1), block_r) * block_r, _MAX_ROW_CHUNK)
     blocks_per_chunk = row_chunk // bs if num_candidate_blocks else 0
     width = topk + row_chunk + num_candidate_blocks + blocks_per_chunk
