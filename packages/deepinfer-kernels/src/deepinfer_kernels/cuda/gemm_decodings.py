@@ -176,7 +176,8 @@ def swapped_tiles(  # type: ignore[no-untyped-def]
     groups = tl.arange(0, GROUPS)
     w_ptrs = w_ptr.to(tl.pointer_type(tl.int32)) + n_rows[:, None] * (stride_w // 4) + words[None, :]
     ws_ptrs = ws_ptr + n_rows[:, None] * stride_ws + groups[None, :]
-    q_ptrs = q_ptr + rows[None, :] * stride_q + word_pair_columns(BLOCK_K)[:, None]
+    columns = word_pair_columns(BLOCK_K)
+    q_ptrs = q_ptr + rows[None, :] * stride_q + columns[:, None]
     qs_ptrs = qs_ptr + rows[None, :] * stride_qs + groups[:, None]
     first, last = chunk_range(K, K_CHUNK, SPLIT_GRID)
     total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -197,7 +198,7 @@ def swapped_tiles(  # type: ignore[no-untyped-def]
             w = tl.reshape(tl.permute(w, (0, 1, 5, 4, 2, 3)), (BLOCK_N, BLOCK_K))
             a_in = row_mask[None, :] & (k0 + 32 * groups < k_end)[:, None]
             a_scale = tl.load(qs_ptrs + k0 // 32, mask=a_in, other=0)
-            codes = tl.load(q_ptrs + k0, mask=row_mask[None, :] & (k0 + word_pair_columns(BLOCK_K) < k_end)[:, None])
+            codes = tl.load(q_ptrs + k0, mask=row_mask[None, :] & (k0 + columns < k_end)[:, None])
             a = tl.reshape(e4m3_unscaled(codes, NATIVE), (GROUPS, 32, BLOCK_M)) * pow2(a_scale, E4M3_BIAS)[:, None, :]
             acc = tl.dot(operand(w, DOT_BF16), operand(tl.reshape(a, (BLOCK_K, BLOCK_M)), DOT_BF16), acc)
         total += acc

@@ -198,6 +198,8 @@ def _mma(
 # both, 16–21 % faster than the default (kernels_gemm-mxfp4-swap-t*.json), and faster than swap_ab except on w2 at
 # 1 token (50.6 against 54.4 µs); with a 64-column K step (127 registers instead of 167) they were 6–13 % faster
 # again (kernels_gemm-mxfp4-wide-t*.json). Bucket 16 keeps the 128-column K step (not timed at 64).
+# The grouped GEMM's tile at about one row per expert (both shapes), also its batch-invariant tile.
+_GROUPED_DECODE_TILE = _mma(16, 128, 4, 4, block_k=64)
 MEASURED: dict[tuple[str, int, int, int], BlockConfig] = {
     ("fp8_block_gemm", 2, 512, 5120): _gemv(16, 4, 3),
     ("fp8_block_gemm", 2, 1280, 5120): _gemv(64, 8, 3),
@@ -219,8 +221,8 @@ MEASURED: dict[tuple[str, int, int, int], BlockConfig] = {
     ("fp8_block_gemm", 64, 5120, 15360): _mma(64, 32, 2, 4, decoding="dot_scaled"),
     ("fp8_block_gemm", 64, 25600, 6144): _mma(64, 32, 2, 4, decoding="dot_scaled"),
     ("fp8_block_gemm", 64, 32768, 1280): _mma(64, 32, 2, 4, decoding="dot_scaled"),
-    ("mxfp4_grouped_gemm", 2, 4608, 5120): _mma(16, 128, 4, 4, block_k=64),
-    ("mxfp4_grouped_gemm", 2, 5120, 2304): _mma(16, 128, 4, 4, block_k=64),
+    ("mxfp4_grouped_gemm", 2, 4608, 5120): _GROUPED_DECODE_TILE,
+    ("mxfp4_grouped_gemm", 2, 5120, 2304): _GROUPED_DECODE_TILE,
     ("mxfp4_grouped_gemm", 16, 4608, 5120): _mma(16, 128, 4, 4),
     ("mxfp4_grouped_gemm", 16, 5120, 2304): _mma(16, 128, 4, 4),
     ("fp8_block_gemm", 4096, 5120, 15360): _mma(128, 128, 8, 3, split_grid=False),
@@ -228,10 +230,9 @@ MEASURED: dict[tuple[str, int, int, int], BlockConfig] = {
 }
 
 
-# Batch-invariant tiles (block_m, block_n, warps, stages, K step) per op, else 64×64 with 4 warps. The grouped GEMM's
-# rows per expert stay few at decode: its 16×128 tiles with a 64-column K step were the fastest at 1 and 64 tokens
-# (MEASURED above).
-_INVARIANT_TILES = {"mxfp4_grouped_gemm": (16, 128, 4, 4, 64)}
+# Batch-invariant tiles per op, else 64×64 with 4 warps: the grouped GEMM's rows per expert stay few at decode, so it
+# keeps its measured decode tile.
+_INVARIANT_TILES = {"mxfp4_grouped_gemm": _GROUPED_DECODE_TILE}
 
 
 def invariant_config(op: str, rows: int) -> BlockConfig:
@@ -240,10 +241,8 @@ def invariant_config(op: str, rows: int) -> BlockConfig:
     does not change its bits). Only ``split_grid`` follows the rows (split-K up to 64 rows, as the default tiles): it
     does not change the bits (module docstring) and without it a prefill's FP32 partials would take chunks × M × N × 4
     bytes."""
-    block_m, block_n, num_warps, num_stages, block_k = _INVARIANT_TILES.get(op, (64, 64, 4, 4, BLOCK_K))
-    return BlockConfig(
-        block_m, block_n, num_warps, num_stages, split_grid=rows <= 64, block_k=block_k, decoding=_decoding(op)
-    )
+    tile = _INVARIANT_TILES.get(op) or _mma(64, 64, 4, 4, decoding=_decoding(op))
+    return replace(tile, split_grid=rows <= 64)
 
 
 def block_config(op: str, rows: int, n: int, k: int) -> BlockConfig:
