@@ -10,7 +10,8 @@ Per shape and row count (--rows, tokens; the grouped GEMM gets 6 rows per token)
 of CUDA-graph replays (one graph calls the op once per weight copy, enough copies to exceed L2, at most 32: the
 weights come from HBM and the graph launch cost is shared), the weight bytes a call must read once (grouped: only
 the experts that got rows), their GB/s and the ratio to the copy bandwidth measured in the same run (a 1 GiB
-device-to-device copy, read + write bytes).
+device-to-device copy, read + write bytes), and the rate ``2·rows·N·K`` / time in TFLOP/s (prefill-size row counts
+are compute-bound).
 
 Modes:
 - ``--baseline``: times whatever ``deepinfer_kernels`` is on the path with its own tile choice (run it against the
@@ -276,6 +277,7 @@ def main() -> None:
                 )
                 point["weight_gbps"] = point["weight_bytes"] / point["median_us"] / 1e3
                 point["copy_fraction"] = point["weight_gbps"] / copy_gbps
+                point["tflops"] = 2 * m * n * k / point["median_us"] / 1e6  # every row routed (grouped: m = 6·tokens)
                 if (op, n, k, tokens) in old:
                     point["old_us"] = old[(op, n, k, tokens)]
                     point["speedup"] = point["old_us"] / point["median_us"]
@@ -292,13 +294,14 @@ def main() -> None:
     path.write_text(json.dumps({**meta, "baseline": args.baseline, "results": results}, indent=2) + "\n")
     print(f"\ndevice {label}, torch {torch.__version__}; copy bandwidth {copy_gbps:.0f} GB/s (read + write)")
     header = f"{'op':<19} {'shape':<22} {'N':>6} {'K':>5} {'tok':>4} {'old us':>8} {'us':>8} {'x':>5}"
-    print(f"{header} {'GB/s':>6} {'copy%':>6}")
+    print(f"{header} {'GB/s':>6} {'copy%':>6} {'TFLOP/s':>8}")
     for p in results:
         old_us = f"{p['old_us']:>8.1f}" if "old_us" in p else f"{'':>8}"
         ratio = f"{p['speedup']:>5.1f}" if "speedup" in p else f"{'':>5}"
         print(
             f"{p['op']:<19} {p['name'][:22]:<22} {p['n']:>6} {p['k']:>5} {p['tokens']:>4} {old_us} "
-            f"{p['median_us']:>8.1f} {ratio} {p['weight_gbps']:>6.0f} {100 * p['copy_fraction']:>5.0f}%"
+            f"{p['median_us']:>8.1f} {ratio} {p['weight_gbps']:>6.0f} {100 * p['copy_fraction']:>5.0f}% "
+            f"{p['tflops']:>8.1f}"
         )
     print(f"wrote {path}")
 

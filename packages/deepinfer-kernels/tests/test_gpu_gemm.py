@@ -13,6 +13,7 @@ from _gpu_marks import COMPILED_TRITON_ON_GPU
 import deepinfer_kernels as dk
 from deepinfer_kernels import _registry
 from deepinfer_kernels._registry import Backend, implementation
+from deepinfer_kernels.cuda.gemm_tiles import BlockConfig
 
 pytestmark = COMPILED_TRITON_ON_GPU
 
@@ -147,3 +148,50 @@ def test_fp8_block_gemm_quantized_gpu_equals_fp8_block_gemm(m: int) -> None:
     w_scale = _bytes((4096 // 32, _K // 32), m + 7, 118, 127).view(torch.float8_e8m0fnu)
     q, q_scale = dk.quantize_fp8_per_token_group(x)
     assert torch.equal(dk.fp8_block_gemm_quantized(q, q_scale, w_q, w_scale), dk.fp8_block_gemm(x, w_q, w_scale))
+
+
+# The prefill tile of the FP8 tensor-core decoding, over several row and column tiles.
+_FP8_MMA = BlockConfig(128, 128, num_warps=8, num_stages=3, split_grid=False, block_k=64, decoding="group_fp8")
+
+
+def _integer_activation(m: int, seed: int) -> torch.Tensor:
+    """Integers in [−8, 8]: quantized to e4m3 codes that are multiples of 32 (at most 448), so that with e2m1 or small
+    integer e4m3 weights every 32-column group sum fits 13 bits and Hopper's FP8 MMA sums it exactly."""
+    return torch.randint(-8, 9, (m, _K), generator=_generator(seed), device="cuda").to(torch.bfloat16)
+
+
+def _fp8_mma_case(op: str, m: int, exact: bool, seed: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, int]:
+    """(inputs, S, N) of one group_fp8 check: dense FP8-block, dense MXFP4 or grouped MXFP4 (16 experts)."""
+    x = _integer_activation(m, seed) if exact else _activation(m, seed)
+    n = 2048
+    if op == "fp8_block_gemm":
+        if exact:
+            codes = torch.randint(-16, 17, (n, _K), generator=_generator(seed + 1), device="cuda")
+            w_q = codes.float().to(torch.float8_e4m3fn)
+        else:
+            w_q = (_bytes((n, _K), seed=seed + 1) & 0xF7).view(torch.float8_e4m3fn)
+        w_scale = _bytes((n // 32, _K // 32), seed + 2, 118, 127).view(torch.float8_e8m0fnu)
+        w_hat = dk.dequantize_fp8_block(w_q, w_scale, out_dtype=torch.float32)
+        return (x, w_q, w_scale), abs_product(dequantized_activation(x), w_hat), n
+    if op == "mxfp4_gemm":
+        packed, scale = _mxfp4((n,), seed=seed + 1)
+        return (x, packed, scale), abs_product(dequantized_activation(x), dk.dequantize_mxfp4(packed, scale)), n
+    packed, scale = _mxfp4((16, n), seed=seed + 1)
+    ids = _ids(m, 16, seed=seed + 3)
+    return (x, ids, packed, scale), _grouped_magnitude(x, ids, packed, scale), n
+
+
+@pytest.mark.parametrize("exact", [True, False])
+@pytest.mark.parametrize("op", ["fp8_block_gemm", "mxfp4_gemm", "mxfp4_grouped_gemm"])
+def test_fp8_tensor_core_decoding_meets_the_bound(op: str, exact: bool) -> None:
+    """``group_fp8`` (e4m3 codes straight into the FP8 tensor cores, e2m1 codes turned into e4m3): on inputs whose
+    group sums fit 13 bits it meets the FP32 accumulation bound (any wrong code, column order or scale breaks it); on
+    random inputs the bound with the FP8 MMA's per-group term (_gemm_support)."""
+    m = 600  # five row tiles of 128, the last one partial
+    inputs, magnitude, n = _fp8_mma_case(op, m, exact, seed=len(op) + exact)
+    fast = torch.zeros(m, n, dtype=torch.bfloat16, device="cuda")
+    implementation(op, Backend.NVIDIA)(*inputs, fast, config=_FP8_MMA)
+    ref = _run(op, Backend.REFERENCE, m, n, *inputs)
+    assert_gemm_close(fast, ref, magnitude, _K, group_accumulation=0.0 if exact else 2.0**-8)
+    if op == "mxfp4_grouped_gemm":
+        assert torch.all(fast[inputs[1] < 0] == 0)

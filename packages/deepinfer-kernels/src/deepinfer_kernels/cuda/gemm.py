@@ -38,7 +38,7 @@ import triton.language as tl
 
 from deepinfer_kernels.cuda import quant
 from deepinfer_kernels.cuda._launch import check_launchable
-from deepinfer_kernels.cuda.gemm_decodings import dot_scaled_tiles, group_fp16_tiles, swapped_tiles
+from deepinfer_kernels.cuda.gemm_decodings import dot_scaled_tiles, group_tiles, swapped_tiles
 from deepinfer_kernels.cuda.gemm_operands import (
     chunk_range,
     dot_in_bf16,
@@ -50,7 +50,7 @@ from deepinfer_kernels.cuda.gemm_operands import (
     operand,
     reduce_partials,
 )
-from deepinfer_kernels.cuda.gemm_tiles import BlockConfig, block_config, decodings, k_chunk
+from deepinfer_kernels.cuda.gemm_tiles import BlockConfig, block_config, chunk_length, decodings
 from deepinfer_kernels.cuda.gemv import fp8_gemv_kernel, mxfp4_gemv_kernel
 
 __all__ = [
@@ -111,10 +111,11 @@ def _fp8_block_kernel(  # type: ignore[no-untyped-def]
         )  # fmt: skip
         finish_tile(out_ptr, partial_ptr, total, rows, row_mask, n_offsets, M, N, stride_out, SPLIT_GRID)
         return
-    if DECODING == "group_fp16":
-        total = group_fp16_tiles(
+    if DECODING == "group_fp16" or DECODING == "group_fp8":
+        total = group_tiles(
             q_ptr, qs_ptr, w_ptr, ws_ptr, rows, row_mask, n_rows, n_mask, n_rows // 32, K, K_CHUNK,
             stride_q, stride_qs, stride_w, stride_ws, "e4m3", SPLIT_GRID, BLOCK_M, BLOCK_N, BLOCK_K, NATIVE_FP8,
+            DECODING == "group_fp8",
         )  # fmt: skip
         finish_tile(out_ptr, partial_ptr, total, rows, row_mask, n_offsets, M, N, stride_out, SPLIT_GRID)
         return
@@ -185,7 +186,9 @@ def mxfp4_kernel(  # type: ignore[no-untyped-def]
     scaled into BF16, straight into the registers of the MMA's first operand (the tile is computed transposed; the
     activation, in column order, is its narrow second operand). Otherwise the kernel decodes them itself, on an
     activation de-interleaved per group (``deinterleaved_activation``): scaled into BF16 (``"scaled_bf16"``) or
-    unscaled FP16 with the scales applied to each group's sum (``"group_fp16"``, ``group_fp16_tiles``).
+    unscaled FP16 with the scales applied to each group's sum (``"group_fp16"``, ``group_tiles``). ``"group_fp8"``
+    (``group_tiles``) feeds the activation codes, in column order, and the weight's codes turned into e4m3 to the FP8
+    tensor cores, one MMA per 32-column group, the scales applied to each group's sum.
 
     Grouped: program ``pid`` owns positions ``[block_start[pid], block_end[pid])`` of the expert-sorted row order
     ``order`` and multiplies them by expert ``block_expert[pid]``; ``block_expert ≥ num_experts`` marks a spare
@@ -234,10 +237,11 @@ def mxfp4_kernel(  # type: ignore[no-untyped-def]
         )  # fmt: skip
         finish_tile(out_ptr, partial_ptr, total, rows, row_mask, n_offsets, M, N, stride_out, SPLIT_GRID)
         return
-    if DECODING == "group_fp16":
-        total = group_fp16_tiles(
+    if DECODING == "group_fp16" or DECODING == "group_fp8":
+        total = group_tiles(
             q_ptr, qs_ptr, packed_ptr, ws_ptr, rows, row_mask, n_rows, n_mask, n_rows, K, K_CHUNK,
             stride_q, stride_qs, stride_p, stride_s, "e2m1", SPLIT_GRID, BLOCK_M, BLOCK_N, BLOCK_K, NATIVE_FP8,
+            DECODING == "group_fp8",
         )  # fmt: skip
         finish_tile(out_ptr, partial_ptr, total, rows, row_mask, n_offsets, M, N, stride_out, SPLIT_GRID)
         return
@@ -295,13 +299,13 @@ def deinterleaved_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 def activation_for(x: torch.Tensor, cfg: BlockConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """The activation codes an MXFP4 launch with tiles ``cfg`` reads: in column order for the FMA kernels and
     ``tl.dot_scaled``, de-interleaved per group for ``mxfp4_kernel``'s own decodings."""
-    in_order = cfg.gemv or cfg.decoding in ("dot_scaled", "swap_ab")
+    in_order = cfg.gemv or cfg.decoding in ("dot_scaled", "swap_ab", "group_fp8")
     return quantized_activation(x) if in_order else deinterleaved_activation(x)
 
 
 def launch_grid(row_tiles: int, n: int, k: int, cfg: BlockConfig) -> tuple[tuple[int, int, int], int]:
     """(grid, K chunk length) of a launch: row tiles × N tiles × (K chunks under split-K, else 1)."""
-    chunk = k_chunk(n, k)
+    chunk = chunk_length(n, k, cfg)
     return (row_tiles, triton.cdiv(n, cfg.block_n), triton.cdiv(k, chunk) if cfg.split_grid else 1), chunk
 
 
@@ -310,7 +314,7 @@ def partials(m: int, n: int, k: int, cfg: BlockConfig, device: torch.device, zer
     placeholder otherwise."""
     if not cfg.split_grid:
         return torch.empty(1, dtype=torch.float32, device=device)
-    shape = (triton.cdiv(k, k_chunk(n, k)), m, n)
+    shape = (triton.cdiv(k, chunk_length(n, k, cfg)), m, n)
     make = torch.zeros if zeroed else torch.empty
     return make(shape, dtype=torch.float32, device=device)
 

@@ -6,7 +6,7 @@ chunks summed from zero and added in order (``gemm_operands.chunk_range``).
 """
 
 # Triton reads parameter annotations as kernel type hints, so @triton.jit functions stay unannotated.
-# ruff: noqa: ANN001, ANN201
+# ruff: noqa: ANN001, ANN201, ANN202
 
 from __future__ import annotations
 
@@ -15,16 +15,18 @@ import triton.language as tl
 
 from deepinfer_kernels.cuda.gemm_operands import (
     chunk_range,
+    e2m1_e4m3_codes,
     e2m1_halves,
     e2m1_word_pairs,
     e4m3_half,
+    e4m3_operand,
     e4m3_unscaled,
     operand,
     pow2,
     word_pair_columns,
 )
 
-__all__ = ["dot_scaled_tiles", "group_fp16_tiles", "swapped_tiles"]
+__all__ = ["dot_scaled_tiles", "group_tiles", "swapped_tiles"]
 
 
 @triton.jit
@@ -79,7 +81,13 @@ def dot_scaled_tiles(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def group_fp16_tiles(  # type: ignore[no-untyped-def]
+def column(tile, index, g):  # type: ignore[no-untyped-def]
+    # Column g of tile [R, C] (index = arange(0, C)): a masked sum over the few columns a thread holds.
+    return tl.sum(tl.where(index[None, :] == g, tile, 0.0), axis=1)
+
+
+@triton.jit
+def group_tiles(  # type: ignore[no-untyped-def]
     q_ptr,
     qs_ptr,
     w_ptr,
@@ -101,43 +109,67 @@ def group_fp16_tiles(  # type: ignore[no-untyped-def]
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NATIVE: tl.constexpr,
+    FP8_MMA: tl.constexpr,
 ):
-    # The chunk sums of a quantized GEMM tile, decoding "group_fp16": per 32-column group one MMA on the unscaled
-    # FP16 operands (exact products, FP32 sum), then the group sum times the activation's factor, then times the
-    # weight's (in that order: with activation scale bytes in [105, 246] the first product stays inside FP32's normal
-    # range, so both are exact wherever the result is a normal number). W_FORMAT "e4m3": weight codes [BLOCK_N, 32]
-    # and activation codes in column order, one MMA; "e2m1": the group's 16 packed weight bytes and the activation
-    # de-interleaved per group (deinterleaved_activation), an MMA for the even and one for the odd columns.
-    # The interpreter's operands are FP32 with the e4m3 values times 2^−8 (e4m3_half), undone by the factors' bias.
+    # The chunk sums of a quantized GEMM tile, decodings "group_fp16" and "group_fp8" (FP8_MMA): per 32-column group
+    # one MMA on the unscaled operands, then the group sum times the activation's factor, then times the weight's (in
+    # that order: with activation scale bytes in [105, 246] the first product stays inside FP32's normal range, so
+    # both are exact wherever the result is a normal number).
+    # - group_fp16: FP16 operands (exact products, FP32 sums). W_FORMAT "e4m3": weight codes [BLOCK_N, 32] and
+    #   activation codes in column order, one MMA; "e2m1": the group's 16 packed weight bytes and the activation
+    #   de-interleaved per group (deinterleaved_activation), an MMA for the even and one for the odd columns.
+    # - group_fp8: the stored e4m3 codes feed the FP8 tensor cores as they are; e2m1 codes become e4m3 codes of the
+    #   value times 2^-6 (e2m1_e4m3_codes, exact), interleaved back into column order (activation in column order).
+    #   Hopper's FP8 MMA sums a group's 32 exact products in a narrower accumulator than FP32 (docs/design/numerics.md,
+    #   "GEMM accumulation"); the groups are added in FP32.
+    # The interpreter's operands are FP32: e4m3 values times 2^-8 (e4m3_half), e2m1 values times 2^-14 (e2m1_halves),
+    # undone by the factors' bias.
     E4M3_BIAS: tl.constexpr = 0 if NATIVE else 8
-    W_BIAS: tl.constexpr = 14 if W_FORMAT == "e2m1" else E4M3_BIAS
+    E2M1_BIAS: tl.constexpr = (6 if FP8_MMA else 14) if NATIVE else 14
+    W_BIAS: tl.constexpr = E2M1_BIAS if W_FORMAT == "e2m1" else E4M3_BIAS
     WIDTH: tl.constexpr = 16 if W_FORMAT == "e2m1" else 32
+    A_WIDTH: tl.constexpr = 32 if FP8_MMA else WIDTH
+    a_cols = tl.arange(0, A_WIDTH)
     cols = tl.arange(0, WIDTH)
-    q_ptrs = q_ptr + rows[:, None] * stride_q + cols[None, :]
+    GROUPS: tl.constexpr = BLOCK_K // 32
+    groups = tl.arange(0, GROUPS)
+    q_ptrs = q_ptr + rows[:, None] * stride_q + a_cols[None, :]
     w_ptrs = w_ptr + n_rows[:, None] * stride_w + cols[None, :]
+    qs_ptrs = qs_ptr + rows[:, None] * stride_qs + groups[None, :]
+    ws_ptrs = ws_ptr + scale_rows[:, None] * stride_ws + groups[None, :]
     first, last = chunk_range(K, K_CHUNK, SPLIT_GRID)
     total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for chunk in range(first, last):
         k_end = tl.minimum(chunk * K_CHUNK + K_CHUNK, K)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # group_fp8 sums K as one chunk (gemm_tiles.chunk_length): its groups go straight into total, which saves a
+        # tile of FP32 registers; 0 + chunk sum is the same value.
+        acc = total if FP8_MMA else tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(chunk * K_CHUNK, k_end, BLOCK_K):
-            for g in tl.static_range(BLOCK_K // 32):
+            # The K step's scale factors as [rows, groups] tiles, one load each (a load per group and element of the
+            # MMA layout would hold a pointer per element in registers).
+            group_in = (k0 + groups * 32 < k_end)[None, :]
+            a_factors = pow2(tl.load(qs_ptrs + k0 // 32, mask=row_mask[:, None] & group_in, other=0), E4M3_BIAS)
+            w_factors = pow2(tl.load(ws_ptrs + k0 // 32, mask=n_mask[:, None] & group_in, other=0), W_BIAS)
+            for g in tl.static_range(GROUPS):
                 col = k0 + g * 32
                 # K is a multiple of 32, so whole groups are in or out of range (vector masks: see cuda.gemv._row).
-                a_mask = row_mask[:, None] & (col + cols * 0 < k_end)[None, :]
+                a_mask = row_mask[:, None] & (col + a_cols * 0 < k_end)[None, :]
                 w_mask = n_mask[:, None] & (col + cols * 0 < k_end)[None, :]
-                if W_FORMAT == "e2m1":
-                    w_even, w_odd = e2m1_halves(tl.load(w_ptrs + col // 2, mask=w_mask, other=0), NATIVE)
+                raw = tl.load(w_ptrs + col // (32 // WIDTH), mask=w_mask, other=0)
+                if FP8_MMA:
+                    w = e2m1_e4m3_codes(raw, BLOCK_N, NATIVE) if W_FORMAT == "e2m1" else e4m3_operand(raw, NATIVE)
+                    part = tl.dot(e4m3_operand(tl.load(q_ptrs + col, mask=a_mask, other=0), NATIVE), tl.trans(w))
+                elif W_FORMAT == "e2m1":
+                    w_even, w_odd = e2m1_halves(raw, NATIVE)
                     a_even = e4m3_half(tl.load(q_ptrs + col, mask=a_mask, other=0), NATIVE)
                     a_odd = e4m3_half(tl.load(q_ptrs + col + 16, mask=a_mask, other=0), NATIVE)
                     part = tl.dot(a_odd, tl.trans(w_odd), tl.dot(a_even, tl.trans(w_even)))
                 else:
-                    w = e4m3_half(tl.load(w_ptrs + col, mask=w_mask, other=0), NATIVE)
-                    part = tl.dot(e4m3_half(tl.load(q_ptrs + col, mask=a_mask, other=0), NATIVE), tl.trans(w))
-                a_scale = tl.load(qs_ptr + rows * stride_qs + col // 32, mask=row_mask & (col + rows * 0 < k_end))
-                w_scale = tl.load(ws_ptr + scale_rows * stride_ws + col // 32, mask=n_mask & (col + n_rows * 0 < k_end))
-                acc += part * pow2(a_scale, E4M3_BIAS)[:, None] * pow2(w_scale, W_BIAS)[None, :]
-        total += acc
+                    part = tl.dot(
+                        e4m3_half(tl.load(q_ptrs + col, mask=a_mask, other=0), NATIVE), tl.trans(e4m3_half(raw, NATIVE))
+                    )
+                acc += part * column(a_factors, groups, g)[:, None] * column(w_factors, groups, g)[None, :]
+        total = acc if FP8_MMA else total + acc
     return total
 
 

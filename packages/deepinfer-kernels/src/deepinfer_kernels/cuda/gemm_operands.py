@@ -24,11 +24,13 @@ from deepinfer_kernels.platform import triton_interpreter_enabled
 __all__ = [
     "chunk_range",
     "dot_in_bf16",
+    "e2m1_e4m3_codes",
     "e2m1_half_bits",
     "e2m1_halves",
     "e2m1_tiles",
     "e2m1_word_pairs",
     "e4m3_half",
+    "e4m3_operand",
     "e4m3_tile",
     "e4m3_unscaled",
     "finish_tile",
@@ -147,6 +149,51 @@ def e2m1_halves(raw, NATIVE: tl.constexpr):  # type: ignore[no-untyped-def]
     else:
         b = raw.to(tl.int32) & 0xFF
         return half_to_float(e2m1_half_bits(b & 0xF)), half_to_float(e2m1_half_bits(b >> 4))
+
+
+# Four packed e2m1 bytes ($2) → the e4m3 codes of their low nibbles ($0) and of their high nibbles ($1), byte for
+# byte, each the e2m1 value times 2^-6: a nibble's magnitude bits go to e4m3 bits 2–4 (exponent bits 3–4, mantissa
+# bit 2; code 1 = 0.5 becomes the e4m3 subnormal 2^-7) and its sign to bit 7. Bits shifted in from neighbouring
+# nibbles land outside both masks.
+_E2M1_E4M3_PTX = tl.constexpr(
+    """
+{
+.reg .b32 t, m, s;
+shl.b32 t, $2, 2;
+and.b32 m, t, 0x1C1C1C1C;
+shl.b32 s, $2, 4;
+lop3.b32 $0, m, s, 0x80808080, 0xF8;
+shr.b32 t, $2, 2;
+and.b32 m, t, 0x1C1C1C1C;
+lop3.b32 $1, m, $2, 0x80808080, 0xF8;
+}
+"""
+)
+
+
+@triton.jit
+def e2m1_e4m3_codes(raw, ROWS: tl.constexpr, NATIVE: tl.constexpr):  # type: ignore[no-untyped-def]
+    # raw [ROWS, 16] packed e2m1 bytes of one 32-column group → its [ROWS, 32] FP8 MMA operand in column order
+    # (element 2j the low nibble of byte j): float8e4nv codes of the values times 2^-6 when compiled (NATIVE), FP32
+    # values times 2^-14 (e2m1_halves) in the interpreter.
+    if NATIVE:
+        low, high = tl.inline_asm_elementwise(
+            _E2M1_E4M3_PTX, "=r,=r,r", [raw], dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4
+        )
+        return tl.reshape(tl.join(low, high), (ROWS, 32)).to(tl.float8e4nv, bitcast=True)
+    else:
+        low, high = e2m1_halves(raw, False)
+        return tl.reshape(tl.join(low, high), (ROWS, 32))
+
+
+@triton.jit
+def e4m3_operand(raw, NATIVE: tl.constexpr):  # type: ignore[no-untyped-def]
+    # e4m3 bytes as an FP8 MMA operand: the codes themselves when compiled (NATIVE), else their FP32 values times
+    # 2^-8 (e4m3_unscaled).
+    if NATIVE:
+        return raw.to(tl.float8e4nv, bitcast=True)
+    else:
+        return e4m3_unscaled(raw, False)
 
 
 def _e2m1_bf16_ptx(factor_01: str, factor_23: str) -> str:

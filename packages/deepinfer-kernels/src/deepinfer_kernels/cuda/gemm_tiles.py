@@ -33,6 +33,7 @@ __all__ = [
     "BlockConfig",
     "block_config",
     "candidate_configs",
+    "chunk_length",
     "decodings",
     "default_config",
     "invariant_config",
@@ -46,7 +47,7 @@ _DECODE_PROGRAMS = 1024
 _CHUNK_ALIGN = 256
 _DECODE_BLOCK_N = 32
 _BUCKETS = (2, 16, 32, 64, 256)
-DECODINGS = ("scaled_bf16", "dot_scaled", "group_fp16", "swap_ab")
+DECODINGS = ("scaled_bf16", "dot_scaled", "group_fp16", "group_fp8", "swap_ab")
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,9 @@ class BlockConfig:
     - ``"dot_scaled"``: ``tl.dot_scaled`` decodes the stored codes with their scales;
     - ``"group_fp16"``: the kernel decodes unscaled FP16 operands (cheap: no scaling, no FP32 round trip), one MMA
       per 32-column group, and scales each group's FP32 sum by the two power-of-two factors;
+    - ``"group_fp8"``: as ``group_fp16`` on the FP8 tensor cores (twice the FP16 MMA rate): the e4m3 codes are the
+      operands as stored, e2m1 codes are turned into e4m3 codes (exact); Hopper sums a group's products in a narrower
+      accumulator than FP32 (docs/design/numerics.md, "GEMM accumulation");
     - ``"swap_ab"`` (MXFP4 only): the MMA computes the tile transposed with the weight as its first operand, decoded
       and scaled into BF16 straight into that operand's registers (no shared-memory round trip); ``block_m``
       activation rows are the MMA's narrow side (16 suits few rows per weight; 8-row tiles were slower on the H200).
@@ -96,6 +100,12 @@ def k_chunk(n: int, k: int) -> int:
     decode tiles of 32 weight rows give about 1024 programs. Depends on ``(N, K)`` only."""
     chunks = max(1, min(k // _CHUNK_ALIGN, _cdiv(_DECODE_PROGRAMS, _cdiv(n, _DECODE_BLOCK_N))))
     return _cdiv(_cdiv(k, chunks), _CHUNK_ALIGN) * _CHUNK_ALIGN
+
+
+def chunk_length(n: int, k: int, cfg: BlockConfig) -> int:
+    """K columns per reduction chunk of a launch with tiles ``cfg``: :func:`k_chunk`, except for ``"group_fp8"``,
+    which sums K as one chunk (a many-rows decoding that never needs split-K; one FP32 tile of registers fewer)."""
+    return k if cfg.decoding == "group_fp8" else k_chunk(n, k)
 
 
 def row_bucket(rows: int) -> int:
@@ -136,6 +146,18 @@ def candidate_configs(op: str, rows: int) -> list[BlockConfig]:
     kinds = (default.decoding, *others)
     out = [replace(default, decoding=decoding) for decoding in kinds]
     if rows > 64:
+        # FP8 tensor-core tiles (group_fp8) without spills on sm_90 (Triton's register counts, 242–254 per thread).
+        fp8_tiles = (
+            (128, 128, 8, 3, 64),
+            (128, 128, 8, 4, 32),
+            (128, 64, 4, 4, 64),
+            (64, 256, 8, 3, 64),
+            (64, 128, 4, 4, 64),
+        )
+        out += [
+            _mma(block_m, block_n, num_warps, num_stages, split_grid=False, decoding="group_fp8", block_k=block_k)
+            for block_m, block_n, num_warps, num_stages, block_k in fp8_tiles
+        ]
         return out
     shapes: tuple[tuple[int, int, int], ...]
     if default.gemv:
