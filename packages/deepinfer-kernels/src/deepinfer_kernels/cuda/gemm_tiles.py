@@ -122,7 +122,8 @@ def _decoding(op: str) -> str:
 def default_config(op: str, rows: int) -> BlockConfig:
     """Tiles for ``op`` on ``rows`` activation rows per weight (per expert for the grouped GEMM) without a measured
     entry: the FMA kernels for up to 2 rows of a dense GEMM; then MMA tiles, split-K up to 64 rows (small M tiles waste
-    less of the 16-row MMA minimum), 128×128 tiles without split-K for many rows. Every choice compiles for sm_90a."""
+    less of the 16-row MMA minimum), 64×128 tiles without split-K up to 256 rows, FP8 tensor-core (``group_fp8``)
+    128×64 tiles beyond. Every choice compiles for sm_90a."""
     if rows <= 2 and op != "mxfp4_grouped_gemm":
         return BlockConfig(block_m=2, block_n=32, num_warps=4, num_stages=3, split_grid=True, gemv=True)
     decoding = _decoding(op)
@@ -134,7 +135,9 @@ def default_config(op: str, rows: int) -> BlockConfig:
         return BlockConfig(64, 64, num_warps=4, num_stages=4, split_grid=True, decoding=decoding)
     if rows <= 256:
         return BlockConfig(64, 128, num_warps=8, num_stages=3, split_grid=False, decoding=decoding)
-    return BlockConfig(128, 128, num_warps=8, num_stages=3, split_grid=False, decoding=decoding)
+    # The FP8 tensor cores: 2.0–2.2x the dot_scaled 128×128 tiles on every FP8 weight of an 8K-token prefill on the
+    # H200 (kernels_gemm-h200-prefill.json).
+    return BlockConfig(128, 64, num_warps=4, num_stages=4, split_grid=False, block_k=64, decoding="group_fp8")
 
 
 def candidate_configs(op: str, rows: int) -> list[BlockConfig]:
@@ -154,11 +157,13 @@ def candidate_configs(op: str, rows: int) -> list[BlockConfig]:
             (64, 256, 8, 3, 64),
             (64, 128, 4, 4, 64),
         )
-        out += [
+        more = [
             _mma(block_m, block_n, num_warps, num_stages, split_grid=False, decoding="group_fp8", block_k=block_k)
             for block_m, block_n, num_warps, num_stages, block_k in fp8_tiles
         ]
-        return out
+        if rows > 256:  # the default before group_fp8
+            more.append(_mma(128, 128, 8, 3, split_grid=False, decoding=_decoding(op)))
+        return out + [cfg for cfg in more if cfg not in out]
     shapes: tuple[tuple[int, int, int], ...]
     if default.gemv:
         shapes = ((32, 4, 2), (32, 4, 4), (64, 4, 3), (64, 8, 3), (16, 4, 3))
@@ -214,7 +219,8 @@ def _mma(
 
 # (op, row bucket, N, K) -> tiles where the fastest candidate on an H200 was not the default (the scaled preset's
 # decode shapes; benchmarks/results/kernels_gemm-nvidia-h200*.json, docs/hardware.md "Kernels"). Bucket 2 was tuned
-# at 1 row, bucket 16 at 1 row (the grouped GEMM's at 256 tokens), bucket 64 at 64 rows, bucket 4096 at 4096 rows.
+# at 1 row, bucket 16 at 1 row (the grouped GEMM's at 256 tokens), bucket 64 at 64 rows, the grouped GEMM's bucket 256
+# at 8192 tokens.
 # The FP8 entries of buckets 2 and 16 predate tl.dot_scaled (own decoding). The grouped MXFP4 GEMM's bucket 2 holds
 # both 1 token and 64 tokens (about one row per expert): its 128-column tiles were the fastest scaled_bf16 tiles at
 # both, 16–21 % faster than the default (kernels_gemm-mxfp4-swap-t*.json), and faster than swap_ab except on w2 at
@@ -222,6 +228,9 @@ def _mma(
 # again (kernels_gemm-mxfp4-wide-t*.json). Bucket 16 keeps the 128-column K step (not timed at 64).
 # The grouped GEMM's tile at about one row per expert (both shapes), also its batch-invariant tile.
 _GROUPED_DECODE_TILE = _mma(16, 128, 4, 4, block_k=64)
+# About 128 rows per expert (an 8K-token prefill): FP8 tensor-core tiles, 2.5x the scaled_bf16 default on both
+# shapes (kernels_gemm-h200-prefill.json).
+_GROUPED_PREFILL_TILE = _mma(64, 128, 4, 4, split_grid=False, decoding="group_fp8", block_k=64)
 MEASURED: dict[tuple[str, int, int, int], BlockConfig] = {
     ("fp8_block_gemm", 2, 512, 5120): _gemv(16, 4, 3),
     ("fp8_block_gemm", 2, 1280, 5120): _gemv(64, 8, 3),
@@ -247,8 +256,8 @@ MEASURED: dict[tuple[str, int, int, int], BlockConfig] = {
     ("mxfp4_grouped_gemm", 2, 5120, 2304): _GROUPED_DECODE_TILE,
     ("mxfp4_grouped_gemm", 16, 4608, 5120): _mma(16, 128, 4, 4),
     ("mxfp4_grouped_gemm", 16, 5120, 2304): _mma(16, 128, 4, 4),
-    ("fp8_block_gemm", 4096, 5120, 15360): _mma(128, 128, 8, 3, split_grid=False),
-    ("fp8_block_gemm", 4096, 25600, 6144): _mma(128, 128, 8, 3, split_grid=False),
+    ("mxfp4_grouped_gemm", 256, 4608, 5120): _GROUPED_PREFILL_TILE,
+    ("mxfp4_grouped_gemm", 256, 5120, 2304): _GROUPED_PREFILL_TILE,
 }
 
 
