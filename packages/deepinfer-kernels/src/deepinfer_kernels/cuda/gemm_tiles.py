@@ -181,14 +181,18 @@ def candidate_configs(op: str, rows: int) -> list[BlockConfig]:
         # reduction launch (the same bits either way).
         out += [_gemv(block_n, num_warps, 3, split_grid=False) for block_n, num_warps in ((8, 2), (16, 4))]
     if op == "mxfp4_grouped_gemm" and rows <= 16:
-        # 128- and 256-column tiles (the fastest at 1, 64 and 256 tokens on the grouped GEMM), weight-first or with a
-        # 64-column K step (fewer registers per thread: 127 against 206 for the scaled 16×128 tile, sm_90 cubin).
+        # 128- and 256-column tiles (the fastest at 1, 64 and 256 tokens on the grouped GEMM), weight-first, with a
+        # 64-column K step (fewer registers per thread: 127 against 206 for the scaled 16×128 tile, sm_90 cubin) or on
+        # the FP8 tensor cores.
         wide = [
             _mma(16, 128, 4, 4, block_k=64),
             _mma(16, 128, 4, 4, decoding="swap_ab", block_k=64),
             _mma(16, 128, 4, 3, decoding="swap_ab"),
             _mma(16, 128, 8, 3, decoding="swap_ab"),
             _mma(16, 256, 8, 3, decoding="swap_ab"),
+            # FP8 tensor cores (K as one chunk, so no split-K): 128 and 140 registers against 158 (sm_90 cubin).
+            _mma(16, 128, 4, 4, split_grid=False, decoding="group_fp8", block_k=64),
+            _mma(16, 256, 8, 4, split_grid=False, decoding="group_fp8", block_k=64),
         ]
         out += [cfg for cfg in wide if cfg not in out]
     if op == "mxfp4_grouped_gemm" and rows <= 2:
