@@ -229,7 +229,9 @@ def _mma(
 # both 1 token and 64 tokens (about one row per expert): its 128-column tiles were the fastest scaled_bf16 tiles at
 # both, 16–21 % faster than the default (kernels_gemm-mxfp4-swap-t*.json), and faster than swap_ab except on w2 at
 # 1 token (50.6 against 54.4 µs); with a 64-column K step (127 registers instead of 167) they were 6–13 % faster
-# again (kernels_gemm-mxfp4-wide-t*.json). Bucket 16 keeps the 128-column K step (not timed at 64).
+# again (kernels_gemm-mxfp4-wide-t*.json). On the FP8 tensor cores (group_fp8) the 16×128 tile was 3–5 % faster at 64
+# and 256 tokens but 32 % slower at 1 token (kernels_gemm-mxfp4-fp8mma-t*.json): bucket 16 (256 tokens) takes it,
+# bucket 2 (1 and 64 tokens) does not.
 # The grouped GEMM's tile at about one row per expert (both shapes), also its batch-invariant tile.
 _GROUPED_DECODE_TILE = _mma(16, 128, 4, 4, block_k=64)
 # About 128 rows per expert (an 8K-token prefill): FP8 tensor-core tiles, 2.5x the scaled_bf16 default on both
@@ -258,8 +260,8 @@ MEASURED: dict[tuple[str, int, int, int], BlockConfig] = {
     ("fp8_block_gemm", 64, 32768, 1280): _mma(64, 32, 2, 4, decoding="dot_scaled"),
     ("mxfp4_grouped_gemm", 2, 4608, 5120): _GROUPED_DECODE_TILE,
     ("mxfp4_grouped_gemm", 2, 5120, 2304): _GROUPED_DECODE_TILE,
-    ("mxfp4_grouped_gemm", 16, 4608, 5120): _mma(16, 128, 4, 4),
-    ("mxfp4_grouped_gemm", 16, 5120, 2304): _mma(16, 128, 4, 4),
+    ("mxfp4_grouped_gemm", 16, 4608, 5120): _mma(16, 128, 4, 4, split_grid=False, decoding="group_fp8", block_k=64),
+    ("mxfp4_grouped_gemm", 16, 5120, 2304): _mma(16, 128, 4, 4, split_grid=False, decoding="group_fp8", block_k=64),
     ("mxfp4_grouped_gemm", 256, 4608, 5120): _GROUPED_PREFILL_TILE,
     ("mxfp4_grouped_gemm", 256, 5120, 2304): _GROUPED_PREFILL_TILE,
 }
