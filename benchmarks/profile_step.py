@@ -18,7 +18,7 @@ Prints a table last and writes JSON (default benchmarks/results/profile_step-<de
 
 Usage:
     python benchmarks/profile_step.py [--model DIR] [--batches 1,64] [--context 128] [--prefill-lens 8192]
-        [--device cuda]
+        [--device cuda] [--batch-invariant]
 """
 
 from __future__ import annotations
@@ -177,6 +177,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="profiled steps per batch")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (Triton compiles here)")
     parser.add_argument("--top", type=int, default=15, help="rows of the top-kernels table")
+    parser.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="profile the model's batch-invariant mode (DEEPINFER_BATCH_INVARIANT)",
+    )
     parser.add_argument("--label", default=None, help="what was measured (e.g. a branch name), recorded in the JSON")
     parser.add_argument("--out", type=pathlib.Path, default=None, help="JSON path")
     args = parser.parse_args()
@@ -196,6 +201,7 @@ def main() -> None:
         max_num_batched_tokens=max([*args.batches, *args.prefill_lens]),
         cache_memory_bytes=1 << 30,
     )
+    llm.model.batch_invariant = args.batch_invariant
     sizes = [("decode", b) for b in args.batches] + [("prefill", n) for n in args.prefill_lens]
     points = [profile_point(llm.model, kind, n, args.context, args.steps, args.warmup, device) for kind, n in sizes]
     llm.close()
@@ -204,6 +210,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "checkpoint": args.model or "built-in",
         "label": args.label,
+        "batch_invariant": args.batch_invariant,
         "git_commit": git_commit(),
         "method": "eager decode steps (long_context.decode_step) and prefill steps (long_context.prefill_step) of the "
         "engine's model, torch.profiler; CUDA: device "
