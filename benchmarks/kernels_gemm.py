@@ -184,18 +184,10 @@ def tune(
 
 
 def part_times(n: int, k: int, x: torch.Tensor, repeats: int) -> dict[str, float]:
-    """Diagnostics: the activation quantizer alone and the split-K reduction alone (default tiles), 16 calls per
-    graph."""
-    from deepinfer_kernels.cuda.gemm import partials, quantized_activation
-    from deepinfer_kernels.cuda.gemm_operands import reduce_partials
-    from deepinfer_kernels.cuda.gemm_tiles import default_config
+    """Diagnostics: the activation quantizer alone, 16 calls per graph."""
+    from deepinfer_kernels.cuda.gemm import quantized_activation
 
-    out = torch.empty(x.shape[0], n, dtype=torch.bfloat16, device="cuda")
-    partial = partials(x.shape[0], n, k, default_config("fp8_block_gemm", x.shape[0]), x.device, zeroed=True)
-    return {
-        "quantize_us": time_us([lambda: quantized_activation(x)] * 16, repeats),
-        "reduce_us": time_us([lambda: reduce_partials(partial, out)] * 16, repeats),
-    }
+    return {"quantize_us": time_us([lambda: quantized_activation(x)] * 16, repeats)}
 
 
 def main() -> None:
@@ -209,7 +201,7 @@ def main() -> None:
     parser.add_argument("--ops", default=None, help="comma-separated ops to run (default: all)")
     parser.add_argument("--decodings", default=None, help="with --tune: only MMA candidates of these decodings")
     parser.add_argument("--max-candidates", type=int, default=None, help="with --tune: time only the first N")
-    parser.add_argument("--parts", action="store_true", help="also time the quantizer and the reduction alone")
+    parser.add_argument("--parts", action="store_true", help="also time the quantizer alone")
     parser.add_argument("--compare", default=None, help="JSON of a --baseline run: adds old/new ratios")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels_gemm-<device>.json)")
     args = parser.parse_args()

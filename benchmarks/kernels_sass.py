@@ -37,7 +37,7 @@ from deepinfer_kernels.cuda.gemm_tiles import DECODINGS, decodings
 from deepinfer_kernels.cuda.gemv import fp8_gemv_kernel, mxfp4_gemv_kernel
 
 TARGET = GPUTarget("cuda", 90, 32)
-POINTER_TYPES = {"out_ptr": "*bf16", "partial_ptr": "*fp32"}
+POINTER_TYPES = {"out_ptr": "*bf16", "partial_ptr": "*fp32", "counter_ptr": "*i32"}
 INDEX_POINTERS = ("order_ptr", "block_expert_ptr", "block_start_ptr", "block_end_ptr")
 UNALIGNED = ("M", "num_experts")  # runtime values with no divisibility a launch could rely on
 CLASSES = {

@@ -189,9 +189,10 @@ def test_nan_weight_code_gives_nan_column(triton_device: str) -> None:
 @pytest.mark.parametrize("gemv", [False, True])
 @pytest.mark.parametrize("op", ["fp8_block_gemm", "mxfp4_gemm", "mxfp4_grouped_gemm"])
 def test_split_k_matches_one_program_bitwise(triton_device: str, op: str, gemv: bool) -> None:
-    """K = 1024 runs in 4 chunks (cuda.gemm_tiles.k_chunk): chunks as programs of their own plus the reduction give
-    the same bits as one program summing the chunks in order, and both meet the reference's tolerance (MMA and
-    FMA kernels)."""
+    """K = 1024 runs in 4 chunks (cuda.gemm_tiles.k_chunk): chunks as programs of their own, summed by each tile's
+    last program, give the same bits as one program summing the chunks in order, twice in a row (the tickets are
+    back to zero after a launch), and both meet the reference's tolerance (MMA and FMA kernels)."""
+    from deepinfer_kernels.cuda.gemm_operands import split_counters
     from deepinfer_kernels.cuda.gemm_tiles import BlockConfig, k_chunk
 
     m, n, k = 3, 64, 1024
@@ -209,12 +210,13 @@ def test_split_k_matches_one_program_bitwise(triton_device: str, op: str, gemv: 
             # Two experts (the second a copy of the first), one row without an expert.
             inputs = (x, torch.tensor([1, -1, 0]), *(torch.stack([w, w]) for w in weights))
     results = []
-    for split_grid in (True, False):
+    for split_grid in (True, True, False):
         cfg = BlockConfig(block_m=16, block_n=32, num_warps=4, num_stages=2, split_grid=split_grid, gemv=gemv)
         out = torch.zeros(m, n, dtype=torch.bfloat16, device=triton_device)
         implementation(op, Backend.NVIDIA)(*(t.to(triton_device) for t in inputs), out, config=cfg)
         results.append(out.cpu())
-    assert torch.equal(results[0], results[1])
+        assert not split_counters(out.device, 0).any()
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
     ref = torch.zeros(m, n, dtype=torch.bfloat16)
     implementation(op, Backend.REFERENCE)(*inputs, ref)
     assert_gemm_close(results[0], ref, abs_product(dequantized_activation(x), w_hat.double()), k)

@@ -12,9 +12,9 @@ result against the FP64 reference with scale bytes 100 … 140. ``tl.dot`` then 
 rounded to bf16 once (nearest even): only the FP32 accumulation order differs from the reference.
 
 The reduction runs in K chunks fixed per weight shape (``cuda.gemm_tiles``): for few rows each chunk is a program of
-its own (split-K) and ``gemm_operands.reduce_partials`` adds the FP32 chunk sums in chunk order; for many rows one
-program sums its chunks in the same order. Both give the same bits. For one or two rows per weight the launchers
-run the FMA kernels of ``cuda.gemv`` instead of these MMA kernels (``cuda.gemm_tiles``).
+its own (split-K) and each tile's last program adds the FP32 chunk sums in chunk order (``gemm_operands.finish_tile``);
+for many rows one program sums its chunks in the same order. Both give the same bits. For one or two rows per weight
+the launchers run the FMA kernels of ``cuda.gemv`` instead of these MMA kernels (``cuda.gemm_tiles``).
 
 Under ``TRITON_INTERPRET=1`` the operands stay FP32 (``DOT_BF16=False``): Triton's interpreter stores bf16 as raw
 uint16 and its ``tl.dot`` multiplies those integers. The values are the same (bf16-exact, hence also TF32-exact), so
@@ -48,7 +48,7 @@ from deepinfer_kernels.cuda.gemm_operands import (
     group_activation,
     native_fp8,
     operand,
-    reduce_partials,
+    split_counters,
 )
 from deepinfer_kernels.cuda.gemm_tiles import BlockConfig, block_config, chunk_length, decodings
 from deepinfer_kernels.cuda.gemv import fp8_gemv_kernel, mxfp4_gemv_kernel
@@ -63,8 +63,8 @@ __all__ = [
     "mxfp4_gemm",
     "mxfp4_kernel",
     "mxfp4_launch",
-    "partials",
     "quantized_activation",
+    "split_buffers",
 ]
 
 _GROUP = 32
@@ -78,6 +78,7 @@ def _fp8_block_kernel(  # type: ignore[no-untyped-def]
     ws_ptr,
     out_ptr,
     partial_ptr,
+    counter_ptr,
     M,
     N,
     K,
@@ -109,7 +110,7 @@ def _fp8_block_kernel(  # type: ignore[no-untyped-def]
             q_ptr, qs_ptr, w_ptr, ws_ptr, rows, row_mask, n_rows, n_mask, n_rows // 32, groups, K, K_CHUNK,
             stride_q, stride_qs, stride_w, 1, stride_ws, "e4m3", SPLIT_GRID, BLOCK_M, BLOCK_N, BLOCK_K,
         )  # fmt: skip
-        finish_tile(out_ptr, partial_ptr, total, rows, row_mask, n_offsets, M, N, stride_out, SPLIT_GRID)
+        finish_tile(out_ptr, partial_ptr, counter_ptr, total, rows, row_mask, n_offsets, M, N, stride_out, SPLIT_GRID)
         return
     if DECODING == "group_fp16" or DECODING == "group_fp8":
         total = group_tiles(
@@ -117,7 +118,7 @@ def _fp8_block_kernel(  # type: ignore[no-untyped-def]
             stride_q, stride_qs, stride_w, stride_ws, "e4m3", SPLIT_GRID, BLOCK_M, BLOCK_N, BLOCK_K, NATIVE_FP8,
             DECODING == "group_fp8",
         )  # fmt: skip
-        finish_tile(out_ptr, partial_ptr, total, rows, row_mask, n_offsets, M, N, stride_out, SPLIT_GRID)
+        finish_tile(out_ptr, partial_ptr, counter_ptr, total, rows, row_mask, n_offsets, M, N, stride_out, SPLIT_GRID)
         return
     within = groups[:, None] * 32 + tl.arange(0, 32)[None, :]
     q_ptrs = q_ptr + rows[:, None, None] * stride_q + within[None, :, :]
@@ -140,7 +141,7 @@ def _fp8_block_kernel(  # type: ignore[no-untyped-def]
             b = e4m3_tile(w, tl.load(ws_ptrs + k0 // 32, mask=w_mask, other=0), BLOCK_N, BLOCK_K, NATIVE_FP8)
             acc = tl.dot(operand(a, DOT_BF16), tl.trans(operand(b, DOT_BF16)), acc)
         total += acc
-    finish_tile(out_ptr, partial_ptr, total, rows, row_mask, n_offsets, M, N, stride_out, SPLIT_GRID)
+    finish_tile(out_ptr, partial_ptr, counter_ptr, total, rows, row_mask, n_offsets, M, N, stride_out, SPLIT_GRID)
 
 
 @triton.jit
@@ -151,6 +152,7 @@ def mxfp4_kernel(  # type: ignore[no-untyped-def]
     ws_ptr,
     out_ptr,
     partial_ptr,
+    counter_ptr,
     order_ptr,
     block_expert_ptr,
     block_start_ptr,
@@ -228,14 +230,14 @@ def mxfp4_kernel(  # type: ignore[no-untyped-def]
             q_ptr, qs_ptr, packed_ptr, ws_ptr, rows, row_mask, n_rows, n_mask, n_rows, groups, K, K_CHUNK,
             stride_q, stride_qs, stride_p, 2, stride_s, "e2m1", SPLIT_GRID, BLOCK_M, BLOCK_N, BLOCK_K,
         )  # fmt: skip
-        finish_tile(out_ptr, partial_ptr, total, rows, row_mask, n_offsets, M, N, stride_out, SPLIT_GRID)
+        finish_tile(out_ptr, partial_ptr, counter_ptr, total, rows, row_mask, n_offsets, M, N, stride_out, SPLIT_GRID)
         return
     if DECODING == "swap_ab":
         total = swapped_tiles(
             q_ptr, qs_ptr, packed_ptr, ws_ptr, rows, row_mask, n_rows, n_mask, K, K_CHUNK,
             stride_q, stride_qs, stride_p, stride_s, SPLIT_GRID, BLOCK_M, BLOCK_N, BLOCK_K, DOT_BF16, NATIVE_FP8,
         )  # fmt: skip
-        finish_tile(out_ptr, partial_ptr, total, rows, row_mask, n_offsets, M, N, stride_out, SPLIT_GRID)
+        finish_tile(out_ptr, partial_ptr, counter_ptr, total, rows, row_mask, n_offsets, M, N, stride_out, SPLIT_GRID)
         return
     if DECODING == "group_fp16" or DECODING == "group_fp8":
         total = group_tiles(
@@ -243,7 +245,7 @@ def mxfp4_kernel(  # type: ignore[no-untyped-def]
             stride_q, stride_qs, stride_p, stride_s, "e2m1", SPLIT_GRID, BLOCK_M, BLOCK_N, BLOCK_K, NATIVE_FP8,
             DECODING == "group_fp8",
         )  # fmt: skip
-        finish_tile(out_ptr, partial_ptr, total, rows, row_mask, n_offsets, M, N, stride_out, SPLIT_GRID)
+        finish_tile(out_ptr, partial_ptr, counter_ptr, total, rows, row_mask, n_offsets, M, N, stride_out, SPLIT_GRID)
         return
     # The activation arrives de-interleaved per 32-column group (16 even columns, then 16 odd ones; see
     # deinterleaved_activation), so each nibble plane of the packed weight meets contiguous activation bytes: the
@@ -273,7 +275,7 @@ def mxfp4_kernel(  # type: ignore[no-untyped-def]
             acc = tl.dot(operand(a_even, DOT_BF16), tl.trans(operand(b_even, DOT_BF16)), acc)
             acc = tl.dot(operand(a_odd, DOT_BF16), tl.trans(operand(b_odd, DOT_BF16)), acc)
         total += acc
-    finish_tile(out_ptr, partial_ptr, total, rows, row_mask, n_offsets, M, N, stride_out, SPLIT_GRID)
+    finish_tile(out_ptr, partial_ptr, counter_ptr, total, rows, row_mask, n_offsets, M, N, stride_out, SPLIT_GRID)
 
 
 def quantized_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -309,14 +311,16 @@ def launch_grid(row_tiles: int, n: int, k: int, cfg: BlockConfig) -> tuple[tuple
     return (row_tiles, triton.cdiv(n, cfg.block_n), triton.cdiv(k, chunk) if cfg.split_grid else 1), chunk
 
 
-def partials(m: int, n: int, k: int, cfg: BlockConfig, device: torch.device, zeroed: bool) -> torch.Tensor:
-    """FP32 chunk sums [C, M, N] of a split-K launch (``zeroed`` where some rows get no program); a 1-element
-    placeholder otherwise."""
+def split_buffers(
+    m: int, n: int, cfg: BlockConfig, grid: tuple[int, int, int], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(FP32 chunk sums [C, M, N], per-tile tickets) of a split-K launch over ``grid``; 1-element placeholders,
+    never read, otherwise. The sums need no zeroing: a tile's last program reads only its own rows' sums."""
     if not cfg.split_grid:
-        return torch.empty(1, dtype=torch.float32, device=device)
-    shape = (triton.cdiv(k, chunk_length(n, k, cfg)), m, n)
-    make = torch.zeros if zeroed else torch.empty
-    return make(shape, dtype=torch.float32, device=device)
+        placeholder = torch.empty(1, dtype=torch.float32, device=device)
+        return placeholder, placeholder
+    partial = torch.empty((grid[2], m, n), dtype=torch.float32, device=device)
+    return partial, split_counters(device, grid[0] * grid[1])
 
 
 def gemv_rows(rows: int, cfg: BlockConfig) -> int:
@@ -337,7 +341,7 @@ def mxfp4_launch(
     """Launch the MXFP4 GEMM (``cfg.gemv``: ``gemv.mxfp4_gemv_kernel`` on codes from :func:`quantized_activation`,
     else ``mxfp4_kernel`` on codes from :func:`activation_for`), dense (``tables`` None; packed [N, K/2]) or grouped
     (packed [E, N, K/2]; ``tables`` from ``grouped_gemm.expert_tiles``, or, for MMA tiles of at least M rows, the
-    expert ids themselves: ``mxfp4_kernel``'s ``SCAN``); reduces split-K partials."""
+    expert ids themselves: ``mxfp4_kernel``'s ``SCAN``)."""
     m, k = q.shape
     n = packed.shape[-2]
     grouped, scan = tables is not None, isinstance(tables, torch.Tensor)
@@ -352,7 +356,7 @@ def mxfp4_launch(
         order, tile_expert, tile_start, tile_end = tables if tables is not None else (packed,) * 4
         row_tiles = tile_expert.numel() if grouped else triton.cdiv(m, rows_per_program)
     grid, chunk = launch_grid(row_tiles, n, k, cfg)
-    partial = partials(m, n, k, cfg, q.device, zeroed=grouped)
+    partial, counters = split_buffers(m, n, cfg, grid, q.device)
     kernel = mxfp4_gemv_kernel if cfg.gemv else mxfp4_kernel
     rows: dict[str, int | bool | str] = (
         {"ROWS": rows_per_program, "NATIVE_FP8": native_fp8(), "E4M3_BIAS": 0 if native_fp8() else 8}
@@ -373,6 +377,7 @@ def mxfp4_launch(
         scale.view(torch.uint8),
         out,
         partial,
+        counters,
         order,
         tile_expert,
         tile_start,
@@ -397,8 +402,6 @@ def mxfp4_launch(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    if cfg.split_grid:
-        reduce_partials(partial, out)
 
 
 def fp8_block_launch(
@@ -410,7 +413,7 @@ def fp8_block_launch(
     groups: int = 1,
     config: BlockConfig | None = None,
 ) -> None:
-    """Launch the FP8 block GEMM on a quantized activation and reduce its split-K partials.
+    """Launch the FP8 block GEMM on a quantized activation.
 
     ``groups`` > 1 makes it grouped: weight rows ``g·N/groups …`` multiply activation columns ``g·K …`` (K = the
     weight's width; ``N/groups`` a multiple of 32). q [M, groups·K] e4m3 codes and q_scale [M, groups·K/32] UE8M0
@@ -427,8 +430,9 @@ def fp8_block_launch(
         cfg = replace(cfg, block_n=cfg.block_n // 2)
     rows = gemv_rows(m, cfg) if cfg.gemv else cfg.block_m
     grid, chunk = launch_grid(triton.cdiv(m, rows), n, k, cfg)
-    partial = partials(m, n, k, cfg, out.device, zeroed=False)
-    args = (q, q_scale, w_q.view(torch.uint8), w_scale.view(torch.uint8), out, partial, m, n, k, chunk, n_per_group)
+    partial, counters = split_buffers(m, n, cfg, grid, out.device)
+    weight = (w_q.view(torch.uint8), w_scale.view(torch.uint8))
+    args = (q, q_scale, *weight, out, partial, counters, m, n, k, chunk, n_per_group)
     strides = (q.stride(0), q_scale.stride(0), w_q.stride(0), w_scale.stride(0), out.stride(0))
     launch = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     if cfg.gemv:
@@ -456,8 +460,6 @@ def fp8_block_launch(
             NATIVE_FP8=native_fp8(),
             **launch,
         )
-    if cfg.split_grid:
-        reduce_partials(partial, out)
 
 
 def fp8_block_gemm(

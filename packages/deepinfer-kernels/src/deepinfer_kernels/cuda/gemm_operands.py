@@ -10,7 +10,7 @@ conversion (``e4m3_half``), and the scales are applied to the group sums instead
 """
 
 # Triton reads parameter annotations as kernel type hints, so @triton.jit functions stay unannotated.
-# ruff: noqa: ANN001, ANN201, ANN202
+# ruff: noqa: ANN001, ANN201
 
 from __future__ import annotations
 
@@ -39,11 +39,9 @@ __all__ = [
     "native_fp8",
     "operand",
     "pow2",
-    "reduce_partials",
+    "split_counters",
     "word_pair_columns",
 ]
-
-_REDUCE_BLOCK = 1024
 
 
 def dot_in_bf16() -> bool:
@@ -320,32 +318,57 @@ def group_activation(q_ptr, qs_ptr, K, N_PER_GROUP, BLOCK_N: tl.constexpr):  # t
 
 @triton.jit
 def finish_tile(  # type: ignore[no-untyped-def]
-    out_ptr, partial_ptr, total, rows, row_mask, n_offsets, M, N, stride_out, SPLIT_GRID: tl.constexpr
+    out_ptr, partial_ptr, counter_ptr, total, rows, row_mask, n_offsets, M, N, stride_out, SPLIT_GRID: tl.constexpr
 ):
-    # Split-K: the chunk's FP32 sum goes to partial[chunk, row, column] for reduce_partials; else the finished
-    # sum is rounded into out.
+    # Split-K: the chunk's FP32 sum goes to partial[chunk, row, column]; the tile's last program to finish (a ticket
+    # per tile in counter_ptr) adds the tile's chunk sums from zero in chunk order, the additions of the
+    # single-program path, rounds them into out and resets the ticket to zero for the next launch. No second kernel.
+    # Else the finished sum is rounded into out.
     mask = row_mask[:, None] & (n_offsets < N)[None, :]
+    out_ptrs = out_ptr + rows[:, None] * stride_out + n_offsets[None, :]
     if SPLIT_GRID:
-        base = partial_ptr + tl.program_id(2).to(tl.int64) * M * N
-        tl.store(base + rows[:, None] * N + n_offsets[None, :], total, mask=mask)
+        offsets = rows[:, None] * N + n_offsets[None, :]
+        tl.store(partial_ptr + tl.program_id(2).to(tl.int64) * M * N + offsets, total, mask=mask)
+        # Every thread's stores precede the ticket (taken by one thread with release semantics); the last program
+        # reads the others' sums after its acquire, from L2 (.cg: L1 is not coherent across SMs).
+        tl.debug_barrier()
+        ticket = counter_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        chunks = tl.num_programs(2)
+        if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == chunks - 1:
+            total = tl.zeros_like(total)
+            part_ptrs = partial_ptr + offsets
+            for _ in range(0, chunks):
+                total += tl.load(part_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+                part_ptrs += M * N
+            tl.store(out_ptrs, to_output_dtype(total, out_ptr), mask=mask)
+            tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
     else:
-        tl.store(out_ptr + rows[:, None] * stride_out + n_offsets[None, :], to_output_dtype(total, out_ptr), mask=mask)
+        tl.store(out_ptrs, to_output_dtype(total, out_ptr), mask=mask)
 
 
-@triton.jit
-def _reduce_kernel(partial_ptr, out_ptr, chunks, M, N, stride_out, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
-    index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = index < M * N
-    # Same additions in the same order as the single-program path: 0 + chunk 0 + chunk 1 + …
-    total = tl.zeros((BLOCK,), dtype=tl.float32)
-    for chunk in range(0, chunks):
-        total += tl.load(partial_ptr + chunk * M * N + index, mask=mask, other=0.0)
-    row, column = index // N, index % N
-    tl.store(out_ptr + row * stride_out + column, to_output_dtype(total, out_ptr), mask=mask)
+# Tickets per device for split-K launches: enough for every tile of a split launch (at most 64 rows: a few row tiles,
+# or the grouped GEMM's cdiv(M, 16) + min(E, M), times N / 32 column tiles).
+_MAX_SPLIT_TILES = 1 << 16
+_tile_counters: dict[torch.device, torch.Tensor] = {}
 
 
-def reduce_partials(partial: torch.Tensor, out: torch.Tensor) -> None:
-    """``out = bf16(Σ_c partial[c])`` summed in chunk order. partial: [C, M, N] fp32; out: [M, N] (row stride free)."""
-    chunks, m, n = partial.shape
-    grid = (triton.cdiv(m * n, _REDUCE_BLOCK),)
-    _reduce_kernel[grid](partial, out, chunks, m, n, out.stride(0), BLOCK=_REDUCE_BLOCK)
+def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """The per-tile tickets of ``finish_tile`` on ``device``: int32 zeros between launches (each tile's last program
+    resets its own). One buffer per device, created by the first split launch there; launches on one device never
+    overlap (one stream at a time, CUDA graphs captured and replayed in order).
+
+    Raises:
+        ValueError: a launch with more than 65,536 tiles.
+        RuntimeError: the first split launch on a device is inside CUDA graph capture (its buffer would belong to
+            the graph's memory pool).
+    """
+    if tiles > _MAX_SPLIT_TILES:
+        raise ValueError(f"a split-K launch takes at most {_MAX_SPLIT_TILES} tiles, got {tiles}")
+    counters = _tile_counters.get(device)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "the first split-K GEMM on a device ran inside CUDA graph capture; run one eagerly before capturing"
+            )
+        counters = _tile_counters[device] = torch.zeros(_MAX_SPLIT_TILES, dtype=torch.int32, device=device)
+    return counters

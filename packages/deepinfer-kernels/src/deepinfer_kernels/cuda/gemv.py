@@ -62,6 +62,7 @@ def fp8_gemv_kernel(  # type: ignore[no-untyped-def]
     ws_ptr,
     out_ptr,
     partial_ptr,
+    counter_ptr,
     M,
     N,
     K,
@@ -110,7 +111,7 @@ def fp8_gemv_kernel(  # type: ignore[no-untyped-def]
                 acc = _add_row(acc, slots, r, tl.sum(w * a[None, :, :], axis=2) * w_factor)
         total += acc
     rows = (start + slots).to(tl.int64)
-    finish_tile(out_ptr, partial_ptr, total, rows, rows < M, n_offsets, M, N, stride_out, SPLIT_GRID)
+    finish_tile(out_ptr, partial_ptr, counter_ptr, total, rows, rows < M, n_offsets, M, N, stride_out, SPLIT_GRID)
 
 
 @triton.jit
@@ -121,6 +122,7 @@ def mxfp4_gemv_kernel(  # type: ignore[no-untyped-def]
     ws_ptr,
     out_ptr,
     partial_ptr,
+    counter_ptr,
     order_ptr,
     block_expert_ptr,
     block_start_ptr,
@@ -198,4 +200,4 @@ def mxfp4_gemv_kernel(  # type: ignore[no-untyped-def]
     else:
         rows = (start + slots).to(tl.int64)
         row_ok = rows < M
-    finish_tile(out_ptr, partial_ptr, total, rows, row_ok, n_offsets, M, N, stride_out, SPLIT_GRID)
+    finish_tile(out_ptr, partial_ptr, counter_ptr, total, rows, row_ok, n_offsets, M, N, stride_out, SPLIT_GRID)

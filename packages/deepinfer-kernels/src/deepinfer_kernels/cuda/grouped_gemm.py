@@ -6,9 +6,10 @@ row and tile offsets, and a ``searchsorted`` of every tile index of the worst-ca
 The grid has ``cdiv(M, BLOCK_M) + min(E, M)`` row tiles — the most that ``Σ_e cdiv(count_e, BLOCK_M)`` can be —
 and tiles past the real count exit at once. Tiles read their rows through the sort order and write results back to
 the original rows, so nothing is permuted in memory. Ids outside ``[0, E)`` (``-1`` included) are put in a bucket
-no tile serves, so their rows keep the zeros the caller initialized ``out`` with (under split-K the reduction writes
-zeros there). For few rows the K chunks run as programs of their own (split-K, ``cuda.gemm_tiles``). When every row
-fits one MMA tile there are no tables: each program scans the expert ids for its expert's rows.
+no tile serves, so their rows keep the zeros the caller initialized ``out`` with (split-K too: a tile's last
+program writes only its own rows). For few rows the K chunks run as programs of their own (split-K,
+``cuda.gemm_tiles``). When every row fits one MMA tile there are no tables: each program scans the expert ids for
+its expert's rows.
 """
 
 from __future__ import annotations
