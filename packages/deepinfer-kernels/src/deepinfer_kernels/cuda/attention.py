@@ -1,5 +1,6 @@
 """Triton sparse attention over up to three key sources read straight from their pools (docs/design/kernels.md,
-"sparse_attention"); the kernels are in ``cuda/attention_kernels.py``.
+"sparse_attention"); the split path's kernels are in ``cuda/attention_kernels.py``, the non-split path's in
+``cuda/attention_prefill_kernels.py``.
 
 Every probability is taken relative to the final softmax maximum (over the sink and every valid key), not a running
 one: that makes its BF16 rounding in exact mode the reference's, so the output differs from the reference only by
@@ -7,9 +8,10 @@ FP32 summation order; a running maximum rounds each probability at another scale
 term that exact mode then turns into BF16/FP8 rounding flips everywhere.
 
 Many queries (prefill): one program per (query, block of heads) makes two passes over the gathered rows (decoded in
-registers from FP8 / FP4 / FP32 rows), the first for the maximum, the second for ``Σ exp(logit − max)`` and the
-value products. Few queries (decode): each source's key list is cut into chunks from the source's start and every
-chunk is a split with its own programs: ``split_max_kernel`` writes each split's maximum of its own keys,
+registers from FP8 / FP4 / FP32 rows), the first for the logits, written to a workspace, and the maximum, the second
+for ``Σ exp(logit − max)`` and the value products with the logits read back (``cuda/attention_prefill_kernels.py``;
+:data:`PREFILL_CONFIG`). Few queries (decode): each source's key list is cut into chunks from the source's start and
+every chunk is a split with its own programs: ``split_max_kernel`` writes each split's maximum of its own keys,
 ``attend_kernel`` takes the maximum over the sink and all splits' maxima and sums its split's keys at it, and
 ``combine_kernel`` adds the splits' sums in split order and divides. Every key tile is decoded twice whatever the
 split count; the partial sums are O(queries × splits × H × D), bounded because only few queries split.
@@ -20,7 +22,8 @@ the other requests of the step: a source's width (the step's longest list, e.g. 
 last chunks, and chunks past a query's own keys hold −1 rows only and add exact zeros. Every chunk is summed from
 zero in tile order and the chunk sums are added in chunk order after the sink's term, by the combine when split or by
 the single program when not (``FOLD``), so whether the step splits (which follows the number of queries) changes no
-bit either; the maximum is exact in any order.
+bit either; the maximum is exact in any order. For that the non-split program then uses the split path's head block
+and key tile (:data:`PREFILL_INVARIANT_CONFIG`): the same dots on the same shapes give the same logits and sums.
 """
 
 from __future__ import annotations
@@ -35,16 +38,43 @@ from deepinfer_kernels.batch_invariant import invariant_kernels
 from deepinfer_kernels.cache_layout import KeySource, RowFormat
 from deepinfer_kernels.cuda._launch import check_launchable
 from deepinfer_kernels.cuda.attention_kernels import attend_kernel, combine_kernel, split_max_kernel
+from deepinfer_kernels.cuda.attention_prefill_kernels import prefill_kernel
 from deepinfer_kernels.cuda.row_formats import FORMAT_CODES
 from deepinfer_kernels.platform import triton_interpreter_enabled
 from deepinfer_kernels.reference import attention as reference
 
-__all__ = ["INVARIANT_CHUNK_KEYS", "MAX_SOURCES", "sparse_attention"]
+__all__ = [
+    "CONFIG",
+    "INVARIANT_CHUNK_KEYS",
+    "MAX_SOURCES",
+    "PREFILL_CONFIG",
+    "PREFILL_FP32_CONFIG",
+    "PREFILL_INVARIANT_CONFIG",
+    "PREFILL_WORKSPACE_BYTES",
+    "sparse_attention",
+]
 
 MAX_SOURCES = 3
-# Heads per program and keys per tile (H200 sweep in docs/design/kernels.md, "What ran on the H200").
-# target_programs: programs to aim for when splitting the key list (None = twice the multiprocessors).
+# Split path (decode): heads per program and keys per tile (H200 sweep in docs/design/kernels.md, "What ran on the
+# H200"). target_programs: programs to aim for when splitting the key list (None = twice the multiprocessors).
+# block_h also counts the programs that decide whether a step splits.
 CONFIG: dict[str, int | None] = {"block_h": 32, "block_n": 32, "num_warps": 8, "num_stages": 2, "target_programs": None}
+# Non-split path (prefill) when every dot is a BF16 tensor-core dot. 64 heads (all of a V4.1-Flash query) per
+# program: each key tile is gathered and decoded once per pass for all of them, and M = 64 makes both dots Hopper
+# wgmma. block_v: value columns per pass-2 sweep; the whole width in one sweep keeps the [64, 512] FP32 accumulator
+# (128 registers a thread at 8 warps) beside 16-key tiles: 253-255 registers at sm_90 and no spill (Triton 3.9; 3.6
+# spills 8-16 bytes when FP4_E4M3 rows meet FP8 rows); wider tiles or 16 warps spill (docs/design/kernels.md,
+# "sparse_attention").
+PREFILL_CONFIG: dict[str, int] = {"block_h": 64, "block_n": 16, "block_v": 512, "num_warps": 8, "num_stages": 1}
+# FP32 dots (FP32 queries or rows, unrounded probabilities, Triton's interpreter): FMA dots hold both operands in
+# registers, and 16 heads fit where 64 spill kilobytes.
+PREFILL_FP32_CONFIG: dict[str, int] = {"block_h": 16, "block_n": 16, "block_v": 512, "num_warps": 4, "num_stages": 1}
+# Batch-invariant mode takes CONFIG's head block and key tile: the split path's dots on the same shapes, so a query's
+# bits do not depend on whether its step splits. The chunk sum and the total are two accumulators, hence half-width
+# value sweeps.
+PREFILL_INVARIANT_CONFIG: dict[str, int] = {"block_v": 256, "num_warps": 8, "num_stages": 1}
+# The largest logits workspace of one non-split launch (FP32 [queries, heads, keys]); more queries take more launches.
+PREFILL_WORKSPACE_BYTES = 256 << 20
 # Keys per chunk in batch-invariant mode: four tiles. A split then reads 128 rows (67 KB of FP8 rows at width 512)
 # against its 32 KB query block, and a decode query (128 + few + 512 keys) still makes six splits per head block,
 # while the partial sums written and read back stay half of what 64-key chunks would cost.
@@ -67,60 +97,117 @@ def sparse_attention(
     num_tokens, num_heads, width = q.shape
     if num_tokens == 0:
         return
-    # An absent source is an empty one (zero keys); its pointers are never read.
-    empty = KeySource(
-        torch.zeros((1, 4 * width), dtype=torch.uint8, device=q.device),
-        torch.empty((num_tokens, 0), dtype=torch.int64, device=q.device),
-        RowFormat.RAW_FP32,
-    )
     # An empty pool (all its rows −1) is replaced by one zero row: Triton needs a real pointer.
     present = [
         s if s.pool.shape[0] else KeySource(s.pool.new_zeros((1, s.pool.shape[1])), s.rows, s.fmt) for s in sources
     ]
+    # An absent source is an empty one (zero keys, its pointers never read) in the first source's pool and format:
+    # its loops then repeat code the kernel has anyway (an FP32-row loop beside BF16 dots costs registers).
+    if present:
+        first = present[0]
+    else:
+        zero_row = torch.zeros((1, 4 * width), dtype=torch.uint8, device=q.device)
+        first = KeySource(
+            zero_row, torch.empty((num_tokens, 0), dtype=torch.int64, device=q.device), RowFormat.RAW_FP32
+        )
+    empty = KeySource(first.pool, first.rows.new_empty((num_tokens, 0)), first.fmt)
     padded = present + [empty] * (MAX_SOURCES - len(sources))
     bf16_dots = q.dtype == torch.bfloat16 and not triton_interpreter_enabled()
-    source_args: list[object] = []
     fmt_args: dict[str, object] = {}
     for i, source in enumerate(padded):
-        source_args += [source.pool, source.rows, source.rows.stride(0), source.rows.shape[1], source.pool.shape[1]]
         fmt_args[f"FMT{i}"] = FORMAT_CODES[source.fmt]
         # Quantized rows decode to BF16-exact values, so BF16 products with a BF16 query are exact. (Triton's
         # interpreter computes BF16 dots wrongly; there the same products run as FP32 dots.)
         fmt_args[f"BF16_{i}"] = bf16_dots and source.fmt is not RowFormat.RAW_FP32
     head_blocks = triton.cdiv(num_heads, CONFIG["block_h"])
     chunk_keys, split_counts = _split_plan(num_tokens * head_blocks, [s.rows.shape[1] for s in sources], q.device)
+    if not split_counts:
+        _prefill(q, padded, sink, scale, round_probs_bf16, out, chunk_keys, fmt_args)
+        return
     counts = split_counts + [0] * (MAX_SOURCES - len(split_counts))
-    num_splits = max(sum(counts), 1)
-    shared = (num_heads, scale, chunk_keys, num_splits, counts[0], counts[0] + counts[1], *source_args)
+    num_splits = sum(counts)
+    shared = (
+        num_heads, scale, chunk_keys, num_splits, counts[0], counts[0] + counts[1], *_source_args(padded, 0, num_tokens)
+    )  # fmt: skip
     blocks = {"WIDTH": width, "BLOCK_D": max(triton.next_power_of_2(width), 16), "BLOCK_H": CONFIG["block_h"]}
     launch = {"num_warps": CONFIG["num_warps"], "num_stages": CONFIG["num_stages"]}
     kernel_args = {**blocks, "BLOCK_N": CONFIG["block_n"], **fmt_args, **launch}
-    if not split_counts:
-        attend_kernel[(num_tokens, head_blocks)](
-            q,
-            sink,
-            out,
-            out,
-            out,
-            *shared,
-            ROUND=round_probs_bf16,
-            SPLIT=False,
-            FOLD=invariant_kernels(),
-            **kernel_args,
-        )
-        return
     # Buffers sized from T, splits and H only (host shapes), so a captured step replays with the same plan.
     part_m = torch.empty((num_tokens, num_splits, num_heads), dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
     part_acc = torch.empty((num_tokens, num_splits, num_heads, width), dtype=torch.float32, device=q.device)
     grid = (num_tokens, head_blocks, num_splits)
     split_max_kernel[grid](q, part_m, *shared, **kernel_args)
-    attend_kernel[grid](
-        q, sink, part_acc, part_m, part_l, *shared, ROUND=round_probs_bf16, SPLIT=True, FOLD=False, **kernel_args
-    )
+    attend_kernel[grid](q, sink, part_acc, part_m, part_l, *shared, ROUND=round_probs_bf16, **kernel_args)
     combine_kernel[(num_tokens, head_blocks)](
         sink, out, part_m, part_acc, part_l, num_heads, num_splits, **blocks, **launch
     )
+
+
+def _source_args(sources: list[KeySource], start: int, stop: int) -> list[object]:
+    """(pool, rows, row stride, keys, bytes per row) of every source for queries ``start … stop − 1``."""
+    args: list[object] = []
+    for source in sources:
+        rows = source.rows[start:stop]
+        args += [source.pool, rows, source.rows.stride(0), rows.shape[1], source.pool.shape[1]]
+    return args
+
+
+def _prefill_tiles(bf16_dots: bool) -> dict[str, int]:
+    """The non-split path's tiles: :data:`PREFILL_INVARIANT_CONFIG` with CONFIG's head block and key tile inside
+    ``batch_invariant_ops``, else :data:`PREFILL_CONFIG` or, when some dot is an FP32 dot,
+    :data:`PREFILL_FP32_CONFIG`."""
+    if invariant_kernels():
+        block_h, block_n = CONFIG["block_h"], CONFIG["block_n"]
+        assert block_h is not None and block_n is not None
+        return {**PREFILL_INVARIANT_CONFIG, "block_h": block_h, "block_n": block_n}
+    return PREFILL_CONFIG if bf16_dots else PREFILL_FP32_CONFIG
+
+
+def _prefill(
+    q: torch.Tensor,
+    sources: list[KeySource],
+    sink: torch.Tensor,
+    scale: float,
+    round_probs_bf16: bool,
+    out: torch.Tensor,
+    chunk_keys: int,
+    fmt_args: dict[str, object],
+) -> None:
+    """The non-split path: one program per (query, head block), in launches whose logits workspace stays within
+    :data:`PREFILL_WORKSPACE_BYTES` (sized from host shapes only, so a captured step replays)."""
+    num_tokens, num_heads, width = q.shape
+    # The value product is a BF16 dot only with rounded probabilities; a source without keys makes no dot.
+    bf16_dots = round_probs_bf16 and all(fmt_args[f"BF16_{i}"] or not s.rows.shape[1] for i, s in enumerate(sources))
+    tiles = _prefill_tiles(bf16_dots)
+    head_blocks = triton.cdiv(num_heads, tiles["block_h"])
+    num_keys = sum(source.rows.shape[1] for source in sources)
+    query_bytes = head_blocks * tiles["block_h"] * num_keys * 4
+    queries = max(1, PREFILL_WORKSPACE_BYTES // max(query_bytes, 1))
+    logits = torch.empty(
+        (min(queries, num_tokens), head_blocks * tiles["block_h"], max(num_keys, 1)),
+        dtype=torch.float32,
+        device=q.device,
+    )
+    block_d = max(triton.next_power_of_2(width), 16)
+    constexprs = {
+        "WIDTH": width,
+        "BLOCK_D": block_d,
+        "BLOCK_H": tiles["block_h"],
+        "BLOCK_N": tiles["block_n"],
+        "BLOCK_V": min(tiles["block_v"], block_d),
+        **fmt_args,
+        "ROUND": round_probs_bf16,
+        "FOLD": invariant_kernels(),
+        "num_warps": tiles["num_warps"],
+        "num_stages": tiles["num_stages"],
+    }
+    for start in range(0, num_tokens, queries):
+        stop = min(start + queries, num_tokens)
+        prefill_kernel[(stop - start, head_blocks)](
+            q[start:stop], sink, out[start:stop], logits, num_heads, scale, chunk_keys,
+            *_source_args(sources, start, stop), **constexprs,
+        )  # fmt: skip
 
 
 @functools.cache

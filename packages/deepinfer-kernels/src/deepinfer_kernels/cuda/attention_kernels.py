@@ -1,4 +1,5 @@
-"""Triton kernels of sparse attention (the launcher and the argument's why are in ``cuda/attention.py``).
+"""Triton kernels of sparse attention's split path (decode; the launcher and the argument's why are in
+``cuda/attention.py``, the non-split path's kernel in ``cuda/attention_prefill_kernels.py``).
 
 Every kernel takes the three key sources as (pool, rows, row stride, keys, bytes per row) and the key range of a
 program per source. Keys of a source are summed in chunks of ``chunk_keys`` from the source's start, each chunk from
@@ -15,7 +16,7 @@ import triton.language as tl
 
 from deepinfer_kernels.cuda.row_formats import decode_tile, round_bf16
 
-__all__ = ["attend_kernel", "combine_kernel", "split_max_kernel"]
+__all__ = ["add_value_products", "attend_kernel", "combine_kernel", "split_max_kernel"]
 
 
 @triton.jit
@@ -49,6 +50,19 @@ def _range_max(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
+def add_value_products(acc, probs, values, BF16_DOT: tl.constexpr, ROUND: tl.constexpr):  # type: ignore[no-untyped-def]
+    """``acc`` [BLOCK_H, V] plus ``probs`` [BLOCK_H, BLOCK_N] · ``values`` [BLOCK_N, V] (FP32): the probabilities
+    rounded to BF16 first when ROUND, a BF16 tensor-core dot when BF16_DOT (decoded rows are BF16-exact)."""
+    if ROUND and BF16_DOT:
+        acc += tl.dot(round_bf16(probs), values.to(tl.bfloat16))
+    elif ROUND:
+        acc += tl.dot(round_bf16(probs).to(tl.float32), values, input_precision="ieee")
+    else:
+        acc += tl.dot(probs, values, input_precision="ieee")
+    return acc
+
+
+@triton.jit
 def _range_sums(  # type: ignore[no-untyped-def]
     acc, denom, m, q, pool_ptr, rows_ptr, stride_rows, lo, hi, row_bytes, token, scale, d, d_mask,
     WIDTH: tl.constexpr, FMT: tl.constexpr, BF16_DOT: tl.constexpr, ROUND: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -62,38 +76,7 @@ def _range_sums(  # type: ignore[no-untyped-def]
         )
         probs = tl.exp(logits - m[:, None])
         denom += tl.sum(probs, axis=1)
-        if ROUND and BF16_DOT:
-            acc += tl.dot(round_bf16(probs), keys.to(tl.bfloat16))
-        elif ROUND:
-            acc += tl.dot(round_bf16(probs).to(tl.float32), keys, input_precision="ieee")
-        else:
-            acc += tl.dot(probs, keys, input_precision="ieee")
-    return acc, denom
-
-
-@triton.jit
-def _source_sums(  # type: ignore[no-untyped-def]
-    acc, denom, m, q, pool_ptr, rows_ptr, stride_rows, num_keys, chunk_keys, row_bytes, token, scale, d, d_mask,
-    WIDTH: tl.constexpr, FMT: tl.constexpr, BF16_DOT: tl.constexpr, ROUND: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, FOLD: tl.constexpr,
-):  # fmt: skip
-    """``acc`` and ``denom`` plus the sums over every key of one source. FOLD: each chunk of ``chunk_keys`` keys
-    summed from zero and added in chunk order, the same additions as the combine over one-chunk splits; otherwise
-    every tile straight into ``acc`` (one accumulator fewer in registers)."""
-    if FOLD:
-        for lo in range(0, num_keys, chunk_keys):
-            part, part_l = _range_sums(
-                tl.zeros([BLOCK_H, BLOCK_D], tl.float32), tl.zeros([BLOCK_H], tl.float32), m, q, pool_ptr, rows_ptr,
-                stride_rows, lo, tl.minimum(lo + chunk_keys, num_keys), row_bytes, token, scale, d, d_mask,
-                WIDTH, FMT, BF16_DOT, ROUND, BLOCK_N,
-            )  # fmt: skip
-            acc += part
-            denom += part_l
-    else:
-        acc, denom = _range_sums(
-            acc, denom, m, q, pool_ptr, rows_ptr, stride_rows, 0, num_keys, row_bytes, token, scale, d, d_mask,
-            WIDTH, FMT, BF16_DOT, ROUND, BLOCK_N,
-        )  # fmt: skip
+        acc = add_value_products(acc, probs, keys, BF16_DOT, ROUND)
     return acc, denom
 
 
@@ -154,70 +137,40 @@ def split_max_kernel(  # type: ignore[no-untyped-def]
 
 @triton.jit
 def attend_kernel(  # type: ignore[no-untyped-def]
-    q_ptr, sink_ptr, out_ptr, part_m_ptr, part_l_ptr, num_heads, scale, chunk_keys, num_splits, first1, first2,
+    q_ptr, sink_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, num_heads, scale, chunk_keys, num_splits, first1, first2,
     pool0, rows0, stride0, keys0, bytes0, pool1, rows1, stride1, keys1, bytes1, pool2, rows2, stride2, keys2, bytes2,
     WIDTH: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     FMT0: tl.constexpr, FMT1: tl.constexpr, FMT2: tl.constexpr,
-    BF16_0: tl.constexpr, BF16_1: tl.constexpr, BF16_2: tl.constexpr,
-    ROUND: tl.constexpr, SPLIT: tl.constexpr, FOLD: tl.constexpr,
+    BF16_0: tl.constexpr, BF16_1: tl.constexpr, BF16_2: tl.constexpr, ROUND: tl.constexpr,
 ):  # fmt: skip
-    """SPLIT: grid (query, head block, split), the split's (one chunk's) sums at the maximum of ``split_max_kernel``'s
-    results into ``out_ptr`` [T, splits, H, D] and ``part_l_ptr`` [T, splits, H]. Otherwise grid (query, head block):
-    the maximum over every key (pass 1), then every chunk's sums added in order (pass 2) and the output."""
+    """Grid (query, head block, split): the split's (one chunk's) sums at the maximum of ``split_max_kernel``'s results
+    into ``part_acc_ptr`` [T, splits, H, D] and ``part_l_ptr`` [T, splits, H]."""
     token = tl.program_id(0).to(tl.int64)
-    h, d, h_mask, d_mask, offsets, q_mask, q = _query(q_ptr, num_heads, token, WIDTH, BLOCK_H, BLOCK_D)
+    h, d, h_mask, d_mask, _, q_mask, q = _query(q_ptr, num_heads, token, WIDTH, BLOCK_H, BLOCK_D)
     sink = tl.load(sink_ptr + h, mask=h_mask, other=0.0)
-    if SPLIT:
-        split = tl.program_id(2)
-        m = _global_max(sink, part_m_ptr, token, num_splits, num_heads, h, h_mask)
-        # Only the source owning the split has a non-empty range: the split's sums start from zero.
-        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        denom = tl.zeros([BLOCK_H], tl.float32)
-        lo, hi = _split_range(split, 0, first1, chunk_keys, keys0)
-        acc, denom = _range_sums(
-            acc, denom, m, q, pool0, rows0, stride0, lo, hi, bytes0, token, scale, d, d_mask,
-            WIDTH, FMT0, BF16_0, ROUND, BLOCK_N,
-        )  # fmt: skip
-        lo, hi = _split_range(split, first1, first2 - first1, chunk_keys, keys1)
-        acc, denom = _range_sums(
-            acc, denom, m, q, pool1, rows1, stride1, lo, hi, bytes1, token, scale, d, d_mask,
-            WIDTH, FMT1, BF16_1, ROUND, BLOCK_N,
-        )  # fmt: skip
-        lo, hi = _split_range(split, first2, num_splits - first2, chunk_keys, keys2)
-        acc, denom = _range_sums(
-            acc, denom, m, q, pool2, rows2, stride2, lo, hi, bytes2, token, scale, d, d_mask,
-            WIDTH, FMT2, BF16_2, ROUND, BLOCK_N,
-        )  # fmt: skip
-        part_row = (token * num_splits + split) * num_heads + h
-        tl.store(out_ptr + part_row[:, None] * WIDTH + d[None, :], acc, mask=q_mask)
-        tl.store(part_l_ptr + part_row, denom, mask=h_mask)
-    else:
-        m = sink
-        m = _range_max(
-            m, q, pool0, rows0, stride0, 0, keys0, bytes0, token, scale, d, d_mask, WIDTH, FMT0, BF16_0, BLOCK_N
-        )
-        m = _range_max(
-            m, q, pool1, rows1, stride1, 0, keys1, bytes1, token, scale, d, d_mask, WIDTH, FMT1, BF16_1, BLOCK_N
-        )
-        m = _range_max(
-            m, q, pool2, rows2, stride2, 0, keys2, bytes2, token, scale, d, d_mask, WIDTH, FMT2, BF16_2, BLOCK_N
-        )
-        # The sink is a logit with a zero value: it enters the denominator only, first, as in the combine.
-        denom = tl.exp(sink - m)
-        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        acc, denom = _source_sums(
-            acc, denom, m, q, pool0, rows0, stride0, keys0, chunk_keys, bytes0, token, scale, d, d_mask,
-            WIDTH, FMT0, BF16_0, ROUND, BLOCK_H, BLOCK_D, BLOCK_N, FOLD,
-        )  # fmt: skip
-        acc, denom = _source_sums(
-            acc, denom, m, q, pool1, rows1, stride1, keys1, chunk_keys, bytes1, token, scale, d, d_mask,
-            WIDTH, FMT1, BF16_1, ROUND, BLOCK_H, BLOCK_D, BLOCK_N, FOLD,
-        )  # fmt: skip
-        acc, denom = _source_sums(
-            acc, denom, m, q, pool2, rows2, stride2, keys2, chunk_keys, bytes2, token, scale, d, d_mask,
-            WIDTH, FMT2, BF16_2, ROUND, BLOCK_H, BLOCK_D, BLOCK_N, FOLD,
-        )  # fmt: skip
-        tl.store(out_ptr + offsets, acc / denom[:, None], mask=q_mask)
+    split = tl.program_id(2)
+    m = _global_max(sink, part_m_ptr, token, num_splits, num_heads, h, h_mask)
+    # Only the source owning the split has a non-empty range: the split's sums start from zero.
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    denom = tl.zeros([BLOCK_H], tl.float32)
+    lo, hi = _split_range(split, 0, first1, chunk_keys, keys0)
+    acc, denom = _range_sums(
+        acc, denom, m, q, pool0, rows0, stride0, lo, hi, bytes0, token, scale, d, d_mask,
+        WIDTH, FMT0, BF16_0, ROUND, BLOCK_N,
+    )  # fmt: skip
+    lo, hi = _split_range(split, first1, first2 - first1, chunk_keys, keys1)
+    acc, denom = _range_sums(
+        acc, denom, m, q, pool1, rows1, stride1, lo, hi, bytes1, token, scale, d, d_mask,
+        WIDTH, FMT1, BF16_1, ROUND, BLOCK_N,
+    )  # fmt: skip
+    lo, hi = _split_range(split, first2, num_splits - first2, chunk_keys, keys2)
+    acc, denom = _range_sums(
+        acc, denom, m, q, pool2, rows2, stride2, lo, hi, bytes2, token, scale, d, d_mask,
+        WIDTH, FMT2, BF16_2, ROUND, BLOCK_N,
+    )  # fmt: skip
+    part_row = (token * num_splits + split) * num_heads + h
+    tl.store(part_acc_ptr + part_row[:, None] * WIDTH + d[None, :], acc, mask=q_mask)
+    tl.store(part_l_ptr + part_row, denom, mask=h_mask)
 
 
 @triton.jit
