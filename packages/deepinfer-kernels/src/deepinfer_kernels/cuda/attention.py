@@ -14,16 +14,16 @@ for ``Σ exp(logit − max)`` and the value products with the logits read back (
 every chunk is a split with its own programs: ``split_max_kernel`` writes each split's maximum of its own keys,
 ``attend_kernel`` takes the maximum over the sink and all splits' maxima and sums its split's keys at it, and
 ``combine_kernel`` adds the splits' sums in split order and divides. Every key tile is decoded twice whatever the
-split count; the partial sums are O(queries × splits × H × D), bounded because only few queries split.
+split count; the partial sums are O(queries × splits × H × D), bounded by launches of at most
+:data:`SPLIT_WORKSPACE_BYTES`.
 
-Batch invariance (docs/design/numerics.md, "Batch invariance"): inside ``batch_invariant_ops`` the chunks are a fixed
-:data:`INVARIANT_CHUNK_KEYS` keys counted from each source's start, so a chunk holds the same key positions whatever
-the other requests of the step: a source's width (the step's longest list, e.g. the draft block) moves only its own
-last chunks, and chunks past a query's own keys hold −1 rows only and add exact zeros. Every chunk is summed from
-zero in tile order and the chunk sums are added in chunk order after the sink's term, by the combine when split or by
-the single program when not (``FOLD``), so whether the step splits (which follows the number of queries) changes no
-bit either; the maximum is exact in any order. For that the non-split program then uses the split path's head block
-and key tile (:data:`PREFILL_INVARIANT_CONFIG`): the same dots on the same shapes give the same logits and sums.
+Batch invariance (docs/design/numerics.md, "Batch invariance"): inside ``batch_invariant_ops`` every step takes the
+split path, its chunks a fixed :data:`INVARIANT_CHUNK_KEYS` keys counted from each source's start, so a chunk holds
+the same key positions whatever the other requests of the step: a source's width (the step's longest list, e.g. the
+draft block) moves only its own last chunks, and chunks past a query's own keys hold −1 rows only and add exact
+zeros. Every chunk is summed from zero in tile order by the same kernels and the chunk sums are added in chunk order
+after the sink's term by the combine, whatever the number of queries; the maximum is exact in any order. (A
+non-split program with other tiles sums in other layouts, so its bits differ: the invariant mode never runs it.)
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ __all__ = [
     "MAX_SOURCES",
     "PREFILL_CONFIG",
     "PREFILL_FP32_CONFIG",
-    "PREFILL_INVARIANT_CONFIG",
     "PREFILL_WORKSPACE_BYTES",
+    "SPLIT_WORKSPACE_BYTES",
     "sparse_attention",
 ]
 
@@ -69,12 +69,10 @@ PREFILL_CONFIG: dict[str, int] = {"block_h": 64, "block_n": 16, "block_v": 512, 
 # FP32 dots (FP32 queries or rows, unrounded probabilities, Triton's interpreter): FMA dots hold both operands in
 # registers, and 16 heads fit where 64 spill kilobytes.
 PREFILL_FP32_CONFIG: dict[str, int] = {"block_h": 16, "block_n": 16, "block_v": 512, "num_warps": 4, "num_stages": 1}
-# Batch-invariant mode takes CONFIG's head block and key tile: the split path's dots on the same shapes, so a query's
-# bits do not depend on whether its step splits. The chunk sum and the total are two accumulators, hence half-width
-# value sweeps.
-PREFILL_INVARIANT_CONFIG: dict[str, int] = {"block_v": 256, "num_warps": 8, "num_stages": 1}
 # The largest logits workspace of one non-split launch (FP32 [queries, heads, keys]); more queries take more launches.
 PREFILL_WORKSPACE_BYTES = 256 << 20
+# The largest partial sums of one split launch (FP32 [queries, splits, heads, width]).
+SPLIT_WORKSPACE_BYTES = 256 << 20
 # Keys per chunk in batch-invariant mode: four tiles. A split then reads 128 rows (67 KB of FP8 rows at width 512)
 # against its 32 KB query block, and a decode query (128 + few + 512 keys) still makes six splits per head block,
 # while the partial sums written and read back stay half of what 64-key chunks would cost.
@@ -122,26 +120,34 @@ def sparse_attention(
     head_blocks = triton.cdiv(num_heads, CONFIG["block_h"])
     chunk_keys, split_counts = _split_plan(num_tokens * head_blocks, [s.rows.shape[1] for s in sources], q.device)
     if not split_counts:
-        _prefill(q, padded, sink, scale, round_probs_bf16, out, chunk_keys, fmt_args)
+        _prefill(q, padded, sink, scale, round_probs_bf16, out, fmt_args)
         return
     counts = split_counts + [0] * (MAX_SOURCES - len(split_counts))
-    num_splits = sum(counts)
-    shared = (
-        num_heads, scale, chunk_keys, num_splits, counts[0], counts[0] + counts[1], *_source_args(padded, 0, num_tokens)
-    )  # fmt: skip
+    num_splits = max(sum(counts), 1)
     blocks = {"WIDTH": width, "BLOCK_D": max(triton.next_power_of_2(width), 16), "BLOCK_H": CONFIG["block_h"]}
     launch = {"num_warps": CONFIG["num_warps"], "num_stages": CONFIG["num_stages"]}
     kernel_args = {**blocks, "BLOCK_N": CONFIG["block_n"], **fmt_args, **launch}
-    # Buffers sized from T, splits and H only (host shapes), so a captured step replays with the same plan.
-    part_m = torch.empty((num_tokens, num_splits, num_heads), dtype=torch.float32, device=q.device)
+    # Buffers sized from T, splits and H only (host shapes), so a captured step replays with the same plan; the
+    # partial sums of a launch stay within SPLIT_WORKSPACE_BYTES (only batch-invariant prefills take several).
+    queries = max(1, SPLIT_WORKSPACE_BYTES // (num_splits * num_heads * width * 4))
+    rows = min(queries, num_tokens)
+    part_m = torch.empty((rows, num_splits, num_heads), dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
-    part_acc = torch.empty((num_tokens, num_splits, num_heads, width), dtype=torch.float32, device=q.device)
-    grid = (num_tokens, head_blocks, num_splits)
-    split_max_kernel[grid](q, part_m, *shared, **kernel_args)
-    attend_kernel[grid](q, sink, part_acc, part_m, part_l, *shared, ROUND=round_probs_bf16, **kernel_args)
-    combine_kernel[(num_tokens, head_blocks)](
-        sink, out, part_m, part_acc, part_l, num_heads, num_splits, **blocks, **launch
-    )
+    part_acc = torch.empty((rows, num_splits, num_heads, width), dtype=torch.float32, device=q.device)
+    for start in range(0, num_tokens, queries):
+        stop = min(start + queries, num_tokens)
+        shared = (
+            num_heads, scale, chunk_keys, num_splits, counts[0], counts[0] + counts[1],
+            *_source_args(padded, start, stop),
+        )  # fmt: skip
+        grid = (stop - start, head_blocks, num_splits)
+        split_max_kernel[grid](q[start:stop], part_m, *shared, **kernel_args)
+        attend_kernel[grid](
+            q[start:stop], sink, part_acc, part_m, part_l, *shared, ROUND=round_probs_bf16, **kernel_args
+        )
+        combine_kernel[grid[:2]](
+            sink, out[start:stop], part_m, part_acc, part_l, num_heads, num_splits, **blocks, **launch
+        )
 
 
 def _source_args(sources: list[KeySource], start: int, stop: int) -> list[object]:
@@ -153,17 +159,6 @@ def _source_args(sources: list[KeySource], start: int, stop: int) -> list[object
     return args
 
 
-def _prefill_tiles(bf16_dots: bool) -> dict[str, int]:
-    """The non-split path's tiles: :data:`PREFILL_INVARIANT_CONFIG` with CONFIG's head block and key tile inside
-    ``batch_invariant_ops``, else :data:`PREFILL_CONFIG` or, when some dot is an FP32 dot,
-    :data:`PREFILL_FP32_CONFIG`."""
-    if invariant_kernels():
-        block_h, block_n = CONFIG["block_h"], CONFIG["block_n"]
-        assert block_h is not None and block_n is not None
-        return {**PREFILL_INVARIANT_CONFIG, "block_h": block_h, "block_n": block_n}
-    return PREFILL_CONFIG if bf16_dots else PREFILL_FP32_CONFIG
-
-
 def _prefill(
     q: torch.Tensor,
     sources: list[KeySource],
@@ -171,7 +166,6 @@ def _prefill(
     scale: float,
     round_probs_bf16: bool,
     out: torch.Tensor,
-    chunk_keys: int,
     fmt_args: dict[str, object],
 ) -> None:
     """The non-split path: one program per (query, head block), in launches whose logits workspace stays within
@@ -179,7 +173,7 @@ def _prefill(
     num_tokens, num_heads, width = q.shape
     # The value product is a BF16 dot only with rounded probabilities; a source without keys makes no dot.
     bf16_dots = round_probs_bf16 and all(fmt_args[f"BF16_{i}"] or not s.rows.shape[1] for i, s in enumerate(sources))
-    tiles = _prefill_tiles(bf16_dots)
+    tiles = PREFILL_CONFIG if bf16_dots else PREFILL_FP32_CONFIG
     head_blocks = triton.cdiv(num_heads, tiles["block_h"])
     num_keys = sum(source.rows.shape[1] for source in sources)
     query_bytes = head_blocks * tiles["block_h"] * num_keys * 4
@@ -198,15 +192,14 @@ def _prefill(
         "BLOCK_V": min(tiles["block_v"], block_d),
         **fmt_args,
         "ROUND": round_probs_bf16,
-        "FOLD": invariant_kernels(),
         "num_warps": tiles["num_warps"],
         "num_stages": tiles["num_stages"],
     }
     for start in range(0, num_tokens, queries):
         stop = min(start + queries, num_tokens)
         prefill_kernel[(stop - start, head_blocks)](
-            q[start:stop], sink, out[start:stop], logits, num_heads, scale, chunk_keys,
-            *_source_args(sources, start, stop), **constexprs,
+            q[start:stop], sink, out[start:stop], logits, num_heads, scale, *_source_args(sources, start, stop),
+            **constexprs,
         )  # fmt: skip
 
 
@@ -222,14 +215,16 @@ def _split_plan(programs: int, widths: list[int], device: torch.device) -> tuple
 
     Each source's keys are cut into chunks of ``chunk_keys`` from the source's start; with splits, every chunk is one
     split. Splits are taken when the queries alone would leave the device idle (decode): about twice the
-    multiprocessors in programs. Default mode sizes the chunks to reach that count. Inside ``batch_invariant_ops``
-    the chunks are :data:`INVARIANT_CHUNK_KEYS` keys whatever the batch, and a query's bits do not depend on whether
-    its chunks are split over programs (docs/design/numerics.md, "Batch invariance").
+    multiprocessors in programs; the chunks are sized to reach that count. Inside ``batch_invariant_ops`` every step
+    splits, in chunks of :data:`INVARIANT_CHUNK_KEYS` keys whatever the batch: the same kernels on the same chunks
+    give a query the same bits alone and in any batch (docs/design/numerics.md, "Batch invariance").
     """
+    if invariant_kernels():
+        return INVARIANT_CHUNK_KEYS, [triton.cdiv(width, INVARIANT_CHUNK_KEYS) for width in widths]
     block_n = CONFIG["block_n"]
     tiles = max(triton.cdiv(sum(widths), block_n), 1)
     target = CONFIG["target_programs"] or 2 * _multiprocessors(device)
     wanted = min(tiles, triton.cdiv(target, programs))
-    chunk_keys = INVARIANT_CHUNK_KEYS if invariant_kernels() else triton.cdiv(tiles, wanted) * block_n
+    chunk_keys = triton.cdiv(tiles, wanted) * block_n
     counts = [triton.cdiv(width, chunk_keys) for width in widths]
     return chunk_keys, counts if wanted > 1 and sum(counts) > 1 else []

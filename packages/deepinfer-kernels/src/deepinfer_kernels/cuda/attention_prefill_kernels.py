@@ -7,9 +7,9 @@ instead of recomputing them, and sums ``exp(logit − max)`` and the value produ
 what keeps the kernel in registers: a ``[64, 512]`` query operand needs 32 shared-memory descriptors per dot that the
 compiler hoists out of the key loop, and next to the ``[64, 512]`` FP32 accumulator they spilled.
 
-Pass 2 runs once per ``BLOCK_V`` value columns (one sweep at the default width; more when two accumulators must fit,
-as in batch-invariant mode); every sweep takes the same logits in the same order, so the sums of a column are the
-same additions whatever ``BLOCK_V`` is.
+Pass 2 runs once per ``BLOCK_V`` value columns (one sweep at the default width); every sweep takes the same logits in
+the same order, so the sums of a column are the same additions whatever ``BLOCK_V`` is. Batch-invariant mode never
+runs this kernel (``cuda/attention.py``).
 """
 
 # Triton reads parameter annotations as kernel type hints, so @triton.jit functions stay unannotated.
@@ -81,42 +81,16 @@ def _range_sums(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _source_sums(  # type: ignore[no-untyped-def]
-    acc, denom, m, pool_ptr, rows_ptr, stride_rows, num_keys, chunk_keys, row_bytes, token, dv, logits_ptr,
-    WIDTH: tl.constexpr, FMT: tl.constexpr, BF16_DOT: tl.constexpr, ROUND: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_N: tl.constexpr, FOLD: tl.constexpr,
-):  # fmt: skip
-    """``acc`` and ``denom`` plus the sums over every key of one source. FOLD: each chunk of ``chunk_keys`` keys
-    summed from zero and added in chunk order, the same additions as the combine over one-chunk splits; otherwise
-    every tile straight into ``acc`` (one accumulator fewer in registers)."""
-    if FOLD:
-        for lo in range(0, num_keys, chunk_keys):
-            part, part_l = _range_sums(
-                tl.zeros([BLOCK_H, BLOCK_V], tl.float32), tl.zeros([BLOCK_H], tl.float32), m, pool_ptr, rows_ptr,
-                stride_rows, lo, tl.minimum(lo + chunk_keys, num_keys), row_bytes, token, dv, logits_ptr,
-                WIDTH, FMT, BF16_DOT, ROUND, BLOCK_N,
-            )  # fmt: skip
-            acc += part
-            denom += part_l
-    else:
-        acc, denom = _range_sums(
-            acc, denom, m, pool_ptr, rows_ptr, stride_rows, 0, num_keys, row_bytes, token, dv, logits_ptr,
-            WIDTH, FMT, BF16_DOT, ROUND, BLOCK_N,
-        )  # fmt: skip
-    return acc, denom
-
-
-@triton.jit
 def prefill_kernel(  # type: ignore[no-untyped-def]
-    q_ptr, sink_ptr, out_ptr, logits_ptr, num_heads, scale, chunk_keys,
+    q_ptr, sink_ptr, out_ptr, logits_ptr, num_heads, scale,
     pool0, rows0, stride0, keys0, bytes0, pool1, rows1, stride1, keys1, bytes1, pool2, rows2, stride2, keys2, bytes2,
     WIDTH: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
     FMT0: tl.constexpr, FMT1: tl.constexpr, FMT2: tl.constexpr,
     BF16_0: tl.constexpr, BF16_1: tl.constexpr, BF16_2: tl.constexpr,
-    ROUND: tl.constexpr, FOLD: tl.constexpr,
+    ROUND: tl.constexpr,
 ):  # fmt: skip
     """Grid (query, head block): the maximum over the sink and every key (pass 1), then per ``BLOCK_V`` value columns
-    the sink's term and every chunk's sums added in order (pass 2), and the output. ``logits_ptr``: the workspace
+    the sink's term and every key's sums added in key order (pass 2), and the output. ``logits_ptr``: the workspace
     [queries, head blocks · BLOCK_H, keys0 + keys1 + keys2] fp32, the sources' logits side by side."""
     token = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -146,17 +120,17 @@ def prefill_kernel(  # type: ignore[no-untyped-def]
         # The sink is a logit with a zero value: it enters the denominator only, first, as in the combine.
         denom = tl.exp(sink - m)
         acc = tl.zeros([BLOCK_H, BLOCK_V], tl.float32)
-        acc, denom = _source_sums(
-            acc, denom, m, pool0, rows0, stride0, keys0, chunk_keys, bytes0, token, dv, logits0,
-            WIDTH, FMT0, BF16_0, ROUND, BLOCK_H, BLOCK_V, BLOCK_N, FOLD,
+        acc, denom = _range_sums(
+            acc, denom, m, pool0, rows0, stride0, 0, keys0, bytes0, token, dv, logits0,
+            WIDTH, FMT0, BF16_0, ROUND, BLOCK_N,
         )  # fmt: skip
-        acc, denom = _source_sums(
-            acc, denom, m, pool1, rows1, stride1, keys1, chunk_keys, bytes1, token, dv, logits1,
-            WIDTH, FMT1, BF16_1, ROUND, BLOCK_H, BLOCK_V, BLOCK_N, FOLD,
+        acc, denom = _range_sums(
+            acc, denom, m, pool1, rows1, stride1, 0, keys1, bytes1, token, dv, logits1,
+            WIDTH, FMT1, BF16_1, ROUND, BLOCK_N,
         )  # fmt: skip
-        acc, denom = _source_sums(
-            acc, denom, m, pool2, rows2, stride2, keys2, chunk_keys, bytes2, token, dv, logits2,
-            WIDTH, FMT2, BF16_2, ROUND, BLOCK_H, BLOCK_V, BLOCK_N, FOLD,
+        acc, denom = _range_sums(
+            acc, denom, m, pool2, rows2, stride2, 0, keys2, bytes2, token, dv, logits2,
+            WIDTH, FMT2, BF16_2, ROUND, BLOCK_N,
         )  # fmt: skip
         out_offsets = (token * num_heads + h[:, None]) * WIDTH + dv[None, :]
         tl.store(out_ptr + out_offsets, acc / denom[:, None], mask=h_mask[:, None] & (dv < WIDTH)[None, :])
