@@ -4,8 +4,9 @@
 The reduction runs in fixed K chunks: each chunk is summed from zero in FP32, then the chunk sums are added in chunk
 order. The chunk length depends only on the weight's shape ``(N, K)`` and the K step is the same for every tile, so
 the order of every FP32 addition of an output element is the same whatever the row count M, the tile, or whether the
-chunks run in separate programs (split-K, the sums reduced by a second kernel in chunk order) or one after another in
-one program. Results are therefore identical run to run and, for a given MMA instruction, independent of M.
+chunks run in separate programs (split-K, the sums added in chunk order by each tile's last program) or one after
+another in one program. Results are therefore identical run to run and, for a given MMA instruction, independent of M.
+The ``group_fp8`` decoding sums K as one chunk (:func:`chunk_length`).
 
 Few rows (decode) make a GEMM weight-bandwidth bound: the weight stream must be spread over many more programs than
 the H200's 132 SMs, which needs split-K because ``N / BLOCK_N`` alone is often small (N = 512 … 5120). Many rows use
@@ -178,7 +179,7 @@ def candidate_configs(op: str, rows: int) -> list[BlockConfig]:
                 out.append(cfg)
     if default.gemv and op != "mxfp4_grouped_gemm":
         # Narrow FMA tiles with every K chunk in one program: enough programs without split-K on wide weights, and no
-        # reduction launch (the same bits either way).
+        # partial sums in memory (the same bits either way).
         out += [_gemv(block_n, num_warps, 3, split_grid=False) for block_n, num_warps in ((8, 2), (16, 4))]
     if op == "mxfp4_grouped_gemm" and rows <= 16:
         # 128- and 256-column tiles (the fastest at 1, 64 and 256 tokens on the grouped GEMM), weight-first, with a
