@@ -59,7 +59,7 @@ def attend_before_kernel(  # type: ignore[no-untyped-def]
     ROUND: tl.constexpr, FOLD: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0).to(tl.int64)
-    h, d, h_mask, d_mask, offsets, q_mask, q = _query(q_ptr, num_heads, token, WIDTH, BLOCK_H, BLOCK_D)
+    h, d, h_mask, d_mask, q_mask, q = _query(q_ptr, num_heads, token, WIDTH, BLOCK_H, BLOCK_D)
     sink = tl.load(sink_ptr + h, mask=h_mask, other=0.0)
     m = sink
     m = _range_max(m, q, pool0, rows0, stride0, 0, keys0, bytes0, token, scale, d, d_mask, WIDTH, FMT0, BF16_0, BLOCK_N)
@@ -79,6 +79,7 @@ def attend_before_kernel(  # type: ignore[no-untyped-def]
         acc, denom, m, q, pool2, rows2, stride2, keys2, chunk_keys, bytes2, token, scale, d, d_mask,
         WIDTH, FMT2, BF16_2, ROUND, BLOCK_H, BLOCK_D, BLOCK_N, FOLD,
     )  # fmt: skip
+    offsets = (token * num_heads + h[:, None]) * WIDTH + d[None, :]
     tl.store(out_ptr + offsets, acc / denom[:, None], mask=q_mask)
 
 

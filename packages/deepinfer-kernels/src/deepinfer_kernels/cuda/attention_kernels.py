@@ -93,14 +93,14 @@ def _split_range(split, first, count, chunk_keys, num_keys):  # type: ignore[no-
 
 @triton.jit
 def _query(q_ptr, num_heads, token, WIDTH, BLOCK_H, BLOCK_D):  # type: ignore[no-untyped-def]
-    """The program's heads, element offsets, masks and query block."""
+    """The program's heads, element offsets, the head and query masks and the query block."""
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     h_mask = h < num_heads
     d_mask = d < WIDTH
     offsets = (token * num_heads + h[:, None]) * WIDTH + d[None, :]
     q_mask = h_mask[:, None] & d_mask[None, :]
-    return h, d, h_mask, d_mask, offsets, q_mask, tl.load(q_ptr + offsets, mask=q_mask, other=0.0)
+    return h, d, h_mask, d_mask, q_mask, tl.load(q_ptr + offsets, mask=q_mask, other=0.0)
 
 
 @triton.jit
@@ -124,7 +124,7 @@ def split_max_kernel(  # type: ignore[no-untyped-def]
     """Grid (query, head block, split): the largest logit of the split's own keys, −inf when it has none."""
     token = tl.program_id(0).to(tl.int64)
     split = tl.program_id(2)
-    h, d, h_mask, d_mask, _, _, q = _query(q_ptr, num_heads, token, WIDTH, BLOCK_H, BLOCK_D)
+    h, d, h_mask, d_mask, _, q = _query(q_ptr, num_heads, token, WIDTH, BLOCK_H, BLOCK_D)
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     lo, hi = _split_range(split, 0, first1, chunk_keys, keys0)
     m = _range_max(m, q, pool0, rows0, stride0, lo, hi, bytes0, token, scale, d, d_mask, WIDTH, FMT0, BF16_0, BLOCK_N)
@@ -146,7 +146,7 @@ def attend_kernel(  # type: ignore[no-untyped-def]
     """Grid (query, head block, split): the split's (one chunk's) sums at the maximum of ``split_max_kernel``'s results
     into ``part_acc_ptr`` [T, splits, H, D] and ``part_l_ptr`` [T, splits, H]."""
     token = tl.program_id(0).to(tl.int64)
-    h, d, h_mask, d_mask, _, q_mask, q = _query(q_ptr, num_heads, token, WIDTH, BLOCK_H, BLOCK_D)
+    h, d, h_mask, d_mask, q_mask, q = _query(q_ptr, num_heads, token, WIDTH, BLOCK_H, BLOCK_D)
     sink = tl.load(sink_ptr + h, mask=h_mask, other=0.0)
     split = tl.program_id(2)
     m = _global_max(sink, part_m_ptr, token, num_splits, num_heads, h, h_mask)

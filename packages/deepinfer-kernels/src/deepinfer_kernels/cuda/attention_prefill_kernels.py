@@ -63,17 +63,17 @@ def _source_max(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _range_sums(  # type: ignore[no-untyped-def]
-    acc, denom, m, pool_ptr, rows_ptr, stride_rows, lo, hi, row_bytes, token, dv, logits_ptr,
+def _source_sums(  # type: ignore[no-untyped-def]
+    acc, denom, m, pool_ptr, rows_ptr, stride_rows, num_keys, row_bytes, token, dv, logits_ptr,
     WIDTH: tl.constexpr, FMT: tl.constexpr, BF16_DOT: tl.constexpr, ROUND: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """Pass 2 over keys [lo, hi) of one source, tile by tile in key order: ``acc`` [BLOCK_H, BLOCK_V] plus Σ p·k over
-    the value columns ``dv`` and ``denom`` [BLOCK_H] plus Σ p, p = exp(logit − m) with the logits of pass 1."""
-    for start in range(lo, hi, BLOCK_N):
+    """Pass 2 over one source, tile by tile in key order: ``acc`` [BLOCK_H, BLOCK_V] plus Σ p·k over the value
+    columns ``dv`` and ``denom`` [BLOCK_H] plus Σ p, p = exp(logit − m) with the logits of pass 1."""
+    for start in range(0, num_keys, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
-        valid, idx = _tile_rows(rows_ptr, stride_rows, token, n, hi)
+        valid, idx = _tile_rows(rows_ptr, stride_rows, token, n, num_keys)
         values = _decode(pool_ptr, idx, valid, row_bytes, dv, WIDTH, FMT)
-        logits = tl.load(logits_ptr + n[None, :], mask=(n < hi)[None, :], other=float("-inf"))
+        logits = tl.load(logits_ptr + n[None, :], mask=(n < num_keys)[None, :], other=float("-inf"))
         probs = tl.exp(logits - m[:, None])
         denom += tl.sum(probs, axis=1)
         acc = add_value_products(acc, probs, values, BF16_DOT, ROUND)
@@ -120,16 +120,16 @@ def prefill_kernel(  # type: ignore[no-untyped-def]
         # The sink is a logit with a zero value: it enters the denominator only, first, as in the combine.
         denom = tl.exp(sink - m)
         acc = tl.zeros([BLOCK_H, BLOCK_V], tl.float32)
-        acc, denom = _range_sums(
-            acc, denom, m, pool0, rows0, stride0, 0, keys0, bytes0, token, dv, logits0,
+        acc, denom = _source_sums(
+            acc, denom, m, pool0, rows0, stride0, keys0, bytes0, token, dv, logits0,
             WIDTH, FMT0, BF16_0, ROUND, BLOCK_N,
         )  # fmt: skip
-        acc, denom = _range_sums(
-            acc, denom, m, pool1, rows1, stride1, 0, keys1, bytes1, token, dv, logits1,
+        acc, denom = _source_sums(
+            acc, denom, m, pool1, rows1, stride1, keys1, bytes1, token, dv, logits1,
             WIDTH, FMT1, BF16_1, ROUND, BLOCK_N,
         )  # fmt: skip
-        acc, denom = _range_sums(
-            acc, denom, m, pool2, rows2, stride2, 0, keys2, bytes2, token, dv, logits2,
+        acc, denom = _source_sums(
+            acc, denom, m, pool2, rows2, stride2, keys2, bytes2, token, dv, logits2,
             WIDTH, FMT2, BF16_2, ROUND, BLOCK_N,
         )  # fmt: skip
         out_offsets = (token * num_heads + h[:, None]) * WIDTH + dv[None, :]
