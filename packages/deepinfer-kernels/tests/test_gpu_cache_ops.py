@@ -32,6 +32,19 @@ def test_store_rows_gpu_bit_exact(fmt: dk.RowFormat, width: int) -> None:
     assert_bitwise_equal(dk.decode_rows(pool, fmt).cpu(), dk.decode_rows(expected.cpu(), fmt))
 
 
+@pytest.mark.parametrize(("fmt", "width"), [(F.FP8, 512), (F.FP4_E4M3, 512), (F.FP4_UE8M0, 128), (F.RAW_FP32, 96)])
+def test_decode_rows_gpu_every_byte(fmt: dk.RowFormat, width: int) -> None:
+    # Random bytes reach every code and scale byte, the NaN codes and the extreme scales included (rows the encoder
+    # never writes): the compiled decoding (hardware e4m3 conversion, PTX e2m1) must give the reference's values.
+    nbytes = dk.bytes_per_row(fmt, width)
+    rows = torch.randint(0, 256, (777, nbytes), dtype=torch.uint8, generator=seeded_generator(5))
+    got = dk.decode_rows(rows.cuda(), fmt).cpu()
+    expected = dk.decode_rows(rows, fmt)
+    assert torch.equal(got.isnan(), expected.isnan())
+    numbers = ~expected.isnan()
+    assert_bitwise_equal(got[numbers], expected[numbers])
+
+
 def _flash_sources(num_tokens: int, seed: int) -> list[dk.KeySource]:
     ring = random_pool(4096, 512, F.FP8, seed=seed, device="cuda")
     fresh = random_pool(max(num_tokens, 1), 512, F.FP8, seed=seed + 1, device="cuda")

@@ -18,8 +18,8 @@ _FORMATS = (F.FP8, F.FP8, F.FP4_E4M3)
 _TILES = [
     # PREFILL_CONFIG's tile: every head of a 64-head query in one program, the whole width in one sweep.
     ({"block_h": 64, "block_n": 16, "block_v": 512, "num_warps": 8, "num_stages": 1}, None),
-    # Four value sweeps of 16 columns, two queries per launch.
-    ({"block_h": 64, "block_n": 16, "block_v": 16, "num_warps": 8, "num_stages": 1}, 2),
+    # Two value sweeps of 32 columns (a whole FP8 scale group each), two queries per launch.
+    ({"block_h": 64, "block_n": 16, "block_v": 32, "num_warps": 8, "num_stages": 1}, 2),
     # Five head blocks of 16, one query per launch.
     ({"block_h": 16, "block_n": 32, "block_v": 32, "num_warps": 4, "num_stages": 1}, 1),
 ]

@@ -189,7 +189,8 @@ def _prefill(
         "BLOCK_D": block_d,
         "BLOCK_H": tiles["block_h"],
         "BLOCK_N": tiles["block_n"],
-        "BLOCK_V": min(tiles["block_v"], block_d),
+        # A value sweep decodes whole scale groups (decode_groups): at least 32 columns, the largest group.
+        "BLOCK_V": min(max(tiles["block_v"], 32), block_d),
         **fmt_args,
         "ROUND": round_probs_bf16,
         "num_warps": tiles["num_warps"],

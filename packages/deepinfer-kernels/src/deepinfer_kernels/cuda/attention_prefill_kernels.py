@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_kernels.cuda.attention_kernels import add_value_products
-from deepinfer_kernels.cuda.row_formats import decode_tile
+from deepinfer_kernels.cuda.row_formats import decode_groups
 
 __all__ = ["prefill_kernel"]
 
@@ -34,10 +34,9 @@ def _tile_rows(rows_ptr, stride_rows, token, n, hi):  # type: ignore[no-untyped-
 
 
 @triton.jit
-def _decode(pool_ptr, idx, valid, row_bytes, d, WIDTH: tl.constexpr, FMT: tl.constexpr):  # type: ignore[no-untyped-def]
-    """Elements ``d`` of the rows ``idx``: FP32 [BLOCK_N, len(d)], zero for invalid keys."""
-    mask = valid[:, None] & (d < WIDTH)[None, :]
-    return decode_tile(pool_ptr, idx[:, None] * row_bytes, d[None, :], mask, WIDTH, FMT)
+def _decode(pool_ptr, idx, valid, row_bytes, FIRST, COLS, WIDTH: tl.constexpr, FMT: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Elements ``FIRST … FIRST + COLS − 1`` of the rows ``idx``: FP32 [BLOCK_N, COLS], zero for invalid keys."""
+    return decode_groups(pool_ptr, idx * row_bytes, valid, FIRST, COLS, WIDTH, FMT)
 
 
 @triton.jit
@@ -47,11 +46,10 @@ def _source_max(  # type: ignore[no-untyped-def]
 ):  # fmt: skip
     """Pass 1 over one source: ``m`` [BLOCK_H] raised to its largest logit; every logit (−inf for a missing row) written
     to ``logits_ptr`` [BLOCK_H, 1] (the program's workspace rows at the source's first key) plus the key."""
-    d = tl.arange(0, BLOCK_D)
     for start in range(0, num_keys, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         valid, idx = _tile_rows(rows_ptr, stride_rows, token, n, num_keys)
-        keys = _decode(pool_ptr, idx, valid, row_bytes, d, WIDTH, FMT)
+        keys = _decode(pool_ptr, idx, valid, row_bytes, 0, BLOCK_D, WIDTH, FMT)
         if BF16_DOT:
             logits = tl.dot(q.to(tl.bfloat16), tl.trans(keys.to(tl.bfloat16)))
         else:
@@ -64,15 +62,16 @@ def _source_max(  # type: ignore[no-untyped-def]
 
 @triton.jit
 def _source_sums(  # type: ignore[no-untyped-def]
-    acc, denom, m, pool_ptr, rows_ptr, stride_rows, num_keys, row_bytes, token, dv, logits_ptr,
+    acc, denom, m, pool_ptr, rows_ptr, stride_rows, num_keys, row_bytes, token, V_FIRST, logits_ptr,
     WIDTH: tl.constexpr, FMT: tl.constexpr, BF16_DOT: tl.constexpr, ROUND: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):  # fmt: skip
     """Pass 2 over one source, tile by tile in key order: ``acc`` [BLOCK_H, BLOCK_V] plus Σ p·k over the value
-    columns ``dv`` and ``denom`` [BLOCK_H] plus Σ p, p = exp(logit − m) with the logits of pass 1."""
+    columns ``V_FIRST …`` and ``denom`` [BLOCK_H] plus Σ p, p = exp(logit − m) with the logits of pass 1."""
     for start in range(0, num_keys, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         valid, idx = _tile_rows(rows_ptr, stride_rows, token, n, num_keys)
-        values = _decode(pool_ptr, idx, valid, row_bytes, dv, WIDTH, FMT)
+        values = _decode(pool_ptr, idx, valid, row_bytes, V_FIRST, BLOCK_V, WIDTH, FMT)
         logits = tl.load(logits_ptr + n[None, :], mask=(n < num_keys)[None, :], other=float("-inf"))
         probs = tl.exp(logits - m[:, None])
         denom += tl.sum(probs, axis=1)
@@ -121,16 +120,16 @@ def prefill_kernel(  # type: ignore[no-untyped-def]
         denom = tl.exp(sink - m)
         acc = tl.zeros([BLOCK_H, BLOCK_V], tl.float32)
         acc, denom = _source_sums(
-            acc, denom, m, pool0, rows0, stride0, keys0, bytes0, token, dv, logits0,
-            WIDTH, FMT0, BF16_0, ROUND, BLOCK_N,
+            acc, denom, m, pool0, rows0, stride0, keys0, bytes0, token, v, logits0,
+            WIDTH, FMT0, BF16_0, ROUND, BLOCK_N, BLOCK_V,
         )  # fmt: skip
         acc, denom = _source_sums(
-            acc, denom, m, pool1, rows1, stride1, keys1, bytes1, token, dv, logits1,
-            WIDTH, FMT1, BF16_1, ROUND, BLOCK_N,
+            acc, denom, m, pool1, rows1, stride1, keys1, bytes1, token, v, logits1,
+            WIDTH, FMT1, BF16_1, ROUND, BLOCK_N, BLOCK_V,
         )  # fmt: skip
         acc, denom = _source_sums(
-            acc, denom, m, pool2, rows2, stride2, keys2, bytes2, token, dv, logits2,
-            WIDTH, FMT2, BF16_2, ROUND, BLOCK_N,
+            acc, denom, m, pool2, rows2, stride2, keys2, bytes2, token, v, logits2,
+            WIDTH, FMT2, BF16_2, ROUND, BLOCK_N, BLOCK_V,
         )  # fmt: skip
         out_offsets = (token * num_heads + h[:, None]) * WIDTH + dv[None, :]
         tl.store(out_ptr + out_offsets, acc / denom[:, None], mask=h_mask[:, None] & (dv < WIDTH)[None, :])

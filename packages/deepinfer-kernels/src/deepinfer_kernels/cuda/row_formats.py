@@ -1,6 +1,9 @@
 """Triton row encode/decode and the fused quantize+scatter store, bit-exact with ``reference.row_formats``.
 
-``decode_tile`` is the device function the attention and indexer kernels use to read keys straight from a pool.
+``decode_tile`` and ``decode_groups`` are the device functions the attention and indexer kernels use to read keys
+straight from a pool: ``decode_tile`` loads and decodes element by element (any columns, any row alignment),
+``decode_groups`` a scale group at a time with the hardware conversions (several times fewer instructions; the
+attention prefill kernel's; docs/design/kernels.md, "Row formats").
 Formats are passed to kernels as the integer codes of :data:`FORMAT_CODES`.
 """
 
@@ -24,8 +27,9 @@ from deepinfer_kernels.cuda._formats import (
     ue8m0_decode,
 )
 from deepinfer_kernels.cuda._launch import check_launchable
+from deepinfer_kernels.cuda.gemm_operands import e2m1_halves, native_fp8
 
-__all__ = ["FORMAT_CODES", "decode_rows", "decode_tile", "encode_rows", "round_bf16", "store_rows"]
+__all__ = ["FORMAT_CODES", "decode_groups", "decode_rows", "decode_tile", "encode_rows", "round_bf16", "store_rows"]
 
 FORMAT_CODES = {RowFormat.FP8: 0, RowFormat.FP4_E4M3: 1, RowFormat.FP4_UE8M0: 2, RowFormat.RAW_FP32: 3}
 _FMT_FP8: tl.constexpr = tl.constexpr(0)
@@ -37,6 +41,8 @@ _FP4_AMAX_FLOOR: tl.constexpr = tl.constexpr(6.0 * 2.0**-126)
 _FP4_E4M3_AMAX_FLOOR: tl.constexpr = tl.constexpr(6.0 * 2.0**-9)
 _E2M1_MAX: tl.constexpr = tl.constexpr(6.0)
 _ROWS_PER_PROGRAM = 8
+# Hardware FP8 conversion and PTX in decode_tile when compiled; Triton picks the interpreter at import too.
+_NATIVE: tl.constexpr = tl.constexpr(native_fp8())
 
 
 @triton.jit
@@ -63,6 +69,75 @@ def decode_tile(pool_ptr, base, d, mask, WIDTH: tl.constexpr, FMT: tl.constexpr)
         return e2m1_decode((byte >> ((d % 2) * 4)) & 15) * ue8m0_decode(scale)
     else:
         offset = base + 4 * d
+        bits = tl.load(pool_ptr + offset, mask=mask, other=0).to(tl.int32)
+        bits |= tl.load(pool_ptr + offset + 1, mask=mask, other=0).to(tl.int32) << 8
+        bits |= tl.load(pool_ptr + offset + 2, mask=mask, other=0).to(tl.int32) << 16
+        bits |= tl.load(pool_ptr + offset + 3, mask=mask, other=0).to(tl.int32) << 24
+        return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3_values(raw):  # type: ignore[no-untyped-def]
+    # e4m3 bytes → FP32 values: the hardware conversion when compiled, the bit decoding in the interpreter (whose e4m3
+    # cast turns the NaN codes into 480).
+    if _NATIVE:
+        return raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        return e4m3_decode(raw)
+
+
+@triton.jit
+def _fp4_pairs(pool_ptr, base, valid, g, GROUP: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Elements of FP4 groups ``g`` [G] of the rows at ``base`` [N] (the caller masks groups past the width into
+    ``valid`` [N, G]) as (even, odd) FP32 tensors [N, G, GROUP/2] of the e2m1 values times 2^−14: one vector load of
+    each group's packed bytes, four bytes decoded at a time (``e2m1_halves``: PTX when compiled)."""
+    j = tl.arange(0, GROUP // 2)
+    raw = tl.load(pool_ptr + base[:, None, None] + (g * (GROUP // 2))[None, :, None] + j[None, None, :],
+                  mask=valid[:, :, None], other=0)  # fmt: skip
+    even, odd = e2m1_halves(raw, _NATIVE)
+    return even.to(tl.float32), odd.to(tl.float32)
+
+
+@triton.jit
+def decode_groups(  # type: ignore[no-untyped-def]
+    pool_ptr, base, valid, FIRST: tl.constexpr, COLS: tl.constexpr, WIDTH: tl.constexpr, FMT: tl.constexpr
+):
+    """FP32 [N, COLS]: elements ``FIRST … FIRST + COLS − 1`` of the rows at byte offsets ``base`` [N]; zero for rows
+    not ``valid`` [N] and for elements at or past ``WIDTH``. ``FIRST`` is a multiple of ``COLS``, a power of two of
+    at least the format's scale group.
+
+    Each scale group is read as one vector of codes and one scale byte (not a load per element), and decoded with
+    the hardware e4m3 conversion and ``e2m1_halves``'s PTX when compiled; every value is the exact product of code and
+    scale either way, so the bits are those of ``reference.row_formats`` (NaN codes decode to NaN)."""
+    if FMT == _FMT_FP8:
+        g = FIRST // 32 + tl.arange(0, COLS // 32)
+        mask = valid[:, None] & (g < WIDTH // 32)[None, :]
+        j = tl.arange(0, 32)
+        raw = tl.load(pool_ptr + base[:, None, None] + (g * 32)[None, :, None] + j[None, None, :],
+                      mask=mask[:, :, None], other=0)  # fmt: skip
+        scale = ue8m0_decode(tl.load(pool_ptr + base[:, None] + WIDTH + g[None, :], mask=mask, other=127))
+        return tl.reshape(_e4m3_values(raw) * scale[:, :, None], (base.shape[0], COLS))
+    elif FMT == _FMT_FP4_E4M3:
+        g = FIRST // 16 + tl.arange(0, COLS // 16)
+        mask = valid[:, None] & (g < WIDTH // 16)[None, :]
+        even, odd = _fp4_pairs(pool_ptr, base, mask, g, 16)
+        # The e4m3 scale times 2^14 undoes the pairs' 2^−14 (both products exact: at most 448 · 2^14).
+        scale_code = tl.load(pool_ptr + base[:, None] + WIDTH // 2 + g[None, :], mask=mask, other=0)
+        factor = (_e4m3_values(scale_code) * 16384.0)[:, :, None]
+        return tl.reshape(tl.join(even * factor, odd * factor), (base.shape[0], COLS))
+    elif FMT == _FMT_FP4_UE8M0:
+        g = FIRST // 32 + tl.arange(0, COLS // 32)
+        mask = valid[:, None] & (g < WIDTH // 32)[None, :]
+        even, odd = _fp4_pairs(pool_ptr, base, mask, g, 32)
+        # Two products (2^14, then the scale): one factor 2^(b − 127 + 14) would overflow for scale bytes above 240.
+        scale = ue8m0_decode(tl.load(pool_ptr + base[:, None] + WIDTH // 2 + g[None, :], mask=mask, other=127))
+        scale = scale[:, :, None]
+        return tl.reshape(tl.join(even * 16384.0 * scale, odd * 16384.0 * scale), (base.shape[0], COLS))
+    else:
+        d = FIRST + tl.arange(0, COLS)
+        mask = valid[:, None] & (d < WIDTH)[None, :]
+        # Byte loads: a pool's rows need not be 4-byte aligned.
+        offset = base[:, None] + 4 * d[None, :]
         bits = tl.load(pool_ptr + offset, mask=mask, other=0).to(tl.int32)
         bits |= tl.load(pool_ptr + offset + 1, mask=mask, other=0).to(tl.int32) << 8
         bits |= tl.load(pool_ptr + offset + 2, mask=mask, other=0).to(tl.int32) << 16
