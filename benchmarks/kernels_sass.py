@@ -44,7 +44,7 @@ CLASSES = {
     "global loads": ("LDG",),
     "shared memory": ("LDS", "STS", "LDSM"),
     "barriers": ("BAR",),
-    "MMA": ("HMMA", "HGMMA"),
+    "MMA": ("HMMA", "HGMMA", "QGMMA"),
     "conversions": ("F2FP", "F2F", "HADD2", "I2F", "F2I"),
     "FP32 math": ("FMUL", "FFMA", "FADD"),
     "integer / bit": ("IMAD", "LOP3", "PRMT", "SHF", "IADD3", "LEA", "ISETP", "SEL"),
@@ -66,7 +66,8 @@ def variants() -> list[dict[str, Any]]:
             out.append({"name": f"fp8 MMA {decoding}", "kernel": _fp8_block_kernel, "constexprs": fp8})
     # The grouped GEMM's measured decode tile (16 x 128) and its tuning candidates with a 64-column K step.
     wide = {**mma, "GROUPED": True, "SCAN": False, "BLOCK_N": 128}
-    for decoding, block_k in (("scaled_bf16", 128), ("scaled_bf16", 64), ("swap_ab", 64)):
+    wide_variants = (("scaled_bf16", 128), ("scaled_bf16", 64), ("swap_ab", 64), ("group_fp8", 64), ("swap_fp8", 64))
+    for decoding, block_k in wide_variants:
         constexprs = {**wide, "DECODING": decoding, "BLOCK_K": block_k}
         name = f"mxfp4 grouped 16x128 k{block_k} {decoding}"
         out.append({"name": name, "kernel": mxfp4_kernel, "constexprs": constexprs})

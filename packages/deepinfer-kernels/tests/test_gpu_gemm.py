@@ -150,8 +150,12 @@ def test_fp8_block_gemm_quantized_gpu_equals_fp8_block_gemm(m: int) -> None:
     assert torch.equal(dk.fp8_block_gemm_quantized(q, q_scale, w_q, w_scale), dk.fp8_block_gemm(x, w_q, w_scale))
 
 
-# The prefill tile of the FP8 tensor-core decoding, over several row and column tiles.
-_FP8_MMA = BlockConfig(128, 128, num_warps=8, num_stages=3, split_grid=False, block_k=64, decoding="group_fp8")
+# The FP8 tensor-core decodings' tiles, over several row and column tiles: group_fp8 at the prefill tile, swap_fp8
+# (transposed, for few rows) at the grouped GEMM's decode tile.
+_FP8_MMA = {
+    "group_fp8": BlockConfig(128, 128, num_warps=8, num_stages=3, split_grid=False, block_k=64, decoding="group_fp8"),
+    "swap_fp8": BlockConfig(16, 128, num_warps=4, num_stages=4, split_grid=False, block_k=64, decoding="swap_fp8"),
+}
 
 
 def _integer_activation(m: int, seed: int) -> torch.Tensor:
@@ -181,16 +185,17 @@ def _fp8_mma_case(op: str, m: int, exact: bool, seed: int) -> tuple[tuple[torch.
     return (x, ids, packed, scale), _grouped_magnitude(x, ids, packed, scale), n
 
 
+@pytest.mark.parametrize("decoding", sorted(_FP8_MMA))
 @pytest.mark.parametrize("exact", [True, False])
 @pytest.mark.parametrize("op", ["fp8_block_gemm", "mxfp4_gemm", "mxfp4_grouped_gemm"])
-def test_fp8_tensor_core_decoding_meets_the_bound(op: str, exact: bool) -> None:
-    """``group_fp8`` (e4m3 codes straight into the FP8 tensor cores, e2m1 codes turned into e4m3): on inputs whose
-    group sums fit 13 bits it meets the FP32 accumulation bound (any wrong code, column order or scale breaks it); on
-    random inputs the bound with the FP8 MMA's per-group term (_gemm_support)."""
+def test_fp8_tensor_core_decoding_meets_the_bound(op: str, exact: bool, decoding: str) -> None:
+    """``group_fp8`` and ``swap_fp8`` (e4m3 codes straight into the FP8 tensor cores, e2m1 codes turned into e4m3): on
+    inputs whose group sums fit 13 bits they meet the FP32 accumulation bound (any wrong code, column order or scale
+    breaks it); on random inputs the bound with the FP8 MMA's per-group term (_gemm_support)."""
     m = 600  # five row tiles of 128, the last one partial
     inputs, magnitude, n = _fp8_mma_case(op, m, exact, seed=len(op) + exact)
     fast = torch.zeros(m, n, dtype=torch.bfloat16, device="cuda")
-    implementation(op, Backend.NVIDIA)(*inputs, fast, config=_FP8_MMA)
+    implementation(op, Backend.NVIDIA)(*inputs, fast, config=_FP8_MMA[decoding])
     ref = _run(op, Backend.REFERENCE, m, n, *inputs)
     assert_gemm_close(fast, ref, magnitude, _K, group_accumulation=0.0 if exact else 2.0**-8)
     if op == "mxfp4_grouped_gemm":

@@ -112,11 +112,11 @@ def _fp8_block_kernel(  # type: ignore[no-untyped-def]
         )  # fmt: skip
         finish_tile(out_ptr, partial_ptr, counter_ptr, total, rows, row_mask, n_offsets, M, N, stride_out, SPLIT_GRID)
         return
-    if DECODING == "group_fp16" or DECODING == "group_fp8":
+    if DECODING == "group_fp16" or DECODING == "group_fp8" or DECODING == "swap_fp8":
         total = group_tiles(
             q_ptr, qs_ptr, w_ptr, ws_ptr, rows, row_mask, n_rows, n_mask, n_rows // 32, K, K_CHUNK,
             stride_q, stride_qs, stride_w, stride_ws, "e4m3", SPLIT_GRID, BLOCK_M, BLOCK_N, BLOCK_K, NATIVE_FP8,
-            DECODING == "group_fp8",
+            DECODING != "group_fp16", DECODING == "swap_fp8",
         )  # fmt: skip
         finish_tile(out_ptr, partial_ptr, counter_ptr, total, rows, row_mask, n_offsets, M, N, stride_out, SPLIT_GRID)
         return
@@ -190,7 +190,8 @@ def mxfp4_kernel(  # type: ignore[no-untyped-def]
     activation de-interleaved per group (``deinterleaved_activation``): scaled into BF16 (``"scaled_bf16"``) or
     unscaled FP16 with the scales applied to each group's sum (``"group_fp16"``, ``group_tiles``). ``"group_fp8"``
     (``group_tiles``) feeds the activation codes, in column order, and the weight's codes turned into e4m3 to the FP8
-    tensor cores, one MMA per 32-column group, the scales applied to each group's sum.
+    tensor cores, one MMA per 32-column group, the scales applied to each group's sum; ``"swap_fp8"`` does the same
+    with the tile transposed (the weight as the MMA's first operand, for tiles of fewer than 64 rows).
 
     Grouped: program ``pid`` owns positions ``[block_start[pid], block_end[pid])`` of the expert-sorted row order
     ``order`` and multiplies them by expert ``block_expert[pid]``; ``block_expert ≥ num_experts`` marks a spare
@@ -239,11 +240,11 @@ def mxfp4_kernel(  # type: ignore[no-untyped-def]
         )  # fmt: skip
         finish_tile(out_ptr, partial_ptr, counter_ptr, total, rows, row_mask, n_offsets, M, N, stride_out, SPLIT_GRID)
         return
-    if DECODING == "group_fp16" or DECODING == "group_fp8":
+    if DECODING == "group_fp16" or DECODING == "group_fp8" or DECODING == "swap_fp8":
         total = group_tiles(
             q_ptr, qs_ptr, packed_ptr, ws_ptr, rows, row_mask, n_rows, n_mask, n_rows, K, K_CHUNK,
             stride_q, stride_qs, stride_p, stride_s, "e2m1", SPLIT_GRID, BLOCK_M, BLOCK_N, BLOCK_K, NATIVE_FP8,
-            DECODING == "group_fp8",
+            DECODING != "group_fp16", DECODING == "swap_fp8",
         )  # fmt: skip
         finish_tile(out_ptr, partial_ptr, counter_ptr, total, rows, row_mask, n_offsets, M, N, stride_out, SPLIT_GRID)
         return
@@ -301,7 +302,7 @@ def deinterleaved_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 def activation_for(x: torch.Tensor, cfg: BlockConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """The activation codes an MXFP4 launch with tiles ``cfg`` reads: in column order for the FMA kernels and
     ``tl.dot_scaled``, de-interleaved per group for ``mxfp4_kernel``'s own decodings."""
-    in_order = cfg.gemv or cfg.decoding in ("dot_scaled", "swap_ab", "group_fp8")
+    in_order = cfg.gemv or cfg.decoding in ("dot_scaled", "swap_ab", "group_fp8", "swap_fp8")
     return quantized_activation(x) if in_order else deinterleaved_activation(x)
 
 

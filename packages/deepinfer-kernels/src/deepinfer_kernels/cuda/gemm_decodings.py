@@ -1,8 +1,9 @@
 """The chunk sums of a quantized GEMM's MMA tile for the operand decodings other than the kernels' own scaled-BF16
-loop: ``tl.dot_scaled`` (``"dot_scaled"``), unscaled FP16 per 32-column group (``"group_fp16"``) and the weight-first
-MMA (``"swap_ab"``, MXFP4 only). ``cuda.gemm``'s kernels call them with their tile's rows, columns and K chunks
-(docs/design/kernels.md, "GEMM tiles and split-K"); each returns the tile's FP32 sum over the program's chunks, the
-chunks summed from zero and added in order (``gemm_operands.chunk_range``).
+loop: ``tl.dot_scaled`` (``"dot_scaled"``), unscaled FP16 per 32-column group (``"group_fp16"``), FP8 codes per group
+(``"group_fp8"``, and transposed, ``"swap_fp8"``) and the weight-first BF16 MMA (``"swap_ab"``, MXFP4 only).
+``cuda.gemm``'s kernels call them with their tile's rows, columns and K chunks (docs/design/kernels.md, "GEMM tiles
+and split-K"); each returns the tile's FP32 sum over the program's chunks, the chunks summed from zero and added in
+order (``gemm_operands.chunk_range``).
 """
 
 # Triton reads parameter annotations as kernel type hints, so @triton.jit functions stay unannotated.
@@ -110,8 +111,10 @@ def group_tiles(  # type: ignore[no-untyped-def]
     BLOCK_K: tl.constexpr,
     NATIVE: tl.constexpr,
     FP8_MMA: tl.constexpr,
+    SWAP: tl.constexpr,
 ):
-    # The chunk sums of a quantized GEMM tile, decodings "group_fp16" and "group_fp8" (FP8_MMA): per 32-column group
+    # The chunk sums of a quantized GEMM tile, decodings "group_fp16", "group_fp8" (FP8_MMA) and "swap_fp8" (FP8_MMA
+    # and SWAP): per 32-column group
     # one MMA on the unscaled operands, then the group sum times the activation's factor, then times the weight's (in
     # that order: with activation scale bytes in [105, 246] the first product stays inside FP32's normal range, so
     # both are exact wherever the result is a normal number).
@@ -122,6 +125,9 @@ def group_tiles(  # type: ignore[no-untyped-def]
     #   value times 2^-6 (e2m1_e4m3_codes, exact), interleaved back into column order (activation in column order).
     #   Hopper's FP8 MMA sums a group's 32 exact products in a narrower accumulator than FP32 (docs/design/numerics.md,
     #   "GEMM accumulation"); the groups are added in FP32.
+    # - swap_fp8: group_fp8 computed transposed, [BLOCK_N, BLOCK_M] = Ŵ·x̂ᵀ with the weight as the MMA's first
+    #   operand, so that a tile of fewer than 64 rows still makes a Hopper wgmma (M = BLOCK_N): untransposed, Triton
+    #   runs such an FP8 dot as an FP16 mma.sync on converted operands. Same products, group sums and factor order.
     # The interpreter's operands are FP32: e4m3 values times 2^-8 (e4m3_half), e2m1 values times 2^-14 (e2m1_halves),
     # undone by the factors' bias.
     E4M3_BIAS: tl.constexpr = 0 if NATIVE else 8
@@ -138,7 +144,7 @@ def group_tiles(  # type: ignore[no-untyped-def]
     qs_ptrs = qs_ptr + rows[:, None] * stride_qs + groups[None, :]
     ws_ptrs = ws_ptr + scale_rows[:, None] * stride_ws + groups[None, :]
     first, last = chunk_range(K, K_CHUNK, SPLIT_GRID)
-    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    total = tl.zeros((BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N), dtype=tl.float32)
     for chunk in range(first, last):
         k_end = tl.minimum(chunk * K_CHUNK + K_CHUNK, K)
         # group_fp8 sums K as one chunk (gemm_tiles.chunk_length): its groups go straight into total, which saves a
@@ -158,7 +164,8 @@ def group_tiles(  # type: ignore[no-untyped-def]
                 raw = tl.load(w_ptrs + col // (32 // WIDTH), mask=w_mask, other=0)
                 if FP8_MMA:
                     w = e2m1_e4m3_codes(raw, BLOCK_N, NATIVE) if W_FORMAT == "e2m1" else e4m3_operand(raw, NATIVE)
-                    part = tl.dot(e4m3_operand(tl.load(q_ptrs + col, mask=a_mask, other=0), NATIVE), tl.trans(w))
+                    a = e4m3_operand(tl.load(q_ptrs + col, mask=a_mask, other=0), NATIVE)
+                    part = tl.dot(w, tl.trans(a)) if SWAP else tl.dot(a, tl.trans(w))
                 elif W_FORMAT == "e2m1":
                     w_even, w_odd = e2m1_halves(raw, NATIVE)
                     a_even = e4m3_half(tl.load(q_ptrs + col, mask=a_mask, other=0), NATIVE)
@@ -168,9 +175,12 @@ def group_tiles(  # type: ignore[no-untyped-def]
                     part = tl.dot(
                         e4m3_half(tl.load(q_ptrs + col, mask=a_mask, other=0), NATIVE), tl.trans(e4m3_half(raw, NATIVE))
                     )
-                acc += part * column(a_factors, groups, g)[:, None] * column(w_factors, groups, g)[None, :]
+                if SWAP:
+                    acc += part * column(a_factors, groups, g)[None, :] * column(w_factors, groups, g)[:, None]
+                else:
+                    acc += part * column(a_factors, groups, g)[:, None] * column(w_factors, groups, g)[None, :]
         total = acc if FP8_MMA else total + acc
-    return total
+    return tl.trans(total) if SWAP else total
 
 
 @triton.jit

@@ -48,7 +48,7 @@ _DECODE_PROGRAMS = 1024
 _CHUNK_ALIGN = 256
 _DECODE_BLOCK_N = 32
 _BUCKETS = (2, 16, 32, 64, 256)
-DECODINGS = ("scaled_bf16", "dot_scaled", "group_fp16", "group_fp8", "swap_ab")
+DECODINGS = ("scaled_bf16", "dot_scaled", "group_fp16", "group_fp8", "swap_fp8", "swap_ab")
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,9 @@ class BlockConfig:
     - ``"group_fp8"``: as ``group_fp16`` on the FP8 tensor cores (twice the FP16 MMA rate): the e4m3 codes are the
       operands as stored, e2m1 codes are turned into e4m3 codes (exact); Hopper sums a group's products in a narrower
       accumulator than FP32 (docs/design/numerics.md, "GEMM accumulation");
+    - ``"swap_fp8"``: ``group_fp8`` with the tile computed transposed, the weight as the MMA's first operand, so that
+      tiles of fewer than 64 rows (decode) still run Hopper's FP8 ``wgmma`` with ``block_n`` as its 64-row side
+      (untransposed, Triton runs their FP8 dots as FP16 ``mma.sync`` on converted operands);
     - ``"swap_ab"`` (MXFP4 only): the MMA computes the tile transposed with the weight as its first operand, decoded
       and scaled into BF16 straight into that operand's registers (no shared-memory round trip); ``block_m``
       activation rows are the MMA's narrow side (16 suits few rows per weight; 8-row tiles were slower on the H200).
@@ -104,9 +107,10 @@ def k_chunk(n: int, k: int) -> int:
 
 
 def chunk_length(n: int, k: int, cfg: BlockConfig) -> int:
-    """K columns per reduction chunk of a launch with tiles ``cfg``: :func:`k_chunk`, except for ``"group_fp8"``,
-    which sums K as one chunk (a many-rows decoding that never needs split-K; one FP32 tile of registers fewer)."""
-    return k if cfg.decoding == "group_fp8" else k_chunk(n, k)
+    """K columns per reduction chunk of a launch with tiles ``cfg``: :func:`k_chunk`, except for the FP8 tensor-core
+    decodings (``"group_fp8"``, ``"swap_fp8"``), which sum K as one chunk (no split-K; one FP32 tile of registers
+    fewer)."""
+    return k if cfg.decoding in ("group_fp8", "swap_fp8") else k_chunk(n, k)
 
 
 def row_bucket(rows: int) -> int:
@@ -194,6 +198,10 @@ def candidate_configs(op: str, rows: int) -> list[BlockConfig]:
             # FP8 tensor cores (K as one chunk, so no split-K): 128 and 140 registers against 158 (sm_90 cubin).
             _mma(16, 128, 4, 4, split_grid=False, decoding="group_fp8", block_k=64),
             _mma(16, 256, 8, 4, split_grid=False, decoding="group_fp8", block_k=64),
+            # The same transposed: FP8 wgmma instead of FP16 mma.sync, 4.5 instead of 7.1 SASS instructions per weight
+            # element in the K loop of the 16 × 128 tile (offline sm_90 compile, kernels_sass-sm90.json).
+            _mma(16, 128, 4, 4, split_grid=False, decoding="swap_fp8", block_k=64),
+            _mma(16, 256, 8, 4, split_grid=False, decoding="swap_fp8", block_k=64),
         ]
         out += [cfg for cfg in wide if cfg not in out]
     if op == "mxfp4_grouped_gemm" and rows <= 2:
