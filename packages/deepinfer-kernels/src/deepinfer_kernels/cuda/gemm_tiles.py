@@ -238,7 +238,8 @@ def _mma(
 # both 1 token and 64 tokens (about one row per expert): its 128-column tiles were the fastest scaled_bf16 tiles at
 # both, 16–21 % faster than the default (kernels_gemm-mxfp4-swap-t*.json), and faster than swap_ab except on w2 at
 # 1 token (50.6 against 54.4 µs); with a 64-column K step (127 registers instead of 167) they were 6–13 % faster
-# again (kernels_gemm-mxfp4-wide-t*.json). On the FP8 tensor cores (group_fp8) the 16×128 tile was 3–5 % faster at 64
+# again (kernels_gemm-mxfp4-wide-t*.json). With group_fp8 (at 16 rows an FP16 mma.sync on e4m3 operands converted by
+# Triton, not the FP8 tensor cores: see swap_fp8) the 16×128 tile was 3–5 % faster at 64
 # and 256 tokens but 32 % slower at 1 token (kernels_gemm-mxfp4-fp8mma-t*.json): bucket 16 (256 tokens) takes it,
 # bucket 2 (1 and 64 tokens) does not.
 # The grouped GEMM's tile at about one row per expert (both shapes), also its batch-invariant tile.
