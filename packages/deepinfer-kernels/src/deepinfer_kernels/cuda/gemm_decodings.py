@@ -114,10 +114,9 @@ def group_tiles(  # type: ignore[no-untyped-def]
     SWAP: tl.constexpr,
 ):
     # The chunk sums of a quantized GEMM tile, decodings "group_fp16", "group_fp8" (FP8_MMA) and "swap_fp8" (FP8_MMA
-    # and SWAP): per 32-column group
-    # one MMA on the unscaled operands, then the group sum times the activation's factor, then times the weight's (in
-    # that order: with activation scale bytes in [105, 246] the first product stays inside FP32's normal range, so
-    # both are exact wherever the result is a normal number).
+    # and SWAP): per 32-column group one MMA on the unscaled operands, then the group sum times the activation's
+    # factor, then times the weight's (in that order: with activation scale bytes in [105, 246] the first product
+    # stays inside FP32's normal range, so both are exact wherever the result is a normal number).
     # - group_fp16: FP16 operands (exact products, FP32 sums). W_FORMAT "e4m3": weight codes [BLOCK_N, 32] and
     #   activation codes in column order, one MMA; "e2m1": the group's 16 packed weight bytes and the activation
     #   de-interleaved per group (deinterleaved_activation), an MMA for the even and one for the odd columns.

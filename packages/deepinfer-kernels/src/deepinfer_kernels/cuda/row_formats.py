@@ -108,7 +108,9 @@ def decode_groups(  # type: ignore[no-untyped-def]
 
     Each scale group is read as one vector of codes and one scale byte (not a load per element), and decoded with
     the hardware e4m3 conversion and ``e2m1_halves``'s PTX when compiled; every value is the exact product of code and
-    scale either way, so the bits are those of ``reference.row_formats`` (NaN codes decode to NaN)."""
+    scale either way, so the bits are those of ``reference.row_formats`` (NaN codes decode to NaN). The vector widths
+    follow Triton's alignment analysis of ``base``: offsets from loaded row indices are safe; offsets built from a
+    contiguous range can be credited with its first element's alignment (docs/design/kernels.md, "Row formats")."""
     if FMT == _FMT_FP8:
         g = FIRST // 32 + tl.arange(0, COLS // 32)
         mask = valid[:, None] & (g < WIDTH // 32)[None, :]
