@@ -136,15 +136,9 @@ def decode_groups(  # type: ignore[no-untyped-def]
         scale = scale[:, :, None]
         return tl.reshape(tl.join(even * 16384.0 * scale, odd * 16384.0 * scale), (base.shape[0], COLS))
     else:
+        # RAW_FP32 has no scale groups: decode_tile's byte loads (a pool's rows need not be 4-byte aligned).
         d = FIRST + tl.arange(0, COLS)
-        mask = valid[:, None] & (d < WIDTH)[None, :]
-        # Byte loads: a pool's rows need not be 4-byte aligned.
-        offset = base[:, None] + 4 * d[None, :]
-        bits = tl.load(pool_ptr + offset, mask=mask, other=0).to(tl.int32)
-        bits |= tl.load(pool_ptr + offset + 1, mask=mask, other=0).to(tl.int32) << 8
-        bits |= tl.load(pool_ptr + offset + 2, mask=mask, other=0).to(tl.int32) << 16
-        bits |= tl.load(pool_ptr + offset + 3, mask=mask, other=0).to(tl.int32) << 24
-        return bits.to(tl.float32, bitcast=True)
+        return decode_tile(pool_ptr, base[:, None], d[None, :], valid[:, None] & (d < WIDTH)[None, :], WIDTH, FMT)
 
 
 @triton.jit
