@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from deepinfer_kernels.testing_npu_double import NpuDouble, accelerator_test_session
+from deepinfer_sampling.speculative import DecodeCostCurve
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -40,3 +41,14 @@ def rank_processes_without_npu_double() -> Iterator[None]:
         if isinstance(sys.modules.get("torch_npu"), NpuDouble):
             patch.setenv("DEEPINFER_ACCELERATOR", "cpu")
         yield
+
+
+@pytest.fixture
+def flat_decode_cost(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Varlen engines plan on a flat decode cost curve instead of one measured at start-up, for tests about what
+    drafting emits rather than about the planner: a curve measured on a busy host can make any number of drafts
+    look worth verifying (once 8 drafts for 200 requests, CI) or none of them (once, CI)."""
+    monkeypatch.setattr(
+        "deepinfer_engine.engine.decode_cost_curve",
+        lambda model, args, env, config: DecodeCostCurve((1, 1024), (1.0, 1.0)),
+    )

@@ -125,7 +125,9 @@ def test_seeded_sampling_does_not_depend_on_the_batch_or_the_engine(root: Path, 
     assert _tokens(fresh.generate(prompts, params, use_tqdm=False)) == first
 
 
-def test_greedy_with_drafts_fixed_and_varlen_equals_greedy_without(root: Path, recipe: None) -> None:
+def test_greedy_with_drafts_fixed_and_varlen_equals_greedy_without(
+    root: Path, recipe: None, flat_decode_cost: None
+) -> None:
     lines = HELD_OUT.read_text(encoding="utf-8").splitlines()
     pool = [json.loads(line)["prompt"] for line in lines[::15]][:32]  # every task, several prompt lengths
     prompts = {n: pool[:n] for n in (1, 7, 32)}

@@ -75,18 +75,12 @@ def _pit(llm: LLM, contexts: list[list[int]], tokens: list[int], temperature: fl
 
 @pytest.mark.parametrize("varlen", [False, True])
 def test_sampled_tokens_with_drafts_follow_the_target_distribution(
-    root: Path, varlen: bool, monkeypatch: pytest.MonkeyPatch
+    root: Path, varlen: bool, flat_decode_cost: None
 ) -> None:
     # Many seeds on one short prompt. Token 1 is the first one decided by verification (an accepted draft or a
     # residual sample), token 2 is often an accepted second draft. Given the tokens before it, each one's randomized
     # PIT under the target distribution is uniform and independent of the other's, so all 2N values together are
     # uniform on [0, 1): a KS test at p > 0.001 fails a correct engine once in a thousand runs.
-    # Varlen plans on a flat cost curve instead of one measured at start-up: a curve measured on a busy host made the
-    # planner verify 8 drafts for 200 requests once (CI), and this test is about the sampled tokens, not the planner.
-    monkeypatch.setattr(
-        "deepinfer_engine.engine.decode_cost_curve",
-        lambda model, args, env, config: DecodeCostCurve((1, 1024), (1.0, 1.0)),
-    )
     num, temperature = 200, 0.8
     prompt = random_prompts(1, 6, 6, seed=21)[0]
     params = [
