@@ -28,7 +28,7 @@ key split for every batch (the quantized GEMMs, sparse attention). A dispatch mo
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from functools import reduce
@@ -36,7 +36,6 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
 
 from deepinfer_kernels.invariant_products import PRODUCT_OPS, invariant_product
 
@@ -117,9 +116,31 @@ def _op_name(func: Any) -> str | None:
     return known
 
 
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors among an op's arguments: aten schemas nest them in lists and tuples only (a plain walk, several
+    times cheaper per op than ``torch.utils._pytree``, which dominated the mode's cost on small tensors)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+
+
+def _map(fn: Callable[[Any], Any], value: Any) -> Any:
+    """``fn`` applied to every leaf of nested tuples, lists and dicts (the containers kept)."""
+    if isinstance(value, (tuple, list)):
+        items = [_map(fn, item) for item in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, dict):
+        return {key: _map(fn, item) for key, item in value.items()}
+    return fn(value)
+
+
 def _on_cpu(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    leaves, _ = tree_flatten((args, kwargs))
-    return all(t.device.type == "cpu" for t in leaves if isinstance(t, torch.Tensor))
+    return all(t.device.type == "cpu" for t in _tensors((args, kwargs)))
 
 
 def _widen(value: Any) -> Any:
@@ -137,8 +158,7 @@ def _result_dtype(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.dtype 
     requested = [v for v in (*args, kwargs.get("dtype")) if isinstance(v, torch.dtype)]
     if requested:
         return requested[0]
-    leaves, _ = tree_flatten((args, kwargs))
-    dtypes = [t.dtype for t in leaves if isinstance(t, torch.Tensor) and t.dtype.is_floating_point]
+    dtypes = [t.dtype for t in _tensors((args, kwargs)) if t.dtype.is_floating_point]
     if not dtypes or not any(d in _NARROW for d in dtypes):
         return None
     return reduce(torch.promote_types, dtypes)
@@ -173,13 +193,13 @@ class BatchInvariantOps(TorchDispatchMode):
                 return invariant_product(func, args, kwargs, dtype)
             if name not in REDUCTION_OPS:
                 return func(*args, **kwargs)
-        wide_args, wide_kwargs = tree_map(_widen, (args, kwargs))
+        wide_args, wide_kwargs = _map(_widen, (args, kwargs))
         result = func(*wide_args, **wide_kwargs)
         written = _written_arguments(func, args, kwargs, wide_args, wide_kwargs)
         for narrow, wide in written:
             narrow.copy_(wide)
         originals = {id(wide): narrow for narrow, wide in written}
-        return tree_map(lambda r: _narrow(r, dtype, originals), result)
+        return _map(lambda r: _narrow(r, dtype, originals), result)
 
 
 def _narrow(value: Any, dtype: torch.dtype, originals: dict[int, torch.Tensor]) -> Any:
