@@ -240,10 +240,14 @@ def _mma(
 # 1 token (50.6 against 54.4 µs); with a 64-column K step (127 registers instead of 167) they were 6–13 % faster
 # again (kernels_gemm-mxfp4-wide-t*.json). With group_fp8 (at 16 rows an FP16 mma.sync on e4m3 operands converted by
 # Triton, not the FP8 tensor cores: see swap_fp8) the 16×128 tile was 3–5 % faster at 64
-# and 256 tokens but 32 % slower at 1 token (kernels_gemm-mxfp4-fp8mma-t*.json): bucket 16 (256 tokens) takes it,
-# bucket 2 (1 and 64 tokens) does not.
+# and 256 tokens but 32 % slower at 1 token (kernels_gemm-mxfp4-fp8mma-t*.json). The same tile transposed (swap_fp8,
+# FP8 wgmma) was faster again at 256 tokens, 3497 against 3743 µs on w13 and 1778 against 1965 µs on w2, and no
+# faster at 1 token (46.2 against 44.8 µs on w2; kernels_gemm-mxfp4-swapfp8.json): bucket 16 (256 tokens) takes it,
+# bucket 2 (1 and 64 tokens) keeps the scaled_bf16 tile.
 # The grouped GEMM's tile at about one row per expert (both shapes), also its batch-invariant tile.
 _GROUPED_DECODE_TILE = _mma(16, 128, 4, 4, block_k=64)
+# A few rows per expert (256 tokens): the FP8 wgmma, weight first.
+_GROUPED_FP8_DECODE_TILE = _mma(16, 128, 4, 4, split_grid=False, decoding="swap_fp8", block_k=64)
 # About 128 rows per expert (an 8K-token prefill): FP8 tensor-core tiles, 2.5x the scaled_bf16 default on both
 # shapes (kernels_gemm-h200-prefill.json).
 _GROUPED_PREFILL_TILE = _mma(64, 128, 4, 4, split_grid=False, decoding="group_fp8", block_k=64)
@@ -270,8 +274,8 @@ MEASURED: dict[tuple[str, int, int, int], BlockConfig] = {
     ("fp8_block_gemm", 64, 32768, 1280): _mma(64, 32, 2, 4, decoding="dot_scaled"),
     ("mxfp4_grouped_gemm", 2, 4608, 5120): _GROUPED_DECODE_TILE,
     ("mxfp4_grouped_gemm", 2, 5120, 2304): _GROUPED_DECODE_TILE,
-    ("mxfp4_grouped_gemm", 16, 4608, 5120): _mma(16, 128, 4, 4, split_grid=False, decoding="group_fp8", block_k=64),
-    ("mxfp4_grouped_gemm", 16, 5120, 2304): _mma(16, 128, 4, 4, split_grid=False, decoding="group_fp8", block_k=64),
+    ("mxfp4_grouped_gemm", 16, 4608, 5120): _GROUPED_FP8_DECODE_TILE,
+    ("mxfp4_grouped_gemm", 16, 5120, 2304): _GROUPED_FP8_DECODE_TILE,
     ("mxfp4_grouped_gemm", 256, 4608, 5120): _GROUPED_PREFILL_TILE,
     ("mxfp4_grouped_gemm", 256, 5120, 2304): _GROUPED_PREFILL_TILE,
 }
