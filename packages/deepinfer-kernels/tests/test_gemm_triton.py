@@ -119,7 +119,8 @@ def test_grouped_rows_in_one_tile_skip_the_tables(triton_device: str, decoding: 
 
 @pytest.mark.parametrize("one_program", [False, True])
 @pytest.mark.parametrize(
-    ("m", "experts", "block_m"), [(1, 256, 16), (50, 4, 16), (37, 8, 4), (9, 3, 64), (150, 384, 16), (130, 5, 16)]
+    ("m", "experts", "block_m"),
+    [(1, 256, 16), (50, 4, 16), (37, 8, 4), (9, 3, 64), (150, 384, 16), (130, 5, 16), (700, 256, 16), (1536, 384, 16)],
 )
 def test_expert_tiles_cover_each_routed_row_once(
     triton_device: str, m: int, experts: int, block_m: int, one_program: bool

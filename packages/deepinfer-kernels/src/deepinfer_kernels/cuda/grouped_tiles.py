@@ -1,11 +1,12 @@
-"""Tile tables of the grouped MXFP4 GEMM in one Triton program (docs/design/kernels.md, "GEMM tiles and split-K").
+"""Tile tables of the grouped MXFP4 GEMM in one Triton launch (docs/design/kernels.md, "GEMM tiles and split-K").
 
 Same tables as ``grouped_gemm.expert_tiles``'s PyTorch ops (a stable sort, a scatter-add, cumulative sums and a
-``searchsorted``, about fifteen launches per call) from a single launch, for up to :data:`MAX_ROWS` rows: per-expert
-row counts by comparing every row with every expert, each row's place in the stable expert-sorted order as its
-expert's first position plus the number of earlier rows of the same expert, and each tile's expert as the number of
-experts whose tiles end at or before it. The work is quadratic in the rows, which is why larger calls keep the
-PyTorch ops.
+``searchsorted``, about fifteen launches per call) from a single launch, for up to :data:`MAX_ROWS` rows. Every
+program counts the rows per expert (a histogram of all the ids; cheap next to a launch) and takes the cumulative
+sums; then a row program writes its rows' places in the stable expert-sorted order (its expert's first position
+plus the number of earlier rows of the same expert), and a tile program writes its tiles' experts (the number of
+experts whose tiles end at or before the tile) and row ranges. The rank is quadratic in the rows (each row program
+compares its rows with every earlier one), which is why larger calls keep the PyTorch ops.
 """
 
 # Triton reads parameter annotations as kernel type hints, so @triton.jit functions stay unannotated.
@@ -19,13 +20,13 @@ import triton.language as tl
 
 __all__ = ["MAX_ROWS", "expert_tiles_one_program"]
 
-MAX_ROWS = 1024
+MAX_ROWS = 2048
 _CHUNK = 64
 
 
 @triton.jit
 def _buckets(ids_ptr, rows, M, E, PAD: tl.constexpr):  # type: ignore[no-untyped-def]
-    # An id outside [0, E) goes to bucket E (served by no tile); rows past M get PAD, which matches no row or expert.
+    # An id outside [0, E) goes to bucket E (served by no tile); rows past M get PAD.
     ids = tl.load(ids_ptr + rows, mask=rows < M, other=0)
     bucket = tl.where((ids >= 0) & (ids < E), ids, E).to(tl.int32)
     return tl.where(rows < M, bucket, PAD)
@@ -33,7 +34,7 @@ def _buckets(ids_ptr, rows, M, E, PAD: tl.constexpr):  # type: ignore[no-untyped
 
 @triton.jit
 def _pick(onehot, values):  # type: ignore[no-untyped-def]
-    # values[e] for the one e set in each row of onehot [R, E_PAD].
+    # values[e] for the one e set in each row of onehot [R, BINS].
     return tl.sum(tl.where(onehot, values[None, :], 0), axis=1)
 
 
@@ -47,34 +48,36 @@ def _tiles_kernel(  # type: ignore[no-untyped-def]
     M,
     E,
     T,
+    ROW_PROGRAMS,
     BLOCK_M: tl.constexpr,
-    E_PAD: tl.constexpr,
+    BINS: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
-    experts = tl.arange(0, E_PAD)
-    counts = tl.zeros((E_PAD,), dtype=tl.int32)
+    # Programs [0, ROW_PROGRAMS) own CHUNK rows each, the others CHUNK tiles each. BINS > E: rows past M count in
+    # bin E with the unrouted ones, and no expert's count includes them.
+    experts = tl.arange(0, BINS)
+    counts = tl.zeros((BINS,), dtype=tl.int32)
     for r0 in range(0, M, CHUNK):
-        bucket = _buckets(ids_ptr, r0 + tl.arange(0, CHUNK), M, E, -1)
-        counts += tl.sum((bucket[None, :] == experts[:, None]).to(tl.int32), axis=1)
+        counts += tl.histogram(_buckets(ids_ptr, r0 + tl.arange(0, CHUNK), M, E, E), BINS)
     counts = tl.where(experts < E, counts, 0)
     row_end = tl.cumsum(counts, 0)
     row_start = row_end - counts
-    routed = tl.sum(counts, axis=0)
-    tiles = (counts + BLOCK_M - 1) // BLOCK_M
-    tile_end = tl.cumsum(tiles, 0)
-    tile_first = tile_end - tiles
-    for r0 in range(0, M, CHUNK):
-        rows = r0 + tl.arange(0, CHUNK)
+    pid = tl.program_id(0)
+    if pid < ROW_PROGRAMS:
+        rows = pid * CHUNK + tl.arange(0, CHUNK)
         bucket = _buckets(ids_ptr, rows, M, E, -1)
         rank = tl.zeros((CHUNK,), dtype=tl.int32)
-        for s0 in range(0, r0 + CHUNK, CHUNK):
+        for s0 in range(0, pid * CHUNK + CHUNK, CHUNK):
             others = s0 + tl.arange(0, CHUNK)
             same = (_buckets(ids_ptr, others, M, E, -2)[None, :] == bucket[:, None]) & (others[None, :] < rows[:, None])
             rank += tl.sum(same.to(tl.int32), axis=1)
-        first = tl.where(bucket < E, _pick(experts[None, :] == bucket[:, None], row_start), routed)
+        first = tl.where(bucket < E, _pick(experts[None, :] == bucket[:, None], row_start), tl.sum(counts, axis=0))
         tl.store(order_ptr + first + rank, rows.to(tl.int64), mask=rows < M)
-    for t0 in range(0, T, CHUNK):
-        tile = t0 + tl.arange(0, CHUNK)
+    else:
+        tiles = (counts + BLOCK_M - 1) // BLOCK_M
+        tile_end = tl.cumsum(tiles, 0)
+        tile_first = tile_end - tiles
+        tile = (pid - ROW_PROGRAMS) * CHUNK + tl.arange(0, CHUNK)
         expert = tl.sum(((tile_end[None, :] <= tile[:, None]) & (experts[None, :] < E)).to(tl.int32), axis=1)
         onehot = experts[None, :] == tl.minimum(expert, E - 1)[:, None]
         start = _pick(onehot, row_start) + (tile - _pick(onehot, tile_first)) * BLOCK_M
@@ -96,7 +99,8 @@ def expert_tiles_one_program(
     tiles = triton.cdiv(m, block_m) + min(num_experts, m)
     order = torch.empty(m, dtype=torch.int64, device=expert_ids.device)
     tile_expert, tile_start, tile_end = torch.empty((3, tiles), dtype=torch.int64, device=expert_ids.device)
-    _tiles_kernel[(1,)](
+    row_programs = triton.cdiv(m, _CHUNK)
+    _tiles_kernel[(row_programs + triton.cdiv(tiles, _CHUNK),)](
         expert_ids,
         order,
         tile_expert,
@@ -105,9 +109,10 @@ def expert_tiles_one_program(
         m,
         num_experts,
         tiles,
+        row_programs,
         BLOCK_M=block_m,
-        E_PAD=triton.next_power_of_2(num_experts),
+        BINS=triton.next_power_of_2(num_experts + 1),
         CHUNK=_CHUNK,
-        num_warps=8,
+        num_warps=4,
     )
     return order, tile_expert, tile_start, tile_end
