@@ -190,6 +190,18 @@ def part_times(n: int, k: int, x: torch.Tensor, repeats: int) -> dict[str, float
     return {"quantize_us": time_us([lambda: quantized_activation(x)] * 16, repeats)}
 
 
+def table_times(ids: torch.Tensor, experts: int, repeats: int) -> dict[str, float]:
+    """Diagnostics: the grouped GEMM's tile tables (16-row tiles) from the PyTorch ops and, up to their row limit, from
+    the one Triton launch, 16 calls per graph."""
+    from deepinfer_kernels.cuda.grouped_gemm import expert_tiles
+    from deepinfer_kernels.cuda.grouped_tiles import MAX_ROWS, expert_tiles_one_program
+
+    times = {"tables_torch_us": time_us([lambda: expert_tiles(ids, experts, 16)] * 16, repeats)}
+    if ids.numel() <= MAX_ROWS:
+        times["tables_triton_us"] = time_us([lambda: expert_tiles_one_program(ids, experts, 16)] * 16, repeats)
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="1,16,64", help="comma-separated token counts")
@@ -201,7 +213,7 @@ def main() -> None:
     parser.add_argument("--ops", default=None, help="comma-separated ops to run (default: all)")
     parser.add_argument("--decodings", default=None, help="with --tune: only MMA candidates of these decodings")
     parser.add_argument("--max-candidates", type=int, default=None, help="with --tune: time only the first N")
-    parser.add_argument("--parts", action="store_true", help="also time the quantizer alone")
+    parser.add_argument("--parts", action="store_true", help="also time the quantizer alone (grouped: the tile tables)")
     parser.add_argument("--compare", default=None, help="JSON of a --baseline run: adds old/new ratios")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels_gemm-<device>.json)")
     args = parser.parse_args()
@@ -261,6 +273,8 @@ def main() -> None:
                     point["row0_equals_1_row_call"] = bool(torch.equal(one[0], out[0]))
                 if args.parts and ids is None and op != "lm_head" and not args.baseline:
                     point.update(part_times(n, k, x, args.repeats))
+                if args.parts and ids is not None:
+                    point.update(table_times(ids, args.experts, args.repeats))
                 touched = int(torch.unique(ids).numel()) if ids is not None else 1
                 point["weight_bytes"] = (
                     sum(w.numel() * w.element_size() for w in weights)
@@ -275,6 +289,9 @@ def main() -> None:
                     point["speedup"] = point["old_us"] / point["median_us"]
                 results.append(point)
                 print(f"{op} {name} {n}x{k} tokens={tokens}: {point['median_us']:.1f} us", flush=True)
+                if "tables_torch_us" in point:
+                    triton_us = point.get("tables_triton_us", float("nan"))
+                    print(f"  tile tables: PyTorch ops {point['tables_torch_us']:.1f} us, Triton {triton_us:.1f} us")
     if measured:
         print("MEASURED = {")
         for key, cfg in measured.items():
