@@ -54,7 +54,7 @@ CLASSES = {
 def variants() -> list[dict[str, Any]]:
     """(name, kernel, constexprs, warps, weight elements per thread per K step) of each counted variant: the
     decode-size tiles of the scaled preset's GEMMs (16 × 64 MMA tiles, 2-row FMA tiles with 32 weight rows) and the
-    grouped GEMM's 16 × 128 tiles."""
+    grouped GEMM's 16 × 128 tiles and its 8 × 128 swap_fp8 tile."""
     mma = {"SPLIT_GRID": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "DOT_BF16": True, "NATIVE_FP8": True}
     gemv = {"SPLIT_GRID": True, "ROWS": 2, "BLOCK_N": 32, "BLOCK_K": 128, "NATIVE_FP8": True, "E4M3_BIAS": 0}
     out: list[dict[str, Any]] = []
@@ -71,6 +71,8 @@ def variants() -> list[dict[str, Any]]:
         constexprs = {**wide, "DECODING": decoding, "BLOCK_K": block_k}
         name = f"mxfp4 grouped 16x128 k{block_k} {decoding}"
         out.append({"name": name, "kernel": mxfp4_kernel, "constexprs": constexprs})
+    eight = {**wide, "DECODING": "swap_fp8", "BLOCK_K": 64, "BLOCK_M": 8}
+    out.append({"name": "mxfp4 grouped 8x128 k64 swap_fp8", "kernel": mxfp4_kernel, "constexprs": eight})
     out.append(
         {"name": "mxfp4 grouped FMA (2 rows)", "kernel": mxfp4_gemv_kernel, "constexprs": {**gemv, "GROUPED": True}}
     )

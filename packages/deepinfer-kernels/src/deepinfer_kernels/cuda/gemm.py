@@ -189,9 +189,10 @@ def mxfp4_kernel(  # type: ignore[no-untyped-def]
     activation, in column order, is its narrow second operand). Otherwise the kernel decodes them itself, on an
     activation de-interleaved per group (``deinterleaved_activation``): scaled into BF16 (``"scaled_bf16"``) or
     unscaled FP16 with the scales applied to each group's sum (``"group_fp16"``, ``group_tiles``). ``"group_fp8"``
-    (``group_tiles``) feeds the activation codes, in column order, and the weight's codes turned into e4m3 to the FP8
-    tensor cores, one MMA per 32-column group, the scales applied to each group's sum; ``"swap_fp8"`` does the same
-    with the tile transposed (the weight as the MMA's first operand, for tiles of fewer than 64 rows).
+    (``group_tiles``) feeds the de-interleaved activation codes and the weight's codes turned into e4m3, in the same
+    order, to the FP8 tensor cores, one MMA per 32-column group, the scales applied to each group's sum;
+    ``"swap_fp8"`` does the same with the tile transposed (the weight as the MMA's first operand, for tiles of fewer
+    than 64 rows).
 
     Grouped: program ``pid`` owns positions ``[block_start[pid], block_end[pid])`` of the expert-sorted row order
     ``order`` and multiplies them by expert ``block_expert[pid]``; ``block_expert ≥ num_experts`` marks a spare
@@ -300,9 +301,9 @@ def deinterleaved_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 
 def activation_for(x: torch.Tensor, cfg: BlockConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """The activation codes an MXFP4 launch with tiles ``cfg`` reads: in column order for the FMA kernels and
-    ``tl.dot_scaled``, de-interleaved per group for ``mxfp4_kernel``'s own decodings."""
-    in_order = cfg.gemv or cfg.decoding in ("dot_scaled", "swap_ab", "group_fp8", "swap_fp8")
+    """The activation codes an MXFP4 launch with tiles ``cfg`` reads: in column order for the FMA kernels,
+    ``tl.dot_scaled`` and ``swap_ab``, de-interleaved per group for ``mxfp4_kernel``'s other decodings."""
+    in_order = cfg.gemv or cfg.decoding in ("dot_scaled", "swap_ab")
     return quantized_activation(x) if in_order else deinterleaved_activation(x)
 
 

@@ -121,7 +121,8 @@ def group_tiles(  # type: ignore[no-untyped-def]
     #   activation codes in column order, one MMA; "e2m1": the group's 16 packed weight bytes and the activation
     #   de-interleaved per group (deinterleaved_activation), an MMA for the even and one for the odd columns.
     # - group_fp8: the stored e4m3 codes feed the FP8 tensor cores as they are; e2m1 codes become e4m3 codes of the
-    #   value times 2^-6 (e2m1_e4m3_codes, exact), interleaved back into column order (activation in column order).
+    #   value times 2^-6 (e2m1_e4m3_codes, exact), the low nibbles' codes then the high nibbles' (the activation
+    #   de-interleaved per group to match, deinterleaved_activation).
     #   Hopper's FP8 MMA sums a group's 32 exact products in a narrower accumulator than FP32 (docs/design/numerics.md,
     #   "GEMM accumulation"); the groups are added in FP32.
     # - swap_fp8: group_fp8 computed transposed, [BLOCK_N, BLOCK_M] = Ŵ·x̂ᵀ with the weight as the MMA's first

@@ -171,17 +171,19 @@ lop3.b32 $1, m, $2, 0x80808080, 0xF8;
 
 @triton.jit
 def e2m1_e4m3_codes(raw, ROWS: tl.constexpr, NATIVE: tl.constexpr):  # type: ignore[no-untyped-def]
-    # raw [ROWS, 16] packed e2m1 bytes of one 32-column group → its [ROWS, 32] FP8 MMA operand in column order
-    # (element 2j the low nibble of byte j): float8e4nv codes of the values times 2^-6 when compiled (NATIVE), FP32
-    # values times 2^-14 (e2m1_halves) in the interpreter.
+    # raw [ROWS, 16] packed e2m1 bytes of one 32-column group → its [ROWS, 32] FP8 MMA operand in the order of
+    # deinterleaved_activation (element j the low nibble of byte j, element 16 + j its high nibble): float8e4nv codes
+    # of the values times 2^-6 when compiled (NATIVE), FP32 values times 2^-14 (e2m1_halves) in the interpreter. The
+    # PTX's outputs are already the two halves, so no byte is moved (interleaving them back into column order took
+    # about 0.25 PRMT per weight element, kernels_sass.py).
     if NATIVE:
         low, high = tl.inline_asm_elementwise(
             _E2M1_E4M3_PTX, "=r,=r,r", [raw], dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4
         )
-        return tl.reshape(tl.join(low, high), (ROWS, 32)).to(tl.float8e4nv, bitcast=True)
+        return tl.reshape(tl.permute(tl.join(low, high), (0, 2, 1)), (ROWS, 32)).to(tl.float8e4nv, bitcast=True)
     else:
         low, high = e2m1_halves(raw, False)
-        return tl.reshape(tl.join(low, high), (ROWS, 32))
+        return tl.reshape(tl.permute(tl.join(low, high), (0, 2, 1)), (ROWS, 32))
 
 
 @triton.jit
