@@ -248,9 +248,9 @@ def main() -> None:
                 out_dtype = torch.float32 if op == "lm_head" else torch.bfloat16
                 point: dict[str, Any] = {"op": op, "name": name, "n": n, "k": k, "tokens": tokens, "rows": m}
                 if args.tune and not args.baseline and op != "lm_head":
-                    from deepinfer_kernels.cuda.gemm_tiles import row_bucket
+                    from deepinfer_kernels.cuda.gemm_tiles import grouped_tile_rows, row_bucket
 
-                    per_expert = -(-m // args.experts) if ids is not None else m
+                    per_expert = grouped_tile_rows(m, args.experts) if ids is not None else m
                     key = f'("{op}", {row_bucket(per_expert)}, {n}, {k})'
                     if key in measured:  # tuned at the bucket's first (smallest) token count
                         cfg = measured[key]

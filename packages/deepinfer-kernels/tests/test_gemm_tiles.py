@@ -12,6 +12,7 @@ from deepinfer_kernels.cuda.gemm_tiles import (
     candidate_configs,
     decodings,
     default_config,
+    grouped_tile_rows,
 )
 
 OPS = ("fp8_block_gemm", "mxfp4_gemm", "mxfp4_grouped_gemm")
@@ -55,3 +56,15 @@ def test_weight_first_tiles_are_mxfp4_candidates_only() -> None:
     for op in OPS:
         has_swap = any(c.decoding == "swap_ab" for c in candidate_configs(op, 1))
         assert has_swap == (op == "mxfp4_grouped_gemm")
+
+
+@pytest.mark.parametrize(
+    ("m", "experts", "rows"),
+    [(6, 384, 1), (64, 384, 1), (65, 384, 16), (384, 384, 16), (1536, 384, 16), (49152, 384, 128), (600, 16, 38)],
+)
+def test_grouped_calls_beyond_the_split_rows_use_at_least_the_16_row_bucket(m: int, experts: int, rows: int) -> None:
+    """Up to 64 rows a grouped call's tiles follow its mean rows per expert (the split-K tiles of a single token);
+    beyond, at least the 16-row bucket's (the swap_fp8 tile at 64 tokens), whatever the mean."""
+    assert grouped_tile_rows(m, experts) == rows
+    if m > 64 and rows <= 16:
+        assert block_config("mxfp4_grouped_gemm", rows, 4608, 5120).decoding == "swap_fp8"

@@ -155,7 +155,6 @@ def test_fp8_block_gemm_quantized_gpu_equals_fp8_block_gemm(m: int) -> None:
 _FP8_MMA = {
     "group_fp8": BlockConfig(128, 128, num_warps=8, num_stages=3, split_grid=False, block_k=64, decoding="group_fp8"),
     "swap_fp8": BlockConfig(16, 128, num_warps=4, num_stages=4, split_grid=False, block_k=64, decoding="swap_fp8"),
-    "swap_fp8 8 rows": BlockConfig(8, 128, 4, 4, split_grid=False, block_k=64, decoding="swap_fp8"),
 }
 
 

@@ -30,6 +30,7 @@ from deepinfer_kernels.batch_invariant import invariant_kernels
 __all__ = [
     "BLOCK_K",
     "DECODINGS",
+    "GROUPED_SPLIT_MAX_ROWS",
     "MEASURED",
     "BlockConfig",
     "block_config",
@@ -37,6 +38,7 @@ __all__ = [
     "chunk_length",
     "decodings",
     "default_config",
+    "grouped_tile_rows",
     "invariant_config",
     "k_chunk",
     "row_bucket",
@@ -48,6 +50,11 @@ _DECODE_PROGRAMS = 1024
 _CHUNK_ALIGN = 256
 _DECODE_BLOCK_N = 32
 _BUCKETS = (2, 16, 32, 64, 256)
+# Above this many rows a grouped GEMM's touched experts alone give enough programs: its K chunks stay inside one
+# program, which keeps the FP32 partials (C × M × N) out of memory. Either way the sums are the same bits.
+GROUPED_SPLIT_MAX_ROWS = 64
+# Beyond GROUPED_SPLIT_MAX_ROWS rows a grouped GEMM's tiles are at least this bucket's, however few rows per expert.
+_UNSPLIT_MIN_BUCKET = 16
 DECODINGS = ("scaled_bf16", "dot_scaled", "group_fp16", "group_fp8", "swap_fp8", "swap_ab")
 
 
@@ -116,6 +123,16 @@ def chunk_length(n: int, k: int, cfg: BlockConfig) -> int:
 def row_bucket(rows: int) -> int:
     """The row bucket tiles are chosen for: the smallest of 2, 16, 32, 64, 256 holding ``rows``, else 4096."""
     return next((b for b in _BUCKETS if rows <= b), 4096)
+
+
+def grouped_tile_rows(m: int, experts: int) -> int:
+    """The rows per expert whose bucket gives the tiles of a grouped GEMM over ``m`` rows and ``experts`` experts: the
+    mean (rows per expert are unknown without a sync), but beyond :data:`GROUPED_SPLIT_MAX_ROWS` rows at least the
+    16-row bucket. There the K chunks stay in one program, and at about one row per expert (64 tokens of top-6
+    routing over 384 experts) the 16-row bucket's swap_fp8 tile beat the split-K tile that a single token's few rows
+    want (kernels_gemm-mxfp4-perm-t*.json)."""
+    mean_rows = _cdiv(m, experts)
+    return mean_rows if m <= GROUPED_SPLIT_MAX_ROWS else max(mean_rows, _UNSPLIT_MIN_BUCKET)
 
 
 def _decoding(op: str) -> str:
@@ -202,10 +219,6 @@ def candidate_configs(op: str, rows: int) -> list[BlockConfig]:
             # element in the K loop of the 16 × 128 tile (offline sm_90 compile, kernels_sass-sm90.json).
             _mma(16, 128, 4, 4, split_grid=False, decoding="swap_fp8", block_k=64),
             _mma(16, 256, 8, 4, split_grid=False, decoding="swap_fp8", block_k=64),
-            # 8 activation rows (wgmma N = 8): half the per-group scaling of the FP32 tile, 4.0 instead of 4.5 SASS
-            # instructions per weight element (16 × 128 tiles; 8 × 256 with 8 warps the same).
-            _mma(8, 128, 4, 4, split_grid=False, decoding="swap_fp8", block_k=64),
-            _mma(8, 256, 8, 4, split_grid=False, decoding="swap_fp8", block_k=64),
         ]
         out += [cfg for cfg in wide if cfg not in out]
     if op == "mxfp4_grouped_gemm" and rows <= 2:
@@ -236,21 +249,25 @@ def _mma(
 
 # (op, row bucket, N, K) -> tiles where the fastest candidate on an H200 was not the default (the scaled preset's
 # decode shapes; benchmarks/results/kernels_gemm-nvidia-h200*.json, docs/hardware.md "Kernels"). Bucket 2 was tuned
-# at 1 row, bucket 16 at 1 row (the grouped GEMM's at 256 tokens), bucket 64 at 64 rows, the grouped GEMM's bucket 256
-# at 8192 tokens.
-# The FP8 entries of buckets 2 and 16 predate tl.dot_scaled (own decoding). The grouped MXFP4 GEMM's bucket 2 holds
-# both 1 token and 64 tokens (about one row per expert): its 128-column tiles were the fastest scaled_bf16 tiles at
+# at 1 row, bucket 16 at 1 row (the grouped GEMM's at 64 tokens: grouped_gemm.tile_rows), bucket 64 at 64 rows, the
+# grouped GEMM's bucket 256 at 8192 tokens.
+# The FP8 entries of buckets 2 and 16 predate tl.dot_scaled (own decoding). The grouped MXFP4 GEMM's bucket 2 held
+# both 1 token and 64 tokens (about one row per expert) until grouped_gemm.tile_rows moved 64 tokens to bucket 16:
+# its 128-column tiles were the fastest scaled_bf16 tiles at
 # both, 16–21 % faster than the default (kernels_gemm-mxfp4-swap-t*.json), and faster than swap_ab except on w2 at
 # 1 token (50.6 against 54.4 µs); with a 64-column K step (127 registers instead of 167) they were 6–13 % faster
 # again (kernels_gemm-mxfp4-wide-t*.json). With group_fp8 (at 16 rows an FP16 mma.sync on e4m3 operands converted by
 # Triton, not the FP8 tensor cores: see swap_fp8) the 16×128 tile was 3–5 % faster at 64
 # and 256 tokens but 32 % slower at 1 token (kernels_gemm-mxfp4-fp8mma-t*.json). The same tile transposed (swap_fp8,
 # FP8 wgmma) was faster again at 256 tokens, 3497 against 3743 µs on w13 and 1778 against 1965 µs on w2, and no
-# faster at 1 token (46.2 against 44.8 µs on w2; kernels_gemm-mxfp4-swapfp8.json): bucket 16 (256 tokens) takes it,
-# bucket 2 (1 and 64 tokens) keeps the scaled_bf16 tile.
-# The grouped GEMM's tile at about one row per expert (both shapes), also its batch-invariant tile.
+# faster at 1 token (46.2 against 44.8 µs on w2; kernels_gemm-mxfp4-swapfp8.json). With its operand in the
+# de-interleaved order (no byte interleave) it took 1981 against 2348 µs (w13) and 1071 against 1305 µs (w2) at 64
+# tokens, 3242 against 3881 and 1619 against 1997 µs at 256 tokens, but 89.3 against 73.7 µs (w13) and 42.3 against
+# 42.8 µs (w2) at 1 token (kernels_gemm-mxfp4-perm-t*.json); its 8-row tiles were 18–27 % slower than its 16-row
+# ones. Bucket 16 (64 and 256 tokens) takes it; bucket 2 (a single token's few rows) keeps the scaled_bf16 tile.
+# The grouped GEMM's split-K tile at about one row per expert (both shapes), also its batch-invariant tile.
 _GROUPED_DECODE_TILE = _mma(16, 128, 4, 4, block_k=64)
-# A few rows per expert (256 tokens): the FP8 wgmma, weight first.
+# Beyond 64 rows at a few rows per expert or fewer (64 and 256 tokens): the FP8 wgmma, weight first.
 _GROUPED_FP8_DECODE_TILE = _mma(16, 128, 4, 4, split_grid=False, decoding="swap_fp8", block_k=64)
 # About 128 rows per expert (an 8K-token prefill): FP8 tensor-core tiles, 2.5x the scaled_bf16 default on both
 # shapes (kernels_gemm-h200-prefill.json).

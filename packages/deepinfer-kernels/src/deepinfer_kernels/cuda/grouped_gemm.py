@@ -23,12 +23,8 @@ import triton
 
 from deepinfer_kernels.cuda._launch import check_launchable
 from deepinfer_kernels.cuda.gemm import activation_for, gemv_rows, mxfp4_launch
-from deepinfer_kernels.cuda.gemm_tiles import BlockConfig, block_config
+from deepinfer_kernels.cuda.gemm_tiles import GROUPED_SPLIT_MAX_ROWS, BlockConfig, block_config, grouped_tile_rows
 from deepinfer_kernels.cuda.grouped_tiles import MAX_ROWS, expert_tiles_one_program
-
-# Above this many rows the touched experts alone give enough programs: chunks stay inside one program, which keeps
-# the FP32 partials (C × M × N) out of memory. Either way the sums are the same bits (cuda.gemm_tiles).
-_SPLIT_MAX_ROWS = 64
 
 __all__ = ["expert_tiles", "mxfp4_grouped_gemm"]
 
@@ -93,10 +89,9 @@ def mxfp4_grouped_gemm(
     (m, k), (experts, n) = x.shape, packed.shape[:2]
     if experts == 0:
         return  # no local experts: every row stays zero
-    # Rows per expert are unknown without a sync; the mean sizes the tiles.
     mean_rows = triton.cdiv(m, experts)
-    cfg = config or block_config("mxfp4_grouped_gemm", mean_rows, n, k)
-    if m > _SPLIT_MAX_ROWS:
+    cfg = config or block_config("mxfp4_grouped_gemm", grouped_tile_rows(m, experts), n, k)
+    if m > GROUPED_SPLIT_MAX_ROWS:
         cfg = dataclasses.replace(cfg, split_grid=False)
     q, q_scale = activation_for(x, cfg)
     if not cfg.gemv and m <= cfg.block_m:
