@@ -265,7 +265,7 @@ def _mma(
 # tokens, 3242 against 3881 and 1619 against 1997 µs at 256 tokens, but 89.3 against 73.7 µs (w13) and 42.3 against
 # 42.8 µs (w2) at 1 token (kernels_gemm-mxfp4-perm-t*.json); its 8-row tiles were 18–27 % slower than its 16-row
 # ones. Bucket 16 (64 and 256 tokens) takes it; bucket 2 (a single token's few rows) keeps the scaled_bf16 tile.
-# The grouped GEMM's split-K tile at about one row per expert (both shapes), also its batch-invariant tile.
+# The grouped GEMM's split-K tile at about one row per expert (both shapes).
 _GROUPED_DECODE_TILE = _mma(16, 128, 4, 4, block_k=64)
 # Beyond 64 rows at a few rows per expert or fewer (64 and 256 tokens): the FP8 wgmma, weight first.
 _GROUPED_FP8_DECODE_TILE = _mma(16, 128, 4, 4, split_grid=False, decoding="swap_fp8", block_k=64)
@@ -303,8 +303,10 @@ MEASURED: dict[tuple[str, int, int, int], BlockConfig] = {
 
 
 # Batch-invariant tiles per op, else 64×64 with 4 warps: the grouped GEMM's rows per expert stay few at decode, so it
-# keeps its measured decode tile.
-_INVARIANT_TILES = {"mxfp4_grouped_gemm": _GROUPED_DECODE_TILE}
+# keeps a measured decode tile, the swap_fp8 one of 64 and 256 tokens (16–20 % faster there than the split-K tile of a
+# single token, 20 % slower on w13 at one token: kernels_gemm-mxfp4-perm-t*.json). K is one chunk in it, so split_grid
+# has nothing to split.
+_INVARIANT_TILES = {"mxfp4_grouped_gemm": _GROUPED_FP8_DECODE_TILE}
 
 
 def invariant_config(op: str, rows: int) -> BlockConfig:
