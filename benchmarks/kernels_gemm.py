@@ -194,11 +194,11 @@ def table_times(ids: torch.Tensor, experts: int, repeats: int) -> dict[str, floa
     """Diagnostics: the grouped GEMM's tile tables (16-row tiles) from the PyTorch ops and, up to their row limit, from
     the one Triton launch, 16 calls per graph."""
     from deepinfer_kernels.cuda.grouped_gemm import expert_tiles
-    from deepinfer_kernels.cuda.grouped_tiles import MAX_ROWS, expert_tiles_one_program
+    from deepinfer_kernels.cuda.grouped_tiles import MAX_ROWS, expert_tiles_one_launch
 
     times = {"tables_torch_us": time_us([lambda: expert_tiles(ids, experts, 16)] * 16, repeats)}
     if ids.numel() <= MAX_ROWS:
-        times["tables_triton_us"] = time_us([lambda: expert_tiles_one_program(ids, experts, 16)] * 16, repeats)
+        times["tables_triton_us"] = time_us([lambda: expert_tiles_one_launch(ids, experts, 16)] * 16, repeats)
     return times
 
 

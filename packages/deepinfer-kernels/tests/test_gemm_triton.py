@@ -117,19 +117,19 @@ def test_grouped_rows_in_one_tile_skip_the_tables(triton_device: str, decoding: 
     assert_gemm_close(small.cpu(), ref, bound, k)
 
 
-@pytest.mark.parametrize("one_program", [False, True])
+@pytest.mark.parametrize("one_launch", [False, True])
 @pytest.mark.parametrize(
     ("m", "experts", "block_m"),
     [(1, 256, 16), (50, 4, 16), (37, 8, 4), (9, 3, 64), (150, 384, 16), (130, 5, 16), (700, 256, 16), (1536, 384, 16)],
 )
 def test_expert_tiles_cover_each_routed_row_once(
-    triton_device: str, m: int, experts: int, block_m: int, one_program: bool
+    triton_device: str, m: int, experts: int, block_m: int, one_launch: bool
 ) -> None:
     from deepinfer_kernels.cuda.grouped_gemm import expert_tiles
-    from deepinfer_kernels.cuda.grouped_tiles import expert_tiles_one_program
+    from deepinfer_kernels.cuda.grouped_tiles import expert_tiles_one_launch
 
     ids = torch.randint(-1, experts, (m,), generator=torch.Generator().manual_seed(m))
-    tables = expert_tiles_one_program if one_program else expert_tiles
+    tables = expert_tiles_one_launch if one_launch else expert_tiles
     order, tile_expert, start, end = (t.cpu() for t in tables(ids.to(triton_device), experts, block_m))
     assert tile_expert.numel() == -(-m // block_m) + min(experts, m)
     bucket = torch.where(ids < 0, experts, ids)[order]
@@ -146,7 +146,7 @@ def test_expert_tiles_cover_each_routed_row_once(
         assert all(int(ids[order[p]]) == expert for p in positions)
         served.extend(int(order[p]) for p in positions)
     assert sorted(served) == [r for r in range(m) if int(ids[r]) >= 0]
-    if one_program:
+    if one_launch:
         # The same tables as the PyTorch ops wherever a tile has rows.
         torch_tables = expert_tiles(ids, experts, block_m)
         assert torch.equal(order, torch_tables[0])

@@ -249,10 +249,10 @@ def _mma(
 
 # (op, row bucket, N, K) -> tiles where the fastest candidate on an H200 was not the default (the scaled preset's
 # decode shapes; benchmarks/results/kernels_gemm-nvidia-h200*.json, docs/hardware.md "Kernels"). Bucket 2 was tuned
-# at 1 row, bucket 16 at 1 row (the grouped GEMM's at 64 tokens: grouped_gemm.tile_rows), bucket 64 at 64 rows, the
+# at 1 row, bucket 16 at 1 row (the grouped GEMM's at 64 tokens: grouped_tile_rows), bucket 64 at 64 rows, the
 # grouped GEMM's bucket 256 at 8192 tokens.
 # The FP8 entries of buckets 2 and 16 predate tl.dot_scaled (own decoding). The grouped MXFP4 GEMM's bucket 2 held
-# both 1 token and 64 tokens (about one row per expert) until grouped_gemm.tile_rows moved 64 tokens to bucket 16:
+# both 1 token and 64 tokens (about one row per expert) until grouped_tile_rows moved 64 tokens to bucket 16:
 # its 128-column tiles were the fastest scaled_bf16 tiles at
 # both, 16–21 % faster than the default (kernels_gemm-mxfp4-swap-t*.json), and faster than swap_ab except on w2 at
 # 1 token (50.6 against 54.4 µs); with a 64-column K step (127 registers instead of 167) they were 6–13 % faster

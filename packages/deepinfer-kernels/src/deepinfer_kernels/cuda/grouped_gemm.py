@@ -24,7 +24,7 @@ import triton
 from deepinfer_kernels.cuda._launch import check_launchable
 from deepinfer_kernels.cuda.gemm import activation_for, gemv_rows, mxfp4_launch
 from deepinfer_kernels.cuda.gemm_tiles import GROUPED_SPLIT_MAX_ROWS, BlockConfig, block_config, grouped_tile_rows
-from deepinfer_kernels.cuda.grouped_tiles import MAX_ROWS, expert_tiles_one_program
+from deepinfer_kernels.cuda.grouped_tiles import MAX_ROWS, expert_tiles_one_launch
 
 __all__ = ["expert_tiles", "mxfp4_grouped_gemm"]
 
@@ -105,7 +105,7 @@ def mxfp4_grouped_gemm(
     key = ("mxfp4_grouped_gemm tiles", experts, rows)
     tables = None if derived is None else derived.get(key)
     if tables is None:
-        tables = (expert_tiles_one_program if m <= MAX_ROWS else expert_tiles)(expert_ids, experts, rows)
+        tables = (expert_tiles_one_launch if m <= MAX_ROWS else expert_tiles)(expert_ids, experts, rows)
         if derived is not None:
             derived[key] = tables
     mxfp4_launch(q, q_scale, packed, scale, out, tables, rows, cfg)

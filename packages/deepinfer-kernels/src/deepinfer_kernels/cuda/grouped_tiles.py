@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["MAX_ROWS", "expert_tiles_one_program"]
+__all__ = ["MAX_ROWS", "expert_tiles_one_launch"]
 
 MAX_ROWS = 2048
 _CHUNK = 64
@@ -88,14 +88,14 @@ def _tiles_kernel(  # type: ignore[no-untyped-def]
         tl.store(tile_end_ptr + tile, end.to(tl.int64), mask=mask)
 
 
-def expert_tiles_one_program(
+def expert_tiles_one_launch(
     expert_ids: torch.Tensor, num_experts: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``grouped_gemm.expert_tiles`` in one launch, for at most :data:`MAX_ROWS` rows (same outputs for every tile
     that has rows; spare tiles carry ``num_experts`` as their expert)."""
     m = expert_ids.numel()
     if m > MAX_ROWS:
-        raise ValueError(f"expert_tiles_one_program takes at most {MAX_ROWS} rows, got {m}")
+        raise ValueError(f"expert_tiles_one_launch takes at most {MAX_ROWS} rows, got {m}")
     tiles = triton.cdiv(m, block_m) + min(num_experts, m)
     order = torch.empty(m, dtype=torch.int64, device=expert_ids.device)
     tile_expert, tile_start, tile_end = torch.empty((3, tiles), dtype=torch.int64, device=expert_ids.device)
