@@ -35,12 +35,14 @@ def test_candidates_start_with_the_default_and_time_every_decoding(op: str, rows
     if default.gemv:
         assert all(c.gemv for c in candidates)
     else:
+        # gluon_fp8's tile is tied to its warps (block_n = 16 × num_warps): it has candidates of its own.
         same_tile = [
             c
             for c in candidates
             if (c.block_m, c.block_n, c.num_warps) == (default.block_m, default.block_n, default.num_warps)
+            and c.decoding != "gluon_fp8"
         ]
-        assert {c.decoding for c in same_tile} == set(decodings(op))
+        assert {c.decoding for c in same_tile} == set(decodings(op)) - {"gluon_fp8"}
 
 
 def test_measured_entries_win_over_the_default() -> None:
@@ -52,7 +54,7 @@ def test_measured_entries_win_over_the_default() -> None:
 def test_weight_first_tiles_are_mxfp4_candidates_only() -> None:
     """``swap_ab`` is an MXFP4 kernel's decoding, never the FP8 GEMM's; the grouped GEMM tries it at few rows per
     expert (the dense MXFP4 GEMM's 1-2 rows take the FMA kernel)."""
-    assert set(DECODINGS) - set(decodings("fp8_block_gemm")) == {"swap_ab"}
+    assert set(DECODINGS) - set(decodings("fp8_block_gemm")) == {"swap_ab", "gluon_fp8"}
     for op in OPS:
         has_swap = any(c.decoding == "swap_ab" for c in candidate_configs(op, 1))
         assert has_swap == (op == "mxfp4_grouped_gemm")
@@ -64,7 +66,20 @@ def test_weight_first_tiles_are_mxfp4_candidates_only() -> None:
 )
 def test_grouped_calls_beyond_the_split_rows_use_at_least_the_16_row_bucket(m: int, experts: int, rows: int) -> None:
     """Up to 64 rows a grouped call's tiles follow its mean rows per expert (the split-K tiles of a single token);
-    beyond, at least the 16-row bucket's (the swap_fp8 tile at 64 tokens), whatever the mean."""
+    beyond, at least the 16-row bucket's (the gluon_fp8 tile at 64 tokens), whatever the mean."""
     assert grouped_tile_rows(m, experts) == rows
     if m > 64 and rows <= 16:
-        assert block_config("mxfp4_grouped_gemm", rows, 4608, 5120).decoding == "swap_fp8"
+        assert block_config("mxfp4_grouped_gemm", rows, 4608, 5120).decoding == "gluon_fp8"
+
+
+def test_gluon_tiles_are_grouped_candidates_only() -> None:
+    """The explicit-layout kernel serves the grouped MXFP4 GEMM at few rows per expert; its tiles are checked."""
+    assert set(DECODINGS) - set(decodings("mxfp4_gemm")) == {"gluon_fp8"}
+    for op in OPS:
+        gluon = [c for c in candidate_configs(op, 16) if c.decoding == "gluon_fp8"]
+        assert bool(gluon) == (op == "mxfp4_grouped_gemm")
+        assert all(c.block_n == 16 * c.num_warps and not c.split_grid for c in gluon)
+    with pytest.raises(ValueError, match="gluon_fp8 tile has block_n = 16 × num_warps"):
+        BlockConfig(16, 128, num_warps=4, num_stages=1, split_grid=False, decoding="gluon_fp8")
+    with pytest.raises(ValueError, match="no split_grid"):
+        BlockConfig(16, 64, num_warps=4, num_stages=1, split_grid=True, decoding="gluon_fp8")

@@ -200,3 +200,73 @@ def test_fp8_tensor_core_decoding_meets_the_bound(op: str, exact: bool, decoding
     assert_gemm_close(fast, ref, magnitude, _K, group_accumulation=0.0 if exact else 2.0**-8)
     if op == "mxfp4_grouped_gemm":
         assert torch.all(fast[inputs[1] < 0] == 0)
+
+
+# The explicit-layout Gluon kernel's tiles (cuda.grouped_wgmma): one and two warpgroups, 8 and 16 rows, K steps of
+# two, four and eight groups.
+_GLUON_TILES = [
+    BlockConfig(8, 64, num_warps=4, num_stages=1, split_grid=False, block_k=128, decoding="gluon_fp8"),
+    BlockConfig(16, 64, num_warps=4, num_stages=1, split_grid=False, block_k=64, decoding="gluon_fp8"),
+    BlockConfig(8, 128, num_warps=8, num_stages=1, split_grid=False, block_k=256, decoding="gluon_fp8"),
+    BlockConfig(16, 128, num_warps=8, num_stages=1, split_grid=False, block_k=128, decoding="gluon_fp8"),
+]
+
+
+@pytest.mark.parametrize("cfg", _GLUON_TILES, ids=lambda c: f"m{c.block_m}-w{c.num_warps}-k{c.block_k}")
+@pytest.mark.parametrize("m", [1, 6, 64, 600])
+def test_gluon_grouped_gemm_meets_the_reference_bound(m: int, cfg: BlockConfig) -> None:
+    """The Gluon kernel on random inputs: within the reference's bound with the FP8 MMA's per-group term, one tile of
+    all rows (1 and 6 rows) or tile tables (64, 600), zero rows for unassigned ids, N not a multiple of its tile."""
+    experts, n = 16, 2000
+    packed, scale = _mxfp4((experts, n), seed=m + cfg.block_k)
+    x = _activation(m, seed=m + 50)
+    ids = _ids(m, experts, seed=m + 51)
+    fast = torch.zeros(m, n, dtype=torch.bfloat16, device="cuda")
+    implementation("mxfp4_grouped_gemm", Backend.NVIDIA)(x, ids, packed, scale, fast, config=cfg)
+    ref = _run("mxfp4_grouped_gemm", Backend.REFERENCE, m, n, x, ids, packed, scale)
+    assert_gemm_close(fast, ref, _grouped_magnitude(x, ids, packed, scale), _K, group_accumulation=2.0**-8)
+    assert torch.all(fast[ids < 0] == 0)
+
+
+@pytest.mark.parametrize("cfg", _GLUON_TILES, ids=lambda c: f"m{c.block_m}-w{c.num_warps}-k{c.block_k}")
+def test_gluon_grouped_gemm_equals_swap_fp8_bitwise(cfg: BlockConfig) -> None:
+    """The Gluon kernel computes the swap_fp8 tile's products, group sums and factor order: the same bits as the Triton
+    tile of 16 rows."""
+    experts, n, m = 16, 2048, 64
+    packed, scale = _mxfp4((experts, n), seed=60)
+    x = _activation(m, seed=61)
+    ids = _ids(m, experts, seed=62)
+    results = []
+    for tile in (cfg, _FP8_MMA["swap_fp8"]):
+        out = torch.zeros(m, n, dtype=torch.bfloat16, device="cuda")
+        implementation("mxfp4_grouped_gemm", Backend.NVIDIA)(x, ids, packed, scale, out, config=tile)
+        results.append(out)
+    assert torch.equal(results[0], results[1])
+
+
+def test_gluon_grouped_gemm_exact_sums_meet_the_fp32_bound() -> None:
+    """Integer inputs whose group sums fit the FP8 MMA's accumulator: any wrong code, column order, row or scale of the
+    Gluon kernel breaks the FP32 accumulation bound."""
+    inputs, magnitude, n = _fp8_mma_case("mxfp4_grouped_gemm", 600, exact=True, seed=77)
+    for cfg in _GLUON_TILES:
+        fast = torch.zeros(600, n, dtype=torch.bfloat16, device="cuda")
+        implementation("mxfp4_grouped_gemm", Backend.NVIDIA)(*inputs, fast, config=cfg)
+        ref = _run("mxfp4_grouped_gemm", Backend.REFERENCE, 600, n, *inputs)
+        assert_gemm_close(fast, ref, magnitude, _K, group_accumulation=0.0)
+
+
+def test_gluon_grouped_gemm_rows_alone_equal_rows_in_a_batch() -> None:
+    """A row's bits do not depend on the batch: alone (one program scans for it) and among 384 rows over 64 experts
+    (tile tables), bit for bit."""
+    experts, n, m = 64, 1024, 384
+    packed, scale = _mxfp4((experts, n), seed=90)
+    x = _activation(m, seed=91)
+    ids = _ids(m, experts, seed=92).clamp(min=0)
+    cfg = _GLUON_TILES[0]
+    impl = implementation("mxfp4_grouped_gemm", Backend.NVIDIA)
+    together = torch.zeros(m, n, dtype=torch.bfloat16, device="cuda")
+    impl(x, ids, packed, scale, together, config=cfg)
+    for r in (0, 17, 383):
+        alone = torch.zeros(1, n, dtype=torch.bfloat16, device="cuda")
+        impl(x[r : r + 1], ids[r : r + 1], packed, scale, alone, config=cfg)
+        assert torch.equal(alone[0], together[r])

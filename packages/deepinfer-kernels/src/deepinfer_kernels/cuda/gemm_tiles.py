@@ -55,7 +55,9 @@ _BUCKETS = (2, 16, 32, 64, 256)
 GROUPED_SPLIT_MAX_ROWS = 64
 # Beyond GROUPED_SPLIT_MAX_ROWS rows a grouped GEMM's tiles are at least this bucket's, however few rows per expert.
 _UNSPLIT_MIN_BUCKET = 16
-DECODINGS = ("scaled_bf16", "dot_scaled", "group_fp16", "group_fp8", "swap_fp8", "swap_ab")
+DECODINGS = ("scaled_bf16", "dot_scaled", "group_fp16", "group_fp8", "swap_fp8", "swap_ab", "gluon_fp8")
+# Rows of a gluon_fp8 tile's block_n per warp (a warpgroup's 4 warps make the wgmma's 64-row register operand).
+_GLUON_ROWS_PER_WARP = 16
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,10 @@ class BlockConfig:
       (untransposed, Triton runs their FP8 dots as FP16 ``mma.sync`` on converted operands);
     - ``"swap_ab"`` (MXFP4 only): the MMA computes the tile transposed with the weight as its first operand, decoded
       and scaled into BF16 straight into that operand's registers (no shared-memory round trip); ``block_m``
-      activation rows are the MMA's narrow side (16 suits few rows per weight; 8-row tiles were slower on the H200).
+      activation rows are the MMA's narrow side (16 suits few rows per weight; 8-row tiles were slower on the H200);
+    - ``"gluon_fp8"`` (grouped MXFP4 only): the ``swap_fp8`` products, sums and factor order in the explicit-layout
+      Gluon kernel of ``cuda.grouped_wgmma`` (Hopper only; elsewhere and in the interpreter the ``swap_fp8`` tile runs):
+      ``block_n`` is 16 rows per warp, ``block_m`` 8, 16 or 32, ``block_k`` 32 to 512, K in one program.
     """
 
     block_m: int
@@ -94,12 +99,24 @@ class BlockConfig:
     def __post_init__(self) -> None:
         if self.decoding not in DECODINGS:
             raise ValueError(f"BlockConfig.decoding must be one of {DECODINGS}, got {self.decoding!r}")
+        if self.decoding == "gluon_fp8" and (
+            self.block_n != _GLUON_ROWS_PER_WARP * self.num_warps
+            or self.block_m not in (8, 16, 32)
+            or self.block_k not in (32, 64, 128, 256, 512)
+            or self.split_grid
+        ):
+            raise ValueError(
+                "a gluon_fp8 tile has block_n = 16 × num_warps, block_m in (8, 16, 32), block_k in"
+                f" (32, 64, 128, 256, 512) and no split_grid, got {self}"
+            )
 
 
 def decodings(op: str) -> tuple[str, ...]:
-    """The decodings ``op``'s MMA kernel has: every one of :data:`DECODINGS` for the MXFP4 GEMMs, all but
-    ``"swap_ab"`` for the FP8 block GEMM."""
-    return DECODINGS if op.startswith("mxfp4") else tuple(d for d in DECODINGS if d != "swap_ab")
+    """The decodings ``op``'s MMA kernels have: every one of :data:`DECODINGS` for the grouped MXFP4 GEMM, all but
+    ``"gluon_fp8"`` for the dense one, and neither that nor ``"swap_ab"`` for the FP8 block GEMM."""
+    if op == "mxfp4_grouped_gemm":
+        return DECODINGS
+    return tuple(d for d in DECODINGS if d != "gluon_fp8" and (op.startswith("mxfp4") or d != "swap_ab"))
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -117,7 +134,7 @@ def chunk_length(n: int, k: int, cfg: BlockConfig) -> int:
     """K columns per reduction chunk of a launch with tiles ``cfg``: :func:`k_chunk`, except for the FP8 tensor-core
     decodings (``"group_fp8"``, ``"swap_fp8"``), which sum K as one chunk (no split-K; one FP32 tile of registers
     fewer)."""
-    return k if cfg.decoding in ("group_fp8", "swap_fp8") else k_chunk(n, k)
+    return k if cfg.decoding in ("group_fp8", "swap_fp8", "gluon_fp8") else k_chunk(n, k)
 
 
 def row_bucket(rows: int) -> int:
@@ -167,7 +184,8 @@ def candidate_configs(op: str, rows: int) -> list[BlockConfig]:
     with every other decoding, then other tile shapes with every decoding (MMA tiles), so a default that changes
     is always timed against the one before it."""
     default = default_config(op, rows)
-    others = () if default.gemv else tuple(d for d in decodings(op) if d != default.decoding)
+    # gluon_fp8's tiles are tied to their warps: it has tiles of its own below.
+    others = () if default.gemv else tuple(d for d in decodings(op) if d not in (default.decoding, "gluon_fp8"))
     kinds = (default.decoding, *others)
     out = [replace(default, decoding=decoding) for decoding in kinds]
     if rows > 64:
@@ -219,6 +237,22 @@ def candidate_configs(op: str, rows: int) -> list[BlockConfig]:
             # element in the K loop of the 16 × 128 tile (offline sm_90 compile, kernels_sass-sm90.json).
             _mma(16, 128, 4, 4, split_grid=False, decoding="swap_fp8", block_k=64),
             _mma(16, 256, 8, 4, split_grid=False, decoding="swap_fp8", block_k=64),
+            # The swap_fp8 sums in explicit layouts (cuda.grouped_wgmma): one or two warpgroups, 8 or 16 rows, K steps
+            # of two to sixteen groups.
+            *(
+                _mma(block_m, 16 * num_warps, num_warps, 1, split_grid=False, decoding="gluon_fp8", block_k=block_k)
+                for block_m, num_warps, block_k in (
+                    (8, 4, 128),
+                    (8, 4, 256),
+                    (16, 4, 128),
+                    (8, 8, 128),
+                    (16, 8, 128),
+                    (8, 4, 64),
+                    (8, 4, 512),
+                    (8, 8, 256),
+                    (16, 4, 256),
+                )
+            ),
         ]
         out += [cfg for cfg in wide if cfg not in out]
     if op == "mxfp4_grouped_gemm" and rows <= 2:
@@ -264,11 +298,11 @@ def _mma(
 # de-interleaved order (no byte interleave) it took 1981 against 2348 µs (w13) and 1071 against 1305 µs (w2) at 64
 # tokens, 3242 against 3881 and 1619 against 1997 µs at 256 tokens, but 89.3 against 73.7 µs (w13) and 42.3 against
 # 42.8 µs (w2) at 1 token (kernels_gemm-mxfp4-perm-t*.json); its 8-row tiles were 18–27 % slower than its 16-row
-# ones. Bucket 16 (64 and 256 tokens) takes it; bucket 2 (a single token's few rows) keeps the scaled_bf16 tile.
-# The grouped GEMM's split-K tile at about one row per expert (both shapes).
-_GROUPED_DECODE_TILE = _mma(16, 128, 4, 4, block_k=64)
-# Beyond 64 rows at a few rows per expert or fewer (64 and 256 tokens): the FP8 wgmma, weight first.
-_GROUPED_FP8_DECODE_TILE = _mma(16, 128, 4, 4, split_grid=False, decoding="swap_fp8", block_k=64)
+# ones. The explicit-layout Gluon kernel of the same sums (gluon_fp8, cuda.grouped_wgmma) with 8-row tiles and a K step
+# of eight groups beat every Triton tile on both shapes: 59.1 against 72.4 µs (w13, the scaled_bf16 tile) and 31.6
+# against 43.8 µs (w2) at 1 token, 1505 against 2023 µs (w13, swap_fp8) and 781 against 1020 µs (w2) at 64 tokens
+# (kernels_gemm-gluon.json); buckets 2 and 16 take it.
+_GROUPED_GLUON_TILE = _mma(8, 64, 4, 1, split_grid=False, decoding="gluon_fp8", block_k=256)
 # About 128 rows per expert (an 8K-token prefill): FP8 tensor-core tiles, 2.5x the scaled_bf16 default on both
 # shapes (kernels_gemm-h200-prefill.json).
 _GROUPED_PREFILL_TILE = _mma(64, 128, 4, 4, split_grid=False, decoding="group_fp8", block_k=64)
@@ -293,20 +327,20 @@ MEASURED: dict[tuple[str, int, int, int], BlockConfig] = {
     ("fp8_block_gemm", 64, 5120, 15360): _mma(64, 32, 2, 4, decoding="dot_scaled"),
     ("fp8_block_gemm", 64, 25600, 6144): _mma(64, 32, 2, 4, decoding="dot_scaled"),
     ("fp8_block_gemm", 64, 32768, 1280): _mma(64, 32, 2, 4, decoding="dot_scaled"),
-    ("mxfp4_grouped_gemm", 2, 4608, 5120): _GROUPED_DECODE_TILE,
-    ("mxfp4_grouped_gemm", 2, 5120, 2304): _GROUPED_DECODE_TILE,
-    ("mxfp4_grouped_gemm", 16, 4608, 5120): _GROUPED_FP8_DECODE_TILE,
-    ("mxfp4_grouped_gemm", 16, 5120, 2304): _GROUPED_FP8_DECODE_TILE,
+    ("mxfp4_grouped_gemm", 2, 4608, 5120): _GROUPED_GLUON_TILE,
+    ("mxfp4_grouped_gemm", 2, 5120, 2304): _GROUPED_GLUON_TILE,
+    ("mxfp4_grouped_gemm", 16, 4608, 5120): _GROUPED_GLUON_TILE,
+    ("mxfp4_grouped_gemm", 16, 5120, 2304): _GROUPED_GLUON_TILE,
     ("mxfp4_grouped_gemm", 256, 4608, 5120): _GROUPED_PREFILL_TILE,
     ("mxfp4_grouped_gemm", 256, 5120, 2304): _GROUPED_PREFILL_TILE,
 }
 
 
 # Batch-invariant tiles per op, else 64×64 with 4 warps: the grouped GEMM's rows per expert stay few at decode, so it
-# keeps a measured decode tile, the swap_fp8 one of 64 and 256 tokens (16–20 % faster there than the split-K tile of a
-# single token, 20 % slower on w13 at one token: kernels_gemm-mxfp4-perm-t*.json). K is one chunk in it, so split_grid
-# has nothing to split.
-_INVARIANT_TILES = {"mxfp4_grouped_gemm": _GROUPED_FP8_DECODE_TILE}
+# keeps the measured decode tile, the gluon_fp8 one (the fastest at 1, 64 and 256 tokens: kernels_gemm-gluon.json; its
+# rows' bits do not depend on the other rows, which the GPU tests check). K is one chunk in it, so split_grid has
+# nothing to split.
+_INVARIANT_TILES = {"mxfp4_grouped_gemm": _GROUPED_GLUON_TILE}
 
 
 def invariant_config(op: str, rows: int) -> BlockConfig:
@@ -316,6 +350,8 @@ def invariant_config(op: str, rows: int) -> BlockConfig:
     does not change the bits (module docstring) and without it a prefill's FP32 partials would take chunks × M × N × 4
     bytes."""
     tile = _INVARIANT_TILES.get(op) or _mma(64, 64, 4, 4, decoding=_decoding(op))
+    if tile.decoding == "gluon_fp8":
+        return tile  # K in one program: nothing to split
     return replace(tile, split_grid=rows <= 64)
 
 

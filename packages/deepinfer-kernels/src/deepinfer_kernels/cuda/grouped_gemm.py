@@ -25,6 +25,7 @@ from deepinfer_kernels.cuda._launch import check_launchable
 from deepinfer_kernels.cuda.gemm import activation_for, gemv_rows, mxfp4_launch
 from deepinfer_kernels.cuda.gemm_tiles import GROUPED_SPLIT_MAX_ROWS, BlockConfig, block_config, grouped_tile_rows
 from deepinfer_kernels.cuda.grouped_tiles import MAX_ROWS, expert_tiles_one_launch
+from deepinfer_kernels.cuda.grouped_wgmma import available, grouped_wgmma_launch
 
 __all__ = ["expert_tiles", "mxfp4_grouped_gemm"]
 
@@ -93,11 +94,14 @@ def mxfp4_grouped_gemm(
     cfg = config or block_config("mxfp4_grouped_gemm", grouped_tile_rows(m, experts), n, k)
     if m > GROUPED_SPLIT_MAX_ROWS:
         cfg = dataclasses.replace(cfg, split_grid=False)
+    if cfg.decoding == "gluon_fp8" and not available(x.device):
+        cfg = dataclasses.replace(cfg, decoding="swap_fp8")  # the same sums from Triton (cuda.grouped_wgmma)
+    launch = grouped_wgmma_launch if cfg.decoding == "gluon_fp8" else mxfp4_launch
     q, q_scale = activation_for(x, cfg)
     if not cfg.gemv and m <= cfg.block_m:
         # Every row fits one MMA tile: each program finds its expert's rows itself (mxfp4_kernel's SCAN), which saves
         # the tile-table launch (about 33 µs at batch 1 on the H200, longer than the GEMM's own share of a weight).
-        mxfp4_launch(q, q_scale, packed, scale, out, expert_ids, cfg.block_m, cfg)
+        launch(q, q_scale, packed, scale, out, expert_ids, cfg.block_m, cfg)
         return
     # FMA tiles take up to twice the mean rows, so that an expert with a few more rows than the mean is still read
     # once rather than once per tile.
@@ -108,4 +112,4 @@ def mxfp4_grouped_gemm(
         tables = (expert_tiles_one_launch if m <= MAX_ROWS else expert_tiles)(expert_ids, experts, rows)
         if derived is not None:
             derived[key] = tables
-    mxfp4_launch(q, q_scale, packed, scale, out, tables, rows, cfg)
+    launch(q, q_scale, packed, scale, out, tables, rows, cfg)
