@@ -25,7 +25,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from deepinfer_kernels.cuda.gemm_operands import _E2M1_E4M3_PTX
 from deepinfer_kernels.cuda.gemm_tiles import BlockConfig
@@ -48,19 +48,41 @@ def _bits(n: int) -> list[int]:
     return [1 << i for i in range(n.bit_length() - 1)]
 
 
+def _accumulator_bases(block_m: int, num_warps: int) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
+    """(register, lane, warp) bases of the wgmma accumulator [16·num_warps, block_m] (Gluon's
+    ``to_linear_layout`` of the NVMMA v3 layout with instruction shape [16, block_m, 32])."""
+    registers = [[0, 1], [8, 0]] + [[0, 8 * c] for c in _bits(block_m // 8)]
+    lanes = [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]]
+    return registers, lanes, [[_ROWS_PER_WARP * w, 0] for w in _bits(num_warps)]
+
+
+def _scale_layout(bases: tuple[list[list[int]], ...], dim: int, groups: int, rows: int) -> gl.DistributedLinearLayout:
+    """Scale bytes [rows, GROUPS] of a K step laid out so that dropping the group axis (in registers, last) leaves the
+    accumulator's slice along ``1 - dim``: each thread holds every group of the rows (or columns, ``dim`` 1) it
+    multiplies."""
+    registers, lanes, warps = ([[b[dim], 0] for b in level] for level in bases)
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, g] for g in _bits(groups)] + [r for r in registers if r[0]],
+        lane_bases=lanes,
+        warp_bases=warps,
+        block_bases=[],
+        shape=[rows, groups],
+    )
+
+
 @functools.cache
 def _layouts(block_m: int, block_k: int, num_warps: int) -> dict[str, object]:
     """The kernel's distributed layouts for its tile (docs/design/kernels.md, "The explicit-layout grouped GEMM")."""
     block_n, groups = _ROWS_PER_WARP * num_warps, block_k // 32
-    warps = _bits(num_warps)
     acc = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, block_m, 32])
+    bases = _accumulator_bases(block_m, num_warps)
     # Packed weight bytes [BLOCK_N, GROUPS, 16] of a K step, placed as the wgmma operand wants their decoded values:
     # a thread's 4 consecutive bytes (one word) of rows r and r + 8 in each group, lane bits 0-1 the word, lane bits
     # 2-4 and the warps the row.
     weight = gl.DistributedLinearLayout(
         reg_bases=[[0, 0, 1], [0, 0, 2], [8, 0, 0]] + [[0, g, 0] for g in _bits(groups)],
         lane_bases=[[0, 0, 4], [0, 0, 8], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-        warp_bases=[[_ROWS_PER_WARP * w, 0, 0] for w in warps],
+        warp_bases=[[w[0], 0, 0] for w in bases[2]],
         block_bases=[],
         shape=[block_n, groups, 16],
     )
@@ -69,7 +91,14 @@ def _layouts(block_m: int, block_k: int, num_warps: int) -> dict[str, object]:
         size_per_thread=[1, 1, 8], threads_per_warp=[1, 8, 4], warps_per_cta=[num_warps, 1, 1], order=[2, 1, 0]
     )
     staged = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=8, rank=2)
-    return {"acc": acc, "weight": weight, "codes": codes, "staged": staged}
+    return {
+        "acc": acc,
+        "weight": weight,
+        "codes": codes,
+        "staged": staged,
+        "weight_scales": _scale_layout(bases, 0, groups, block_n),
+        "code_scales": _scale_layout(bases, 1, groups, block_m),
+    }
 
 
 @gluon.jit
@@ -79,27 +108,47 @@ def _pow2(scale_bytes, BIAS: gl.constexpr):
 
 
 @gluon.jit
-def _group_bytes(raw, g: gl.constexpr, GROUP_BITS: gl.constexpr):
-    # Group g's [BLOCK_N, 16] bytes of raw [BLOCK_N, GROUPS, 16], whose groups each thread holds: halving the group
-    # axis, lowest index bit first, only renames registers.
-    x = gl.permute(raw, (0, 2, 1))
+def _group(x, g: gl.constexpr, GROUP_BITS: gl.constexpr):
+    # Group g of x [R, GROUPS] whose groups each thread holds in registers: halving the group axis, lowest index bit
+    # first, only renames registers.
     for level in gl.static_range(GROUP_BITS):
-        x = gl.reshape(x, (x.shape[0], x.shape[1], x.shape[2] // 2, 2))
-        even, odd = gl.split(x)
+        even, odd = gl.split(gl.reshape(x, (x.shape[0], x.shape[1] // 2, 2)))
         x = odd if (g >> level) & 1 else even
-    return gl.reshape(x, (x.shape[0], x.shape[1]))
+    return gl.reshape(x, (x.shape[0],))
 
 
 @gluon.jit
 def _weight_operand(raw, g: gl.constexpr, GROUP_BITS: gl.constexpr, OPERAND: gl.constexpr):
     # Group g's e4m3 codes of the weight values times 2^-6 (cuda.gemm_operands.e2m1_e4m3_codes), low nibbles then
     # high ones, as the wgmma's register operand; the conversion is asserted to move nothing.
-    packed = _group_bytes(raw, g, GROUP_BITS)
+    rows: gl.constexpr = raw.shape[0]
+    packed = gl.reshape(
+        _group(gl.reshape(gl.permute(raw, (0, 2, 1)), (rows * 16, raw.shape[1])), g, GROUP_BITS), (rows, 16)
+    )
     low, high = gl.inline_asm_elementwise(
         _E2M1_E4M3_PTX, "=r,=r,r", [packed], dtype=(gl.uint8, gl.uint8), is_pure=True, pack=4
     )
-    codes = gl.reshape(gl.permute(gl.join(low, high), (0, 2, 1)), (packed.shape[0], 32))
+    codes = gl.reshape(gl.permute(gl.join(low, high), (0, 2, 1)), (rows, 32))
     return gl.convert_layout(codes.to(gl.float8e4nv, bitcast=True), OPERAND, assert_trivial=True)
+
+
+@gluon.jit
+def _group_mma(raw, buffer, zero, g: gl.constexpr, GROUP_BITS: gl.constexpr, BLOCK_M: gl.constexpr,
+               OPERAND: gl.constexpr):  # fmt: skip
+    # Group g's asynchronous wgmma: the decoded weight group times the staged activation group, from zero.
+    weight = _weight_operand(raw, g, GROUP_BITS, OPERAND)
+    codes = buffer.slice(g * BLOCK_M, BLOCK_M).permute((1, 0))
+    return warpgroup_mma(weight, codes, zero, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _add_group(total, part, a_scales, w_scales, g: gl.constexpr, GROUP_BITS: gl.constexpr, TOKENS: gl.constexpr,
+               W_ROWS: gl.constexpr):  # fmt: skip
+    # total + group g's sum times the activation's factor per token (bias 0), then the weight's per row (bias 6: its
+    # codes are the values times 2^-6), in that order (cuda.gemm_decodings.group_tiles).
+    a_factors = _pow2(gl.convert_layout(_group(a_scales, g, GROUP_BITS), TOKENS), 0)
+    w_factors = _pow2(gl.convert_layout(_group(w_scales, g, GROUP_BITS), W_ROWS), 6)
+    return total + part * a_factors[None, :] * w_factors[:, None]
 
 
 @gluon.jit
@@ -129,9 +178,12 @@ def _tile_rows(order_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr, M, LAYO
 def _grouped_wgmma_kernel(
     q_ptr, qs_ptr, packed_ptr, ws_ptr, out_ptr, order_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
     M, N, K, num_experts, stride_q, stride_qs, stride_pe, stride_p, stride_se, stride_s, stride_out,
-    SCAN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_BITS: gl.constexpr,
-    ACC: gl.constexpr, WEIGHT: gl.constexpr, CODES: gl.constexpr, STAGED: gl.constexpr,
+    SCAN: gl.constexpr, EVEN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+    GROUP_BITS: gl.constexpr, ACC: gl.constexpr, WEIGHT: gl.constexpr, CODES: gl.constexpr, STAGED: gl.constexpr,
+    WEIGHT_SCALES: gl.constexpr, CODE_SCALES: gl.constexpr,
 ):  # fmt: skip
+    # EVEN: N a multiple of BLOCK_N, K of BLOCK_K and the scales' row strides of GROUPS: only the tile's rows need
+    # masks.
     GROUPS: gl.constexpr = BLOCK_K // 32
     OPERAND: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=4)
     TOKENS: gl.constexpr = gl.SliceLayout(0, ACC)
@@ -145,6 +197,9 @@ def _grouped_wgmma_kernel(
     code_rows, code_mask, _ = _tile_rows(
         order_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr, M, CODE_ROWS, SCAN, BLOCK_M
     )
+    scale_rows, scale_mask, _ = _tile_rows(
+        order_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr, M, gl.SliceLayout(1, CODE_SCALES), SCAN, BLOCK_M
+    )
     packed_ptr += expert.to(gl.int64) * stride_pe
     ws_ptr += expert.to(gl.int64) * stride_se
     n0 = gl.program_id(1) * BLOCK_N
@@ -154,17 +209,23 @@ def _grouped_wgmma_kernel(
     w_g = gl.arange(0, GROUPS, layout=gl.SliceLayout(0, gl.SliceLayout(2, WEIGHT)))
     w_b = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, WEIGHT)))
     w_ptrs = packed_ptr + (w_n.to(gl.int64) * stride_p)[:, None, None] + (w_g * 16)[None, :, None] + w_b[None, None, :]
-    w_rows_in = (w_n < N)[:, None, None]
     # Activation codes [GROUPS, BLOCK_M, 32] (already de-interleaved per group) of the tile's rows.
     c_g = gl.arange(0, GROUPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, CODES)))
     c_k = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, CODES)))
     c_ptrs = q_ptr + (code_rows * stride_q)[None, :, None] + (c_g * 32)[:, None, None] + c_k[None, None, :]
     c_rows_in = code_mask[None, :, None]
-    # Scale bytes per group: the activation's in the accumulator's column layout, the weight's in its row layout.
+    # Scale bytes [rows, GROUPS] of a K step: the weight's per row, the activation's per token.
+    # EVEN: both row strides are multiples of GROUPS, told to the compiler (vector loads).
+    s_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, WEIGHT_SCALES))
+    s_g = gl.arange(0, GROUPS, layout=gl.SliceLayout(0, WEIGHT_SCALES))
+    a_g = gl.arange(0, GROUPS, layout=gl.SliceLayout(0, CODE_SCALES))
+    if EVEN:
+        ws_ptrs = ws_ptr + gl.multiple_of(s_n.to(gl.int64) * stride_s, GROUPS)[:, None] + s_g[None, :]
+        qs_ptrs = qs_ptr + gl.multiple_of(scale_rows * stride_qs, GROUPS)[:, None] + a_g[None, :]
+    else:
+        ws_ptrs = ws_ptr + (s_n.to(gl.int64) * stride_s)[:, None] + s_g[None, :]
+        qs_ptrs = qs_ptr + (scale_rows * stride_qs)[:, None] + a_g[None, :]
     n_rows = n0 + gl.arange(0, BLOCK_N, layout=W_ROWS)
-    n_mask = n_rows < N
-    ws_ptrs = ws_ptr + n_rows.to(gl.int64) * stride_s
-    qs_ptrs = qs_ptr + rows * stride_qs
 
     staged = gl.allocate_shared_memory(gl.float8e4nv, [2, GROUPS * BLOCK_M, 32], STAGED)
     zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, ACC)
@@ -172,22 +233,34 @@ def _grouped_wgmma_kernel(
     for step in range(0, gl.cdiv(K, BLOCK_K)):
         k0 = step * BLOCK_K
         # K is a multiple of 32, so whole groups are in or out of range.
-        raw = gl.load(w_ptrs + k0 // 2, mask=w_rows_in & (k0 + 32 * w_g < K)[None, :, None], other=0)
-        codes = gl.load(c_ptrs + k0, mask=c_rows_in & (k0 + 32 * c_g < K)[:, None, None], other=0)
+        if EVEN:
+            raw = gl.load(w_ptrs + k0 // 2)
+            w_scales = gl.load(ws_ptrs + step * GROUPS)
+            codes = gl.load(c_ptrs + k0, mask=c_rows_in, other=0)
+            a_scales = gl.load(qs_ptrs + step * GROUPS, mask=scale_mask[:, None], other=0)
+        else:
+            w_in = (w_n < N)[:, None, None] & (k0 + 32 * w_g < K)[None, :, None]
+            raw = gl.load(w_ptrs + k0 // 2, mask=w_in, other=0)
+            w_scales = gl.load(ws_ptrs + step * GROUPS, mask=(s_n < N)[:, None] & (k0 + 32 * s_g < K)[None, :], other=0)
+            codes = gl.load(c_ptrs + k0, mask=c_rows_in & (k0 + 32 * c_g < K)[:, None, None], other=0)
+            a_in = scale_mask[:, None] & (k0 + 32 * a_g < K)[None, :]
+            a_scales = gl.load(qs_ptrs + step * GROUPS, mask=a_in, other=0)
         buffer = staged.index(step % 2)
         buffer.store(gl.reshape(codes, (GROUPS * BLOCK_M, 32)).to(gl.float8e4nv, bitcast=True))
         fence_async_shared()
         gl.thread_barrier()
-        for g in gl.static_range(GROUPS):
-            group = step * GROUPS + g
-            group_in = k0 + 32 * g < K
-            a_factors = _pow2(gl.load(qs_ptrs + group, mask=row_mask & group_in, other=0), 0)
-            w_factors = _pow2(gl.load(ws_ptrs + group, mask=n_mask & group_in, other=0), 6)
-            weight = _weight_operand(raw, g, GROUP_BITS, OPERAND)
-            part = warpgroup_mma(weight, buffer.slice(g * BLOCK_M, BLOCK_M).permute((1, 0)), zero, use_acc=False)
-            total += part * a_factors[None, :] * w_factors[:, None]
+        # One asynchronous wgmma per group, each group's sum scaled and added while the next group's MMA runs (the
+        # assembler keeps an in-flight MMA's register operand until its wait).
+        previous = _group_mma(raw, buffer, zero, 0, GROUP_BITS, BLOCK_M, OPERAND)
+        for g in gl.static_range(1, GROUPS):
+            pending = _group_mma(raw, buffer, zero, g, GROUP_BITS, BLOCK_M, OPERAND)
+            part = warpgroup_mma_wait(1, deps=[previous])
+            total = _add_group(total, part, a_scales, w_scales, g - 1, GROUP_BITS, TOKENS, W_ROWS)
+            previous = pending
+        part = warpgroup_mma_wait(0, deps=[previous])
+        total = _add_group(total, part, a_scales, w_scales, GROUPS - 1, GROUP_BITS, TOKENS, W_ROWS)
     out_ptrs = out_ptr + rows[None, :] * stride_out + n_rows[:, None]
-    gl.store(out_ptrs, total.to(gl.bfloat16), mask=row_mask[None, :] & n_mask[:, None])
+    gl.store(out_ptrs, total.to(gl.bfloat16), mask=row_mask[None, :] & (n_rows < N)[:, None])
 
 
 def grouped_wgmma_launch(
@@ -210,6 +283,8 @@ def grouped_wgmma_launch(
     (m, k), (experts, n) = q.shape, packed.shape[:2]
     layouts = _layouts(block_m, cfg.block_k, cfg.num_warps)
     block_n, block_k, num_warps = cfg.block_n, cfg.block_k, cfg.num_warps
+    groups = block_k // 32
+    even = n % block_n == 0 and k % block_k == 0 and scale.stride(1) % groups == 0 and q_scale.stride(0) % groups == 0
     if isinstance(rows, torch.Tensor):
         scan, tables, tiles = True, (rows, rows, rows, rows), m
     else:
@@ -218,7 +293,9 @@ def grouped_wgmma_launch(
         q, q_scale, packed, scale.view(torch.uint8), out, *tables,
         m, n, k, experts, q.stride(0), q_scale.stride(0), packed.stride(0), packed.stride(1),
         scale.stride(0), scale.stride(1), out.stride(0),
-        SCAN=scan, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_BITS=(block_k // 32).bit_length() - 1,
-        ACC=layouts["acc"], WEIGHT=layouts["weight"], CODES=layouts["codes"], STAGED=layouts["staged"],
+        SCAN=scan, EVEN=even, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        GROUP_BITS=(block_k // 32).bit_length() - 1, ACC=layouts["acc"], WEIGHT=layouts["weight"],
+        CODES=layouts["codes"], STAGED=layouts["staged"], WEIGHT_SCALES=layouts["weight_scales"],
+        CODE_SCALES=layouts["code_scales"],
         num_warps=num_warps,
     )  # fmt: skip
