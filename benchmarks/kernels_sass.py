@@ -31,14 +31,24 @@ import triton
 from bench_common import RESULTS, git_commit
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.experimental.gluon._runtime import GluonASTSource
 
 from deepinfer_kernels.cuda.gemm import _fp8_block_kernel, mxfp4_kernel
 from deepinfer_kernels.cuda.gemm_tiles import DECODINGS, decodings
 from deepinfer_kernels.cuda.gemv import fp8_gemv_kernel, mxfp4_gemv_kernel
+from deepinfer_kernels.cuda.grouped_wgmma import _grouped_wgmma_kernel, gluon_constexprs
 
 TARGET = GPUTarget("cuda", 90, 32)
 POINTER_TYPES = {"out_ptr": "*bf16", "partial_ptr": "*fp32", "counter_ptr": "*i32"}
-INDEX_POINTERS = ("order_ptr", "block_expert_ptr", "block_start_ptr", "block_end_ptr")
+INDEX_POINTERS = (
+    "order_ptr",
+    "block_expert_ptr",
+    "block_start_ptr",
+    "block_end_ptr",
+    "tile_expert_ptr",
+    "tile_start_ptr",
+    "tile_end_ptr",
+)
 UNALIGNED = ("M", "num_experts")  # runtime values with no divisibility a launch could rely on
 CLASSES = {
     "global loads": ("LDG",),
@@ -54,11 +64,13 @@ CLASSES = {
 def variants() -> list[dict[str, Any]]:
     """(name, kernel, constexprs, warps, weight elements per thread per K step) of each counted variant: the
     decode-size tiles of the scaled preset's GEMMs (16 × 64 MMA tiles, 2-row FMA tiles with 32 weight rows) and the
-    grouped GEMM's 16 × 128 tiles and its 8 × 128 swap_fp8 tile."""
+    grouped GEMM's 16 × 128 tiles, its 8 × 128 swap_fp8 tile and the Gluon kernel's 8 × 64 tiles (gluon_fp8)."""
     mma = {"SPLIT_GRID": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "DOT_BF16": True, "NATIVE_FP8": True}
     gemv = {"SPLIT_GRID": True, "ROWS": 2, "BLOCK_N": 32, "BLOCK_K": 128, "NATIVE_FP8": True, "E4M3_BIAS": 0}
     out: list[dict[str, Any]] = []
     for decoding in DECODINGS:
+        if decoding == "gluon_fp8":
+            continue  # a kernel of its own (cuda.grouped_wgmma), below
         grouped = {**mma, "GROUPED": True, "DECODING": decoding, "SCAN": False}
         out.append({"name": f"mxfp4 grouped MMA {decoding}", "kernel": mxfp4_kernel, "constexprs": grouped})
         if decoding in decodings("fp8_block_gemm"):
@@ -77,6 +89,15 @@ def variants() -> list[dict[str, Any]]:
         {"name": "mxfp4 grouped FMA (2 rows)", "kernel": mxfp4_gemv_kernel, "constexprs": {**gemv, "GROUPED": True}}
     )
     out.append({"name": "fp8 FMA (2 rows)", "kernel": fp8_gemv_kernel, "constexprs": gemv})
+    for block_k in (128, 256):
+        # The Gluon kernel on the model's even shapes (N, K and the scale strides multiples of its tile).
+        out.append(
+            {
+                "name": f"mxfp4 grouped 8x64 k{block_k} gluon_fp8",
+                "kernel": _grouped_wgmma_kernel,
+                "constexprs": gluon_constexprs(scan=False, even=True, block_m=8, block_k=block_k, num_warps=4),
+            }
+        )
     for v in out:
         c = v["constexprs"]
         v["warps"] = 4
@@ -96,7 +117,8 @@ def compile_variant(kernel: Any, constexprs: dict[str, Any], warps: int) -> Any:
             signature[name] = "i32"
     aligned = [n for n in names if n not in constexprs and n not in UNALIGNED]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    source_type = GluonASTSource if kernel.is_gluon() else ASTSource
+    source = source_type(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=TARGET, options={"num_warps": warps, "num_stages": 1})
 
 
@@ -138,7 +160,10 @@ def main() -> None:
         rows.append(
             {
                 "name": v["name"],
-                "constexprs": v["constexprs"],
+                "constexprs": {
+                    name: value if isinstance(value, int | str) else str(value)
+                    for name, value in v["constexprs"].items()
+                },
                 "warps": v["warps"],
                 "loop_instructions_per_thread": total,
                 "weight_elements_per_thread": v["weight_elements_per_thread"],

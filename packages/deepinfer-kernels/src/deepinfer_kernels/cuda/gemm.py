@@ -347,6 +347,8 @@ def mxfp4_launch(
     m, k = q.shape
     n = packed.shape[-2]
     grouped, scan = tables is not None, isinstance(tables, torch.Tensor)
+    if cfg.decoding == "gluon_fp8":
+        raise ValueError("gluon_fp8 tiles run in cuda.grouped_wgmma (the grouped GEMM's launcher), not mxfp4_kernel")
     if cfg.decoding == "swap_ab" and (packed.data_ptr() % 4 or packed.stride(-2) % 4):
         raise ValueError("decoding 'swap_ab' reads the packed weight in 4-byte words: its rows must be 4-byte aligned")
     if isinstance(tables, torch.Tensor):

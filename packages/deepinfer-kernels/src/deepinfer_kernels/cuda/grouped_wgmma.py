@@ -102,13 +102,13 @@ def _layouts(block_m: int, block_k: int, num_warps: int) -> dict[str, object]:
 
 
 @gluon.jit
-def _pow2(scale_bytes, BIAS: gl.constexpr):
+def _pow2(scale_bytes, BIAS: gl.constexpr):  # type: ignore[no-untyped-def]
     # 2^(b − 127 + BIAS) from its FP32 bits (cuda.gemm_operands.pow2): exact for the scale bytes the kernels meet.
     return (((scale_bytes.to(gl.int32) & 0xFF) + BIAS) << 23).to(gl.float32, bitcast=True)
 
 
 @gluon.jit
-def _group(x, g: gl.constexpr, GROUP_BITS: gl.constexpr):
+def _group(x, g: gl.constexpr, GROUP_BITS: gl.constexpr):  # type: ignore[no-untyped-def]
     # Group g of x [R, GROUPS] whose groups each thread holds in registers: halving the group axis, lowest index bit
     # first, only renames registers.
     for level in gl.static_range(GROUP_BITS):
@@ -118,7 +118,7 @@ def _group(x, g: gl.constexpr, GROUP_BITS: gl.constexpr):
 
 
 @gluon.jit
-def _weight_operand(raw, g: gl.constexpr, GROUP_BITS: gl.constexpr, OPERAND: gl.constexpr):
+def _weight_operand(raw, g: gl.constexpr, GROUP_BITS: gl.constexpr, OPERAND: gl.constexpr):  # type: ignore[no-untyped-def]
     # Group g's e4m3 codes of the weight values times 2^-6 (cuda.gemm_operands.e2m1_e4m3_codes), low nibbles then
     # high ones, as the wgmma's register operand; the conversion is asserted to move nothing.
     rows: gl.constexpr = raw.shape[0]
@@ -133,8 +133,9 @@ def _weight_operand(raw, g: gl.constexpr, GROUP_BITS: gl.constexpr, OPERAND: gl.
 
 
 @gluon.jit
-def _group_mma(raw, buffer, zero, g: gl.constexpr, GROUP_BITS: gl.constexpr, BLOCK_M: gl.constexpr,
-               OPERAND: gl.constexpr):  # fmt: skip
+def _group_mma(  # type: ignore[no-untyped-def]
+    raw, buffer, zero, g: gl.constexpr, GROUP_BITS: gl.constexpr, BLOCK_M: gl.constexpr, OPERAND: gl.constexpr
+):
     # Group g's asynchronous wgmma: the decoded weight group times the staged activation group, from zero.
     weight = _weight_operand(raw, g, GROUP_BITS, OPERAND)
     codes = buffer.slice(g * BLOCK_M, BLOCK_M).permute((1, 0))
@@ -142,8 +143,16 @@ def _group_mma(raw, buffer, zero, g: gl.constexpr, GROUP_BITS: gl.constexpr, BLO
 
 
 @gluon.jit
-def _add_group(total, part, a_scales, w_scales, g: gl.constexpr, GROUP_BITS: gl.constexpr, TOKENS: gl.constexpr,
-               W_ROWS: gl.constexpr):  # fmt: skip
+def _add_group(  # type: ignore[no-untyped-def]
+    total,
+    part,
+    a_scales,
+    w_scales,
+    g: gl.constexpr,
+    GROUP_BITS: gl.constexpr,
+    TOKENS: gl.constexpr,
+    W_ROWS: gl.constexpr,
+):
     # total + group g's sum times the activation's factor per token (bias 0), then the weight's per row (bias 6: its
     # codes are the values times 2^-6), in that order (cuda.gemm_decodings.group_tiles).
     a_factors = _pow2(gl.convert_layout(_group(a_scales, g, GROUP_BITS), TOKENS), 0)
@@ -152,8 +161,10 @@ def _add_group(total, part, a_scales, w_scales, g: gl.constexpr, GROUP_BITS: gl.
 
 
 @gluon.jit
-def _tile_rows(order_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr, M, LAYOUT: gl.constexpr,
-               SCAN: gl.constexpr, BLOCK_M: gl.constexpr):  # fmt: skip
+def _tile_rows(  # type: ignore[no-untyped-def]
+    order_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr, M, LAYOUT: gl.constexpr, SCAN: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+):  # fmt: skip
     # (rows [BLOCK_M] int64, row mask, expert) of this program in LAYOUT; an expert < 0 means no work (see
     # cuda.gemm.mxfp4_kernel: SCAN finds the rows of the expert of row pid when pid is its first row; otherwise the
     # tile tables give the expert and the half-open range of positions in the expert-sorted order).
@@ -175,7 +186,7 @@ def _tile_rows(order_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr, M, LAYO
 
 
 @gluon.jit
-def _grouped_wgmma_kernel(
+def _grouped_wgmma_kernel(  # type: ignore[no-untyped-def]
     q_ptr, qs_ptr, packed_ptr, ws_ptr, out_ptr, order_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
     M, N, K, num_experts, stride_q, stride_qs, stride_pe, stride_p, stride_se, stride_s, stride_out,
     SCAN: gl.constexpr, EVEN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
@@ -263,6 +274,25 @@ def _grouped_wgmma_kernel(
     gl.store(out_ptrs, total.to(gl.bfloat16), mask=row_mask[None, :] & (n_rows < N)[:, None])
 
 
+def gluon_constexprs(scan: bool, even: bool, block_m: int, block_k: int, num_warps: int) -> dict[str, object]:
+    """The kernel's compile-time arguments for a tile (also what ``benchmarks/kernels_sass.py`` compiles)."""
+    layouts = _layouts(block_m, block_k, num_warps)
+    return {
+        "SCAN": scan,
+        "EVEN": even,
+        "BLOCK_M": block_m,
+        "BLOCK_N": _ROWS_PER_WARP * num_warps,
+        "BLOCK_K": block_k,
+        "GROUP_BITS": (block_k // 32).bit_length() - 1,
+        "ACC": layouts["acc"],
+        "WEIGHT": layouts["weight"],
+        "CODES": layouts["codes"],
+        "STAGED": layouts["staged"],
+        "WEIGHT_SCALES": layouts["weight_scales"],
+        "CODE_SCALES": layouts["code_scales"],
+    }
+
+
 def grouped_wgmma_launch(
     q: torch.Tensor,
     q_scale: torch.Tensor,
@@ -281,10 +311,9 @@ def grouped_wgmma_launch(
     expert's rows) or the tile tables of ``cuda.grouped_gemm.expert_tiles`` for tiles of ``block_m`` rows.
     """
     (m, k), (experts, n) = q.shape, packed.shape[:2]
-    layouts = _layouts(block_m, cfg.block_k, cfg.num_warps)
-    block_n, block_k, num_warps = cfg.block_n, cfg.block_k, cfg.num_warps
-    groups = block_k // 32
+    block_n, block_k, groups = cfg.block_n, cfg.block_k, cfg.block_k // 32
     even = n % block_n == 0 and k % block_k == 0 and scale.stride(1) % groups == 0 and q_scale.stride(0) % groups == 0
+    tables: tuple[torch.Tensor, ...]
     if isinstance(rows, torch.Tensor):
         scan, tables, tiles = True, (rows, rows, rows, rows), m
     else:
@@ -293,9 +322,5 @@ def grouped_wgmma_launch(
         q, q_scale, packed, scale.view(torch.uint8), out, *tables,
         m, n, k, experts, q.stride(0), q_scale.stride(0), packed.stride(0), packed.stride(1),
         scale.stride(0), scale.stride(1), out.stride(0),
-        SCAN=scan, EVEN=even, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        GROUP_BITS=(block_k // 32).bit_length() - 1, ACC=layouts["acc"], WEIGHT=layouts["weight"],
-        CODES=layouts["codes"], STAGED=layouts["staged"], WEIGHT_SCALES=layouts["weight_scales"],
-        CODE_SCALES=layouts["code_scales"],
-        num_warps=num_warps,
+        **gluon_constexprs(scan, even, block_m, block_k, cfg.num_warps), num_warps=cfg.num_warps,
     )  # fmt: skip
