@@ -131,7 +131,7 @@ def test_the_mode_pins_the_kernel_choices(triton_device: str) -> None:
         # One MMA tile per op at every row count (only split-K, which keeps the bits, follows the rows).
         tiles = {
             (64, 64, 4, False, 128): ("fp8_block_gemm", "mxfp4_gemm"),
-            (16, 128, 4, False, 64): ("mxfp4_grouped_gemm",),
+            (8, 64, 4, False, 256): ("mxfp4_grouped_gemm",),
         }
         for tile, ops in tiles.items():
             for op in ops:

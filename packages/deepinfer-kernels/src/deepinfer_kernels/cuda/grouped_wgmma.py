@@ -7,8 +7,9 @@ weight's, added in FP32. What Triton could not be told, the layouts say here: ea
 that its part of the ``wgmma`` operand needs (lane ``j`` of a row the group's word ``j``: the low nibbles of its four
 bytes are operand columns ``4j … 4j+3``, the high nibbles ``16+4j …``, which is the de-interleaved activation order), so
 decoding is register-local and the operand needs no shuffle or shared-memory pass; the activation's K step is staged
-once in shared memory (double-buffered, one barrier a step); the scale factors are loaded straight in the
-accumulator's row and column layouts.
+once in shared memory (double-buffered, one barrier a step); a K step's scale bytes come in one vector load per row,
+laid out so that each group's factors are already in the accumulator's row and column slices; the MMAs run
+asynchronously one group apart.
 
 Gluon has no interpreter: under ``TRITON_INTERPRET=1`` and on GPUs without ``wgmma`` the launcher
 (``cuda.grouped_gemm``) runs the ``swap_fp8`` tile instead (:func:`available`).
@@ -31,7 +32,7 @@ from deepinfer_kernels.cuda.gemm_operands import _E2M1_E4M3_PTX
 from deepinfer_kernels.cuda.gemm_tiles import BlockConfig
 from deepinfer_kernels.platform import triton_interpreter_enabled
 
-__all__ = ["available", "grouped_wgmma_launch"]
+__all__ = ["available", "gluon_constexprs", "grouped_wgmma_launch"]
 
 # Rows of the wgmma's first operand per warp (a warpgroup's 4 warps make its 64 rows).
 _ROWS_PER_WARP = 16
@@ -57,9 +58,9 @@ def _accumulator_bases(block_m: int, num_warps: int) -> tuple[list[list[int]], l
 
 
 def _scale_layout(bases: tuple[list[list[int]], ...], dim: int, groups: int, rows: int) -> gl.DistributedLinearLayout:
-    """Scale bytes [rows, GROUPS] of a K step laid out so that dropping the group axis (in registers, last) leaves the
-    accumulator's slice along ``1 - dim``: each thread holds every group of the rows (or columns, ``dim`` 1) it
-    multiplies."""
+    """Scale bytes [rows, GROUPS] of a K step laid out so that dropping the group axis (the last, held in each
+    thread's registers, lowest register bits first for vector loads) leaves the accumulator's slice along
+    ``1 - dim``: each thread holds every group of the rows (or columns, ``dim`` 1) it multiplies."""
     registers, lanes, warps = ([[b[dim], 0] for b in level] for level in bases)
     return gl.DistributedLinearLayout(
         reg_bases=[[0, g] for g in _bits(groups)] + [r for r in registers if r[0]],
