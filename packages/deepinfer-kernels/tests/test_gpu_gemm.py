@@ -270,3 +270,21 @@ def test_gluon_grouped_gemm_rows_alone_equal_rows_in_a_batch() -> None:
         alone = torch.zeros(1, n, dtype=torch.bfloat16, device="cuda")
         impl(x[r : r + 1], ids[r : r + 1], packed, scale, alone, config=cfg)
         assert torch.equal(alone[0], together[r])
+
+
+def test_gluon_grouped_gemm_masks_a_partial_k_step() -> None:
+    """K not a multiple of the tile's K step (the tiny preset's w2 has K = 128 against 256) nor N of its rows: the
+    masked path meets the reference bound and equals the Triton swap_fp8 tile bit for bit."""
+    experts, n, k, m = 4, 200, 416, 24
+    x = torch.randn((m, k), generator=_generator(70), device="cuda").to(torch.bfloat16)
+    packed = _bytes((experts, n, k // 2), seed=71).view(torch.int8)
+    scale = _bytes((experts, n, k // 32), seed=72, low=118, high=127).view(torch.float8_e8m0fnu)
+    ids = _ids(m, experts, seed=73)
+    results = []
+    for tile in (_GLUON_TILES[0], _GLUON_TILES[2], _FP8_MMA["swap_fp8"]):
+        out = torch.zeros(m, n, dtype=torch.bfloat16, device="cuda")
+        implementation("mxfp4_grouped_gemm", Backend.NVIDIA)(x, ids, packed, scale, out, config=tile)
+        results.append(out)
+    ref = _run("mxfp4_grouped_gemm", Backend.REFERENCE, m, n, x, ids, packed, scale)
+    assert_gemm_close(results[0], ref, _grouped_magnitude(x, ids, packed, scale), k, group_accumulation=2.0**-8)
+    assert torch.equal(results[0], results[2]) and torch.equal(results[1], results[2])
