@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from deepinfer_kernels.cuda.gemm_tiles import (
@@ -10,9 +12,11 @@ from deepinfer_kernels.cuda.gemm_tiles import (
     BlockConfig,
     block_config,
     candidate_configs,
+    chunk_length,
     decodings,
     default_config,
     grouped_tile_rows,
+    k_chunk,
 )
 
 OPS = ("fp8_block_gemm", "mxfp4_gemm", "mxfp4_grouped_gemm")
@@ -33,16 +37,38 @@ def test_candidates_start_with_the_default_and_time_every_decoding(op: str, rows
     assert candidates[0] == default
     assert len(set(candidates)) == len(candidates)
     if default.gemv:
-        assert all(c.gemv for c in candidates)
+        # The FMA tiles, and the dense GEMM's swap_fp8 tiles (the batch-invariant mode's at one row).
+        assert all(c.gemv or c.decoding == "swap_fp8" for c in candidates)
+        assert any(c.decoding == "swap_fp8" for c in candidates)
     else:
-        # gluon_fp8's tile is tied to its warps (block_n = 16 × num_warps): it has candidates of its own.
+        # gluon_fp8's tile is tied to its warps (block_n = 16 × num_warps): it has candidates of its own; so is
+        # swap_fp8's (a multiple of it).
         same_tile = [
             c
             for c in candidates
             if (c.block_m, c.block_n, c.num_warps) == (default.block_m, default.block_n, default.num_warps)
             and c.decoding != "gluon_fp8"
         ]
-        assert {c.decoding for c in same_tile} == set(decodings(op)) - {"gluon_fp8"}
+        expected = set(decodings(op)) - {"gluon_fp8"}
+        if default.block_n % (16 * default.num_warps):
+            expected -= {"swap_fp8"}
+        assert {c.decoding for c in same_tile} == expected
+
+
+def test_a_swap_fp8_tile_narrower_than_its_wgmma_is_rejected() -> None:
+    with pytest.raises(ValueError, match="swap_fp8"):
+        BlockConfig(16, 32, num_warps=4, num_stages=4, split_grid=True, decoding="swap_fp8")
+    with pytest.raises(ValueError, match="swap_fp8"):
+        BlockConfig(16, 64, num_warps=8, num_stages=4, split_grid=True, decoding="swap_fp8")
+    with pytest.raises(ValueError, match="swap_fp8"):
+        BlockConfig(8, 64, num_warps=4, num_stages=4, split_grid=True, decoding="swap_fp8")
+
+
+def test_dense_swap_fp8_splits_k_as_the_weight_shape_says_and_the_grouped_one_does_not() -> None:
+    swap = BlockConfig(16, 64, num_warps=4, num_stages=4, split_grid=True, decoding="swap_fp8")
+    assert chunk_length(512, 5120, swap) == k_chunk(512, 5120) < 5120
+    assert chunk_length(512, 5120, swap, grouped=True) == 5120
+    assert chunk_length(512, 5120, replace(swap, decoding="group_fp8")) == 5120
 
 
 def test_measured_entries_win_over_the_default() -> None:

@@ -288,3 +288,40 @@ def test_gluon_grouped_gemm_masks_a_partial_k_step() -> None:
     ref = _run("mxfp4_grouped_gemm", Backend.REFERENCE, m, n, x, ids, packed, scale)
     assert_gemm_close(results[0], ref, _grouped_magnitude(x, ids, packed, scale), k, group_accumulation=2.0**-8)
     assert torch.equal(results[0], results[2]) and torch.equal(results[1], results[2])
+
+
+# Dense swap_fp8 tiles (the batch-invariant mode's, gemm_tiles.invariant_config): 16 to 64 rows, one and two
+# warpgroups, 64 and 128 weight rows, K steps of four and eight groups, split-K and not.
+_SWAP_TILES = [
+    BlockConfig(32, 64, num_warps=4, num_stages=4, split_grid=True, decoding="swap_fp8"),
+    BlockConfig(16, 64, num_warps=4, num_stages=3, split_grid=True, block_k=256, decoding="swap_fp8"),
+    BlockConfig(16, 128, num_warps=8, num_stages=3, split_grid=True, decoding="swap_fp8"),
+    BlockConfig(64, 64, num_warps=4, num_stages=4, split_grid=False, decoding="swap_fp8"),
+    BlockConfig(64, 128, num_warps=4, num_stages=3, split_grid=True, decoding="swap_fp8"),
+]
+
+
+@pytest.mark.parametrize("op", ["fp8_block_gemm", "mxfp4_gemm"])
+def test_dense_swap_fp8_rows_keep_their_bits_in_every_tile_and_batch(op: str) -> None:
+    """A dense swap_fp8 GEMM sums each row in the K chunks of the weight's shape, whatever its tile, split-K or row
+    count: every tile gives the same bits for 200 rows, and a row alone or among 7 others the same as in the 200;
+    all within the reference's bound with the FP8 MMA's per-group term. N (1,000) is no multiple of any tile."""
+    m = 200
+    inputs, magnitude, _ = _fp8_mma_case(op, m, exact=False, seed=80 + len(op))
+    n = 1000
+    x, weight = inputs[0], (inputs[1][:n], inputs[2][: -(-n // 32)] if op == "fp8_block_gemm" else inputs[2][:n])
+    magnitude = magnitude[:, :n]
+    impl = implementation(op, Backend.NVIDIA)
+
+    def run(rows: torch.Tensor, cfg: BlockConfig) -> torch.Tensor:
+        out = torch.zeros(rows.shape[0], n, dtype=torch.bfloat16, device="cuda")
+        impl(rows, *(w.contiguous() for w in weight), out, config=cfg)
+        return out
+
+    batch = run(x, _SWAP_TILES[0])
+    ref = _run(op, Backend.REFERENCE, m, n, x, *(w.contiguous() for w in weight))
+    assert_gemm_close(batch, ref, magnitude, _K, group_accumulation=2.0**-8)
+    for cfg in _SWAP_TILES:
+        assert torch.equal(run(x, cfg), batch), cfg
+        assert torch.equal(run(x[5:6], cfg)[0], batch[5]), cfg
+        assert torch.equal(run(x[100:108], cfg), batch[100:108]), cfg

@@ -128,16 +128,17 @@ def test_the_mode_pins_the_kernel_choices(triton_device: str) -> None:
     assert sum(default_splits) > 1 and default_chunk != attention.INVARIANT_CHUNK_KEYS
     with batch_invariant_ops():
         assert invariant_kernels()
-        # One MMA tile per op at every row count (only split-K, which keeps the bits, follows the rows).
-        tiles = {
-            (64, 64, 4, False, 128): ("fp8_block_gemm", "mxfp4_gemm"),
-            (8, 64, 4, False, 256): ("mxfp4_grouped_gemm",),
-        }
-        for tile, ops in tiles.items():
-            for op in ops:
-                configs = {gemm_tiles.block_config(op, rows, 4608, 5120) for rows in (1, 2, 16, 64, 65, 4096)}
-                assert {(c.block_m, c.block_n, c.num_warps, c.gemv, c.block_k) for c in configs} == {tile}
-                assert len({(c.num_stages, c.decoding) for c in configs}) == 1
+        # Dense GEMMs: swap_fp8 tiles at every row count, whose rows keep their bits in any of them (the GPU tests
+        # check it), in the K chunks of the weight's shape; the grouped GEMM: its one gluon_fp8 tile.
+        rows_seen = (1, 2, 16, 64, 65, 256, 4096)
+        for op in ("fp8_block_gemm", "mxfp4_gemm"):
+            for n, k in ((4608, 5120), (512, 5120), (5120, 2304)):
+                configs = {gemm_tiles.block_config(op, rows, n, k) for rows in rows_seen}
+                assert {c.decoding for c in configs} == {"swap_fp8"}
+                assert len({gemm_tiles.chunk_length(n, k, c) for c in configs}) == 1
+        grouped = {gemm_tiles.block_config("mxfp4_grouped_gemm", rows, 4608, 5120) for rows in rows_seen}
+        assert grouped == {gemm_tiles.invariant_config("mxfp4_grouped_gemm", 1)}
+        assert next(iter(grouped)).decoding == "gluon_fp8"
         # Chunks of fixed keys from each source's start, split over programs whatever the queries.
         assert attention._split_plan(1, [4096], torch.device(triton_device)) == (128, [32])
         assert attention._split_plan(1, [128, 3, 300], torch.device(triton_device)) == (128, [1, 1, 3])

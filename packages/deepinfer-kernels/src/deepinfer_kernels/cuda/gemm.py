@@ -307,9 +307,11 @@ def activation_for(x: torch.Tensor, cfg: BlockConfig) -> tuple[torch.Tensor, tor
     return quantized_activation(x) if in_order else deinterleaved_activation(x)
 
 
-def launch_grid(row_tiles: int, n: int, k: int, cfg: BlockConfig) -> tuple[tuple[int, int, int], int]:
+def launch_grid(
+    row_tiles: int, n: int, k: int, cfg: BlockConfig, grouped: bool = False
+) -> tuple[tuple[int, int, int], int]:
     """(grid, K chunk length) of a launch: row tiles × N tiles × (K chunks under split-K, else 1)."""
-    chunk = chunk_length(n, k, cfg)
+    chunk = chunk_length(n, k, cfg, grouped)
     return (row_tiles, triton.cdiv(n, cfg.block_n), triton.cdiv(k, chunk) if cfg.split_grid else 1), chunk
 
 
@@ -359,7 +361,7 @@ def mxfp4_launch(
     else:
         order, tile_expert, tile_start, tile_end = tables if tables is not None else (packed,) * 4
         row_tiles = tile_expert.numel() if grouped else triton.cdiv(m, rows_per_program)
-    grid, chunk = launch_grid(row_tiles, n, k, cfg)
+    grid, chunk = launch_grid(row_tiles, n, k, cfg, grouped)
     partial, counters = split_buffers(m, n, cfg, grid, q.device)
     kernel = mxfp4_gemv_kernel if cfg.gemv else mxfp4_kernel
     rows: dict[str, int | bool | str] = (
@@ -430,7 +432,7 @@ def fp8_block_launch(
     if cfg.decoding not in decodings("fp8_block_gemm"):
         raise ValueError(f"the FP8 block GEMM has the decodings {decodings('fp8_block_gemm')}, not {cfg.decoding!r}")
     n_per_group = n // groups
-    while n_per_group % cfg.block_n:  # a tile must not straddle two groups
+    while groups > 1 and n_per_group % cfg.block_n:  # a tile must not straddle two groups
         cfg = replace(cfg, block_n=cfg.block_n // 2)
     rows = gemv_rows(m, cfg) if cfg.gemv else cfg.block_m
     grid, chunk = launch_grid(triton.cdiv(m, rows), n, k, cfg)

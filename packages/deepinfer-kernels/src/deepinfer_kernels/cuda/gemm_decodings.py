@@ -144,12 +144,14 @@ def group_tiles(  # type: ignore[no-untyped-def]
     qs_ptrs = qs_ptr + rows[:, None] * stride_qs + groups[None, :]
     ws_ptrs = ws_ptr + scale_rows[:, None] * stride_ws + groups[None, :]
     first, last = chunk_range(K, K_CHUNK, SPLIT_GRID)
+    # group_fp8 sums K as one chunk (gemm_tiles.chunk_length): its groups go straight into total, which saves a tile
+    # of FP32 registers (its large tiles need them); 0 + chunk sum is the same value. Every other decoding sums each
+    # chunk from zero, then adds the chunk sums in order.
+    ONE_SUM: tl.constexpr = FP8_MMA and not SWAP
     total = tl.zeros((BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N), dtype=tl.float32)
     for chunk in range(first, last):
         k_end = tl.minimum(chunk * K_CHUNK + K_CHUNK, K)
-        # group_fp8 sums K as one chunk (gemm_tiles.chunk_length): its groups go straight into total, which saves a
-        # tile of FP32 registers; 0 + chunk sum is the same value.
-        acc = total if FP8_MMA else tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = total if ONE_SUM else tl.zeros_like(total)
         for k0 in range(chunk * K_CHUNK, k_end, BLOCK_K):
             # The K step's scale factors as [rows, groups] tiles, one load each (a load per group and element of the
             # MMA layout would hold a pointer per element in registers).
@@ -179,7 +181,7 @@ def group_tiles(  # type: ignore[no-untyped-def]
                     acc += part * column(a_factors, groups, g)[None, :] * column(w_factors, groups, g)[:, None]
                 else:
                     acc += part * column(a_factors, groups, g)[:, None] * column(w_factors, groups, g)[None, :]
-        total = acc if FP8_MMA else total + acc
+        total = acc if ONE_SUM else total + acc
     return tl.trans(total) if SWAP else total
 
 

@@ -109,6 +109,14 @@ class BlockConfig:
                 "a gluon_fp8 tile has block_n = 16 × num_warps, block_m in (8, 16, 32), block_k in"
                 f" (32, 64, 128, 256, 512) and no split_grid, got {self}"
             )
+        if self.decoding == "swap_fp8" and (
+            self.block_n % (_GLUON_ROWS_PER_WARP * self.num_warps) or self.block_m < 16
+        ):
+            # Narrower, Triton 3.6 runs the dot as an FP16 mma.sync instead of the FP8 wgmma (sm_90 SASS: HMMA for
+            # 8 rows, QGMMA from 16): other sums.
+            raise ValueError(
+                f"a swap_fp8 tile's block_n is a multiple of 16 × num_warps and its block_m at least 16, got {self}"
+            )
 
 
 def decodings(op: str) -> tuple[str, ...]:
@@ -130,11 +138,14 @@ def k_chunk(n: int, k: int) -> int:
     return _cdiv(_cdiv(k, chunks), _CHUNK_ALIGN) * _CHUNK_ALIGN
 
 
-def chunk_length(n: int, k: int, cfg: BlockConfig) -> int:
-    """K columns per reduction chunk of a launch with tiles ``cfg``: :func:`k_chunk`, except for the FP8 tensor-core
-    decodings (``"group_fp8"``, ``"swap_fp8"``), which sum K as one chunk (no split-K; one FP32 tile of registers
-    fewer)."""
-    return k if cfg.decoding in ("group_fp8", "swap_fp8", "gluon_fp8") else k_chunk(n, k)
+def chunk_length(n: int, k: int, cfg: BlockConfig, grouped: bool = False) -> int:
+    """K columns per reduction chunk of a launch with tiles ``cfg``: :func:`k_chunk`, except for ``"group_fp8"`` and
+    ``"gluon_fp8"`` and the grouped GEMM's ``"swap_fp8"`` (``grouped``), which sum K as one chunk (no split-K; one FP32
+    tile of registers fewer, and the grouped GEMM's touched experts give it programs enough). A dense ``"swap_fp8"``
+    launch splits K like the other decodings: its few-row tiles need split-K for programs, and its sums, fixed by the
+    weight's shape alone, are then the same bits whatever the rows and tiles (the batch-invariant tiles)."""
+    one_chunk = cfg.decoding in ("group_fp8", "gluon_fp8") or (grouped and cfg.decoding == "swap_fp8")
+    return k if one_chunk else k_chunk(n, k)
 
 
 def row_bucket(rows: int) -> int:
@@ -172,10 +183,11 @@ def default_config(op: str, rows: int) -> BlockConfig:
         return BlockConfig(32, 32, num_warps=4, num_stages=4, split_grid=True, decoding=decoding)
     if rows <= 64:
         return BlockConfig(64, 64, num_warps=4, num_stages=4, split_grid=True, decoding=decoding)
-    if rows <= 256:
+    if rows <= 256 and op != "fp8_block_gemm":
         return BlockConfig(64, 128, num_warps=8, num_stages=3, split_grid=False, decoding=decoding)
     # The FP8 tensor cores: 2.0–2.2x the dot_scaled 128×128 tiles on every FP8 weight of an 8K-token prefill on the
-    # H200 (kernels_gemm-h200-prefill.json).
+    # H200 (kernels_gemm-h200-prefill.json); at 256 rows 2.7–4.0x the dot_scaled 64×128 tile and 1.1–1.3x the fastest
+    # swap_fp8 one on every FP8 weight of the scaled preset (kernels_gemm-fp8-swap.json).
     return BlockConfig(128, 64, num_warps=4, num_stages=4, split_grid=False, block_k=64, decoding="group_fp8")
 
 
@@ -187,7 +199,7 @@ def candidate_configs(op: str, rows: int) -> list[BlockConfig]:
     # gluon_fp8's tiles are tied to their warps: it has tiles of its own below.
     others = () if default.gemv else tuple(d for d in decodings(op) if d not in (default.decoding, "gluon_fp8"))
     kinds = (default.decoding, *others)
-    out = [replace(default, decoding=decoding) for decoding in kinds]
+    out = [replace(default, decoding=decoding) for decoding in kinds if decoding != "swap_fp8" or default.block_n >= 64]
     if rows > 64:
         # FP8 tensor-core tiles (group_fp8) without spills on sm_90 (Triton's register counts, 242–254 per thread).
         fp8_tiles = (
@@ -203,6 +215,8 @@ def candidate_configs(op: str, rows: int) -> list[BlockConfig]:
         ]
         if rows > 256:  # the default before group_fp8
             more.append(_mma(128, 128, 8, 3, split_grid=False, decoding=_decoding(op)))
+        if op != "mxfp4_grouped_gemm":
+            more += _swap_candidates(rows)
         return out + [cfg for cfg in more if cfg not in out]
     shapes: tuple[tuple[int, int, int], ...]
     if default.gemv:
@@ -211,6 +225,8 @@ def candidate_configs(op: str, rows: int) -> list[BlockConfig]:
         shapes = ((32, 4, 4), (32, 4, 6), (64, 8, 4), (128, 4, 4))
     for block_n, num_warps, num_stages in shapes:
         for decoding in kinds:
+            if decoding == "swap_fp8" and block_n % (_GLUON_ROWS_PER_WARP * num_warps):
+                continue
             cfg = BlockConfig(
                 default.block_m, block_n, num_warps, num_stages, split_grid=True, gemv=default.gemv, decoding=decoding
             )
@@ -255,10 +271,28 @@ def candidate_configs(op: str, rows: int) -> list[BlockConfig]:
             ),
         ]
         out += [cfg for cfg in wide if cfg not in out]
+    if op != "mxfp4_grouped_gemm":
+        out += [cfg for cfg in _swap_candidates(rows) if cfg not in out]
     if op == "mxfp4_grouped_gemm" and rows <= 2:
         # The FMA kernel, not a default for the grouped GEMM, stays a candidate at about one row per expert.
         out += [_gemv(block_n, num_warps, num_stages) for block_n, num_warps, num_stages in ((32, 4, 3), (64, 4, 3))]
     return out
+
+
+def _swap_candidates(rows: int) -> list[BlockConfig]:
+    """``swap_fp8`` tiles of a dense GEMM for a row bucket: the FP8 ``wgmma`` with 64 or 128 weight rows as its wide
+    side and the bucket's rows (16 to 64) as its narrow one, split-K up to 64 rows. With a chunk sum, a group sum and
+    a group product in registers, tiles stay at most 64 rows wide."""
+    block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
+    shapes = ((64, 4, 4, 128), (64, 4, 3, 256), (128, 4, 3, 128), (128, 8, 3, 128))
+    return [
+        _mma(block_m, n, warps, stages, split_grid=rows <= 64, decoding="swap_fp8", block_k=block_k)
+        for n, warps, stages, block_k in shapes
+    ]
+
+
+def _swap(block_m: int, block_n: int, num_warps: int, num_stages: int) -> BlockConfig:
+    return _mma(block_m, block_n, num_warps, num_stages, split_grid=block_m <= 64, decoding="swap_fp8")
 
 
 def _gemv(block_n: int, num_warps: int, num_stages: int, split_grid: bool = True) -> BlockConfig:
@@ -306,6 +340,10 @@ _GROUPED_GLUON_TILE = _mma(8, 64, 4, 1, split_grid=False, decoding="gluon_fp8", 
 # About 128 rows per expert (an 8K-token prefill): FP8 tensor-core tiles, 2.5x the scaled_bf16 default on both
 # shapes (kernels_gemm-h200-prefill.json).
 _GROUPED_PREFILL_TILE = _mma(64, 128, 4, 4, split_grid=False, decoding="group_fp8", block_k=64)
+# The FP8 block GEMM at 16 and 64 rows (kernels_gemm-fp8-swap.json): swap_fp8 tiles, split-K in the weight shape's
+# chunks, were the fastest on 8 of 9 shapes at 16 rows (1.1–1.7x the tiles before where those were timed; on wq_b a
+# group_fp8 tile was 2 % faster, the swap_fp8 one is kept, as its rows' bits serve the batch-invariant mode too) and on
+# 8 of 9 at 64 rows (1.1–1.5x); on attn.wkv at 64 rows the dot_scaled tile stays, 15.8 against 17.9 µs.
 MEASURED: dict[tuple[str, int, int, int], BlockConfig] = {
     ("fp8_block_gemm", 2, 512, 5120): _gemv(16, 4, 3),
     ("fp8_block_gemm", 2, 1280, 5120): _gemv(64, 8, 3),
@@ -316,17 +354,24 @@ MEASURED: dict[tuple[str, int, int, int], BlockConfig] = {
     ("fp8_block_gemm", 2, 32768, 1280): _gemv(64, 8, 3),
     ("mxfp4_gemm", 2, 4608, 5120): _gemv(16, 4, 3),
     ("mxfp4_gemm", 2, 5120, 2304): _gemv(16, 4, 3),
-    ("fp8_block_gemm", 16, 512, 5120): _mma(16, 32, 2, 4),
-    ("fp8_block_gemm", 16, 4096, 1280): _mma(16, 32, 4, 6),
+    ("fp8_block_gemm", 16, 512, 5120): _swap(16, 64, 4, 4),
+    ("fp8_block_gemm", 16, 1280, 5120): _swap(16, 128, 8, 3),
+    ("fp8_block_gemm", 16, 4096, 1280): _swap(16, 64, 4, 4),
+    ("fp8_block_gemm", 16, 4608, 5120): _swap(16, 128, 4, 3),
+    ("fp8_block_gemm", 16, 5120, 2304): _swap(16, 128, 4, 3),
+    ("fp8_block_gemm", 16, 5120, 8192): _swap(16, 128, 4, 3),
+    ("fp8_block_gemm", 16, 5120, 15360): _swap(16, 128, 4, 3),
+    ("fp8_block_gemm", 16, 25600, 6144): _swap(16, 128, 4, 3),
+    ("fp8_block_gemm", 16, 32768, 1280): _swap(16, 128, 4, 3),
     ("fp8_block_gemm", 64, 512, 5120): _mma(64, 32, 4, 4, decoding="dot_scaled"),
-    ("fp8_block_gemm", 64, 1280, 5120): _mma(64, 32, 4, 4, decoding="dot_scaled"),
-    ("fp8_block_gemm", 64, 4096, 1280): _mma(64, 32, 4, 4, decoding="dot_scaled"),
-    ("fp8_block_gemm", 64, 4608, 5120): _mma(64, 32, 2, 4, decoding="dot_scaled"),
-    ("fp8_block_gemm", 64, 5120, 2304): _mma(64, 32, 4, 4, decoding="dot_scaled"),
-    ("fp8_block_gemm", 64, 5120, 8192): _mma(64, 32, 2, 4, decoding="dot_scaled"),
-    ("fp8_block_gemm", 64, 5120, 15360): _mma(64, 32, 2, 4, decoding="dot_scaled"),
-    ("fp8_block_gemm", 64, 25600, 6144): _mma(64, 32, 2, 4, decoding="dot_scaled"),
-    ("fp8_block_gemm", 64, 32768, 1280): _mma(64, 32, 2, 4, decoding="dot_scaled"),
+    ("fp8_block_gemm", 64, 1280, 5120): _swap(64, 64, 4, 4),
+    ("fp8_block_gemm", 64, 4096, 1280): _swap(64, 64, 4, 4),
+    ("fp8_block_gemm", 64, 4608, 5120): _swap(64, 128, 4, 3),
+    ("fp8_block_gemm", 64, 5120, 2304): _swap(64, 64, 4, 4),
+    ("fp8_block_gemm", 64, 5120, 8192): _swap(64, 128, 4, 3),
+    ("fp8_block_gemm", 64, 5120, 15360): _swap(64, 128, 4, 3),
+    ("fp8_block_gemm", 64, 25600, 6144): _swap(64, 128, 4, 3),
+    ("fp8_block_gemm", 64, 32768, 1280): _swap(64, 128, 4, 3),
     ("mxfp4_grouped_gemm", 2, 4608, 5120): _GROUPED_GLUON_TILE,
     ("mxfp4_grouped_gemm", 2, 5120, 2304): _GROUPED_GLUON_TILE,
     ("mxfp4_grouped_gemm", 16, 4608, 5120): _GROUPED_GLUON_TILE,
@@ -336,28 +381,32 @@ MEASURED: dict[tuple[str, int, int, int], BlockConfig] = {
 }
 
 
-# Batch-invariant tiles per op, else 64×64 with 4 warps: the grouped GEMM's rows per expert stay few at decode, so it
-# keeps the measured decode tile, the gluon_fp8 one (the fastest at 1, 64 and 256 tokens: kernels_gemm-gluon.json; its
-# rows' bits do not depend on the other rows, which the GPU tests check). K is one chunk in it, so split_grid has
-# nothing to split.
-_INVARIANT_TILES = {"mxfp4_grouped_gemm": _GROUPED_GLUON_TILE}
+def _row_independent(op: str, cfg: BlockConfig) -> bool:
+    """Whether a row's bits under ``cfg`` are those of every tile of the batch-invariant mode: the FP8 ``wgmma``
+    decodings with the weight as its 64-row side, whose per-group sums do not depend on the tile's other rows
+    (the GPU tests check it bitwise across tiles), in their fixed chunks (:func:`chunk_length`: per weight shape for a
+    dense ``swap_fp8`` launch, one for the grouped GEMM's ``swap_fp8`` and ``gluon_fp8``)."""
+    return cfg.decoding == "swap_fp8" or (op == "mxfp4_grouped_gemm" and cfg.decoding == "gluon_fp8")
 
 
 def invariant_config(op: str, rows: int) -> BlockConfig:
-    """The tiles of every GEMM in batch-invariant mode (docs/design/numerics.md, "Batch invariance"): one MMA tile per
-    op whatever the rows, so every row goes through the same MMA instruction and K order (a row's place in the tile
-    does not change its bits). Only ``split_grid`` follows the rows (split-K up to 64 rows, as the default tiles): it
-    does not change the bits (module docstring) and without it a prefill's FP32 partials would take chunks × M × N × 4
-    bytes."""
-    tile = _INVARIANT_TILES.get(op) or _mma(64, 64, 4, 4, decoding=_decoding(op))
-    if tile.decoding == "gluon_fp8":
-        return tile  # K in one program: nothing to split
-    return replace(tile, split_grid=rows <= 64)
+    """The tiles of a GEMM in batch-invariant mode (docs/design/numerics.md, "Batch invariance") where the tuned tile
+    is not already one of them (:func:`block_config`). The grouped GEMM keeps its measured decode tile, the
+    ``gluon_fp8`` one (the fastest at 1, 64 and 256 tokens: kernels_gemm-gluon.json), K in one program. A dense GEMM
+    runs ``swap_fp8`` tiles, whose rows keep their bits in any tile: 128 weight rows by 16 activation rows up to 16
+    rows, else by 64, split-K up to 64 rows (without it a prefill's FP32 partials would take chunks × M × N × 4 bytes;
+    the chunks are the same). The 16-row tile was the fastest swap_fp8 tile at one row on 8 of the scaled preset's 9
+    FP8 weights (1.05–1.41x the FMA kernel's time), the 64-row one at 256 rows on 7 of 9 (kernels_gemm-fp8-swap.json)."""
+    if op == "mxfp4_grouped_gemm":
+        return _GROUPED_GLUON_TILE
+    return _swap(16 if rows <= 16 else 64, 128, 4, 3)
 
 
 def block_config(op: str, rows: int, n: int, k: int) -> BlockConfig:
-    """Tiles for ``op`` ("fp8_block_gemm", "mxfp4_gemm" or "mxfp4_grouped_gemm") on ``rows`` rows per weight;
-    :func:`invariant_config` inside ``batch_invariant_ops``."""
-    if invariant_kernels():
+    """Tiles for ``op`` ("fp8_block_gemm", "mxfp4_gemm" or "mxfp4_grouped_gemm") on ``rows`` rows per weight: the
+    measured or default tile; inside ``batch_invariant_ops`` that tile if its rows keep their bits in every tile of
+    the mode, else :func:`invariant_config`'s."""
+    tuned = MEASURED.get((op, row_bucket(rows), n, k)) or default_config(op, rows)
+    if invariant_kernels() and not _row_independent(op, tuned):
         return invariant_config(op, rows)
-    return MEASURED.get((op, row_bucket(rows), n, k)) or default_config(op, rows)
+    return tuned

@@ -95,7 +95,8 @@ def mxfp4_grouped_gemm(
     if m > GROUPED_SPLIT_MAX_ROWS:
         cfg = dataclasses.replace(cfg, split_grid=False)
     if cfg.decoding == "gluon_fp8" and not available(x.device):
-        cfg = dataclasses.replace(cfg, decoding="swap_fp8")  # the same sums from Triton (cuda.grouped_wgmma)
+        # The same sums from Triton (cuda.grouped_wgmma), in its narrowest FP8 wgmma tile.
+        cfg = dataclasses.replace(cfg, decoding="swap_fp8", block_m=max(16, cfg.block_m))
     launch = grouped_wgmma_launch if cfg.decoding == "gluon_fp8" else mxfp4_launch
     q, q_scale = activation_for(x, cfg)
     if not cfg.gemv and m <= cfg.block_m:
