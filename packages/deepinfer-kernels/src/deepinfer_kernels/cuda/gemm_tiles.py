@@ -183,12 +183,9 @@ def default_config(op: str, rows: int) -> BlockConfig:
         return BlockConfig(32, 32, num_warps=4, num_stages=4, split_grid=True, decoding=decoding)
     if rows <= 64:
         return BlockConfig(64, 64, num_warps=4, num_stages=4, split_grid=True, decoding=decoding)
-    if rows <= 256 and op != "fp8_block_gemm":
+    if rows <= 256:
         return BlockConfig(64, 128, num_warps=8, num_stages=3, split_grid=False, decoding=decoding)
-    # The FP8 tensor cores: 2.0–2.2x the dot_scaled 128×128 tiles on every FP8 weight of an 8K-token prefill on the
-    # H200 (kernels_gemm-h200-prefill.json); at 256 rows 2.7–4.0x the dot_scaled 64×128 tile and 1.1–1.3x the fastest
-    # swap_fp8 one on every FP8 weight of the scaled preset (kernels_gemm-fp8-swap.json).
-    return BlockConfig(128, 64, num_warps=4, num_stages=4, split_grid=False, block_k=64, decoding="group_fp8")
+    return _PREFILL_FP8_TILE
 
 
 def candidate_configs(op: str, rows: int) -> list[BlockConfig]:
@@ -340,6 +337,10 @@ _GROUPED_GLUON_TILE = _mma(8, 64, 4, 1, split_grid=False, decoding="gluon_fp8", 
 # About 128 rows per expert (an 8K-token prefill): FP8 tensor-core tiles, 2.5x the scaled_bf16 default on both
 # shapes (kernels_gemm-h200-prefill.json).
 _GROUPED_PREFILL_TILE = _mma(64, 128, 4, 4, split_grid=False, decoding="group_fp8", block_k=64)
+# The FP8 tensor cores: 2.0–2.2x the dot_scaled 128×128 tiles on every FP8 weight of an 8K-token prefill on the H200
+# (kernels_gemm-h200-prefill.json); the default beyond 256 rows. At 256 rows 2.7–4.0x the dot_scaled 64×128 default
+# and 1.1–1.3x the fastest swap_fp8 tile on every FP8 weight of the scaled preset (kernels_gemm-fp8-swap.json).
+_PREFILL_FP8_TILE = BlockConfig(128, 64, num_warps=4, num_stages=4, split_grid=False, block_k=64, decoding="group_fp8")
 # The FP8 block GEMM at 16 and 64 rows (kernels_gemm-fp8-swap.json): swap_fp8 tiles, split-K in the weight shape's
 # chunks, were the fastest on 8 of 9 shapes at 16 rows (1.1–1.7x the tiles before where those were timed; on wq_b a
 # group_fp8 tile was 2 % faster, the swap_fp8 one is kept, as its rows' bits serve the batch-invariant mode too) and on
@@ -372,6 +373,17 @@ MEASURED: dict[tuple[str, int, int, int], BlockConfig] = {
     ("fp8_block_gemm", 64, 5120, 15360): _swap(64, 128, 4, 3),
     ("fp8_block_gemm", 64, 25600, 6144): _swap(64, 128, 4, 3),
     ("fp8_block_gemm", 64, 32768, 1280): _swap(64, 128, 4, 3),
+    ("fp8_block_gemm", 256, 512, 5120): _PREFILL_FP8_TILE,
+    ("fp8_block_gemm", 256, 1280, 5120): _PREFILL_FP8_TILE,
+    ("fp8_block_gemm", 256, 4096, 1280): _PREFILL_FP8_TILE,
+    ("fp8_block_gemm", 256, 4608, 5120): _PREFILL_FP8_TILE,
+    ("fp8_block_gemm", 256, 5120, 2304): _PREFILL_FP8_TILE,
+    # attn.wo_a (grouped, 8 groups of 1024 rows): not timed alone; the roofline run at 7f8a547 ran it on this tile.
+    ("fp8_block_gemm", 256, 8192, 4096): _PREFILL_FP8_TILE,
+    ("fp8_block_gemm", 256, 5120, 8192): _PREFILL_FP8_TILE,
+    ("fp8_block_gemm", 256, 5120, 15360): _PREFILL_FP8_TILE,
+    ("fp8_block_gemm", 256, 25600, 6144): _PREFILL_FP8_TILE,
+    ("fp8_block_gemm", 256, 32768, 1280): _PREFILL_FP8_TILE,
     ("mxfp4_grouped_gemm", 2, 4608, 5120): _GROUPED_GLUON_TILE,
     ("mxfp4_grouped_gemm", 2, 5120, 2304): _GROUPED_GLUON_TILE,
     ("mxfp4_grouped_gemm", 16, 4608, 5120): _GROUPED_GLUON_TILE,
@@ -396,7 +408,8 @@ def invariant_config(op: str, rows: int) -> BlockConfig:
     runs ``swap_fp8`` tiles, whose rows keep their bits in any tile: 128 weight rows by 16 activation rows up to 16
     rows, else by 64, split-K up to 64 rows (without it a prefill's FP32 partials would take chunks × M × N × 4 bytes;
     the chunks are the same). The 16-row tile was the fastest swap_fp8 tile at one row on 8 of the scaled preset's 9
-    FP8 weights (1.05–1.41x the FMA kernel's time), the 64-row one at 256 rows on 7 of 9 (kernels_gemm-fp8-swap.json)."""
+    FP8 weights (1.05–1.41x the FMA kernel's time), the 64-row one at 256 rows on 7 of 9
+    (kernels_gemm-fp8-swap.json)."""
     if op == "mxfp4_grouped_gemm":
         return _GROUPED_GLUON_TILE
     return _swap(16 if rows <= 16 else 64, 128, 4, 3)
