@@ -136,6 +136,8 @@ def test_the_mode_pins_the_kernel_choices(triton_device: str) -> None:
                 configs = {gemm_tiles.block_config(op, rows, n, k) for rows in rows_seen}
                 assert {c.decoding for c in configs} == {"swap_fp8"}
                 assert len({gemm_tiles.chunk_length(n, k, c) for c in configs}) == 1
+                # Split-K (the same bits) only up to 64 rows: a prefill's FP32 partials would take C × M × N × 4 bytes.
+                assert not any(gemm_tiles.block_config(op, rows, n, k).split_grid for rows in (65, 256, 4096))
         grouped = {gemm_tiles.block_config("mxfp4_grouped_gemm", rows, 4608, 5120) for rows in rows_seen}
         assert grouped == {gemm_tiles.invariant_config("mxfp4_grouped_gemm", 1)}
         assert next(iter(grouped)).decoding == "gluon_fp8"

@@ -109,14 +109,16 @@ class BlockConfig:
                 "a gluon_fp8 tile has block_n = 16 × num_warps, block_m in (8, 16, 32), block_k in"
                 f" (32, 64, 128, 256, 512) and no split_grid, got {self}"
             )
-        if self.decoding == "swap_fp8" and (
-            self.block_n % (_GLUON_ROWS_PER_WARP * self.num_warps) or self.block_m < 16
-        ):
-            # Narrower, Triton 3.6 runs the dot as an FP16 mma.sync instead of the FP8 wgmma (sm_90 SASS: HMMA for
-            # 8 rows, QGMMA from 16): other sums.
+        if self.decoding == "swap_fp8" and not _swap_on_wgmma(self.block_m, self.block_n, self.num_warps):
             raise ValueError(
                 f"a swap_fp8 tile's block_n is a multiple of 16 × num_warps and its block_m at least 16, got {self}"
             )
+
+
+def _swap_on_wgmma(block_m: int, block_n: int, num_warps: int) -> bool:
+    """Whether Triton 3.6 runs a ``swap_fp8`` tile's dot as Hopper's FP8 ``wgmma``: narrower, it runs an FP16
+    ``mma.sync`` (sm_90 SASS: HMMA at 8 rows, QGMMA from 16), whose sums differ."""
+    return block_m >= 16 and block_n % (_GLUON_ROWS_PER_WARP * num_warps) == 0
 
 
 def decodings(op: str) -> tuple[str, ...]:
@@ -196,7 +198,11 @@ def candidate_configs(op: str, rows: int) -> list[BlockConfig]:
     # gluon_fp8's tiles are tied to their warps: it has tiles of its own below.
     others = () if default.gemv else tuple(d for d in decodings(op) if d not in (default.decoding, "gluon_fp8"))
     kinds = (default.decoding, *others)
-    out = [replace(default, decoding=decoding) for decoding in kinds if decoding != "swap_fp8" or default.block_n >= 64]
+    out = [
+        replace(default, decoding=decoding)
+        for decoding in kinds
+        if decoding != "swap_fp8" or _swap_on_wgmma(default.block_m, default.block_n, default.num_warps)
+    ]
     if rows > 64:
         # FP8 tensor-core tiles (group_fp8) without spills on sm_90 (Triton's register counts, 242–254 per thread).
         fp8_tiles = (
@@ -222,7 +228,7 @@ def candidate_configs(op: str, rows: int) -> list[BlockConfig]:
         shapes = ((32, 4, 4), (32, 4, 6), (64, 8, 4), (128, 4, 4))
     for block_n, num_warps, num_stages in shapes:
         for decoding in kinds:
-            if decoding == "swap_fp8" and block_n % (_GLUON_ROWS_PER_WARP * num_warps):
+            if decoding == "swap_fp8" and not _swap_on_wgmma(default.block_m, block_n, num_warps):
                 continue
             cfg = BlockConfig(
                 default.block_m, block_n, num_warps, num_stages, split_grid=True, gemv=default.gemv, decoding=decoding
@@ -288,8 +294,8 @@ def _swap_candidates(rows: int) -> list[BlockConfig]:
     ]
 
 
-def _swap(block_m: int, block_n: int, num_warps: int, num_stages: int) -> BlockConfig:
-    return _mma(block_m, block_n, num_warps, num_stages, split_grid=block_m <= 64, decoding="swap_fp8")
+def _swap(block_m: int, block_n: int, num_warps: int, num_stages: int, split_grid: bool = True) -> BlockConfig:
+    return _mma(block_m, block_n, num_warps, num_stages, split_grid=split_grid, decoding="swap_fp8")
 
 
 def _gemv(block_n: int, num_warps: int, num_stages: int, split_grid: bool = True) -> BlockConfig:
@@ -412,7 +418,7 @@ def invariant_config(op: str, rows: int) -> BlockConfig:
     (kernels_gemm-fp8-swap.json)."""
     if op == "mxfp4_grouped_gemm":
         return _GROUPED_GLUON_TILE
-    return _swap(16 if rows <= 16 else 64, 128, 4, 3)
+    return _swap(16 if rows <= 16 else 64, 128, 4, 3, split_grid=rows <= 64)
 
 
 def block_config(op: str, rows: int, n: int, k: int) -> BlockConfig:
