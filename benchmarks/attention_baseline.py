@@ -1,9 +1,11 @@
-"""The non-split sparse-attention path as it was before the prefill kernel (``cuda/attention_prefill_kernels.py``),
-kept only so that ``kernels_attention.py`` times the old and the new path in one process.
+"""The non-split sparse-attention path as it was before the prefill kernel (``prefill_kernel`` in
+``cuda/attention_kernels.py``), kept only so that ``kernels_attention.py`` times the old and the new path in one
+process.
 
 Grid (query, block of 32 heads); pass 1 takes the maximum over every key, pass 2 recomputes every logit and sums
-``exp(logit − max)`` and the value products (the split path's device functions, CONFIG's tiles: 32 heads, 32 keys,
-8 warps, 2 stages). At sm_90 it spilled: 255 registers, about 500 bytes of stack, mma.sync (HMMA) dots.
+``exp(logit − max)`` and the value products (the device functions of the 32-head split kernels of that time, kept
+here with it; tiles: 32 heads, 32 keys, 8 warps, 2 stages). At sm_90 it spilled: 255 registers, about 500 bytes of
+stack, mma.sync (HMMA) dots.
 """
 
 from __future__ import annotations
@@ -17,13 +19,73 @@ import triton.language as tl
 from deepinfer_kernels.batch_invariant import invariant_kernels
 from deepinfer_kernels.cache_layout import KeySource, RowFormat
 from deepinfer_kernels.cuda.attention import INVARIANT_CHUNK_KEYS, _source_args
-from deepinfer_kernels.cuda.attention_kernels import _query, _range_max, _range_sums
-from deepinfer_kernels.cuda.row_formats import FORMAT_CODES
+from deepinfer_kernels.cuda.attention_kernels import _add_value_products
+from deepinfer_kernels.cuda.row_formats import FORMAT_CODES, decode_tile
 from deepinfer_kernels.platform import triton_interpreter_enabled
 
 __all__ = ["TILES", "sparse_attention_before"]
 
 TILES = {"block_h": 32, "block_n": 32, "num_warps": 8, "num_stages": 2}
+
+
+@triton.jit
+def _source_logits(  # type: ignore[no-untyped-def]
+    q, pool_ptr, rows_ptr, stride_rows, n, hi, row_bytes, token, scale, d, d_mask, WIDTH, FMT, BF16_DOT
+):
+    """Scaled logits [BLOCK_H, BLOCK_N] (−inf for missing or out-of-range rows) and the decoded rows of tile ``n``."""
+    idx = tl.load(rows_ptr + token * stride_rows + n, mask=n < hi, other=-1).to(tl.int64)
+    valid = idx >= 0
+    base = tl.maximum(idx, 0) * row_bytes
+    keys = decode_tile(pool_ptr, base[:, None], d[None, :], valid[:, None] & d_mask[None, :], WIDTH, FMT)
+    if BF16_DOT:
+        logits = tl.dot(q.to(tl.bfloat16), tl.trans(keys.to(tl.bfloat16)))
+    else:
+        logits = tl.dot(q.to(tl.float32), tl.trans(keys), input_precision="ieee")
+    return tl.where(valid[None, :], logits * scale, float("-inf")), keys
+
+
+@triton.jit
+def _range_max(  # type: ignore[no-untyped-def]
+    m, q, pool_ptr, rows_ptr, stride_rows, lo, hi, row_bytes, token, scale, d, d_mask, WIDTH, FMT, BF16_DOT, BLOCK_N
+):
+    """``m`` raised to the largest logit of keys [lo, hi) of one source."""
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        logits, _ = _source_logits(
+            q, pool_ptr, rows_ptr, stride_rows, n, hi, row_bytes, token, scale, d, d_mask, WIDTH, FMT, BF16_DOT
+        )
+        m = tl.maximum(m, tl.max(logits, axis=1))
+    return m
+
+
+@triton.jit
+def _range_sums(  # type: ignore[no-untyped-def]
+    acc, denom, m, q, pool_ptr, rows_ptr, stride_rows, lo, hi, row_bytes, token, scale, d, d_mask,
+    WIDTH: tl.constexpr, FMT: tl.constexpr, BF16_DOT: tl.constexpr, ROUND: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """``acc`` [BLOCK_H, BLOCK_D] plus Σ p·k and ``denom`` [BLOCK_H] plus Σ exp(s − m) over keys [lo, hi) of one source,
+    tile by tile in key order (a range without a valid key adds exact zeros)."""
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        logits, keys = _source_logits(
+            q, pool_ptr, rows_ptr, stride_rows, n, hi, row_bytes, token, scale, d, d_mask, WIDTH, FMT, BF16_DOT
+        )
+        probs = tl.exp(logits - m[:, None])
+        denom += tl.sum(probs, axis=1)
+        acc = _add_value_products(acc, probs, keys, BF16_DOT, ROUND)
+    return acc, denom
+
+
+@triton.jit
+def _query(q_ptr, num_heads, token, WIDTH, BLOCK_H, BLOCK_D):  # type: ignore[no-untyped-def]
+    """The program's heads, element offsets, the head and query masks and the query block."""
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    h_mask = h < num_heads
+    d_mask = d < WIDTH
+    offsets = (token * num_heads + h[:, None]) * WIDTH + d[None, :]
+    q_mask = h_mask[:, None] & d_mask[None, :]
+    return h, d, h_mask, d_mask, q_mask, tl.load(q_ptr + offsets, mask=q_mask, other=0.0)
 
 
 @triton.jit

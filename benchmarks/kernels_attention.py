@@ -11,8 +11,8 @@ Checks each variant's output on the first --check queries against ``reference.at
 |out − ref| ≤ 2^-8 · max |ref|, the GPU test's bound in exact mode), then times one call (``cuda_time_ms``: median of
 CUDA-graph replays) of:
 - ``old``: the previous non-split kernel (``attention_baseline.py``: blocks of 32 heads, logits recomputed in pass 2);
-- ``new``: the non-split kernel at ``PREFILL_CONFIG``;
-- every --configs variant of the new kernel (``;``-separated ``key=value,...`` overrides of ``PREFILL_CONFIG``).
+- ``new``: the non-split kernel at ``TILES``;
+- every --configs variant of the new kernel (``;``-separated ``key=value,...`` overrides of ``TILES``).
 
 Reports ms per call, attention TFLOP/s = 4 · heads · width · keys · queries / time (the q·kᵀ and p·v products at two
 FLOPs a multiply-add, each counted once: neither the old kernel's second logits pass nor anything else repeated is
@@ -148,7 +148,7 @@ def main() -> None:
     parser.add_argument("--queries", type=int, default=8192, help="prefill queries (tokens) per call")
     parser.add_argument("--pool-rows", type=int, default=8192, help="rows of each source's pool")
     parser.add_argument("--compressed-format", default=None, help="row format of the compressed source (RowFormat)")
-    parser.add_argument("--configs", default="", help="';'-separated PREFILL_CONFIG overrides to time as well")
+    parser.add_argument("--configs", default="", help="';'-separated TILES overrides to time as well")
     parser.add_argument("--check", type=int, default=64, help="queries checked against the reference")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels_attention-<dev>)")
@@ -156,21 +156,21 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("kernels_attention.py needs a CUDA device")
     from deepinfer_kernels.cuda import attention
-    from deepinfer_kernels.cuda.attention_prefill_kernels import prefill_kernel
+    from deepinfer_kernels.cuda.attention_kernels import prefill_kernel
 
     shape = preset_shape()
     if args.compressed_format:
         shape["compressed_format"] = dk.RowFormat[args.compressed_format]
     inputs = build_inputs(shape, args.queries, args.pool_rows)
-    # Many queries never split; the new path reads PREFILL_CONFIG at each call.
+    # Many queries never split; the new path reads TILES at each call.
     new_op = implementation("sparse_attention", Backend.NVIDIA)
-    default = dict(attention.PREFILL_CONFIG)
+    default = dict(attention.TILES)
     results = [run_variant("old", sparse_attention_before, attend_before_kernel, OLD_TILES, inputs, args)]
     for i, overrides in enumerate([{}, *parse_configs(args.configs)]):
         config = {**default, **overrides}
-        attention.PREFILL_CONFIG = config
+        attention.TILES = config
         results.append(run_variant("new" if i == 0 else f"new+{i}", new_op, prefill_kernel, config, inputs, args))
-    attention.PREFILL_CONFIG = default
+    attention.TILES = default
     for r in results:
         r["time_ratio_to_old"] = r["ms"] / results[0]["ms"]
 

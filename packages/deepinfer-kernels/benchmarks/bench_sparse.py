@@ -125,11 +125,11 @@ def _sweep() -> None:
         "b32": _attention_args(32, 32768, 7),
         "p2048": _attention_args(2048, 32768, 8),
     }
-    default = dict(cuda_attention.CONFIG)
+    default = dict(cuda_attention.TILES)
     for block_h, block_n, warps, stages in (
-        (32, 32, 8, 2), (32, 16, 8, 2), (16, 16, 4, 2), (16, 32, 8, 2), (64, 16, 8, 1), (32, 32, 16, 2), (64, 32, 16, 1)
+        (64, 16, 8, 1), (64, 32, 8, 1), (64, 16, 8, 2), (32, 16, 8, 1), (32, 32, 8, 2), (16, 16, 4, 2), (64, 16, 16, 1)
     ):  # fmt: skip
-        cuda_attention.CONFIG.update(block_h=block_h, block_n=block_n, num_warps=warps, num_stages=stages)
+        cuda_attention.TILES.update(block_h=block_h, block_n=block_n, num_warps=warps, num_stages=stages)
         try:
             times = {
                 name: _time("sparse_attention", Backend.NVIDIA, a, 5 if name == "p2048" else 20)
@@ -140,7 +140,7 @@ def _sweep() -> None:
             continue
         cells = "  ".join(f"{name} {value:9.1f}" for name, value in times.items())
         print(f"  attention h={block_h} n={block_n} warps={warps} stages={stages}: {cells}")
-    cuda_attention.CONFIG.update(default)
+    cuda_attention.TILES.update(default)
     index_args = _index_args(32, 32768, 9)
     default = dict(cuda_indexer.CONFIG)
     for block_r, warps in ((32, 4), (64, 4), (64, 8), (128, 8)):

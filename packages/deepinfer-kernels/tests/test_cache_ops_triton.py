@@ -96,7 +96,7 @@ def test_sparse_attention_matches_reference(
     from deepinfer_kernels.cuda import attention as cuda_attention
 
     # target_programs 64 splits every query's key list over several programs (flash-decoding merge).
-    monkeypatch.setitem(cuda_attention.CONFIG, "target_programs", target_programs)
+    monkeypatch.setattr(cuda_attention, "SPLIT_TARGET_PROGRAMS", target_programs)
     q, sources, sink = _attention_case(tokens, heads, width, counts, fmts, seed=tokens + heads)
     if tokens:
         for source in sources:

@@ -124,7 +124,7 @@ def test_the_mode_pins_the_kernel_choices(triton_device: str) -> None:
         gemm_tiles.block_config("mxfp4_gemm", 512, 4608, 5120),
     )
     assert default_small.gemv and default_small.block_m != default_large.block_m
-    default_chunk, default_splits = attention._split_plan(1, [4096], torch.device(triton_device))
+    default_chunk, default_splits = attention._split_plan(1, [4096], 16, torch.device(triton_device))
     assert sum(default_splits) > 1 and default_chunk != attention.INVARIANT_CHUNK_KEYS
     with batch_invariant_ops():
         assert invariant_kernels()
@@ -142,9 +142,9 @@ def test_the_mode_pins_the_kernel_choices(triton_device: str) -> None:
         assert grouped == {gemm_tiles.invariant_config("mxfp4_grouped_gemm", 1)}
         assert next(iter(grouped)).decoding == "gluon_fp8"
         # Chunks of fixed keys from each source's start, split over programs whatever the queries.
-        assert attention._split_plan(1, [4096], torch.device(triton_device)) == (128, [32])
-        assert attention._split_plan(1, [128, 3, 300], torch.device(triton_device)) == (128, [1, 1, 3])
-        assert attention._split_plan(10_000, [4096], torch.device(triton_device)) == (128, [32])
+        assert attention._split_plan(1, [4096], 16, torch.device(triton_device)) == (128, [32])
+        assert attention._split_plan(1, [128, 3, 300], 16, torch.device(triton_device)) == (128, [1, 1, 3])
+        assert attention._split_plan(10_000, [4096], 16, torch.device(triton_device)) == (128, [32])
     assert not invariant_kernels()
     _registry.reset()
 

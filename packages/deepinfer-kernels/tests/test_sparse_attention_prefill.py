@@ -1,5 +1,5 @@
 """Triton sparse attention's non-split path (prefill, docs/design/kernels.md, "sparse_attention") at its tiles: a
-64-head block (PREFILL_CONFIG's) against the dense re-computation, with several head blocks, value sweeps narrower
+64-head block (the one of ``TILES``) against the dense re-computation, with several head blocks, value sweeps narrower
 than the width and launches of a few queries each (a small logits workspace), on masked keys, sink-only queries and
 an empty source. Runs in Triton's interpreter on CPU tensors, or on a CUDA device."""
 
@@ -16,7 +16,7 @@ from deepinfer_kernels.testing import random_normal
 F = dk.RowFormat
 _FORMATS = (F.FP8, F.FP8, F.FP4_E4M3)
 _TILES = [
-    # PREFILL_CONFIG's tile: every head of a 64-head query in one program, the whole width in one sweep.
+    # TILES: every head of a 64-head query in one program, the whole width in one sweep.
     ({"block_h": 64, "block_n": 16, "block_v": 512, "num_warps": 8, "num_stages": 1}, None),
     # Two value sweeps of 32 columns (a whole FP8 scale group each), two queries per launch.
     ({"block_h": 64, "block_n": 16, "block_v": 32, "num_warps": 8, "num_stages": 1}, 2),
@@ -37,9 +37,9 @@ def test_prefill_tiles_match_dense(
     from deepinfer_kernels.cuda import attention
 
     # The tile applies whether the device takes BF16 or FP32 dots (Triton's interpreter takes FP32 dots).
-    monkeypatch.setattr(attention, "PREFILL_CONFIG", tiles)
-    monkeypatch.setattr(attention, "PREFILL_FP32_CONFIG", tiles)
-    monkeypatch.setitem(attention.CONFIG, "target_programs", 1)  # no split, however many multiprocessors
+    monkeypatch.setattr(attention, "TILES", tiles)
+    monkeypatch.setattr(attention, "FP32_TILES", tiles)
+    monkeypatch.setattr(attention, "SPLIT_TARGET_PROGRAMS", 1)  # no split, however many multiprocessors
     num_tokens, heads, width, counts = 5, 70, 64, (37, 0, 50)
     if queries_per_launch is not None:
         rows_per_query = -(-heads // tiles["block_h"]) * tiles["block_h"]
@@ -54,7 +54,10 @@ def test_prefill_tiles_match_dense(
     for source in sources:
         source.rows[1] = -1  # query 1: the sink only
     sources[2].rows[3, 20:] = -1  # query 3: the later tiles of the selected rows hold no valid key
-    _, splits = attention._split_plan(num_tokens * 3, list(counts), torch.device(triton_device))  # 3 blocks of 32
+    head_blocks = -(-heads // tiles["block_h"])
+    _, splits = attention._split_plan(
+        num_tokens * head_blocks, list(counts), tiles["block_n"], torch.device(triton_device)
+    )
     assert not splits  # the non-split path runs
     out = torch.full(q.shape, float("nan"), device=triton_device)
     implementation("sparse_attention", Backend.NVIDIA)(

@@ -39,20 +39,33 @@ def _triton(device: str, q: torch.Tensor, sources: list, sink: torch.Tensor, rou
 
 
 @pytest.mark.parametrize("round_probs", [True, False])
-@pytest.mark.parametrize(("block_n", "target_programs"), [(16, 12), (16, 1000), (32, 40)])
+@pytest.mark.parametrize(
+    ("block_n", "target_programs", "block_v", "one_query_per_launch"),
+    [(16, 12, 512, False), (16, 1000, 32, True), (32, 40, 512, False)],
+)
 def test_split_key_lists_match_dense(
-    triton_device: str, monkeypatch: pytest.MonkeyPatch, block_n: int, target_programs: int, round_probs: bool
+    triton_device: str,
+    monkeypatch: pytest.MonkeyPatch,
+    block_n: int,
+    target_programs: int,
+    block_v: int,
+    one_query_per_launch: bool,
+    round_probs: bool,
 ) -> None:
     from deepinfer_kernels.cuda import attention
 
-    monkeypatch.setitem(attention.CONFIG, "block_n", block_n)
-    monkeypatch.setitem(attention.CONFIG, "target_programs", target_programs)
+    for tiles in (attention.TILES, attention.FP32_TILES):
+        monkeypatch.setitem(tiles, "block_n", block_n)
+        monkeypatch.setitem(tiles, "block_v", block_v)  # 32: two value sweeps of one FP8 scale group each
+    monkeypatch.setattr(attention, "SPLIT_TARGET_PROGRAMS", target_programs)
+    if one_query_per_launch:
+        monkeypatch.setattr(attention, "SPLIT_WORKSPACE_BYTES", 1)
     q, sources, sink = _case(4, 3, 64, (37, 0, 70), seed=block_n + target_programs)
     sources[2].rows[0, 30:] = -1  # query 0: the later splits of the selected rows hold no valid key
     for source in sources:
         source.rows[1] = -1  # query 1: the sink only
     sources[0].rows[2] = -1  # query 2: no window key
-    chunk_keys, splits = attention._split_plan(4, [37, 0, 70], torch.device(triton_device))
+    chunk_keys, splits = attention._split_plan(4, [37, 0, 70], block_n, torch.device(triton_device))
     assert sum(splits) > 1 and chunk_keys % block_n == 0  # the split path runs
     actual = _triton(triton_device, q, sources, sink, round_probs)
     expected = dense_attention(q, sources, sink, 0.125, round_probs)
@@ -69,8 +82,9 @@ def test_invariant_mode_gives_a_query_the_same_bits_alone_and_in_a_batch(
     from deepinfer_kernels.cuda import attention
 
     # Small chunks of two tiles, so that short lists already split and chunks hold more than one tile.
-    monkeypatch.setitem(attention.CONFIG, "block_n", 16)
-    monkeypatch.setitem(attention.CONFIG, "target_programs", target_programs)
+    for tiles in (attention.TILES, attention.FP32_TILES):
+        monkeypatch.setitem(tiles, "block_n", 16)
+    monkeypatch.setattr(attention, "SPLIT_TARGET_PROGRAMS", target_programs)
     monkeypatch.setattr(attention, "INVARIANT_CHUNK_KEYS", 32)
     num_tokens, widths = 6, (50, 9, 120)
     q, sources, sink = _case(num_tokens, 2, 64, widths, seed=31)

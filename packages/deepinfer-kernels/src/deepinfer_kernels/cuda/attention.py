@@ -1,29 +1,29 @@
 """Triton sparse attention over up to three key sources read straight from their pools (docs/design/kernels.md,
-"sparse_attention"); the split path's kernels are in ``cuda/attention_kernels.py``, the non-split path's in
-``cuda/attention_prefill_kernels.py``.
+"sparse_attention"); the kernels are in ``cuda/attention_kernels.py``.
 
 Every probability is taken relative to the final softmax maximum (over the sink and every valid key), not a running
 one: that makes its BF16 rounding in exact mode the reference's, so the output differs from the reference only by
 FP32 summation order; a running maximum rounds each probability at another scale, a relative error of 2^-9 on every
 term that exact mode then turns into BF16/FP8 rounding flips everywhere.
 
-Many queries (prefill): one program per (query, block of heads) makes two passes over the gathered rows (decoded in
-registers from FP8 / FP4 / FP32 rows), the first for the logits, written to a workspace, and the maximum, the second
-for ``Σ exp(logit − max)`` and the value products with the logits read back (``cuda/attention_prefill_kernels.py``;
-:data:`PREFILL_CONFIG`). Few queries (decode): each source's key list is cut into chunks from the source's start and
-every chunk is a split with its own programs: ``split_max_kernel`` writes each split's maximum of its own keys,
-``attend_kernel`` takes the maximum over the sink and all splits' maxima and sums its split's keys at it, and
-``combine_kernel`` adds the splits' sums in split order and divides. Every key tile is decoded twice whatever the
-split count; the partial sums are O(queries × splits × H × D), bounded by launches of at most
-:data:`SPLIT_WORKSPACE_BYTES`.
+A program covers a block of heads of one query (:data:`TILES`: all 64 heads of a V4.1-Flash query, so each key tile
+is gathered and decoded once per pass for all of them and both dots are Hopper ``wgmma``) and makes two passes over
+its keys: the first writes the logits to a workspace and finds the maximum, the second reads them back and sums.
+Many queries (prefill, or a decode batch that fills the device): one program per (query, head block) over all its
+keys (``prefill_kernel``). Few queries (decode): each source's key list is cut into chunks from the source's start
+and every chunk is a split with its own programs: ``split_logits_kernel`` runs pass 1 over a split and writes its
+maximum, ``split_sums_kernel`` takes the maximum over the sink and all splits' maxima and sums its split's keys at
+it, and ``combine_kernel`` adds the splits' sums in split order and divides. The partial sums are
+O(queries × splits × H × D), bounded by launches of at most :data:`SPLIT_WORKSPACE_BYTES`.
 
 Batch invariance (docs/design/numerics.md, "Batch invariance"): inside ``batch_invariant_ops`` every step takes the
 split path, its chunks a fixed :data:`INVARIANT_CHUNK_KEYS` keys counted from each source's start, so a chunk holds
 the same key positions whatever the other requests of the step: a source's width (the step's longest list, e.g. the
 draft block) moves only its own last chunks, and chunks past a query's own keys hold −1 rows only and add exact
-zeros. Every chunk is summed from zero in tile order by the same kernels and the chunk sums are added in chunk order
-after the sink's term by the combine, whatever the number of queries; the maximum is exact in any order. (A
-non-split program with other tiles sums in other layouts, so its bits differ: the invariant mode never runs it.)
+zeros. Every chunk is summed from zero in tile order by the same kernels at the same tiles and the chunk sums are
+added in chunk order after the sink's term by the combine, whatever the number of queries; the maximum is exact in
+any order. (The non-split program sums a query's keys in one run, so its bits differ: the invariant mode never runs
+it.)
 """
 
 from __future__ import annotations
@@ -37,45 +37,44 @@ import triton
 from deepinfer_kernels.batch_invariant import invariant_kernels
 from deepinfer_kernels.cache_layout import KeySource, RowFormat
 from deepinfer_kernels.cuda._launch import check_launchable
-from deepinfer_kernels.cuda.attention_kernels import attend_kernel, combine_kernel, split_max_kernel
-from deepinfer_kernels.cuda.attention_prefill_kernels import prefill_kernel
+from deepinfer_kernels.cuda.attention_kernels import (
+    combine_kernel,
+    prefill_kernel,
+    split_logits_kernel,
+    split_sums_kernel,
+)
 from deepinfer_kernels.cuda.row_formats import FORMAT_CODES
 from deepinfer_kernels.platform import triton_interpreter_enabled
 from deepinfer_kernels.reference import attention as reference
 
 __all__ = [
-    "CONFIG",
+    "FP32_TILES",
     "INVARIANT_CHUNK_KEYS",
     "MAX_SOURCES",
-    "PREFILL_CONFIG",
-    "PREFILL_FP32_CONFIG",
     "PREFILL_WORKSPACE_BYTES",
     "SPLIT_WORKSPACE_BYTES",
+    "TILES",
     "sparse_attention",
 ]
 
 MAX_SOURCES = 3
-# Split path (decode): heads per program and keys per tile (H200 sweep in docs/design/kernels.md, "What ran on the
-# H200"). target_programs: programs to aim for when splitting the key list (None = twice the multiprocessors).
-# block_h also counts the programs that decide whether a step splits.
-CONFIG: dict[str, int | None] = {"block_h": 32, "block_n": 32, "num_warps": 8, "num_stages": 2, "target_programs": None}
-# Non-split path (prefill) when every dot is a BF16 tensor-core dot. 64 heads (all of a V4.1-Flash query) per
-# program: each key tile is gathered and decoded once per pass for all of them, and M = 64 makes both dots Hopper
-# wgmma. block_v: value columns per pass-2 sweep; the whole width in one sweep keeps the [64, 512] FP32 accumulator
-# (128 registers a thread at 8 warps) beside 16-key tiles: 253-255 registers at sm_90 and no spill (Triton 3.9; 3.6
-# spills 8-16 bytes when FP4_E4M3 rows meet FP8 rows); wider tiles or 16 warps spill (docs/design/kernels.md,
-# "sparse_attention").
-PREFILL_CONFIG: dict[str, int] = {"block_h": 64, "block_n": 16, "block_v": 512, "num_warps": 8, "num_stages": 1}
+# Both paths' tiles when every dot is a BF16 tensor-core dot. 64 heads (all of a V4.1-Flash query) per program: each
+# key tile is gathered and decoded once per pass for all of them, and M = 64 makes both dots Hopper wgmma. block_v:
+# value columns per pass-2 sweep; the whole width in one sweep keeps the [64, 512] FP32 accumulator (128 registers a
+# thread at 8 warps) beside 16-key tiles: 253-255 registers at sm_90 and no spill (Triton 3.9; 3.6 spills 8-16 bytes
+# when FP4_E4M3 rows meet FP8 rows); wider tiles or 16 warps spill (docs/design/kernels.md, "sparse_attention").
+TILES: dict[str, int] = {"block_h": 64, "block_n": 16, "block_v": 512, "num_warps": 8, "num_stages": 1}
 # FP32 dots (FP32 queries or rows, unrounded probabilities, Triton's interpreter): FMA dots hold both operands in
 # registers, and 16 heads fit where 64 spill kilobytes.
-PREFILL_FP32_CONFIG: dict[str, int] = {"block_h": 16, "block_n": 16, "block_v": 512, "num_warps": 4, "num_stages": 1}
+FP32_TILES: dict[str, int] = {"block_h": 16, "block_n": 16, "block_v": 512, "num_warps": 4, "num_stages": 1}
+# Programs the split path aims for (None: twice the multiprocessors); fewer programs than that make a step split.
+SPLIT_TARGET_PROGRAMS: int | None = None
 # The largest logits workspace of one non-split launch (FP32 [queries, heads, keys]); more queries take more launches.
 PREFILL_WORKSPACE_BYTES = 256 << 20
-# The largest partial sums of one split launch (FP32 [queries, splits, heads, width]).
+# The largest workspace of one split launch: partial sums (FP32 [queries, splits, heads, width]) and logits.
 SPLIT_WORKSPACE_BYTES = 256 << 20
-# Keys per chunk in batch-invariant mode: four tiles. A split then reads 128 rows (67 KB of FP8 rows at width 512)
-# against its 32 KB query block, and a decode query (128 + few + 512 keys) still makes six splits per head block,
-# while the partial sums written and read back stay half of what 64-key chunks would cost.
+# Keys per chunk in batch-invariant mode: eight tiles. A decode query (128 + few + 512 keys) makes six splits, and the
+# partial sums written and read back stay a quarter of what 32-key chunks would cost at many queries.
 INVARIANT_CHUNK_KEYS = 128
 
 
@@ -117,37 +116,70 @@ def sparse_attention(
         # Quantized rows decode to BF16-exact values, so BF16 products with a BF16 query are exact. (Triton's
         # interpreter computes BF16 dots wrongly; there the same products run as FP32 dots.)
         fmt_args[f"BF16_{i}"] = bf16_dots and source.fmt is not RowFormat.RAW_FP32
-    head_blocks = triton.cdiv(num_heads, CONFIG["block_h"])
-    chunk_keys, split_counts = _split_plan(num_tokens * head_blocks, [s.rows.shape[1] for s in sources], q.device)
-    if not split_counts:
-        _prefill(q, padded, sink, scale, round_probs_bf16, out, fmt_args)
-        return
+    # The value product is a BF16 dot only with rounded probabilities; a source without keys makes no dot.
+    all_bf16 = round_probs_bf16 and all(fmt_args[f"BF16_{i}"] or not s.rows.shape[1] for i, s in enumerate(padded))
+    tiles = TILES if all_bf16 else FP32_TILES
+    head_blocks = triton.cdiv(num_heads, tiles["block_h"])
+    block_d = max(triton.next_power_of_2(width), 16)
+    constexprs = {
+        "WIDTH": width,
+        "BLOCK_D": block_d,
+        "BLOCK_H": tiles["block_h"],
+        "BLOCK_N": tiles["block_n"],
+        **fmt_args,
+        "num_warps": tiles["num_warps"],
+        "num_stages": tiles["num_stages"],
+    }
+    # A value sweep decodes whole scale groups (decode_groups): at least 32 columns, the largest group.
+    block_v = min(max(tiles["block_v"], 32), block_d)
+    widths = [s.rows.shape[1] for s in sources]
+    chunk_keys, split_counts = _split_plan(num_tokens * head_blocks, widths, tiles["block_n"], q.device)
+    if split_counts:
+        _split(
+            q, padded, sink, scale, round_probs_bf16, out, chunk_keys, split_counts, head_blocks, block_v, constexprs
+        )
+    else:
+        _prefill(q, padded, sink, scale, round_probs_bf16, out, head_blocks, block_v, constexprs)
+
+
+def _split(
+    q: torch.Tensor,
+    sources: list[KeySource],
+    sink: torch.Tensor,
+    scale: float,
+    round_probs_bf16: bool,
+    out: torch.Tensor,
+    chunk_keys: int,
+    split_counts: list[int],
+    head_blocks: int,
+    block_v: int,
+    constexprs: dict[str, object],
+) -> None:
+    """The split path: pass 1 and pass 2 per (query, head block, split), then the combine, in launches whose partial
+    sums and logits stay within :data:`SPLIT_WORKSPACE_BYTES` (only batch-invariant prefills take several). Buffers
+    are sized from T, splits and H only (host shapes), so a captured step replays with the same plan."""
+    num_tokens, num_heads, width = q.shape
     counts = split_counts + [0] * (MAX_SOURCES - len(split_counts))
     num_splits = max(sum(counts), 1)
-    blocks = {"WIDTH": width, "BLOCK_D": max(triton.next_power_of_2(width), 16), "BLOCK_H": CONFIG["block_h"]}
-    launch = {"num_warps": CONFIG["num_warps"], "num_stages": CONFIG["num_stages"]}
-    kernel_args = {**blocks, "BLOCK_N": CONFIG["block_n"], **fmt_args, **launch}
-    # Buffers sized from T, splits and H only (host shapes), so a captured step replays with the same plan; the
-    # partial sums of a launch stay within SPLIT_WORKSPACE_BYTES (only batch-invariant prefills take several).
-    queries = max(1, SPLIT_WORKSPACE_BYTES // (num_splits * num_heads * width * 4))
-    rows = min(queries, num_tokens)
+    head_rows = head_blocks * int(constexprs["BLOCK_H"])  # type: ignore[call-overload]
+    num_keys = max(sum(s.rows.shape[1] for s in sources), 1)
+    query_bytes = num_splits * num_heads * (width + 2) * 4 + head_rows * num_keys * 4
+    rows = min(max(1, SPLIT_WORKSPACE_BYTES // query_bytes), num_tokens)
     part_m = torch.empty((rows, num_splits, num_heads), dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
     part_acc = torch.empty((rows, num_splits, num_heads, width), dtype=torch.float32, device=q.device)
-    for start in range(0, num_tokens, queries):
-        stop = min(start + queries, num_tokens)
-        shared = (
-            num_heads, scale, chunk_keys, num_splits, counts[0], counts[0] + counts[1],
-            *_source_args(padded, start, stop),
-        )  # fmt: skip
+    logits = torch.empty((rows, head_rows, num_keys), dtype=torch.float32, device=q.device)
+    combine = {key: constexprs[key] for key in ("WIDTH", "BLOCK_D", "BLOCK_H", "num_warps")}
+    for start in range(0, num_tokens, rows):
+        stop = min(start + rows, num_tokens)
+        plan = (chunk_keys, num_splits, counts[0], counts[0] + counts[1], *_source_args(sources, start, stop))
         grid = (stop - start, head_blocks, num_splits)
-        split_max_kernel[grid](q[start:stop], part_m, *shared, **kernel_args)
-        attend_kernel[grid](
-            q[start:stop], sink, part_acc, part_m, part_l, *shared, ROUND=round_probs_bf16, **kernel_args
-        )
-        combine_kernel[grid[:2]](
-            sink, out[start:stop], part_m, part_acc, part_l, num_heads, num_splits, **blocks, **launch
-        )
+        split_logits_kernel[grid](q[start:stop], part_m, logits, num_heads, scale, *plan, **constexprs)
+        split_sums_kernel[grid](
+            sink, part_acc, part_m, part_l, logits, num_heads, *plan, BLOCK_V=block_v, ROUND=round_probs_bf16,
+            **constexprs,
+        )  # fmt: skip
+        combine_kernel[grid[:2]](sink, out[start:stop], part_m, part_acc, part_l, num_heads, num_splits, **combine)
 
 
 def _source_args(sources: list[KeySource], start: int, stop: int) -> list[object]:
@@ -166,41 +198,22 @@ def _prefill(
     scale: float,
     round_probs_bf16: bool,
     out: torch.Tensor,
-    fmt_args: dict[str, object],
+    head_blocks: int,
+    block_v: int,
+    constexprs: dict[str, object],
 ) -> None:
     """The non-split path: one program per (query, head block), in launches whose logits workspace stays within
     :data:`PREFILL_WORKSPACE_BYTES` (sized from host shapes only, so a captured step replays)."""
-    num_tokens, num_heads, width = q.shape
-    # The value product is a BF16 dot only with rounded probabilities; a source without keys makes no dot.
-    bf16_dots = round_probs_bf16 and all(fmt_args[f"BF16_{i}"] or not s.rows.shape[1] for i, s in enumerate(sources))
-    tiles = PREFILL_CONFIG if bf16_dots else PREFILL_FP32_CONFIG
-    head_blocks = triton.cdiv(num_heads, tiles["block_h"])
+    num_tokens, num_heads, _ = q.shape
+    head_rows = head_blocks * int(constexprs["BLOCK_H"])  # type: ignore[call-overload]
     num_keys = sum(source.rows.shape[1] for source in sources)
-    query_bytes = head_blocks * tiles["block_h"] * num_keys * 4
-    queries = max(1, PREFILL_WORKSPACE_BYTES // max(query_bytes, 1))
-    logits = torch.empty(
-        (min(queries, num_tokens), head_blocks * tiles["block_h"], max(num_keys, 1)),
-        dtype=torch.float32,
-        device=q.device,
-    )
-    block_d = max(triton.next_power_of_2(width), 16)
-    constexprs = {
-        "WIDTH": width,
-        "BLOCK_D": block_d,
-        "BLOCK_H": tiles["block_h"],
-        "BLOCK_N": tiles["block_n"],
-        # A value sweep decodes whole scale groups (decode_groups): at least 32 columns, the largest group.
-        "BLOCK_V": min(max(tiles["block_v"], 32), block_d),
-        **fmt_args,
-        "ROUND": round_probs_bf16,
-        "num_warps": tiles["num_warps"],
-        "num_stages": tiles["num_stages"],
-    }
+    queries = max(1, PREFILL_WORKSPACE_BYTES // max(head_rows * num_keys * 4, 1))
+    logits = torch.empty((min(queries, num_tokens), head_rows, max(num_keys, 1)), dtype=torch.float32, device=q.device)
     for start in range(0, num_tokens, queries):
         stop = min(start + queries, num_tokens)
         prefill_kernel[(stop - start, head_blocks)](
             q[start:stop], sink, out[start:stop], logits, num_heads, scale, *_source_args(sources, start, stop),
-            **constexprs,
+            BLOCK_V=block_v, ROUND=round_probs_bf16, **constexprs,
         )  # fmt: skip
 
 
@@ -211,20 +224,20 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _split_plan(programs: int, widths: list[int], device: torch.device) -> tuple[int, list[int]]:
+def _split_plan(programs: int, widths: list[int], block_n: int, device: torch.device) -> tuple[int, list[int]]:
     """(keys per chunk, splits per source; an empty list = no split, one program per query and head block).
 
-    Each source's keys are cut into chunks of ``chunk_keys`` from the source's start; with splits, every chunk is one
-    split. Splits are taken when the queries alone would leave the device idle (decode): about twice the
-    multiprocessors in programs; the chunks are sized to reach that count. Inside ``batch_invariant_ops`` every step
-    splits, in chunks of :data:`INVARIANT_CHUNK_KEYS` keys whatever the batch: the same kernels on the same chunks
-    give a query the same bits alone and in any batch (docs/design/numerics.md, "Batch invariance").
+    Each source's keys are cut into chunks of ``chunk_keys`` (a multiple of the tile's ``block_n`` keys) from the
+    source's start; with splits, every chunk is one split. Splits are taken when the ``programs`` of (query, head
+    block) alone would leave the device idle (decode): about twice the multiprocessors in programs; the chunks are
+    sized to reach that count. Inside ``batch_invariant_ops`` every step splits, in chunks of
+    :data:`INVARIANT_CHUNK_KEYS` keys whatever the batch: the same kernels on the same chunks give a query the same
+    bits alone and in any batch (docs/design/numerics.md, "Batch invariance").
     """
     if invariant_kernels():
         return INVARIANT_CHUNK_KEYS, [triton.cdiv(width, INVARIANT_CHUNK_KEYS) for width in widths]
-    block_n = CONFIG["block_n"]
     tiles = max(triton.cdiv(sum(widths), block_n), 1)
-    target = CONFIG["target_programs"] or 2 * _multiprocessors(device)
+    target = SPLIT_TARGET_PROGRAMS or 2 * _multiprocessors(device)
     wanted = min(tiles, triton.cdiv(target, programs))
     chunk_keys = triton.cdiv(tiles, wanted) * block_n
     counts = [triton.cdiv(width, chunk_keys) for width in widths]

@@ -1,9 +1,22 @@
-"""Triton kernels of sparse attention's split path (decode; the launcher and the argument's why are in
-``cuda/attention.py``, the non-split path's kernel in ``cuda/attention_prefill_kernels.py``).
+"""Triton kernels of sparse attention (the launcher and the why are in ``cuda/attention.py``): the key loops both
+paths share, the split path's kernels, and the non-split path's ``prefill_kernel``.
 
-Every kernel takes the three key sources as (pool, rows, row stride, keys, bytes per row) and the key range of a
-program per source. Keys of a source are summed in chunks of ``chunk_keys`` from the source's start, each chunk from
-zero, and the chunk sums are added in key order (docs/design/kernels.md, "sparse_attention").
+Every kernel takes the three key sources as (pool, rows, row stride, keys, bytes per row). A program covers a block of
+heads of one query and makes two passes over its keys, source after source, tile by tile in key order. Pass 1
+(``logits_pass``) gathers and decodes every key tile, takes its logits for the whole head block in one dot, writes
+them to the program's rows of a logits workspace and raises the maximum. Pass 2 (``sums_pass``) gathers and decodes
+the tiles again, reads the logits back instead of recomputing them and sums ``exp(logit − max)`` and the value
+products. Keeping the query out of pass 2 is what keeps a 64-head program in registers: a ``[64, 512]`` query
+operand needs 32 shared-memory descriptors per dot that the compiler hoists out of the key loop, and next to the
+``[64, 512]`` FP32 accumulator they spilled.
+
+Pass 2 runs once per ``BLOCK_V`` value columns (one sweep at the default width); every sweep takes the same logits in
+the same order, so the sums of a column are the same additions whatever ``BLOCK_V`` is.
+
+The split path runs the passes as two launches over (query, head block, split), a split being one chunk of one
+source's keys: ``split_logits_kernel`` (pass 1 over the split's keys, its maximum into ``part_m``),
+``split_sums_kernel`` (pass 2 at the maximum over the sink and every split, from zero, into ``part_acc`` and
+``part_l``) and ``combine_kernel`` (the sink's term, then the splits' sums in split order, and the division).
 """
 
 # Triton reads parameter annotations as kernel type hints, so @triton.jit functions stay unannotated.
@@ -14,43 +27,20 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from deepinfer_kernels.cuda.row_formats import decode_tile, round_bf16
+from deepinfer_kernels.cuda.row_formats import decode_groups, round_bf16
 
-__all__ = ["add_value_products", "attend_kernel", "combine_kernel", "split_max_kernel"]
+__all__ = ["combine_kernel", "prefill_kernel", "split_logits_kernel", "split_sums_kernel"]
 
 
 @triton.jit
-def _source_logits(  # type: ignore[no-untyped-def]
-    q, pool_ptr, rows_ptr, stride_rows, n, hi, row_bytes, token, scale, d, d_mask, WIDTH, FMT, BF16_DOT
-):
-    """Scaled logits [BLOCK_H, BLOCK_N] (−inf for missing or out-of-range rows) and the decoded rows of tile ``n``."""
+def _tile_rows(rows_ptr, stride_rows, token, n, hi):  # type: ignore[no-untyped-def]
+    """Whether keys ``n`` [BLOCK_N] of the query hold a row (below ``hi`` and not −1), and their pool rows."""
     idx = tl.load(rows_ptr + token * stride_rows + n, mask=n < hi, other=-1).to(tl.int64)
-    valid = idx >= 0
-    base = tl.maximum(idx, 0) * row_bytes
-    keys = decode_tile(pool_ptr, base[:, None], d[None, :], valid[:, None] & d_mask[None, :], WIDTH, FMT)
-    if BF16_DOT:
-        logits = tl.dot(q.to(tl.bfloat16), tl.trans(keys.to(tl.bfloat16)))
-    else:
-        logits = tl.dot(q.to(tl.float32), tl.trans(keys), input_precision="ieee")
-    return tl.where(valid[None, :], logits * scale, float("-inf")), keys
+    return idx >= 0, tl.maximum(idx, 0)
 
 
 @triton.jit
-def _range_max(  # type: ignore[no-untyped-def]
-    m, q, pool_ptr, rows_ptr, stride_rows, lo, hi, row_bytes, token, scale, d, d_mask, WIDTH, FMT, BF16_DOT, BLOCK_N
-):
-    """``m`` raised to the largest logit of keys [lo, hi) of one source."""
-    for start in range(lo, hi, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        logits, _ = _source_logits(
-            q, pool_ptr, rows_ptr, stride_rows, n, hi, row_bytes, token, scale, d, d_mask, WIDTH, FMT, BF16_DOT
-        )
-        m = tl.maximum(m, tl.max(logits, axis=1))
-    return m
-
-
-@triton.jit
-def add_value_products(acc, probs, values, BF16_DOT: tl.constexpr, ROUND: tl.constexpr):  # type: ignore[no-untyped-def]
+def _add_value_products(acc, probs, values, BF16_DOT: tl.constexpr, ROUND: tl.constexpr):  # type: ignore[no-untyped-def]
     """``acc`` [BLOCK_H, V] plus ``probs`` [BLOCK_H, BLOCK_N] · ``values`` [BLOCK_N, V] (FP32): the probabilities
     rounded to BF16 first when ROUND, a BF16 tensor-core dot when BF16_DOT (decoded rows are BF16-exact)."""
     if ROUND and BF16_DOT:
@@ -63,21 +53,66 @@ def add_value_products(acc, probs, values, BF16_DOT: tl.constexpr, ROUND: tl.con
 
 
 @triton.jit
-def _range_sums(  # type: ignore[no-untyped-def]
-    acc, denom, m, q, pool_ptr, rows_ptr, stride_rows, lo, hi, row_bytes, token, scale, d, d_mask,
-    WIDTH: tl.constexpr, FMT: tl.constexpr, BF16_DOT: tl.constexpr, ROUND: tl.constexpr, BLOCK_N: tl.constexpr,
+def logits_pass(  # type: ignore[no-untyped-def]
+    m, q, pool_ptr, rows_ptr, stride_rows, lo, hi, row_bytes, token, scale, logits_ptr,
+    WIDTH: tl.constexpr, BLOCK_D: tl.constexpr, FMT: tl.constexpr, BF16_DOT: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """``acc`` [BLOCK_H, BLOCK_D] plus Σ p·k and ``denom`` [BLOCK_H] plus Σ exp(s − m) over keys [lo, hi) of one source,
-    tile by tile in key order (a range without a valid key adds exact zeros)."""
+    """Pass 1 over keys [lo, hi) of one source: ``m`` [BLOCK_H] raised to their largest logit; every logit (−inf for
+    a missing row) written to ``logits_ptr`` [BLOCK_H, 1] (the program's workspace rows at the source's first key)
+    plus the key."""
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
-        logits, keys = _source_logits(
-            q, pool_ptr, rows_ptr, stride_rows, n, hi, row_bytes, token, scale, d, d_mask, WIDTH, FMT, BF16_DOT
-        )
+        valid, idx = _tile_rows(rows_ptr, stride_rows, token, n, hi)
+        keys = decode_groups(pool_ptr, idx * row_bytes, valid, 0, BLOCK_D, WIDTH, FMT)
+        if BF16_DOT:
+            logits = tl.dot(q.to(tl.bfloat16), tl.trans(keys.to(tl.bfloat16)))
+        else:
+            logits = tl.dot(q.to(tl.float32), tl.trans(keys), input_precision="ieee")
+        logits = tl.where(valid[None, :], logits * scale, float("-inf"))
+        tl.store(logits_ptr + n[None, :], logits, mask=(n < hi)[None, :])
+        m = tl.maximum(m, tl.max(logits, axis=1))
+    return m
+
+
+@triton.jit
+def sums_pass(  # type: ignore[no-untyped-def]
+    acc, denom, m, pool_ptr, rows_ptr, stride_rows, lo, hi, row_bytes, token, V_FIRST, logits_ptr,
+    WIDTH: tl.constexpr, FMT: tl.constexpr, BF16_DOT: tl.constexpr, ROUND: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    """Pass 2 over keys [lo, hi) of one source, tile by tile in key order: ``acc`` [BLOCK_H, BLOCK_V] plus Σ p·k over
+    the value columns ``V_FIRST …`` and ``denom`` [BLOCK_H] plus Σ p, p = exp(logit − m) with the logits of pass 1 (a
+    range without a valid key adds exact zeros)."""
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        valid, idx = _tile_rows(rows_ptr, stride_rows, token, n, hi)
+        values = decode_groups(pool_ptr, idx * row_bytes, valid, V_FIRST, BLOCK_V, WIDTH, FMT)
+        logits = tl.load(logits_ptr + n[None, :], mask=(n < hi)[None, :], other=float("-inf"))
         probs = tl.exp(logits - m[:, None])
         denom += tl.sum(probs, axis=1)
-        acc = add_value_products(acc, probs, keys, BF16_DOT, ROUND)
+        acc = _add_value_products(acc, probs, values, BF16_DOT, ROUND)
     return acc, denom
+
+
+@triton.jit
+def _heads(num_heads, BLOCK_H: tl.constexpr):  # type: ignore[no-untyped-def]
+    """The program's heads and their mask."""
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    return h, h < num_heads
+
+
+@triton.jit
+def _load_query(q_ptr, token, h, h_mask, num_heads, WIDTH: tl.constexpr, BLOCK_D: tl.constexpr):  # type: ignore[no-untyped-def]
+    d = tl.arange(0, BLOCK_D)
+    mask = h_mask[:, None] & (d < WIDTH)[None, :]
+    return tl.load(q_ptr + (token * num_heads + h[:, None]) * WIDTH + d[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _logits_rows(logits_ptr, token, num_keys, BLOCK_H: tl.constexpr):  # type: ignore[no-untyped-def]
+    """The program's rows of the logits workspace [queries, head blocks · BLOCK_H, keys0 + keys1 + keys2]."""
+    block_row = token * tl.num_programs(1) + tl.program_id(1)
+    return logits_ptr + (block_row * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]) * num_keys
 
 
 @triton.jit
@@ -92,18 +127,6 @@ def _split_range(split, first, count, chunk_keys, num_keys):  # type: ignore[no-
 
 
 @triton.jit
-def _query(q_ptr, num_heads, token, WIDTH, BLOCK_H, BLOCK_D):  # type: ignore[no-untyped-def]
-    """The program's heads, element offsets, the head and query masks and the query block."""
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    d = tl.arange(0, BLOCK_D)
-    h_mask = h < num_heads
-    d_mask = d < WIDTH
-    offsets = (token * num_heads + h[:, None]) * WIDTH + d[None, :]
-    q_mask = h_mask[:, None] & d_mask[None, :]
-    return h, d, h_mask, d_mask, q_mask, tl.load(q_ptr + offsets, mask=q_mask, other=0.0)
-
-
-@triton.jit
 def _global_max(sink, part_m_ptr, token, num_splits, num_heads, h, h_mask):  # type: ignore[no-untyped-def]
     """The softmax maximum: the sink and every split's maximum, read in split order."""
     m = sink
@@ -114,63 +137,78 @@ def _global_max(sink, part_m_ptr, token, num_splits, num_heads, h, h_mask):  # t
 
 
 @triton.jit
-def split_max_kernel(  # type: ignore[no-untyped-def]
-    q_ptr, part_m_ptr, num_heads, scale, chunk_keys, num_splits, first1, first2,
+def split_logits_kernel(  # type: ignore[no-untyped-def]
+    q_ptr, part_m_ptr, logits_ptr, num_heads, scale, chunk_keys, num_splits, first1, first2,
     pool0, rows0, stride0, keys0, bytes0, pool1, rows1, stride1, keys1, bytes1, pool2, rows2, stride2, keys2, bytes2,
     WIDTH: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     FMT0: tl.constexpr, FMT1: tl.constexpr, FMT2: tl.constexpr,
     BF16_0: tl.constexpr, BF16_1: tl.constexpr, BF16_2: tl.constexpr,
 ):  # fmt: skip
-    """Grid (query, head block, split): the largest logit of the split's own keys, −inf when it has none."""
+    """Grid (query, head block, split): pass 1 over the split's keys (only the source owning the split has a
+    non-empty range), their largest logit (−inf when it has none) into ``part_m_ptr`` [T, splits, H]."""
     token = tl.program_id(0).to(tl.int64)
     split = tl.program_id(2)
-    h, d, h_mask, d_mask, _, q = _query(q_ptr, num_heads, token, WIDTH, BLOCK_H, BLOCK_D)
+    h, h_mask = _heads(num_heads, BLOCK_H)
+    q = _load_query(q_ptr, token, h, h_mask, num_heads, WIDTH, BLOCK_D)
+    logits0 = _logits_rows(logits_ptr, token, keys0 + keys1 + keys2, BLOCK_H)
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     lo, hi = _split_range(split, 0, first1, chunk_keys, keys0)
-    m = _range_max(m, q, pool0, rows0, stride0, lo, hi, bytes0, token, scale, d, d_mask, WIDTH, FMT0, BF16_0, BLOCK_N)
+    m = logits_pass(
+        m, q, pool0, rows0, stride0, lo, hi, bytes0, token, scale, logits0, WIDTH, BLOCK_D, FMT0, BF16_0, BLOCK_N
+    )
     lo, hi = _split_range(split, first1, first2 - first1, chunk_keys, keys1)
-    m = _range_max(m, q, pool1, rows1, stride1, lo, hi, bytes1, token, scale, d, d_mask, WIDTH, FMT1, BF16_1, BLOCK_N)
+    m = logits_pass(
+        m, q, pool1, rows1, stride1, lo, hi, bytes1, token, scale, logits0 + keys0, WIDTH, BLOCK_D, FMT1, BF16_1,
+        BLOCK_N,
+    )  # fmt: skip
     lo, hi = _split_range(split, first2, num_splits - first2, chunk_keys, keys2)
-    m = _range_max(m, q, pool2, rows2, stride2, lo, hi, bytes2, token, scale, d, d_mask, WIDTH, FMT2, BF16_2, BLOCK_N)
+    m = logits_pass(
+        m, q, pool2, rows2, stride2, lo, hi, bytes2, token, scale, logits0 + keys0 + keys1, WIDTH, BLOCK_D, FMT2,
+        BF16_2, BLOCK_N,
+    )  # fmt: skip
     tl.store(part_m_ptr + (token * num_splits + split) * num_heads + h, m, mask=h_mask)
 
 
 @triton.jit
-def attend_kernel(  # type: ignore[no-untyped-def]
-    q_ptr, sink_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, num_heads, scale, chunk_keys, num_splits, first1, first2,
+def split_sums_kernel(  # type: ignore[no-untyped-def]
+    sink_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, logits_ptr, num_heads, chunk_keys, num_splits, first1, first2,
     pool0, rows0, stride0, keys0, bytes0, pool1, rows1, stride1, keys1, bytes1, pool2, rows2, stride2, keys2, bytes2,
-    WIDTH: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    WIDTH: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
     FMT0: tl.constexpr, FMT1: tl.constexpr, FMT2: tl.constexpr,
     BF16_0: tl.constexpr, BF16_1: tl.constexpr, BF16_2: tl.constexpr, ROUND: tl.constexpr,
 ):  # fmt: skip
-    """Grid (query, head block, split): the split's (one chunk's) sums at the maximum of ``split_max_kernel``'s results
-    into ``part_acc_ptr`` [T, splits, H, D] and ``part_l_ptr`` [T, splits, H]."""
+    """Grid (query, head block, split): pass 2 over the split's keys at the maximum over the sink and every split, its
+    sums from zero into ``part_acc_ptr`` [T, splits, H, WIDTH] and ``part_l_ptr`` [T, splits, H]."""
     token = tl.program_id(0).to(tl.int64)
-    h, d, h_mask, d_mask, q_mask, q = _query(q_ptr, num_heads, token, WIDTH, BLOCK_H, BLOCK_D)
-    sink = tl.load(sink_ptr + h, mask=h_mask, other=0.0)
     split = tl.program_id(2)
-    m = _global_max(sink, part_m_ptr, token, num_splits, num_heads, h, h_mask)
-    # Only the source owning the split has a non-empty range: the split's sums start from zero.
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    denom = tl.zeros([BLOCK_H], tl.float32)
-    lo, hi = _split_range(split, 0, first1, chunk_keys, keys0)
-    acc, denom = _range_sums(
-        acc, denom, m, q, pool0, rows0, stride0, lo, hi, bytes0, token, scale, d, d_mask,
-        WIDTH, FMT0, BF16_0, ROUND, BLOCK_N,
-    )  # fmt: skip
-    lo, hi = _split_range(split, first1, first2 - first1, chunk_keys, keys1)
-    acc, denom = _range_sums(
-        acc, denom, m, q, pool1, rows1, stride1, lo, hi, bytes1, token, scale, d, d_mask,
-        WIDTH, FMT1, BF16_1, ROUND, BLOCK_N,
-    )  # fmt: skip
-    lo, hi = _split_range(split, first2, num_splits - first2, chunk_keys, keys2)
-    acc, denom = _range_sums(
-        acc, denom, m, q, pool2, rows2, stride2, lo, hi, bytes2, token, scale, d, d_mask,
-        WIDTH, FMT2, BF16_2, ROUND, BLOCK_N,
-    )  # fmt: skip
+    h, h_mask = _heads(num_heads, BLOCK_H)
+    m = _global_max(tl.load(sink_ptr + h, mask=h_mask, other=0.0), part_m_ptr, token, num_splits, num_heads, h, h_mask)
+    logits0 = _logits_rows(logits_ptr, token, keys0 + keys1 + keys2, BLOCK_H)
+    lo0, hi0 = _split_range(split, 0, first1, chunk_keys, keys0)
+    lo1, hi1 = _split_range(split, first1, first2 - first1, chunk_keys, keys1)
+    lo2, hi2 = _split_range(split, first2, num_splits - first2, chunk_keys, keys2)
     part_row = (token * num_splits + split) * num_heads + h
-    tl.store(part_acc_ptr + part_row[:, None] * WIDTH + d[None, :], acc, mask=q_mask)
-    tl.store(part_l_ptr + part_row, denom, mask=h_mask)
+    for v in tl.static_range(0, BLOCK_D, BLOCK_V):
+        dv = v + tl.arange(0, BLOCK_V)
+        acc = tl.zeros([BLOCK_H, BLOCK_V], tl.float32)
+        denom = tl.zeros([BLOCK_H], tl.float32)
+        acc, denom = sums_pass(
+            acc, denom, m, pool0, rows0, stride0, lo0, hi0, bytes0, token, v, logits0,
+            WIDTH, FMT0, BF16_0, ROUND, BLOCK_N, BLOCK_V,
+        )  # fmt: skip
+        acc, denom = sums_pass(
+            acc, denom, m, pool1, rows1, stride1, lo1, hi1, bytes1, token, v, logits0 + keys0,
+            WIDTH, FMT1, BF16_1, ROUND, BLOCK_N, BLOCK_V,
+        )  # fmt: skip
+        acc, denom = sums_pass(
+            acc, denom, m, pool2, rows2, stride2, lo2, hi2, bytes2, token, v, logits0 + keys0 + keys1,
+            WIDTH, FMT2, BF16_2, ROUND, BLOCK_N, BLOCK_V,
+        )  # fmt: skip
+        tl.store(
+            part_acc_ptr + part_row[:, None] * WIDTH + dv[None, :], acc, mask=h_mask[:, None] & (dv < WIDTH)[None, :]
+        )
+        if v == 0:
+            tl.store(part_l_ptr + part_row, denom, mask=h_mask)
 
 
 @triton.jit
@@ -180,9 +218,8 @@ def combine_kernel(  # type: ignore[no-untyped-def]
 ):  # fmt: skip
     """Grid (query, head block): the sink's term, then every split's sums added in split order, and the output."""
     token = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h, h_mask = _heads(num_heads, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
-    h_mask = h < num_heads
     mask = h_mask[:, None] & (d < WIDTH)[None, :]
     sink = tl.load(sink_ptr + h, mask=h_mask, other=0.0)
     denom = tl.exp(sink - _global_max(sink, part_m_ptr, token, num_splits, num_heads, h, h_mask))
@@ -192,3 +229,53 @@ def combine_kernel(  # type: ignore[no-untyped-def]
         acc += tl.load(part_acc_ptr + part[:, None] * WIDTH + d[None, :], mask=mask, other=0.0)
         denom += tl.load(part_l_ptr + part, mask=h_mask, other=0.0)
     tl.store(out_ptr + ((token * num_heads + h[:, None]) * WIDTH + d[None, :]), acc / denom[:, None], mask=mask)
+
+
+@triton.jit
+def prefill_kernel(  # type: ignore[no-untyped-def]
+    q_ptr, sink_ptr, out_ptr, logits_ptr, num_heads, scale,
+    pool0, rows0, stride0, keys0, bytes0, pool1, rows1, stride1, keys1, bytes1, pool2, rows2, stride2, keys2, bytes2,
+    WIDTH: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    FMT0: tl.constexpr, FMT1: tl.constexpr, FMT2: tl.constexpr,
+    BF16_0: tl.constexpr, BF16_1: tl.constexpr, BF16_2: tl.constexpr,
+    ROUND: tl.constexpr,
+):  # fmt: skip
+    """Grid (query, head block), the non-split path: the maximum over the sink and every key (pass 1), then per
+    ``BLOCK_V`` value columns the sink's term and every key's sums added in key order (pass 2), and the output."""
+    token = tl.program_id(0).to(tl.int64)
+    h, h_mask = _heads(num_heads, BLOCK_H)
+    q = _load_query(q_ptr, token, h, h_mask, num_heads, WIDTH, BLOCK_D)
+    sink = tl.load(sink_ptr + h, mask=h_mask, other=0.0)
+    logits0 = _logits_rows(logits_ptr, token, keys0 + keys1 + keys2, BLOCK_H)
+    logits1 = logits0 + keys0
+    logits2 = logits1 + keys1
+    m = logits_pass(
+        sink, q, pool0, rows0, stride0, 0, keys0, bytes0, token, scale, logits0, WIDTH, BLOCK_D, FMT0, BF16_0, BLOCK_N
+    )
+    m = logits_pass(
+        m, q, pool1, rows1, stride1, 0, keys1, bytes1, token, scale, logits1, WIDTH, BLOCK_D, FMT1, BF16_1, BLOCK_N
+    )
+    m = logits_pass(
+        m, q, pool2, rows2, stride2, 0, keys2, bytes2, token, scale, logits2, WIDTH, BLOCK_D, FMT2, BF16_2, BLOCK_N
+    )
+    # Pass 2 reads logits that other threads of the program wrote: a CTA barrier orders the global memory accesses.
+    tl.debug_barrier()
+    for v in tl.static_range(0, BLOCK_D, BLOCK_V):
+        dv = v + tl.arange(0, BLOCK_V)
+        # The sink is a logit with a zero value: it enters the denominator only, first, as in the combine.
+        denom = tl.exp(sink - m)
+        acc = tl.zeros([BLOCK_H, BLOCK_V], tl.float32)
+        acc, denom = sums_pass(
+            acc, denom, m, pool0, rows0, stride0, 0, keys0, bytes0, token, v, logits0,
+            WIDTH, FMT0, BF16_0, ROUND, BLOCK_N, BLOCK_V,
+        )  # fmt: skip
+        acc, denom = sums_pass(
+            acc, denom, m, pool1, rows1, stride1, 0, keys1, bytes1, token, v, logits1,
+            WIDTH, FMT1, BF16_1, ROUND, BLOCK_N, BLOCK_V,
+        )  # fmt: skip
+        acc, denom = sums_pass(
+            acc, denom, m, pool2, rows2, stride2, 0, keys2, bytes2, token, v, logits2,
+            WIDTH, FMT2, BF16_2, ROUND, BLOCK_N, BLOCK_V,
+        )  # fmt: skip
+        out_offsets = (token * num_heads + h[:, None]) * WIDTH + dv[None, :]
+        tl.store(out_ptr + out_offsets, acc / denom[:, None], mask=h_mask[:, None] & (dv < WIDTH)[None, :])
