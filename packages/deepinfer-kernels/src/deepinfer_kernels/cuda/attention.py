@@ -48,6 +48,7 @@ from deepinfer_kernels.platform import triton_interpreter_enabled
 from deepinfer_kernels.reference import attention as reference
 
 __all__ = [
+    "COMBINE_TILES",
     "FP32_TILES",
     "INVARIANT_CHUNK_KEYS",
     "MAX_SOURCES",
@@ -67,6 +68,9 @@ TILES: dict[str, int] = {"block_h": 64, "block_n": 16, "block_v": 512, "num_warp
 # FP32 dots (FP32 queries or rows, unrounded probabilities, Triton's interpreter): FMA dots hold both operands in
 # registers, and 16 heads fit where 64 spill kilobytes.
 FP32_TILES: dict[str, int] = {"block_h": 16, "block_n": 16, "block_v": 512, "num_warps": 4, "num_stages": 1}
+# The split path's combine: heads and value columns per program (it only adds and divides: small blocks keep its
+# [block_h, block_c] FP32 sum in registers and give a one-query step several programs).
+COMBINE_TILES: dict[str, int] = {"block_h": 16, "block_c": 128, "num_warps": 4}
 # Programs the split path aims for (None: twice the multiprocessors); fewer programs than that make a step split.
 SPLIT_TARGET_PROGRAMS: int | None = None
 # The largest logits workspace of one non-split launch (FP32 [queries, heads, keys]); more queries take more launches.
@@ -119,27 +123,30 @@ def sparse_attention(
     # The value product is a BF16 dot only with rounded probabilities; a source without keys makes no dot.
     all_bf16 = round_probs_bf16 and all(fmt_args[f"BF16_{i}"] or not s.rows.shape[1] for i, s in enumerate(padded))
     tiles = TILES if all_bf16 else FP32_TILES
-    head_blocks = triton.cdiv(num_heads, tiles["block_h"])
-    block_d = max(triton.next_power_of_2(width), 16)
     constexprs = {
         "WIDTH": width,
-        "BLOCK_D": block_d,
+        "BLOCK_D": _block_d(width),
         "BLOCK_H": tiles["block_h"],
         "BLOCK_N": tiles["block_n"],
         **fmt_args,
         "num_warps": tiles["num_warps"],
         "num_stages": tiles["num_stages"],
     }
-    # A value sweep decodes whole scale groups (decode_groups): at least 32 columns, the largest group.
-    block_v = min(max(tiles["block_v"], 32), block_d)
-    widths = [s.rows.shape[1] for s in sources]
-    chunk_keys, split_counts = _split_plan(num_tokens * head_blocks, widths, tiles["block_n"], q.device)
+    programs = num_tokens * triton.cdiv(num_heads, tiles["block_h"])
+    chunk_keys, split_counts = _split_plan(programs, [s.rows.shape[1] for s in sources], tiles["block_n"], q.device)
     if split_counts:
-        _split(
-            q, padded, sink, scale, round_probs_bf16, out, chunk_keys, split_counts, head_blocks, block_v, constexprs
-        )
+        _split(q, padded, sink, scale, round_probs_bf16, out, chunk_keys, split_counts, tiles, constexprs)
     else:
-        _prefill(q, padded, sink, scale, round_probs_bf16, out, head_blocks, block_v, constexprs)
+        _prefill(q, padded, sink, scale, round_probs_bf16, out, tiles, constexprs)
+
+
+def _block_d(width: int) -> int:
+    return max(triton.next_power_of_2(width), 16)
+
+
+def _value_columns(tiles: dict[str, int], width: int) -> int:
+    """Columns of a pass-2 sweep: whole scale groups (``decode_groups``), so at least 32, the largest group."""
+    return min(max(tiles["block_v"], 32), _block_d(width))
 
 
 def _split(
@@ -151,8 +158,7 @@ def _split(
     out: torch.Tensor,
     chunk_keys: int,
     split_counts: list[int],
-    head_blocks: int,
-    block_v: int,
+    tiles: dict[str, int],
     constexprs: dict[str, object],
 ) -> None:
     """The split path: pass 1 and pass 2 per (query, head block, split), then the combine, in launches whose partial
@@ -161,7 +167,8 @@ def _split(
     num_tokens, num_heads, width = q.shape
     counts = split_counts + [0] * (MAX_SOURCES - len(split_counts))
     num_splits = max(sum(counts), 1)
-    head_rows = head_blocks * int(constexprs["BLOCK_H"])  # type: ignore[call-overload]
+    head_blocks = triton.cdiv(num_heads, tiles["block_h"])
+    head_rows = head_blocks * tiles["block_h"]
     num_keys = max(sum(s.rows.shape[1] for s in sources), 1)
     query_bytes = num_splits * num_heads * (width + 2) * 4 + head_rows * num_keys * 4
     rows = min(max(1, SPLIT_WORKSPACE_BYTES // query_bytes), num_tokens)
@@ -169,17 +176,21 @@ def _split(
     part_l = torch.empty_like(part_m)
     part_acc = torch.empty((rows, num_splits, num_heads, width), dtype=torch.float32, device=q.device)
     logits = torch.empty((rows, head_rows, num_keys), dtype=torch.float32, device=q.device)
-    combine = {key: constexprs[key] for key in ("WIDTH", "BLOCK_D", "BLOCK_H", "num_warps")}
+    combine = {"BLOCK_H": COMBINE_TILES["block_h"], "BLOCK_C": min(COMBINE_TILES["block_c"], _block_d(width))}
+    combine_grid = (triton.cdiv(num_heads, combine["BLOCK_H"]), triton.cdiv(width, combine["BLOCK_C"]))
     for start in range(0, num_tokens, rows):
         stop = min(start + rows, num_tokens)
         plan = (chunk_keys, num_splits, counts[0], counts[0] + counts[1], *_source_args(sources, start, stop))
         grid = (stop - start, head_blocks, num_splits)
         split_logits_kernel[grid](q[start:stop], part_m, logits, num_heads, scale, *plan, **constexprs)
         split_sums_kernel[grid](
-            sink, part_acc, part_m, part_l, logits, num_heads, *plan, BLOCK_V=block_v, ROUND=round_probs_bf16,
-            **constexprs,
+            sink, part_acc, part_m, part_l, logits, num_heads, *plan, BLOCK_V=_value_columns(tiles, width),
+            ROUND=round_probs_bf16, **constexprs,
         )  # fmt: skip
-        combine_kernel[grid[:2]](sink, out[start:stop], part_m, part_acc, part_l, num_heads, num_splits, **combine)
+        combine_kernel[(stop - start, *combine_grid)](
+            sink, out[start:stop], part_m, part_acc, part_l, num_heads, num_splits, WIDTH=width, **combine,
+            num_warps=COMBINE_TILES["num_warps"],
+        )  # fmt: skip
 
 
 def _source_args(sources: list[KeySource], start: int, stop: int) -> list[object]:
@@ -198,14 +209,14 @@ def _prefill(
     scale: float,
     round_probs_bf16: bool,
     out: torch.Tensor,
-    head_blocks: int,
-    block_v: int,
+    tiles: dict[str, int],
     constexprs: dict[str, object],
 ) -> None:
     """The non-split path: one program per (query, head block), in launches whose logits workspace stays within
     :data:`PREFILL_WORKSPACE_BYTES` (sized from host shapes only, so a captured step replays)."""
-    num_tokens, num_heads, _ = q.shape
-    head_rows = head_blocks * int(constexprs["BLOCK_H"])  # type: ignore[call-overload]
+    num_tokens, num_heads, width = q.shape
+    head_blocks = triton.cdiv(num_heads, tiles["block_h"])
+    head_rows = head_blocks * tiles["block_h"]
     num_keys = sum(source.rows.shape[1] for source in sources)
     queries = max(1, PREFILL_WORKSPACE_BYTES // max(head_rows * num_keys * 4, 1))
     logits = torch.empty((min(queries, num_tokens), head_rows, max(num_keys, 1)), dtype=torch.float32, device=q.device)
@@ -213,7 +224,7 @@ def _prefill(
         stop = min(start + queries, num_tokens)
         prefill_kernel[(stop - start, head_blocks)](
             q[start:stop], sink, out[start:stop], logits, num_heads, scale, *_source_args(sources, start, stop),
-            BLOCK_V=block_v, ROUND=round_probs_bf16, **constexprs,
+            BLOCK_V=_value_columns(tiles, width), ROUND=round_probs_bf16, **constexprs,
         )  # fmt: skip
 
 

@@ -214,21 +214,22 @@ def split_sums_kernel(  # type: ignore[no-untyped-def]
 @triton.jit
 def combine_kernel(  # type: ignore[no-untyped-def]
     sink_ptr, out_ptr, part_m_ptr, part_acc_ptr, part_l_ptr, num_heads, num_splits,
-    WIDTH: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+    WIDTH: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
-    """Grid (query, head block): the sink's term, then every split's sums added in split order, and the output."""
+    """Grid (query, head block, column block): the sink's term, then every split's sums added in split order, and the
+    output. Each element is the same additions whatever the blocks."""
     token = tl.program_id(0).to(tl.int64)
     h, h_mask = _heads(num_heads, BLOCK_H)
-    d = tl.arange(0, BLOCK_D)
-    mask = h_mask[:, None] & (d < WIDTH)[None, :]
+    c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = h_mask[:, None] & (c < WIDTH)[None, :]
     sink = tl.load(sink_ptr + h, mask=h_mask, other=0.0)
     denom = tl.exp(sink - _global_max(sink, part_m_ptr, token, num_splits, num_heads, h, h_mask))
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
     for s in range(0, num_splits):
         part = (token * num_splits + s) * num_heads + h
-        acc += tl.load(part_acc_ptr + part[:, None] * WIDTH + d[None, :], mask=mask, other=0.0)
+        acc += tl.load(part_acc_ptr + part[:, None] * WIDTH + c[None, :], mask=mask, other=0.0)
         denom += tl.load(part_l_ptr + part, mask=h_mask, other=0.0)
-    tl.store(out_ptr + ((token * num_heads + h[:, None]) * WIDTH + d[None, :]), acc / denom[:, None], mask=mask)
+    tl.store(out_ptr + ((token * num_heads + h[:, None]) * WIDTH + c[None, :]), acc / denom[:, None], mask=mask)
 
 
 @triton.jit
