@@ -1,18 +1,20 @@
-"""Sparse attention's non-split path (prefill) on one CUDA device, at the ``v41-flash-scaled`` preset's prefill shape
+"""Sparse attention on one CUDA device at the ``v41-flash-scaled`` preset's shape, for prefill and decode query counts
 (docs/design/kernels.md, "sparse_attention").
 
-Inputs (exact mode: BF16 queries, probabilities rounded to BF16): --queries queries ``[T, heads, width]`` (64 × 512 from
-the preset), a window source of ``sliding_window`` (128) FP8 keys per query and a compressed source of ``index_topk``
-(512) keys per query in the preset's compressed-row format (FP4_E4M3 with ``use_fp4_sparse_kv``; --compressed-format
-picks another), every key a random row of a pool of --pool-rows (8192) rows encoded by the package's ``encode_rows``.
-Every key is valid: the tiles are the same work either way.
+Inputs (exact mode: BF16 queries, probabilities rounded to BF16), for each of --queries: ``[T, heads, width]`` (64 × 512
+from the preset), a window source of ``sliding_window`` (128) FP8 keys per query and a compressed source of
+``index_topk`` (512) keys per query in the preset's compressed-row format (FP4_E4M3 with ``use_fp4_sparse_kv``;
+--compressed-format picks another), every key a random row of a pool of --pool-rows (8192) rows encoded by the package's
+``encode_rows``. Every key is valid: the tiles are the same work either way.
 
 Checks each variant's output on the first --check queries against ``reference.attention.sparse_attention`` (max
 |out − ref| ≤ 2^-8 · max |ref|, the GPU test's bound in exact mode), then times one call (``cuda_time_ms``: median of
 CUDA-graph replays) of:
 - ``old``: the previous non-split kernel (``attention_baseline.py``: blocks of 32 heads, logits recomputed in pass 2);
-- ``new``: the non-split kernel at ``TILES``;
-- every --configs variant of the new kernel (``;``-separated ``key=value,...`` overrides of ``TILES``).
+- ``new``: the package's path at ``TILES`` (split over the keys when the queries are few, as a decode step is);
+- every --configs variant of it (``;``-separated ``key=value,...`` overrides of ``TILES``);
+- ``inv-<keys>`` for each of --invariant-chunks: the path in batch-invariant mode with chunks of that many keys
+  (``INVARIANT_CHUNK_KEYS``), every query split.
 
 Reports ms per call, attention TFLOP/s = 4 · heads · width · keys · queries / time (the q·kᵀ and p·v products at two
 FLOPs a multiply-add, each counted once: neither the old kernel's second logits pass nor anything else repeated is
@@ -20,7 +22,8 @@ counted), the time ratio to ``old`` (new / old, below 1 is faster) and the compi
 and shared memory.
 
 Usage (PYTHONPATH holding the packages' src directories):
-    python3 benchmarks/kernels_attention.py [--queries 8192] [--configs "block_v=256;num_stages=2"]
+    python3 benchmarks/kernels_attention.py [--queries 1,64,256,8192] [--configs "block_v=256;num_stages=2"]
+        [--invariant-chunks 64,128]
 
 Prints the table last and writes JSON (default benchmarks/results/kernels_attention-<device>.json).
 """
@@ -37,7 +40,7 @@ import torch
 import triton
 from attention_baseline import TILES as OLD_TILES
 from attention_baseline import attend_before_kernel, sparse_attention_before
-from bench_common import RESULTS, device_label, git_commit
+from bench_common import RESULTS, device_label, git_commit, int_list
 
 import deepinfer_kernels as dk
 from deepinfer_kernels._registry import Backend, implementation
@@ -93,9 +96,10 @@ def compiled_kernels(kernel: Any) -> set[Any]:
     return found
 
 
-def kernel_stats(kernel: Any, before: set[Any]) -> dict[str, Any]:
-    """Registers, spilled bytes and shared memory of the variant compiled since ``before`` (None where unknown)."""
-    new = compiled_kernels(kernel) - before
+def kernel_stats(kernels: tuple[Any, ...], before: set[Any]) -> dict[str, Any]:
+    """Registers, spilled bytes and shared memory of the one variant of ``kernels`` compiled since ``before`` (None
+    where unknown, or where none or several were compiled)."""
+    new = set().union(*(compiled_kernels(kernel) for kernel in kernels)) - before
     if len(new) != 1:
         return {"registers": None, "spill_bytes": None, "shared_bytes": None}
     compiled = next(iter(new))
@@ -106,14 +110,16 @@ def kernel_stats(kernel: Any, before: set[Any]) -> dict[str, Any]:
     }
 
 
-def run_variant(name: str, op: Op, kernel: Any, config: dict[str, Any], inputs: dict[str, Any], args: Any) -> dict:
+def run_variant(
+    name: str, op: Op, kernels: tuple[Any, ...], config: dict[str, Any], inputs: dict[str, Any], args: Any
+) -> dict:
     """Check ``op`` on the first queries against the reference, then time it on all of them."""
     q, sources, sink, scale = inputs["q"], inputs["sources"], inputs["sink"], inputs["scale"]
     out = torch.empty(q.shape, dtype=torch.float32, device="cuda")
-    before = compiled_kernels(kernel)
+    before = set().union(*(compiled_kernels(kernel) for kernel in kernels))
     op(q, sources, sink, scale, True, out)
     torch.cuda.synchronize()
-    stats = kernel_stats(kernel, before)
+    stats = kernel_stats(kernels, before)
     check = min(args.check, q.shape[0])
     head = [dk.KeySource(s.pool, s.rows[:check], s.fmt) for s in sources]
     expected = torch.empty((check, *q.shape[1:]), dtype=torch.float32, device="cuda")
@@ -145,34 +151,47 @@ def parse_configs(text: str) -> list[dict[str, int]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--queries", type=int, default=8192, help="prefill queries (tokens) per call")
+    parser.add_argument("--queries", type=int_list, default=[8192], help="queries (tokens) per call, comma-separated")
     parser.add_argument("--pool-rows", type=int, default=8192, help="rows of each source's pool")
     parser.add_argument("--compressed-format", default=None, help="row format of the compressed source (RowFormat)")
     parser.add_argument("--configs", default="", help="';'-separated TILES overrides to time as well")
+    parser.add_argument("--invariant-chunks", type=int_list, default=[], help="batch-invariant chunk keys to time")
     parser.add_argument("--check", type=int, default=64, help="queries checked against the reference")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels_attention-<dev>)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("kernels_attention.py needs a CUDA device")
+    from deepinfer_kernels.batch_invariant import batch_invariant_ops
     from deepinfer_kernels.cuda import attention
-    from deepinfer_kernels.cuda.attention_kernels import prefill_kernel
+    from deepinfer_kernels.cuda.attention_kernels import prefill_kernel, split_sums_kernel
 
     shape = preset_shape()
     if args.compressed_format:
         shape["compressed_format"] = dk.RowFormat[args.compressed_format]
-    inputs = build_inputs(shape, args.queries, args.pool_rows)
-    # Many queries never split; the new path reads TILES at each call.
+    # The new path reads TILES and INVARIANT_CHUNK_KEYS at each call.
     new_op = implementation("sparse_attention", Backend.NVIDIA)
-    default = dict(attention.TILES)
-    results = [run_variant("old", sparse_attention_before, attend_before_kernel, OLD_TILES, inputs, args)]
-    for i, overrides in enumerate([{}, *parse_configs(args.configs)]):
-        config = {**default, **overrides}
-        attention.TILES = config
-        results.append(run_variant("new" if i == 0 else f"new+{i}", new_op, prefill_kernel, config, inputs, args))
-    attention.TILES = default
-    for r in results:
-        r["time_ratio_to_old"] = r["ms"] / results[0]["ms"]
+    new_kernels = (prefill_kernel, split_sums_kernel)
+    default_tiles, default_chunk = dict(attention.TILES), attention.INVARIANT_CHUNK_KEYS
+    results = []
+    for queries in args.queries:
+        inputs = build_inputs(shape, queries, args.pool_rows)
+        rows = [run_variant("old", sparse_attention_before, (attend_before_kernel,), OLD_TILES, inputs, args)]
+        for i, overrides in enumerate([{}, *parse_configs(args.configs)]):
+            attention.TILES = {**default_tiles, **overrides}
+            rows.append(
+                run_variant("new" if i == 0 else f"new+{i}", new_op, new_kernels, attention.TILES, inputs, args)
+            )
+        attention.TILES = default_tiles
+        for chunk in args.invariant_chunks:
+            attention.INVARIANT_CHUNK_KEYS = chunk
+            with batch_invariant_ops():
+                rows.append(run_variant(f"inv-{chunk}", new_op, new_kernels, {"chunk_keys": chunk}, inputs, args))
+        attention.INVARIANT_CHUNK_KEYS = default_chunk
+        for r in rows:
+            r["queries"] = queries
+            r["time_ratio_to_old"] = r["ms"] / rows[0]["ms"]
+        results += rows
 
     device = device_label("cuda")
     out = pathlib.Path(args.out) if args.out else RESULTS / f"kernels_attention-{device}.json"
@@ -188,17 +207,16 @@ def main() -> None:
     out.write_text(json.dumps({**meta, "results": results}, indent=1) + "\n")
     print(f"wrote {out}")
     print(
-        f"\nsparse_attention prefill: {args.queries} queries × {shape['heads']} heads × {shape['width']}, "
-        f"{shape['window']} FP8 + {shape['topk']} {shape['compressed_format'].name} keys each "
-        f"(Triton {triton.__version__}; TFLOP/s = 4·H·D·keys·queries / time)"
+        f"\nsparse_attention: {shape['heads']} heads × {shape['width']}, {shape['window']} FP8 + {shape['topk']} "
+        f"{shape['compressed_format'].name} keys a query (Triton {triton.__version__}; TFLOP/s = 4·H·D·keys·queries / "
+        "time; new/old: time ratio to the old non-split kernel at the same queries)"
     )
-    print(f"{'variant':<8} {'ms':>9} {'TFLOP/s':>8} {'new/old':>8} {'regs':>5} {'spill B':>8} {'smem KB':>8} config")
+    print(f"{'queries':>7} {'variant':<8} {'ms':>9} {'TFLOP/s':>8} {'new/old':>8} {'regs':>5} {'spill B':>8} config")
     for r in results:
-        regs, spill, smem = r["registers"], r["spill_bytes"], r["shared_bytes"]
+        regs, spill = r["registers"], r["spill_bytes"]
         print(
-            f"{r['name']:<8} {r['ms']:>9.3f} {r['tflops']:>8.2f} {r['time_ratio_to_old']:>8.3f} "
-            f"{regs if regs is not None else '?':>5} {spill if spill is not None else '?':>8} "
-            f"{smem / 1024 if smem is not None else float('nan'):>8.1f} {r['config']}"
+            f"{r['queries']:>7} {r['name']:<8} {r['ms']:>9.4f} {r['tflops']:>8.2f} {r['time_ratio_to_old']:>8.3f} "
+            f"{regs if regs is not None else '?':>5} {spill if spill is not None else '?':>8} {r['config']}"
         )
 
 
