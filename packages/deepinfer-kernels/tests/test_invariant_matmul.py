@@ -46,14 +46,23 @@ def test_triton_matmul_matches_the_fp64_reference(
 
 def test_a_tile_of_rows_has_the_same_bits_alone_and_in_any_batch(triton_device: str) -> None:
     """Rows keep their bits whatever the row count. The interpreter's ``tl.dot`` is NumPy's BLAS, which rounds a row
-    differently by its position inside the tile, so here rows keep their in-tile position (a slice starting at a tile
-    boundary); ``test_gpu_batch_invariant_ops`` checks every position on the GPU."""
+    differently by its position inside the tile and by the tile's width, so here rows keep their in-tile position (a
+    slice starting at a tile boundary) and their tile width (up to 16 rows, or more); ``test_gpu_batch_invariant_ops``
+    checks every position and row count on the GPU."""
+    from deepinfer_kernels.cuda.invariant_matmul import ROW_TILES
+
     a = random_normal((1, 150, 300), seed=1, dtype=torch.bfloat16)
     b = random_normal((1, 300, 40), seed=2, dtype=torch.bfloat16)
-    together = _triton(a, b, torch.float32, triton_device)
-    for start, stop in ((0, 1), (64, 65), (64, 150), (128, 131), (0, 100)):
-        alone = _triton(a[:, start:stop], b, torch.float32, triton_device)
-        assert torch.equal(alone, together[:, start:stop]), (start, stop)
+    few = ROW_TILES[0]
+    together = {
+        "few": _triton(a[:, :few], b, torch.float32, triton_device),
+        "many": _triton(a, b, torch.float32, triton_device),
+    }
+    slices = {"few": ((0, 1), (0, 7)), "many": ((64, 150), (0, 100), (0, few + 1), (128, 150))}
+    for tile, bounds in slices.items():
+        for start, stop in bounds:
+            alone = _triton(a[:, start:stop], b, torch.float32, triton_device)
+            assert torch.equal(alone, together[tile][:, start:stop]), (start, stop)
 
 
 def test_the_public_op_checks_its_inputs() -> None:

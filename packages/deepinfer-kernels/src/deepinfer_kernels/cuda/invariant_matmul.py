@@ -2,11 +2,15 @@
 (docs/design/numerics.md, "Batch invariance").
 
 cuBLAS picks its kernel (tile shape, split-K, stream-K) by the problem shape, so one row of ``a @ b`` gets different
-FP32 summation orders alone and inside a batch. Here every launch uses the same tiles whatever M, N, K and the batch
-count are: one program per (BLOCK_M rows, BLOCK_N columns, batch entry) sums K from zero in BLOCK_K steps, in order,
-into one FP32 accumulator, and rounds once to the output dtype. An output element's arithmetic therefore depends only
-on its own row of ``a``, its own column of ``b`` and K; rows missing from a partial tile are loaded as zeros and touch
-no other row.
+FP32 summation orders alone and inside a batch. Here one program per (BLOCK_M rows, BLOCK_N columns, batch entry)
+sums K from zero in BLOCK_K steps, in order, into one FP32 accumulator, and rounds once to the output dtype; the
+columns and the K steps are the same whatever M, N, K and the batch count are. The columns of ``b`` are the dot's
+first side (``bᵀ · aᵀ``: on Hopper the wgmma's 128-row M side, which a weight fills) and the rows of ``a`` its
+second, 16 of them up to 16 rows and 64 beyond, so a one-row product reads the weight once without computing 63
+empty rows. An output element's arithmetic therefore depends only on its own row of ``a``, its own column of ``b``
+and K: the tensor-core instruction sums the same products into the same accumulator whatever the width of its other
+side (the GPU tests check a row's bits alone and in batches of 64 and 130), and the FP32 path's FMA dots add the K
+products of an element one by one. Rows missing from a partial tile are loaded as zeros and touch no other row.
 
 BF16×BF16 and FP16×FP16 run on the tensor cores (exact products, FP32 accumulation); every other pair is computed
 as an FP32 ``tl.dot`` with ``input_precision="ieee"`` (what PyTorch's FP32 matmul does with TF32 off). Under
@@ -26,11 +30,14 @@ import triton.language as tl
 from deepinfer_kernels.cuda._launch import check_launchable
 from deepinfer_kernels.platform import triton_interpreter_enabled
 
-__all__ = ["CONFIG", "invariant_matmul"]
+__all__ = ["CONFIG", "ROW_TILES", "invariant_matmul"]
 
-# The one tile configuration. 64-row tiles take a decode batch of up to 64 rows in one pass over the weight (the LM
-# head reads its 1.3 GB once per step); K steps of 64 keep the FP32 path's register tile small.
-CONFIG = {"block_m": 64, "block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 3}
+# The tiles: block_n columns of b (a weight's rows: the dot's M side) and block_k K steps per program. K steps of 64
+# keep the FP32 path's register tile small.
+CONFIG = {"block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 3}
+# Rows of a per program: the first up to that many rows, the second beyond. 64-row tiles take a decode batch of up to
+# 64 rows in one pass over the weight (the LM head reads its 1.3 GB once per step).
+ROW_TILES = (16, 64)
 _MAX_GRID_Z = 65535
 _TENSOR_CORE_PAIRS = {(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16)}
 
@@ -62,19 +69,20 @@ def _matmul_kernel(  # type: ignore[no-untyped-def]
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
-    a_base = a_ptr + batch * stride_ab + rows[:, None] * stride_am
-    b_base = b_ptr + batch * stride_bb + cols[None, :] * stride_bn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    a_base = a_ptr + batch * stride_ab + rows[None, :] * stride_am
+    b_base = b_ptr + batch * stride_bb + cols[:, None] * stride_bn
+    # acc[c, r] = Σ_k b[k, c] · a[r, k]: the transposed tile.
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + ks
-        a = tl.load(a_base + k[None, :] * stride_ak, mask=(rows[:, None] < M) & (k[None, :] < K), other=0.0)
-        b = tl.load(b_base + k[:, None] * stride_bk, mask=(k[:, None] < K) & (cols[None, :] < N), other=0.0)
+        a_t = tl.load(a_base + k[:, None] * stride_ak, mask=(k[:, None] < K) & (rows[None, :] < M), other=0.0)
+        b_t = tl.load(b_base + k[None, :] * stride_bk, mask=(cols[:, None] < N) & (k[None, :] < K), other=0.0)
         if NATIVE_DOT:
-            acc = tl.dot(a, b, acc)
+            acc = tl.dot(b_t, a_t, acc)
         else:
-            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    out = out_ptr + batch * stride_ob + rows[:, None] * stride_om + cols[None, :] * stride_on
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+            acc = tl.dot(b_t.to(tl.float32), a_t.to(tl.float32), acc, input_precision="ieee")
+    out = out_ptr + batch * stride_ob + rows[None, :] * stride_om + cols[:, None] * stride_on
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(cols[:, None] < N) & (rows[None, :] < M))
 
 
 def invariant_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
@@ -92,10 +100,11 @@ def invariant_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> Non
     if not out.numel():
         return
     native = (a.dtype, b.dtype) in _TENSOR_CORE_PAIRS and not triton_interpreter_enabled()
+    block_m = ROW_TILES[0] if m <= ROW_TILES[0] else ROW_TILES[1]
     # CUDA grids allow 65535 programs along the batch axis; more batch entries run in several launches.
     for start in range(0, batches, _MAX_GRID_Z):
         stop = min(start + _MAX_GRID_Z, batches)
-        grid = (triton.cdiv(m, CONFIG["block_m"]), triton.cdiv(n, CONFIG["block_n"]), stop - start)
+        grid = (triton.cdiv(m, block_m), triton.cdiv(n, CONFIG["block_n"]), stop - start)
         _matmul_kernel[grid](
             a[start:stop],
             b[start:stop],
@@ -106,7 +115,7 @@ def invariant_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> Non
             *a.stride(),
             *b.stride(),
             *out.stride(),
-            BLOCK_M=CONFIG["block_m"],
+            BLOCK_M=block_m,
             BLOCK_N=CONFIG["block_n"],
             BLOCK_K=CONFIG["block_k"],
             NATIVE_DOT=native,
