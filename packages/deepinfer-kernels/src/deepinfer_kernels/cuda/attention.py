@@ -28,6 +28,7 @@ it.)
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 
@@ -134,10 +135,26 @@ def sparse_attention(
     }
     programs = num_tokens * triton.cdiv(num_heads, tiles["block_h"])
     chunk_keys, split_counts = _split_plan(programs, [s.rows.shape[1] for s in sources], tiles["block_n"], q.device)
+    call = _Call(q, padded, sink, scale, round_probs_bf16, out, tiles, constexprs)
     if split_counts:
-        _split(q, padded, sink, scale, round_probs_bf16, out, chunk_keys, split_counts, tiles, constexprs)
+        _split(call, chunk_keys, split_counts)
     else:
-        _prefill(q, padded, sink, scale, round_probs_bf16, out, tiles, constexprs)
+        _prefill(call)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """One ``sparse_attention`` call as the launchers take it: the sources padded to :data:`MAX_SOURCES`, the tiles
+    and the kernels' shared constexprs."""
+
+    q: torch.Tensor
+    sources: list[KeySource]
+    sink: torch.Tensor
+    scale: float
+    round_probs_bf16: bool
+    out: torch.Tensor
+    tiles: dict[str, int]
+    constexprs: dict[str, object]
 
 
 def _block_d(width: int) -> int:
@@ -149,21 +166,11 @@ def _value_columns(tiles: dict[str, int], width: int) -> int:
     return min(max(tiles["block_v"], 32), _block_d(width))
 
 
-def _split(
-    q: torch.Tensor,
-    sources: list[KeySource],
-    sink: torch.Tensor,
-    scale: float,
-    round_probs_bf16: bool,
-    out: torch.Tensor,
-    chunk_keys: int,
-    split_counts: list[int],
-    tiles: dict[str, int],
-    constexprs: dict[str, object],
-) -> None:
+def _split(call: _Call, chunk_keys: int, split_counts: list[int]) -> None:
     """The split path: pass 1 and pass 2 per (query, head block, split), then the combine, in launches whose partial
     sums and logits stay within :data:`SPLIT_WORKSPACE_BYTES` (only batch-invariant prefills take several). Buffers
     are sized from T, splits and H only (host shapes), so a captured step replays with the same plan."""
+    q, sources, tiles, constexprs = call.q, call.sources, call.tiles, call.constexprs
     num_tokens, num_heads, width = q.shape
     counts = split_counts + [0] * (MAX_SOURCES - len(split_counts))
     num_splits = max(sum(counts), 1)
@@ -182,13 +189,13 @@ def _split(
         stop = min(start + rows, num_tokens)
         plan = (chunk_keys, num_splits, counts[0], counts[0] + counts[1], *_source_args(sources, start, stop))
         grid = (stop - start, head_blocks, num_splits)
-        split_logits_kernel[grid](q[start:stop], part_m, logits, num_heads, scale, *plan, **constexprs)
+        split_logits_kernel[grid](q[start:stop], part_m, logits, num_heads, call.scale, *plan, **constexprs)
         split_sums_kernel[grid](
-            sink, part_acc, part_m, part_l, logits, num_heads, *plan, BLOCK_V=_value_columns(tiles, width),
-            ROUND=round_probs_bf16, **constexprs,
+            call.sink, part_acc, part_m, part_l, logits, num_heads, *plan, BLOCK_V=_value_columns(tiles, width),
+            ROUND=call.round_probs_bf16, **constexprs,
         )  # fmt: skip
         combine_kernel[(stop - start, *combine_grid)](
-            sink, out[start:stop], part_m, part_acc, part_l, num_heads, num_splits, WIDTH=width, **combine,
+            call.sink, call.out[start:stop], part_m, part_acc, part_l, num_heads, num_splits, WIDTH=width, **combine,
             num_warps=COMBINE_TILES["num_warps"],
         )  # fmt: skip
 
@@ -202,18 +209,10 @@ def _source_args(sources: list[KeySource], start: int, stop: int) -> list[object
     return args
 
 
-def _prefill(
-    q: torch.Tensor,
-    sources: list[KeySource],
-    sink: torch.Tensor,
-    scale: float,
-    round_probs_bf16: bool,
-    out: torch.Tensor,
-    tiles: dict[str, int],
-    constexprs: dict[str, object],
-) -> None:
+def _prefill(call: _Call) -> None:
     """The non-split path: one program per (query, head block), in launches whose logits workspace stays within
     :data:`PREFILL_WORKSPACE_BYTES` (sized from host shapes only, so a captured step replays)."""
+    q, sources, tiles = call.q, call.sources, call.tiles
     num_tokens, num_heads, width = q.shape
     head_blocks = triton.cdiv(num_heads, tiles["block_h"])
     head_rows = head_blocks * tiles["block_h"]
@@ -223,8 +222,9 @@ def _prefill(
     for start in range(0, num_tokens, queries):
         stop = min(start + queries, num_tokens)
         prefill_kernel[(stop - start, head_blocks)](
-            q[start:stop], sink, out[start:stop], logits, num_heads, scale, *_source_args(sources, start, stop),
-            BLOCK_V=_value_columns(tiles, width), ROUND=round_probs_bf16, **constexprs,
+            q[start:stop], call.sink, call.out[start:stop], logits, num_heads, call.scale,
+            *_source_args(sources, start, stop), BLOCK_V=_value_columns(tiles, width), ROUND=call.round_probs_bf16,
+            **call.constexprs,
         )  # fmt: skip
 
 
