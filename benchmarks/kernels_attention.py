@@ -13,6 +13,8 @@ CUDA-graph replays) of:
 - ``old``: the previous non-split kernel (``attention_baseline.py``: blocks of 32 heads, logits recomputed in pass 2);
 - ``new``: the package's path at ``TILES`` (split over the keys when the queries are few, as a decode step is);
 - every --configs variant of it (``;``-separated ``key=value,...`` overrides of ``TILES``);
+- ``new@<programs>`` for each of --split-targets: the path with ``SPLIT_TARGET_PROGRAMS`` at that value (fewer
+  programs of (query, head block) than the target make a call split its keys, into about that many programs);
 - ``inv-<keys>`` for each of --invariant-chunks: the path in batch-invariant mode with chunks of that many keys
   (``INVARIANT_CHUNK_KEYS``), every query split.
 
@@ -23,7 +25,7 @@ and shared memory.
 
 Usage (PYTHONPATH holding the packages' src directories):
     python3 benchmarks/kernels_attention.py [--queries 1,64,256,8192] [--configs "block_v=256;num_stages=2"]
-        [--invariant-chunks 64,128]
+        [--invariant-chunks 64,128] [--split-targets 132,264]
 
 Prints the table last and writes JSON (default benchmarks/results/kernels_attention-<device>.json).
 """
@@ -156,6 +158,7 @@ def main() -> None:
     parser.add_argument("--compressed-format", default=None, help="row format of the compressed source (RowFormat)")
     parser.add_argument("--configs", default="", help="';'-separated TILES overrides to time as well")
     parser.add_argument("--invariant-chunks", type=int_list, default=[], help="batch-invariant chunk keys to time")
+    parser.add_argument("--split-targets", type=int_list, default=[], help="SPLIT_TARGET_PROGRAMS values to time")
     parser.add_argument("--check", type=int, default=64, help="queries checked against the reference")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels_attention-<dev>)")
@@ -183,6 +186,11 @@ def main() -> None:
                 run_variant("new" if i == 0 else f"new+{i}", new_op, new_kernels, attention.TILES, inputs, args)
             )
         attention.TILES = default_tiles
+        default_target = attention.SPLIT_TARGET_PROGRAMS
+        for target in args.split_targets:
+            attention.SPLIT_TARGET_PROGRAMS = target
+            rows.append(run_variant(f"new@{target}", new_op, new_kernels, {"target_programs": target}, inputs, args))
+        attention.SPLIT_TARGET_PROGRAMS = default_target
         for chunk in args.invariant_chunks:
             attention.INVARIANT_CHUNK_KEYS = chunk
             with batch_invariant_ops():

@@ -197,6 +197,8 @@ def test_rope_matches_reference_and_inverts(yarn: tuple[float, int, float, float
     x = torch.randn(4, 3, 128, generator=_gen(10)).to(torch.bfloat16)
     expected = torch.cat([x[..., :64], ref.apply_rope(x[..., 64:], cos[positions, None], sin[positions, None])], -1)
     assert torch.equal(rope.rotate(x, rope.table(positions)), expected)
+    owned = x.clone()
+    assert rope.rotate_(owned, rope.table(positions)) is owned and torch.equal(owned, expected)
     xf = x.float()
     back = rope.rotate(rope.rotate(xf, rope.table(positions)), rope.table(positions, inverse=True))
     torch.testing.assert_close(back, xf, rtol=1e-5, atol=1e-5)

@@ -114,7 +114,7 @@ class Attention(nn.Module):
         num_tokens = meta.num_tokens
         q_latent, q_latent_fp8 = self.q_norm.with_fp8_copy(self.wq_a(x, fp8_copy=x_fp8))
         q = self.wq_b(q_latent, fp8_copy=q_latent_fp8).view(num_tokens, self.n_heads, self.head_dim)
-        q = self.rope.rotate(q, self.rope.table_at(meta))
+        q = self.rope.rotate_(q, self.rope.table_at(meta))
         kv_x = ctx.key_tokens(x)
         fresh = self._window_kv(kv_x, ctx.key_meta, ctx.state, x_fp8 if kv_x is x else None)
         sources = self._draft_sources(fresh, ctx) if ctx.draft else self._window_sources(fresh, ctx)
@@ -126,7 +126,7 @@ class Attention(nn.Module):
             out = out.to(torch.bfloat16)
         # De-rotation and the FP8 quantization of ``wo_a`` read the attention output as it left the kernel: FP32
         # for the fused head counts, BF16 otherwise (docs/design/numerics.md, "Attention output rounding").
-        out = self.rope.rotate(out, self.rope.table_at(meta, inverse=True))
+        out = self.rope.rotate_(out, self.rope.table_at(meta, inverse=True))
         return self.wo_b(self.wo_a(out.reshape(num_tokens, -1)))
 
     def _window_kv(
@@ -134,7 +134,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """SWA KV of the key tokens ``RoPE(kv_norm(x · wkvᵀ))``, encoded in the ring format: ``[T_kv, bytes]`` uint8,
         the scratch pool the step's fresh window keys are read from."""
-        kv = self.rope.rotate(self.kv_norm(self.wkv(x, fp8_copy=x_fp8)), self.rope.table_at(meta))
+        kv = self.rope.rotate_(self.kv_norm(self.wkv(x, fp8_copy=x_fp8)), self.rope.table_at(meta))
         return state.codec(self.swa_group).encode(kv)
 
     def _write_window(self, encoded: torch.Tensor, meta: StepMetadata, state: ModelState) -> None:

@@ -88,7 +88,7 @@ class Indexer(nn.Module):
         (``new_compressed_rows(meta, ratio)``), so their positions and slots are the ones the kv source used."""
         if self.wk is None or self.k_norm is None:
             raise RuntimeError(f"layer {layer_id} is not an index-K source")
-        keys = rope.rotate(self.k_norm(self.wk(rows.pre_rope_kv)), new_rows_rope_table(rope, meta, ratio))
+        keys = rope.rotate_(self.k_norm(self.wk(rows.pre_rope_kv)), new_rows_rope_table(rope, meta, ratio))
         group = index_k_group(ratio)
         state.write(group, layer_id, new_rows_slots(meta, ratio, state.rows_per_block(group)), keys)
 
@@ -115,7 +115,7 @@ class Indexer(nn.Module):
         num_tokens = meta.num_tokens
         group = index_k_group(how.ratio)
         codec = state.codec(group)
-        q = rope.rotate(self.wq_b(q_latent).view(num_tokens, self.n_heads, self.index_dim), rope.table_at(meta))
+        q = rope.rotate_(self.wq_b(q_latent).view(num_tokens, self.n_heads, self.index_dim), rope.table_at(meta))
         # The index query is read through the index-K row format, as the keys are
         # (docs/design/attention.md, "Index query and weights").
         q = codec.decode(codec.encode(q))

@@ -82,14 +82,19 @@ class RotaryEmbedding(nn.Module):
                 inverse one de-rotates attention outputs).
 
         Returns:
-            Tensor like ``x`` (same dtype); the first ``width − r`` elements are unchanged.
+            A new tensor like ``x`` (same dtype); the first ``width − r`` elements are unchanged.
         """
-        nope, rope = x[..., : -self.rope_dim], x[..., -self.rope_dim :]
-        if x.shape[0] == 0:
-            return x.clone()
-        cos, sin = table
-        rotated = apply_rope(rope, cos, sin)
-        return torch.cat([nope, rotated], dim=-1)
+        return self.rotate_(x.clone(), table)
+
+    def rotate_(self, x: torch.Tensor, table: RopeTable) -> torch.Tensor:
+        """``rotate`` in place: the last ``r`` elements of ``x`` are overwritten and ``x`` is returned. For a tensor
+        nothing else reads (a projection's fresh output): the other ``width − r`` elements are not copied, where a new
+        tensor would copy all of them (at 64 heads × 512 of which 64 rotate, eight times the rotated bytes)."""
+        if x.shape[0]:
+            tail = x[..., -self.rope_dim :]
+            cos, sin = table
+            tail.copy_(apply_rope(tail, cos, sin))
+        return x
 
 
 def _conjugate(table: RopeTable) -> RopeTable:
