@@ -19,14 +19,16 @@ F = dk.RowFormat
 _FORMATS = (F.FP8, F.FP8, F.FP4_E4M3)
 
 
-def _case(num_tokens: int, heads: int, width: int, counts: tuple[int, ...], seed: int) -> tuple:
+def _case(
+    num_tokens: int, heads: int, width: int, counts: tuple[int, ...], seed: int, formats: tuple = _FORMATS
+) -> tuple:
     q = random_normal((num_tokens, heads, width), seed=seed, dtype=torch.bfloat16)
     sink = random_normal((heads,), seed=seed + 1)
     sources = []
     for i, count in enumerate(counts):
-        pool = random_pool(2 * count + 5, width, _FORMATS[i], seed=seed + 10 * i)
+        pool = random_pool(2 * count + 5, width, formats[i], seed=seed + 10 * i)
         sources.append(
-            dk.KeySource(pool, random_rows(num_tokens, count, pool.shape[0], seed=seed + 10 * i + 3), _FORMATS[i])
+            dk.KeySource(pool, random_rows(num_tokens, count, pool.shape[0], seed=seed + 10 * i + 3), formats[i])
         )
     return q, sources, sink
 
@@ -75,9 +77,11 @@ def test_split_key_lists_match_dense(
     assert torch.equal(actual[1], torch.zeros(3, 64))
 
 
+# FP32 rows in the third source: the tiles must not change with whether a query has such keys (query 3 alone has none).
+@pytest.mark.parametrize("formats", [_FORMATS, (F.FP8, F.FP8, F.RAW_FP32)])
 @pytest.mark.parametrize("target_programs", [None, 1000])
 def test_invariant_mode_gives_a_query_the_same_bits_alone_and_in_a_batch(
-    triton_device: str, monkeypatch: pytest.MonkeyPatch, target_programs: int | None
+    triton_device: str, monkeypatch: pytest.MonkeyPatch, target_programs: int | None, formats: tuple
 ) -> None:
     from deepinfer_kernels.cuda import attention
 
@@ -87,8 +91,8 @@ def test_invariant_mode_gives_a_query_the_same_bits_alone_and_in_a_batch(
     monkeypatch.setattr(attention, "SPLIT_TARGET_PROGRAMS", target_programs)
     monkeypatch.setattr(attention, "INVARIANT_CHUNK_KEYS", 32)
     num_tokens, widths = 6, (50, 9, 120)
-    q, sources, sink = _case(num_tokens, 2, 64, widths, seed=31)
-    lengths = torch.tensor([[50, 3, 70], [20, 9, 120], [1, 0, 33], [50, 9, 5], [7, 1, 119], [0, 0, 0]])
+    q, sources, sink = _case(num_tokens, 2, 64, widths, seed=31, formats=formats)
+    lengths = torch.tensor([[50, 3, 70], [20, 9, 120], [1, 0, 33], [50, 9, 0], [7, 1, 119], [0, 0, 0]])
     for i, source in enumerate(sources):
         source.rows[torch.arange(widths[i])[None, :] >= lengths[:, i : i + 1]] = -1
     expected = dense_attention(q, sources, sink, 0.125, True)

@@ -121,8 +121,10 @@ def sparse_attention(
         # Quantized rows decode to BF16-exact values, so BF16 products with a BF16 query are exact. (Triton's
         # interpreter computes BF16 dots wrongly; there the same products run as FP32 dots.)
         fmt_args[f"BF16_{i}"] = bf16_dots and source.fmt is not RowFormat.RAW_FP32
-    # The value product is a BF16 dot only with rounded probabilities; a source without keys makes no dot.
-    all_bf16 = round_probs_bf16 and all(fmt_args[f"BF16_{i}"] or not s.rows.shape[1] for i, s in enumerate(padded))
+    # The 64-head tiles when every source's dots are BF16 (the value product is one only with rounded probabilities).
+    # The formats decide, not whether a source has keys in this step: a query gets the same tiles, hence the same
+    # bits, whatever the other requests hold (batch invariance). (No source at all: the zero row's FP32 tiles.)
+    all_bf16 = round_probs_bf16 and all(fmt_args[f"BF16_{i}"] for i in range(max(len(sources), 1)))
     tiles = TILES if all_bf16 else FP32_TILES
     constexprs = {
         "WIDTH": width,
