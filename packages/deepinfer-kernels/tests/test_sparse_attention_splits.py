@@ -77,6 +77,19 @@ def test_split_key_lists_match_dense(
     assert torch.equal(actual[1], torch.zeros(3, 64))
 
 
+def test_split_plan_splits_only_programs_that_leave_half_the_target_idle(monkeypatch: pytest.MonkeyPatch) -> None:
+    from deepinfer_kernels.cuda import attention
+
+    monkeypatch.setattr(attention, "SPLIT_TARGET_PROGRAMS", 264)
+    widths, cpu = [128, 1, 512], torch.device("cpu")  # 41 tiles of 16 keys
+    assert attention._split_plan(200, widths, 16, cpu) == (656, [])  # 200 programs fill the device: no split
+    chunk_keys, counts = attention._split_plan(132, widths, 16, cpu)
+    assert chunk_keys == 21 * 16 and counts == [1, 1, 2]  # two chunks of the key list (the last source's two)
+    chunk_keys, counts = attention._split_plan(64, widths, 16, cpu)
+    assert chunk_keys == 9 * 16 and counts == [1, 1, 4]  # five chunks of nine tiles
+    assert attention._split_plan(1, widths, 16, cpu) == (16, [8, 1, 32])  # one tile a split
+
+
 # FP32 rows in the third source: the tiles must not change with whether a query has such keys (query 3 alone has none).
 @pytest.mark.parametrize("formats", [_FORMATS, (F.FP8, F.FP8, F.RAW_FP32)])
 @pytest.mark.parametrize("target_programs", [None, 1000])

@@ -242,16 +242,19 @@ def _split_plan(programs: int, widths: list[int], block_n: int, device: torch.de
 
     Each source's keys are cut into chunks of ``chunk_keys`` (a multiple of the tile's ``block_n`` keys) from the
     source's start; with splits, every chunk is one split. Splits are taken when the ``programs`` of (query, head
-    block) alone would leave the device idle (decode): about twice the multiprocessors in programs; the chunks are
-    sized to reach that count. Inside ``batch_invariant_ops`` every step splits, in chunks of
-    :data:`INVARIANT_CHUNK_KEYS` keys whatever the batch: the same kernels on the same chunks give a query the same
-    bits alone and in any batch (docs/design/numerics.md, "Batch invariance").
+    block) alone would leave the device idle (decode): at most half the target of about twice the multiprocessors in
+    programs (a 64-head program holds a whole multiprocessor's registers, so more already fill the device, and two
+    splits would only add the partial sums and the combine: 256 queries on the H200 took 0.38 ms a call in two
+    splits, where the unsplit kernel's rate at 8,192 queries gives 0.32); the chunks are sized to reach the target.
+    Inside ``batch_invariant_ops`` every step splits, in chunks of :data:`INVARIANT_CHUNK_KEYS` keys whatever the
+    batch: the same kernels on the same chunks give a query the same bits alone and in any batch
+    (docs/design/numerics.md, "Batch invariance").
     """
     if invariant_kernels():
         return INVARIANT_CHUNK_KEYS, [triton.cdiv(width, INVARIANT_CHUNK_KEYS) for width in widths]
     tiles = max(triton.cdiv(sum(widths), block_n), 1)
     target = SPLIT_TARGET_PROGRAMS or 2 * _multiprocessors(device)
-    wanted = min(tiles, triton.cdiv(target, programs))
+    wanted = min(tiles, triton.cdiv(target, programs)) if 2 * programs <= target else 1
     chunk_keys = triton.cdiv(tiles, wanted) * block_n
     counts = [triton.cdiv(width, chunk_keys) for width in widths]
     return chunk_keys, counts if wanted > 1 and sum(counts) > 1 else []
