@@ -88,20 +88,22 @@ def build_inputs(shape: dict[str, Any], queries: int, pool_rows: int) -> dict[st
     return {"q": q.to(torch.bfloat16), "sources": sources, "sink": sink, "scale": shape["width"] ** -0.5}
 
 
-def compiled_kernels(kernel: Any) -> set[Any]:
-    """Every compiled variant of a Triton kernel in its JIT cache (the cache's layout changes between versions)."""
+def compiled_kernels(kernels: tuple[Any, ...]) -> set[Any]:
+    """Every compiled variant of the Triton kernels in their JIT caches (the cache's layout changes between
+    versions)."""
     found = set()
-    for entry in getattr(kernel, "device_caches", {}).values():
-        for part in entry if isinstance(entry, tuple) else (entry,):
-            if isinstance(part, dict):
-                found.update(v for v in part.values() if hasattr(v, "metadata"))
+    for kernel in kernels:
+        for entry in getattr(kernel, "device_caches", {}).values():
+            for part in entry if isinstance(entry, tuple) else (entry,):
+                if isinstance(part, dict):
+                    found.update(v for v in part.values() if hasattr(v, "metadata"))
     return found
 
 
 def kernel_stats(kernels: tuple[Any, ...], before: set[Any]) -> dict[str, Any]:
     """Registers, spilled bytes and shared memory of the one variant of ``kernels`` compiled since ``before`` (None
     where unknown, or where none or several were compiled)."""
-    new = set().union(*(compiled_kernels(kernel) for kernel in kernels)) - before
+    new = compiled_kernels(kernels) - before
     if len(new) != 1:
         return {"registers": None, "spill_bytes": None, "shared_bytes": None}
     compiled = next(iter(new))
@@ -118,7 +120,7 @@ def run_variant(
     """Check ``op`` on the first queries against the reference, then time it on all of them."""
     q, sources, sink, scale = inputs["q"], inputs["sources"], inputs["sink"], inputs["scale"]
     out = torch.empty(q.shape, dtype=torch.float32, device="cuda")
-    before = set().union(*(compiled_kernels(kernel) for kernel in kernels))
+    before = compiled_kernels(kernels)
     op(q, sources, sink, scale, True, out)
     torch.cuda.synchronize()
     stats = kernel_stats(kernels, before)

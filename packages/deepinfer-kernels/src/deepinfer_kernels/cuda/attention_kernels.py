@@ -137,6 +137,62 @@ def _global_max(sink, part_m_ptr, token, num_splits, num_heads, h, h_mask):  # t
 
 
 @triton.jit
+def _split_ranges(split, chunk_keys, num_splits, first1, first2, keys0, keys1, keys2):  # type: ignore[no-untyped-def]
+    """Keys [lo, hi) of each source that split ``split`` holds (only the source owning the split has a non-empty
+    range)."""
+    lo0, hi0 = _split_range(split, 0, first1, chunk_keys, keys0)
+    lo1, hi1 = _split_range(split, first1, first2 - first1, chunk_keys, keys1)
+    lo2, hi2 = _split_range(split, first2, num_splits - first2, chunk_keys, keys2)
+    return lo0, hi0, lo1, hi1, lo2, hi2
+
+
+@triton.jit
+def _sources_logits(  # type: ignore[no-untyped-def]
+    m, q, token, scale, logits0, lo0, hi0, lo1, hi1, lo2, hi2,
+    pool0, rows0, stride0, keys0, bytes0, pool1, rows1, stride1, keys1, bytes1, pool2, rows2, stride2, keys2, bytes2,
+    WIDTH: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    FMT0: tl.constexpr, FMT1: tl.constexpr, FMT2: tl.constexpr,
+    BF16_0: tl.constexpr, BF16_1: tl.constexpr, BF16_2: tl.constexpr,
+):  # fmt: skip
+    """``logits_pass`` over keys [lo_i, hi_i) of each source in order, the sources' logits side by side from the
+    program's workspace rows ``logits0``."""
+    m = logits_pass(
+        m, q, pool0, rows0, stride0, lo0, hi0, bytes0, token, scale, logits0, WIDTH, BLOCK_D, FMT0, BF16_0, BLOCK_N
+    )
+    m = logits_pass(
+        m, q, pool1, rows1, stride1, lo1, hi1, bytes1, token, scale, logits0 + keys0, WIDTH, BLOCK_D, FMT1, BF16_1,
+        BLOCK_N,
+    )  # fmt: skip
+    return logits_pass(
+        m, q, pool2, rows2, stride2, lo2, hi2, bytes2, token, scale, logits0 + keys0 + keys1, WIDTH, BLOCK_D, FMT2,
+        BF16_2, BLOCK_N,
+    )  # fmt: skip
+
+
+@triton.jit
+def _sources_sums(  # type: ignore[no-untyped-def]
+    acc, denom, m, token, v, logits0, lo0, hi0, lo1, hi1, lo2, hi2,
+    pool0, rows0, stride0, keys0, bytes0, pool1, rows1, stride1, keys1, bytes1, pool2, rows2, stride2, keys2, bytes2,
+    WIDTH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    FMT0: tl.constexpr, FMT1: tl.constexpr, FMT2: tl.constexpr,
+    BF16_0: tl.constexpr, BF16_1: tl.constexpr, BF16_2: tl.constexpr, ROUND: tl.constexpr,
+):  # fmt: skip
+    """``sums_pass`` over keys [lo_i, hi_i) of each source in order, value columns ``v …``."""
+    acc, denom = sums_pass(
+        acc, denom, m, pool0, rows0, stride0, lo0, hi0, bytes0, token, v, logits0,
+        WIDTH, FMT0, BF16_0, ROUND, BLOCK_N, BLOCK_V,
+    )  # fmt: skip
+    acc, denom = sums_pass(
+        acc, denom, m, pool1, rows1, stride1, lo1, hi1, bytes1, token, v, logits0 + keys0,
+        WIDTH, FMT1, BF16_1, ROUND, BLOCK_N, BLOCK_V,
+    )  # fmt: skip
+    return sums_pass(
+        acc, denom, m, pool2, rows2, stride2, lo2, hi2, bytes2, token, v, logits0 + keys0 + keys1,
+        WIDTH, FMT2, BF16_2, ROUND, BLOCK_N, BLOCK_V,
+    )  # fmt: skip
+
+
+@triton.jit
 def split_logits_kernel(  # type: ignore[no-untyped-def]
     q_ptr, part_m_ptr, logits_ptr, num_heads, scale, chunk_keys, num_splits, first1, first2,
     pool0, rows0, stride0, keys0, bytes0, pool1, rows1, stride1, keys1, bytes1, pool2, rows2, stride2, keys2, bytes2,
@@ -151,20 +207,12 @@ def split_logits_kernel(  # type: ignore[no-untyped-def]
     h, h_mask = _heads(num_heads, BLOCK_H)
     q = _load_query(q_ptr, token, h, h_mask, num_heads, WIDTH, BLOCK_D)
     logits0 = _logits_rows(logits_ptr, token, keys0 + keys1 + keys2, BLOCK_H)
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    lo, hi = _split_range(split, 0, first1, chunk_keys, keys0)
-    m = logits_pass(
-        m, q, pool0, rows0, stride0, lo, hi, bytes0, token, scale, logits0, WIDTH, BLOCK_D, FMT0, BF16_0, BLOCK_N
-    )
-    lo, hi = _split_range(split, first1, first2 - first1, chunk_keys, keys1)
-    m = logits_pass(
-        m, q, pool1, rows1, stride1, lo, hi, bytes1, token, scale, logits0 + keys0, WIDTH, BLOCK_D, FMT1, BF16_1,
-        BLOCK_N,
-    )  # fmt: skip
-    lo, hi = _split_range(split, first2, num_splits - first2, chunk_keys, keys2)
-    m = logits_pass(
-        m, q, pool2, rows2, stride2, lo, hi, bytes2, token, scale, logits0 + keys0 + keys1, WIDTH, BLOCK_D, FMT2,
-        BF16_2, BLOCK_N,
+    lo0, hi0, lo1, hi1, lo2, hi2 = _split_ranges(split, chunk_keys, num_splits, first1, first2, keys0, keys1, keys2)
+    m = _sources_logits(
+        tl.full([BLOCK_H], float("-inf"), tl.float32), q, token, scale, logits0, lo0, hi0, lo1, hi1, lo2, hi2,
+        pool0, rows0, stride0, keys0, bytes0, pool1, rows1, stride1, keys1, bytes1,
+        pool2, rows2, stride2, keys2, bytes2,
+        WIDTH, BLOCK_D, BLOCK_N, FMT0, FMT1, FMT2, BF16_0, BF16_1, BF16_2,
     )  # fmt: skip
     tl.store(part_m_ptr + (token * num_splits + split) * num_heads + h, m, mask=h_mask)
 
@@ -184,25 +232,16 @@ def split_sums_kernel(  # type: ignore[no-untyped-def]
     h, h_mask = _heads(num_heads, BLOCK_H)
     m = _global_max(tl.load(sink_ptr + h, mask=h_mask, other=0.0), part_m_ptr, token, num_splits, num_heads, h, h_mask)
     logits0 = _logits_rows(logits_ptr, token, keys0 + keys1 + keys2, BLOCK_H)
-    lo0, hi0 = _split_range(split, 0, first1, chunk_keys, keys0)
-    lo1, hi1 = _split_range(split, first1, first2 - first1, chunk_keys, keys1)
-    lo2, hi2 = _split_range(split, first2, num_splits - first2, chunk_keys, keys2)
+    lo0, hi0, lo1, hi1, lo2, hi2 = _split_ranges(split, chunk_keys, num_splits, first1, first2, keys0, keys1, keys2)
     part_row = (token * num_splits + split) * num_heads + h
     for v in tl.static_range(0, BLOCK_D, BLOCK_V):
         dv = v + tl.arange(0, BLOCK_V)
-        acc = tl.zeros([BLOCK_H, BLOCK_V], tl.float32)
-        denom = tl.zeros([BLOCK_H], tl.float32)
-        acc, denom = sums_pass(
-            acc, denom, m, pool0, rows0, stride0, lo0, hi0, bytes0, token, v, logits0,
-            WIDTH, FMT0, BF16_0, ROUND, BLOCK_N, BLOCK_V,
-        )  # fmt: skip
-        acc, denom = sums_pass(
-            acc, denom, m, pool1, rows1, stride1, lo1, hi1, bytes1, token, v, logits0 + keys0,
-            WIDTH, FMT1, BF16_1, ROUND, BLOCK_N, BLOCK_V,
-        )  # fmt: skip
-        acc, denom = sums_pass(
-            acc, denom, m, pool2, rows2, stride2, lo2, hi2, bytes2, token, v, logits0 + keys0 + keys1,
-            WIDTH, FMT2, BF16_2, ROUND, BLOCK_N, BLOCK_V,
+        acc, denom = _sources_sums(
+            tl.zeros([BLOCK_H, BLOCK_V], tl.float32), tl.zeros([BLOCK_H], tl.float32), m, token, v, logits0,
+            lo0, hi0, lo1, hi1, lo2, hi2,
+            pool0, rows0, stride0, keys0, bytes0, pool1, rows1, stride1, keys1, bytes1,
+            pool2, rows2, stride2, keys2, bytes2,
+            WIDTH, BLOCK_N, BLOCK_V, FMT0, FMT1, FMT2, BF16_0, BF16_1, BF16_2, ROUND,
         )  # fmt: skip
         tl.store(
             part_acc_ptr + part_row[:, None] * WIDTH + dv[None, :], acc, mask=h_mask[:, None] & (dv < WIDTH)[None, :]
@@ -248,35 +287,23 @@ def prefill_kernel(  # type: ignore[no-untyped-def]
     q = _load_query(q_ptr, token, h, h_mask, num_heads, WIDTH, BLOCK_D)
     sink = tl.load(sink_ptr + h, mask=h_mask, other=0.0)
     logits0 = _logits_rows(logits_ptr, token, keys0 + keys1 + keys2, BLOCK_H)
-    logits1 = logits0 + keys0
-    logits2 = logits1 + keys1
-    m = logits_pass(
-        sink, q, pool0, rows0, stride0, 0, keys0, bytes0, token, scale, logits0, WIDTH, BLOCK_D, FMT0, BF16_0, BLOCK_N
-    )
-    m = logits_pass(
-        m, q, pool1, rows1, stride1, 0, keys1, bytes1, token, scale, logits1, WIDTH, BLOCK_D, FMT1, BF16_1, BLOCK_N
-    )
-    m = logits_pass(
-        m, q, pool2, rows2, stride2, 0, keys2, bytes2, token, scale, logits2, WIDTH, BLOCK_D, FMT2, BF16_2, BLOCK_N
-    )
+    m = _sources_logits(
+        sink, q, token, scale, logits0, 0, keys0, 0, keys1, 0, keys2,
+        pool0, rows0, stride0, keys0, bytes0, pool1, rows1, stride1, keys1, bytes1,
+        pool2, rows2, stride2, keys2, bytes2,
+        WIDTH, BLOCK_D, BLOCK_N, FMT0, FMT1, FMT2, BF16_0, BF16_1, BF16_2,
+    )  # fmt: skip
     # Pass 2 reads logits that other threads of the program wrote: a CTA barrier orders the global memory accesses.
     tl.debug_barrier()
     for v in tl.static_range(0, BLOCK_D, BLOCK_V):
         dv = v + tl.arange(0, BLOCK_V)
         # The sink is a logit with a zero value: it enters the denominator only, first, as in the combine.
-        denom = tl.exp(sink - m)
-        acc = tl.zeros([BLOCK_H, BLOCK_V], tl.float32)
-        acc, denom = sums_pass(
-            acc, denom, m, pool0, rows0, stride0, 0, keys0, bytes0, token, v, logits0,
-            WIDTH, FMT0, BF16_0, ROUND, BLOCK_N, BLOCK_V,
-        )  # fmt: skip
-        acc, denom = sums_pass(
-            acc, denom, m, pool1, rows1, stride1, 0, keys1, bytes1, token, v, logits1,
-            WIDTH, FMT1, BF16_1, ROUND, BLOCK_N, BLOCK_V,
-        )  # fmt: skip
-        acc, denom = sums_pass(
-            acc, denom, m, pool2, rows2, stride2, 0, keys2, bytes2, token, v, logits2,
-            WIDTH, FMT2, BF16_2, ROUND, BLOCK_N, BLOCK_V,
+        acc, denom = _sources_sums(
+            tl.zeros([BLOCK_H, BLOCK_V], tl.float32), tl.exp(sink - m), m, token, v, logits0,
+            0, keys0, 0, keys1, 0, keys2,
+            pool0, rows0, stride0, keys0, bytes0, pool1, rows1, stride1, keys1, bytes1,
+            pool2, rows2, stride2, keys2, bytes2,
+            WIDTH, BLOCK_N, BLOCK_V, FMT0, FMT1, FMT2, BF16_0, BF16_1, BF16_2, ROUND,
         )  # fmt: skip
         out_offsets = (token * num_heads + h[:, None]) * WIDTH + dv[None, :]
         tl.store(out_ptr + out_offsets, acc / denom[:, None], mask=h_mask[:, None] & (dv < WIDTH)[None, :])
