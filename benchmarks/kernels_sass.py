@@ -69,8 +69,8 @@ def variants() -> list[dict[str, Any]]:
     gemv = {"SPLIT_GRID": True, "ROWS": 2, "BLOCK_N": 32, "BLOCK_K": 128, "NATIVE_FP8": True, "E4M3_BIAS": 0}
     out: list[dict[str, Any]] = []
     for decoding in DECODINGS:
-        if decoding == "gluon_fp8":
-            continue  # a kernel of its own (cuda.grouped_wgmma), below
+        if decoding in ("gluon_fp8", "dequant_bf16"):
+            continue  # a kernel of its own (cuda.grouped_wgmma), below; cuBLAS
         grouped = {**mma, "GROUPED": True, "DECODING": decoding, "SCAN": False}
         out.append({"name": f"mxfp4 grouped MMA {decoding}", "kernel": mxfp4_kernel, "constexprs": grouped})
         if decoding in decodings("fp8_block_gemm"):

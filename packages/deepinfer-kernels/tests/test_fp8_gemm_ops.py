@@ -113,3 +113,34 @@ def test_fp8_block_gemm_quantized_triton_equals_fp8_block_gemm(triton_device: st
     from_x = torch.empty_like(from_codes)
     implementation("fp8_block_gemm", Backend.NVIDIA)(x, w_q, w_scale, from_x)
     assert torch.equal(from_codes, from_x)
+
+
+def test_dequantized_bf16_launches_meet_the_bound(triton_device: str) -> None:
+    """The cuBLAS path (``dequant_bf16``: both operands dequantized into BF16, one GEMM with FP32 sums) for the grouped
+    FP32-output GEMM and for the dense GEMM on codes with a row stride wider than their columns."""
+    from deepinfer_kernels.cuda.gemm_tiles import BlockConfig
+
+    cfg = BlockConfig(128, 128, num_warps=8, num_stages=1, split_grid=False, decoding="dequant_bf16")
+    groups, n, k, m = 3, 192, 96, 37
+    x = _activation(m, groups * k, seed=30, dtype=torch.bfloat16)
+    w_q, w_scale = _weight(n, k, seed=31)
+    fast = torch.empty(m, n, dtype=torch.float32, device=triton_device)
+    inputs = [t.to(triton_device) for t in (x, w_q, w_scale)]
+    implementation("fp8_block_grouped_gemm", Backend.NVIDIA)(*inputs, fast, config=cfg)
+    ref = torch.empty(m, n, dtype=torch.float32)
+    implementation("fp8_block_grouped_gemm", Backend.REFERENCE)(x, w_q, w_scale, ref)
+    dense = _block_diagonal(dk.dequantize_fp8_block(w_q, w_scale).double(), groups)
+    assert_gemm_close(fast.cpu(), ref, abs_product(dequantized_activation(x), dense), k, significant_bits=24)
+
+    q, q_scale = dk.quantize_fp8_per_token_group(x[:, :k].contiguous())
+    wide_q = torch.zeros(m, 2 * k, dtype=q.dtype)
+    wide_q[:, :k] = q
+    w_q, w_scale = _weight(70, k, seed=32)
+    codes = [t.to(triton_device) for t in (wide_q, q_scale, w_q, w_scale)]
+    codes[0] = codes[0][:, :k]
+    fast = torch.empty(m, 70, dtype=torch.bfloat16, device=triton_device)
+    implementation("fp8_block_gemm_quantized", Backend.NVIDIA)(*codes, fast, config=cfg)
+    ref = torch.empty(m, 70, dtype=torch.bfloat16)
+    implementation("fp8_block_gemm_quantized", Backend.REFERENCE)(q, q_scale, w_q, w_scale, ref)
+    w_hat = dk.dequantize_fp8_block(w_q, w_scale, out_dtype=torch.float32)
+    assert_gemm_close(fast.cpu(), ref, abs_product(dequantized_activation(x[:, :k]), w_hat), k)

@@ -42,14 +42,14 @@ def test_candidates_start_with_the_default_and_time_every_decoding(op: str, rows
         assert any(c.decoding == "swap_fp8" for c in candidates)
     else:
         # gluon_fp8's tile is tied to its warps (block_n = 16 × num_warps): it has candidates of its own; so is
-        # swap_fp8's (a multiple of it).
+        # swap_fp8's (a multiple of it). dequant_bf16 has no tile (one candidate, many rows only).
         same_tile = [
             c
             for c in candidates
             if (c.block_m, c.block_n, c.num_warps) == (default.block_m, default.block_n, default.num_warps)
-            and c.decoding != "gluon_fp8"
+            and c.decoding not in ("gluon_fp8", "dequant_bf16")
         ]
-        expected = set(decodings(op)) - {"gluon_fp8"}
+        expected = set(decodings(op)) - {"gluon_fp8", "dequant_bf16"}
         if default.block_n % (16 * default.num_warps):
             expected -= {"swap_fp8"}
         assert {c.decoding for c in same_tile} == expected
@@ -81,6 +81,7 @@ def test_weight_first_tiles_are_mxfp4_candidates_only() -> None:
     """``swap_ab`` is an MXFP4 kernel's decoding, never the FP8 GEMM's; the grouped GEMM tries it at few rows per
     expert (the dense MXFP4 GEMM's 1-2 rows take the FMA kernel)."""
     assert set(DECODINGS) - set(decodings("fp8_block_gemm")) == {"swap_ab", "gluon_fp8"}
+    assert set(DECODINGS) - set(decodings("mxfp4_grouped_gemm")) == {"dequant_bf16"}
     for op in OPS:
         has_swap = any(c.decoding == "swap_ab" for c in candidate_configs(op, 1))
         assert has_swap == (op == "mxfp4_grouped_gemm")
@@ -100,7 +101,7 @@ def test_grouped_calls_beyond_the_split_rows_use_at_least_the_16_row_bucket(m: i
 
 def test_gluon_tiles_are_grouped_candidates_only() -> None:
     """The explicit-layout kernel serves the grouped MXFP4 GEMM at few rows per expert; its tiles are checked."""
-    assert set(DECODINGS) - set(decodings("mxfp4_gemm")) == {"gluon_fp8"}
+    assert set(DECODINGS) - set(decodings("mxfp4_gemm")) == {"gluon_fp8", "dequant_bf16"}
     for op in OPS:
         gluon = [c for c in candidate_configs(op, 16) if c.decoding == "gluon_fp8"]
         assert bool(gluon) == (op == "mxfp4_grouped_gemm")
@@ -109,3 +110,14 @@ def test_gluon_tiles_are_grouped_candidates_only() -> None:
         BlockConfig(16, 128, num_warps=4, num_stages=1, split_grid=False, decoding="gluon_fp8")
     with pytest.raises(ValueError, match="no split_grid"):
         BlockConfig(16, 64, num_warps=4, num_stages=1, split_grid=True, decoding="gluon_fp8")
+
+
+def test_dequantized_bf16_is_an_fp8_candidate_for_many_rows_only() -> None:
+    """The cuBLAS path dequantizes the weight on every call (5 bytes an element read or written instead of 1), which
+    only many rows repay: it is a candidate of the FP8 block GEMM beyond 64 rows, of no other op, never split."""
+    for op in OPS:
+        for rows in (1, 16, 64, 256, 8192):
+            found = [c for c in candidate_configs(op, rows) if c.decoding == "dequant_bf16"]
+            assert len(found) == (op == "fp8_block_gemm" and rows > 64)
+    with pytest.raises(ValueError, match="dequant_bf16"):
+        BlockConfig(128, 128, num_warps=8, num_stages=1, split_grid=True, decoding="dequant_bf16")

@@ -150,6 +150,37 @@ def test_fp8_block_gemm_quantized_gpu_equals_fp8_block_gemm(m: int) -> None:
     assert torch.equal(dk.fp8_block_gemm_quantized(q, q_scale, w_q, w_scale), dk.fp8_block_gemm(x, w_q, w_scale))
 
 
+_DEQUANT_BF16 = BlockConfig(128, 128, num_warps=8, num_stages=1, split_grid=False, decoding="dequant_bf16")
+
+
+@pytest.mark.parametrize("m", [300, 4096])
+def test_dequantized_bf16_fp8_gemms_meet_the_fp32_bound(m: int) -> None:
+    """The cuBLAS path (both operands dequantized into BF16, one GEMM, FP32 sums, FP32 result rounded once) meets the
+    FP32 accumulation bound on random inputs, with no FP8-MMA term: dense with a BF16 output and grouped (wo_a's 8
+    groups of [1024, 4096]) with an FP32 one."""
+    x = _activation(m, seed=m + 40)
+    w_q = (_bytes((4096, _K), seed=m + 41) & 0xF7).view(torch.float8_e4m3fn)
+    w_scale = _bytes((4096 // 32, _K // 32), m + 42, 118, 127).view(torch.float8_e8m0fnu)
+    fast = torch.zeros(m, 4096, dtype=torch.bfloat16, device="cuda")
+    implementation("fp8_block_gemm", Backend.NVIDIA)(x, w_q, w_scale, fast, config=_DEQUANT_BF16)
+    ref = _run("fp8_block_gemm", Backend.REFERENCE, m, 4096, x, w_q, w_scale)
+    w_hat = dk.dequantize_fp8_block(w_q, w_scale, out_dtype=torch.float32)
+    assert_gemm_close(fast, ref, abs_product(dequantized_activation(x), w_hat), _K)
+
+    groups, n = 8, 8192
+    x = torch.randn((m, groups * _K), generator=_generator(m + 43), device="cuda").to(torch.bfloat16)
+    w_q = (_bytes((n, _K), seed=m + 44) & 0xF7).view(torch.float8_e4m3fn)
+    w_scale = _bytes((n // 32, _K // 32), m + 45, 118, 127).view(torch.float8_e8m0fnu)
+    fast = torch.zeros(m, n, dtype=torch.float32, device="cuda")
+    implementation("fp8_block_grouped_gemm", Backend.NVIDIA)(x, w_q, w_scale, fast, config=_DEQUANT_BF16)
+    ref = torch.zeros_like(fast)
+    implementation("fp8_block_grouped_gemm", Backend.REFERENCE)(x, w_q, w_scale, ref)
+    x_hat = dequantized_activation(x).view(m, groups, _K).abs()
+    w_hat = dk.dequantize_fp8_block(w_q, w_scale).double().view(groups, n // groups, _K).abs()
+    magnitude = torch.einsum("mgk,gnk->mgn", x_hat, w_hat).reshape(m, n)
+    assert_gemm_close(fast, ref, magnitude, _K, significant_bits=24)
+
+
 # The FP8 tensor-core decodings' tiles, over several row and column tiles: group_fp8 at the prefill tile, swap_fp8
 # (transposed, for few rows) at the grouped GEMM's decode tile.
 _FP8_MMA = {
@@ -209,6 +240,7 @@ _GLUON_TILES = [
     BlockConfig(16, 64, num_warps=4, num_stages=1, split_grid=False, block_k=64, decoding="gluon_fp8"),
     BlockConfig(8, 128, num_warps=8, num_stages=1, split_grid=False, block_k=256, decoding="gluon_fp8"),
     BlockConfig(16, 128, num_warps=8, num_stages=1, split_grid=False, block_k=128, decoding="gluon_fp8"),
+    BlockConfig(32, 64, num_warps=4, num_stages=1, split_grid=False, block_k=128, decoding="gluon_fp8"),
 ]
 
 

@@ -38,6 +38,7 @@ import triton.language as tl
 
 from deepinfer_kernels.cuda import quant
 from deepinfer_kernels.cuda._launch import check_launchable
+from deepinfer_kernels.cuda.dequantized_gemm import dequantized_launch
 from deepinfer_kernels.cuda.gemm_decodings import dot_scaled_tiles, group_tiles, swapped_tiles
 from deepinfer_kernels.cuda.gemm_operands import (
     chunk_range,
@@ -351,6 +352,9 @@ def mxfp4_launch(
     grouped, scan = tables is not None, isinstance(tables, torch.Tensor)
     if cfg.decoding == "gluon_fp8":
         raise ValueError("gluon_fp8 tiles run in cuda.grouped_wgmma (the grouped GEMM's launcher), not mxfp4_kernel")
+    op = "mxfp4_grouped_gemm" if grouped else "mxfp4_gemm"
+    if not cfg.gemv and cfg.decoding not in decodings(op):
+        raise ValueError(f"{op} has the decodings {decodings(op)}, not {cfg.decoding!r}")
     if cfg.decoding == "swap_ab" and (packed.data_ptr() % 4 or packed.stride(-2) % 4):
         raise ValueError("decoding 'swap_ab' reads the packed weight in 4-byte words: its rows must be 4-byte aligned")
     if isinstance(tables, torch.Tensor):
@@ -431,6 +435,9 @@ def fp8_block_launch(
     cfg = config or block_config("fp8_block_gemm", m, n, k)
     if cfg.decoding not in decodings("fp8_block_gemm"):
         raise ValueError(f"the FP8 block GEMM has the decodings {decodings('fp8_block_gemm')}, not {cfg.decoding!r}")
+    if cfg.decoding == "dequant_bf16":
+        dequantized_launch(q, q_scale, w_q, w_scale, out, groups)
+        return
     n_per_group = n // groups
     while groups > 1 and n_per_group % cfg.block_n:  # a tile must not straddle two groups
         cfg = replace(cfg, block_n=cfg.block_n // 2)

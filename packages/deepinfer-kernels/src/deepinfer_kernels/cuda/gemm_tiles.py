@@ -55,7 +55,16 @@ _BUCKETS = (2, 16, 32, 64, 256)
 GROUPED_SPLIT_MAX_ROWS = 64
 # Beyond GROUPED_SPLIT_MAX_ROWS rows a grouped GEMM's tiles are at least this bucket's, however few rows per expert.
 _UNSPLIT_MIN_BUCKET = 16
-DECODINGS = ("scaled_bf16", "dot_scaled", "group_fp16", "group_fp8", "swap_fp8", "swap_ab", "gluon_fp8")
+DECODINGS = (
+    "scaled_bf16",
+    "dot_scaled",
+    "group_fp16",
+    "group_fp8",
+    "swap_fp8",
+    "swap_ab",
+    "gluon_fp8",
+    "dequant_bf16",
+)
 # Rows of a gluon_fp8 tile's block_n per warp (a warpgroup's 4 warps make the wgmma's 64-row register operand).
 _GLUON_ROWS_PER_WARP = 16
 
@@ -84,7 +93,9 @@ class BlockConfig:
       activation rows are the MMA's narrow side (16 suits few rows per weight; 8-row tiles were slower on the H200);
     - ``"gluon_fp8"`` (grouped MXFP4 only): the ``swap_fp8`` products, sums and factor order in the explicit-layout
       Gluon kernel of ``cuda.grouped_wgmma`` (Hopper only; elsewhere and in the interpreter the ``swap_fp8`` tile runs):
-      ``block_n`` is 16 rows per warp, ``block_m`` 8, 16 or 32, ``block_k`` 32 to 512, K in one program.
+      ``block_n`` is 16 rows per warp, ``block_m`` 8, 16 or 32, ``block_k`` 32 to 512, K in one program;
+    - ``"dequant_bf16"`` (FP8 block GEMM only, many rows): both operands dequantized exactly into BF16 copies, then one
+      cuBLAS BF16 GEMM with FP32 sums (``cuda.dequantized_gemm``); the tile fields are not used, ``split_grid`` is off.
     """
 
     block_m: int
@@ -109,6 +120,8 @@ class BlockConfig:
                 "a gluon_fp8 tile has block_n = 16 × num_warps, block_m in (8, 16, 32), block_k in"
                 f" (32, 64, 128, 256, 512) and no split_grid, got {self}"
             )
+        if self.decoding == "dequant_bf16" and (self.split_grid or self.gemv):
+            raise ValueError(f"a dequant_bf16 launch is one cuBLAS GEMM: no split_grid, no gemv, got {self}")
         if self.decoding == "swap_fp8" and not _swap_on_wgmma(self.block_m, self.block_n, self.num_warps):
             raise ValueError(
                 f"a swap_fp8 tile's block_n is a multiple of 16 × num_warps and its block_m at least 16, got {self}"
@@ -122,11 +135,14 @@ def _swap_on_wgmma(block_m: int, block_n: int, num_warps: int) -> bool:
 
 
 def decodings(op: str) -> tuple[str, ...]:
-    """The decodings ``op``'s MMA kernels have: every one of :data:`DECODINGS` for the grouped MXFP4 GEMM, all but
-    ``"gluon_fp8"`` for the dense one, and neither that nor ``"swap_ab"`` for the FP8 block GEMM."""
-    if op == "mxfp4_grouped_gemm":
-        return DECODINGS
-    return tuple(d for d in DECODINGS if d != "gluon_fp8" and (op.startswith("mxfp4") or d != "swap_ab"))
+    """The decodings ``op``'s MMA tiles have: ``"gluon_fp8"`` only for the grouped MXFP4 GEMM, ``"swap_ab"`` only for
+    the MXFP4 GEMMs, ``"dequant_bf16"`` only for the FP8 block GEMM, every other one for all three."""
+    only = {
+        "gluon_fp8": op == "mxfp4_grouped_gemm",
+        "swap_ab": op.startswith("mxfp4"),
+        "dequant_bf16": op == "fp8_block_gemm",
+    }
+    return tuple(d for d in DECODINGS if only.get(d, True))
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -195,8 +211,12 @@ def candidate_configs(op: str, rows: int) -> list[BlockConfig]:
     with every other decoding, then other tile shapes with every decoding (MMA tiles), so a default that changes
     is always timed against the one before it."""
     default = default_config(op, rows)
-    # gluon_fp8's tiles are tied to their warps: it has tiles of its own below.
-    others = () if default.gemv else tuple(d for d in decodings(op) if d not in (default.decoding, "gluon_fp8"))
+    # gluon_fp8's tiles are tied to their warps and dequant_bf16 has no tile: both are added below.
+    others = (
+        ()
+        if default.gemv
+        else tuple(d for d in decodings(op) if d not in (default.decoding, "gluon_fp8", "dequant_bf16"))
+    )
     kinds = (default.decoding, *others)
     out = [
         replace(default, decoding=decoding)
@@ -220,6 +240,15 @@ def candidate_configs(op: str, rows: int) -> list[BlockConfig]:
             more.append(_mma(128, 128, 8, 3, split_grid=False, decoding=_decoding(op)))
         if op != "mxfp4_grouped_gemm":
             more += _swap_candidates(rows)
+        if op == "fp8_block_gemm":
+            more.append(_DEQUANT_BF16)
+        if op == "mxfp4_grouped_gemm":
+            # The explicit-layout kernel's widest tiles without spills (32 rows: 159–182 registers, sm_90, Triton 3.6;
+            # 64 rows spill): its MMAs overlap the group scaling, which group_fp8's Triton tiles serialize.
+            more += [
+                _mma(32, 16 * num_warps, num_warps, 1, split_grid=False, decoding="gluon_fp8", block_k=block_k)
+                for num_warps, block_k in ((4, 64), (4, 128), (8, 128), (4, 256), (8, 256))
+            ]
         return out + [cfg for cfg in more if cfg not in out]
     shapes: tuple[tuple[int, int, int], ...]
     if default.gemv:
@@ -347,6 +376,8 @@ _GROUPED_PREFILL_TILE = _mma(64, 128, 4, 4, split_grid=False, decoding="group_fp
 # (kernels_gemm-h200-prefill.json); the default beyond 256 rows. At 256 rows 2.7–4.0x the dot_scaled 64×128 default
 # and 1.1–1.3x the fastest swap_fp8 tile on every FP8 weight of the scaled preset (kernels_gemm-fp8-swap.json).
 _PREFILL_FP8_TILE = BlockConfig(128, 64, num_warps=4, num_stages=4, split_grid=False, block_k=64, decoding="group_fp8")
+# Both operands dequantized into BF16, one cuBLAS GEMM (cuda.dequantized_gemm); the tile fields are unused.
+_DEQUANT_BF16 = BlockConfig(128, 128, num_warps=8, num_stages=1, split_grid=False, decoding="dequant_bf16")
 # The FP8 block GEMM at 16 and 64 rows (kernels_gemm-fp8-swap.json): swap_fp8 tiles, split-K in the weight shape's
 # chunks, were the fastest on 8 of 9 shapes at 16 rows (1.1–1.7x the tiles before where those were timed; on wq_b a
 # group_fp8 tile was 2 % faster, the swap_fp8 one is kept, as its rows' bits serve the batch-invariant mode too) and on

@@ -197,18 +197,22 @@ def quantize_fp8_per_token_group(x: torch.Tensor, q: torch.Tensor, scale: torch.
     )
 
 
-def dequantize_fp8_per_token_group(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
-    """Triton per-token-group e4m3 dequantization (contract of ``reference.quant``).
+def dequantize_fp8_per_token_group(
+    q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, rows_per_program: int = _ROWS_PER_PROGRAM
+) -> None:
+    """Triton per-token-group e4m3 dequantization (contract of ``reference.quant``); one program per
+    (``rows_per_program`` rows, group).
 
     Args:
-        q: [num_rows, K] float8_e4m3fn, contiguous.
-        scale: [num_rows, K // group_size] float8_e8m0fnu, contiguous.
-        out: [num_rows, K] fp32/bf16/fp16, contiguous; written.
+        q: [num_rows, K] float8_e4m3fn (or its uint8 view), unit column stride.
+        scale: [num_rows, K // group_size] float8_e8m0fnu (or uint8), unit column stride.
+        out: [num_rows, K] fp32/bf16/fp16, unit column stride; written.
+        rows_per_program: a power of two; the values do not depend on it.
     """
     check_launchable(q=q, scale=scale, out=out)
     rows, cols = q.shape
     groups = scale.shape[1]
-    grid = (triton.cdiv(rows, _ROWS_PER_PROGRAM), groups)
+    grid = (triton.cdiv(rows, rows_per_program), groups)
     _dequantize_group_kernel[grid](
         _bytes(q),
         _bytes(scale),
@@ -218,7 +222,7 @@ def dequantize_fp8_per_token_group(q: torch.Tensor, scale: torch.Tensor, out: to
         scale.stride(0),
         out.stride(0),
         GROUP=cols // groups,
-        BLOCK_ROWS=_ROWS_PER_PROGRAM,
+        BLOCK_ROWS=rows_per_program,
     )
 
 

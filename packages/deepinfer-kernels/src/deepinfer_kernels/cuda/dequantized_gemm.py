@@ -1,0 +1,53 @@
+"""The FP8 block GEMM as one BF16 GEMM on exactly dequantized operands: decoding ``"dequant_bf16"``
+(docs/design/kernels.md, "GEMM tiles and split-K").
+
+Both operands go to BF16 by the Triton dequantizers of ``cuda.quant``: an e4m3 value has 4 significant bits and its
+UE8M0 factor is a power of two, so ``x̂`` and ``Ŵ`` are BF16 numbers, exactly (the scale-byte assumption of
+``cuda.gemm``). One cuBLAS BF16 GEMM with FP32 accumulation and an FP32 result (``out_dtype``, so no reduced-precision
+split-K reduction) multiplies them; the result is rounded once to the output's dtype. The products are exact and the
+sums FP32, so the contract is the other decodings' (only the FP32 summation order differs from the reference); unlike
+``group_fp8`` no sum passes through the FP8 tensor cores' 13-bit accumulator.
+
+What it costs beyond the GEMM: the weight is read as FP8 and written and read again as BF16 (5 bytes an element
+instead of 1), which only many rows per weight (prefill) repay, and the two BF16 copies live for the call.
+Under ``TRITON_INTERPRET=1`` (CPU tensors) the BF16 operands are widened to FP32 (exact) for an FP32 GEMM.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer_kernels.cuda import quant
+
+__all__ = ["dequantized_launch"]
+
+# Activation rows per dequantizer program: 64 rows x 32 columns, 16 elements a thread (the op's default is 16 rows).
+_ACTIVATION_ROWS_PER_PROGRAM = 64
+
+
+def _fp32_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` of BF16 operands (2-D, or 3-D batched) summed and returned in FP32."""
+    if a.device.type == "cuda":
+        product = torch.mm if a.dim() == 2 else torch.bmm
+        return product(a, b, out_dtype=torch.float32)
+    return torch.matmul(a.float(), b.float())
+
+
+def dequantized_launch(
+    q: torch.Tensor, q_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor, groups: int
+) -> None:
+    """``out = x̂ · Ŵᵀ`` on BF16 copies of both operands (``cuda.gemm.fp8_block_launch``'s arguments: q [M, G·K] and
+    q_scale [M, G·K/32] uint8 codes and scale bytes, w_q [N, K] e4m3 and w_scale [N/32, K/32] UE8M0, out [M, N] bf16
+    or fp32; ``groups`` G > 1: weight rows ``g·N/G …`` multiply activation columns ``g·K …``)."""
+    (m, n), k = out.shape, w_q.shape[1]
+    x_hat = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
+    quant.dequantize_fp8_per_token_group(q, q_scale, x_hat, rows_per_program=_ACTIVATION_ROWS_PER_PROGRAM)
+    w_hat = torch.empty(w_q.shape, dtype=torch.bfloat16, device=w_q.device)
+    quant.dequantize_fp8_block(w_q, w_scale, w_hat)
+    if groups == 1:
+        out.copy_(_fp32_product(x_hat, w_hat.t()))
+        return
+    per_group = n // groups
+    # [G, M, K] x [G, K, N/G]: strided views of the row-major copies, no gather.
+    sums = _fp32_product(x_hat.view(m, groups, k).transpose(0, 1), w_hat.view(groups, per_group, k).transpose(1, 2))
+    out.view(m, groups, per_group).copy_(sums.transpose(0, 1))
