@@ -119,5 +119,7 @@ def test_dequantized_bf16_is_an_fp8_candidate_for_many_rows_only() -> None:
         for rows in (1, 16, 64, 256, 8192):
             found = [c for c in candidate_configs(op, rows) if c.decoding == "dequant_bf16"]
             assert len(found) == (op == "fp8_block_gemm" and rows > 64)
+    assert block_config("fp8_block_gemm", 8192, 5120, 8192).decoding == "dequant_bf16"
+    assert block_config("mxfp4_grouped_gemm", 8192, 4608, 5120).decoding == "group_fp8"
     with pytest.raises(ValueError, match="dequant_bf16"):
         BlockConfig(128, 128, num_warps=8, num_stages=1, split_grid=True, decoding="dequant_bf16")

@@ -190,8 +190,10 @@ def _decoding(op: str) -> str:
 def default_config(op: str, rows: int) -> BlockConfig:
     """Tiles for ``op`` on ``rows`` activation rows per weight (per expert for the grouped GEMM) without a measured
     entry: the FMA kernels for up to 2 rows of a dense GEMM; then MMA tiles, split-K up to 64 rows (small M tiles waste
-    less of the 16-row MMA minimum), 64×128 tiles without split-K up to 256 rows, FP8 tensor-core (``group_fp8``)
-    128×64 tiles beyond. Every choice compiles for sm_90a."""
+    less of the 16-row MMA minimum), 64×128 tiles without split-K up to 256 rows; beyond, the FP8 block GEMM on
+    dequantized BF16 operands through cuBLAS (``dequant_bf16``: 2.0–2.7x the FP8 tensor-core ``group_fp8`` tile on
+    every FP8 weight of the scaled preset at 8,192 rows on the H200, kernels_gemm-dequant-*.json) and the MXFP4 GEMMs
+    FP8 tensor-core (``group_fp8``) 128×64 tiles. Every choice compiles for sm_90a."""
     if rows <= 2 and op != "mxfp4_grouped_gemm":
         return BlockConfig(block_m=2, block_n=32, num_warps=4, num_stages=3, split_grid=True, gemv=True)
     decoding = _decoding(op)
@@ -203,7 +205,7 @@ def default_config(op: str, rows: int) -> BlockConfig:
         return BlockConfig(64, 64, num_warps=4, num_stages=4, split_grid=True, decoding=decoding)
     if rows <= 256:
         return BlockConfig(64, 128, num_warps=8, num_stages=3, split_grid=False, decoding=decoding)
-    return _PREFILL_FP8_TILE
+    return _DEQUANT_BF16 if op == "fp8_block_gemm" else _PREFILL_FP8_TILE
 
 
 def candidate_configs(op: str, rows: int) -> list[BlockConfig]:
@@ -242,13 +244,6 @@ def candidate_configs(op: str, rows: int) -> list[BlockConfig]:
             more += _swap_candidates(rows)
         if op == "fp8_block_gemm":
             more.append(_DEQUANT_BF16)
-        if op == "mxfp4_grouped_gemm":
-            # The explicit-layout kernel's widest tiles without spills (32 rows: 159–182 registers, sm_90, Triton 3.6;
-            # 64 rows spill): its MMAs overlap the group scaling, which group_fp8's Triton tiles serialize.
-            more += [
-                _mma(32, 16 * num_warps, num_warps, 1, split_grid=False, decoding="gluon_fp8", block_k=block_k)
-                for num_warps, block_k in ((4, 64), (4, 128), (8, 128), (4, 256), (8, 256))
-            ]
         return out + [cfg for cfg in more if cfg not in out]
     shapes: tuple[tuple[int, int, int], ...]
     if default.gemv:
