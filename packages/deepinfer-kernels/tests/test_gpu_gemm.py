@@ -181,6 +181,29 @@ def test_dequantized_bf16_fp8_gemms_meet_the_fp32_bound(m: int) -> None:
     assert_gemm_close(fast, ref, magnitude, _K, significant_bits=24)
 
 
+def test_dequantized_bf16_replays_in_a_cuda_graph() -> None:
+    """A decode step of 256 rows captures the cuBLAS path (its BF16 copies come from the graph's pool): replays with
+    new inputs equal eager calls bit for bit."""
+    m, n = 256, 4096
+    w_q = (_bytes((n, _K), seed=50) & 0xF7).view(torch.float8_e4m3fn)
+    w_scale = _bytes((n // 32, _K // 32), 51, 118, 127).view(torch.float8_e8m0fnu)
+    x = _activation(m, seed=52)
+    gemm = implementation("fp8_block_gemm", Backend.NVIDIA)
+    out = torch.zeros(m, n, dtype=torch.bfloat16, device="cuda")
+    gemm(x, w_q, w_scale, out, config=_DEQUANT_BF16)  # compile and create cuBLAS's handle outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gemm(x, w_q, w_scale, out, config=_DEQUANT_BF16)
+    for seed in (53, 54):
+        x.copy_(_activation(m, seed=seed))
+        graph.replay()
+        eager = torch.zeros_like(out)
+        gemm(x, w_q, w_scale, eager, config=_DEQUANT_BF16)
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+
+
 # The FP8 tensor-core decodings' tiles, over several row and column tiles: group_fp8 at the prefill tile, swap_fp8
 # (transposed, for few rows) at the grouped GEMM's decode tile.
 _FP8_MMA = {

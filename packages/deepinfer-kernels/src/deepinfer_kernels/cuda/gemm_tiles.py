@@ -377,6 +377,9 @@ _DEQUANT_BF16 = BlockConfig(128, 128, num_warps=8, num_stages=1, split_grid=Fals
 # chunks, were the fastest on 8 of 9 shapes at 16 rows (1.1–1.7x the tiles before where those were timed; on wq_b a
 # group_fp8 tile was 2 % faster, the swap_fp8 one is kept, as its rows' bits serve the batch-invariant mode too) and on
 # 8 of 9 at 64 rows (1.1–1.5x); on attn.wkv at 64 rows the dot_scaled tile stays, 15.8 against 17.9 µs.
+# At 256 rows (kernels_gemm-dequant-t256.json) the cuBLAS path (dequant_bf16) beat the group_fp8 tiles on 7 of 9 FP8
+# weights (22 against 66 µs on attn.wkv … 42 against 45 µs on the shared w2) and lost on the two of K = 1280 (124
+# against 99 µs on wq_b, 24 against 20 on the indexer's wq_b), which keep the group_fp8 tile; wo_a was not timed.
 MEASURED: dict[tuple[str, int, int, int], BlockConfig] = {
     ("fp8_block_gemm", 2, 512, 5120): _gemv(16, 4, 3),
     ("fp8_block_gemm", 2, 1280, 5120): _gemv(64, 8, 3),
@@ -405,16 +408,16 @@ MEASURED: dict[tuple[str, int, int, int], BlockConfig] = {
     ("fp8_block_gemm", 64, 5120, 15360): _swap(64, 128, 4, 3),
     ("fp8_block_gemm", 64, 25600, 6144): _swap(64, 128, 4, 3),
     ("fp8_block_gemm", 64, 32768, 1280): _swap(64, 128, 4, 3),
-    ("fp8_block_gemm", 256, 512, 5120): _PREFILL_FP8_TILE,
-    ("fp8_block_gemm", 256, 1280, 5120): _PREFILL_FP8_TILE,
+    ("fp8_block_gemm", 256, 512, 5120): _DEQUANT_BF16,
+    ("fp8_block_gemm", 256, 1280, 5120): _DEQUANT_BF16,
     ("fp8_block_gemm", 256, 4096, 1280): _PREFILL_FP8_TILE,
-    ("fp8_block_gemm", 256, 4608, 5120): _PREFILL_FP8_TILE,
-    ("fp8_block_gemm", 256, 5120, 2304): _PREFILL_FP8_TILE,
+    ("fp8_block_gemm", 256, 4608, 5120): _DEQUANT_BF16,
+    ("fp8_block_gemm", 256, 5120, 2304): _DEQUANT_BF16,
     # attn.wo_a (grouped, 8 groups of 1024 rows): not timed alone; the roofline run at 7f8a547 ran it on this tile.
     ("fp8_block_gemm", 256, 8192, 4096): _PREFILL_FP8_TILE,
-    ("fp8_block_gemm", 256, 5120, 8192): _PREFILL_FP8_TILE,
-    ("fp8_block_gemm", 256, 5120, 15360): _PREFILL_FP8_TILE,
-    ("fp8_block_gemm", 256, 25600, 6144): _PREFILL_FP8_TILE,
+    ("fp8_block_gemm", 256, 5120, 8192): _DEQUANT_BF16,
+    ("fp8_block_gemm", 256, 5120, 15360): _DEQUANT_BF16,
+    ("fp8_block_gemm", 256, 25600, 6144): _DEQUANT_BF16,
     ("fp8_block_gemm", 256, 32768, 1280): _PREFILL_FP8_TILE,
     ("mxfp4_grouped_gemm", 2, 4608, 5120): _GROUPED_GLUON_TILE,
     ("mxfp4_grouped_gemm", 2, 5120, 2304): _GROUPED_GLUON_TILE,
