@@ -198,6 +198,30 @@ def test_indexer_candidate_lists_wider_than_the_rows_reach(triton_device: str) -
     assert rows[0].tolist() == list(range(22)) + [-1] * 8
 
 
+def test_indexer_skips_tiles_past_the_visible_rows(triton_device: str) -> None:
+    """Row tiles past a query's visible rows, or past its last candidate block, only write invalid keys (the kernel
+    exits early there): five 64-row tiles over 400 rows, queries with few visible rows, candidate lists of 40 entries
+    with 40 − 7·t of them valid (ascending, −1 padded), some blocks beyond a query's rows; the same selection as the
+    reference, unrestricted (with candidate blocks) and restricted."""
+    case = random_selection_case(2, 6, 400, 16, 32, 3, seed=41)
+    case["num_rows"] = torch.tensor([400, 3, 70, 0, 129, 250])
+    (rows, blocks), (expected, expected_blocks) = _select_both(
+        triton_device, case, 20, candidate_block_size=8, num_candidate_blocks=12
+    )
+    logits = dense_logits(case, True)
+    tol = 2.0**-7 * float(logits.abs().max())
+    assert_equivalent_selection(rows, expected, logits, tol)
+    assert rows[1].tolist() == [0, 1, 2] + [-1] * 17 and rows[3].tolist() == [-1] * 20
+    assert blocks is not None and expected_blocks is not None
+    gen = torch.Generator().manual_seed(42)
+    candidates = torch.full((6, 40), -1)
+    for t in range(6):
+        count = 40 - 7 * t
+        candidates[t, :count] = torch.randperm(50, generator=gen)[:count].sort().values
+    (rows, _), (expected, _) = _select_both(triton_device, case, 20, candidates=candidates, candidate_block_size=8)
+    assert_equivalent_selection(rows, expected, logits, tol)
+
+
 def test_indexer_ties_go_to_the_lower_row(triton_device: str) -> None:
     case = random_selection_case(1, 3, 300, 32, 32, 2, seed=5)
     case["key_pool"][:] = case["key_pool"][0]

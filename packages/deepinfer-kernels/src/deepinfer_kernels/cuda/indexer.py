@@ -82,6 +82,26 @@ def _index_scores_kernel(  # type: ignore[no-untyped-def]
     chunk_slot = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     slot = slot_start + chunk_slot
     klen = tl.load(num_rows_ptr + token).to(tl.int64)
+    # A tile past the query's visible rows (about half the tiles of a causal prefill) only writes invalid keys: rows
+    # are ascending, and so are candidate blocks, −1 padded at the end.
+    first_slot = slot_start + tl.program_id(1) * BLOCK_R
+    if RESTRICTED:
+        first_block = tl.load(cand_ptr + token * stride_cand + first_slot // BS, mask=first_slot < span, other=-1)
+        empty = (first_block < 0) | (first_block.to(tl.int64) * BS >= klen)
+    else:
+        empty = first_slot >= klen
+    if empty | (first_slot >= span):
+        tl.store(
+            keys_ptr + local.to(tl.int64) * stride_keys + chunk_slot,
+            tl.full((BLOCK_R,), -9223372036854775807 - 1, tl.int64),
+        )
+        if BLOCKS:
+            local_block = tl.program_id(1) * (BLOCK_R // BS) + tl.arange(0, BLOCK_R // BS)
+            tl.store(
+                block_keys_ptr + local.to(tl.int64) * stride_block_keys + local_block,
+                tl.full((BLOCK_R // BS,), -9223372036854775807 - 1, tl.int64),
+            )
+        return
     request = tl.load(request_ptr + token).to(tl.int64)
     in_span = slot < span
     if RESTRICTED:
