@@ -124,21 +124,25 @@ def test_mxfp4_grouped_gemm_cuda_graph_replay(m: int) -> None:
     assert torch.all(out == 0)
 
 
-@pytest.mark.parametrize("m", [1, 2, 8, 64, 512])
-def test_fp8_block_grouped_gemm_gpu(m: int) -> None:
+def _check_grouped_wo_a(m: int, seeds: tuple[int, int, int], config: BlockConfig | None = None) -> None:
     """The attention's wo_a shape: 8 groups of [1024, 4096], FP32 output (tolerance with an FP32 ulp)."""
     groups, n = 8, 8192
-    x = torch.randn((m, groups * _K), generator=_generator(m + 3), device="cuda").to(torch.bfloat16)
-    w_q = (_bytes((n, _K), seed=n + m) & 0xF7).view(torch.float8_e4m3fn)
-    w_scale = _bytes((n // 32, _K // 32), n + 2, 118, 127).view(torch.float8_e8m0fnu)
+    x = torch.randn((m, groups * _K), generator=_generator(seeds[0]), device="cuda").to(torch.bfloat16)
+    w_q = (_bytes((n, _K), seed=seeds[1]) & 0xF7).view(torch.float8_e4m3fn)
+    w_scale = _bytes((n // 32, _K // 32), seeds[2], 118, 127).view(torch.float8_e8m0fnu)
     fast = torch.zeros(m, n, dtype=torch.float32, device="cuda")
-    implementation("fp8_block_grouped_gemm", Backend.NVIDIA)(x, w_q, w_scale, fast)
+    implementation("fp8_block_grouped_gemm", Backend.NVIDIA)(x, w_q, w_scale, fast, config=config)
     ref = torch.zeros_like(fast)
     implementation("fp8_block_grouped_gemm", Backend.REFERENCE)(x, w_q, w_scale, ref)
     x_hat = dequantized_activation(x).view(m, groups, _K).abs()
     w_hat = dk.dequantize_fp8_block(w_q, w_scale).double().view(groups, n // groups, _K).abs()
     magnitude = torch.einsum("mgk,gnk->mgn", x_hat, w_hat).reshape(m, n)
     assert_gemm_close(fast, ref, magnitude, _K, significant_bits=24)
+
+
+@pytest.mark.parametrize("m", [1, 2, 8, 64, 512])
+def test_fp8_block_grouped_gemm_gpu(m: int) -> None:
+    _check_grouped_wo_a(m, (m + 3, 8192 + m, 8192 + 2))
 
 
 @pytest.mark.parametrize("m", [1, 8, 64, 512])
@@ -166,19 +170,7 @@ def test_dequantized_bf16_fp8_gemms_meet_the_fp32_bound(m: int) -> None:
     ref = _run("fp8_block_gemm", Backend.REFERENCE, m, 4096, x, w_q, w_scale)
     w_hat = dk.dequantize_fp8_block(w_q, w_scale, out_dtype=torch.float32)
     assert_gemm_close(fast, ref, abs_product(dequantized_activation(x), w_hat), _K)
-
-    groups, n = 8, 8192
-    x = torch.randn((m, groups * _K), generator=_generator(m + 43), device="cuda").to(torch.bfloat16)
-    w_q = (_bytes((n, _K), seed=m + 44) & 0xF7).view(torch.float8_e4m3fn)
-    w_scale = _bytes((n // 32, _K // 32), m + 45, 118, 127).view(torch.float8_e8m0fnu)
-    fast = torch.zeros(m, n, dtype=torch.float32, device="cuda")
-    implementation("fp8_block_grouped_gemm", Backend.NVIDIA)(x, w_q, w_scale, fast, config=_DEQUANT_BF16)
-    ref = torch.zeros_like(fast)
-    implementation("fp8_block_grouped_gemm", Backend.REFERENCE)(x, w_q, w_scale, ref)
-    x_hat = dequantized_activation(x).view(m, groups, _K).abs()
-    w_hat = dk.dequantize_fp8_block(w_q, w_scale).double().view(groups, n // groups, _K).abs()
-    magnitude = torch.einsum("mgk,gnk->mgn", x_hat, w_hat).reshape(m, n)
-    assert_gemm_close(fast, ref, magnitude, _K, significant_bits=24)
+    _check_grouped_wo_a(m, (m + 43, m + 44, m + 45), config=_DEQUANT_BF16)
 
 
 def test_dequantized_bf16_replays_in_a_cuda_graph() -> None:
