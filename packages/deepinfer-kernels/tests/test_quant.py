@@ -61,7 +61,14 @@ def test_dequantize_fp8_block_parity(fast_backend: Fast, shape: tuple[int, int],
     assert_bitwise_equal(out_fast, out_ref)
 
 
-@pytest.mark.parametrize(("rows", "cols", "group"), [(1, 32, 32), (19, 96, 32), (5, 256, 128), (3, 256, 32)])
+# Beyond 64 rows the Triton kernels take 8 groups a program: 70 rows of 10 groups (a partial group tile) and 2 groups of
+# 128 columns.
+_WIDE_GROUP_CASES = [(70, 320, 32), (100, 256, 128)]
+
+
+@pytest.mark.parametrize(
+    ("rows", "cols", "group"), [(1, 32, 32), (19, 96, 32), (5, 256, 128), (3, 256, 32), *_WIDE_GROUP_CASES]
+)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_quantize_fp8_per_token_group_parity(
     fast_backend: Fast, rows: int, cols: int, group: int, dtype: torch.dtype
@@ -76,7 +83,7 @@ def test_quantize_fp8_per_token_group_parity(
     assert_bitwise_equal(s_fast, s_ref, "scale")
 
 
-@pytest.mark.parametrize(("rows", "cols", "group"), [(1, 32, 32), (19, 96, 32), (5, 256, 128)])
+@pytest.mark.parametrize(("rows", "cols", "group"), [(1, 32, 32), (19, 96, 32), (5, 256, 128), *_WIDE_GROUP_CASES])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_dequantize_fp8_per_token_group_parity(
     fast_backend: Fast, rows: int, cols: int, group: int, out_dtype: torch.dtype

@@ -21,9 +21,6 @@ from deepinfer_kernels.cuda import quant
 
 __all__ = ["dequantized_launch"]
 
-# Activation rows per dequantizer program: 64 rows x 32 columns, 16 elements a thread (the op's default is 16 rows).
-_ACTIVATION_ROWS_PER_PROGRAM = 64
-
 
 def _fp32_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` of BF16 operands (2-D, or 3-D batched) summed and returned in FP32."""
@@ -41,7 +38,7 @@ def dequantized_launch(
     or fp32; ``groups`` G > 1: weight rows ``g·N/G …`` multiply activation columns ``g·K …``)."""
     (m, n), k = out.shape, w_q.shape[1]
     x_hat = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
-    quant.dequantize_fp8_per_token_group(q, q_scale, x_hat, rows_per_program=_ACTIVATION_ROWS_PER_PROGRAM)
+    quant.dequantize_fp8_per_token_group(q, q_scale, x_hat)
     w_hat = torch.empty(w_q.shape, dtype=torch.bfloat16, device=w_q.device)
     quant.dequantize_fp8_block(w_q, w_scale, w_hat)
     if groups == 1:
