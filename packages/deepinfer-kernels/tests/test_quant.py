@@ -49,7 +49,7 @@ def test_quantize_fp8_block_parity(fast_backend: Fast, shape: tuple[int, int], d
     assert_bitwise_equal(s_fast, s_ref, "scale")
 
 
-@pytest.mark.parametrize("shape", [(1, 1), (31, 33), (70, 45)])
+@pytest.mark.parametrize("shape", [(1, 1), (31, 33), (70, 45), (40, 200)])  # 200 columns: 7 blocks, 2 programs
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_dequantize_fp8_block_parity(fast_backend: Fast, shape: tuple[int, int], out_dtype: torch.dtype) -> None:
     backend, device = fast_backend

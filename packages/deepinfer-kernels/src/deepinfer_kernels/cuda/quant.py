@@ -37,6 +37,8 @@ __all__ = [
 
 _BLOCK = 32
 _ROWS_PER_PROGRAM = 16
+# Blocks of a 32-row block row per FP8 block dequantizer program (32 x 128 values, 16 a thread with 8 warps).
+_BLOCKS_PER_PROGRAM = 4
 _WIDE_ROWS = 64
 _WIDE_GROUPS = 8
 _FP8_AMAX_FLOOR: tl.constexpr = tl.constexpr(1e-4)
@@ -63,14 +65,15 @@ def _quantize_fp8_block_kernel(  # type: ignore[no-untyped-def]
 
 @triton.jit
 def _dequantize_fp8_block_kernel(  # type: ignore[no-untyped-def]
-    q_ptr, scale_ptr, out_ptr, rows, cols, stride_q, stride_scale, stride_out, BLOCK: tl.constexpr
-):
+    q_ptr, scale_ptr, out_ptr, rows, cols, stride_q, stride_scale, stride_out,
+    BLOCK: tl.constexpr, BLOCKS: tl.constexpr,
+):  # fmt: skip
+    # One block row and BLOCKS blocks along it: each column takes its own block's factor.
     block_row = tl.program_id(0)
-    block_col = tl.program_id(1)
     r = (block_row * BLOCK + tl.arange(0, BLOCK)[:, None]).to(tl.int64)
-    c = block_col * BLOCK + tl.arange(0, BLOCK)[None, :]
+    c = tl.program_id(1) * BLOCKS * BLOCK + tl.arange(0, BLOCKS * BLOCK)[None, :]
     mask = (r < rows) & (c < cols)
-    factor = ue8m0_decode(tl.load(scale_ptr + block_row * stride_scale + block_col))
+    factor = ue8m0_decode(tl.load(scale_ptr + block_row * stride_scale + c // BLOCK, mask=c < cols, other=127))
     value = e4m3_decode(tl.load(q_ptr + r * stride_q + c, mask=mask, other=0)) * factor
     tl.store(out_ptr + r * stride_out + c, to_output_dtype(value, out_ptr), mask=mask)
 
@@ -184,7 +187,8 @@ def quantize_fp8_block(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) ->
 
 
 def dequantize_fp8_block(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
-    """Triton 32×32-block e4m3 dequantization (contract of ``reference.quant.dequantize_fp8_block``).
+    """Triton 32×32-block e4m3 dequantization (contract of ``reference.quant.dequantize_fp8_block``); one program per
+    32 rows × 4 blocks.
 
     Args:
         q: [out, in] float8_e4m3fn, contiguous.
@@ -193,10 +197,11 @@ def dequantize_fp8_block(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor
     """
     check_launchable(q=q, scale=scale, out=out)
     rows, cols = q.shape
-    grid = (scale.shape[0], scale.shape[1])
+    grid = (scale.shape[0], triton.cdiv(scale.shape[1], _BLOCKS_PER_PROGRAM))
     _dequantize_fp8_block_kernel[grid](
-        _bytes(q), _bytes(scale), out, rows, cols, q.stride(0), scale.stride(0), out.stride(0), BLOCK=_BLOCK
-    )
+        _bytes(q), _bytes(scale), out, rows, cols, q.stride(0), scale.stride(0), out.stride(0),
+        BLOCK=_BLOCK, BLOCKS=_BLOCKS_PER_PROGRAM, num_warps=8,
+    )  # fmt: skip
 
 
 def quantize_fp8_per_token_group(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
