@@ -47,9 +47,9 @@ def test_candidates_start_with_the_default_and_time_every_decoding(op: str, rows
             c
             for c in candidates
             if (c.block_m, c.block_n, c.num_warps) == (default.block_m, default.block_n, default.num_warps)
-            and c.decoding not in ("gluon_fp8", "dequant_bf16")
+            and c.decoding not in ("gluon_fp8", "dequant_bf16", "swap_bf16")
         ]
-        expected = set(decodings(op)) - {"gluon_fp8", "dequant_bf16"}
+        expected = set(decodings(op)) - {"gluon_fp8", "dequant_bf16", "swap_bf16"}
         if default.block_n % (16 * default.num_warps):
             expected -= {"swap_fp8"}
         assert {c.decoding for c in same_tile} == expected
@@ -80,7 +80,7 @@ def test_measured_entries_win_over_the_default() -> None:
 def test_weight_first_tiles_are_mxfp4_candidates_only() -> None:
     """``swap_ab`` is an MXFP4 kernel's decoding, never the FP8 GEMM's; the grouped GEMM tries it at few rows per
     expert (the dense MXFP4 GEMM's 1-2 rows take the FMA kernel)."""
-    assert set(DECODINGS) - set(decodings("fp8_block_gemm")) == {"swap_ab", "gluon_fp8"}
+    assert set(DECODINGS) - set(decodings("fp8_block_gemm")) == {"swap_ab", "gluon_fp8", "swap_bf16"}
     assert set(DECODINGS) - set(decodings("mxfp4_grouped_gemm")) == {"dequant_bf16"}
     for op in OPS:
         has_swap = any(c.decoding == "swap_ab" for c in candidate_configs(op, 1))
@@ -101,7 +101,7 @@ def test_grouped_calls_beyond_the_split_rows_use_at_least_the_16_row_bucket(m: i
 
 def test_gluon_tiles_are_grouped_candidates_only() -> None:
     """The explicit-layout kernel serves the grouped MXFP4 GEMM at few rows per expert; its tiles are checked."""
-    assert set(DECODINGS) - set(decodings("mxfp4_gemm")) == {"gluon_fp8", "dequant_bf16"}
+    assert set(DECODINGS) - set(decodings("mxfp4_gemm")) == {"gluon_fp8", "dequant_bf16", "swap_bf16"}
     for op in OPS:
         gluon = [c for c in candidate_configs(op, 16) if c.decoding == "gluon_fp8"]
         assert bool(gluon) == (op == "mxfp4_grouped_gemm")
@@ -123,3 +123,17 @@ def test_dequantized_bf16_is_an_fp8_candidate_for_many_rows_only() -> None:
     assert block_config("mxfp4_grouped_gemm", 8192, 4608, 5120).decoding == "group_fp8"
     with pytest.raises(ValueError, match="dequant_bf16"):
         BlockConfig(128, 128, num_warps=8, num_stages=1, split_grid=True, decoding="dequant_bf16")
+
+
+def test_bf16_grouped_tiles_are_prefill_candidates_of_the_grouped_gemm_only() -> None:
+    """``swap_bf16`` (a BF16 copy of the activation in expert order) pays for its copy only with many rows per expert:
+    a grouped candidate beyond 64 rows, never split, its weight rows the wgmma's 64-row side."""
+    for op in OPS:
+        for rows in (1, 16, 64, 256, 8192):
+            found = [c for c in candidate_configs(op, rows) if c.decoding == "swap_bf16"]
+            assert bool(found) == (op == "mxfp4_grouped_gemm" and rows > 64)
+            assert all(not c.split_grid and c.block_n % (16 * c.num_warps) == 0 for c in found)
+    with pytest.raises(ValueError, match="swap_bf16"):
+        BlockConfig(64, 128, num_warps=8, num_stages=3, split_grid=True, decoding="swap_bf16")
+    with pytest.raises(ValueError, match="swap_bf16"):
+        BlockConfig(64, 64, num_warps=8, num_stages=3, split_grid=False, decoding="swap_bf16")

@@ -67,6 +67,39 @@ def test_mxfp4_grouped_gemm_triton(triton_device: str) -> None:
     assert torch.equal(fast[23], fast[3])
 
 
+@pytest.mark.parametrize("block_k", [64, 128])
+@pytest.mark.parametrize(("n", "k"), [(96, 160), (128, 256)])
+def test_grouped_bf16_tiles_meet_the_reference_bound(triton_device: str, n: int, k: int, block_k: int) -> None:
+    """``swap_bf16``: the rows of each tile read from the BF16 copy in expert order (every column permuted as the
+    weight operand's decoding orders it), with partial N and K steps (96 × 160) and without (128 × 256: no masks but
+    the rows'), an expert over two tiles, an expert without rows, rows without an expert left at zero, and a
+    replicated expert giving a row the same values."""
+    from deepinfer_kernels.cuda.gemm_tiles import BlockConfig
+
+    experts = 6
+    packed = random_mxfp4_packed((experts, n, k // 2), seed=12)
+    scale = random_ue8m0((experts, n, k // 32), seed=13)
+    packed[5], scale[5] = packed[1], scale[1]
+    ids = torch.tensor([0, 5, -1, 1, 0, 2, 0, 4, 0, 0, 1, 0, -1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 5, 0])
+    x = _activation(ids.numel(), k, seed=14, dtype=torch.bfloat16)
+    x[23] = x[3]
+    cfg = BlockConfig(16, 64, num_warps=4, num_stages=2, split_grid=False, block_k=block_k, decoding="swap_bf16")
+    fast = torch.zeros(ids.numel(), n, dtype=torch.bfloat16, device=triton_device)
+    inputs = (x, ids, packed, scale)
+    implementation("mxfp4_grouped_gemm", Backend.NVIDIA)(*(t.to(triton_device) for t in inputs), fast, config=cfg)
+    fast = fast.cpu()
+    ref = torch.zeros_like(fast)
+    implementation("mxfp4_grouped_gemm", Backend.REFERENCE)(*inputs, ref)
+    x_hat = dequantized_activation(x)
+    magnitude = torch.zeros(ids.numel(), n, dtype=torch.float64)
+    for m, expert in enumerate(ids.tolist()):
+        if expert >= 0:
+            magnitude[m] = abs_product(x_hat[m : m + 1], dk.dequantize_mxfp4(packed[expert], scale[expert]))[0]
+    assert_gemm_close(fast, ref, magnitude, k)
+    assert torch.equal(fast[ids < 0], torch.zeros(2, n, dtype=torch.bfloat16))
+    assert torch.equal(fast[23], fast[3])
+
+
 def test_grouped_triton_ids_outside_range_give_zero_rows(triton_device: str) -> None:
     packed = random_mxfp4_packed((2, 32, 32), seed=5).to(triton_device)
     scale = random_ue8m0((2, 32, 2), seed=6).to(triton_device)
@@ -252,7 +285,7 @@ def test_every_decoding_meets_the_reference_bound(triton_device: str, op: str, s
     configs = [
         BlockConfig(16, 64 if d == "swap_fp8" else 32, num_warps=4, num_stages=2, split_grid=split_grid, decoding=d)
         for d in decodings(op)
-        if d not in ("gluon_fp8", "dequant_bf16")
+        if d not in ("gluon_fp8", "dequant_bf16", "swap_bf16")
     ]
     if "swap_ab" in decodings(op):  # its K step of two groups too
         configs.append(BlockConfig(16, 64, 4, 2, split_grid=split_grid, block_k=64, decoding="swap_ab"))
@@ -260,6 +293,8 @@ def test_every_decoding_meets_the_reference_bound(triton_device: str, op: str, s
         configs.append(BlockConfig(16, 64, 4, 1, split_grid=False, decoding="gluon_fp8"))
     if "dequant_bf16" in decodings(op):  # no tile and never split: one GEMM on the dequantized operands
         configs.append(BlockConfig(16, 32, 4, 1, split_grid=False, decoding="dequant_bf16"))
+    if "swap_bf16" in decodings(op):  # weight-first like swap_fp8, K in one program
+        configs.append(BlockConfig(16, 64, 4, 2, split_grid=False, block_k=64, decoding="swap_bf16"))
     for cfg in configs:
         out = torch.zeros(m, n, dtype=torch.bfloat16, device=triton_device)
         implementation(op, Backend.NVIDIA)(*(t.to(triton_device) for t in inputs), out, config=cfg)

@@ -248,6 +248,30 @@ def test_fp8_tensor_core_decoding_meets_the_bound(op: str, exact: bool, decoding
         assert torch.all(fast[inputs[1] < 0] == 0)
 
 
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        BlockConfig(64, 128, num_warps=8, num_stages=3, split_grid=False, block_k=64, decoding="swap_bf16"),
+        BlockConfig(128, 64, num_warps=4, num_stages=3, split_grid=False, block_k=64, decoding="swap_bf16"),
+    ],
+    ids=lambda c: f"m{c.block_m}-n{c.block_n}",
+)
+@pytest.mark.parametrize("n", [2048, 2000])
+def test_grouped_bf16_tiles_meet_the_fp32_bound(cfg: BlockConfig, n: int) -> None:
+    """``swap_bf16`` (BF16 copy of the activation in expert order, K in the MMA's FP32 accumulator): the FP32 bound on
+    random inputs with no FP8-MMA term, 1,200 rows over 16 experts (about 75 an expert: several tiles each, partial
+    ones), N a multiple of the tile (unmasked loads) and not; rows without an expert stay zero."""
+    experts, m = 16, 1200
+    packed, scale = _mxfp4((experts, n), seed=60)
+    x = _activation(m, seed=61)
+    ids = _ids(m, experts, seed=62)
+    fast = torch.zeros(m, n, dtype=torch.bfloat16, device="cuda")
+    implementation("mxfp4_grouped_gemm", Backend.NVIDIA)(x, ids, packed, scale, fast, config=cfg)
+    ref = _run("mxfp4_grouped_gemm", Backend.REFERENCE, m, n, x, ids, packed, scale)
+    assert_gemm_close(fast, ref, _grouped_magnitude(x, ids, packed, scale), _K)
+    assert torch.all(fast[ids < 0] == 0)
+
+
 # The explicit-layout Gluon kernel's tiles (cuda.grouped_wgmma): one and two warpgroups, 8 and 16 rows, K steps of
 # two, four and eight groups.
 _GLUON_TILES = [

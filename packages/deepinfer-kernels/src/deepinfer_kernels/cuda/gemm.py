@@ -303,8 +303,9 @@ def deinterleaved_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 def activation_for(x: torch.Tensor, cfg: BlockConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """The activation codes an MXFP4 launch with tiles ``cfg`` reads: in column order for the FMA kernels,
-    ``tl.dot_scaled`` and ``swap_ab``, de-interleaved per group for ``mxfp4_kernel``'s other decodings."""
-    in_order = cfg.gemv or cfg.decoding in ("dot_scaled", "swap_ab")
+    ``tl.dot_scaled``, ``swap_ab`` and ``swap_bf16`` (whose BF16 copy is permuted from them), de-interleaved per group
+    for ``mxfp4_kernel``'s other decodings."""
+    in_order = cfg.gemv or cfg.decoding in ("dot_scaled", "swap_ab", "swap_bf16")
     return quantized_activation(x) if in_order else deinterleaved_activation(x)
 
 
@@ -350,8 +351,8 @@ def mxfp4_launch(
     m, k = q.shape
     n = packed.shape[-2]
     grouped, scan = tables is not None, isinstance(tables, torch.Tensor)
-    if cfg.decoding == "gluon_fp8":
-        raise ValueError("gluon_fp8 tiles run in cuda.grouped_wgmma (the grouped GEMM's launcher), not mxfp4_kernel")
+    if cfg.decoding in ("gluon_fp8", "swap_bf16"):
+        raise ValueError(f"{cfg.decoding} tiles run in the grouped GEMM's own launchers, not mxfp4_kernel")
     op = "mxfp4_grouped_gemm" if grouped else "mxfp4_gemm"
     if not cfg.gemv and cfg.decoding not in decodings(op):
         raise ValueError(f"{op} has the decodings {decodings(op)}, not {cfg.decoding!r}")

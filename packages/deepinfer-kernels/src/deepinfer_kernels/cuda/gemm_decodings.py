@@ -27,7 +27,7 @@ from deepinfer_kernels.cuda.gemm_operands import (
     word_pair_columns,
 )
 
-__all__ = ["dot_scaled_tiles", "group_tiles", "swapped_tiles"]
+__all__ = ["dot_scaled_tiles", "group_tiles", "swapped_tiles", "swapped_weight", "swapped_weight_pointers"]
 
 
 @triton.jit
@@ -186,6 +186,53 @@ def group_tiles(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
+def swapped_weight_pointers(w_ptr, ws_ptr, n_rows, stride_w, stride_ws, BLOCK_K: tl.constexpr):  # type: ignore[no-untyped-def]
+    # Pointers of a weight-first tile's first K step: the packed words [BLOCK_N, BLOCK_K/8] (int32, four per 32-column
+    # group) and the scale bytes [BLOCK_N, BLOCK_K/32] of the rows n_rows.
+    words = tl.arange(0, BLOCK_K // 8)
+    groups = tl.arange(0, BLOCK_K // 32)
+    w_ptrs = w_ptr.to(tl.pointer_type(tl.int32)) + n_rows[:, None] * (stride_w // 4) + words[None, :]
+    return w_ptrs, ws_ptr + n_rows[:, None] * stride_ws + groups[None, :]
+
+
+@triton.jit
+def swapped_weight(  # type: ignore[no-untyped-def]
+    w_ptrs,
+    ws_ptrs,
+    k0,
+    k_end,
+    n_mask,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NATIVE: tl.constexpr,
+    EVEN: tl.constexpr = False,
+):
+    # The MXFP4 weight's K step at k0 as the first operand of a weight-first MMA, [BLOCK_N, BLOCK_K], scaled: BF16
+    # (NATIVE) or FP32 (the interpreter). Each row's packed words are read as 16-byte vectors and decoded by
+    # e2m1_word_pairs; the join puts each thread's words where the operand layout wants them, so only packed words,
+    # never decoded values, can pass through shared memory. Column k holds the code word_pair_columns names. EVEN:
+    # every row and K step of the tile is in range (no masks, so the loads can be vectors).
+    GROUPS: tl.constexpr = BLOCK_K // 32
+    words = tl.arange(0, BLOCK_K // 8)
+    groups = tl.arange(0, GROUPS)
+    if EVEN:
+        raw = tl.load(w_ptrs + k0 // 8)
+        w_scale = tl.load(ws_ptrs + k0 // 32).to(tl.int32)
+    else:
+        # K is a multiple of 32, so whole groups are in or out of range.
+        raw = tl.load(w_ptrs + k0 // 8, mask=n_mask[:, None] & (k0 + 8 * words < k_end)[None, :], other=0)
+        w_in = n_mask[:, None] & (k0 + 32 * groups < k_end)[None, :]
+        w_scale = tl.load(ws_ptrs + k0 // 32, mask=w_in, other=0).to(tl.int32)
+    raw = tl.reshape(raw, (BLOCK_N, GROUPS, 4))
+    pairs = e2m1_word_pairs(
+        tl.join(raw, raw), tl.broadcast_to(w_scale[:, :, None, None], (BLOCK_N, GROUPS, 4, 2)), NATIVE
+    )
+    # [BLOCK_N, group, word, pair element, o % 2, o // 2] → k = 32·group + 8·o + 2·word + pair element
+    w = tl.join(tl.join(pairs[0], pairs[1]), tl.join(pairs[2], pairs[3]))
+    return tl.reshape(tl.permute(w, (0, 1, 5, 4, 2, 3)), (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
 def swapped_tiles(  # type: ignore[no-untyped-def]
     q_ptr,
     qs_ptr,
@@ -209,17 +256,13 @@ def swapped_tiles(  # type: ignore[no-untyped-def]
     NATIVE: tl.constexpr,
 ):
     # The chunk sums of an MXFP4 GEMM tile, decoding "swap_ab", transposed: [BLOCK_N, BLOCK_M] = Ŵ·x̂ᵀ, the weight
-    # being the MMA's first operand (Hopper's wgmma takes it from registers). Per K step each weight row's packed
-    # words (four per 32-column group, read as 16-byte vectors) are decoded by e2m1_word_pairs, scaled into BF16,
-    # and joined into the [BLOCK_N, BLOCK_K] operand; the join puts each thread's words where the operand layout wants
-    # them, so only packed words, never decoded values, can pass through shared memory. The activation (codes in
-    # column order) is read in the same column order (word_pair_columns): the MMA sums the same products.
+    # being the MMA's first operand (Hopper's wgmma takes it from registers), decoded per K step by swapped_weight.
+    # The activation (codes in column order) is read in the same column order (word_pair_columns): the MMA sums the
+    # same products.
     E4M3_BIAS: tl.constexpr = 0 if NATIVE else 8
     GROUPS: tl.constexpr = BLOCK_K // 32
-    words = tl.arange(0, BLOCK_K // 8)
     groups = tl.arange(0, GROUPS)
-    w_ptrs = w_ptr.to(tl.pointer_type(tl.int32)) + n_rows[:, None] * (stride_w // 4) + words[None, :]
-    ws_ptrs = ws_ptr + n_rows[:, None] * stride_ws + groups[None, :]
+    w_ptrs, ws_ptrs = swapped_weight_pointers(w_ptr, ws_ptr, n_rows, stride_w, stride_ws, BLOCK_K)
     columns = word_pair_columns(BLOCK_K)
     q_ptrs = q_ptr + rows[None, :] * stride_q + columns[:, None]
     qs_ptrs = qs_ptr + rows[None, :] * stride_qs + groups[:, None]
@@ -229,17 +272,7 @@ def swapped_tiles(  # type: ignore[no-untyped-def]
         k_end = tl.minimum(chunk * K_CHUNK + K_CHUNK, K)
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for k0 in range(chunk * K_CHUNK, k_end, BLOCK_K):
-            # K is a multiple of 32, so whole groups are in or out of range.
-            raw = tl.load(w_ptrs + k0 // 8, mask=n_mask[:, None] & (k0 + 8 * words < k_end)[None, :], other=0)
-            w_in = n_mask[:, None] & (k0 + 32 * groups < k_end)[None, :]
-            w_scale = tl.load(ws_ptrs + k0 // 32, mask=w_in, other=0).to(tl.int32)
-            raw = tl.reshape(raw, (BLOCK_N, GROUPS, 4))
-            pairs = e2m1_word_pairs(
-                tl.join(raw, raw), tl.broadcast_to(w_scale[:, :, None, None], (BLOCK_N, GROUPS, 4, 2)), NATIVE
-            )
-            # [BLOCK_N, group, word, pair element, o % 2, o // 2] → k = 32·group + 8·o + 2·word + pair element
-            w = tl.join(tl.join(pairs[0], pairs[1]), tl.join(pairs[2], pairs[3]))
-            w = tl.reshape(tl.permute(w, (0, 1, 5, 4, 2, 3)), (BLOCK_N, BLOCK_K))
+            w = swapped_weight(w_ptrs, ws_ptrs, k0, k_end, n_mask, BLOCK_N, BLOCK_K, NATIVE)
             a_in = row_mask[None, :] & (k0 + 32 * groups < k_end)[:, None]
             a_scale = tl.load(qs_ptrs + k0 // 32, mask=a_in, other=0)
             codes = tl.load(q_ptrs + k0, mask=row_mask[None, :] & (k0 + columns < k_end)[:, None])

@@ -64,6 +64,7 @@ DECODINGS = (
     "swap_ab",
     "gluon_fp8",
     "dequant_bf16",
+    "swap_bf16",
 )
 # Rows of a gluon_fp8 tile's block_n per warp (a warpgroup's 4 warps make the wgmma's 64-row register operand).
 _GLUON_ROWS_PER_WARP = 16
@@ -95,7 +96,10 @@ class BlockConfig:
       Gluon kernel of ``cuda.grouped_wgmma`` (Hopper only; elsewhere and in the interpreter the ``swap_fp8`` tile runs):
       ``block_n`` is 16 rows per warp, ``block_m`` 8, 16 or 32, ``block_k`` 32 to 512, K in one program;
     - ``"dequant_bf16"`` (FP8 block GEMM only, many rows): both operands dequantized exactly into BF16 copies, then one
-      cuBLAS BF16 GEMM with FP32 sums (``cuda.dequantized_gemm``); the tile fields are not used, ``split_grid`` is off.
+      cuBLAS BF16 GEMM with FP32 sums (``cuda.dequantized_gemm``); the tile fields are not used, ``split_grid`` is off;
+    - ``"swap_bf16"`` (grouped MXFP4 only, many rows per expert): ``swap_ab``'s weight operand against a BF16 copy of
+      the activation in expert order, K summed in the MMA's FP32 accumulator (``cuda.grouped_bf16``); ``block_n`` a
+      multiple of 16 × ``num_warps``, no ``split_grid``.
     """
 
     block_m: int
@@ -122,6 +126,13 @@ class BlockConfig:
             )
         if self.decoding == "dequant_bf16" and (self.split_grid or self.gemv):
             raise ValueError(f"a dequant_bf16 launch is one cuBLAS GEMM: no split_grid, no gemv, got {self}")
+        if self.decoding == "swap_bf16" and (
+            self.split_grid or not _swap_on_wgmma(self.block_m, self.block_n, self.num_warps)
+        ):
+            raise ValueError(
+                "a swap_bf16 tile has block_n a multiple of 16 × num_warps, block_m at least 16 and no split_grid,"
+                f" got {self}"
+            )
         if self.decoding == "swap_fp8" and not _swap_on_wgmma(self.block_m, self.block_n, self.num_warps):
             raise ValueError(
                 f"a swap_fp8 tile's block_n is a multiple of 16 × num_warps and its block_m at least 16, got {self}"
@@ -135,12 +146,14 @@ def _swap_on_wgmma(block_m: int, block_n: int, num_warps: int) -> bool:
 
 
 def decodings(op: str) -> tuple[str, ...]:
-    """The decodings ``op``'s MMA tiles have: ``"gluon_fp8"`` only for the grouped MXFP4 GEMM, ``"swap_ab"`` only for
-    the MXFP4 GEMMs, ``"dequant_bf16"`` only for the FP8 block GEMM, every other one for all three."""
+    """The decodings ``op``'s MMA tiles have: ``"gluon_fp8"`` and ``"swap_bf16"`` only for the grouped MXFP4 GEMM,
+    ``"swap_ab"`` only for the MXFP4 GEMMs, ``"dequant_bf16"`` only for the FP8 block GEMM, every other one for all
+    three."""
     only = {
         "gluon_fp8": op == "mxfp4_grouped_gemm",
         "swap_ab": op.startswith("mxfp4"),
         "dequant_bf16": op == "fp8_block_gemm",
+        "swap_bf16": op == "mxfp4_grouped_gemm",
     }
     return tuple(d for d in DECODINGS if only.get(d, True))
 
@@ -213,12 +226,9 @@ def candidate_configs(op: str, rows: int) -> list[BlockConfig]:
     with every other decoding, then other tile shapes with every decoding (MMA tiles), so a default that changes
     is always timed against the one before it."""
     default = default_config(op, rows)
-    # gluon_fp8's tiles are tied to their warps and dequant_bf16 has no tile: both are added below.
-    others = (
-        ()
-        if default.gemv
-        else tuple(d for d in decodings(op) if d not in (default.decoding, "gluon_fp8", "dequant_bf16"))
-    )
+    # gluon_fp8's and swap_bf16's tiles are tied to their warps and dequant_bf16 has no tile: they are added below.
+    own_tiles = ("gluon_fp8", "dequant_bf16", "swap_bf16")
+    others = () if default.gemv else tuple(d for d in decodings(op) if d not in (default.decoding, *own_tiles))
     kinds = (default.decoding, *others)
     out = [
         replace(default, decoding=decoding)
@@ -244,6 +254,12 @@ def candidate_configs(op: str, rows: int) -> list[BlockConfig]:
             more += _swap_candidates(rows)
         if op == "fp8_block_gemm":
             more.append(_DEQUANT_BF16)
+        if op == "mxfp4_grouped_gemm":
+            # BF16 weight-first tiles on a BF16 copy of the activation, K in the MMA's accumulator (cuda.grouped_bf16).
+            more += [
+                _mma(block_m, block_n, num_warps, 3, split_grid=False, decoding="swap_bf16", block_k=64)
+                for block_m, block_n, num_warps in ((64, 128, 8), (128, 128, 8), (128, 64, 4), (64, 64, 4))
+            ]
         return out + [cfg for cfg in more if cfg not in out]
     shapes: tuple[tuple[int, int, int], ...]
     if default.gemv:

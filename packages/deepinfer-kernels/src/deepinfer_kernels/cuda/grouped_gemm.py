@@ -24,6 +24,7 @@ import triton
 from deepinfer_kernels.cuda._launch import check_launchable
 from deepinfer_kernels.cuda.gemm import activation_for, gemv_rows, mxfp4_launch
 from deepinfer_kernels.cuda.gemm_tiles import GROUPED_SPLIT_MAX_ROWS, BlockConfig, block_config, grouped_tile_rows
+from deepinfer_kernels.cuda.grouped_bf16 import swap_bf16_launch
 from deepinfer_kernels.cuda.grouped_tiles import MAX_ROWS, expert_tiles_one_launch
 from deepinfer_kernels.cuda.grouped_wgmma import available, grouped_wgmma_launch
 
@@ -99,7 +100,7 @@ def mxfp4_grouped_gemm(
         cfg = dataclasses.replace(cfg, decoding="swap_fp8", block_m=max(16, cfg.block_m))
     launch = grouped_wgmma_launch if cfg.decoding == "gluon_fp8" else mxfp4_launch
     q, q_scale = activation_for(x, cfg)
-    if not cfg.gemv and m <= cfg.block_m:
+    if not cfg.gemv and m <= cfg.block_m and cfg.decoding != "swap_bf16":
         # Every row fits one MMA tile: each program finds its expert's rows itself (mxfp4_kernel's SCAN), which saves
         # the tile-table launch (about 33 µs at batch 1 on the H200, longer than the GEMM's own share of a weight).
         launch(q, q_scale, packed, scale, out, expert_ids, cfg.block_m, cfg)
@@ -113,4 +114,7 @@ def mxfp4_grouped_gemm(
         tables = (expert_tiles_one_launch if m <= MAX_ROWS else expert_tiles)(expert_ids, experts, rows)
         if derived is not None:
             derived[key] = tables
+    if cfg.decoding == "swap_bf16":  # reads the rows in the tables' order from a BF16 copy (cuda.grouped_bf16)
+        swap_bf16_launch(q, q_scale, packed, scale, out, tables, cfg)
+        return
     launch(q, q_scale, packed, scale, out, tables, rows, cfg)
