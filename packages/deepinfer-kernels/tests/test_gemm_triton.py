@@ -100,6 +100,18 @@ def test_grouped_bf16_tiles_meet_the_reference_bound(triton_device: str, n: int,
     assert torch.equal(fast[23], fast[3])
 
 
+@pytest.mark.parametrize("rows", [3, 70])
+def test_deinterleaved_codes_are_the_column_order_codes_reordered(triton_device: str, rows: int) -> None:
+    """The quantizer stores the MXFP4 kernels' de-interleaved order itself (each group's even columns, then its odd
+    ones): the same bytes as the column-order codes reordered, for one-group and eight-group programs (3, 70 rows)."""
+    from deepinfer_kernels.cuda.gemm import deinterleaved_activation, quantized_activation
+
+    x = _activation(rows, 320, seed=15, dtype=torch.bfloat16).to(triton_device)
+    (q, scale), (q_de, scale_de) = quantized_activation(x), deinterleaved_activation(x)
+    assert torch.equal(scale_de, scale)
+    assert torch.equal(q_de, q.view(rows, 10, 16, 2).transpose(2, 3).reshape(rows, 320))
+
+
 def test_grouped_triton_ids_outside_range_give_zero_rows(triton_device: str) -> None:
     packed = random_mxfp4_packed((2, 32, 32), seed=5).to(triton_device)
     scale = random_ue8m0((2, 32, 2), seed=6).to(triton_device)

@@ -92,11 +92,16 @@ def _group_tile(rows, groups, GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLO
 @triton.jit
 def _quantize_group_kernel(  # type: ignore[no-untyped-def]
     x_ptr, q_ptr, scale_ptr, rows, groups, stride_x, stride_q, stride_scale,
-    GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_GROUPS: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_GROUPS: tl.constexpr, DEINTERLEAVE: tl.constexpr,
 ):  # fmt: skip
+    # DEINTERLEAVE: each group's codes are stored even columns first, then odd ones
+    # (cuda.gemm.deinterleaved_activation).
     r, g, c, row_mask, mask = _group_tile(rows, groups, GROUP, BLOCK_ROWS, BLOCK_GROUPS)
     x = tl.load(x_ptr + r[:, None, None] * stride_x + c[None, :, :], mask=mask, other=0.0).to(tl.float32)
     q, scale_bytes = fp8_token_groups(tl.reshape(x, (BLOCK_ROWS * BLOCK_GROUPS, GROUP)))
+    if DEINTERLEAVE:
+        j = tl.arange(0, GROUP)
+        c = g[:, None] * GROUP + ((j % 2) * (GROUP // 2) + j // 2)[None, :]
     tl.store(
         q_ptr + r[:, None, None] * stride_q + c[None, :, :], tl.reshape(q, (BLOCK_ROWS, BLOCK_GROUPS, GROUP)), mask=mask
     )
@@ -204,7 +209,9 @@ def dequantize_fp8_block(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor
     )  # fmt: skip
 
 
-def quantize_fp8_per_token_group(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
+def quantize_fp8_per_token_group(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, *, deinterleave: bool = False
+) -> None:
     """Triton per-token-group e4m3 activation quantization; one program per 16 rows and one group (8 groups beyond
     64 rows).
 
@@ -212,6 +219,8 @@ def quantize_fp8_per_token_group(x: torch.Tensor, q: torch.Tensor, scale: torch.
         x: [num_rows, K] bf16/fp16/fp32, contiguous.
         q: [num_rows, K] float8_e4m3fn, contiguous; written.
         scale: [num_rows, K // group_size] float8_e8m0fnu, contiguous; written.
+        deinterleave: store each group's codes even columns first, then odd ones (the order ``cuda.gemm``'s MXFP4
+            kernels read; the values are those of the column order).
     """
     check_launchable(x=x, q=q, scale=scale)
     rows, cols = x.shape
@@ -219,7 +228,8 @@ def quantize_fp8_per_token_group(x: torch.Tensor, q: torch.Tensor, scale: torch.
     grid, per_program = _group_grid(rows, groups)
     _quantize_group_kernel[grid](
         x, _bytes(q), _bytes(scale), rows, groups, x.stride(0), q.stride(0), scale.stride(0),
-        GROUP=cols // groups, BLOCK_ROWS=_ROWS_PER_PROGRAM, BLOCK_GROUPS=per_program, num_warps=_warps(per_program),
+        GROUP=cols // groups, BLOCK_ROWS=_ROWS_PER_PROGRAM, BLOCK_GROUPS=per_program, DEINTERLEAVE=deinterleave,
+        num_warps=_warps(per_program),
     )  # fmt: skip
 
 
