@@ -222,6 +222,34 @@ def test_indexer_skips_tiles_past_the_visible_rows(triton_device: str) -> None:
     assert_equivalent_selection(rows, expected, logits, tol)
 
 
+@pytest.mark.parametrize("blocks", [0, 6])
+def test_indexer_queries_of_one_request_share_key_tiles(
+    triton_device: str, monkeypatch: pytest.MonkeyPatch, blocks: int
+) -> None:
+    """One request's 102 queries (a prefill; one block-table row) are scored 4 to a program against shared key tiles:
+    the same selection as the reference and as one query a program, with and without candidate blocks, a partial
+    last group of queries and queries that see no row."""
+    from deepinfer_kernels.cuda import indexer as triton_indexer
+
+    case = random_selection_case(1, 102, 150, 16, 64, 5, seed=51)
+    case["num_rows"][:8] = torch.tensor([0, 1, 0, 150, 64, 65, 0, 3])
+    kwargs = {"candidate_block_size": 8, "num_candidate_blocks": blocks} if blocks else {}
+    shared, expected = _select_both(triton_device, case, 12, **kwargs)
+    monkeypatch.setattr(triton_indexer, "SHARED_MIN_TOKENS", 10**9)
+    alone, _ = _select_both(triton_device, case, 12, **kwargs)
+    logits = dense_logits(case, True)
+    tol = 2.0**-7 * float(logits.abs().max())
+    for rows, reference in ((shared[0], expected[0]), (shared[0], alone[0])):
+        assert_equivalent_selection(rows, reference, torch.where(logits.isfinite(), logits, 0), tol)
+    if blocks:
+        assert shared[1] is not None and expected[1] is not None
+        block_scores = torch.nn.functional.pad(logits, (0, 2)).view(102, -1, 8).amax(-1)
+        newest = (case["num_rows"] - 1).clamp(min=0) // 8
+        block_scores.scatter_(1, newest[:, None], float(logits.abs().max()) * 4)
+        assert_equivalent_selection(shared[1], expected[1], block_scores, tol)
+    assert shared[0][0].tolist() == [-1] * 12 and shared[0][1].tolist() == [0] + [-1] * 11
+
+
 def test_indexer_ties_go_to_the_lower_row(triton_device: str) -> None:
     case = random_selection_case(1, 3, 300, 32, 32, 2, seed=5)
     case["key_pool"][:] = case["key_pool"][0]
