@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pytest
 import torch
 from _gemm_support import abs_product, assert_gemm_close, dequantized_activation
@@ -9,6 +11,9 @@ from _gemm_support import abs_product, assert_gemm_close, dequantized_activation
 import deepinfer_kernels as dk
 from deepinfer_kernels._registry import Backend, implementation
 from deepinfer_kernels.testing import random_e4m3, random_mxfp4_packed, random_normal, random_ue8m0
+
+if TYPE_CHECKING:  # the cuda package imports Triton, which the ascend target's environment lacks
+    from deepinfer_kernels.cuda.gemm_tiles import BlockConfig
 
 
 def _activation(m: int, k: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
@@ -46,47 +51,20 @@ def test_mxfp4_gemm_triton(triton_device: str, m: int, n: int, k: int, dtype: to
     assert_gemm_close(fast, ref, abs_product(dequantized_activation(x), w_hat), k)
 
 
-def test_mxfp4_grouped_gemm_triton(triton_device: str) -> None:
-    experts, n, k = 6, 40, 128
-    packed = random_mxfp4_packed((experts, n, k // 2), seed=2)
-    scale = random_ue8m0((experts, n, k // 32), seed=3)
-    packed[5], scale[5] = packed[1], scale[1]  # expert 5 replicates expert 1
-    # Expert 3 has no rows; -1 rows have no expert; expert 0 has more rows than one 16-row tile.
-    ids = torch.tensor([0, 5, -1, 1, 0, 2, 0, 4, 0, 0, 1, 0, -1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 5, 0])
-    x = _activation(ids.numel(), k, seed=4, dtype=torch.bfloat16)
-    x[23] = x[3]  # same input through the replica
-    out = torch.zeros(ids.numel(), n, dtype=torch.bfloat16)
-    fast, ref = _both("mxfp4_grouped_gemm", triton_device, x, ids, packed, scale, out=out)
-    x_hat = dequantized_activation(x)
-    magnitude = torch.zeros(ids.numel(), n, dtype=torch.float64)
-    for m, expert in enumerate(ids.tolist()):
-        if expert >= 0:
-            magnitude[m] = abs_product(x_hat[m : m + 1], dk.dequantize_mxfp4(packed[expert], scale[expert]))[0]
-    assert_gemm_close(fast, ref, magnitude, k)
-    assert torch.equal(fast[ids < 0], torch.zeros(2, n, dtype=torch.bfloat16))
-    assert torch.equal(fast[23], fast[3])
-
-
-@pytest.mark.parametrize("block_k", [64, 128])
-@pytest.mark.parametrize(("n", "k"), [(96, 160), (128, 256)])
-def test_grouped_bf16_tiles_meet_the_reference_bound(triton_device: str, n: int, k: int, block_k: int) -> None:
-    """``swap_bf16``: the rows of each tile read from the BF16 copy in expert order (every column permuted as the
-    weight operand's decoding orders it), with partial N and K steps (96 × 160) and without (128 × 256: no masks but
-    the rows'), an expert over two tiles, an expert without rows, rows without an expert left at zero, and a
-    replicated expert giving a row the same values."""
-    from deepinfer_kernels.cuda.gemm_tiles import BlockConfig
-
+def _check_grouped(triton_device: str, n: int, k: int, seed: int, config: BlockConfig | None = None) -> None:
+    """The grouped GEMM over 6 experts against the reference: expert 5 replicates expert 1 (a row through it gets the
+    same values), expert 3 has no rows, -1 rows have no expert (left at zero), expert 0 has more rows than a 16-row
+    tile."""
     experts = 6
-    packed = random_mxfp4_packed((experts, n, k // 2), seed=12)
-    scale = random_ue8m0((experts, n, k // 32), seed=13)
+    packed = random_mxfp4_packed((experts, n, k // 2), seed=seed)
+    scale = random_ue8m0((experts, n, k // 32), seed=seed + 1)
     packed[5], scale[5] = packed[1], scale[1]
     ids = torch.tensor([0, 5, -1, 1, 0, 2, 0, 4, 0, 0, 1, 0, -1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 5, 0])
-    x = _activation(ids.numel(), k, seed=14, dtype=torch.bfloat16)
+    x = _activation(ids.numel(), k, seed=seed + 2, dtype=torch.bfloat16)
     x[23] = x[3]
-    cfg = BlockConfig(16, 64, num_warps=4, num_stages=2, split_grid=False, block_k=block_k, decoding="swap_bf16")
-    fast = torch.zeros(ids.numel(), n, dtype=torch.bfloat16, device=triton_device)
     inputs = (x, ids, packed, scale)
-    implementation("mxfp4_grouped_gemm", Backend.NVIDIA)(*(t.to(triton_device) for t in inputs), fast, config=cfg)
+    fast = torch.zeros(ids.numel(), n, dtype=torch.bfloat16, device=triton_device)
+    implementation("mxfp4_grouped_gemm", Backend.NVIDIA)(*(t.to(triton_device) for t in inputs), fast, config=config)
     fast = fast.cpu()
     ref = torch.zeros_like(fast)
     implementation("mxfp4_grouped_gemm", Backend.REFERENCE)(*inputs, ref)
@@ -98,6 +76,22 @@ def test_grouped_bf16_tiles_meet_the_reference_bound(triton_device: str, n: int,
     assert_gemm_close(fast, ref, magnitude, k)
     assert torch.equal(fast[ids < 0], torch.zeros(2, n, dtype=torch.bfloat16))
     assert torch.equal(fast[23], fast[3])
+
+
+def test_mxfp4_grouped_gemm_triton(triton_device: str) -> None:
+    _check_grouped(triton_device, 40, 128, seed=2)
+
+
+@pytest.mark.parametrize("block_k", [64, 128])
+@pytest.mark.parametrize(("n", "k"), [(96, 160), (128, 256)])
+def test_grouped_bf16_tiles_meet_the_reference_bound(triton_device: str, n: int, k: int, block_k: int) -> None:
+    """``swap_bf16``: the rows of each tile read from the BF16 copy in expert order (every column permuted as the
+    weight operand's decoding orders it), with partial N and K steps (96 × 160) and without (128 × 256: no masks but
+    the rows'), an expert over two tiles."""
+    from deepinfer_kernels.cuda.gemm_tiles import BlockConfig
+
+    cfg = BlockConfig(16, 64, num_warps=4, num_stages=2, split_grid=False, block_k=block_k, decoding="swap_bf16")
+    _check_grouped(triton_device, n, k, seed=12, config=cfg)
 
 
 @pytest.mark.parametrize("rows", [3, 70])
