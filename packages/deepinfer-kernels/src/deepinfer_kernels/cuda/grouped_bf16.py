@@ -29,6 +29,7 @@ from deepinfer_kernels.cuda._formats import e4m3_decode, to_output_dtype, ue8m0_
 from deepinfer_kernels.cuda.gemm_decodings import swapped_weight, swapped_weight_pointers
 from deepinfer_kernels.cuda.gemm_operands import dot_in_bf16, native_fp8, operand, word_pair_columns
 from deepinfer_kernels.cuda.gemm_tiles import BlockConfig
+from deepinfer_kernels.cuda.quant import group_tile
 
 __all__ = ["sorted_bf16_activation", "swap_bf16_launch"]
 
@@ -43,17 +44,13 @@ def _sorted_activation_kernel(  # type: ignore[no-untyped-def]
 ):  # fmt: skip
     # xs[p, 32g + c] = x̂[order[p], 32g + word_pair_columns(32)[c]] in BF16, for BLOCK_ROWS positions and BLOCK_GROUPS
     # groups.
-    positions = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
-    g = tl.program_id(1) * BLOCK_GROUPS + tl.arange(0, BLOCK_GROUPS)
-    in_rows = positions < M
+    positions, g, columns, in_rows, mask = group_tile(M, groups, 32, BLOCK_ROWS, BLOCK_GROUPS)
     rows = tl.load(order_ptr + positions, mask=in_rows, other=0).to(tl.int64)
     scale_mask = in_rows[:, None] & (g < groups)[None, :]
-    mask = scale_mask[:, :, None]
     source = g[:, None] * 32 + word_pair_columns(32)[None, :]
     codes = tl.load(q_ptr + rows[:, None, None] * stride_q + source[None, :, :], mask=mask, other=0)
     factor = ue8m0_decode(tl.load(qs_ptr + rows[:, None] * stride_qs + g[None, :], mask=scale_mask, other=127))
     value = e4m3_decode(codes) * factor[:, :, None]
-    columns = g[:, None] * 32 + tl.arange(0, 32)[None, :]
     tl.store(
         xs_ptr + positions[:, None, None] * stride_xs + columns[None, :, :], to_output_dtype(value, xs_ptr), mask=mask
     )

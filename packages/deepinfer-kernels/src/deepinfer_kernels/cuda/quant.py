@@ -79,7 +79,7 @@ def _dequantize_fp8_block_kernel(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _group_tile(rows, groups, GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_GROUPS: tl.constexpr):  # type: ignore[no-untyped-def]
+def group_tile(rows, groups, GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_GROUPS: tl.constexpr):  # type: ignore[no-untyped-def]
     # Rows [R] (int64), groups [G] and columns [G, GROUP] of this program's tile, with the masks of its rows [R] and of
     # its elements [R, G, GROUP].
     r = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
@@ -96,7 +96,7 @@ def _quantize_group_kernel(  # type: ignore[no-untyped-def]
 ):  # fmt: skip
     # DEINTERLEAVE: each group's codes are stored even columns first, then odd ones
     # (cuda.gemm.deinterleaved_activation).
-    r, g, c, row_mask, mask = _group_tile(rows, groups, GROUP, BLOCK_ROWS, BLOCK_GROUPS)
+    r, g, c, row_mask, mask = group_tile(rows, groups, GROUP, BLOCK_ROWS, BLOCK_GROUPS)
     x = tl.load(x_ptr + r[:, None, None] * stride_x + c[None, :, :], mask=mask, other=0.0).to(tl.float32)
     q, scale_bytes = fp8_token_groups(tl.reshape(x, (BLOCK_ROWS * BLOCK_GROUPS, GROUP)))
     if DEINTERLEAVE:
@@ -115,7 +115,7 @@ def _dequantize_group_kernel(  # type: ignore[no-untyped-def]
     q_ptr, scale_ptr, out_ptr, rows, groups, stride_q, stride_scale, stride_out,
     GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_GROUPS: tl.constexpr,
 ):  # fmt: skip
-    r, g, c, row_mask, mask = _group_tile(rows, groups, GROUP, BLOCK_ROWS, BLOCK_GROUPS)
+    r, g, c, row_mask, mask = group_tile(rows, groups, GROUP, BLOCK_ROWS, BLOCK_GROUPS)
     scale_mask = row_mask[:, None] & (g < groups)[None, :]
     factor = ue8m0_decode(tl.load(scale_ptr + r[:, None] * stride_scale + g[None, :], mask=scale_mask, other=127))
     codes = tl.load(q_ptr + r[:, None, None] * stride_q + c[None, :, :], mask=mask, other=0)
