@@ -43,6 +43,7 @@ def assert_gemm_close(
     k: int,
     significant_bits: int = 8,
     group_accumulation: float = 0.0,
+    what: str = "the kernel",
 ) -> None:
     """Assert ``|actual − expected| ≤ ulp(expected) + (K·2^−24 + group_accumulation)·S`` elementwise (on the CPU, in
     FP64).
@@ -67,6 +68,6 @@ def assert_gemm_close(
     if bool(bad.any()):
         m, n = torch.nonzero(bad)[0].tolist()
         raise AssertionError(
-            f"{int(bad.sum())} of {bad.numel()} elements exceed the bound; first at ({m}, {n}): "
+            f"{what}: {int(bad.sum())} of {bad.numel()} elements exceed the bound; first at ({m}, {n}): "
             f"actual {a[m, n].item()!r}, expected {e[m, n].item()!r}, bound {bound[m, n].item()!r}"
         )
