@@ -380,9 +380,11 @@ def _mma(
 # against 43.8 µs (w2) at 1 token, 1505 against 2023 µs (w13, swap_fp8) and 781 against 1020 µs (w2) at 64 tokens
 # (kernels_gemm-gluon.json); buckets 2 and 16 take it.
 _GROUPED_GLUON_TILE = _mma(8, 64, 4, 1, split_grid=False, decoding="gluon_fp8", block_k=256)
-# About 128 rows per expert (an 8K-token prefill): FP8 tensor-core tiles, 2.5x the scaled_bf16 default on both
-# shapes (kernels_gemm-h200-prefill.json).
-_GROUPED_PREFILL_TILE = _mma(64, 128, 4, 4, split_grid=False, decoding="group_fp8", block_k=64)
+# About 128 rows per expert (an 8K-token prefill): the BF16 tensor cores on a BF16 copy of the activation in expert
+# order (swap_bf16, cuda.grouped_bf16), 9.5 against 18.6 ms (w13) and 5.0 against 9.4 ms (w2) for the fastest
+# group_fp8 tile (kernels_gemm-swapbf16-prefill.json); the group_fp8 tiles had been 2.5x the scaled_bf16 default
+# (kernels_gemm-h200-prefill.json).
+_GROUPED_PREFILL_TILE = _mma(64, 128, 8, 3, split_grid=False, decoding="swap_bf16", block_k=64)
 # The FP8 tensor cores: 2.0–2.2x the dot_scaled 128×128 tiles on every FP8 weight of an 8K-token prefill on the H200
 # (kernels_gemm-h200-prefill.json); the default beyond 256 rows. At 256 rows 2.7–4.0x the dot_scaled 64×128 default
 # and 1.1–1.3x the fastest swap_fp8 tile on every FP8 weight of the scaled preset (kernels_gemm-fp8-swap.json).
