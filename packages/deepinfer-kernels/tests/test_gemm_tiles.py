@@ -127,11 +127,11 @@ def test_dequantized_bf16_is_an_fp8_candidate_for_many_rows_only() -> None:
 
 def test_bf16_grouped_tiles_are_prefill_candidates_of_the_grouped_gemm_only() -> None:
     """``swap_bf16`` (a BF16 copy of the activation in expert order) pays for its copy only with many rows per expert:
-    a grouped candidate beyond 64 rows, never split, its weight rows the wgmma's 64-row side."""
+    a grouped candidate beyond 16 rows, never split, its weight rows the wgmma's 64-row side."""
     for op in OPS:
-        for rows in (1, 16, 64, 256, 8192):
+        for rows in (1, 16, 17, 64, 256, 8192):
             found = [c for c in candidate_configs(op, rows) if c.decoding == "swap_bf16"]
-            assert bool(found) == (op == "mxfp4_grouped_gemm" and rows > 64)
+            assert bool(found) == (op == "mxfp4_grouped_gemm" and rows > 16)
             assert all(not c.split_grid and c.block_n % (16 * c.num_warps) == 0 for c in found)
     with pytest.raises(ValueError, match="swap_bf16"):
         BlockConfig(64, 128, num_warps=8, num_stages=3, split_grid=True, decoding="swap_bf16")

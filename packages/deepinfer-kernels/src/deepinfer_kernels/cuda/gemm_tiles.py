@@ -221,6 +221,12 @@ def default_config(op: str, rows: int) -> BlockConfig:
     return _DEQUANT_BF16 if op == "fp8_block_gemm" else _PREFILL_FP8_TILE
 
 
+def _bf16_grouped_candidates(tiles: tuple[tuple[int, int, int], ...]) -> list[BlockConfig]:
+    # BF16 weight-first tiles (block_m, block_n, warps) on a BF16 copy of the activation, K in the MMA's accumulator
+    # (cuda.grouped_bf16).
+    return [_mma(m, n, warps, 3, split_grid=False, decoding="swap_bf16", block_k=64) for m, n, warps in tiles]
+
+
 def candidate_configs(op: str, rows: int) -> list[BlockConfig]:
     """The tiles ``benchmarks/kernels_gemm.py --tune`` times for a row bucket: the default first, then its tiles
     with every other decoding, then other tile shapes with every decoding (MMA tiles), so a default that changes
@@ -255,12 +261,10 @@ def candidate_configs(op: str, rows: int) -> list[BlockConfig]:
         if op == "fp8_block_gemm":
             more.append(_DEQUANT_BF16)
         if op == "mxfp4_grouped_gemm":
-            # BF16 weight-first tiles on a BF16 copy of the activation, K in the MMA's accumulator (cuda.grouped_bf16).
-            more += [
-                _mma(block_m, block_n, num_warps, 3, split_grid=False, decoding="swap_bf16", block_k=64)
-                for block_m, block_n, num_warps in ((64, 128, 8), (128, 128, 8), (128, 64, 4), (64, 64, 4))
-            ]
+            more += _bf16_grouped_candidates(((64, 128, 8), (128, 128, 8), (128, 64, 4), (64, 64, 4)))
         return out + [cfg for cfg in more if cfg not in out]
+    if op == "mxfp4_grouped_gemm" and rows > 16:
+        out += _bf16_grouped_candidates(((32, 128, 8), (64, 128, 8), (32, 64, 4), (64, 64, 4)))
     shapes: tuple[tuple[int, int, int], ...]
     if default.gemv:
         shapes = ((32, 4, 2), (32, 4, 4), (64, 4, 3), (64, 8, 3), (16, 4, 3))
