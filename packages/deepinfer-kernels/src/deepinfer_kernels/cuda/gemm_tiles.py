@@ -387,7 +387,9 @@ _GROUPED_GLUON_TILE = _mma(8, 64, 4, 1, split_grid=False, decoding="gluon_fp8", 
 # About 128 rows per expert (an 8K-token prefill): the BF16 tensor cores on a BF16 copy of the activation in expert
 # order (swap_bf16, cuda.grouped_bf16), 9.5 against 18.6 ms (w13) and 5.0 against 9.4 ms (w2) for the fastest
 # group_fp8 tile (kernels_gemm-swapbf16-prefill.json); the group_fp8 tiles had been 2.5x the scaled_bf16 default
-# (kernels_gemm-h200-prefill.json).
+# (kernels_gemm-h200-prefill.json). Also the fastest tile at 32 and 64 rows per expert (2K- and 4K-token prefills):
+# 3.95 against 7.38 ms and 5.65 against 11.88 ms (w13), 2.16 against 3.97 and 3.08 against 6.17 ms (w2) for the
+# fastest FP8 tile (kernels_gemm-swapbf16-t2048-t4096.json).
 _GROUPED_PREFILL_TILE = _mma(64, 128, 8, 3, split_grid=False, decoding="swap_bf16", block_k=64)
 # The FP8 tensor cores: 2.0–2.2x the dot_scaled 128×128 tiles on every FP8 weight of an 8K-token prefill on the H200
 # (kernels_gemm-h200-prefill.json); the default beyond 256 rows. At 256 rows 2.7–4.0x the dot_scaled 64×128 default
@@ -445,6 +447,10 @@ MEASURED: dict[tuple[str, int, int, int], BlockConfig] = {
     ("mxfp4_grouped_gemm", 2, 5120, 2304): _GROUPED_GLUON_TILE,
     ("mxfp4_grouped_gemm", 16, 4608, 5120): _GROUPED_GLUON_TILE,
     ("mxfp4_grouped_gemm", 16, 5120, 2304): _GROUPED_GLUON_TILE,
+    ("mxfp4_grouped_gemm", 32, 4608, 5120): _GROUPED_PREFILL_TILE,
+    ("mxfp4_grouped_gemm", 32, 5120, 2304): _GROUPED_PREFILL_TILE,
+    ("mxfp4_grouped_gemm", 64, 4608, 5120): _GROUPED_PREFILL_TILE,
+    ("mxfp4_grouped_gemm", 64, 5120, 2304): _GROUPED_PREFILL_TILE,
     ("mxfp4_grouped_gemm", 256, 4608, 5120): _GROUPED_PREFILL_TILE,
     ("mxfp4_grouped_gemm", 256, 5120, 2304): _GROUPED_PREFILL_TILE,
 }
