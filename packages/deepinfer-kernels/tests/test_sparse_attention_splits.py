@@ -42,8 +42,14 @@ def _triton(device: str, q: torch.Tensor, sources: list, sink: torch.Tensor, rou
 
 @pytest.mark.parametrize("round_probs", [True, False])
 @pytest.mark.parametrize(
-    ("block_n", "target_programs", "block_v", "one_query_per_launch"),
-    [(16, 12, 512, False), (16, 1000, 32, True), (32, 40, 512, False)],
+    ("block_n", "target_programs", "block_v", "one_query_per_launch", "counts"),
+    [
+        (16, 12, 512, False, (37, 0, 70)),
+        (16, 1000, 32, True, (37, 0, 70)),
+        (32, 40, 512, False, (37, 0, 70)),
+        # 22 splits: the combine loads its splits 8 at a time, here two full loads and a partial one.
+        (16, 1000, 512, False, (150, 9, 170)),
+    ],
 )
 def test_split_key_lists_match_dense(
     triton_device: str,
@@ -52,6 +58,7 @@ def test_split_key_lists_match_dense(
     target_programs: int,
     block_v: int,
     one_query_per_launch: bool,
+    counts: tuple[int, int, int],
     round_probs: bool,
 ) -> None:
     from deepinfer_kernels.cuda import attention
@@ -62,12 +69,12 @@ def test_split_key_lists_match_dense(
     monkeypatch.setattr(attention, "SPLIT_TARGET_PROGRAMS", target_programs)
     if one_query_per_launch:
         monkeypatch.setattr(attention, "SPLIT_WORKSPACE_BYTES", 1)
-    q, sources, sink = _case(4, 3, 64, (37, 0, 70), seed=block_n + target_programs)
+    q, sources, sink = _case(4, 3, 64, counts, seed=block_n + target_programs)
     sources[2].rows[0, 30:] = -1  # query 0: the later splits of the selected rows hold no valid key
     for source in sources:
         source.rows[1] = -1  # query 1: the sink only
     sources[0].rows[2] = -1  # query 2: no window key
-    chunk_keys, splits = attention._split_plan(4, [37, 0, 70], block_n, torch.device(triton_device))
+    chunk_keys, splits = attention._split_plan(4, list(counts), block_n, torch.device(triton_device))
     assert sum(splits) > 1 and chunk_keys % block_n == 0  # the split path runs
     actual = _triton(triton_device, q, sources, sink, round_probs)
     expected = dense_attention(q, sources, sink, 0.125, round_probs)
