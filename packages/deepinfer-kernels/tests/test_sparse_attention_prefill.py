@@ -16,12 +16,12 @@ from deepinfer_kernels.testing import random_normal
 F = dk.RowFormat
 _FORMATS = (F.FP8, F.FP8, F.FP4_E4M3)
 _TILES = [
-    # TILES: every head of a 64-head query in one program, the whole width in one sweep.
-    ({"block_h": 64, "block_n": 16, "block_v": 512, "num_warps": 8, "num_stages": 1}, None),
+    # TILES: every head of a 64-head query in one program, the whole width in one sweep, 32-key logits tiles.
+    ({"block_h": 64, "block_n": 16, "logits_block_n": 32, "block_v": 512, "num_warps": 8, "num_stages": 1}, None),
     # Two value sweeps of 32 columns (a whole FP8 scale group each), two queries per launch.
-    ({"block_h": 64, "block_n": 16, "block_v": 32, "num_warps": 8, "num_stages": 1}, 2),
-    # Five head blocks of 16, one query per launch.
-    ({"block_h": 16, "block_n": 32, "block_v": 32, "num_warps": 4, "num_stages": 1}, 1),
+    ({"block_h": 64, "block_n": 16, "logits_block_n": 16, "block_v": 32, "num_warps": 8, "num_stages": 1}, 2),
+    # Five head blocks of 16, one query per launch; logits tiles narrower than the sums' tiles.
+    ({"block_h": 16, "block_n": 32, "logits_block_n": 16, "block_v": 32, "num_warps": 4, "num_stages": 1}, 1),
 ]
 
 

@@ -65,10 +65,26 @@ MAX_SOURCES = 3
 # value columns per pass-2 sweep; the whole width in one sweep keeps the [64, 512] FP32 accumulator (128 registers a
 # thread at 8 warps) beside 16-key tiles: 253-255 registers at sm_90 and no spill (Triton 3.9; 3.6 spills 8-16 bytes
 # when FP4_E4M3 rows meet FP8 rows); wider tiles or 16 warps spill (docs/design/kernels.md, "sparse_attention").
-TILES: dict[str, int] = {"block_h": 64, "block_n": 16, "block_v": 512, "num_warps": 8, "num_stages": 1}
+# logits_block_n: keys per pass-1 tile of the non-split kernel, where no accumulator competes for registers: 32 keys
+# take 254 registers without spill at sm_90 (Triton 3.6; 64 spill 88 bytes) and halve pass 1's dependent gathers.
+TILES: dict[str, int] = {
+    "block_h": 64,
+    "block_n": 16,
+    "logits_block_n": 32,
+    "block_v": 512,
+    "num_warps": 8,
+    "num_stages": 1,
+}
 # FP32 dots (FP32 queries or rows, unrounded probabilities, Triton's interpreter): FMA dots hold both operands in
 # registers, and 16 heads fit where 64 spill kilobytes.
-FP32_TILES: dict[str, int] = {"block_h": 16, "block_n": 16, "block_v": 512, "num_warps": 4, "num_stages": 1}
+FP32_TILES: dict[str, int] = {
+    "block_h": 16,
+    "block_n": 16,
+    "logits_block_n": 16,
+    "block_v": 512,
+    "num_warps": 4,
+    "num_stages": 1,
+}
 # The split path's combine: heads and value columns per program (it only adds and divides: small blocks keep its
 # [block_h, block_c] FP32 sum and 8 splits' loads of it in registers and give a one-query step several programs).
 COMBINE_TILES: dict[str, int] = {"block_h": 16, "block_c": 64, "num_warps": 4}
@@ -226,7 +242,7 @@ def _prefill(call: _Call) -> None:
         prefill_kernel[(stop - start, head_blocks)](
             q[start:stop], call.sink, call.out[start:stop], logits, num_heads, call.scale,
             *_source_args(sources, start, stop), BLOCK_V=_value_columns(tiles, width), ROUND=call.round_probs_bf16,
-            **call.constexprs,
+            LOGITS_BLOCK_N=tiles["logits_block_n"], **call.constexprs,
         )  # fmt: skip
 
 

@@ -290,10 +290,11 @@ def prefill_kernel(  # type: ignore[no-untyped-def]
     WIDTH: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
     FMT0: tl.constexpr, FMT1: tl.constexpr, FMT2: tl.constexpr,
     BF16_0: tl.constexpr, BF16_1: tl.constexpr, BF16_2: tl.constexpr,
-    ROUND: tl.constexpr,
+    ROUND: tl.constexpr, LOGITS_BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """Grid (query, head block), the non-split path: the maximum over the sink and every key (pass 1), then per
-    ``BLOCK_V`` value columns the sink's term and every key's sums added in key order (pass 2), and the output."""
+    """Grid (query, head block), the non-split path: the maximum over the sink and every key (pass 1, in tiles of
+    ``LOGITS_BLOCK_N`` keys), then per ``BLOCK_V`` value columns the sink's term and every key's sums added in key
+    order (pass 2, tiles of ``BLOCK_N``), and the output."""
     token = tl.program_id(0).to(tl.int64)
     h, h_mask = _heads(num_heads, BLOCK_H)
     q = _load_query(q_ptr, token, h, h_mask, num_heads, WIDTH, BLOCK_D)
@@ -303,7 +304,7 @@ def prefill_kernel(  # type: ignore[no-untyped-def]
         sink, q, token, scale, logits0, 0, keys0, 0, keys1, 0, keys2,
         pool0, rows0, stride0, keys0, bytes0, pool1, rows1, stride1, keys1, bytes1,
         pool2, rows2, stride2, keys2, bytes2,
-        WIDTH, BLOCK_D, BLOCK_N, FMT0, FMT1, FMT2, BF16_0, BF16_1, BF16_2,
+        WIDTH, BLOCK_D, LOGITS_BLOCK_N, FMT0, FMT1, FMT2, BF16_0, BF16_1, BF16_2,
     )  # fmt: skip
     # Pass 2 reads logits that other threads of the program wrote: a CTA barrier orders the global memory accesses.
     tl.debug_barrier()
