@@ -94,6 +94,25 @@ def test_grouped_bf16_tiles_meet_the_reference_bound(triton_device: str, n: int,
     _check_grouped(triton_device, n, k, seed=12, config=cfg)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_sorted_bf16_activation_is_the_dequantized_activation_reordered(triton_device: str, dtype: torch.dtype) -> None:
+    """``swap_bf16``'s copy, quantized and dequantized in one launch, holds exactly the quantizer's x̂ (bit for bit)
+    with its rows in the tables' order and each group's columns in ``word_pair_columns`` order; 37 rows (a partial
+    row tile) of 10 groups (a partial group tile), rows of very different magnitudes."""
+    from deepinfer_kernels.cuda.grouped_bf16 import sorted_bf16_activation
+
+    rows, k = 37, 320
+    x = _activation(rows, k, seed=19, dtype=dtype) * torch.logspace(-6, 6, rows)[:, None].to(dtype)
+    order = torch.randperm(rows, generator=torch.Generator().manual_seed(20))
+    x_hat = dk.dequantize_fp8_per_token_group(*dk.quantize_fp8_per_token_group(x), out_dtype=torch.bfloat16)
+    j = torch.arange(32)
+    o = j // 8
+    columns = 8 * ((j % 8) // 2) + 4 * (o % 2) + o // 2 + 2 * (j % 2)  # word_pair_columns within a group
+    expected = x_hat[order].view(rows, k // 32, 32)[:, :, columns].reshape(rows, k)
+    actual = sorted_bf16_activation(x.to(triton_device), order.to(triton_device)).cpu()
+    assert torch.equal(actual.view(torch.int16), expected.view(torch.int16))
+
+
 @pytest.mark.parametrize("rows", [3, 70])
 def test_deinterleaved_codes_are_the_column_order_codes_reordered(triton_device: str, rows: int) -> None:
     """The quantizer stores the MXFP4 kernels' de-interleaved order itself (each group's even columns, then its odd

@@ -303,9 +303,9 @@ def deinterleaved_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 def activation_for(x: torch.Tensor, cfg: BlockConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """The activation codes an MXFP4 launch with tiles ``cfg`` reads: in column order for the FMA kernels,
-    ``tl.dot_scaled``, ``swap_ab`` and ``swap_bf16`` (whose BF16 copy is permuted from them), de-interleaved per group
-    for ``mxfp4_kernel``'s other decodings."""
-    in_order = cfg.gemv or cfg.decoding in ("dot_scaled", "swap_ab", "swap_bf16")
+    ``tl.dot_scaled`` and ``swap_ab``, de-interleaved per group for ``mxfp4_kernel``'s other decodings (``swap_bf16``
+    quantizes the activation itself, ``cuda.grouped_bf16``)."""
+    in_order = cfg.gemv or cfg.decoding in ("dot_scaled", "swap_ab")
     return quantized_activation(x) if in_order else deinterleaved_activation(x)
 
 

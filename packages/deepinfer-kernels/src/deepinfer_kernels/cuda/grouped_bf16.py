@@ -1,9 +1,10 @@
 """Grouped MXFP4 GEMM for many rows per expert (prefill) on BF16 operands: decoding ``"swap_bf16"``
 (docs/design/kernels.md, "GEMM tiles and split-K").
 
-The activation is quantized as for every decoding (``cuda.gemm.quantized_activation``), then dequantized exactly into a
-BF16 copy in the expert-sorted row order of the tile tables, each 32-column group's columns in the order the weight
-operand's decoding produces them (``gemm_operands.word_pair_columns``). A tile's rows are then consecutive rows of that
+One launch quantizes the activation as for every decoding (the per-token-group quantizer's ``fp8_token_groups``) and
+writes its exact dequantization ``x̂`` as a BF16 copy in the expert-sorted row order of the tile tables, each 32-column
+group's columns in the order the weight operand's decoding produces them (``gemm_operands.word_pair_columns``); the
+codes never reach memory. A tile's rows are then consecutive rows of that
 copy, read without a gather or any decoding. The weight is decoded per K step into scaled BF16 straight into the
 registers of the MMA's first operand (``gemm_decodings.swapped_weight``, the ``swap_ab`` decoding's), and the tile
 ``[BLOCK_N, BLOCK_M] = Ŵ·x̂ᵀ`` sums the whole K in the MMA's FP32 accumulator. So there is no per-group scaling, which
@@ -25,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_kernels.cuda._formats import e4m3_decode, to_output_dtype, ue8m0_decode
+from deepinfer_kernels.cuda._formats import e4m3_decode, fp8_token_groups, to_output_dtype, ue8m0_decode
 from deepinfer_kernels.cuda.gemm_decodings import swapped_weight, swapped_weight_pointers
 from deepinfer_kernels.cuda.gemm_operands import dot_in_bf16, native_fp8, operand, word_pair_columns
 from deepinfer_kernels.cuda.gemm_tiles import BlockConfig
@@ -39,18 +40,16 @@ _GROUPS_PER_PROGRAM = 8
 
 @triton.jit
 def _sorted_activation_kernel(  # type: ignore[no-untyped-def]
-    q_ptr, qs_ptr, order_ptr, xs_ptr, M, groups, stride_q, stride_qs, stride_xs,
-    BLOCK_ROWS: tl.constexpr, BLOCK_GROUPS: tl.constexpr,
-):  # fmt: skip
+    x_ptr, order_ptr, xs_ptr, M, groups, stride_x, stride_xs, BLOCK_ROWS: tl.constexpr, BLOCK_GROUPS: tl.constexpr
+):
     # xs[p, 32g + c] = x̂[order[p], 32g + word_pair_columns(32)[c]] in BF16, for BLOCK_ROWS positions and BLOCK_GROUPS
-    # groups.
+    # groups: a group's amax and codes do not depend on the order its columns are read in.
     positions, g, columns, in_rows, mask = group_tile(M, groups, 32, BLOCK_ROWS, BLOCK_GROUPS)
     rows = tl.load(order_ptr + positions, mask=in_rows, other=0).to(tl.int64)
-    scale_mask = in_rows[:, None] & (g < groups)[None, :]
     source = g[:, None] * 32 + word_pair_columns(32)[None, :]
-    codes = tl.load(q_ptr + rows[:, None, None] * stride_q + source[None, :, :], mask=mask, other=0)
-    factor = ue8m0_decode(tl.load(qs_ptr + rows[:, None] * stride_qs + g[None, :], mask=scale_mask, other=127))
-    value = e4m3_decode(codes) * factor[:, :, None]
+    x = tl.load(x_ptr + rows[:, None, None] * stride_x + source[None, :, :], mask=mask, other=0.0).to(tl.float32)
+    codes, scale_bytes = fp8_token_groups(tl.reshape(x, (BLOCK_ROWS * BLOCK_GROUPS, 32)))
+    value = tl.reshape(e4m3_decode(codes) * ue8m0_decode(scale_bytes)[:, None], (BLOCK_ROWS, BLOCK_GROUPS, 32))
     tl.store(
         xs_ptr + positions[:, None, None] * stride_xs + columns[None, :, :], to_output_dtype(value, xs_ptr), mask=mask
     )
@@ -94,40 +93,39 @@ def _swap_bf16_kernel(  # type: ignore[no-untyped-def]
     tl.store(out_ptrs, to_output_dtype(acc, out_ptr), mask=in_tile[None, :] & n_mask[:, None])
 
 
-def sorted_bf16_activation(q: torch.Tensor, q_scale: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    """The BF16 copy ``swap_bf16`` tiles read: row ``p`` is ``x̂[order[p]]`` with each 32-column group's columns in
-    ``word_pair_columns`` order (q [M, K] uint8 e4m3 codes in column order and q_scale [M, K/32] UE8M0 bytes, as
-    ``cuda.gemm.quantized_activation`` returns them; order [M] from the tile tables)."""
-    m, k = q.shape
+def sorted_bf16_activation(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """The BF16 copy ``swap_bf16`` tiles read: row ``p`` is ``x̂[order[p]]`` (x [M, K] bf16/fp32 with unit column
+    stride, quantized per token and 32 columns as ``quantize_fp8_per_token_group`` does, and dequantized exactly) with
+    each 32-column group's columns in ``word_pair_columns`` order; order [M] from the tile tables."""
+    m, k = x.shape
     groups = k // 32
-    xs = torch.empty((m, k), dtype=torch.bfloat16, device=q.device)
+    xs = torch.empty((m, k), dtype=torch.bfloat16, device=x.device)
     grid = (triton.cdiv(m, _ROWS_PER_PROGRAM), triton.cdiv(groups, _GROUPS_PER_PROGRAM))
     _sorted_activation_kernel[grid](
-        q, q_scale, order, xs, m, groups, q.stride(0), q_scale.stride(0), xs.stride(0),
+        x, order, xs, m, groups, x.stride(0), xs.stride(0),
         BLOCK_ROWS=_ROWS_PER_PROGRAM, BLOCK_GROUPS=_GROUPS_PER_PROGRAM, num_warps=8,
     )  # fmt: skip
     return xs
 
 
 def swap_bf16_launch(
-    q: torch.Tensor,
-    q_scale: torch.Tensor,
+    x: torch.Tensor,
     packed: torch.Tensor,
     scale: torch.Tensor,
     out: torch.Tensor,
     tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     cfg: BlockConfig,
 ) -> None:
-    """The grouped GEMM on a ``swap_bf16`` tile ``cfg``: q, q_scale as for ``cuda.gemm.mxfp4_launch`` (column order),
-    packed [E, N, K/2] and scale [E, N, K/32] of the experts, out [M, N], ``tables`` of
-    ``cuda.grouped_gemm.expert_tiles`` for tiles of ``cfg.block_m`` rows."""
+    """The grouped GEMM on a ``swap_bf16`` tile ``cfg``: x [M, K] the unquantized activation, packed [E, N, K/2] and
+    scale [E, N, K/32] of the experts, out [M, N], ``tables`` of ``cuda.grouped_gemm.expert_tiles`` for tiles of
+    ``cfg.block_m`` rows."""
     if packed.data_ptr() % 4 or packed.stride(-2) % 4:
         raise ValueError(
             "decoding 'swap_bf16' reads the packed weight in 4-byte words: its rows must be 4-byte aligned"
         )
     order, tile_expert, tile_start, tile_end = tables
-    xs = sorted_bf16_activation(q, q_scale, order)
-    (experts, n), k = packed.shape[:2], q.shape[1]
+    xs = sorted_bf16_activation(x, order)
+    (experts, n), k = packed.shape[:2], x.shape[1]
     even = n % cfg.block_n == 0 and k % cfg.block_k == 0
     _swap_bf16_kernel[(tile_expert.numel(), triton.cdiv(n, cfg.block_n))](
         xs, packed.view(torch.uint8), scale.view(torch.uint8), out, order, tile_expert, tile_start, tile_end,

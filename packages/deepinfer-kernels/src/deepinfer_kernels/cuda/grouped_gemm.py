@@ -99,11 +99,10 @@ def mxfp4_grouped_gemm(
         # The same sums from Triton (cuda.grouped_wgmma), in its narrowest FP8 wgmma tile.
         cfg = dataclasses.replace(cfg, decoding="swap_fp8", block_m=max(16, cfg.block_m))
     launch = grouped_wgmma_launch if cfg.decoding == "gluon_fp8" else mxfp4_launch
-    q, q_scale = activation_for(x, cfg)
     if not cfg.gemv and m <= cfg.block_m and cfg.decoding != "swap_bf16":
         # Every row fits one MMA tile: each program finds its expert's rows itself (mxfp4_kernel's SCAN), which saves
         # the tile-table launch (about 33 µs at batch 1 on the H200, longer than the GEMM's own share of a weight).
-        launch(q, q_scale, packed, scale, out, expert_ids, cfg.block_m, cfg)
+        launch(*activation_for(x, cfg), packed, scale, out, expert_ids, cfg.block_m, cfg)
         return
     # FMA tiles take up to twice the mean rows, so that an expert with a few more rows than the mean is still read
     # once rather than once per tile.
@@ -114,7 +113,7 @@ def mxfp4_grouped_gemm(
         tables = (expert_tiles_one_launch if m <= MAX_ROWS else expert_tiles)(expert_ids, experts, rows)
         if derived is not None:
             derived[key] = tables
-    if cfg.decoding == "swap_bf16":  # reads the rows in the tables' order from a BF16 copy (cuda.grouped_bf16)
-        swap_bf16_launch(q, q_scale, packed, scale, out, tables, cfg)
+    if cfg.decoding == "swap_bf16":  # quantizes x into a BF16 copy in the tables' row order (cuda.grouped_bf16)
+        swap_bf16_launch(x, packed, scale, out, tables, cfg)
         return
-    launch(q, q_scale, packed, scale, out, tables, rows, cfg)
+    launch(*activation_for(x, cfg), packed, scale, out, tables, rows, cfg)
