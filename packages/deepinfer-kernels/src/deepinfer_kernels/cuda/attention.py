@@ -66,7 +66,8 @@ MAX_SOURCES = 3
 # thread at 8 warps) beside 16-key tiles: 253-255 registers at sm_90 and no spill (Triton 3.9; 3.6 spills 8-16 bytes
 # when FP4_E4M3 rows meet FP8 rows); wider tiles or 16 warps spill (docs/design/kernels.md, "sparse_attention").
 # logits_block_n: keys per pass-1 tile of the non-split kernel, where no accumulator competes for registers: 32 keys
-# take 254 registers without spill at sm_90 (Triton 3.6; 64 spill 88 bytes) and halve pass 1's dependent gathers.
+# halve pass 1's dependent gathers at 255 registers and 16 bytes of stack at sm_90 (Triton 3.6: three stores and loads
+# a program, between the key loops, for the next tile's prefetched row indices; 64 keys spill in the loops).
 TILES: dict[str, int] = {
     "block_h": 64,
     "block_n": 16,

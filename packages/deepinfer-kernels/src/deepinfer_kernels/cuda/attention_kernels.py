@@ -65,9 +65,11 @@ def logits_pass(  # type: ignore[no-untyped-def]
     """Pass 1 over keys [lo, hi) of one source: ``m`` [BLOCK_H] raised to their largest logit; every logit (−inf for
     a missing row) written to ``logits_ptr`` [BLOCK_H, 1] (the program's workspace rows at the source's first key)
     plus the key."""
+    valid, idx = _tile_rows(rows_ptr, stride_rows, token, lo + tl.arange(0, BLOCK_N), hi)
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
-        valid, idx = _tile_rows(rows_ptr, stride_rows, token, n, hi)
+        # The next tile's row indices load while this tile's rows are gathered: one dependent round trip a tile.
+        next_valid, next_idx = _tile_rows(rows_ptr, stride_rows, token, n + BLOCK_N, hi)
         keys = decode_groups(pool_ptr, idx * row_bytes, valid, 0, BLOCK_D, WIDTH, FMT)
         if BF16_DOT:
             logits = tl.dot(q.to(tl.bfloat16), tl.trans(keys.to(tl.bfloat16)))
@@ -76,6 +78,7 @@ def logits_pass(  # type: ignore[no-untyped-def]
         logits = tl.where(valid[None, :], logits * scale, float("-inf"))
         tl.store(logits_ptr + n[None, :], logits, mask=(n < hi)[None, :])
         m = tl.maximum(m, tl.max(logits, axis=1))
+        valid, idx = next_valid, next_idx
     return m
 
 
