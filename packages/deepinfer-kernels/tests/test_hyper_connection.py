@@ -17,7 +17,8 @@ from deepinfer_kernels._registry import Backend, implementation
 from deepinfer_kernels.reference.hyper_connection import round_to_tf32
 from deepinfer_kernels.testing import assert_bitwise_equal, assert_close, random_normal
 
-_SHAPES = [(1, 4, 32), (5, 4, 160), (3, 3, 40), (17, 4, 64)]
+# (2, 4, 1280): ten 512-column splits of m·H, which the mixes kernel loads eight at a time.
+_SHAPES = [(1, 4, 32), (5, 4, 160), (3, 3, 40), (17, 4, 64), (2, 4, 1280)]
 
 
 def _mix_inputs(n: int, m: int, hidden: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
