@@ -245,17 +245,19 @@ def test_nan_weight_code_gives_nan_column(triton_device: str) -> None:
     assert not torch.isnan(fast[:, :5]).any() and not torch.isnan(fast[:, 6:]).any()
 
 
+@pytest.mark.parametrize(("k", "chunks"), [(1024, 4), (2560, 10)])
 @pytest.mark.parametrize("gemv", [False, True])
 @pytest.mark.parametrize("op", ["fp8_block_gemm", "mxfp4_gemm", "mxfp4_grouped_gemm"])
-def test_split_k_matches_one_program_bitwise(triton_device: str, op: str, gemv: bool) -> None:
-    """K = 1024 runs in 4 chunks (cuda.gemm_tiles.k_chunk): chunks as programs of their own, summed by each tile's
-    last program, give the same bits as one program summing the chunks in order, twice in a row (the tickets are
-    back to zero after a launch), and both meet the reference's tolerance (MMA and FMA kernels)."""
+def test_split_k_matches_one_program_bitwise(triton_device: str, op: str, gemv: bool, k: int, chunks: int) -> None:
+    """K = 1024 runs in 4 chunks, 2560 in 10 (cuda.gemm_tiles.k_chunk; the last program loads the chunk sums 8 at a
+    time): chunks as programs of their own, summed by each tile's last program, give the same bits as one program
+    summing the chunks in order, twice in a row (the tickets are back to zero after a launch), and both meet the
+    reference's tolerance (MMA and FMA kernels)."""
     from deepinfer_kernels.cuda.gemm_operands import split_counters
     from deepinfer_kernels.cuda.gemm_tiles import BlockConfig, k_chunk
 
-    m, n, k = 3, 64, 1024
-    assert k // k_chunk(n, k) == 4
+    m, n = 3, 64
+    assert k // k_chunk(n, k) == chunks
     x = _activation(m, k, seed=13, dtype=torch.bfloat16)
     if op == "fp8_block_gemm":
         weights: tuple[torch.Tensor, ...] = (random_e4m3((n, k), seed=14), random_ue8m0((n // 32, k // 32), seed=15))

@@ -318,6 +318,11 @@ def group_activation(q_ptr, qs_ptr, K, N_PER_GROUP, BLOCK_N: tl.constexpr):  # t
     return q_ptr + group * K, qs_ptr + group * (K // 32)
 
 
+# Chunk sums a split-K tile's last program loads together (finish_tile): a decode GEMV has up to 20 chunks, and one L2
+# round trip per chunk made the end of every split call a chain of that many dependent loads.
+_CHUNKS_PER_LOAD: tl.constexpr = tl.constexpr(8)
+
+
 @triton.jit
 def finish_tile(  # type: ignore[no-untyped-def]
     out_ptr, partial_ptr, counter_ptr, total, rows, row_mask, n_offsets, M, N, stride_out, SPLIT_GRID: tl.constexpr
@@ -325,7 +330,9 @@ def finish_tile(  # type: ignore[no-untyped-def]
     # Split-K: the chunk's FP32 sum goes to partial[chunk, row, column]; the tile's last program to finish (a ticket
     # per tile in counter_ptr) adds the tile's chunk sums from zero in chunk order, the additions of the
     # single-program path, rounds them into out and resets the ticket to zero for the next launch. No second kernel.
-    # Else the finished sum is rounded into out.
+    # It loads the sums _CHUNKS_PER_LOAD chunks at a time (one L2 round trip for them, not one per chunk, on the
+    # step's critical path); the loads past the last chunk give +0.0, which changes no bit of a sum that starts at
+    # +0.0. Else the finished sum is rounded into out.
     mask = row_mask[:, None] & (n_offsets < N)[None, :]
     out_ptrs = out_ptr + rows[:, None] * stride_out + n_offsets[None, :]
     if SPLIT_GRID:
@@ -338,10 +345,11 @@ def finish_tile(  # type: ignore[no-untyped-def]
         chunks = tl.num_programs(2)
         if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == chunks - 1:
             total = tl.zeros_like(total)
-            part_ptrs = partial_ptr + offsets
-            for _ in range(0, chunks):
-                total += tl.load(part_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-                part_ptrs += M * N
+            end = chunks * M * N  # the offsets of real chunks lie below it
+            for first in range(0, chunks, _CHUNKS_PER_LOAD):
+                for j in tl.static_range(_CHUNKS_PER_LOAD):
+                    at = offsets + (first + j) * M * N
+                    total += tl.load(partial_ptr + at, mask=mask & (at < end), other=0.0, cache_modifier=".cg")
             tl.store(out_ptrs, to_output_dtype(total, out_ptr), mask=mask)
             tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
     else:
