@@ -31,9 +31,10 @@ from deepinfer_kernels.cuda.row_formats import decode_groups, round_bf16
 
 __all__ = ["combine_kernel", "prefill_kernel", "split_logits_kernel", "split_sums_kernel"]
 
-# Splits whose partial results are loaded together (one memory round trip instead of one per split), then taken in
-# split order: a one-query decode step has up to about 40 splits, and one load per loop step made the combine's serial
-# chain of round trips 25 µs a call on the H200 (profile_step-h200-scaled-7299ced.json).
+# Splits whose partial results are loaded together (one memory round trip for them), then taken in split order: a
+# one-query decode step has up to about 40 splits, and the combine's sums loaded one split a loop step (its maximum
+# four, the compiler's unroll): about 50 dependent round trips, 25 µs a call on the H200
+# (profile_step-h200-scaled-7299ced.json).
 _SPLITS_PER_LOAD: tl.constexpr = tl.constexpr(8)
 
 

@@ -33,9 +33,9 @@ _CHUNK = 512  # columns of z per split-K program
 _BLOCK_K = 64
 _BLOCK_M = 16  # tokens per mix-GEMM program (the MMA minimum)
 _BLOCK_H = 512
-# Splits' partials the mixes kernel loads together (unrolled, then added in split order): one load per split made
-# its serial chain of memory round trips about 7 µs a call at batch 1 on the H200 (40 splits at m·H = 20480;
-# profile_step-h200-scaled-7299ced.json).
+# Splits' partials the mixes kernel loads together (unrolled, then added in split order): the compiler's own unroll by
+# four left ten dependent memory round trips for the 40 splits of m·H = 20480 (about 7 µs a call at batch 1 on the
+# H200, profile_step-h200-scaled-7299ced.json); eight at a time leave five.
 _SPLITS_PER_LOAD: tl.constexpr = tl.constexpr(8)
 
 
