@@ -103,15 +103,22 @@ def test_grouped_tile_wider_than_a_group_is_narrowed(triton_device: str) -> None
     assert_gemm_close(fast.cpu(), ref, abs_product(dequantized_activation(x), dense), k, significant_bits=24)
 
 
+@pytest.mark.parametrize("dequantized", [False, True])
 @pytest.mark.parametrize("m", [1, 20])
-def test_fp8_block_gemm_quantized_triton_equals_fp8_block_gemm(triton_device: str, m: int) -> None:
+def test_fp8_block_gemm_quantized_triton_equals_fp8_block_gemm(triton_device: str, m: int, dequantized: bool) -> None:
+    """The GEMM on given codes and on the activation agree bit for bit: on the tuned tiles, and on ``dequant_bf16``
+    (codes dequantized, against x̂ from one quantize-and-dequantize launch)."""
+    from deepinfer_kernels.cuda.gemm_tiles import BlockConfig
+
+    cfg = BlockConfig(128, 128, num_warps=8, num_stages=1, split_grid=False, decoding="dequant_bf16")
+    config = {"config": cfg} if dequantized else {}
     x = _activation(m, 256, seed=m + 20, dtype=torch.bfloat16).to(triton_device)
     w_q, w_scale = (t.to(triton_device) for t in _weight(70, 256, seed=m + 21))
     q, q_scale = dk.quantize_fp8_per_token_group(x)
     from_codes = torch.empty(m, 70, dtype=torch.bfloat16, device=triton_device)
-    implementation("fp8_block_gemm_quantized", Backend.NVIDIA)(q, q_scale, w_q, w_scale, from_codes)
+    implementation("fp8_block_gemm_quantized", Backend.NVIDIA)(q, q_scale, w_q, w_scale, from_codes, **config)
     from_x = torch.empty_like(from_codes)
-    implementation("fp8_block_gemm", Backend.NVIDIA)(x, w_q, w_scale, from_x)
+    implementation("fp8_block_gemm", Backend.NVIDIA)(x, w_q, w_scale, from_x, **config)
     assert torch.equal(from_codes, from_x)
 
 

@@ -94,6 +94,19 @@ def test_grouped_bf16_tiles_meet_the_reference_bound(triton_device: str, n: int,
     _check_grouped(triton_device, n, k, seed=12, config=cfg)
 
 
+@pytest.mark.parametrize("rows", [3, 70])
+def test_quantized_values_are_the_dequantized_codes(triton_device: str, rows: int) -> None:
+    """The ``dequant_bf16`` GEMMs' operand from one quantize-and-dequantize launch equals the quantizer's codes
+    dequantized, bit for bit, for one-group and eight-group programs (3, 70 rows of 10 groups)."""
+    from deepinfer_kernels.cuda import quant
+
+    x = _activation(rows, 320, seed=21, dtype=torch.bfloat16) * torch.logspace(-5, 5, rows)[:, None].bfloat16()
+    expected = dk.dequantize_fp8_per_token_group(*dk.quantize_fp8_per_token_group(x), out_dtype=torch.bfloat16)
+    actual = torch.empty(rows, 320, dtype=torch.bfloat16, device=triton_device)
+    quant.quantized_values(x.to(triton_device), actual)
+    assert torch.equal(actual.cpu().view(torch.int16), expected.view(torch.int16))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_sorted_bf16_activation_is_the_dequantized_activation_reordered(triton_device: str, dtype: torch.dtype) -> None:
     """``swap_bf16``'s copy, quantized and dequantized in one launch, holds exactly the quantizer's x̂ (bit for bit)

@@ -19,7 +19,7 @@ import torch
 
 from deepinfer_kernels.cuda import quant
 
-__all__ = ["dequantized_launch"]
+__all__ = ["dequantized_launch", "quantized_value_launch"]
 
 
 def _fp32_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -36,9 +36,26 @@ def dequantized_launch(
     """``out = x̂ · Ŵᵀ`` on BF16 copies of both operands (``cuda.gemm.fp8_block_launch``'s arguments: q [M, G·K] and
     q_scale [M, G·K/32] uint8 codes and scale bytes, w_q [N, K] e4m3 and w_scale [N/32, K/32] UE8M0, out [M, N] bf16
     or fp32; ``groups`` G > 1: weight rows ``g·N/G …`` multiply activation columns ``g·K …``)."""
-    (m, n), k = out.shape, w_q.shape[1]
     x_hat = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
     quant.dequantize_fp8_per_token_group(q, q_scale, x_hat)
+    _bf16_product(x_hat, w_q, w_scale, out, groups)
+
+
+def quantized_value_launch(
+    x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor, groups: int
+) -> None:
+    """:func:`dequantized_launch` on the unquantized activation x [M, G·K] (bf16/fp32): ``x̂`` comes from one
+    quantize-and-dequantize launch (``quant.quantized_values``), its codes never stored (4 bytes an element moved
+    instead of 6 for the quantizer and the dequantizer after it)."""
+    x_hat = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+    quant.quantized_values(x, x_hat)
+    _bf16_product(x_hat, w_q, w_scale, out, groups)
+
+
+def _bf16_product(
+    x_hat: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor, groups: int
+) -> None:
+    (m, n), k = out.shape, w_q.shape[1]
     w_hat = torch.empty(w_q.shape, dtype=torch.bfloat16, device=w_q.device)
     quant.dequantize_fp8_block(w_q, w_scale, w_hat)
     if groups == 1:

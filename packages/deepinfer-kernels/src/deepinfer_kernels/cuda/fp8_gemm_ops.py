@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer_kernels.cuda._launch import check_launchable
-from deepinfer_kernels.cuda.gemm import fp8_block_launch, quantized_activation
+from deepinfer_kernels.cuda.gemm import fp8_block_activation_launch, fp8_block_launch
 from deepinfer_kernels.cuda.gemm_tiles import BlockConfig
 
 __all__ = ["fp8_block_gemm_quantized", "fp8_block_grouped_gemm"]
@@ -31,8 +31,7 @@ def fp8_block_grouped_gemm(
         config: tiles to use instead of ``gemm_tiles.block_config``'s (tuning).
     """
     check_launchable(x=x, w_q=w_q, w_scale=w_scale, out=out)
-    q, q_scale = quantized_activation(x)
-    fp8_block_launch(q, q_scale, w_q, w_scale, out, groups=x.shape[1] // w_q.shape[1], config=config)
+    fp8_block_activation_launch(x, w_q, w_scale, out, groups=x.shape[1] // w_q.shape[1], config=config)
 
 
 def fp8_block_gemm_quantized(

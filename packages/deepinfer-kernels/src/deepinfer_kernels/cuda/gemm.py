@@ -38,7 +38,7 @@ import triton.language as tl
 
 from deepinfer_kernels.cuda import quant
 from deepinfer_kernels.cuda._launch import check_launchable
-from deepinfer_kernels.cuda.dequantized_gemm import dequantized_launch
+from deepinfer_kernels.cuda.dequantized_gemm import dequantized_launch, quantized_value_launch
 from deepinfer_kernels.cuda.gemm_decodings import dot_scaled_tiles, group_tiles, swapped_tiles
 from deepinfer_kernels.cuda.gemm_operands import (
     chunk_range,
@@ -57,6 +57,7 @@ from deepinfer_kernels.cuda.gemv import fp8_gemv_kernel, mxfp4_gemv_kernel
 __all__ = [
     "activation_for",
     "deinterleaved_activation",
+    "fp8_block_activation_launch",
     "fp8_block_gemm",
     "fp8_block_launch",
     "gemv_rows",
@@ -489,8 +490,26 @@ def fp8_block_gemm(
         config: tiles to use instead of ``gemm_tiles.block_config``'s (tuning).
     """
     check_launchable(x=x, w_q=w_q, w_scale=w_scale, out=out)
+    fp8_block_activation_launch(x, w_q, w_scale, out, config=config)
+
+
+def fp8_block_activation_launch(
+    x: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    out: torch.Tensor,
+    groups: int = 1,
+    config: BlockConfig | None = None,
+) -> None:
+    """:func:`fp8_block_launch` on the unquantized activation x [M, groups·K] (bf16/fp32, contiguous): the
+    ``dequant_bf16`` decoding takes ``x̂`` from one quantize-and-dequantize launch, the others the quantizer's codes."""
+    (m, n), k = out.shape, w_q.shape[1]
+    cfg = config or block_config("fp8_block_gemm", m, n, k)
+    if cfg.decoding == "dequant_bf16":
+        quantized_value_launch(x, w_q, w_scale, out, groups)
+        return
     q, q_scale = quantized_activation(x)
-    fp8_block_launch(q, q_scale, w_q, w_scale, out, config=config)
+    fp8_block_launch(q, q_scale, w_q, w_scale, out, groups, config=cfg)
 
 
 def mxfp4_gemm(

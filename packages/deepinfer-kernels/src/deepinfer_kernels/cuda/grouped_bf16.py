@@ -1,17 +1,16 @@
 """Grouped MXFP4 GEMM for many rows per expert (prefill) on BF16 operands: decoding ``"swap_bf16"``
 (docs/design/kernels.md, "GEMM tiles and split-K").
 
-One launch quantizes the activation as for every decoding (the per-token-group quantizer's ``fp8_token_groups``) and
-writes its exact dequantization ``x̂`` as a BF16 copy in the expert-sorted row order of the tile tables, each 32-column
-group's columns in the order the weight operand's decoding produces them (``gemm_operands.word_pair_columns``); the
-codes never reach memory. A tile's rows are then consecutive rows of that
-copy, read without a gather or any decoding. The weight is decoded per K step into scaled BF16 straight into the
-registers of the MMA's first operand (``gemm_decodings.swapped_weight``, the ``swap_ab`` decoding's), and the tile
-``[BLOCK_N, BLOCK_M] = Ŵ·x̂ᵀ`` sums the whole K in the MMA's FP32 accumulator. So there is no per-group scaling, which
-``group_fp8`` pays for with two FP32 operations per output and 32 columns (as many as the FP8 MMA's rate leaves room
-for), and every sum is FP32 (no 13-bit FP8 group sums). Products are exact, so only the FP32 summation order differs
-from the reference. The cost: the BF16 copy (2 bytes per routed row and column, written once and read once per N tile)
-and BF16 instead of FP8 MMAs.
+One launch (``quant.quantized_values``) quantizes the activation as for every decoding and writes its exact
+dequantization ``x̂`` as a BF16 copy in the expert-sorted row order of the tile tables, each 32-column group's columns
+in the order the weight operand's decoding produces them (``gemm_operands.word_pair_columns``); the codes never reach
+memory. A tile's rows are then consecutive rows of that copy, read without a gather or any decoding. The weight is
+decoded per K step into scaled BF16 straight into the registers of the MMA's first operand
+(``gemm_decodings.swapped_weight``, the ``swap_ab`` decoding's), and the tile ``[BLOCK_N, BLOCK_M] = Ŵ·x̂ᵀ`` sums the
+whole K in the MMA's FP32 accumulator. So there is no per-group scaling, which ``group_fp8`` pays for with two FP32
+operations per output and 32 columns (as many as the FP8 MMA's rate leaves room for), and every sum is FP32 (no 13-bit
+FP8 group sums). Products are exact, so only the FP32 summation order differs from the reference. The cost: the BF16
+copy (2 bytes per routed row and column, written once and read once per N tile) and BF16 instead of FP8 MMAs.
 
 Under ``TRITON_INTERPRET=1`` the weight decodes to FP32 (``swapped_weight``) and the copy is widened to FP32 for the
 dot: the same values.
@@ -26,33 +25,13 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_kernels.cuda._formats import e4m3_decode, fp8_token_groups, to_output_dtype, ue8m0_decode
+from deepinfer_kernels.cuda._formats import to_output_dtype
 from deepinfer_kernels.cuda.gemm_decodings import swapped_weight, swapped_weight_pointers
-from deepinfer_kernels.cuda.gemm_operands import dot_in_bf16, native_fp8, operand, word_pair_columns
+from deepinfer_kernels.cuda.gemm_operands import dot_in_bf16, native_fp8, operand
 from deepinfer_kernels.cuda.gemm_tiles import BlockConfig
-from deepinfer_kernels.cuda.quant import group_tile
+from deepinfer_kernels.cuda.quant import quantized_values
 
 __all__ = ["sorted_bf16_activation", "swap_bf16_launch"]
-
-_ROWS_PER_PROGRAM = 16
-_GROUPS_PER_PROGRAM = 8
-
-
-@triton.jit
-def _sorted_activation_kernel(  # type: ignore[no-untyped-def]
-    x_ptr, order_ptr, xs_ptr, M, groups, stride_x, stride_xs, BLOCK_ROWS: tl.constexpr, BLOCK_GROUPS: tl.constexpr
-):
-    # xs[p, 32g + c] = x̂[order[p], 32g + word_pair_columns(32)[c]] in BF16, for BLOCK_ROWS positions and BLOCK_GROUPS
-    # groups: a group's amax and codes do not depend on the order its columns are read in.
-    positions, g, columns, in_rows, mask = group_tile(M, groups, 32, BLOCK_ROWS, BLOCK_GROUPS)
-    rows = tl.load(order_ptr + positions, mask=in_rows, other=0).to(tl.int64)
-    source = g[:, None] * 32 + word_pair_columns(32)[None, :]
-    x = tl.load(x_ptr + rows[:, None, None] * stride_x + source[None, :, :], mask=mask, other=0.0).to(tl.float32)
-    codes, scale_bytes = fp8_token_groups(tl.reshape(x, (BLOCK_ROWS * BLOCK_GROUPS, 32)))
-    value = tl.reshape(e4m3_decode(codes) * ue8m0_decode(scale_bytes)[:, None], (BLOCK_ROWS, BLOCK_GROUPS, 32))
-    tl.store(
-        xs_ptr + positions[:, None, None] * stride_xs + columns[None, :, :], to_output_dtype(value, xs_ptr), mask=mask
-    )
 
 
 @triton.jit
@@ -95,16 +74,10 @@ def _swap_bf16_kernel(  # type: ignore[no-untyped-def]
 
 def sorted_bf16_activation(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     """The BF16 copy ``swap_bf16`` tiles read: row ``p`` is ``x̂[order[p]]`` (x [M, K] bf16/fp32 with unit column
-    stride, quantized per token and 32 columns as ``quantize_fp8_per_token_group`` does, and dequantized exactly) with
-    each 32-column group's columns in ``word_pair_columns`` order; order [M] from the tile tables."""
-    m, k = x.shape
-    groups = k // 32
-    xs = torch.empty((m, k), dtype=torch.bfloat16, device=x.device)
-    grid = (triton.cdiv(m, _ROWS_PER_PROGRAM), triton.cdiv(groups, _GROUPS_PER_PROGRAM))
-    _sorted_activation_kernel[grid](
-        x, order, xs, m, groups, x.stride(0), xs.stride(0),
-        BLOCK_ROWS=_ROWS_PER_PROGRAM, BLOCK_GROUPS=_GROUPS_PER_PROGRAM, num_warps=8,
-    )  # fmt: skip
+    stride, quantized per token and 32 columns and dequantized exactly, ``quant.quantized_values``) with each
+    32-column group's columns in ``word_pair_columns`` order; order [M] from the tile tables."""
+    xs = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+    quantized_values(x, xs, order=order, word_pairs=True)
     return xs
 
 

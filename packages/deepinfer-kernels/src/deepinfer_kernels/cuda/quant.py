@@ -25,6 +25,7 @@ from deepinfer_kernels.cuda._formats import (
     ue8m0_decode,
 )
 from deepinfer_kernels.cuda._launch import check_launchable
+from deepinfer_kernels.cuda.gemm_operands import word_pair_columns
 
 __all__ = [
     "dequantize_fp8_block",
@@ -33,6 +34,7 @@ __all__ = [
     "quantize_fp8_block",
     "quantize_fp8_per_token_group",
     "quantize_mxfp4",
+    "quantized_values",
 ]
 
 _BLOCK = 32
@@ -108,6 +110,26 @@ def _quantize_group_kernel(  # type: ignore[no-untyped-def]
     scale_mask = row_mask[:, None] & (g < groups)[None, :]
     scale_bytes = tl.reshape(scale_bytes, (BLOCK_ROWS, BLOCK_GROUPS))
     tl.store(scale_ptr + r[:, None] * stride_scale + g[None, :], scale_bytes, mask=scale_mask)
+
+
+@triton.jit
+def _quantized_values_kernel(  # type: ignore[no-untyped-def]
+    x_ptr, order_ptr, out_ptr, rows, groups, stride_x, stride_out,
+    BLOCK_ROWS: tl.constexpr, BLOCK_GROUPS: tl.constexpr, GATHER: tl.constexpr, WORD_PAIRS: tl.constexpr,
+):  # fmt: skip
+    # out[p, 32g + c] = x̂[source row, 32g + column c]: the source row order[p] (GATHER) or p, the column c or
+    # word_pair_columns(32)[c] (WORD_PAIRS). A group's amax and codes do not depend on the order of its columns.
+    r, g, c, row_mask, mask = group_tile(rows, groups, 32, BLOCK_ROWS, BLOCK_GROUPS)
+    source = r
+    if GATHER:
+        source = tl.load(order_ptr + r, mask=row_mask, other=0).to(tl.int64)
+    columns = c
+    if WORD_PAIRS:
+        columns = g[:, None] * 32 + word_pair_columns(32)[None, :]
+    x = tl.load(x_ptr + source[:, None, None] * stride_x + columns[None, :, :], mask=mask, other=0.0).to(tl.float32)
+    codes, scale_bytes = fp8_token_groups(tl.reshape(x, (BLOCK_ROWS * BLOCK_GROUPS, 32)))
+    value = tl.reshape(e4m3_decode(codes) * ue8m0_decode(scale_bytes)[:, None], (BLOCK_ROWS, BLOCK_GROUPS, 32))
+    tl.store(out_ptr + r[:, None, None] * stride_out + c[None, :, :], to_output_dtype(value, out_ptr), mask=mask)
 
 
 @triton.jit
@@ -229,6 +251,30 @@ def quantize_fp8_per_token_group(
     _quantize_group_kernel[grid](
         x, _bytes(q), _bytes(scale), rows, groups, x.stride(0), q.stride(0), scale.stride(0),
         GROUP=cols // groups, BLOCK_ROWS=_ROWS_PER_PROGRAM, BLOCK_GROUPS=per_program, DEINTERLEAVE=deinterleave,
+        num_warps=_warps(per_program),
+    )  # fmt: skip
+
+
+def quantized_values(
+    x: torch.Tensor, out: torch.Tensor, *, order: torch.Tensor | None = None, word_pairs: bool = False
+) -> None:
+    """Triton ``x̂``: the per-token 32-column e4m3 quantization of :func:`quantize_fp8_per_token_group` and its exact
+    dequantization (``dequantize_fp8_per_token_group``) in one launch, the codes never stored; the tiles of
+    :func:`quantize_fp8_per_token_group`.
+
+    Args:
+        x: [R, K] bf16/fp16/fp32, unit column stride, ``K % 32 == 0``.
+        out: [M, K] bf16/fp32, unit column stride; written. Row p is ``x̂[order[p]]``, else ``x̂[p]`` (M = R).
+        order: [M] int64 source rows, or None.
+        word_pairs: each 32-column group's columns in ``gemm_operands.word_pair_columns`` order (the ``swap_bf16``
+            decoding's), else in column order.
+    """
+    check_launchable(x=x, out=out)
+    rows, cols = out.shape
+    grid, per_program = _group_grid(rows, cols // 32)
+    _quantized_values_kernel[grid](
+        x, order if order is not None else x, out, rows, cols // 32, x.stride(0), out.stride(0),
+        BLOCK_ROWS=_ROWS_PER_PROGRAM, BLOCK_GROUPS=per_program, GATHER=order is not None, WORD_PAIRS=word_pairs,
         num_warps=_warps(per_program),
     )  # fmt: skip
 
