@@ -36,8 +36,8 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from deepinfer_kernels.cuda.gemm import _fp8_block_kernel, mxfp4_kernel
 from deepinfer_kernels.cuda.gemm_tiles import DECODINGS, decodings
 from deepinfer_kernels.cuda.gemv import fp8_gemv_kernel, mxfp4_gemv_kernel
-from deepinfer_kernels.cuda.grouped_bf16 import _swap_bf16_kernel
 from deepinfer_kernels.cuda.grouped_wgmma import _grouped_wgmma_kernel, gluon_constexprs
+from deepinfer_kernels.cuda.swap_bf16 import _swap_bf16_kernel
 
 TARGET = GPUTarget("cuda", 90, 32)
 POINTER_TYPES = {"out_ptr": "*bf16", "partial_ptr": "*fp32", "counter_ptr": "*i32", "xs_ptr": "*bf16"}
@@ -65,14 +65,15 @@ CLASSES = {
 def variants() -> list[dict[str, Any]]:
     """(name, kernel, constexprs, warps, weight elements per thread per K step) of each counted variant: the
     decode-size tiles of the scaled preset's GEMMs (16 × 64 MMA tiles, 2-row FMA tiles with 32 weight rows) and the
-    grouped GEMM's 16 × 128 tiles, its 8 × 128 swap_fp8 tile, the Gluon kernel's 8 × 64 tiles (gluon_fp8) and the BF16
-    grouped kernel's 128 × 128 prefill tile (swap_bf16, 8 warps)."""
+    grouped GEMM's 16 × 128 tiles, its 8 × 128 swap_fp8 tile, the Gluon kernel's 8 × 64 tiles (gluon_fp8), and the
+    BF16 kernel's tiles (swap_bf16, 8 warps): the grouped 128 × 128 prefill tile, the dense FP8 128 × 128 and 256 × 128
+    ones."""
     mma = {"SPLIT_GRID": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "DOT_BF16": True, "NATIVE_FP8": True}
     gemv = {"SPLIT_GRID": True, "ROWS": 2, "BLOCK_N": 32, "BLOCK_K": 128, "NATIVE_FP8": True, "E4M3_BIAS": 0}
     out: list[dict[str, Any]] = []
     for decoding in DECODINGS:
         if decoding in ("gluon_fp8", "dequant_bf16", "swap_bf16"):
-            continue  # kernels of their own (cuda.grouped_wgmma, cuda.grouped_bf16), below; cuBLAS
+            continue  # kernels of their own (cuda.grouped_wgmma, cuda.swap_bf16), below; cuBLAS
         grouped = {**mma, "GROUPED": True, "DECODING": decoding, "SCAN": False}
         out.append({"name": f"mxfp4 grouped MMA {decoding}", "kernel": mxfp4_kernel, "constexprs": grouped})
         if decoding in decodings("fp8_block_gemm"):
@@ -100,11 +101,13 @@ def variants() -> list[dict[str, Any]]:
                 "constexprs": gluon_constexprs(scan=False, even=True, block_m=8, block_k=block_k, num_warps=4),
             }
         )
-    # The prefill tile of the BF16 grouped kernel on even shapes (its weight words as vectors, no K masks).
+    # The BF16 kernel's tiles on even shapes (weight loads as vectors, no K masks): the grouped prefill tile, and the
+    # dense FP8 GEMM's at 128 and 256 rows.
     bf16 = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "DOT_BF16": True, "NATIVE": True, "EVEN": True}
-    out.append(
-        {"name": "mxfp4 grouped 128x128 k64 swap_bf16", "kernel": _swap_bf16_kernel, "constexprs": bf16, "warps": 8}
-    )
+    for grouped, block_m in ((True, 128), (False, 128), (False, 256)):
+        name = f"{'mxfp4 grouped' if grouped else 'fp8'} {block_m}x128 k64 swap_bf16"
+        constexprs = {**bf16, "GROUPED": grouped, "BLOCK_M": block_m}
+        out.append({"name": name, "kernel": _swap_bf16_kernel, "constexprs": constexprs, "warps": 8})
     for v in out:
         c = v["constexprs"]
         v.setdefault("warps", 4)

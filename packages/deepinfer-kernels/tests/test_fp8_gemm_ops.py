@@ -151,3 +151,36 @@ def test_dequantized_bf16_launches_meet_the_bound(triton_device: str) -> None:
     implementation("fp8_block_gemm_quantized", Backend.REFERENCE)(q, q_scale, w_q, w_scale, ref)
     w_hat = dk.dequantize_fp8_block(w_q, w_scale, out_dtype=torch.float32)
     assert_gemm_close(fast.cpu(), ref, abs_product(dequantized_activation(x[:, :k]), w_hat), k)
+
+
+@pytest.mark.parametrize(("groups", "n", "k"), [(1, 128, 256), (1, 70, 96), (3, 192, 96), (4, 512, 128)])
+def test_swap_bf16_fp8_tiles_meet_the_bound_and_read_codes_as_the_activation(
+    triton_device: str, groups: int, n: int, k: int
+) -> None:
+    """``swap_bf16`` for the FP8 block GEMM (the weight decoded into the MMA's first operand, x̂ as a BF16 copy, K in
+    the MMA's FP32 accumulator): within the reference's bound dense (BF16 output) and grouped (FP32 output), with
+    whole tiles (no masks but the rows') and partial N and K steps, 37 rows over three row tiles; the launch on the
+    activation's codes gives the same bits as the one on the activation."""
+    from deepinfer_kernels.cuda.gemm import fp8_block_activation_launch, fp8_block_launch
+    from deepinfer_kernels.cuda.gemm_tiles import BlockConfig
+
+    cfg = BlockConfig(16, 64, num_warps=4, num_stages=2, split_grid=False, block_k=64, decoding="swap_bf16")
+    m = 37
+    x = _activation(m, groups * k, seed=n + k, dtype=torch.bfloat16)
+    w_q, w_scale = _weight(n, k, seed=n + k + 1)
+    out_dtype = torch.bfloat16 if groups == 1 else torch.float32
+    inputs = [t.to(triton_device) for t in (x, w_q, w_scale)]
+    from_x = torch.empty(m, n, dtype=out_dtype, device=triton_device)
+    fp8_block_activation_launch(inputs[0], *inputs[1:], from_x, groups=groups, config=cfg)
+    q, q_scale = (t.view(torch.uint8) for t in dk.quantize_fp8_per_token_group(inputs[0]))
+    from_codes = torch.empty_like(from_x)
+    fp8_block_launch(q, q_scale, *inputs[1:], from_codes, groups=groups, config=cfg)
+    assert torch.equal(from_codes, from_x)
+    ref = torch.empty(m, n, dtype=out_dtype)
+    if groups == 1:
+        implementation("fp8_block_gemm", Backend.REFERENCE)(x, w_q, w_scale, ref)
+    else:
+        implementation("fp8_block_grouped_gemm", Backend.REFERENCE)(x, w_q, w_scale, ref)
+    dense = _block_diagonal(dk.dequantize_fp8_block(w_q, w_scale).double(), groups)
+    bound = abs_product(dequantized_activation(x), dense)
+    assert_gemm_close(from_x.cpu(), ref, bound, k, significant_bits=8 if groups == 1 else 24)

@@ -80,7 +80,8 @@ def test_measured_entries_win_over_the_default() -> None:
 def test_weight_first_tiles_are_mxfp4_candidates_only() -> None:
     """``swap_ab`` is an MXFP4 kernel's decoding, never the FP8 GEMM's; the grouped GEMM tries it at few rows per
     expert (the dense MXFP4 GEMM's 1-2 rows take the FMA kernel)."""
-    assert set(DECODINGS) - set(decodings("fp8_block_gemm")) == {"swap_ab", "gluon_fp8", "swap_bf16"}
+    assert set(DECODINGS) - set(decodings("fp8_block_gemm")) == {"swap_ab", "gluon_fp8"}
+    assert set(DECODINGS) - set(decodings("mxfp4_gemm")) == {"gluon_fp8", "dequant_bf16", "swap_bf16"}
     assert set(DECODINGS) - set(decodings("mxfp4_grouped_gemm")) == {"dequant_bf16"}
     for op in OPS:
         has_swap = any(c.decoding == "swap_ab" for c in candidate_configs(op, 1))
@@ -125,13 +126,15 @@ def test_dequantized_bf16_is_an_fp8_candidate_for_many_rows_only() -> None:
         BlockConfig(128, 128, num_warps=8, num_stages=1, split_grid=True, decoding="dequant_bf16")
 
 
-def test_bf16_grouped_tiles_are_prefill_candidates_of_the_grouped_gemm_only() -> None:
-    """``swap_bf16`` (a BF16 copy of the activation in expert order) pays for its copy only with many rows per expert:
-    a grouped candidate beyond 16 rows, never split, its weight rows the wgmma's 64-row side."""
+def test_bf16_swap_tiles_are_candidates_of_many_rows() -> None:
+    """``swap_bf16`` (a BF16 copy of the activation, in expert order for the grouped GEMM) pays for its copy only with
+    many rows per weight: a grouped candidate beyond 16 rows, an FP8 one beyond 64, never the dense MXFP4 GEMM's;
+    never split, its weight rows the wgmma's 64-row side."""
+    fewest = {"mxfp4_grouped_gemm": 17, "fp8_block_gemm": 65}
     for op in OPS:
-        for rows in (1, 16, 17, 64, 256, 8192):
+        for rows in (1, 16, 17, 64, 65, 256, 8192):
             found = [c for c in candidate_configs(op, rows) if c.decoding == "swap_bf16"]
-            assert bool(found) == (op == "mxfp4_grouped_gemm" and rows > 16)
+            assert bool(found) == (op in fewest and rows >= fewest[op])
             assert all(not c.split_grid and c.block_n % (16 * c.num_warps) == 0 for c in found)
     with pytest.raises(ValueError, match="swap_bf16"):
         BlockConfig(64, 128, num_warps=8, num_stages=3, split_grid=True, decoding="swap_bf16")

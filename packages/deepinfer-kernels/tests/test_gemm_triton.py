@@ -112,7 +112,7 @@ def test_sorted_bf16_activation_is_the_dequantized_activation_reordered(triton_d
     """``swap_bf16``'s copy, quantized and dequantized in one launch, holds exactly the quantizer's x̂ (bit for bit)
     with its rows in the tables' order and each group's columns in ``word_pair_columns`` order; 37 rows (a partial
     row tile) of 10 groups (a partial group tile), rows of very different magnitudes."""
-    from deepinfer_kernels.cuda.grouped_bf16 import sorted_bf16_activation
+    from deepinfer_kernels.cuda.swap_bf16 import sorted_bf16_activation
 
     rows, k = 37, 320
     x = _activation(rows, k, seed=19, dtype=dtype) * torch.logspace(-6, 6, rows)[:, None].to(dtype)

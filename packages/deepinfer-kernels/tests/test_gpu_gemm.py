@@ -157,20 +157,31 @@ def test_fp8_block_gemm_quantized_gpu_equals_fp8_block_gemm(m: int) -> None:
 _DEQUANT_BF16 = BlockConfig(128, 128, num_warps=8, num_stages=1, split_grid=False, decoding="dequant_bf16")
 
 
+# The FP8 block GEMM's BF16 paths: the cuBLAS GEMM on both operands dequantized, and the weight decoded in the MMA's
+# registers against x̂ (cuda.swap_bf16) in a 64-, 128- and 256-row tile.
+_BF16_FP8 = [
+    _DEQUANT_BF16,
+    BlockConfig(64, 128, num_warps=8, num_stages=3, split_grid=False, block_k=64, decoding="swap_bf16"),
+    BlockConfig(128, 128, num_warps=8, num_stages=3, split_grid=False, block_k=64, decoding="swap_bf16"),
+    BlockConfig(256, 128, num_warps=8, num_stages=3, split_grid=False, block_k=64, decoding="swap_bf16"),
+]
+
+
+@pytest.mark.parametrize("cfg", _BF16_FP8, ids=lambda c: f"{c.decoding}-m{c.block_m}")
 @pytest.mark.parametrize("m", [300, 4096])
-def test_dequantized_bf16_fp8_gemms_meet_the_fp32_bound(m: int) -> None:
-    """The cuBLAS path (both operands dequantized into BF16, one GEMM, FP32 sums, FP32 result rounded once) meets the
-    FP32 accumulation bound on random inputs, with no FP8-MMA term: dense with a BF16 output and grouped (wo_a's 8
-    groups of [1024, 4096]) with an FP32 one."""
+def test_bf16_fp8_gemms_meet_the_fp32_bound(m: int, cfg: BlockConfig) -> None:
+    """The BF16 paths (exact BF16 operands, FP32 sums, FP32 result rounded once) meet the FP32 accumulation bound on
+    random inputs, with no FP8-MMA term: dense with a BF16 output and grouped (wo_a's 8 groups of [1024, 4096]) with
+    an FP32 one."""
     x = _activation(m, seed=m + 40)
     w_q = (_bytes((4096, _K), seed=m + 41) & 0xF7).view(torch.float8_e4m3fn)
     w_scale = _bytes((4096 // 32, _K // 32), m + 42, 118, 127).view(torch.float8_e8m0fnu)
     fast = torch.zeros(m, 4096, dtype=torch.bfloat16, device="cuda")
-    implementation("fp8_block_gemm", Backend.NVIDIA)(x, w_q, w_scale, fast, config=_DEQUANT_BF16)
+    implementation("fp8_block_gemm", Backend.NVIDIA)(x, w_q, w_scale, fast, config=cfg)
     ref = _run("fp8_block_gemm", Backend.REFERENCE, m, 4096, x, w_q, w_scale)
     w_hat = dk.dequantize_fp8_block(w_q, w_scale, out_dtype=torch.float32)
-    assert_gemm_close(fast, ref, abs_product(dequantized_activation(x), w_hat), _K)
-    _check_grouped_wo_a(m, (m + 43, m + 44, m + 45), config=_DEQUANT_BF16)
+    assert_gemm_close(fast, ref, abs_product(dequantized_activation(x), w_hat), _K, what=cfg.decoding)
+    _check_grouped_wo_a(m, (m + 43, m + 44, m + 45), config=cfg)
 
 
 def test_dequantized_bf16_replays_in_a_cuda_graph() -> None:

@@ -10,6 +10,8 @@ sums FP32, so the contract is the other decodings' (only the FP32 summation orde
 
 What it costs beyond the GEMM: the weight is read as FP8 and written and read again as BF16 (5 bytes an element
 instead of 1), which only many rows per weight (prefill) repay, and the two BF16 copies live for the call.
+The activation's copy ``x̂`` is also the operand of the ``swap_bf16`` decoding (``cuda.swap_bf16``), which decodes
+the weight in its own registers instead.
 Under ``TRITON_INTERPRET=1`` (CPU tensors) the BF16 operands are widened to FP32 (exact) for an FP32 GEMM.
 """
 
@@ -19,7 +21,7 @@ import torch
 
 from deepinfer_kernels.cuda import quant
 
-__all__ = ["dequantized_launch", "quantized_value_launch"]
+__all__ = ["bf16_product", "dequantized_activation", "quantized_value_activation"]
 
 
 def _fp32_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -30,31 +32,26 @@ def _fp32_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.matmul(a.float(), b.float())
 
 
-def dequantized_launch(
-    q: torch.Tensor, q_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor, groups: int
-) -> None:
-    """``out = x̂ · Ŵᵀ`` on BF16 copies of both operands (``cuda.gemm.fp8_block_launch``'s arguments: q [M, G·K] and
-    q_scale [M, G·K/32] uint8 codes and scale bytes, w_q [N, K] e4m3 and w_scale [N/32, K/32] UE8M0, out [M, N] bf16
-    or fp32; ``groups`` G > 1: weight rows ``g·N/G …`` multiply activation columns ``g·K …``)."""
+def dequantized_activation(q: torch.Tensor, q_scale: torch.Tensor) -> torch.Tensor:
+    """``x̂`` [M, K] BF16 of the codes q [M, K] and scale bytes q_scale [M, K/32] (uint8, unit column strides)."""
     x_hat = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
     quant.dequantize_fp8_per_token_group(q, q_scale, x_hat)
-    _bf16_product(x_hat, w_q, w_scale, out, groups)
+    return x_hat
 
 
-def quantized_value_launch(
-    x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor, groups: int
-) -> None:
-    """:func:`dequantized_launch` on the unquantized activation x [M, G·K] (bf16/fp32): ``x̂`` comes from one
-    quantize-and-dequantize launch (``quant.quantized_values``), its codes never stored (4 bytes an element moved
-    instead of 6 for the quantizer and the dequantizer after it)."""
+def quantized_value_activation(x: torch.Tensor) -> torch.Tensor:
+    """``x̂`` [M, K] BF16 of the unquantized activation x [M, K] (bf16/fp32) from one quantize-and-dequantize launch
+    (``quant.quantized_values``), its codes never stored (4 bytes an element moved instead of 6 for the quantizer
+    and the dequantizer after it)."""
     x_hat = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
     quant.quantized_values(x, x_hat)
-    _bf16_product(x_hat, w_q, w_scale, out, groups)
+    return x_hat
 
 
-def _bf16_product(
-    x_hat: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor, groups: int
-) -> None:
+def bf16_product(x_hat: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor, groups: int) -> None:
+    """``out = x̂ · Ŵᵀ`` with ``Ŵ`` dequantized into a BF16 copy, one cuBLAS GEMM (x_hat [M, G·K] BF16, w_q [N, K]
+    e4m3 and w_scale [N/32, K/32] UE8M0, out [M, N] bf16 or fp32; ``groups`` G > 1: weight rows ``g·N/G …``
+    multiply columns ``g·K …`` of x_hat)."""
     (m, n), k = out.shape, w_q.shape[1]
     w_hat = torch.empty(w_q.shape, dtype=torch.bfloat16, device=w_q.device)
     quant.dequantize_fp8_block(w_q, w_scale, w_hat)

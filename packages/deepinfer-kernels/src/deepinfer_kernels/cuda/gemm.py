@@ -38,7 +38,7 @@ import triton.language as tl
 
 from deepinfer_kernels.cuda import quant
 from deepinfer_kernels.cuda._launch import check_launchable
-from deepinfer_kernels.cuda.dequantized_gemm import dequantized_launch, quantized_value_launch
+from deepinfer_kernels.cuda.dequantized_gemm import bf16_product, dequantized_activation, quantized_value_activation
 from deepinfer_kernels.cuda.gemm_decodings import dot_scaled_tiles, group_tiles, swapped_tiles
 from deepinfer_kernels.cuda.gemm_operands import (
     chunk_range,
@@ -53,6 +53,7 @@ from deepinfer_kernels.cuda.gemm_operands import (
 )
 from deepinfer_kernels.cuda.gemm_tiles import BlockConfig, block_config, chunk_length, decodings
 from deepinfer_kernels.cuda.gemv import fp8_gemv_kernel, mxfp4_gemv_kernel
+from deepinfer_kernels.cuda.swap_bf16 import fp8_swap_bf16_launch
 
 __all__ = [
     "activation_for",
@@ -305,7 +306,7 @@ def deinterleaved_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 def activation_for(x: torch.Tensor, cfg: BlockConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """The activation codes an MXFP4 launch with tiles ``cfg`` reads: in column order for the FMA kernels,
     ``tl.dot_scaled`` and ``swap_ab``, de-interleaved per group for ``mxfp4_kernel``'s other decodings (``swap_bf16``
-    quantizes the activation itself, ``cuda.grouped_bf16``)."""
+    quantizes the activation itself, ``cuda.swap_bf16``)."""
     in_order = cfg.gemv or cfg.decoding in ("dot_scaled", "swap_ab")
     return quantized_activation(x) if in_order else deinterleaved_activation(x)
 
@@ -416,6 +417,19 @@ def mxfp4_launch(
     )
 
 
+# The FP8 block GEMM's decodings on the activation's BF16 dequantization x̂ rather than on its codes.
+_ON_X_HAT = ("dequant_bf16", "swap_bf16")
+
+
+def _x_hat_launch(
+    x_hat: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor, groups: int, cfg: BlockConfig
+) -> None:
+    if cfg.decoding == "dequant_bf16":
+        bf16_product(x_hat, w_q, w_scale, out, groups)
+    else:
+        fp8_swap_bf16_launch(x_hat, w_q, w_scale, out, groups, cfg)
+
+
 def fp8_block_launch(
     q: torch.Tensor,
     q_scale: torch.Tensor,
@@ -437,8 +451,8 @@ def fp8_block_launch(
     cfg = config or block_config("fp8_block_gemm", m, n, k)
     if cfg.decoding not in decodings("fp8_block_gemm"):
         raise ValueError(f"the FP8 block GEMM has the decodings {decodings('fp8_block_gemm')}, not {cfg.decoding!r}")
-    if cfg.decoding == "dequant_bf16":
-        dequantized_launch(q, q_scale, w_q, w_scale, out, groups)
+    if cfg.decoding in _ON_X_HAT:
+        _x_hat_launch(dequantized_activation(q, q_scale), w_q, w_scale, out, groups, cfg)
         return
     n_per_group = n // groups
     while groups > 1 and n_per_group % cfg.block_n:  # a tile must not straddle two groups
@@ -502,11 +516,12 @@ def fp8_block_activation_launch(
     config: BlockConfig | None = None,
 ) -> None:
     """:func:`fp8_block_launch` on the unquantized activation x [M, groups·K] (bf16/fp32, contiguous): the
-    ``dequant_bf16`` decoding takes ``x̂`` from one quantize-and-dequantize launch, the others the quantizer's codes."""
+    ``dequant_bf16`` and ``swap_bf16`` decodings take ``x̂`` from one quantize-and-dequantize launch, the others the
+    quantizer's codes."""
     (m, n), k = out.shape, w_q.shape[1]
     cfg = config or block_config("fp8_block_gemm", m, n, k)
-    if cfg.decoding == "dequant_bf16":
-        quantized_value_launch(x, w_q, w_scale, out, groups)
+    if cfg.decoding in _ON_X_HAT:
+        _x_hat_launch(quantized_value_activation(x), w_q, w_scale, out, groups, cfg)
         return
     q, q_scale = quantized_activation(x)
     fp8_block_launch(q, q_scale, w_q, w_scale, out, groups, config=cfg)

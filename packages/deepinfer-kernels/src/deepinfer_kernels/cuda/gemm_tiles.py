@@ -97,9 +97,10 @@ class BlockConfig:
       ``block_n`` is 16 rows per warp, ``block_m`` 8, 16 or 32, ``block_k`` 32 to 512, K in one program;
     - ``"dequant_bf16"`` (FP8 block GEMM only, many rows): both operands dequantized exactly into BF16 copies, then one
       cuBLAS BF16 GEMM with FP32 sums (``cuda.dequantized_gemm``); the tile fields are not used, ``split_grid`` is off;
-    - ``"swap_bf16"`` (grouped MXFP4 only, many rows per expert): ``swap_ab``'s weight operand against a BF16 copy of
-      the activation in expert order, K summed in the MMA's FP32 accumulator (``cuda.grouped_bf16``); ``block_n`` a
-      multiple of 16 × ``num_warps``, no ``split_grid``.
+    - ``"swap_bf16"`` (grouped MXFP4 and FP8 block, many rows per weight): the weight decoded into BF16 in the
+      registers of the MMA's first operand against a BF16 copy of the activation's dequantization (in expert order for
+      the grouped GEMM), K summed in the MMA's FP32 accumulator (``cuda.swap_bf16``); ``block_n`` a multiple of
+      16 × ``num_warps``, no ``split_grid``.
     """
 
     block_m: int
@@ -146,14 +147,14 @@ def _swap_on_wgmma(block_m: int, block_n: int, num_warps: int) -> bool:
 
 
 def decodings(op: str) -> tuple[str, ...]:
-    """The decodings ``op``'s MMA tiles have: ``"gluon_fp8"`` and ``"swap_bf16"`` only for the grouped MXFP4 GEMM,
-    ``"swap_ab"`` only for the MXFP4 GEMMs, ``"dequant_bf16"`` only for the FP8 block GEMM, every other one for all
-    three."""
+    """The decodings ``op``'s MMA tiles have: ``"gluon_fp8"`` only for the grouped MXFP4 GEMM, ``"swap_ab"`` only for
+    the MXFP4 GEMMs, ``"dequant_bf16"`` only for the FP8 block GEMM, ``"swap_bf16"`` for the grouped MXFP4 and the FP8
+    block GEMM, every other one for all three."""
     only = {
         "gluon_fp8": op == "mxfp4_grouped_gemm",
         "swap_ab": op.startswith("mxfp4"),
         "dequant_bf16": op == "fp8_block_gemm",
-        "swap_bf16": op == "mxfp4_grouped_gemm",
+        "swap_bf16": op in ("mxfp4_grouped_gemm", "fp8_block_gemm"),
     }
     return tuple(d for d in DECODINGS if only.get(d, True))
 
@@ -221,9 +222,9 @@ def default_config(op: str, rows: int) -> BlockConfig:
     return _DEQUANT_BF16 if op == "fp8_block_gemm" else _PREFILL_FP8_TILE
 
 
-def _bf16_grouped_candidates(tiles: tuple[tuple[int, int, int], ...]) -> list[BlockConfig]:
+def _bf16_swap_candidates(tiles: tuple[tuple[int, int, int], ...]) -> list[BlockConfig]:
     # BF16 weight-first tiles (block_m, block_n, warps) on a BF16 copy of the activation, K in the MMA's accumulator
-    # (cuda.grouped_bf16).
+    # (cuda.swap_bf16).
     return [_mma(m, n, warps, 3, split_grid=False, decoding="swap_bf16", block_k=64) for m, n, warps in tiles]
 
 
@@ -260,11 +261,13 @@ def candidate_configs(op: str, rows: int) -> list[BlockConfig]:
             more += _swap_candidates(rows)
         if op == "fp8_block_gemm":
             more.append(_DEQUANT_BF16)
+            # The FP8 weight decoded in registers against x̂: 90–251 registers, no spills (sm_90 cubin, num_stages 1).
+            more += _bf16_swap_candidates(((64, 128, 8), (128, 128, 8), (256, 128, 8), (64, 64, 4), (128, 64, 4)))
         if op == "mxfp4_grouped_gemm":
-            more += _bf16_grouped_candidates(((64, 128, 8), (128, 128, 8), (128, 64, 4), (64, 64, 4)))
+            more += _bf16_swap_candidates(((64, 128, 8), (128, 128, 8), (128, 64, 4), (64, 64, 4)))
         return out + [cfg for cfg in more if cfg not in out]
     if op == "mxfp4_grouped_gemm" and rows > 16:
-        out += _bf16_grouped_candidates(((32, 128, 8), (64, 128, 8), (32, 64, 4), (64, 64, 4)))
+        out += _bf16_swap_candidates(((32, 128, 8), (64, 128, 8), (32, 64, 4), (64, 64, 4)))
     shapes: tuple[tuple[int, int, int], ...]
     if default.gemv:
         shapes = ((32, 4, 2), (32, 4, 4), (64, 4, 3), (64, 8, 3), (16, 4, 3))
@@ -385,7 +388,7 @@ def _mma(
 # (kernels_gemm-gluon.json); buckets 2 and 16 take it.
 _GROUPED_GLUON_TILE = _mma(8, 64, 4, 1, split_grid=False, decoding="gluon_fp8", block_k=256)
 # About 128 rows per expert (an 8K-token prefill): the BF16 tensor cores on a BF16 copy of the activation in expert
-# order (swap_bf16, cuda.grouped_bf16), 9.5 against 18.6 ms (w13) and 5.0 against 9.4 ms (w2) for the fastest
+# order (swap_bf16, cuda.swap_bf16), 9.5 against 18.6 ms (w13) and 5.0 against 9.4 ms (w2) for the fastest
 # group_fp8 tile (kernels_gemm-swapbf16-prefill.json); the group_fp8 tiles had been 2.5x the scaled_bf16 default
 # (kernels_gemm-h200-prefill.json). Also the fastest tile at 32 and 64 rows per expert (2K- and 4K-token prefills):
 # 3.95 against 7.38 ms and 5.65 against 11.88 ms (w13), 2.16 against 3.97 and 3.08 against 6.17 ms (w2) for the

@@ -24,9 +24,9 @@ import triton
 from deepinfer_kernels.cuda._launch import check_launchable
 from deepinfer_kernels.cuda.gemm import activation_for, gemv_rows, mxfp4_launch
 from deepinfer_kernels.cuda.gemm_tiles import GROUPED_SPLIT_MAX_ROWS, BlockConfig, block_config, grouped_tile_rows
-from deepinfer_kernels.cuda.grouped_bf16 import swap_bf16_launch
 from deepinfer_kernels.cuda.grouped_tiles import MAX_ROWS, expert_tiles_one_launch
 from deepinfer_kernels.cuda.grouped_wgmma import available, grouped_wgmma_launch
+from deepinfer_kernels.cuda.swap_bf16 import swap_bf16_launch
 
 __all__ = ["expert_tiles", "mxfp4_grouped_gemm"]
 
@@ -113,7 +113,7 @@ def mxfp4_grouped_gemm(
         tables = (expert_tiles_one_launch if m <= MAX_ROWS else expert_tiles)(expert_ids, experts, rows)
         if derived is not None:
             derived[key] = tables
-    if cfg.decoding == "swap_bf16":  # quantizes x into a BF16 copy in the tables' row order (cuda.grouped_bf16)
+    if cfg.decoding == "swap_bf16":  # quantizes x into a BF16 copy in the tables' row order (cuda.swap_bf16)
         swap_bf16_launch(x, packed, scale, out, tables, cfg)
         return
     launch(*activation_for(x, cfg), packed, scale, out, tables, rows, cfg)
