@@ -26,7 +26,10 @@ def _triton(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, device: str) -
     return out.cpu()
 
 
-@pytest.mark.parametrize(("batches", "m", "n", "k"), [(1, 1, 5, 7), (2, 70, 65, 130), (3, 17, 130, 64), (1, 3, 1, 1)])
+@pytest.mark.parametrize(
+    ("batches", "m", "n", "k"),
+    [(1, 1, 5, 7), (2, 70, 65, 130), (3, 17, 130, 64), (1, 3, 1, 1), (1, 3, 40, 1090), (1, 70, 40, 1090)],
+)
 @pytest.mark.parametrize(
     ("in_dtype", "out_dtype"),
     [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float32, torch.float32)],
@@ -63,6 +66,38 @@ def test_a_tile_of_rows_has_the_same_bits_alone_and_in_any_batch(triton_device: 
         for start, stop in bounds:
             alone = _triton(a[:, start:stop], b, torch.float32, triton_device)
             assert torch.equal(alone, together[tile][:, start:stop]), (start, stop)
+
+
+@pytest.mark.parametrize("m", [3, 40])
+def test_k_chunks_as_programs_give_the_bits_of_one_program(
+    triton_device: str, m: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A one-batch product of few columns sums K in chunks (a weight's shape fixes them: K = 1,090 by 40 columns makes
+    three chunks of 320 and one of 130), each its own program, the chunk sums added in order by the tile's last
+    program; two batch entries run one program per tile over the same chunks. Both give the same bits, twice in a row
+    (the tickets are back to zero), and a product with none to split gives zeros."""
+    from deepinfer_kernels.cuda import invariant_matmul as module
+    from deepinfer_kernels.cuda.gemm_operands import split_counters
+
+    n, k = 40, 1090
+    assert module.k_chunk(n, k) == 320
+    split_launches: list[int] = []
+
+    def counting(device: torch.device, tiles: int) -> torch.Tensor:
+        split_launches.append(tiles)
+        return split_counters(device, tiles)
+
+    monkeypatch.setattr(module, "split_counters", counting)
+    a = random_normal((1, m, k), seed=m, dtype=torch.bfloat16)
+    b = random_normal((1, n, k), seed=m + 1, dtype=torch.bfloat16).transpose(1, 2)
+    split = [_triton(a, b, torch.float32, triton_device) for _ in range(2)]
+    assert split_launches == [1, 1] and not split_counters(torch.device(triton_device), 0).any()
+    batched = _triton(a.expand(2, m, k), b.expand(2, k, n), torch.float32, triton_device)
+    assert len(split_launches) == 2
+    assert (
+        torch.equal(split[0], split[1]) and torch.equal(split[0][0], batched[0]) and torch.equal(batched[0], batched[1])
+    )
+    assert torch.equal(_triton(a[..., :0], b[:, :0], torch.float32, triton_device), torch.zeros(1, m, n))
 
 
 def test_the_public_op_checks_its_inputs() -> None:

@@ -18,7 +18,7 @@ already and runs unchanged. FP64 inputs run unchanged.
 
 On accelerator tensors (CUDA) the mode routes differently: products (``PRODUCT_OPS``, and ``matmul``, ``einsum``,
 ``linear`` decomposed into them) run through ``invariant_products.invariant_matmul`` — one fixed-tile Triton GEMM
-with FP32 accumulation in a K order fixed by K alone — because FP64 GEMMs would cost far more than the step; the
+with FP32 accumulation in a K order fixed by (N, K) alone — because FP64 GEMMs would cost far more than the step; the
 reductions (``REDUCTION_OPS``) take the FP64 route above; elementwise transcendentals run unchanged (a CUDA
 elementwise kernel computes every element with the same device function, whatever the shape). The mode also sets
 :func:`invariant_kernels`, which makes the Triton kernels of the nvidia backend choose one tile configuration and

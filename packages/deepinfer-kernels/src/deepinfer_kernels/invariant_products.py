@@ -24,8 +24,8 @@ PRODUCT_OPS: frozenset[str] = frozenset({"mm", "bmm", "addmm", "baddbmm", "mv", 
 
 
 def invariant_matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``a @ b`` for [M, K] @ [K, N] or batched [B, M, K] @ [B, K, N], with FP32 accumulation in an order fixed by K
-    alone, rounded once to ``out_dtype`` (default: the promoted input dtype).
+    """``a @ b`` for [M, K] @ [K, N] or batched [B, M, K] @ [B, K, N], with FP32 accumulation in an order fixed by
+    (N, K) alone, rounded once to ``out_dtype`` (default: the promoted input dtype).
 
     Raises:
         TypeError: an input is not a tensor or not bf16/fp16/fp32, or ``out_dtype`` is none of those.

@@ -12,6 +12,13 @@ and K: the tensor-core instruction sums the same products into the same accumula
 side (the GPU tests check a row's bits alone and in batches of 64 and 130), and the FP32 path's FMA dots add the K
 products of an element one by one. Rows missing from a partial tile are loaded as zeros and touch no other row.
 
+K is summed in chunks whose length follows from (N, K) alone (:func:`k_chunk`): each chunk from zero in its K steps,
+then the chunk sums from zero in chunk order. A weight of few columns (the router's 384, three column tiles) gets
+chunks of 256 so that a product of few rows still has programs enough: up to 64 rows each chunk is a program of its
+own and each tile's last program adds the chunk sums in order (``gemm_operands.finish_tile``; one program streaming
+the router's 3.9 MB through 80 dependent K steps made its product latency-bound, 8 of them about 0.3 ms of a
+batch-1 step); beyond, one program adds them in the same order, so the bits are the same either way.
+
 BF16×BF16 and FP16×FP16 run on the tensor cores (exact products, FP32 accumulation); every other pair is computed
 as an FP32 ``tl.dot`` with ``input_precision="ieee"`` (what PyTorch's FP32 matmul does with TF32 off). Under
 ``TRITON_INTERPRET=1`` BF16 operands are widened to FP32 first (the interpreter multiplies BF16 bit patterns as
@@ -28,9 +35,10 @@ import triton
 import triton.language as tl
 
 from deepinfer_kernels.cuda._launch import check_launchable
+from deepinfer_kernels.cuda.gemm_operands import chunk_range, finish_tile, split_counters
 from deepinfer_kernels.platform import triton_interpreter_enabled
 
-__all__ = ["CONFIG", "ROW_TILES", "invariant_matmul"]
+__all__ = ["CONFIG", "ROW_TILES", "invariant_matmul", "k_chunk"]
 
 # The tiles: block_n columns of b (a weight's rows: the dot's M side) and block_k K steps per program. K steps of 64
 # keep the FP32 path's register tile small.
@@ -39,7 +47,25 @@ CONFIG = {"block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 3}
 # 64 rows in one pass over the weight (the LM head reads its 1.3 GB once per step).
 ROW_TILES = (16, 64)
 _MAX_GRID_Z = 65535
+# Programs a product should have (about two per SM of an H200), which sets the chunks of a weight of few columns, and
+# the shortest chunk (four K steps).
+_TARGET_PROGRAMS = 264
+_MIN_CHUNK = 256
+# Up to this many rows (a decode step) the chunks run as programs of their own; a prefill's partial sums would take
+# chunks × M × N × 4 bytes.
+_SPLIT_MAX_ROWS = 64
 _TENSOR_CORE_PAIRS = {(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16)}
+
+
+@triton.jit
+def _k_step(a_base, b_base, acc, k, rows, cols, M, N, K, stride_ak, stride_bk, NATIVE_DOT: tl.constexpr):  # type: ignore[no-untyped-def]
+    # acc + the K step of columns k (a chunk is a whole number of K steps: only K itself ends one early).
+    a_t = tl.load(a_base + k[:, None] * stride_ak, mask=(k[:, None] < K) & (rows[None, :] < M), other=0.0)
+    b_t = tl.load(b_base + k[None, :] * stride_bk, mask=(cols[:, None] < N) & (k[None, :] < K), other=0.0)
+    if NATIVE_DOT:
+        return tl.dot(b_t, a_t, acc)
+    else:
+        return tl.dot(b_t.to(tl.float32), a_t.to(tl.float32), acc, input_precision="ieee")
 
 
 # M is not specialized (Triton would compile M == 1 apart): one binary serves every row count.
@@ -48,9 +74,12 @@ def _matmul_kernel(  # type: ignore[no-untyped-def]
     a_ptr,
     b_ptr,
     out_ptr,
+    partial_ptr,
+    counter_ptr,
     M,
     N,
     K,
+    K_CHUNK,
     stride_ab,
     stride_am,
     stride_ak,
@@ -64,29 +93,50 @@ def _matmul_kernel(  # type: ignore[no-untyped-def]
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NATIVE_DOT: tl.constexpr,
+    CHUNKED: tl.constexpr,
+    SPLIT_GRID: tl.constexpr,
 ):
-    batch = tl.program_id(2).to(tl.int64)
+    # SPLIT_GRID (one batch entry, unit column stride out): grid axis 2 is the K chunk; else the batch entry, and the
+    # program sums every chunk in order.
+    batch = 0 if SPLIT_GRID else tl.program_id(2).to(tl.int64)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     a_base = a_ptr + batch * stride_ab + rows[None, :] * stride_am
     b_base = b_ptr + batch * stride_bb + cols[:, None] * stride_bn
-    # acc[c, r] = Σ_k b[k, c] · a[r, k]: the transposed tile.
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + ks
-        a_t = tl.load(a_base + k[:, None] * stride_ak, mask=(k[:, None] < K) & (rows[None, :] < M), other=0.0)
-        b_t = tl.load(b_base + k[None, :] * stride_bk, mask=(cols[:, None] < N) & (k[None, :] < K), other=0.0)
-        if NATIVE_DOT:
-            acc = tl.dot(b_t, a_t, acc)
-        else:
-            acc = tl.dot(b_t.to(tl.float32), a_t.to(tl.float32), acc, input_precision="ieee")
-    out = out_ptr + batch * stride_ob + rows[None, :] * stride_om + cols[:, None] * stride_on
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(cols[:, None] < N) & (rows[None, :] < M))
+    # total[c, r] = Σ_k b[k, c] · a[r, k]: the transposed tile. One chunk (CHUNKED false) sums straight into it: a
+    # second FP32 tile of registers would cost the 64-row tile an SM's third program (197 against 151 registers).
+    total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if CHUNKED:
+        first, last = chunk_range(K, K_CHUNK, SPLIT_GRID)
+        for chunk in range(first, last):
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            k_end = tl.minimum(chunk * K_CHUNK + K_CHUNK, K)
+            for k0 in range(chunk * K_CHUNK, k_end, BLOCK_K):
+                acc = _k_step(a_base, b_base, acc, k0 + ks, rows, cols, M, N, K, stride_ak, stride_bk, NATIVE_DOT)
+            total += acc
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            total = _k_step(a_base, b_base, total, k0 + ks, rows, cols, M, N, K, stride_ak, stride_bk, NATIVE_DOT)
+    if SPLIT_GRID:
+        row_mask = rows < M
+        finish_tile(out_ptr, partial_ptr, counter_ptr, tl.trans(total), rows, row_mask, cols, M, N, stride_om, True)
+    else:
+        out = out_ptr + batch * stride_ob + rows[None, :] * stride_om + cols[:, None] * stride_on
+        tl.store(out, total.to(out_ptr.dtype.element_ty), mask=(cols[:, None] < N) & (rows[None, :] < M))
+
+
+def k_chunk(n: int, k: int) -> int:
+    """K columns per chunk of a product with N columns: a whole number of K steps, at least :data:`_MIN_CHUNK`, as
+    many chunks as :data:`_TARGET_PROGRAMS` column tiles would want (one chunk when the columns give programs
+    enough). Depends on ``(n, k)`` only."""
+    tiles = triton.cdiv(n, CONFIG["block_n"])
+    chunks = max(1, min(k // _MIN_CHUNK, triton.cdiv(_TARGET_PROGRAMS, tiles)))
+    return max(1, triton.cdiv(triton.cdiv(k, chunks), CONFIG["block_k"])) * CONFIG["block_k"]
 
 
 def invariant_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-    """``out[i] = a[i] @ b[i]`` with FP32 accumulation in a fixed K order, rounded once (contract of
+    """``out[i] = a[i] @ b[i]`` with FP32 accumulation in a K order fixed by (N, K), rounded once (contract of
     ``reference.matmul.invariant_matmul``).
 
     Args:
@@ -101,24 +151,28 @@ def invariant_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> Non
         return
     native = (a.dtype, b.dtype) in _TENSOR_CORE_PAIRS and not triton_interpreter_enabled()
     block_m = ROW_TILES[0] if m <= ROW_TILES[0] else ROW_TILES[1]
+    chunk = k_chunk(n, k)
+    row_tiles, col_tiles, chunks = triton.cdiv(m, block_m), triton.cdiv(n, CONFIG["block_n"]), triton.cdiv(k, chunk)
+    tiles = {
+        "BLOCK_M": block_m,
+        "BLOCK_N": CONFIG["block_n"],
+        "BLOCK_K": CONFIG["block_k"],
+        "NATIVE_DOT": native,
+        "CHUNKED": chunks > 1,
+    }
+    launch = {"num_warps": CONFIG["num_warps"], "num_stages": CONFIG["num_stages"]}
+    if batches == 1 and chunks > 1 and m <= _SPLIT_MAX_ROWS and out.stride(2) == 1:
+        partial = torch.empty((chunks, m, n), dtype=torch.float32, device=out.device)
+        counters = split_counters(out.device, row_tiles * col_tiles)
+        _matmul_kernel[(row_tiles, col_tiles, chunks)](
+            a, b, out, partial, counters, m, n, k, chunk, *a.stride(), *b.stride(), *out.stride(),
+            SPLIT_GRID=True, **tiles, **launch,
+        )  # fmt: skip
+        return
     # CUDA grids allow 65535 programs along the batch axis; more batch entries run in several launches.
     for start in range(0, batches, _MAX_GRID_Z):
         stop = min(start + _MAX_GRID_Z, batches)
-        grid = (triton.cdiv(m, block_m), triton.cdiv(n, CONFIG["block_n"]), stop - start)
-        _matmul_kernel[grid](
-            a[start:stop],
-            b[start:stop],
-            out[start:stop],
-            m,
-            n,
-            k,
-            *a.stride(),
-            *b.stride(),
-            *out.stride(),
-            BLOCK_M=block_m,
-            BLOCK_N=CONFIG["block_n"],
-            BLOCK_K=CONFIG["block_k"],
-            NATIVE_DOT=native,
-            num_warps=CONFIG["num_warps"],
-            num_stages=CONFIG["num_stages"],
-        )
+        _matmul_kernel[(row_tiles, col_tiles, stop - start)](
+            a[start:stop], b[start:stop], out[start:stop], out, out, m, n, k, chunk,
+            *a.stride(), *b.stride(), *out.stride(), SPLIT_GRID=False, **tiles, **launch,
+        )  # fmt: skip
