@@ -94,6 +94,31 @@ def test_grouped_bf16_tiles_meet_the_reference_bound(triton_device: str, n: int,
     _check_grouped(triton_device, n, k, seed=12, config=cfg)
 
 
+@pytest.mark.parametrize(
+    ("tokens", "decoding", "block_m"),
+    [(5, "scaled_bf16", 16), (20, "scaled_bf16", 16), (20, "swap_fp8", 16), (20, "swap_bf16", 16)],
+)
+def test_repeated_rows_read_the_tokens(triton_device: str, tokens: int, decoding: str, block_m: int) -> None:
+    """``repeats`` (a token's top-k rows read the token): bit for bit the call on the token rows copied, with every row
+    in one tile (5 tokens × 3: no tables) and over tables (20 × 3), on the codes repeated and on ``swap_bf16``'s copy
+    gathered from the tokens."""
+    from deepinfer_kernels.cuda.gemm_tiles import BlockConfig
+
+    n, k, experts = 64, 256, 4
+    packed = random_mxfp4_packed((experts, n, k // 2), seed=30)
+    scale = random_ue8m0((experts, n, k // 32), seed=31)
+    x = _activation(tokens, k, seed=32, dtype=torch.bfloat16)
+    ids = torch.randint(-1, experts, (3 * tokens,), generator=torch.Generator().manual_seed(33))
+    cfg = BlockConfig(block_m, 64, num_warps=4, num_stages=2, split_grid=False, block_k=64, decoding=decoding)
+    gemm = implementation("mxfp4_grouped_gemm", Backend.NVIDIA)
+    inputs = [t.to(triton_device) for t in (ids, packed, scale)]
+    repeated = torch.zeros(3 * tokens, n, dtype=torch.bfloat16, device=triton_device)
+    gemm(x.to(triton_device), *inputs, repeated, config=cfg, repeats=3)
+    copied = torch.zeros_like(repeated)
+    gemm(x.repeat_interleave(3, dim=0).to(triton_device), *inputs, copied, config=cfg)
+    assert torch.equal(repeated, copied) and bool((repeated != 0).any())
+
+
 @pytest.mark.parametrize("rows", [3, 70])
 def test_quantized_values_are_the_dequantized_codes(triton_device: str, rows: int) -> None:
     """The ``dequant_bf16`` GEMMs' operand from one quantize-and-dequantize launch equals the quantizer's codes

@@ -70,6 +70,20 @@ def test_expert_rows_give_the_bare_ids_result(op_device: str) -> None:
     assert len(shared.derived) == (1 if op_device == "cuda" else 0)
 
 
+def test_repeated_rows_equal_the_rows_copied(op_device: str) -> None:
+    """``repeats``: product row i reads x's row i // repeats (a token's top-k rows), bit for bit the call on the rows
+    copied (13 tokens × 3 choices, some without a local expert)."""
+    packed, scale = _experts(5, 24, 96, seed=11, device=op_device)
+    x = random_normal((13, 96), seed=12, dtype=torch.bfloat16, device=op_device)
+    ids = torch.randint(-1, 5, (39,), generator=torch.Generator().manual_seed(13)).to(op_device)
+    y = dk.mxfp4_grouped_gemm(x, dk.ExpertRows(ids), packed, scale, repeats=3)
+    assert torch.equal(y, dk.mxfp4_grouped_gemm(x.repeat_interleave(3, dim=0), ids, packed, scale))
+    with pytest.raises(ValueError, match=r"expert_ids must have shape \(26,\)"):
+        dk.mxfp4_grouped_gemm(x, ids, packed, scale, repeats=2)
+    with pytest.raises(ValueError, match="repeats must be a positive int"):
+        dk.mxfp4_grouped_gemm(x, ids, packed, scale, repeats=0)
+
+
 def test_replicated_experts_and_uint8(op_device: str) -> None:
     packed, scale = _experts(1, 16, 64, seed=4, device=op_device)
     packed, scale = packed.expand(3, -1, -1).contiguous(), scale.expand(3, -1, -1).contiguous()

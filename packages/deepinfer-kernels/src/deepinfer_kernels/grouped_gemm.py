@@ -46,7 +46,7 @@ _ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)
 _GROUP = 32
 
 
-def _check_rows(x: torch.Tensor, expert_ids: torch.Tensor, k: int, described: str) -> None:
+def _check_rows(x: torch.Tensor, expert_ids: torch.Tensor, k: int, described: str, repeats: int = 1) -> None:
     check_dtype("x", x.dtype, _ACTIVATION_DTYPES)
     check_dtype("expert_ids", expert_ids.dtype, (torch.int64,))
     if x.dim() != 2:
@@ -55,16 +55,19 @@ def _check_rows(x: torch.Tensor, expert_ids: torch.Tensor, k: int, described: st
         raise ValueError(f"x has {x.shape[1]} columns but {described} has reduction dimension {k}")
     if k % _GROUP:
         raise ValueError(f"the reduction dimension ({k}) must be a multiple of {_GROUP}")
-    if tuple(expert_ids.shape) != (x.shape[0],):
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+        raise ValueError(f"repeats must be a positive int (product rows per row of x), got {repeats!r}")
+    if tuple(expert_ids.shape) != (x.shape[0] * repeats,):
         raise ValueError(
-            f"expert_ids must have shape ({x.shape[0]},) (one id per row of x), got {tuple(expert_ids.shape)}"
+            f"expert_ids must have shape ({x.shape[0] * repeats},) (one id per row of x times repeats={repeats}), "
+            f"got {tuple(expert_ids.shape)}"
         )
 
 
 def _run(
     op: str, x: torch.Tensor, expert_ids: torch.Tensor, n: int, *weights: torch.Tensor, **options: Any
 ) -> torch.Tensor:
-    out = torch.zeros((x.shape[0], n), dtype=torch.bfloat16, device=x.device)
+    out = torch.zeros((expert_ids.shape[0], n), dtype=torch.bfloat16, device=x.device)
     if out.numel() == 0 or x.shape[1] == 0:
         return out
     _registry.resolve(op, x.device.type)(x.contiguous(), expert_ids.contiguous(), *weights, out, **options)
@@ -72,20 +75,26 @@ def _run(
 
 
 def mxfp4_grouped_gemm(
-    x: torch.Tensor, expert_ids: torch.Tensor | ExpertRows, packed: torch.Tensor, scale: torch.Tensor
+    x: torch.Tensor,
+    expert_ids: torch.Tensor | ExpertRows,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    repeats: int = 1,
 ) -> torch.Tensor:
-    """``y[m] = bf16(x̂[m] · Ŵ[expert_ids[m]]ᵀ)``: x quantized per token and 32 columns
+    """``y[m] = bf16(x̂[m // repeats] · Ŵ[expert_ids[m]]ᵀ)``: x quantized per token and 32 columns
     (docs/design/numerics.md, "Activation quantization"), weights MXFP4 (docs/design/numerics.md, "Weight formats").
 
     Sync-free on the nvidia backend (safe inside CUDA graph capture); see the module docstring for how expert ids
     outside ``[-1, E)`` are treated per backend.
 
     Args:
-        x: [M, K] bf16 or fp32, ``K % 32 == 0``.
+        x: [M / repeats, K] bf16 or fp32, ``K % 32 == 0``.
         expert_ids: [M] int64 in ``[-1, E)``; ``-1`` means the row belongs to no local expert. An
             :class:`ExpertRows` over them lets the GEMMs that share the rows share what is derived from the ids.
         packed: [E, N, K/2] int8 or uint8 (low nibble = even element), same device.
         scale: [E, N, K/32] float8_e8m0fnu, same device.
+        repeats: product rows per row of x: a MoE's top-k rows of a token (``repeats = k``, the token's rows in rank
+            order) read the token itself, with no copy of it per choice.
 
     Returns:
         [M, N] bf16; rows with ``expert_ids == -1`` are zero.
@@ -104,7 +113,7 @@ def mxfp4_grouped_gemm(
     if packed.dim() != 3:
         raise ValueError(f"packed must be 3-D [E, N, K/2], got shape {tuple(packed.shape)}")
     experts, n, k = packed.shape[0], packed.shape[1], packed.shape[2] * 2
-    _check_rows(x, expert_ids, k, f"packed {tuple(packed.shape)}")
+    _check_rows(x, expert_ids, k, f"packed {tuple(packed.shape)}", repeats)
     if tuple(scale.shape) != (experts, n, k // _GROUP):
         raise ValueError(
             f"scale must have shape {(experts, n, k // _GROUP)} for packed {tuple(packed.shape)}, "
@@ -112,7 +121,7 @@ def mxfp4_grouped_gemm(
         )
     check_same_device(x=x, expert_ids=expert_ids, packed=packed, scale=scale)
     weights = (packed.contiguous().view(torch.int8), scale.contiguous())
-    return _run("mxfp4_grouped_gemm", x, expert_ids, n, *weights, derived=derived)
+    return _run("mxfp4_grouped_gemm", x, expert_ids, n, *weights, derived=derived, repeats=repeats)
 
 
 def dequantized_grouped_gemm(x: torch.Tensor, expert_ids: torch.Tensor, w_hat: torch.Tensor) -> torch.Tensor:

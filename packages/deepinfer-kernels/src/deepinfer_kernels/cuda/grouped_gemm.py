@@ -74,11 +74,13 @@ def mxfp4_grouped_gemm(
     out: torch.Tensor,
     config: BlockConfig | None = None,
     derived: dict[Hashable, Any] | None = None,
+    repeats: int = 1,
 ) -> None:
-    """Triton ``out[m] = bf16(x̂[m] · Ŵ[expert_ids[m]]ᵀ)`` (contract of ``reference.grouped_gemm``), sync-free.
+    """Triton ``out[m] = bf16(x̂[m // repeats] · Ŵ[expert_ids[m]]ᵀ)`` (contract of ``reference.grouped_gemm``),
+    sync-free.
 
     Args:
-        x: [M, K] bf16/fp32, contiguous, ``K % 32 == 0``.
+        x: [M / repeats, K] bf16/fp32, contiguous, ``K % 32 == 0``.
         expert_ids: [M] int64; rows with an id outside ``[0, E)`` are left as they are in ``out``.
         packed: [E, N, K/2] int8, contiguous (low nibble = even element).
         scale: [E, N, K/32] float8_e8m0fnu, contiguous.
@@ -86,9 +88,11 @@ def mxfp4_grouped_gemm(
         config: tiles to use instead of ``gemm_tiles.block_config``'s (tuning).
         derived: an ``ExpertRows``'s store: the tile tables for these ids are taken from it when an earlier call
             over the same rows built them (same expert count and rows per tile), else built and kept there.
+        repeats: product rows per row of x. ``swap_bf16``'s sorted copy reads x's rows directly; the other
+            decodings quantize x and repeat its codes (1 byte an element, not the 2 or 4 of x itself).
     """
     check_launchable(x=x, expert_ids=expert_ids, packed=packed, scale=scale, out=out)
-    (m, k), (experts, n) = x.shape, packed.shape[:2]
+    (m, k), (experts, n) = (expert_ids.shape[0], x.shape[1]), packed.shape[:2]
     if experts == 0:
         return  # no local experts: every row stays zero
     mean_rows = triton.cdiv(m, experts)
@@ -102,7 +106,7 @@ def mxfp4_grouped_gemm(
     if not cfg.gemv and m <= cfg.block_m and cfg.decoding != "swap_bf16":
         # Every row fits one MMA tile: each program finds its expert's rows itself (mxfp4_kernel's SCAN), which saves
         # the tile-table launch (about 33 µs at batch 1 on the H200, longer than the GEMM's own share of a weight).
-        launch(*activation_for(x, cfg), packed, scale, out, expert_ids, cfg.block_m, cfg)
+        launch(*_row_codes(x, cfg, repeats), packed, scale, out, expert_ids, cfg.block_m, cfg)
         return
     # FMA tiles take up to twice the mean rows, so that an expert with a few more rows than the mean is still read
     # once rather than once per tile.
@@ -114,6 +118,14 @@ def mxfp4_grouped_gemm(
         if derived is not None:
             derived[key] = tables
     if cfg.decoding == "swap_bf16":  # quantizes x into a BF16 copy in the tables' row order (cuda.swap_bf16)
-        swap_bf16_launch(x, packed, scale, out, tables, cfg)
+        swap_bf16_launch(x, packed, scale, out, tables, cfg, repeats)
         return
-    launch(*activation_for(x, cfg), packed, scale, out, tables, rows, cfg)
+    launch(*_row_codes(x, cfg, repeats), packed, scale, out, tables, rows, cfg)
+
+
+def _row_codes(x: torch.Tensor, cfg: BlockConfig, repeats: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The codes and scale bytes of every product row: x's (``gemm.activation_for``), each row repeated."""
+    q, q_scale = activation_for(x, cfg)
+    if repeats == 1:
+        return q, q_scale
+    return q.repeat_interleave(repeats, dim=0), q_scale.repeat_interleave(repeats, dim=0)

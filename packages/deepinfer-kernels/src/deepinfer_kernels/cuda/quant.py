@@ -114,15 +114,15 @@ def _quantize_group_kernel(  # type: ignore[no-untyped-def]
 
 @triton.jit
 def _quantized_values_kernel(  # type: ignore[no-untyped-def]
-    x_ptr, order_ptr, out_ptr, rows, groups, stride_x, stride_out,
+    x_ptr, order_ptr, out_ptr, rows, groups, repeats, stride_x, stride_out,
     BLOCK_ROWS: tl.constexpr, BLOCK_GROUPS: tl.constexpr, GATHER: tl.constexpr, WORD_PAIRS: tl.constexpr,
 ):  # fmt: skip
-    # out[p, 32g + c] = x̂[source row, 32g + column c]: the source row order[p] (GATHER) or p, the column c or
-    # word_pair_columns(32)[c] (WORD_PAIRS). A group's amax and codes do not depend on the order of its columns.
+    # out[p, 32g + c] = x̂[source row, 32g + column c]: the source row order[p] // repeats (GATHER) or p, the column c
+    # or word_pair_columns(32)[c] (WORD_PAIRS). A group's amax and codes do not depend on the order of its columns.
     r, g, c, row_mask, mask = group_tile(rows, groups, 32, BLOCK_ROWS, BLOCK_GROUPS)
     source = r
     if GATHER:
-        source = tl.load(order_ptr + r, mask=row_mask, other=0).to(tl.int64)
+        source = tl.load(order_ptr + r, mask=row_mask, other=0).to(tl.int64) // repeats
     columns = c
     if WORD_PAIRS:
         columns = g[:, None] * 32 + word_pair_columns(32)[None, :]
@@ -256,7 +256,12 @@ def quantize_fp8_per_token_group(
 
 
 def quantized_values(
-    x: torch.Tensor, out: torch.Tensor, *, order: torch.Tensor | None = None, word_pairs: bool = False
+    x: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    order: torch.Tensor | None = None,
+    word_pairs: bool = False,
+    repeats: int = 1,
 ) -> None:
     """Triton ``x̂``: the per-token 32-column e4m3 quantization of :func:`quantize_fp8_per_token_group` and its exact
     dequantization (``dequantize_fp8_per_token_group``) in one launch, the codes never stored; the tiles of
@@ -264,16 +269,18 @@ def quantized_values(
 
     Args:
         x: [R, K] bf16/fp16/fp32, unit column stride, ``K % 32 == 0``.
-        out: [M, K] bf16/fp32, unit column stride; written. Row p is ``x̂[order[p]]``, else ``x̂[p]`` (M = R).
-        order: [M] int64 source rows, or None.
+        out: [M, K] bf16/fp32, unit column stride; written. Row p is ``x̂[order[p] // repeats]``, else ``x̂[p]``
+            (M = R).
+        order: [M] int64 rows of a product whose row i reads x's row ``i // repeats``, or None.
         word_pairs: each 32-column group's columns in ``gemm_operands.word_pair_columns`` order (the ``swap_bf16``
             decoding's), else in column order.
+        repeats: product rows per row of x (with ``order``; a MoE's top-k rows of a token).
     """
     check_launchable(x=x, out=out)
     rows, cols = out.shape
     grid, per_program = _group_grid(rows, cols // 32)
     _quantized_values_kernel[grid](
-        x, order if order is not None else x, out, rows, cols // 32, x.stride(0), out.stride(0),
+        x, order if order is not None else x, out, rows, cols // 32, repeats, x.stride(0), out.stride(0),
         BLOCK_ROWS=_ROWS_PER_PROGRAM, BLOCK_GROUPS=per_program, GATHER=order is not None, WORD_PAIRS=word_pairs,
         num_warps=_warps(per_program),
     )  # fmt: skip

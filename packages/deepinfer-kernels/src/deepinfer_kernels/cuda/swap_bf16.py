@@ -108,12 +108,13 @@ def _swap_bf16_kernel(  # type: ignore[no-untyped-def]
     tl.store(out_ptrs, to_output_dtype(acc, out_ptr), mask=in_tile[None, :] & n_mask[:, None])
 
 
-def sorted_bf16_activation(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    """The BF16 copy grouped ``swap_bf16`` tiles read: row ``p`` is ``x̂[order[p]]`` (x [M, K] bf16/fp32 with unit
-    column stride, quantized per token and 32 columns and dequantized exactly, ``quant.quantized_values``) with each
-    32-column group's columns in ``word_pair_columns`` order; order [M] from the tile tables."""
-    xs = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
-    quantized_values(x, xs, order=order, word_pairs=True)
+def sorted_bf16_activation(x: torch.Tensor, order: torch.Tensor, repeats: int = 1) -> torch.Tensor:
+    """The BF16 copy grouped ``swap_bf16`` tiles read: row ``p`` is ``x̂[order[p] // repeats]`` (x [M / repeats, K]
+    bf16/fp32 with unit column stride, quantized per token and 32 columns and dequantized exactly,
+    ``quant.quantized_values``) with each 32-column group's columns in ``word_pair_columns`` order; order [M] from
+    the tile tables."""
+    xs = torch.empty((order.shape[0], x.shape[1]), dtype=torch.bfloat16, device=x.device)
+    quantized_values(x, xs, order=order, word_pairs=True, repeats=repeats)
     return xs
 
 
@@ -129,21 +130,22 @@ def swap_bf16_launch(
     out: torch.Tensor,
     tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     cfg: BlockConfig,
+    repeats: int = 1,
 ) -> None:
-    """The grouped MXFP4 GEMM on a ``swap_bf16`` tile ``cfg``: x [M, K] the unquantized activation, packed [E, N, K/2]
-    and scale [E, N, K/32] of the experts, out [M, N], ``tables`` of ``cuda.grouped_gemm.expert_tiles`` for tiles of
-    ``cfg.block_m`` rows."""
+    """The grouped MXFP4 GEMM on a ``swap_bf16`` tile ``cfg``: x [M / repeats, K] the unquantized activation (product
+    row i reads row ``i // repeats``), packed [E, N, K/2] and scale [E, N, K/32] of the experts, out [M, N],
+    ``tables`` of ``cuda.grouped_gemm.expert_tiles`` for tiles of ``cfg.block_m`` rows."""
     _check_tile(cfg)
     if packed.data_ptr() % 4 or packed.stride(-2) % 4:
         raise ValueError(
             "decoding 'swap_bf16' reads the packed weight in 4-byte words: its rows must be 4-byte aligned"
         )
     order, tile_expert, tile_start, tile_end = tables
-    xs = sorted_bf16_activation(x, order)
+    xs = sorted_bf16_activation(x, order, repeats)
     (experts, n), k = packed.shape[:2], x.shape[1]
     _swap_bf16_kernel[(tile_expert.numel(), triton.cdiv(n, cfg.block_n))](
         xs, packed.view(torch.uint8), scale.view(torch.uint8), out, order, tile_expert, tile_start, tile_end,
-        x.shape[0], n, k, experts, n, xs.stride(0), packed.stride(0), packed.stride(1), scale.stride(0),
+        xs.shape[0], n, k, experts, n, xs.stride(0), packed.stride(0), packed.stride(1), scale.stride(0),
         scale.stride(1), out.stride(0),
         GROUPED=True, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_BF16=dot_in_bf16(),
         NATIVE=native_fp8(), EVEN=n % cfg.block_n == 0 and k % cfg.block_k == 0,

@@ -46,12 +46,13 @@ def mxfp4_grouped_gemm(
     scale: torch.Tensor,
     out: torch.Tensor,
     derived: dict[Hashable, Any] | None = None,
+    repeats: int = 1,
 ) -> None:
-    """``out[m] = bf16(x̂[m] · Ŵ[expert_ids[m]]ᵀ)``, zero where ``expert_ids[m] == -1``. ``derived`` (an
+    """``out[m] = bf16(x̂[m // repeats] · Ŵ[expert_ids[m]]ᵀ)``, zero where ``expert_ids[m] == -1``. ``derived`` (an
     ``ExpertRows``'s store) is left as it is: the reference derives nothing from the ids that it could keep.
 
     Args:
-        x: [M, K] bf16/fp32 activation, ``K % 32 == 0``.
+        x: [M / repeats, K] bf16/fp32 activation, ``K % 32 == 0``.
         expert_ids: [M] int64 in ``[-1, E)``.
         packed: [E, N, K/2] int8 (low nibble = even element).
         scale: [E, N, K/32] float8_e8m0fnu.
@@ -60,7 +61,8 @@ def mxfp4_grouped_gemm(
     Raises:
         ValueError: an expert id is outside ``[-1, E)``.
     """
-    _per_expert(x, expert_ids, packed.shape[0], out, lambda rows, e, y: mxfp4_gemm(rows, packed[e], scale[e], y))
+    rows = x.repeat_interleave(repeats, dim=0) if repeats > 1 else x
+    _per_expert(rows, expert_ids, packed.shape[0], out, lambda r, e, y: mxfp4_gemm(r, packed[e], scale[e], y))
 
 
 def dequantized_grouped_gemm(x: torch.Tensor, expert_ids: torch.Tensor, w_hat: torch.Tensor, out: torch.Tensor) -> None:

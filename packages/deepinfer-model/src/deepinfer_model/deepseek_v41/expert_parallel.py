@@ -209,8 +209,8 @@ class ExpertParallelMoE:
         if experts.mode is ComputeMode.EXACT:
             # Received slot ids are this rank's stored slots: one grouped GEMM pair over every (row, choice).
             n, k = slots.shape
-            rows = rows_in[:, None, :].expand(n, k, rows_in.shape[1]).reshape(n * k, rows_in.shape[1])
-            out = experts.grouped_rows(rows, slots.reshape(-1), received.topk_weights.reshape(-1))
+            weights = received.topk_weights.reshape(-1)
+            out = experts.grouped_rows(rows_in, slots.reshape(-1), weights, repeats=k)
             out = out.to(rows_in.dtype).view(n, k, rows_in.shape[1])
         else:
             held = self.placement.local_logical_experts(layer, rank).to(slots.device)

@@ -137,24 +137,27 @@ class RoutedExperts(nn.Module):
         """
         n, k = topk_ids.shape
         slots = self.expert_slot[topk_ids.reshape(-1)]
-        rows = x[:, None, :].expand(n, k, x.shape[1]).reshape(n * k, x.shape[1])
-        routed = self.grouped_rows(rows, slots, topk_weights.reshape(-1)).view(n, k, -1)
+        # Row i of the product is token i // k's choice i % k: w13 reads the tokens themselves (no copy per choice).
+        routed = self.grouped_rows(x, slots, topk_weights.reshape(-1), repeats=k).view(n, k, -1)
         return moe_combine(routed, bias, out_dtype)
 
-    def grouped_rows(self, rows: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def grouped_rows(
+        self, rows: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, repeats: int = 1
+    ) -> torch.Tensor:
         """``compute`` of every row with its own stored expert slot, through two grouped MXFP4 GEMMs (exact mode; no
         host synchronization).
 
         Args:
-            rows: [m, H] expert inputs (activation dtype).
+            rows: [m / repeats, H] expert inputs (activation dtype); row i of the product reads ``rows[i // repeats]``.
             slots: [m] int64 stored slot of each row, -1 for a row no expert here takes (its output is zero).
             weights: [m] fp32 routing weight of each row.
+            repeats: product rows per input row (a token's top-k choices, in rank order).
 
         Returns:
             [m, H] activation dtype.
         """
         shared = ExpertRows(slots)  # w13 and w2 multiply the same rows: one set of tile tables
-        act = swiglu_clamped(self.w13.grouped(rows, shared), self.limit, weights)
+        act = swiglu_clamped(self.w13.grouped(rows, shared, repeats), self.limit, weights)
         return round_activation(self.w2.grouped(act, shared), self.mode)
 
     def compute(self, expert: int, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

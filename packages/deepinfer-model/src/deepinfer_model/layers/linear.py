@@ -361,21 +361,23 @@ class Mxfp4ExpertStack(nn.Module):
         slot = self._slot(expert)
         return mxfp4_gemm(x, self.weight[slot], self.scale[slot])
 
-    def grouped(self, x: torch.Tensor, slots: ExpertRows) -> torch.Tensor:
+    def grouped(self, x: torch.Tensor, slots: ExpertRows, repeats: int = 1) -> torch.Tensor:
         """Exact mode: every row through its own stored slot's matrix (``deepinfer_kernels.mxfp4_grouped_gemm``; no
         host synchronization on CUDA).
 
         Args:
-            x: [m, in] bf16/fp32.
+            x: [m / repeats, in] bf16/fp32: row i of the product reads row ``i // repeats``.
             slots: ids [m] int64: the stored slot of each row, -1 for a row no expert here takes (its output is
                 zero); shared by the stacks that multiply the same rows, which then share the tile tables.
+            repeats: product rows per row of x (a token's top-k rows, in rank order).
 
         Returns:
             [m, out] bf16.
         """
         if self._cache.keeps(self.weight.device):
-            return dequantized_grouped_gemm(x, slots.ids, self.dequantized_slots())
-        return mxfp4_grouped_gemm(x, slots, self.weight, self.scale)
+            rows = x.repeat_interleave(repeats, dim=0) if repeats > 1 else x
+            return dequantized_grouped_gemm(rows, slots.ids, self.dequantized_slots())
+        return mxfp4_grouped_gemm(x, slots, self.weight, self.scale, repeats)
 
     def dequantized_slots(self) -> torch.Tensor:
         """The exact FP32 weights of every stored slot, ``[slots, out, in]``."""
