@@ -63,7 +63,8 @@ def _check_grouped(triton_device: str, n: int, k: int, seed: int, config: BlockC
     x = _activation(ids.numel(), k, seed=seed + 2, dtype=torch.bfloat16)
     x[23] = x[3]
     inputs = (x, ids, packed, scale)
-    fast = torch.zeros(ids.numel(), n, dtype=torch.bfloat16, device=triton_device)
+    # NaN first: the GEMM writes every row, zeros for the rows of no expert.
+    fast = torch.full((ids.numel(), n), float("nan"), dtype=torch.bfloat16, device=triton_device)
     implementation("mxfp4_grouped_gemm", Backend.NVIDIA)(*(t.to(triton_device) for t in inputs), fast, config=config)
     fast = fast.cpu()
     ref = torch.zeros_like(fast)
@@ -167,12 +168,12 @@ def test_grouped_triton_ids_outside_range_give_zero_rows(triton_device: str) -> 
     packed = random_mxfp4_packed((2, 32, 32), seed=5).to(triton_device)
     scale = random_ue8m0((2, 32, 2), seed=6).to(triton_device)
     x = random_normal((4, 64), seed=7, dtype=torch.bfloat16, device=triton_device)
-    out = torch.zeros(4, 32, dtype=torch.bfloat16, device=triton_device)
+    out = torch.full((4, 32), float("nan"), dtype=torch.bfloat16, device=triton_device)
     ids = torch.tensor([2, 0, -5, 1], device=triton_device)
     implementation("mxfp4_grouped_gemm", Backend.NVIDIA)(x, ids, packed, scale, out)
     assert torch.all(out[[0, 2]] == 0)
-    assert torch.all(out[[1, 3]] != 0)
-    out.zero_()
+    assert torch.all(out[[1, 3]] != 0) and not out.isnan().any()
+    out.fill_(float("nan"))
     implementation("mxfp4_grouped_gemm", Backend.NVIDIA)(x, ids, packed[:0], scale[:0], out)  # no local experts
     assert torch.all(out == 0)
 

@@ -67,9 +67,10 @@ def _check_rows(x: torch.Tensor, expert_ids: torch.Tensor, k: int, described: st
 def _run(
     op: str, x: torch.Tensor, expert_ids: torch.Tensor, n: int, *weights: torch.Tensor, **options: Any
 ) -> torch.Tensor:
-    out = torch.zeros((expert_ids.shape[0], n), dtype=torch.bfloat16, device=x.device)
+    # Every backend writes every row (zeros for ids of no local expert): no zero-fill here.
+    out = torch.empty((expert_ids.shape[0], n), dtype=torch.bfloat16, device=x.device)
     if out.numel() == 0 or x.shape[1] == 0:
-        return out
+        return out.zero_()  # a product over K = 0 is zero
     _registry.resolve(op, x.device.type)(x.contiguous(), expert_ids.contiguous(), *weights, out, **options)
     return out
 
