@@ -41,6 +41,30 @@ def test_hc_mixes_gpu(n: int, hidden: int, dtype: torch.dtype, tf32: bool) -> No
         assert_close(a.cpu(), e, rtol=0.0, atol=2e-5, message=name)
 
 
+@pytest.mark.parametrize(("dtype", "tf32"), [(torch.bfloat16, True), (torch.float32, False)])
+def test_hc_mixes_rows_keep_their_bits_in_any_batch(dtype: torch.dtype, tf32: bool) -> None:
+    """A token's mixes are the same bits alone and at every position of a 130-token call (64-token programs: rows at
+    every place in a tile, a partial last tile)."""
+    m, rows, hidden, n = 4, 24, 5120, 130
+    trunk = random_normal((n, m, hidden), seed=40, dtype=dtype, std=2.0).cuda()
+    weights = (
+        random_normal((rows, m * hidden), seed=41, dtype=torch.float32, std=0.05).cuda(),
+        (random_normal((3,), seed=42, dtype=torch.float32).abs() + 0.5).cuda(),
+        random_normal((rows,), seed=43, dtype=torch.float32, std=0.5).cuda(),
+    )
+
+    def mixes(tokens: torch.Tensor) -> list[torch.Tensor]:
+        count = tokens.shape[0]
+        out = [torch.empty(s, device="cuda") for s in ((count, m), (count, m), (count, m, m))]
+        implementation("hc_mixes", Backend.NVIDIA)(tokens, *weights, 1e-6, 1e-6, 20, tf32, *out)
+        return out
+
+    together = mixes(trunk)
+    for row in range(n):
+        for alone, batch in zip(mixes(trunk[row : row + 1]), together, strict=True):
+            assert torch.equal(alone[0], batch[row]), row
+
+
 @pytest.mark.parametrize(("n", "hidden"), _SHAPES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_hc_read_and_post_gpu_bitwise(n: int, hidden: int, dtype: torch.dtype) -> None:

@@ -31,7 +31,11 @@ __all__ = ["hc_mixes", "hc_post", "hc_read"]
 
 _CHUNK = 512  # columns of z per split-K program
 _BLOCK_K = 64
-_BLOCK_M = 16  # tokens per mix-GEMM program (the MMA minimum)
+# Tokens per mix-GEMM program: every program reads its chunk of fn (24 × 512 FP32) and rounds it to TF32, so 16-token
+# programs read fn 512 times over at an 8K prefill (8.2 ms of it on the H200, profile_step-h200-scaled-a1d8b78.json);
+# 64 tokens make it a fourth, on Hopper's wgmma (135 registers, offline sm_90). One tile for every batch: a row's bits
+# do not depend on the other rows.
+_BLOCK_M = 64
 _BLOCK_H = 512
 # Splits' partials the mixes kernel loads together (unrolled, then added in split order): the compiler's own unroll by
 # four left ten dependent memory round trips for the 40 splits of m·H = 20480 (about 7 µs a call at batch 1 on the
