@@ -25,7 +25,6 @@ from deepinfer_kernels.cuda._formats import (
     ue8m0_decode,
 )
 from deepinfer_kernels.cuda._launch import check_launchable
-from deepinfer_kernels.cuda.gemm_operands import word_pair_columns
 
 __all__ = [
     "dequantize_fp8_block",
@@ -118,18 +117,22 @@ def _quantized_values_kernel(  # type: ignore[no-untyped-def]
     BLOCK_ROWS: tl.constexpr, BLOCK_GROUPS: tl.constexpr, GATHER: tl.constexpr, WORD_PAIRS: tl.constexpr,
 ):  # fmt: skip
     # out[p, 32g + c] = x̂[source row, 32g + column c]: the source row order[p] // repeats (GATHER) or p, the column c
-    # or word_pair_columns(32)[c] (WORD_PAIRS). A group's amax and codes do not depend on the order of its columns.
-    r, g, c, row_mask, mask = group_tile(rows, groups, 32, BLOCK_ROWS, BLOCK_GROUPS)
+    # or word_pair_columns(32)[c] (WORD_PAIRS). A group's amax and codes do not depend on the order of its columns, so
+    # the group is loaded and stored contiguously and its values reordered in registers (loading the permuted columns
+    # took every element as a 2-byte load of its own).
+    r, _, c, row_mask, mask = group_tile(rows, groups, 32, BLOCK_ROWS, BLOCK_GROUPS)
     source = r
     if GATHER:
         source = tl.load(order_ptr + r, mask=row_mask, other=0).to(tl.int64) // repeats
-    columns = c
-    if WORD_PAIRS:
-        columns = g[:, None] * 32 + word_pair_columns(32)[None, :]
-    x = tl.load(x_ptr + source[:, None, None] * stride_x + columns[None, :, :], mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + source[:, None, None] * stride_x + c[None, :, :], mask=mask, other=0.0).to(tl.float32)
     codes, scale_bytes = fp8_token_groups(tl.reshape(x, (BLOCK_ROWS * BLOCK_GROUPS, 32)))
-    value = tl.reshape(e4m3_decode(codes) * ue8m0_decode(scale_bytes)[:, None], (BLOCK_ROWS, BLOCK_GROUPS, 32))
-    tl.store(out_ptr + r[:, None, None] * stride_out + c[None, :, :], to_output_dtype(value, out_ptr), mask=mask)
+    value = to_output_dtype(e4m3_decode(codes) * ue8m0_decode(scale_bytes)[:, None], out_ptr)
+    if WORD_PAIRS:
+        # Column w·8 + o0·4 + p·2 + o1 goes to place o1·16 + o0·8 + w·2 + p (word_pair_columns).
+        value = tl.reshape(
+            tl.permute(tl.reshape(value, (BLOCK_ROWS * BLOCK_GROUPS, 4, 2, 2, 2)), (0, 4, 2, 1, 3)), value.shape
+        )
+    tl.store(out_ptr + r[:, None, None] * stride_out + c[None, :, :], tl.reshape(value, x.shape), mask=mask)
 
 
 @triton.jit
