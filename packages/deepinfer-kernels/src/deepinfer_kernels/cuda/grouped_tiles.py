@@ -22,6 +22,10 @@ __all__ = ["MAX_ROWS", "expert_tiles_one_launch"]
 
 MAX_ROWS = 2048
 _CHUNK = 64
+# Ids a program loads at a time when it counts or ranks rows: each load is a dependent global round trip of the loop,
+# and 64 at a time made the 1,536 rows of batch 256 two chains of 24 (about 55 µs a call on the H200,
+# profile_step-h200-scaled-acaace5.json).
+_SCAN = 256
 
 
 @triton.jit
@@ -52,13 +56,14 @@ def _tiles_kernel(  # type: ignore[no-untyped-def]
     BLOCK_M: tl.constexpr,
     BINS: tl.constexpr,
     CHUNK: tl.constexpr,
+    SCAN: tl.constexpr,
 ):
-    # Programs [0, ROW_PROGRAMS) own CHUNK rows each, the others CHUNK tiles each. BINS > E: rows past M count in
-    # bin E with the unrouted ones, and no expert's count includes them.
+    # Programs [0, ROW_PROGRAMS) own CHUNK rows each, the others CHUNK tiles each; both read the ids SCAN at a time.
+    # BINS > E: rows past M count in bin E with the unrouted ones, and no expert's count includes them.
     experts = tl.arange(0, BINS)
     counts = tl.zeros((BINS,), dtype=tl.int32)
-    for r0 in range(0, M, CHUNK):
-        counts += tl.histogram(_buckets(ids_ptr, r0 + tl.arange(0, CHUNK), M, E, E), BINS)
+    for r0 in range(0, M, SCAN):
+        counts += tl.histogram(_buckets(ids_ptr, r0 + tl.arange(0, SCAN), M, E, E), BINS)
     counts = tl.where(experts < E, counts, 0)
     row_end = tl.cumsum(counts, 0)
     row_start = row_end - counts
@@ -67,8 +72,8 @@ def _tiles_kernel(  # type: ignore[no-untyped-def]
         rows = pid * CHUNK + tl.arange(0, CHUNK)
         bucket = _buckets(ids_ptr, rows, M, E, -1)
         rank = tl.zeros((CHUNK,), dtype=tl.int32)
-        for s0 in range(0, pid * CHUNK + CHUNK, CHUNK):
-            others = s0 + tl.arange(0, CHUNK)
+        for s0 in range(0, pid * CHUNK + CHUNK, SCAN):
+            others = s0 + tl.arange(0, SCAN)
             same = (_buckets(ids_ptr, others, M, E, -2)[None, :] == bucket[:, None]) & (others[None, :] < rows[:, None])
             rank += tl.sum(same.to(tl.int32), axis=1)
         first = tl.where(bucket < E, _pick(experts[None, :] == bucket[:, None], row_start), tl.sum(counts, axis=0))
@@ -113,6 +118,7 @@ def expert_tiles_one_launch(
         BLOCK_M=block_m,
         BINS=triton.next_power_of_2(num_experts + 1),
         CHUNK=_CHUNK,
+        SCAN=_SCAN,
         num_warps=4,
     )
     return order, tile_expert, tile_start, tile_end
