@@ -225,7 +225,7 @@ def default_config(op: str, rows: int) -> BlockConfig:
 def _bf16_swap_candidates(tiles: tuple[tuple[int, int, int], ...]) -> list[BlockConfig]:
     # BF16 weight-first tiles (block_m, block_n, warps) on a BF16 copy of the activation, K in the MMA's accumulator
     # (cuda.swap_bf16).
-    return [_mma(m, n, warps, 3, split_grid=False, decoding="swap_bf16", block_k=64) for m, n, warps in tiles]
+    return [_swap_bf16(m, n, warps) for m, n, warps in tiles]
 
 
 def candidate_configs(op: str, rows: int) -> list[BlockConfig]:
@@ -345,6 +345,10 @@ def _swap(block_m: int, block_n: int, num_warps: int, num_stages: int, split_gri
     return _mma(block_m, block_n, num_warps, num_stages, split_grid=split_grid, decoding="swap_fp8")
 
 
+def _swap_bf16(block_m: int, block_n: int, num_warps: int) -> BlockConfig:
+    return _mma(block_m, block_n, num_warps, 3, split_grid=False, decoding="swap_bf16", block_k=64)
+
+
 def _gemv(block_n: int, num_warps: int, num_stages: int, split_grid: bool = True) -> BlockConfig:
     return BlockConfig(
         block_m=2, block_n=block_n, num_warps=num_warps, num_stages=num_stages, split_grid=split_grid, gemv=True
@@ -393,20 +397,28 @@ _GROUPED_GLUON_TILE = _mma(8, 64, 4, 1, split_grid=False, decoding="gluon_fp8", 
 # (kernels_gemm-h200-prefill.json). Also the fastest tile at 32 and 64 rows per expert (2K- and 4K-token prefills):
 # 3.95 against 7.38 ms and 5.65 against 11.88 ms (w13), 2.16 against 3.97 and 3.08 against 6.17 ms (w2) for the
 # fastest FP8 tile (kernels_gemm-swapbf16-t2048-t4096.json).
-_GROUPED_PREFILL_TILE = _mma(64, 128, 8, 3, split_grid=False, decoding="swap_bf16", block_k=64)
+_GROUPED_PREFILL_TILE = _swap_bf16(64, 128, 8)
 # The FP8 tensor cores: 2.0–2.2x the dot_scaled 128×128 tiles on every FP8 weight of an 8K-token prefill on the H200
 # (kernels_gemm-h200-prefill.json); the default beyond 256 rows. At 256 rows 2.7–4.0x the dot_scaled 64×128 default
 # and 1.1–1.3x the fastest swap_fp8 tile on every FP8 weight of the scaled preset (kernels_gemm-fp8-swap.json).
 _PREFILL_FP8_TILE = BlockConfig(128, 64, num_warps=4, num_stages=4, split_grid=False, block_k=64, decoding="group_fp8")
 # Both operands dequantized into BF16, one cuBLAS GEMM (cuda.dequantized_gemm); the tile fields are unused.
 _DEQUANT_BF16 = BlockConfig(128, 128, num_warps=8, num_stages=1, split_grid=False, decoding="dequant_bf16")
+# The FP8 block GEMM's e4m3 weight decoded into a BF16 wgmma's register operand against x̂ (cuda.swap_bf16).
+_SWAP_BF16_64 = _swap_bf16(64, 64, 4)
+_SWAP_BF16_256 = _swap_bf16(256, 128, 8)
 # The FP8 block GEMM at 16 and 64 rows (kernels_gemm-fp8-swap.json): swap_fp8 tiles, split-K in the weight shape's
 # chunks, were the fastest on 8 of 9 shapes at 16 rows (1.1–1.7x the tiles before where those were timed; on wq_b a
 # group_fp8 tile was 2 % faster, the swap_fp8 one is kept, as its rows' bits serve the batch-invariant mode too) and on
 # 8 of 9 at 64 rows (1.1–1.5x); on attn.wkv at 64 rows the dot_scaled tile stays, 15.8 against 17.9 µs.
 # At 256 rows (kernels_gemm-dequant-t256.json) the cuBLAS path (dequant_bf16) beat the group_fp8 tiles on 7 of 9 FP8
 # weights (22 against 66 µs on attn.wkv … 42 against 45 µs on the shared w2) and lost on the two of K = 1280 (124
-# against 99 µs on wq_b, 24 against 20 on the indexer's wq_b), which keep the group_fp8 tile; wo_a was not timed.
+# against 99 µs on wq_b, 24 against 20 on the indexer's wq_b); wo_a was not timed. With the e4m3 weight decoded in
+# the registers of a BF16 wgmma against x̂ (swap_bf16, which reads the weight once as stored) 7 of 9 weights were
+# faster again (kernels_gemm-fp8-swapbf16-t256.json, timed beside a checkpoint write): 68.8 against 100.4 µs (wq_b,
+# group_fp8) and 268.7 against 395.9 µs (engram.wkv, dequant_bf16) in 256×128 tiles, 1–12 % on the others in 64×64
+# tiles; attn.wkv and wq_a keep dequant_bf16 (18.9 against 49.9 µs, 30.4 against 50.9 µs). At 8,192 rows
+# dequant_bf16 stayed 1.2–1.7x faster than every swap_bf16 tile (kernels_gemm-fp8-swapbf16-t8192.json).
 MEASURED: dict[tuple[str, int, int, int], BlockConfig] = {
     ("fp8_block_gemm", 2, 512, 5120): _gemv(16, 4, 3),
     ("fp8_block_gemm", 2, 1280, 5120): _gemv(64, 8, 3),
@@ -437,15 +449,15 @@ MEASURED: dict[tuple[str, int, int, int], BlockConfig] = {
     ("fp8_block_gemm", 64, 32768, 1280): _swap(64, 128, 4, 3),
     ("fp8_block_gemm", 256, 512, 5120): _DEQUANT_BF16,
     ("fp8_block_gemm", 256, 1280, 5120): _DEQUANT_BF16,
-    ("fp8_block_gemm", 256, 4096, 1280): _PREFILL_FP8_TILE,
-    ("fp8_block_gemm", 256, 4608, 5120): _DEQUANT_BF16,
-    ("fp8_block_gemm", 256, 5120, 2304): _DEQUANT_BF16,
+    ("fp8_block_gemm", 256, 4096, 1280): _SWAP_BF16_64,
+    ("fp8_block_gemm", 256, 4608, 5120): _SWAP_BF16_64,
+    ("fp8_block_gemm", 256, 5120, 2304): _SWAP_BF16_64,
     # attn.wo_a (grouped, 8 groups of 1024 rows): not timed alone; the roofline run at 7f8a547 ran it on this tile.
     ("fp8_block_gemm", 256, 8192, 4096): _PREFILL_FP8_TILE,
-    ("fp8_block_gemm", 256, 5120, 8192): _DEQUANT_BF16,
-    ("fp8_block_gemm", 256, 5120, 15360): _DEQUANT_BF16,
-    ("fp8_block_gemm", 256, 25600, 6144): _DEQUANT_BF16,
-    ("fp8_block_gemm", 256, 32768, 1280): _PREFILL_FP8_TILE,
+    ("fp8_block_gemm", 256, 5120, 8192): _SWAP_BF16_64,
+    ("fp8_block_gemm", 256, 5120, 15360): _SWAP_BF16_64,
+    ("fp8_block_gemm", 256, 25600, 6144): _SWAP_BF16_256,
+    ("fp8_block_gemm", 256, 32768, 1280): _SWAP_BF16_256,
     ("mxfp4_grouped_gemm", 2, 4608, 5120): _GROUPED_GLUON_TILE,
     ("mxfp4_grouped_gemm", 2, 5120, 2304): _GROUPED_GLUON_TILE,
     ("mxfp4_grouped_gemm", 16, 4608, 5120): _GROUPED_GLUON_TILE,
