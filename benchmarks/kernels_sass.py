@@ -115,7 +115,7 @@ def variants() -> list[dict[str, Any]]:
     return out
 
 
-def compile_variant(kernel: Any, constexprs: dict[str, Any], warps: int) -> Any:
+def compile_variant(kernel: Any, constexprs: dict[str, Any], warps: int, stages: int = 1) -> Any:
     names = kernel.arg_names
     signature: dict[str, str] = {}
     for name in names:
@@ -129,18 +129,23 @@ def compile_variant(kernel: Any, constexprs: dict[str, Any], warps: int) -> Any:
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     source_type = GluonASTSource if kernel.is_gluon() else ASTSource
     source = source_type(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(source, target=TARGET, options={"num_warps": warps, "num_stages": 1})
+    return triton.compile(source, target=TARGET, options={"num_warps": warps, "num_stages": stages})
 
 
-def sass(cubin: bytes) -> list[tuple[int, str, str]]:
-    """(address, opcode, operands) of every instruction."""
+def sass_text(cubin: bytes) -> str:
+    """``cuobjdump -sass`` of a cubin, with the cuobjdump Triton ships."""
     tool = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(cubin)
     try:
-        text = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
     finally:
         os.unlink(f.name)
+
+
+def sass(cubin: bytes) -> list[tuple[int, str, str]]:
+    """(address, opcode, operands) of every instruction."""
+    text = sass_text(cubin)
     pattern = re.compile(r"\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)(?:\.[A-Z0-9_.]+)?\s*(.*)")
     return [(int(m[1], 16), m[2], m[3]) for m in map(pattern.match, text.splitlines()) if m]
 
