@@ -39,6 +39,7 @@ __all__ = [
     "native_fp8",
     "operand",
     "pow2",
+    "settled",
     "split_counters",
     "word_pair_columns",
 ]
@@ -61,6 +62,19 @@ def operand(value, DOT_BF16: tl.constexpr):  # type: ignore[no-untyped-def]
         return value.to(tl.bfloat16)
     else:
         return value
+
+
+@triton.jit
+def settled(acc, COMPILED: tl.constexpr):  # type: ignore[no-untyped-def]
+    # The accumulator through an identity Triton cannot see into. A dot whose first operand is in registers runs as
+    # one wgmma per 16 columns of K; pipelined, Triton retires all but the last of them at the end of the loop body,
+    # and ptxas may then give the next K step's operand values the registers those wgmma still read (undefined in PTX;
+    # triton-lang/triton issue 9433; garbage columns on the H200, docs/design/kernels.md, "GEMM tiles and split-K").
+    # Using the accumulator inside the loop makes Triton retire every wgmma of the step first.
+    if COMPILED:
+        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [acc], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return acc
 
 
 @triton.jit

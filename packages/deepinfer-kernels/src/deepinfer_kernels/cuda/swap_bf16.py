@@ -31,7 +31,7 @@ import triton.language as tl
 
 from deepinfer_kernels.cuda._formats import to_output_dtype
 from deepinfer_kernels.cuda.gemm_decodings import swapped_weight, swapped_weight_pointers
-from deepinfer_kernels.cuda.gemm_operands import dot_in_bf16, e4m3_tile, native_fp8, operand
+from deepinfer_kernels.cuda.gemm_operands import dot_in_bf16, e4m3_tile, native_fp8, operand, settled
 from deepinfer_kernels.cuda.gemm_tiles import BlockConfig
 from deepinfer_kernels.cuda.quant import quantized_values
 
@@ -101,7 +101,7 @@ def _swap_bf16_kernel(  # type: ignore[no-untyped-def]
             a = tl.load(a_ptrs + k0, mask=in_tile[None, :] & (k0 + k < K)[:, None], other=0.0)
         if not DOT_BF16:
             a = a.to(tl.float32)
-        acc = tl.dot(operand(w, DOT_BF16), a, acc)
+        acc = settled(tl.dot(operand(w, DOT_BF16), a, acc), DOT_BF16)
     rows = tl.load(order_ptr + positions, mask=in_tile, other=0) if GROUPED else positions
     rows = rows.to(tl.int64)
     out_ptrs = out_ptr + rows[None, :] * stride_out + n_rows[:, None]
