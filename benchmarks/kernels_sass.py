@@ -106,7 +106,7 @@ def variants() -> list[dict[str, Any]]:
     bf16 = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "DOT_BF16": True, "NATIVE": True, "EVEN": True}
     for grouped, block_m in ((True, 128), (False, 128), (False, 256)):
         name = f"{'mxfp4 grouped' if grouped else 'fp8'} {block_m}x128 k64 swap_bf16"
-        constexprs = {**bf16, "GROUPED": grouped, "BLOCK_M": block_m}
+        constexprs = {**bf16, "GROUPED": grouped, "SPLIT_GRID": False, "BLOCK_M": block_m}
         out.append({"name": name, "kernel": _swap_bf16_kernel, "constexprs": constexprs, "warps": 8})
     for v in out:
         c = v["constexprs"]

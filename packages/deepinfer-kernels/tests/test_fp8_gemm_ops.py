@@ -184,3 +184,46 @@ def test_swap_bf16_fp8_tiles_meet_the_bound_and_read_codes_as_the_activation(
     dense = _block_diagonal(dk.dequantize_fp8_block(w_q, w_scale).double(), groups)
     bound = abs_product(dequantized_activation(x), dense)
     assert_gemm_close(from_x.cpu(), ref, bound, k, significant_bits=8 if groups == 1 else 24)
+
+
+@pytest.mark.parametrize("k", [1024, 1056])
+def test_swap_bf16_fp8_split_k_adds_its_chunks_in_order(triton_device: str, k: int) -> None:
+    """Split-K ``swap_bf16`` (the FP8 weight's K in ``k_chunk`` chunks: 4 of 256 columns at 1,024; 512, 512 and 32 at
+    1,056, a partial K step) gives the FP32 bits of one-program launches on each chunk's columns added from zero in
+    chunk order (added in another order, or K as one run, they differ), in 16- and 64-row tiles; a row alone gets the
+    bits it has among 70; rounded to BF16 the sums meet the reference's bound."""
+    from deepinfer_kernels.cuda.gemm import fp8_block_activation_launch
+    from deepinfer_kernels.cuda.gemm_tiles import BlockConfig, k_chunk
+
+    n, m = 128, 70
+    chunk = k_chunk(n, k)
+    assert chunk < k
+    x = _activation(m, k, seed=k, dtype=torch.bfloat16)
+    w_q, w_scale = _weight(n, k, seed=k + 1)
+
+    def run(cols: slice, rows: slice, block_m: int, split: bool) -> torch.Tensor:
+        cfg = BlockConfig(block_m, 64, num_warps=4, num_stages=2, split_grid=split, block_k=64, decoding="swap_bf16")
+        groups = slice(cols.start // 32, cols.stop // 32)
+        inputs = [t.contiguous().to(triton_device) for t in (x[rows, cols], w_q[:, cols], w_scale[:, groups])]
+        out = torch.full((inputs[0].shape[0], n), float("nan"), dtype=torch.float32, device=triton_device)
+        fp8_block_activation_launch(*inputs, out, config=cfg)
+        return out.cpu()
+
+    everything = slice(0, m)
+    starts = range(0, k, chunk)
+    for block_m in (16, 64):
+        chunk_sums = [run(slice(c, min(c + chunk, k)), everything, block_m, split=False) for c in starts]
+        in_order = torch.zeros(m, n)
+        for part in chunk_sums:
+            in_order += part
+        split = run(slice(0, k), everything, block_m, split=True)
+        assert torch.equal(split, in_order), block_m
+        assert not torch.equal(split, sum(reversed(chunk_sums), torch.zeros(m, n))), block_m
+        assert not torch.equal(split, run(slice(0, k), everything, block_m, split=False)), block_m
+    together = run(slice(0, k), everything, 16, split=True)
+    for row in (0, 37, 69):
+        assert torch.equal(run(slice(0, k), slice(row, row + 1), 16, split=True)[0], together[row]), row
+    ref = torch.empty(m, n, dtype=torch.bfloat16)
+    implementation("fp8_block_gemm", Backend.REFERENCE)(x, w_q, w_scale, ref)
+    w_hat = dk.dequantize_fp8_block(w_q, w_scale, out_dtype=torch.float32)
+    assert_gemm_close(together.to(torch.bfloat16), ref, abs_product(dequantized_activation(x), w_hat), k)

@@ -37,8 +37,9 @@ def test_candidates_start_with_the_default_and_time_every_decoding(op: str, rows
     assert candidates[0] == default
     assert len(set(candidates)) == len(candidates)
     if default.gemv:
-        # The FMA tiles, and the dense GEMM's swap_fp8 tiles (the batch-invariant mode's at one row).
-        assert all(c.gemv or c.decoding == "swap_fp8" for c in candidates)
+        # The FMA tiles, and the dense GEMM's swap_fp8 tiles (the batch-invariant mode's at one row) and split
+        # swap_bf16 tiles.
+        assert all(c.gemv or c.decoding in ("swap_fp8", "swap_bf16") for c in candidates)
         assert any(c.decoding == "swap_fp8" for c in candidates)
     else:
         # gluon_fp8's tile is tied to its warps (block_n = 16 × num_warps): it has candidates of its own; so is
@@ -127,16 +128,18 @@ def test_dequantized_bf16_is_an_fp8_candidate_for_many_rows_only() -> None:
 
 
 def test_bf16_swap_tiles_are_candidates_of_many_rows() -> None:
-    """``swap_bf16`` (a BF16 copy of the activation, in expert order for the grouped GEMM) pays for its copy only with
-    many rows per weight: a grouped candidate beyond 16 rows, an FP8 one beyond 64, never the dense MXFP4 GEMM's;
-    never split, its weight rows the wgmma's 64-row side."""
-    fewest = {"mxfp4_grouped_gemm": 17, "fp8_block_gemm": 65}
+    """``swap_bf16`` (a BF16 copy of the activation, in expert order for the grouped GEMM) is a grouped candidate
+    beyond 16 rows per expert, never split, and an FP8 one at every row count, split-K up to 64 rows; never the dense
+    MXFP4 GEMM's. Its weight rows are the wgmma's 64-row side."""
     for op in OPS:
         for rows in (1, 16, 17, 64, 65, 256, 8192):
             found = [c for c in candidate_configs(op, rows) if c.decoding == "swap_bf16"]
-            assert bool(found) == (op in fewest and rows >= fewest[op])
-            assert all(not c.split_grid and c.block_n % (16 * c.num_warps) == 0 for c in found)
-    with pytest.raises(ValueError, match="swap_bf16"):
-        BlockConfig(64, 128, num_warps=8, num_stages=3, split_grid=True, decoding="swap_bf16")
+            expected = op == "fp8_block_gemm" or (op == "mxfp4_grouped_gemm" and rows >= 17)
+            assert bool(found) == expected
+            assert all(c.block_n % (16 * c.num_warps) == 0 for c in found)
+            if op == "fp8_block_gemm":
+                assert any(c.split_grid for c in found) == (rows <= 64)
+            else:
+                assert not any(c.split_grid for c in found)
     with pytest.raises(ValueError, match="swap_bf16"):
         BlockConfig(64, 64, num_warps=8, num_stages=3, split_grid=False, decoding="swap_bf16")

@@ -184,6 +184,31 @@ def test_bf16_fp8_gemms_meet_the_fp32_bound(m: int, cfg: BlockConfig) -> None:
     _check_grouped_wo_a(m, (m + 43, m + 44, m + 45), config=cfg)
 
 
+def test_swap_bf16_fp8_rows_keep_their_bits_in_every_tile() -> None:
+    """Whether split-K ``swap_bf16`` FP8 tiles could serve the batch-invariant mode: with K in the weight shape's
+    chunks, a row's FP32 sums are the same bits alone in a 16-row tile and among 300 rows in 16- and 64-row tiles of
+    64 and 128 weight rows. The tokens are the BF16 wgmma's N side, so this holds if the tensor core's sums of an
+    output do not depend on N (as the FP8 ``swap_fp8`` tiles' do not)."""
+    m, n, k = 300, 4096, 5120
+    x = torch.randn((m, k), generator=_generator(60), device="cuda").to(torch.bfloat16)
+    w_q = (_bytes((n, k), seed=61) & 0xF7).view(torch.float8_e4m3fn)
+    w_scale = _bytes((n // 32, k // 32), 62, 118, 127).view(torch.float8_e8m0fnu)
+    gemm = implementation("fp8_block_gemm", Backend.NVIDIA)
+
+    def run(rows: torch.Tensor, block_m: int, block_n: int, warps: int, split: bool) -> torch.Tensor:
+        cfg = BlockConfig(block_m, block_n, warps, 3, split_grid=split, block_k=64, decoding="swap_bf16")
+        out = torch.full((rows.shape[0], n), float("nan"), dtype=torch.float32, device="cuda")
+        gemm(rows, w_q, w_scale, out, config=cfg)
+        return out
+
+    tiles = [(16, 64, 4, True), (16, 128, 8, True), (64, 64, 4, True), (64, 128, 8, True)]
+    together = [run(x, *tile) for tile in tiles]
+    for row in (0, 1, 17, 63, 299):
+        alone = run(x[row : row + 1], *tiles[0])[0]
+        for tile, result in zip(tiles, together, strict=True):
+            assert torch.equal(alone, result[row]), (row, tile)
+
+
 def test_dequantized_bf16_replays_in_a_cuda_graph() -> None:
     """A decode step of 256 rows captures the cuBLAS path (its BF16 copies come from the graph's pool): replays with
     new inputs equal eager calls bit for bit."""

@@ -47,11 +47,12 @@ from deepinfer_kernels.cuda.gemm_operands import (
     e4m3_tile,
     finish_tile,
     group_activation,
+    launch_grid,
     native_fp8,
     operand,
-    split_counters,
+    split_buffers,
 )
-from deepinfer_kernels.cuda.gemm_tiles import BlockConfig, block_config, chunk_length, decodings
+from deepinfer_kernels.cuda.gemm_tiles import BlockConfig, block_config, decodings
 from deepinfer_kernels.cuda.gemv import fp8_gemv_kernel, mxfp4_gemv_kernel
 from deepinfer_kernels.cuda.swap_bf16 import fp8_swap_bf16_launch
 
@@ -62,12 +63,10 @@ __all__ = [
     "fp8_block_gemm",
     "fp8_block_launch",
     "gemv_rows",
-    "launch_grid",
     "mxfp4_gemm",
     "mxfp4_kernel",
     "mxfp4_launch",
     "quantized_activation",
-    "split_buffers",
 ]
 
 _GROUP = 32
@@ -309,26 +308,6 @@ def activation_for(x: torch.Tensor, cfg: BlockConfig) -> tuple[torch.Tensor, tor
     quantizes the activation itself, ``cuda.swap_bf16``)."""
     in_order = cfg.gemv or cfg.decoding in ("dot_scaled", "swap_ab")
     return quantized_activation(x) if in_order else deinterleaved_activation(x)
-
-
-def launch_grid(
-    row_tiles: int, n: int, k: int, cfg: BlockConfig, grouped: bool = False
-) -> tuple[tuple[int, int, int], int]:
-    """(grid, K chunk length) of a launch: row tiles × N tiles × (K chunks under split-K, else 1)."""
-    chunk = chunk_length(n, k, cfg, grouped)
-    return (row_tiles, triton.cdiv(n, cfg.block_n), triton.cdiv(k, chunk) if cfg.split_grid else 1), chunk
-
-
-def split_buffers(
-    m: int, n: int, cfg: BlockConfig, grid: tuple[int, int, int], device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(FP32 chunk sums [C, M, N], per-tile tickets) of a split-K launch over ``grid``; 1-element placeholders,
-    never read, otherwise. The sums need no zeroing: a tile's last program reads only its own rows' sums."""
-    if not cfg.split_grid:
-        placeholder = torch.empty(1, dtype=torch.float32, device=device)
-        return placeholder, placeholder
-    partial = torch.empty((grid[2], m, n), dtype=torch.float32, device=device)
-    return partial, split_counters(device, grid[0] * grid[1])
 
 
 def gemv_rows(rows: int, cfg: BlockConfig) -> int:

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_kernels.cuda._formats import to_output_dtype
+from deepinfer_kernels.cuda.gemm_tiles import BlockConfig, chunk_length
 from deepinfer_kernels.platform import triton_interpreter_enabled
 
 __all__ = [
@@ -36,10 +37,12 @@ __all__ = [
     "finish_tile",
     "group_activation",
     "half_to_float",
+    "launch_grid",
     "native_fp8",
     "operand",
     "pow2",
     "settled",
+    "split_buffers",
     "split_counters",
     "word_pair_columns",
 ]
@@ -396,3 +399,23 @@ def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
             )
         counters = _tile_counters[device] = torch.zeros(_MAX_SPLIT_TILES, dtype=torch.int32, device=device)
     return counters
+
+
+def launch_grid(
+    row_tiles: int, n: int, k: int, cfg: BlockConfig, grouped: bool = False
+) -> tuple[tuple[int, int, int], int]:
+    """(grid, K chunk length) of a launch: row tiles × N tiles × (K chunks under split-K, else 1)."""
+    chunk = chunk_length(n, k, cfg, grouped)
+    return (row_tiles, triton.cdiv(n, cfg.block_n), triton.cdiv(k, chunk) if cfg.split_grid else 1), chunk
+
+
+def split_buffers(
+    m: int, n: int, cfg: BlockConfig, grid: tuple[int, int, int], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(FP32 chunk sums [C, M, N], per-tile tickets) of a split-K launch over ``grid``; 1-element placeholders,
+    never read, otherwise. The sums need no zeroing: a tile's last program reads only its own rows' sums."""
+    if not cfg.split_grid:
+        placeholder = torch.empty(1, dtype=torch.float32, device=device)
+        return placeholder, placeholder
+    partial = torch.empty((grid[2], m, n), dtype=torch.float32, device=device)
+    return partial, split_counters(device, grid[0] * grid[1])

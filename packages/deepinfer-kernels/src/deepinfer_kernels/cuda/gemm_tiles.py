@@ -127,12 +127,9 @@ class BlockConfig:
             )
         if self.decoding == "dequant_bf16" and (self.split_grid or self.gemv):
             raise ValueError(f"a dequant_bf16 launch is one cuBLAS GEMM: no split_grid, no gemv, got {self}")
-        if self.decoding == "swap_bf16" and (
-            self.split_grid or not _swap_on_wgmma(self.block_m, self.block_n, self.num_warps)
-        ):
+        if self.decoding == "swap_bf16" and not _swap_on_wgmma(self.block_m, self.block_n, self.num_warps):
             raise ValueError(
-                "a swap_bf16 tile has block_n a multiple of 16 × num_warps, block_m at least 16 and no split_grid,"
-                f" got {self}"
+                f"a swap_bf16 tile has block_n a multiple of 16 × num_warps and block_m at least 16, got {self}"
             )
         if self.decoding == "swap_fp8" and not _swap_on_wgmma(self.block_m, self.block_n, self.num_warps):
             raise ValueError(
@@ -268,6 +265,11 @@ def candidate_configs(op: str, rows: int) -> list[BlockConfig]:
         return out + [cfg for cfg in more if cfg not in out]
     if op == "mxfp4_grouped_gemm" and rows > 16:
         out += _bf16_swap_candidates(((32, 128, 8), (64, 128, 8), (32, 64, 4), (64, 64, 4)))
+    if op == "fp8_block_gemm":
+        # The FP8 weight decoded in registers against x̂, split-K in the weight shape's chunks (few rows give few
+        # programs otherwise).
+        block_m = 16 if rows <= 16 else 64
+        out += [_swap_bf16(block_m, block_n, warps, split_grid=True) for block_n, warps in ((64, 4), (128, 8))]
     shapes: tuple[tuple[int, int, int], ...]
     if default.gemv:
         shapes = ((32, 4, 2), (32, 4, 4), (64, 4, 3), (64, 8, 3), (16, 4, 3))
@@ -345,8 +347,8 @@ def _swap(block_m: int, block_n: int, num_warps: int, num_stages: int, split_gri
     return _mma(block_m, block_n, num_warps, num_stages, split_grid=split_grid, decoding="swap_fp8")
 
 
-def _swap_bf16(block_m: int, block_n: int, num_warps: int) -> BlockConfig:
-    return _mma(block_m, block_n, num_warps, 3, split_grid=False, decoding="swap_bf16", block_k=64)
+def _swap_bf16(block_m: int, block_n: int, num_warps: int, split_grid: bool = False) -> BlockConfig:
+    return _mma(block_m, block_n, num_warps, 3, split_grid=split_grid, decoding="swap_bf16", block_k=64)
 
 
 def _gemv(block_n: int, num_warps: int, num_stages: int, split_grid: bool = True) -> BlockConfig:

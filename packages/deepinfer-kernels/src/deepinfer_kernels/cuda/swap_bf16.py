@@ -29,9 +29,17 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_kernels.cuda._formats import to_output_dtype
 from deepinfer_kernels.cuda.gemm_decodings import swapped_weight, swapped_weight_pointers
-from deepinfer_kernels.cuda.gemm_operands import dot_in_bf16, e4m3_tile, native_fp8, operand, settled
+from deepinfer_kernels.cuda.gemm_operands import (
+    dot_in_bf16,
+    e4m3_tile,
+    finish_tile,
+    launch_grid,
+    native_fp8,
+    operand,
+    settled,
+    split_buffers,
+)
 from deepinfer_kernels.cuda.gemm_tiles import BlockConfig
 from deepinfer_kernels.cuda.quant import quantized_values
 
@@ -56,16 +64,44 @@ def _e4m3_weight(w_ptrs, ws_ptrs, k0, K, n_mask, BLOCK_N: tl.constexpr, BLOCK_K:
 
 
 @triton.jit
+def _k_steps(  # type: ignore[no-untyped-def]
+    acc, w_ptrs, ws_ptrs, a_ptrs, in_tile, n_mask, k_start, k_end, K,
+    GROUPED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_BF16: tl.constexpr,
+    NATIVE: tl.constexpr, EVEN: tl.constexpr,
+):  # fmt: skip
+    # acc plus the products of columns [k_start, k_end), one BLOCK_K step at a time (k_start and, but for K, k_end are
+    # multiples of BLOCK_K, so only K needs masks).
+    k = tl.arange(0, BLOCK_K)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        if GROUPED:
+            w = swapped_weight(w_ptrs, ws_ptrs, k0, K, n_mask, BLOCK_N, BLOCK_K, NATIVE, EVEN)
+        else:
+            w = _e4m3_weight(w_ptrs, ws_ptrs, k0, K, n_mask, BLOCK_N, BLOCK_K, NATIVE, EVEN)
+        if EVEN:
+            a = tl.load(a_ptrs + k0, mask=in_tile[None, :], other=0.0)
+        else:
+            a = tl.load(a_ptrs + k0, mask=in_tile[None, :] & (k0 + k < K)[:, None], other=0.0)
+        if not DOT_BF16:
+            a = a.to(tl.float32)
+        acc = settled(tl.dot(operand(w, DOT_BF16), a, acc), DOT_BF16)
+    return acc
+
+
+@triton.jit
 def _swap_bf16_kernel(  # type: ignore[no-untyped-def]
-    xs_ptr, w_ptr, ws_ptr, out_ptr, order_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
-    M, N, K, num_experts, N_PER_GROUP, stride_xs, stride_we, stride_w, stride_se, stride_s, stride_out,
-    GROUPED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_BF16: tl.constexpr, NATIVE: tl.constexpr, EVEN: tl.constexpr,
+    xs_ptr, w_ptr, ws_ptr, out_ptr, partial_ptr, counter_ptr, order_ptr, tile_expert_ptr, tile_start_ptr,
+    tile_end_ptr, M, N, K, K_CHUNK, num_experts, N_PER_GROUP, stride_xs, stride_we, stride_w, stride_se, stride_s,
+    stride_out,
+    GROUPED: tl.constexpr, SPLIT_GRID: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_BF16: tl.constexpr, NATIVE: tl.constexpr, EVEN: tl.constexpr,
 ):  # fmt: skip
     # GROUPED (MXFP4 experts): program (tile, N block) owns positions [tile_start, tile_end) of the sorted order, all
     # of expert tile_expert (a spare tile of the worst-case grid has an expert ≥ num_experts and exits); the copy's
-    # row p holds the activation row order[p]. Dense (FP8 block weight): program (row block, N block), the copy in row
-    # order; weight rows g·N_PER_GROUP … multiply the copy's columns g·K … (the launcher keeps a tile in one group).
+    # row p holds the activation row order[p]. Dense (FP8 block weight): program (row block, N block[, K chunk]), the
+    # copy in row order; weight rows g·N_PER_GROUP … multiply the copy's columns g·K … (the launcher keeps a tile in
+    # one group).
+    # SPLIT_GRID (dense): program (…, chunk) sums the chunk's K_CHUNK columns (fixed by the weight's shape) from zero
+    # and finish_tile adds the chunks in order; otherwise K is one run of the accumulator.
     # EVEN: N and K multiples of the tile's (the model's shapes): the weight and activation loads need only the tile's
     # row mask.
     if GROUPED:
@@ -80,7 +116,8 @@ def _swap_bf16_kernel(  # type: ignore[no-untyped-def]
         positions = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         in_tile = positions < M
         xs_ptr += (tl.program_id(1) * BLOCK_N) // N_PER_GROUP * K
-    n_rows = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    n_offsets = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_rows = n_offsets.to(tl.int64)
     n_mask = n_rows < N
     k = tl.arange(0, BLOCK_K)
     if GROUPED:
@@ -89,23 +126,20 @@ def _swap_bf16_kernel(  # type: ignore[no-untyped-def]
         w_ptrs = w_ptr + n_rows[:, None] * stride_w + k[None, :]
         ws_ptrs = ws_ptr + (n_rows // 32)[:, None] * stride_s + tl.arange(0, BLOCK_K // 32)[None, :]
     a_ptrs = xs_ptr + positions.to(tl.int64)[None, :] * stride_xs + k[:, None]
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if GROUPED:
-            w = swapped_weight(w_ptrs, ws_ptrs, k0, K, n_mask, BLOCK_N, BLOCK_K, NATIVE, EVEN)
-        else:
-            w = _e4m3_weight(w_ptrs, ws_ptrs, k0, K, n_mask, BLOCK_N, BLOCK_K, NATIVE, EVEN)
-        if EVEN:
-            a = tl.load(a_ptrs + k0, mask=in_tile[None, :], other=0.0)
-        else:
-            a = tl.load(a_ptrs + k0, mask=in_tile[None, :] & (k0 + k < K)[:, None], other=0.0)
-        if not DOT_BF16:
-            a = a.to(tl.float32)
-        acc = settled(tl.dot(operand(w, DOT_BF16), a, acc), DOT_BF16)
+    if SPLIT_GRID:
+        chunk = tl.program_id(2)
+        k_start, k_end = chunk * K_CHUNK, tl.minimum(chunk * K_CHUNK + K_CHUNK, K)
+    else:
+        k_start, k_end = 0, K
+    total = _k_steps(
+        tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), w_ptrs, ws_ptrs, a_ptrs, in_tile, n_mask, k_start, k_end, K,
+        GROUPED, BLOCK_N, BLOCK_K, DOT_BF16, NATIVE, EVEN,
+    )  # fmt: skip
     rows = tl.load(order_ptr + positions, mask=in_tile, other=0) if GROUPED else positions
-    rows = rows.to(tl.int64)
-    out_ptrs = out_ptr + rows[None, :] * stride_out + n_rows[:, None]
-    tl.store(out_ptrs, to_output_dtype(acc, out_ptr), mask=in_tile[None, :] & n_mask[:, None])
+    finish_tile(
+        out_ptr, partial_ptr, counter_ptr, tl.trans(total), rows.to(tl.int64), in_tile, n_offsets, M, N, stride_out,
+        SPLIT_GRID,
+    )  # fmt: skip
 
 
 def sorted_bf16_activation(x: torch.Tensor, order: torch.Tensor, repeats: int = 1) -> torch.Tensor:
@@ -143,12 +177,14 @@ def swap_bf16_launch(
     order, tile_expert, tile_start, tile_end = tables
     xs = sorted_bf16_activation(x, order, repeats)
     (experts, n), k = packed.shape[:2], x.shape[1]
+    if cfg.split_grid:
+        raise ValueError(f"the grouped swap_bf16 GEMM sums K in one program: no split_grid, got {cfg}")
     _swap_bf16_kernel[(tile_expert.numel(), triton.cdiv(n, cfg.block_n))](
-        xs, packed.view(torch.uint8), scale.view(torch.uint8), out, order, tile_expert, tile_start, tile_end,
-        xs.shape[0], n, k, experts, n, xs.stride(0), packed.stride(0), packed.stride(1), scale.stride(0),
+        xs, packed.view(torch.uint8), scale.view(torch.uint8), out, out, out, order, tile_expert, tile_start,
+        tile_end, xs.shape[0], n, k, k, experts, n, xs.stride(0), packed.stride(0), packed.stride(1), scale.stride(0),
         scale.stride(1), out.stride(0),
-        GROUPED=True, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_BF16=dot_in_bf16(),
-        NATIVE=native_fp8(), EVEN=n % cfg.block_n == 0 and k % cfg.block_k == 0,
+        GROUPED=True, SPLIT_GRID=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        DOT_BF16=dot_in_bf16(), NATIVE=native_fp8(), EVEN=n % cfg.block_n == 0 and k % cfg.block_k == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
@@ -158,16 +194,20 @@ def fp8_swap_bf16_launch(
 ) -> None:
     """The FP8 block GEMM on a ``swap_bf16`` tile ``cfg``: x_hat [M, G·K] the activation's BF16 dequantization (unit
     column stride), w_q [N, K] e4m3 and w_scale [N/32, K/32] UE8M0 (uint8 views or their dtypes), out [M, N] bf16 or
-    fp32 (unit column stride); ``groups`` G > 1: weight rows ``g·N/G …`` multiply columns ``g·K …`` of x_hat."""
+    fp32 (unit column stride); ``groups`` G > 1: weight rows ``g·N/G …`` multiply columns ``g·K …`` of x_hat. Under
+    ``cfg.split_grid`` each chunk of ``gemm_tiles.chunk_length`` columns (fixed by N and K) is a program of its own,
+    the chunk sums added in chunk order."""
     _check_tile(cfg)
     (m, n), k = out.shape, w_q.shape[1]
     block_n = cfg.block_n
     if groups > 1 and (n // groups) % block_n:  # a tile must not straddle two groups
         raise ValueError(f"a grouped swap_bf16 tile's block_n must divide N/groups = {n // groups}, got {block_n}")
-    _swap_bf16_kernel[(triton.cdiv(m, cfg.block_m), triton.cdiv(n, block_n))](
-        x_hat, w_q.view(torch.uint8), w_scale.view(torch.uint8), out, out, out, out, out,
-        m, n, k, 1, n // groups, x_hat.stride(0), 0, w_q.stride(0), 0, w_scale.stride(0), out.stride(0),
-        GROUPED=False, BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k, DOT_BF16=dot_in_bf16(),
-        NATIVE=native_fp8(), EVEN=n % block_n == 0 and k % cfg.block_k == 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    grid, chunk = launch_grid(triton.cdiv(m, cfg.block_m), n, k, cfg)
+    partial, counters = split_buffers(m, n, cfg, grid, out.device)
+    _swap_bf16_kernel[grid](
+        x_hat, w_q.view(torch.uint8), w_scale.view(torch.uint8), out, partial, counters, out, out, out, out,
+        m, n, k, chunk, 1, n // groups, x_hat.stride(0), 0, w_q.stride(0), 0, w_scale.stride(0), out.stride(0),
+        GROUPED=False, SPLIT_GRID=cfg.split_grid, BLOCK_M=cfg.block_m, BLOCK_N=block_n,
+        BLOCK_K=cfg.block_k, DOT_BF16=dot_in_bf16(), NATIVE=native_fp8(),
+        EVEN=n % block_n == 0 and k % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
