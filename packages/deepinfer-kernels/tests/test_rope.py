@@ -111,6 +111,23 @@ def test_public_op_shapes_empty_and_2d(op_device: str) -> None:
     assert empty.shape == (0, 2, 8)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_in_place_rotation_of_a_strided_tail(op_device: str, dtype: torch.dtype) -> None:
+    """``apply_rope_`` on the rope tail of wider vectors (what the model rotates): the same bits as ``apply_rope``
+    there, the other columns untouched; 2-D rows and a slice whose heads cannot be viewed as one dimension too."""
+    cos, sin = (t.to(op_device) for t in _tables(5, 16, seed=11))
+    wide = random_normal((5, 3, 40), seed=12, dtype=dtype, std=4.0, device=op_device)
+    rows = random_normal((5, 24), seed=13, dtype=dtype, std=4.0, device=op_device)
+    gapped = random_normal((5, 2, 4, 24), seed=14, dtype=dtype, std=4.0, device=op_device)[:, :, :3]
+    for x in (wide, rows, gapped):
+        tail = x[..., -16:]
+        before = x.clone()
+        expected = dk.apply_rope(tail, cos, sin)
+        assert dk.apply_rope_(tail, cos, sin) is tail
+        assert_bitwise_equal(tail, expected)
+        assert_bitwise_equal(x[..., :-16], before[..., :-16])
+
+
 def test_validation() -> None:
     cos, sin = _tables(3, 8, seed=9)
     with pytest.raises(ValueError, match="must be even"):

@@ -32,7 +32,13 @@ from deepinfer_kernels.quant import (
     quantize_mxfp4,
     ue8m0_to_float,
 )
-from deepinfer_kernels.rope import apply_rope, rope_cos_sin, rope_inverse_frequencies, yarn_inverse_frequencies
+from deepinfer_kernels.rope import (
+    apply_rope,
+    apply_rope_,
+    rope_cos_sin,
+    rope_inverse_frequencies,
+    yarn_inverse_frequencies,
+)
 from deepinfer_kernels.routing import router_topk
 from deepinfer_kernels.row_formats import RowFormat, bytes_per_row, decode_rows, encode_rows
 
@@ -42,6 +48,7 @@ __all__ = [
     "KeySource",
     "RowFormat",
     "apply_rope",
+    "apply_rope_",
     "bytes_per_row",
     "current_accelerator",
     "decode_rows",

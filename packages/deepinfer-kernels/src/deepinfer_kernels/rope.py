@@ -7,8 +7,9 @@ The table builders are plain FP32 PyTorch functions run once at model build time
 - :func:`yarn_inverse_frequencies` — YaRN-blended inverse frequencies (magnitude scale is exactly 1).
 - :func:`rope_cos_sin` — cos/sin tables from FP32 angles ``fp32(t · f_i)``.
 
-:func:`apply_rope` rotates interleaved pairs (docs/design/model.md, "RoPE and YaRN"). The inverse ("conjugate") rotation
-is ``apply_rope(x, cos, -sin)``, which is bit-identical to the conjugate rotation formula.
+:func:`apply_rope` rotates interleaved pairs (docs/design/model.md, "RoPE and YaRN"), :func:`apply_rope_` in place. The
+inverse ("conjugate") rotation is ``apply_rope(x, cos, -sin)``, which is bit-identical to the conjugate rotation
+formula.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from deepinfer_kernels import _registry
 from deepinfer_kernels._checks import check_dtype, check_ndim_at_least, check_same_device, check_tensor
 
-__all__ = ["apply_rope", "rope_cos_sin", "rope_inverse_frequencies", "yarn_inverse_frequencies"]
+__all__ = ["apply_rope", "apply_rope_", "rope_cos_sin", "rope_inverse_frequencies", "yarn_inverse_frequencies"]
 
 _ROPE_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -150,6 +151,34 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
         TypeError: a tensor argument is missing or has an unsupported dtype.
         ValueError: shapes disagree or devices differ.
     """
+    _check_rope_args(x, cos, sin)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.numel():
+        x3 = x.reshape(x.shape[0], -1, x.shape[-1]).contiguous()
+        _rotate(x3, cos, sin, out.view(x3.shape))
+    return out
+
+
+def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """:func:`apply_rope` in place: ``x`` (a strided slice too, e.g. the rope tail of wider vectors) is overwritten
+    with its rotation, the same bits, and returned. With a unit stride in the last dimension and the middle dimensions
+    viewable as one, the backend reads and writes ``x`` where it lies (one launch on a GPU, no copies); otherwise the
+    rotation is copied back."""
+    _check_rope_args(x, cos, sin)
+    if not x.numel():
+        return x
+    try:
+        x3 = x.view(x.shape[0], -1, x.shape[-1])
+    except RuntimeError:  # the middle dimensions are not one strided dimension
+        x3 = None
+    if x3 is not None and x3.stride(-1) == 1:
+        _rotate(x3, cos, sin, x3)
+    else:
+        x.copy_(apply_rope(x, cos, sin))
+    return x
+
+
+def _check_rope_args(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     check_tensor("x", x)
     check_tensor("cos", cos)
     check_tensor("sin", sin)
@@ -165,10 +194,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
         if tuple(table.shape) != expected:
             raise ValueError(f"{name} must have shape {expected} for x {tuple(x.shape)}, got {tuple(table.shape)}")
     check_same_device(x=x, cos=cos, sin=sin)
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if x.numel() == 0:
-        return out
-    num_tokens = x.shape[0]
-    x3 = x.reshape(num_tokens, -1, rope_dim).contiguous()
-    _registry.resolve("apply_rope", x3.device.type)(x3, cos.contiguous(), sin.contiguous(), out.view(x3.shape))
-    return out
+
+
+def _rotate(x3: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out3: torch.Tensor) -> None:
+    # Backends take [tokens, heads, rope_dim] with a unit last stride; out3 may be x3 (each element is read before
+    # it is written).
+    _registry.resolve("apply_rope", x3.device.type)(x3, cos.contiguous(), sin.contiguous(), out3)

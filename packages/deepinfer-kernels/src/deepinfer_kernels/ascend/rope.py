@@ -19,11 +19,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch
     the reference by 1 ulp of the output dtype. Documented limits of the op: D < 896, fewer than 1000 heads.
 
     Args:
-        x: [num_tokens, num_heads, rope_dim] bf16 or fp32 on the NPU, contiguous.
+        x: [num_tokens, num_heads, rope_dim] bf16 or fp32 on the NPU, unit stride in the last dimension.
         cos: [num_tokens, rope_dim // 2] fp32.
         sin: [num_tokens, rope_dim // 2] fp32.
-        out: [num_tokens, num_heads, rope_dim], x's dtype; written.
+        out: [num_tokens, num_heads, rope_dim], x's dtype; written (it may be ``x``: the op reads an FP32 copy).
     """
     r1 = cos.repeat_interleave(2, dim=-1).unsqueeze(1)
     r2 = sin.repeat_interleave(2, dim=-1).unsqueeze(1)
-    out.copy_(torch_npu().npu_rotary_mul(x.float(), r1, r2, rotary_mode="interleave"))
+    out.copy_(torch_npu().npu_rotary_mul(x.float().contiguous(), r1, r2, rotary_mode="interleave"))

@@ -56,10 +56,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch
     """Triton interleaved-pair rotation (numerics of ``reference.rope.apply_rope`` with a true fma).
 
     Args:
-        x: [num_tokens, num_heads, rope_dim] bf16 or fp32, contiguous.
+        x: [num_tokens, num_heads, rope_dim] bf16 or fp32, unit stride in the last dimension.
         cos: [num_tokens, rope_dim // 2] fp32, contiguous.
         sin: [num_tokens, rope_dim // 2] fp32, contiguous.
-        out: [num_tokens, num_heads, rope_dim], x's dtype, contiguous; written.
+        out: [num_tokens, num_heads, rope_dim], x's dtype, unit stride in the last dimension; written. It may be
+            ``x`` itself: a program loads its elements before it stores them.
     """
     check_launchable(x=x, cos=cos, sin=sin, out=out)
     num_tokens, num_heads, rope_dim = x.shape

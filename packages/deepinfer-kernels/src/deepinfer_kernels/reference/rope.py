@@ -19,7 +19,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch
         x: [num_tokens, num_heads, rope_dim] bf16 or fp32 (any strides).
         cos: [num_tokens, rope_dim // 2] fp32.
         sin: [num_tokens, rope_dim // 2] fp32.
-        out: [num_tokens, num_heads, rope_dim], x's dtype; written in place.
+        out: [num_tokens, num_heads, rope_dim], x's dtype; written (it may be ``x``: both halves are read first).
     """
     x_even = x[..., 0::2].float()
     x_odd = x[..., 1::2].float()

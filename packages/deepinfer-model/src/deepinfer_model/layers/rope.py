@@ -15,7 +15,7 @@ from collections.abc import Callable, Hashable
 import torch
 from torch import nn
 
-from deepinfer_kernels import apply_rope, rope_inverse_frequencies, yarn_inverse_frequencies
+from deepinfer_kernels import apply_rope_, rope_inverse_frequencies, yarn_inverse_frequencies
 from deepinfer_model.state import StepMemo, StepMetadata
 
 __all__ = ["RopeTable", "RotaryEmbedding"]
@@ -91,9 +91,8 @@ class RotaryEmbedding(nn.Module):
         nothing else reads (a projection's fresh output): the other ``width − r`` elements are not copied, where a new
         tensor would copy all of them (at 64 heads × 512 of which 64 rotate, eight times the rotated bytes)."""
         if x.shape[0]:
-            tail = x[..., -self.rope_dim :]
             cos, sin = table
-            tail.copy_(apply_rope(tail, cos, sin))
+            apply_rope_(x[..., -self.rope_dim :], cos, sin)
         return x
 
 
