@@ -64,30 +64,6 @@ def _e4m3_weight(w_ptrs, ws_ptrs, k0, K, n_mask, BLOCK_N: tl.constexpr, BLOCK_K:
 
 
 @triton.jit
-def _k_steps(  # type: ignore[no-untyped-def]
-    acc, w_ptrs, ws_ptrs, a_ptrs, in_tile, n_mask, k_start, k_end, K,
-    GROUPED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_BF16: tl.constexpr,
-    NATIVE: tl.constexpr, EVEN: tl.constexpr,
-):  # fmt: skip
-    # acc plus the products of columns [k_start, k_end), one BLOCK_K step at a time (k_start and, but for K, k_end are
-    # multiples of BLOCK_K, so only K needs masks).
-    k = tl.arange(0, BLOCK_K)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        if GROUPED:
-            w = swapped_weight(w_ptrs, ws_ptrs, k0, K, n_mask, BLOCK_N, BLOCK_K, NATIVE, EVEN)
-        else:
-            w = _e4m3_weight(w_ptrs, ws_ptrs, k0, K, n_mask, BLOCK_N, BLOCK_K, NATIVE, EVEN)
-        if EVEN:
-            a = tl.load(a_ptrs + k0, mask=in_tile[None, :], other=0.0)
-        else:
-            a = tl.load(a_ptrs + k0, mask=in_tile[None, :] & (k0 + k < K)[:, None], other=0.0)
-        if not DOT_BF16:
-            a = a.to(tl.float32)
-        acc = settled(tl.dot(operand(w, DOT_BF16), a, acc), DOT_BF16)
-    return acc
-
-
-@triton.jit
 def _swap_bf16_kernel(  # type: ignore[no-untyped-def]
     xs_ptr, w_ptr, ws_ptr, out_ptr, partial_ptr, counter_ptr, order_ptr, tile_expert_ptr, tile_start_ptr,
     tile_end_ptr, M, N, K, K_CHUNK, num_experts, N_PER_GROUP, stride_xs, stride_we, stride_w, stride_se, stride_s,
@@ -131,10 +107,20 @@ def _swap_bf16_kernel(  # type: ignore[no-untyped-def]
         k_start, k_end = chunk * K_CHUNK, tl.minimum(chunk * K_CHUNK + K_CHUNK, K)
     else:
         k_start, k_end = 0, K
-    total = _k_steps(
-        tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), w_ptrs, ws_ptrs, a_ptrs, in_tile, n_mask, k_start, k_end, K,
-        GROUPED, BLOCK_N, BLOCK_K, DOT_BF16, NATIVE, EVEN,
-    )  # fmt: skip
+    # k_start and, but for K, k_end are multiples of BLOCK_K, so only K needs masks.
+    total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        if GROUPED:
+            w = swapped_weight(w_ptrs, ws_ptrs, k0, K, n_mask, BLOCK_N, BLOCK_K, NATIVE, EVEN)
+        else:
+            w = _e4m3_weight(w_ptrs, ws_ptrs, k0, K, n_mask, BLOCK_N, BLOCK_K, NATIVE, EVEN)
+        if EVEN:
+            a = tl.load(a_ptrs + k0, mask=in_tile[None, :], other=0.0)
+        else:
+            a = tl.load(a_ptrs + k0, mask=in_tile[None, :] & (k0 + k < K)[:, None], other=0.0)
+        if not DOT_BF16:
+            a = a.to(tl.float32)
+        total = settled(tl.dot(operand(w, DOT_BF16), a, total), DOT_BF16)
     rows = tl.load(order_ptr + positions, mask=in_tile, other=0) if GROUPED else positions
     finish_tile(
         out_ptr, partial_ptr, counter_ptr, tl.trans(total), rows.to(tl.int64), in_tile, n_offsets, M, N, stride_out,
