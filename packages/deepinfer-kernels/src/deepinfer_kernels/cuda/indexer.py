@@ -24,7 +24,6 @@ from deepinfer_kernels.cuda._launch import check_launchable
 from deepinfer_kernels.cuda.row_formats import FORMAT_CODES, decode_tile, round_bf16
 from deepinfer_kernels.platform import triton_interpreter_enabled
 from deepinfer_kernels.reference import indexer as reference
-from deepinfer_kernels.reference.indexer import sorted_selection
 
 __all__ = ["indexer_select"]
 
@@ -222,21 +221,32 @@ def _index_scores_kernel(  # type: ignore[no-untyped-def]
             tl.store(block_keys_ptr + local.to(tl.int64) * stride_block_keys + local_block, block_key)
 
 
-def _ids(keys: torch.Tensor) -> torch.Tensor:
-    """Ids of merged sort keys, −1 for invalid entries, ascending with −1 at the end."""
-    ids = 0xFFFFFFFF - (keys & 0xFFFFFFFF)
-    return sorted_selection(torch.where(keys == _INT64_MIN, -1, ids))
+@triton.jit
+def _selection_kernel(keys_ptr, stride_keys, out_ptr, stride_out, COLS, OUT_COLS, WIDTH: tl.constexpr):  # type: ignore[no-untyped-def]
+    # Row program: the ids of a row's COLS merged sort keys (_sort_key: the id's complement in the low 32 bits; the
+    # int64 minimum for no entry) in ascending order, then −1 for every missing entry, into OUT_COLS columns.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, WIDTH)
+    none = -9223372036854775807 - 1
+    keys = tl.load(keys_ptr + row * stride_keys + cols, mask=cols < COLS, other=none)
+    last = 9223372036854775807  # missing entries sort last
+    ordered = tl.sort(tl.where(keys == none, last, 0xFFFFFFFF - (keys & 0xFFFFFFFF)))
+    tl.store(out_ptr + row * stride_out + cols, tl.where(ordered == last, -1, ordered), mask=cols < OUT_COLS)
 
 
 def _write_ids(out: torch.Tensor, merged: torch.Tensor, selected: int, chunk_is_selection: bool) -> None:
-    # out [t, selected] gets the ids of the selection: the merged top (columns < selected), or the chunk's keys
-    # (columns ≥ selected, at most ``selected`` of them) padded with −1.
-    if not chunk_is_selection:
-        out.copy_(_ids(merged[:, :selected]))
+    # out [t, selected] gets the ids of the selection in ascending order, −1 at the end: from the merged top
+    # (columns < selected), or from the chunk's keys (columns ≥ selected, at most ``selected`` of them). One launch
+    # (reference.indexer.sorted_selection's order).
+    keys = merged[:, selected:] if chunk_is_selection else merged[:, :selected]
+    if out.shape[0] == 0:
         return
-    chunk = merged.shape[1] - selected
-    out[:, :chunk] = _ids(merged[:, selected:])
-    out[:, chunk:] = -1
+    width = triton.next_power_of_2(max(keys.shape[1], out.shape[1], 1))
+    # Eight warps for the 2,048 candidate blocks: 60 registers and half the straight-line sort code of four (sm_90).
+    _selection_kernel[(out.shape[0],)](
+        keys, keys.stride(0), out, out.stride(0), keys.shape[1], out.shape[1], WIDTH=width,
+        num_warps=8 if width > 512 else 4,
+    )  # fmt: skip
 
 
 def indexer_select(
