@@ -93,17 +93,25 @@ def variants() -> list[dict[str, Any]]:
     )
     out.append({"name": "fp8 FMA (2 rows)", "kernel": fp8_gemv_kernel, "constexprs": gemv})
     for block_k in (128, 256):
-        # The Gluon kernel on the model's even shapes (N, K and the scale strides multiples of its tile).
+        # The Gluon kernel with a ring of three slots.
         out.append(
             {
                 "name": f"mxfp4 grouped 8x64 k{block_k} gluon_fp8",
                 "kernel": _grouped_wgmma_kernel,
-                "constexprs": gluon_constexprs(scan=False, even=True, block_m=8, block_k=block_k, num_warps=4),
+                "constexprs": gluon_constexprs(scan=False, block_m=8, block_k=block_k, num_warps=4, stages=3),
             }
         )
     # The BF16 kernel's tiles on even shapes (weight loads as vectors, no K masks): the grouped prefill tile, and the
     # dense FP8 GEMM's at 128 and 256 rows.
-    bf16 = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "DOT_BF16": True, "NATIVE": True, "EVEN": True}
+    bf16 = {
+        "BLOCK_M": 128,
+        "BLOCK_N": 128,
+        "BLOCK_K": 64,
+        "DOT_BF16": True,
+        "NATIVE": True,
+        "EVEN": True,
+        "CHUNK_SUMS": False,
+    }
     for grouped, block_m in ((True, 128), (False, 128), (False, 256)):
         name = f"{'mxfp4 grouped' if grouped else 'fp8'} {block_m}x128 k64 swap_bf16"
         constexprs = {**bf16, "GROUPED": grouped, "SPLIT_GRID": False, "BLOCK_M": block_m}

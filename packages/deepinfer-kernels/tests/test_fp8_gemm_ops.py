@@ -10,6 +10,7 @@ from _gemm_support import abs_product, assert_gemm_close, dequantized_activation
 
 import deepinfer_kernels as dk
 from deepinfer_kernels._registry import Backend, implementation
+from deepinfer_kernels.batch_invariant import batch_invariant_ops
 from deepinfer_kernels.testing import random_e4m3, random_normal, random_ue8m0
 
 
@@ -190,8 +191,9 @@ def test_swap_bf16_fp8_tiles_meet_the_bound_and_read_codes_as_the_activation(
 def test_swap_bf16_fp8_split_k_adds_its_chunks_in_order(triton_device: str, k: int) -> None:
     """Split-K ``swap_bf16`` (the FP8 weight's K in ``k_chunk`` chunks: 4 of 256 columns at 1,024; 512, 512 and 32 at
     1,056, a partial K step) gives the FP32 bits of one-program launches on each chunk's columns added from zero in
-    chunk order (added in another order, or K as one run, they differ), in 16- and 64-row tiles; a row alone gets the
-    bits it has among 70; rounded to BF16 the sums meet the reference's bound."""
+    chunk order (added in another order, or K as one run, they differ), in 16- and 64-row tiles; inside
+    ``batch_invariant_ops`` an unsplit launch makes the same additions in one program; a row alone gets the bits it
+    has among 70; rounded to BF16 the sums meet the reference's bound."""
     from deepinfer_kernels.cuda.gemm import fp8_block_activation_launch
     from deepinfer_kernels.cuda.gemm_tiles import BlockConfig, k_chunk
 
@@ -220,6 +222,8 @@ def test_swap_bf16_fp8_split_k_adds_its_chunks_in_order(triton_device: str, k: i
         assert torch.equal(split, in_order), block_m
         assert not torch.equal(split, sum(reversed(chunk_sums), torch.zeros(m, n))), block_m
         assert not torch.equal(split, run(slice(0, k), everything, block_m, split=False)), block_m
+        with batch_invariant_ops():
+            assert torch.equal(split, run(slice(0, k), everything, block_m, split=False)), block_m
     together = run(slice(0, k), everything, 16, split=True)
     for row in (0, 37, 69):
         assert torch.equal(run(slice(0, k), slice(row, row + 1), 16, split=True)[0], together[row]), row

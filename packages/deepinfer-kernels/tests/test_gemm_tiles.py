@@ -15,6 +15,7 @@ from deepinfer_kernels.cuda.gemm_tiles import (
     chunk_length,
     decodings,
     default_config,
+    gluon_shared_bytes,
     grouped_tile_rows,
     k_chunk,
 )
@@ -37,9 +38,9 @@ def test_candidates_start_with_the_default_and_time_every_decoding(op: str, rows
     assert candidates[0] == default
     assert len(set(candidates)) == len(candidates)
     if default.gemv:
-        # The FMA tiles, and the dense GEMM's swap_fp8 tiles (the batch-invariant mode's at one row) and split
-        # swap_bf16 tiles.
-        assert all(c.gemv or c.decoding in ("swap_fp8", "swap_bf16") for c in candidates)
+        # The FMA tiles, and the dense GEMM's swap_fp8 tiles (the batch-invariant mode's at one row), split
+        # swap_bf16 tiles and Gluon tiles.
+        assert all(c.gemv or c.decoding in ("swap_fp8", "swap_bf16", "gluon_fp8") for c in candidates)
         assert any(c.decoding == "swap_fp8" for c in candidates)
     else:
         # gluon_fp8's tile is tied to its warps (block_n = 16 × num_warps): it has candidates of its own; so is
@@ -81,7 +82,7 @@ def test_measured_entries_win_over_the_default() -> None:
 def test_weight_first_tiles_are_mxfp4_candidates_only() -> None:
     """``swap_ab`` is an MXFP4 kernel's decoding, never the FP8 GEMM's; the grouped GEMM tries it at few rows per
     expert (the dense MXFP4 GEMM's 1-2 rows take the FMA kernel)."""
-    assert set(DECODINGS) - set(decodings("fp8_block_gemm")) == {"swap_ab", "gluon_fp8"}
+    assert set(DECODINGS) - set(decodings("fp8_block_gemm")) == {"swap_ab"}
     assert set(DECODINGS) - set(decodings("mxfp4_gemm")) == {"gluon_fp8", "dequant_bf16", "swap_bf16"}
     assert set(DECODINGS) - set(decodings("mxfp4_grouped_gemm")) == {"dequant_bf16"}
     for op in OPS:
@@ -101,17 +102,40 @@ def test_grouped_calls_beyond_the_split_rows_use_at_least_the_16_row_bucket(m: i
         assert block_config("mxfp4_grouped_gemm", rows, 4608, 5120).decoding == "gluon_fp8"
 
 
-def test_gluon_tiles_are_grouped_candidates_only() -> None:
-    """The explicit-layout kernel serves the grouped MXFP4 GEMM at few rows per expert; its tiles are checked."""
+def test_gluon_tiles_are_grouped_and_fp8_candidates_only() -> None:
+    """The explicit-layout kernels serve the grouped MXFP4 GEMM at few rows per expert and the FP8 block GEMM at every
+    row count (not the dense MXFP4 GEMM); their tiles are checked."""
     assert set(DECODINGS) - set(decodings("mxfp4_gemm")) == {"gluon_fp8", "dequant_bf16", "swap_bf16"}
     for op in OPS:
-        gluon = [c for c in candidate_configs(op, 16) if c.decoding == "gluon_fp8"]
-        assert bool(gluon) == (op == "mxfp4_grouped_gemm")
-        assert all(c.block_n == 16 * c.num_warps and not c.split_grid for c in gluon)
+        for rows in (1, 16, 64, 256):
+            gluon = [c for c in candidate_configs(op, rows) if c.decoding == "gluon_fp8"]
+            assert bool(gluon) == (op == "fp8_block_gemm" or (op == "mxfp4_grouped_gemm" and rows <= 16)), (op, rows)
+            assert all(c.block_n == 16 * c.num_warps and not c.split_grid for c in gluon)
     with pytest.raises(ValueError, match="gluon_fp8 tile has block_n = 16 × num_warps"):
         BlockConfig(16, 128, num_warps=4, num_stages=1, split_grid=False, decoding="gluon_fp8")
     with pytest.raises(ValueError, match="no split_grid"):
-        BlockConfig(16, 64, num_warps=4, num_stages=1, split_grid=True, decoding="gluon_fp8")
+        BlockConfig(16, 64, num_warps=4, num_stages=3, split_grid=True, decoding="gluon_fp8")
+    with pytest.raises(ValueError, match="at least 2"):
+        BlockConfig(8, 64, num_warps=4, num_stages=1, split_grid=False, block_k=256, decoding="gluon_fp8")
+    with pytest.raises(ValueError, match="block_k in"):
+        BlockConfig(8, 64, num_warps=4, num_stages=3, split_grid=False, block_k=64, decoding="gluon_fp8")
+
+
+def test_gluon_rings_fit_a_programs_shared_memory() -> None:
+    """A ring slot holds a K step of weight bytes, codes and scale bytes (the 8 × 64 tile with a 256-column step: 8,192
+    + 2,048 + 512 + 64 bytes); every candidate ring fits Hopper's 227 KiB a program, a larger one is refused."""
+    tile = BlockConfig(8, 64, num_warps=4, num_stages=3, split_grid=False, block_k=256, decoding="gluon_fp8")
+    assert gluon_shared_bytes(tile) == 3 * (8192 + 2048 + 512 + 64)
+    for rows in (2, 16):
+        for cfg in candidate_configs("mxfp4_grouped_gemm", rows):
+            if cfg.decoding == "gluon_fp8":
+                assert gluon_shared_bytes(cfg) <= 227 * 1024, cfg
+    for rows in (1, 16, 64, 256):
+        for cfg in candidate_configs("fp8_block_gemm", rows):
+            if cfg.decoding == "gluon_fp8":
+                assert gluon_shared_bytes(cfg, weight_bits=8) <= 227 * 1024, cfg
+    with pytest.raises(ValueError, match="shared memory"):
+        BlockConfig(32, 128, num_warps=8, num_stages=5, split_grid=False, block_k=512, decoding="gluon_fp8")
 
 
 def test_dequantized_bf16_is_an_fp8_candidate_for_many_rows_only() -> None:

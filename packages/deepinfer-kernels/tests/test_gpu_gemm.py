@@ -13,6 +13,7 @@ from _gpu_marks import COMPILED_TRITON_ON_GPU
 import deepinfer_kernels as dk
 from deepinfer_kernels import _registry
 from deepinfer_kernels._registry import Backend, implementation
+from deepinfer_kernels.batch_invariant import batch_invariant_ops
 from deepinfer_kernels.cuda.gemm_tiles import BlockConfig
 
 pytestmark = COMPILED_TRITON_ON_GPU
@@ -185,9 +186,10 @@ def test_bf16_fp8_gemms_meet_the_fp32_bound(m: int, cfg: BlockConfig) -> None:
 
 
 def test_swap_bf16_fp8_rows_keep_their_bits_in_every_tile() -> None:
-    """Whether split-K ``swap_bf16`` FP8 tiles could serve the batch-invariant mode: with K in the weight shape's
-    chunks, a row's FP32 sums are the same bits alone in a 16-row tile and among 300 rows in 16- and 64-row tiles of
-    64 and 128 weight rows. The tokens are the BF16 wgmma's N side, so this holds if the tensor core's sums of an
+    """Whether ``swap_bf16`` FP8 tiles could serve the batch-invariant mode: with K in the weight shape's chunks, a
+    row's FP32 sums are the same bits alone in a 16-row tile and among 300 rows in split 16- and 64-row tiles of 64
+    and 128 weight rows and in unsplit 64- and 256-row tiles that add the chunks in one program (inside
+    ``batch_invariant_ops``). The tokens are the BF16 wgmma's N side, so this holds if the tensor core's sums of an
     output do not depend on N (as the FP8 ``swap_fp8`` tiles' do not)."""
     m, n, k = 300, 4096, 5120
     x = torch.randn((m, k), generator=_generator(60), device="cuda").to(torch.bfloat16)
@@ -198,10 +200,12 @@ def test_swap_bf16_fp8_rows_keep_their_bits_in_every_tile() -> None:
     def run(rows: torch.Tensor, block_m: int, block_n: int, warps: int, split: bool) -> torch.Tensor:
         cfg = BlockConfig(block_m, block_n, warps, 3, split_grid=split, block_k=64, decoding="swap_bf16")
         out = torch.full((rows.shape[0], n), float("nan"), dtype=torch.float32, device="cuda")
-        gemm(rows, w_q, w_scale, out, config=cfg)
+        with batch_invariant_ops():
+            gemm(rows, w_q, w_scale, out, config=cfg)
         return out
 
-    tiles = [(16, 64, 4, True), (16, 128, 8, True), (64, 64, 4, True), (64, 128, 8, True)]
+    tiles = [(16, 64, 4, True), (16, 128, 8, True), (64, 64, 4, True), (64, 128, 8, True), (64, 64, 4, False)]
+    tiles += [(64, 128, 8, False), (256, 128, 8, False)]
     together = [run(x, *tile) for tile in tiles]
     for row in (0, 1, 17, 63, 299):
         alone = run(x[row : row + 1], *tiles[0])[0]
@@ -308,14 +312,15 @@ def test_grouped_bf16_tiles_meet_the_fp32_bound(cfg: BlockConfig, n: int) -> Non
     assert torch.all(fast[ids < 0] == 0)
 
 
-# The explicit-layout Gluon kernel's tiles (cuda.grouped_wgmma): one and two warpgroups, 8 and 16 rows, K steps of
-# two, four and eight groups.
+# The explicit-layout Gluon kernel's tiles (cuda.grouped_wgmma): one and two warpgroups, 8, 16 and 32 rows, K steps
+# of four, eight and sixteen groups, rings of two to four slots.
 _GLUON_TILES = [
-    BlockConfig(8, 64, num_warps=4, num_stages=1, split_grid=False, block_k=128, decoding="gluon_fp8"),
-    BlockConfig(16, 64, num_warps=4, num_stages=1, split_grid=False, block_k=64, decoding="gluon_fp8"),
-    BlockConfig(8, 128, num_warps=8, num_stages=1, split_grid=False, block_k=256, decoding="gluon_fp8"),
-    BlockConfig(16, 128, num_warps=8, num_stages=1, split_grid=False, block_k=128, decoding="gluon_fp8"),
-    BlockConfig(32, 64, num_warps=4, num_stages=1, split_grid=False, block_k=128, decoding="gluon_fp8"),
+    BlockConfig(8, 64, num_warps=4, num_stages=3, split_grid=False, block_k=128, decoding="gluon_fp8"),
+    BlockConfig(16, 64, num_warps=4, num_stages=4, split_grid=False, block_k=256, decoding="gluon_fp8"),
+    BlockConfig(8, 128, num_warps=8, num_stages=2, split_grid=False, block_k=256, decoding="gluon_fp8"),
+    BlockConfig(16, 128, num_warps=8, num_stages=3, split_grid=False, block_k=128, decoding="gluon_fp8"),
+    BlockConfig(32, 64, num_warps=4, num_stages=2, split_grid=False, block_k=128, decoding="gluon_fp8"),
+    BlockConfig(8, 64, num_warps=4, num_stages=2, split_grid=False, block_k=512, decoding="gluon_fp8"),
 ]
 
 
@@ -379,10 +384,11 @@ def test_gluon_grouped_gemm_rows_alone_equal_rows_in_a_batch() -> None:
         assert torch.equal(alone[0], together[r])
 
 
-def test_gluon_grouped_gemm_masks_a_partial_k_step() -> None:
-    """K not a multiple of the tile's K step (the tiny preset's w2 has K = 128 against 256) nor N of its rows: the
-    masked path meets the reference bound and equals the Triton swap_fp8 tile bit for bit."""
-    experts, n, k, m = 4, 200, 416, 24
+def test_gluon_grouped_gemm_shortens_a_k_step_that_does_not_divide_k() -> None:
+    """K not a multiple of the tile's K step (the tiny preset's w2 has K = 128 against 256; here 384) runs in shorter
+    steps, N not a multiple of the tile's rows masks them: within the reference bound and equal to the Triton
+    swap_fp8 tile bit for bit."""
+    experts, n, k, m = 4, 200, 384, 24
     x = torch.randn((m, k), generator=_generator(70), device="cuda").to(torch.bfloat16)
     packed = _bytes((experts, n, k // 2), seed=71).view(torch.int8)
     scale = _bytes((experts, n, k // 32), seed=72, low=118, high=127).view(torch.float8_e8m0fnu)
@@ -432,3 +438,55 @@ def test_dense_swap_fp8_rows_keep_their_bits_in_every_tile_and_batch(op: str) ->
         assert torch.equal(run(x, cfg), batch), cfg
         assert torch.equal(run(x[5:6], cfg)[0], batch[5]), cfg
         assert torch.equal(run(x[100:108], cfg), batch[100:108]), cfg
+
+
+# The dense FP8 GEMM's Gluon tiles (cuda.fp8_wgmma): 8 to 64 tokens, one and two warpgroups, K steps of four and
+# eight groups, rings of two to four slots.
+_GLUON_FP8_TILES = [
+    BlockConfig(8, 64, num_warps=4, num_stages=3, split_grid=False, block_k=256, decoding="gluon_fp8"),
+    BlockConfig(16, 64, num_warps=4, num_stages=4, split_grid=False, block_k=128, decoding="gluon_fp8"),
+    BlockConfig(8, 128, num_warps=8, num_stages=3, split_grid=False, block_k=128, decoding="gluon_fp8"),
+    BlockConfig(64, 64, num_warps=4, num_stages=3, split_grid=False, block_k=128, decoding="gluon_fp8"),
+    BlockConfig(64, 128, num_warps=8, num_stages=2, split_grid=False, block_k=128, decoding="gluon_fp8"),
+]
+
+
+@pytest.mark.parametrize("cfg", _GLUON_FP8_TILES, ids=lambda c: f"m{c.block_m}-w{c.num_warps}-k{c.block_k}")
+def test_gluon_fp8_gemm_equals_the_split_swap_fp8_tile(cfg: BlockConfig) -> None:
+    """The Gluon FP8 GEMM adds the weight shape's K chunks in one program: the bits of the split swap_fp8 tile (the
+    batch-invariant mode's) for 200 rows, for a row alone and for 8 rows, within the reference's bound with the FP8
+    MMA's per-group term; N (1,000) is no multiple of the tile, K (4,096) 16 chunks."""
+    m, n = 200, 1000
+    inputs, magnitude, _ = _fp8_mma_case("fp8_block_gemm", m, exact=False, seed=91)
+    x, w_q, w_scale = inputs[0], inputs[1][:n].contiguous(), inputs[2][: -(-n // 32)].contiguous()
+    impl = implementation("fp8_block_gemm", Backend.NVIDIA)
+
+    def run(rows: torch.Tensor, tile: BlockConfig) -> torch.Tensor:
+        out = torch.zeros(rows.shape[0], n, dtype=torch.bfloat16, device="cuda")
+        impl(rows, w_q, w_scale, out, config=tile)
+        return out
+
+    swap = run(x, _SWAP_TILES[0])
+    fast = run(x, cfg)
+    ref = _run("fp8_block_gemm", Backend.REFERENCE, m, n, x, w_q, w_scale)
+    assert_gemm_close(fast, ref, magnitude[:, :n], _K, group_accumulation=2.0**-8)
+    assert torch.equal(fast, swap)
+    assert torch.equal(run(x[5:6], cfg)[0], swap[5])
+    assert torch.equal(run(x[100:108], cfg), swap[100:108])
+
+
+def test_gluon_fp8_grouped_gemm_equals_the_swap_fp8_tile() -> None:
+    """The attention's wo_a shape (8 groups of [1024, 4096] weight rows, each on its own 4,096 activation columns, FP32
+    output) on Gluon tiles: within the FP32 bound and the swap_fp8 tile's bits."""
+    for cfg in (_GLUON_FP8_TILES[0], _GLUON_FP8_TILES[4]):
+        _check_grouped_wo_a(300, (11, 12, 13), config=cfg)
+    groups, n, m = 8, 8192, 64
+    x = torch.randn((m, groups * _K), generator=_generator(14), device="cuda").to(torch.bfloat16)
+    w_q = (_bytes((n, _K), seed=15) & 0xF7).view(torch.float8_e4m3fn)
+    w_scale = _bytes((n // 32, _K // 32), 16, 118, 127).view(torch.float8_e8m0fnu)
+    results = []
+    for cfg in (_GLUON_FP8_TILES[1], _SWAP_TILES[0]):
+        out = torch.zeros(m, n, dtype=torch.float32, device="cuda")
+        implementation("fp8_block_grouped_gemm", Backend.NVIDIA)(x, w_q, w_scale, out, config=cfg)
+        results.append(out)
+    assert torch.equal(results[0], results[1])

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_kernels.cuda import quant
+from deepinfer_kernels.cuda import fp8_wgmma, quant
 from deepinfer_kernels.cuda._launch import check_launchable
 from deepinfer_kernels.cuda.dequantized_gemm import bf16_product, dequantized_activation, quantized_value_activation
 from deepinfer_kernels.cuda.gemm_decodings import dot_scaled_tiles, group_tiles, swapped_tiles
@@ -54,6 +54,7 @@ from deepinfer_kernels.cuda.gemm_operands import (
 )
 from deepinfer_kernels.cuda.gemm_tiles import BlockConfig, block_config, decodings
 from deepinfer_kernels.cuda.gemv import fp8_gemv_kernel, mxfp4_gemv_kernel
+from deepinfer_kernels.cuda.gluon_ring import available
 from deepinfer_kernels.cuda.swap_bf16 import fp8_swap_bf16_launch
 
 __all__ = [
@@ -433,6 +434,12 @@ def fp8_block_launch(
     if cfg.decoding in _ON_X_HAT:
         _x_hat_launch(dequantized_activation(q, q_scale), w_q, w_scale, out, groups, cfg)
         return
+    if cfg.decoding == "gluon_fp8":
+        if available(out.device) and fp8_wgmma.fits(n, k, w_q, w_scale, groups, cfg):
+            fp8_wgmma.fp8_wgmma_launch(q, q_scale, w_q, w_scale, out, groups, cfg)
+            return
+        # The same sums from Triton (cuda.fp8_wgmma): the swap_fp8 tile in the same chunks, in one program.
+        cfg = replace(cfg, decoding="swap_fp8", block_m=max(16, cfg.block_m))
     n_per_group = n // groups
     while groups > 1 and n_per_group % cfg.block_n:  # a tile must not straddle two groups
         cfg = replace(cfg, block_n=cfg.block_n // 2)

@@ -30,14 +30,17 @@ from deepinfer_kernels.batch_invariant import invariant_kernels
 __all__ = [
     "BLOCK_K",
     "DECODINGS",
+    "GLUON_BLOCK_K",
     "GROUPED_SPLIT_MAX_ROWS",
     "MEASURED",
+    "SHARED_PER_PROGRAM",
     "BlockConfig",
     "block_config",
     "candidate_configs",
     "chunk_length",
     "decodings",
     "default_config",
+    "gluon_shared_bytes",
     "grouped_tile_rows",
     "invariant_config",
     "k_chunk",
@@ -66,6 +69,10 @@ DECODINGS = (
     "dequant_bf16",
     "swap_bf16",
 )
+# K steps of a gluon_fp8 tile: at least four groups, so that a row's scale bytes of a step are one 4-byte cp.async.
+GLUON_BLOCK_K = (128, 256, 512)
+# Shared memory one program can have on Hopper (227 KiB).
+SHARED_PER_PROGRAM = 232448
 # Rows of a gluon_fp8 tile's block_n per warp (a warpgroup's 4 warps make the wgmma's 64-row register operand).
 _GLUON_ROWS_PER_WARP = 16
 
@@ -117,13 +124,19 @@ class BlockConfig:
             raise ValueError(f"BlockConfig.decoding must be one of {DECODINGS}, got {self.decoding!r}")
         if self.decoding == "gluon_fp8" and (
             self.block_n != _GLUON_ROWS_PER_WARP * self.num_warps
-            or self.block_m not in (8, 16, 32)
-            or self.block_k not in (32, 64, 128, 256, 512)
+            or self.block_m not in (8, 16, 32, 64)
+            or self.block_k not in GLUON_BLOCK_K
+            or self.num_stages < 2
             or self.split_grid
         ):
             raise ValueError(
-                "a gluon_fp8 tile has block_n = 16 × num_warps, block_m in (8, 16, 32), block_k in"
-                f" (32, 64, 128, 256, 512) and no split_grid, got {self}"
+                "a gluon_fp8 tile has block_n = 16 × num_warps, block_m in (8, 16, 32, 64), block_k in"
+                f" {GLUON_BLOCK_K}, num_stages (its ring's slots) at least 2 and no split_grid, got {self}"
+            )
+        if self.decoding == "gluon_fp8" and gluon_shared_bytes(self) > SHARED_PER_PROGRAM:
+            raise ValueError(
+                f"a gluon_fp8 tile's ring takes {gluon_shared_bytes(self)} bytes of shared memory, more than the"
+                f" {SHARED_PER_PROGRAM} a Hopper program can have: fewer slots, rows or K columns, got {self}"
             )
         if self.decoding == "dequant_bf16" and (self.split_grid or self.gemv):
             raise ValueError(f"a dequant_bf16 launch is one cuBLAS GEMM: no split_grid, no gemv, got {self}")
@@ -137,6 +150,16 @@ class BlockConfig:
             )
 
 
+def gluon_shared_bytes(cfg: BlockConfig, weight_bits: int = 4) -> int:
+    """Shared memory of a ``gluon_fp8`` tile's ring (``cuda.grouped_wgmma`` for MXFP4 weights, ``cuda.fp8_wgmma`` for
+    e4m3 ones, ``weight_bits`` 8): per slot the weight bytes, the activation codes and both sides' scale bytes of a K
+    step."""
+    groups = cfg.block_k // 32
+    return cfg.num_stages * (
+        cfg.block_n * cfg.block_k * weight_bits // 8 + cfg.block_m * cfg.block_k + (cfg.block_n + cfg.block_m) * groups
+    )
+
+
 def _swap_on_wgmma(block_m: int, block_n: int, num_warps: int) -> bool:
     """Whether Triton 3.6 runs a ``swap_fp8`` tile's dot as Hopper's FP8 ``wgmma``: narrower, it runs an FP16
     ``mma.sync`` (sm_90 SASS: HMMA at 8 rows, QGMMA from 16), whose sums differ."""
@@ -144,11 +167,11 @@ def _swap_on_wgmma(block_m: int, block_n: int, num_warps: int) -> bool:
 
 
 def decodings(op: str) -> tuple[str, ...]:
-    """The decodings ``op``'s MMA tiles have: ``"gluon_fp8"`` only for the grouped MXFP4 GEMM, ``"swap_ab"`` only for
-    the MXFP4 GEMMs, ``"dequant_bf16"`` only for the FP8 block GEMM, ``"swap_bf16"`` for the grouped MXFP4 and the FP8
-    block GEMM, every other one for all three."""
+    """The decodings ``op``'s MMA tiles have: ``"gluon_fp8"`` only for the grouped MXFP4 and the FP8 block GEMM,
+    ``"swap_ab"`` only for the MXFP4 GEMMs, ``"dequant_bf16"`` only for the FP8 block GEMM, ``"swap_bf16"`` for the
+    grouped MXFP4 and the FP8 block GEMM, every other one for all three."""
     only = {
-        "gluon_fp8": op == "mxfp4_grouped_gemm",
+        "gluon_fp8": op in ("mxfp4_grouped_gemm", "fp8_block_gemm"),
         "swap_ab": op.startswith("mxfp4"),
         "dequant_bf16": op == "fp8_block_gemm",
         "swap_bf16": op in ("mxfp4_grouped_gemm", "fp8_block_gemm"),
@@ -169,11 +192,12 @@ def k_chunk(n: int, k: int) -> int:
 
 def chunk_length(n: int, k: int, cfg: BlockConfig, grouped: bool = False) -> int:
     """K columns per reduction chunk of a launch with tiles ``cfg``: :func:`k_chunk`, except for ``"group_fp8"`` and
-    ``"gluon_fp8"`` and the grouped GEMM's ``"swap_fp8"`` (``grouped``), which sum K as one chunk (no split-K; one FP32
+    the grouped GEMM's ``"swap_fp8"`` and ``"gluon_fp8"`` (``grouped``), which sum K as one chunk (no split-K; one FP32
     tile of registers fewer, and the grouped GEMM's touched experts give it programs enough). A dense ``"swap_fp8"``
     launch splits K like the other decodings: its few-row tiles need split-K for programs, and its sums, fixed by the
-    weight's shape alone, are then the same bits whatever the rows and tiles (the batch-invariant tiles)."""
-    one_chunk = cfg.decoding in ("group_fp8", "gluon_fp8") or (grouped and cfg.decoding == "swap_fp8")
+    weight's shape alone, are then the same bits whatever the rows and tiles (the batch-invariant tiles); the dense
+    ``"gluon_fp8"`` kernel adds the same chunks in one program."""
+    one_chunk = cfg.decoding == "group_fp8" or (grouped and cfg.decoding in ("swap_fp8", "gluon_fp8"))
     return k if one_chunk else k_chunk(n, k)
 
 
@@ -257,6 +281,7 @@ def candidate_configs(op: str, rows: int) -> list[BlockConfig]:
         if op != "mxfp4_grouped_gemm":
             more += _swap_candidates(rows)
         if op == "fp8_block_gemm":
+            more += _gluon_fp8_candidates(rows)
             more.append(_DEQUANT_BF16)
             # The FP8 weight decoded in registers against x̂: 90–251 registers, no spills (sm_90 cubin, num_stages 1).
             more += _bf16_swap_candidates(((64, 128, 8), (128, 128, 8), (256, 128, 8), (64, 64, 4), (128, 64, 4)))
@@ -270,6 +295,7 @@ def candidate_configs(op: str, rows: int) -> list[BlockConfig]:
         # programs otherwise).
         block_m = 16 if rows <= 16 else 64
         out += [_swap_bf16(block_m, block_n, warps, split_grid=True) for block_n, warps in ((64, 4), (128, 8))]
+        out += _gluon_fp8_candidates(rows)
     shapes: tuple[tuple[int, int, int], ...]
     if default.gemv:
         shapes = ((32, 4, 2), (32, 4, 4), (64, 4, 3), (64, 8, 3), (16, 4, 3))
@@ -306,19 +332,21 @@ def candidate_configs(op: str, rows: int) -> list[BlockConfig]:
             _mma(16, 128, 4, 4, split_grid=False, decoding="swap_fp8", block_k=64),
             _mma(16, 256, 8, 4, split_grid=False, decoding="swap_fp8", block_k=64),
             # The swap_fp8 sums in explicit layouts (cuda.grouped_wgmma): one or two warpgroups, 8 or 16 rows, K steps
-            # of two to sixteen groups.
+            # of four to sixteen groups, rings of two to four slots.
             *(
-                _mma(block_m, 16 * num_warps, num_warps, 1, split_grid=False, decoding="gluon_fp8", block_k=block_k)
-                for block_m, num_warps, block_k in (
-                    (8, 4, 128),
-                    (8, 4, 256),
-                    (16, 4, 128),
-                    (8, 8, 128),
-                    (16, 8, 128),
-                    (8, 4, 64),
-                    (8, 4, 512),
-                    (8, 8, 256),
-                    (16, 4, 256),
+                _mma(m, 16 * warps, warps, stages, split_grid=False, decoding="gluon_fp8", block_k=block_k)
+                for m, warps, block_k, stages in (
+                    (8, 4, 256, 2),
+                    (8, 4, 256, 3),
+                    (8, 4, 256, 4),
+                    (8, 4, 128, 3),
+                    (8, 4, 128, 4),
+                    (16, 4, 128, 3),
+                    (8, 8, 128, 3),
+                    (16, 8, 128, 2),
+                    (8, 4, 512, 2),
+                    (8, 8, 256, 2),
+                    (16, 4, 256, 2),
                 )
             ),
         ]
@@ -341,6 +369,23 @@ def _swap_candidates(rows: int) -> list[BlockConfig]:
         _mma(block_m, n, warps, stages, split_grid=rows <= 64, decoding="swap_fp8", block_k=block_k)
         for n, warps, stages, block_k in shapes
     ]
+
+
+def _gluon_fp8_candidates(rows: int) -> list[BlockConfig]:
+    """The dense FP8 GEMM's Gluon tiles (``cuda.fp8_wgmma``, no split-K) for a row bucket: 64 or 128 weight rows by 8
+    to 64 tokens, K steps of four or eight groups, rings of two to four slots that fit a program's shared memory."""
+    shapes: tuple[tuple[int, int, int, int], ...]
+    if rows <= 16:
+        shapes = ((8, 4, 256, 3), (8, 4, 128, 4), (16, 4, 256, 3), (8, 8, 128, 3))
+    elif rows <= 64:
+        shapes = ((32, 4, 128, 3), (64, 4, 128, 3), (16, 4, 256, 3))
+    else:
+        shapes = ((64, 4, 128, 3), (64, 8, 128, 2), (64, 4, 256, 2))
+    tiles = (
+        _mma(m, 16 * warps, warps, stages, split_grid=False, decoding="gluon_fp8", block_k=block_k)
+        for m, warps, block_k, stages in shapes
+    )
+    return [cfg for cfg in tiles if gluon_shared_bytes(cfg, weight_bits=8) <= SHARED_PER_PROGRAM]
 
 
 def _swap(block_m: int, block_n: int, num_warps: int, num_stages: int, split_grid: bool = True) -> BlockConfig:
@@ -391,8 +436,9 @@ def _mma(
 # ones. The explicit-layout Gluon kernel of the same sums (gluon_fp8, cuda.grouped_wgmma) with 8-row tiles and a K step
 # of eight groups beat every Triton tile on both shapes: 59.1 against 72.4 µs (w13, the scaled_bf16 tile) and 31.6
 # against 43.8 µs (w2) at 1 token, 1505 against 2023 µs (w13, swap_fp8) and 781 against 1020 µs (w2) at 64 tokens
-# (kernels_gemm-gluon.json); buckets 2 and 16 take it.
-_GROUPED_GLUON_TILE = _mma(8, 64, 4, 1, split_grid=False, decoding="gluon_fp8", block_k=256)
+# (kernels_gemm-gluon.json); buckets 2 and 16 take it. Its operands then went through registers (one K step in flight
+# a program); they now go by cp.async through a ring of shared-memory slots (three here).
+_GROUPED_GLUON_TILE = _mma(8, 64, 4, 3, split_grid=False, decoding="gluon_fp8", block_k=256)
 # About 128 rows per expert (an 8K-token prefill): the BF16 tensor cores on a BF16 copy of the activation in expert
 # order (swap_bf16, cuda.swap_bf16), 9.5 against 18.6 ms (w13) and 5.0 against 9.4 ms (w2) for the fastest
 # group_fp8 tile (kernels_gemm-swapbf16-prefill.json); the group_fp8 tiles had been 2.5x the scaled_bf16 default
@@ -477,8 +523,8 @@ def _row_independent(op: str, cfg: BlockConfig) -> bool:
     """Whether a row's bits under ``cfg`` are those of every tile of the batch-invariant mode: the FP8 ``wgmma``
     decodings with the weight as its 64-row side, whose per-group sums do not depend on the tile's other rows
     (the GPU tests check it bitwise across tiles), in their fixed chunks (:func:`chunk_length`: per weight shape for a
-    dense ``swap_fp8`` launch, one for the grouped GEMM's ``swap_fp8`` and ``gluon_fp8``)."""
-    return cfg.decoding == "swap_fp8" or (op == "mxfp4_grouped_gemm" and cfg.decoding == "gluon_fp8")
+    dense ``swap_fp8`` or ``gluon_fp8`` launch, one for the grouped GEMM's)."""
+    return cfg.decoding in ("swap_fp8", "gluon_fp8")
 
 
 def invariant_config(op: str, rows: int) -> BlockConfig:

@@ -27,9 +27,15 @@ import triton.language as tl
 
 from deepinfer_kernels.cuda._launch import check_launchable
 from deepinfer_kernels.cuda.gemm import activation_for, gemv_rows, mxfp4_launch
-from deepinfer_kernels.cuda.gemm_tiles import GROUPED_SPLIT_MAX_ROWS, BlockConfig, block_config, grouped_tile_rows
+from deepinfer_kernels.cuda.gemm_tiles import (
+    GLUON_BLOCK_K,
+    GROUPED_SPLIT_MAX_ROWS,
+    BlockConfig,
+    block_config,
+    grouped_tile_rows,
+)
 from deepinfer_kernels.cuda.grouped_tiles import MAX_ROWS, expert_tiles_one_launch
-from deepinfer_kernels.cuda.grouped_wgmma import available, grouped_wgmma_launch
+from deepinfer_kernels.cuda.grouped_wgmma import available, fits, grouped_wgmma_launch
 from deepinfer_kernels.cuda.swap_bf16 import swap_bf16_launch
 
 __all__ = ["expert_tiles", "mxfp4_grouped_gemm"]
@@ -128,9 +134,8 @@ def mxfp4_grouped_gemm(
     cfg = config or block_config("mxfp4_grouped_gemm", grouped_tile_rows(m, experts), n, k)
     if m > GROUPED_SPLIT_MAX_ROWS:
         cfg = dataclasses.replace(cfg, split_grid=False)
-    if cfg.decoding == "gluon_fp8" and not available(x.device):
-        # The same sums from Triton (cuda.grouped_wgmma), in its narrowest FP8 wgmma tile.
-        cfg = dataclasses.replace(cfg, decoding="swap_fp8", block_m=max(16, cfg.block_m))
+    if cfg.decoding == "gluon_fp8":
+        cfg = _gluon_tile(cfg, packed, scale, x.device)
     launch = grouped_wgmma_launch if cfg.decoding == "gluon_fp8" else mxfp4_launch
     if not cfg.gemv and m <= cfg.block_m and cfg.decoding != "swap_bf16":
         # Every row fits one MMA tile: each program finds its expert's rows itself (mxfp4_kernel's SCAN), which saves
@@ -150,6 +155,17 @@ def mxfp4_grouped_gemm(
         swap_bf16_launch(x, packed, scale, out, tables, cfg, repeats)
         return
     launch(*_row_codes(x, cfg, repeats), packed, scale, out, tables, rows, cfg)
+
+
+def _gluon_tile(cfg: BlockConfig, packed: torch.Tensor, scale: torch.Tensor, device: torch.device) -> BlockConfig:
+    """``cfg``, its K step shortened to one that divides K where ``cfg``'s does not (the same sums in the same order:
+    a step only batches groups), or, where the Gluon kernel cannot run or its ring cannot copy these operands, the
+    same sums from Triton (``swap_fp8``, the narrowest FP8 wgmma tile)."""
+    k = packed.shape[-1] * 2
+    block_k = max((b for b in GLUON_BLOCK_K if b <= cfg.block_k and k % b == 0), default=cfg.block_k)
+    if available(device) and fits(k, packed, scale, block_k):
+        return dataclasses.replace(cfg, block_k=block_k)
+    return dataclasses.replace(cfg, decoding="swap_fp8", block_m=max(16, cfg.block_m))
 
 
 def _row_codes(x: torch.Tensor, cfg: BlockConfig, repeats: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -29,8 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_kernels.batch_invariant import invariant_kernels
 from deepinfer_kernels.cuda.gemm_decodings import swapped_weight, swapped_weight_pointers
 from deepinfer_kernels.cuda.gemm_operands import (
+    chunk_range,
     dot_in_bf16,
     e4m3_tile,
     finish_tile,
@@ -64,11 +66,33 @@ def _e4m3_weight(w_ptrs, ws_ptrs, k0, K, n_mask, BLOCK_N: tl.constexpr, BLOCK_K:
 
 
 @triton.jit
+def _k_run(  # type: ignore[no-untyped-def]
+    acc, w_ptrs, ws_ptrs, a_ptrs, k_start, k_end, K, n_mask, in_tile, GROUPED: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, DOT_BF16: tl.constexpr, NATIVE: tl.constexpr, EVEN: tl.constexpr,
+):  # fmt: skip
+    # acc + the tile's products over columns [k_start, k_end), one BLOCK_K step at a time in the MMA's accumulator.
+    k = tl.arange(0, BLOCK_K)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        if GROUPED:
+            w = swapped_weight(w_ptrs, ws_ptrs, k0, K, n_mask, BLOCK_N, BLOCK_K, NATIVE, EVEN)
+        else:
+            w = _e4m3_weight(w_ptrs, ws_ptrs, k0, K, n_mask, BLOCK_N, BLOCK_K, NATIVE, EVEN)
+        if EVEN:
+            a = tl.load(a_ptrs + k0, mask=in_tile[None, :], other=0.0)
+        else:
+            a = tl.load(a_ptrs + k0, mask=in_tile[None, :] & (k0 + k < K)[:, None], other=0.0)
+        if not DOT_BF16:
+            a = a.to(tl.float32)
+        acc = settled(tl.dot(operand(w, DOT_BF16), a, acc), DOT_BF16)
+    return acc
+
+
+@triton.jit
 def _swap_bf16_kernel(  # type: ignore[no-untyped-def]
     xs_ptr, w_ptr, ws_ptr, out_ptr, partial_ptr, counter_ptr, order_ptr, tile_expert_ptr, tile_start_ptr,
     tile_end_ptr, M, N, K, K_CHUNK, num_experts, N_PER_GROUP, stride_xs, stride_we, stride_w, stride_se, stride_s,
     stride_out,
-    GROUPED: tl.constexpr, SPLIT_GRID: tl.constexpr, BLOCK_M: tl.constexpr,
+    GROUPED: tl.constexpr, SPLIT_GRID: tl.constexpr, CHUNK_SUMS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_BF16: tl.constexpr, NATIVE: tl.constexpr, EVEN: tl.constexpr,
 ):  # fmt: skip
     # GROUPED (MXFP4 experts): program (tile, N block) owns positions [tile_start, tile_end) of the sorted order, all
@@ -77,7 +101,9 @@ def _swap_bf16_kernel(  # type: ignore[no-untyped-def]
     # copy in row order; weight rows g·N_PER_GROUP … multiply the copy's columns g·K … (the launcher keeps a tile in
     # one group).
     # SPLIT_GRID (dense): program (…, chunk) sums the chunk's K_CHUNK columns (fixed by the weight's shape) from zero
-    # and finish_tile adds the chunks in order; otherwise K is one run of the accumulator.
+    # and finish_tile adds the chunks in order. CHUNK_SUMS (dense, unsplit): the program makes the same additions, each
+    # chunk from zero, added in order into the total (the bits of the split launch, for the batch-invariant mode; a
+    # second FP32 tile of registers). Otherwise K is one run of the accumulator.
     # EVEN: N and K multiples of the tile's (the model's shapes): the weight and activation loads need only the tile's
     # row mask.
     if GROUPED:
@@ -102,25 +128,19 @@ def _swap_bf16_kernel(  # type: ignore[no-untyped-def]
         w_ptrs = w_ptr + n_rows[:, None] * stride_w + k[None, :]
         ws_ptrs = ws_ptr + (n_rows // 32)[:, None] * stride_s + tl.arange(0, BLOCK_K // 32)[None, :]
     a_ptrs = xs_ptr + positions.to(tl.int64)[None, :] * stride_xs + k[:, None]
-    if SPLIT_GRID:
-        chunk = tl.program_id(2)
-        k_start, k_end = chunk * K_CHUNK, tl.minimum(chunk * K_CHUNK + K_CHUNK, K)
-    else:
-        k_start, k_end = 0, K
-    # k_start and, but for K, k_end are multiples of BLOCK_K, so only K needs masks.
+    # Chunk starts and, but for K, ends are multiples of BLOCK_K, so only K needs masks.
     total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        if GROUPED:
-            w = swapped_weight(w_ptrs, ws_ptrs, k0, K, n_mask, BLOCK_N, BLOCK_K, NATIVE, EVEN)
-        else:
-            w = _e4m3_weight(w_ptrs, ws_ptrs, k0, K, n_mask, BLOCK_N, BLOCK_K, NATIVE, EVEN)
-        if EVEN:
-            a = tl.load(a_ptrs + k0, mask=in_tile[None, :], other=0.0)
-        else:
-            a = tl.load(a_ptrs + k0, mask=in_tile[None, :] & (k0 + k < K)[:, None], other=0.0)
-        if not DOT_BF16:
-            a = a.to(tl.float32)
-        total = settled(tl.dot(operand(w, DOT_BF16), a, total), DOT_BF16)
+    if SPLIT_GRID or CHUNK_SUMS:
+        first, last = chunk_range(K, K_CHUNK, SPLIT_GRID)
+        for chunk in range(first, last):
+            k_start = chunk * K_CHUNK
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            acc = _k_run(acc, w_ptrs, ws_ptrs, a_ptrs, k_start, tl.minimum(k_start + K_CHUNK, K), K, n_mask, in_tile,
+                         GROUPED, BLOCK_N, BLOCK_K, DOT_BF16, NATIVE, EVEN)  # fmt: skip
+            total += acc
+    else:
+        total = _k_run(total, w_ptrs, ws_ptrs, a_ptrs, 0, K, K, n_mask, in_tile, GROUPED, BLOCK_N, BLOCK_K, DOT_BF16,
+                       NATIVE, EVEN)  # fmt: skip
     rows = tl.load(order_ptr + positions, mask=in_tile, other=0) if GROUPED else positions
     finish_tile(
         out_ptr, partial_ptr, counter_ptr, tl.trans(total), rows.to(tl.int64), in_tile, n_offsets, M, N, stride_out,
@@ -169,7 +189,7 @@ def swap_bf16_launch(
         xs, packed.view(torch.uint8), scale.view(torch.uint8), out, out, out, order, tile_expert, tile_start,
         tile_end, xs.shape[0], n, k, k, experts, n, xs.stride(0), packed.stride(0), packed.stride(1), scale.stride(0),
         scale.stride(1), out.stride(0),
-        GROUPED=True, SPLIT_GRID=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GROUPED=True, SPLIT_GRID=False, CHUNK_SUMS=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DOT_BF16=dot_in_bf16(), NATIVE=native_fp8(), EVEN=n % cfg.block_n == 0 and k % cfg.block_k == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
@@ -182,7 +202,8 @@ def fp8_swap_bf16_launch(
     column stride), w_q [N, K] e4m3 and w_scale [N/32, K/32] UE8M0 (uint8 views or their dtypes), out [M, N] bf16 or
     fp32 (unit column stride); ``groups`` G > 1: weight rows ``g·N/G …`` multiply columns ``g·K …`` of x_hat. Under
     ``cfg.split_grid`` each chunk of ``gemm_tiles.chunk_length`` columns (fixed by N and K) is a program of its own,
-    the chunk sums added in chunk order."""
+    the chunk sums added in chunk order; inside ``batch_invariant_ops`` an unsplit program makes the same additions
+    (the same bits whatever the tile, rows or split), else it sums K in one run."""
     _check_tile(cfg)
     (m, n), k = out.shape, w_q.shape[1]
     block_n = cfg.block_n
@@ -190,10 +211,11 @@ def fp8_swap_bf16_launch(
         raise ValueError(f"a grouped swap_bf16 tile's block_n must divide N/groups = {n // groups}, got {block_n}")
     grid, chunk = launch_grid(triton.cdiv(m, cfg.block_m), n, k, cfg)
     partial, counters = split_buffers(m, n, cfg, grid, out.device)
+    chunk_sums = invariant_kernels() and not cfg.split_grid and chunk < k
     _swap_bf16_kernel[grid](
         x_hat, w_q.view(torch.uint8), w_scale.view(torch.uint8), out, partial, counters, out, out, out, out,
         m, n, k, chunk, 1, n // groups, x_hat.stride(0), 0, w_q.stride(0), 0, w_scale.stride(0), out.stride(0),
-        GROUPED=False, SPLIT_GRID=cfg.split_grid, BLOCK_M=cfg.block_m, BLOCK_N=block_n,
+        GROUPED=False, SPLIT_GRID=cfg.split_grid, CHUNK_SUMS=chunk_sums, BLOCK_M=cfg.block_m, BLOCK_N=block_n,
         BLOCK_K=cfg.block_k, DOT_BF16=dot_in_bf16(), NATIVE=native_fp8(),
         EVEN=n % block_n == 0 and k % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

@@ -1,0 +1,202 @@
+"""Parts the Gluon GEMM kernels share (``cuda.grouped_wgmma``, ``cuda.fp8_wgmma``; docs/design/kernels.md, "The
+explicit-layout grouped GEMM"): the transposed tile ``[BLOCK_N, BLOCK_M] = Ŵ·x̂ᵀ`` on Hopper's FP8 ``wgmma``, one
+MMA per 32-column group, whose K steps travel by ``cp.async`` through a ring of shared-memory slots.
+
+Layouts are written down here: the ``wgmma`` accumulator's, the activation's codes ``[GROUPS·BLOCK_M, 32]`` (group
+``g`` of the tile's token ``m`` at slot row ``g·BLOCK_M + m``, each group's slice a K-major ``[BLOCK_M, 32]`` operand),
+and the scale bytes of both sides, read from their slots into the accumulator's row and column slices so that a
+group's factors need no shuffle. Each group's sum is scaled by the activation's factor, then the weight's, and added
+in FP32: the ``swap_fp8`` tile's products, sums and factor order (``cuda.gemm_decodings.group_tiles``).
+"""
+
+# Gluon reads parameter annotations as kernel type hints, so @gluon.jit functions stay unannotated.
+# ruff: noqa: ANN001, ANN201, ANN202
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
+
+from deepinfer_kernels.platform import triton_interpreter_enabled
+
+__all__ = [
+    "PIECE",
+    "ROWS_PER_WARP",
+    "add_group",
+    "advance_ring",
+    "available",
+    "bits",
+    "copy_layout",
+    "group",
+    "pow2",
+    "shared_layouts",
+    "start_ring",
+]
+
+# Rows of the wgmma's first operand per warp (a warpgroup's 4 warps make its 64 rows).
+ROWS_PER_WARP = 16
+# Bytes of the widest cp.async.
+PIECE = 16
+# Triton 3.6 names the copy async_copy_global_to_shared; later releases async_load (the old name then raises).
+_copy = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+
+
+def available(device: torch.device) -> bool:
+    """Whether the Gluon kernels can run on ``device``: compiled (not interpreted) on a Hopper (SM 9.x) GPU."""
+    return (
+        device.type == "cuda" and not triton_interpreter_enabled() and torch.cuda.get_device_capability(device)[0] == 9
+    )
+
+
+def bits(n: int) -> list[int]:
+    """The powers of two below ``n`` (a power of two): the bases of an axis of length ``n``."""
+    return [1 << i for i in range(n.bit_length() - 1)]
+
+
+def _accumulator_bases(block_m: int, num_warps: int) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
+    """(register, lane, warp) bases of the wgmma accumulator [16·num_warps, block_m] (Gluon's
+    ``to_linear_layout`` of the NVMMA v3 layout with instruction shape [16, block_m, 32])."""
+    registers = [[0, 1], [8, 0]] + [[0, 8 * c] for c in bits(block_m // 8)]
+    lanes = [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]]
+    return registers, lanes, [[ROWS_PER_WARP * w, 0] for w in bits(num_warps)]
+
+
+def _scale_layout(bases: tuple[list[list[int]], ...], dim: int, groups: int, rows: int) -> gl.DistributedLinearLayout:
+    """Scale bytes [rows, GROUPS] of a K step laid out so that dropping the group axis (the last, held in each
+    thread's registers) leaves the accumulator's slice along ``1 - dim``: each thread holds every group of the rows
+    (or columns, ``dim`` 1) it multiplies."""
+    registers, lanes, warps = ([[b[dim], 0] for b in level] for level in bases)
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, g] for g in bits(groups)] + [r for r in registers if r[0]],
+        lane_bases=lanes,
+        warp_bases=warps,
+        block_bases=[],
+        shape=[rows, groups],
+    )
+
+
+def copy_layout(rows: int, row_bytes: int, piece: int, num_warps: int) -> gl.BlockedLayout:
+    """Global-to-shared copy of [rows, row_bytes] bytes, ``piece`` contiguous bytes a thread (lanes along a row
+    first)."""
+    across = min(32, row_bytes // piece)
+    return gl.BlockedLayout(
+        size_per_thread=[1, piece], threads_per_warp=[32 // across, across], warps_per_cta=[num_warps, 1], order=[1, 0]
+    )
+
+
+def shared_layouts(block_m: int, block_k: int, num_warps: int) -> dict[str, object]:
+    """The layouts both kernels use for a tile of ``16·num_warps`` weight rows, ``block_m`` tokens and ``block_k``
+    columns a K step: the accumulator, the codes' copy and slot, the scale bytes' copies, slot and read layouts."""
+    block_n, groups = ROWS_PER_WARP * num_warps, block_k // 32
+    bases = _accumulator_bases(block_m, num_warps)
+    # A row's scale bytes of a step go as one piece (4 bytes at least: block_k ≥ 128).
+    scale_piece = max(4, groups // 2)
+    return {
+        "acc": gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, block_m, 32]),
+        "weight_warps": [[w[0], 0] for w in bases[2]],
+        # Activation codes [GROUPS·BLOCK_M, 32] of a K step: 8 bytes a thread.
+        "codes_copy": copy_layout(groups * block_m, 32, 8, num_warps),
+        "codes_slot": gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=8, rank=2),
+        "scale_copy": copy_layout(block_n, groups, scale_piece, num_warps),
+        "code_scale_copy": copy_layout(block_m, groups, scale_piece, num_warps),
+        "scale_slot": gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]),
+        "weight_scales": _scale_layout(bases, 0, groups, block_n),
+        "code_scales": _scale_layout(bases, 1, groups, block_m),
+    }
+
+
+@gluon.jit
+def pow2(scale_bytes, BIAS: gl.constexpr):  # type: ignore[no-untyped-def]
+    # 2^(b − 127 + BIAS) from its FP32 bits (cuda.gemm_operands.pow2): exact for the scale bytes the kernels meet.
+    return (((scale_bytes.to(gl.int32) & 0xFF) + BIAS) << 23).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def group(x, g: gl.constexpr, GROUP_BITS: gl.constexpr):  # type: ignore[no-untyped-def]
+    # Group g of x [R, GROUPS] whose groups each thread holds in registers: halving the group axis, lowest index bit
+    # first, only renames registers.
+    for level in gl.static_range(GROUP_BITS):
+        even, odd = gl.split(gl.reshape(x, (x.shape[0], x.shape[1] // 2, 2)))
+        x = odd if (g >> level) & 1 else even
+    return gl.reshape(x, (x.shape[0],))
+
+
+@gluon.jit
+def add_group(  # type: ignore[no-untyped-def]
+    total,
+    part,
+    a_scales,
+    w_scales,
+    g: gl.constexpr,
+    GROUP_BITS: gl.constexpr,
+    W_BIAS: gl.constexpr,
+    ACC: gl.constexpr,
+):
+    # total + group g's sum times the activation's factor per token (bias 0), then the weight's per row (W_BIAS: 6 for
+    # e2m1 codes turned into e4m3 codes of the value times 2^-6, 0 for e4m3), in that order
+    # (cuda.gemm_decodings.group_tiles).
+    a_factors = pow2(gl.convert_layout(group(a_scales, g, GROUP_BITS), gl.SliceLayout(0, ACC)), 0)
+    w_factors = pow2(gl.convert_layout(group(w_scales, g, GROUP_BITS), gl.SliceLayout(1, ACC)), W_BIAS)
+    return total + part * a_factors[None, :] * w_factors[:, None]
+
+
+@gluon.jit
+def _copy_step(  # type: ignore[no-untyped-def]
+    weights, codes, w_scales, a_scales, w_ptrs, w_in, c_ptrs, c_in, ws_ptrs, ws_in, qs_ptrs, qs_in, step,
+    W_STEP: gl.constexpr, BLOCK_K: gl.constexpr, GROUPS: gl.constexpr,
+):  # fmt: skip
+    # Start the copies of K step `step`'s operands into their slots (a weight row's step is W_STEP bytes; rows outside
+    # the tile or N read as zeros).
+    _copy(weights, w_ptrs + step * W_STEP, mask=w_in)
+    _copy(codes, c_ptrs + step * BLOCK_K, mask=c_in)
+    _copy(w_scales, ws_ptrs + step * GROUPS, mask=ws_in)
+    _copy(a_scales, qs_ptrs + step * GROUPS, mask=qs_in)
+
+
+@gluon.jit
+def start_ring(  # type: ignore[no-untyped-def]
+    w_ptrs, w_in, c_ptrs, c_in, ws_ptrs, ws_in, qs_ptrs, qs_in, steps, STAGES: gl.constexpr, W_ROWS: gl.constexpr,
+    W_BYTES: gl.constexpr, W_STEP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+    WEIGHT_SLOT: gl.constexpr, CODES_SLOT: gl.constexpr, SCALE_SLOT: gl.constexpr,
+):  # fmt: skip
+    # The ring's slots (weight bytes [W_ROWS, W_BYTES], codes [GROUPS·BLOCK_M, 32], both sides' scale bytes), every one
+    # but the last filled ahead. One copy group per step, committed even when empty, so that the count of groups
+    # still in flight says which step has landed.
+    GROUPS: gl.constexpr = BLOCK_K // 32
+    weights = gl.allocate_shared_memory(gl.uint8, [STAGES, W_ROWS, W_BYTES], WEIGHT_SLOT)
+    codes = gl.allocate_shared_memory(gl.uint8, [STAGES, GROUPS * BLOCK_M, 32], CODES_SLOT)
+    w_scales = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, GROUPS], SCALE_SLOT)
+    a_scales = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_M, GROUPS], SCALE_SLOT)
+    for s in gl.static_range(STAGES - 1):
+        if s < steps:
+            _copy_step(
+                weights.index(s), codes.index(s), w_scales.index(s), a_scales.index(s), w_ptrs, w_in, c_ptrs, c_in,
+                ws_ptrs, ws_in, qs_ptrs, qs_in, s, W_STEP, BLOCK_K, GROUPS,
+            )  # fmt: skip
+        async_copy.commit_group()
+    return weights, codes, w_scales, a_scales
+
+
+@gluon.jit
+def advance_ring(  # type: ignore[no-untyped-def]
+    step, weights, codes, w_scales, a_scales, w_ptrs, w_in, c_ptrs, c_in, ws_ptrs, ws_in, qs_ptrs, qs_in, steps,
+    STAGES: gl.constexpr, W_STEP: gl.constexpr, BLOCK_K: gl.constexpr, GROUPS: gl.constexpr,
+):  # fmt: skip
+    # Wait until K step `step` is in its slot (step % STAGES) for every thread, then start the step STAGES − 1 ahead
+    # into the slot the previous step used. The fence orders this thread's landed copies before the wgmma's reads
+    # (another proxy); the barrier waits for every thread's, and for every thread to be done with the slot refilled
+    # (the previous step's wgmma were waited for before it).
+    async_copy.wait_group(STAGES - 2)
+    fence_async_shared()
+    gl.thread_barrier()
+    ahead = step + STAGES - 1
+    if ahead < steps:
+        refill = ahead % STAGES
+        _copy_step(
+            weights.index(refill), codes.index(refill), w_scales.index(refill), a_scales.index(refill), w_ptrs, w_in,
+            c_ptrs, c_in, ws_ptrs, ws_in, qs_ptrs, qs_in, ahead, W_STEP, BLOCK_K, GROUPS,
+        )  # fmt: skip
+    async_copy.commit_group()
