@@ -172,14 +172,20 @@ def test_the_mode_pins_the_kernel_choices(triton_device: str) -> None:
     assert sum(default_splits) > 1 and default_chunk != attention.INVARIANT_CHUNK_KEYS
     with batch_invariant_ops():
         assert invariant_kernels()
-        # Dense GEMMs: swap_fp8 tiles at every row count, whose rows keep their bits in any of them (the GPU tests
-        # check it), in the K chunks of the weight's shape; the grouped GEMM: its one gluon_fp8 tile.
+        # Dense GEMMs: swap_fp8 tiles, or for the FP8 GEMM the Gluon tiles that add the same chunks in one program,
+        # whose rows keep their bits in any of them (the GPU tests check it), in the K chunks of the weight's shape;
+        # the grouped GEMM: its one gluon_fp8 tile.
         rows_seen = (1, 2, 16, 64, 65, 256, 4096)
         for op in ("fp8_block_gemm", "mxfp4_gemm"):
-            for n, k in ((4608, 5120), (512, 5120), (5120, 2304)):
+            for n, k in ((4608, 5120), (512, 5120), (5120, 2304), (25600, 6144)):
                 configs = {gemm_tiles.block_config(op, rows, n, k) for rows in rows_seen}
-                assert {c.decoding for c in configs} == {"swap_fp8"}
+                assert {c.decoding for c in configs} <= (
+                    {"swap_fp8", "gluon_fp8"} if op == "fp8_block_gemm" else {"swap_fp8"}
+                )
                 assert len({gemm_tiles.chunk_length(n, k, c) for c in configs}) == 1
+            if op == "fp8_block_gemm":
+                assert gemm_tiles.block_config(op, 256, 4608, 5120).decoding == "gluon_fp8"
+                assert gemm_tiles.block_config(op, 1, 25600, 6144).decoding == "gluon_fp8"
                 # Split-K (the same bits) only up to 64 rows: a prefill's FP32 partials would take C × M × N × 4 bytes.
                 assert not any(gemm_tiles.block_config(op, rows, n, k).split_grid for rows in (65, 256, 4096))
         grouped = {gemm_tiles.block_config("mxfp4_grouped_gemm", rows, 4608, 5120) for rows in rows_seen}

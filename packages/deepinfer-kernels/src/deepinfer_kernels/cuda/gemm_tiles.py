@@ -381,11 +381,12 @@ def _gluon_fp8_candidates(rows: int) -> list[BlockConfig]:
         shapes = ((32, 4, 128, 3), (64, 4, 128, 3), (16, 4, 256, 3))
     else:
         shapes = ((64, 4, 128, 3), (64, 8, 128, 2), (64, 4, 256, 2))
-    tiles = (
-        _mma(m, 16 * warps, warps, stages, split_grid=False, decoding="gluon_fp8", block_k=block_k)
-        for m, warps, block_k, stages in shapes
-    )
+    tiles = (_gluon_fp8(*shape) for shape in shapes)
     return [cfg for cfg in tiles if gluon_shared_bytes(cfg, weight_bits=8) <= SHARED_PER_PROGRAM]
+
+
+def _gluon_fp8(block_m: int, num_warps: int, block_k: int, num_stages: int) -> BlockConfig:
+    return _mma(block_m, 16 * num_warps, num_warps, num_stages, split_grid=False, decoding="gluon_fp8", block_k=block_k)
 
 
 def _swap(block_m: int, block_n: int, num_warps: int, num_stages: int, split_grid: bool = True) -> BlockConfig:
@@ -455,6 +456,8 @@ _DEQUANT_BF16 = BlockConfig(128, 128, num_warps=8, num_stages=1, split_grid=Fals
 # The FP8 block GEMM's e4m3 weight decoded into a BF16 wgmma's register operand against x̂ (cuda.swap_bf16).
 _SWAP_BF16_64 = _swap_bf16(64, 64, 4)
 _SWAP_BF16_256 = _swap_bf16(256, 128, 8)
+# The dense FP8 Gluon kernel's fastest tile at 256 rows on every FP8 weight of the scaled preset.
+_INVARIANT_GLUON_FP8 = _gluon_fp8(64, 4, 256, 2)
 # The FP8 block GEMM at 16 and 64 rows (kernels_gemm-fp8-swap.json): swap_fp8 tiles, split-K in the weight shape's
 # chunks, were the fastest on 8 of 9 shapes at 16 rows (1.1–1.7x the tiles before where those were timed; on wq_b a
 # group_fp8 tile was 2 % faster, the swap_fp8 one is kept, as its rows' bits serve the batch-invariant mode too) and on
@@ -467,14 +470,20 @@ _SWAP_BF16_256 = _swap_bf16(256, 128, 8)
 # group_fp8) and 268.7 against 395.9 µs (engram.wkv, dequant_bf16) in 256×128 tiles, 1–12 % on the others in 64×64
 # tiles; attn.wkv and wq_a keep dequant_bf16 (18.9 against 49.9 µs, 30.4 against 50.9 µs). At 8,192 rows
 # dequant_bf16 stayed 1.2–1.7x faster than every swap_bf16 tile (kernels_gemm-fp8-swapbf16-t8192.json).
+# At one row the Gluon ring kernel (gluon_fp8, cuda.fp8_wgmma) beat the FMA kernel on the four weights with enough rows
+# of N or a short K (kernels_gemm-fp8-gluon.json, one run): 18.0 against 23.4 µs (wq_b), 60.0 against 74.4 µs
+# (engram.wkv), 6.1 against 7.0 µs (the indexer's wq_b), 9.7 against 11.3 µs (the shared w2); the FMA kernel kept the
+# five others (wkv 7.6 against 16.2 µs: 8 programs of 64 rows; wo_b 24.4 against 25.6; main_proj 40.4 against 42.9).
 MEASURED: dict[tuple[str, int, int, int], BlockConfig] = {
     ("fp8_block_gemm", 2, 512, 5120): _gemv(16, 4, 3),
     ("fp8_block_gemm", 2, 1280, 5120): _gemv(64, 8, 3),
+    ("fp8_block_gemm", 2, 4096, 1280): _gluon_fp8(8, 4, 256, 3),
     ("fp8_block_gemm", 2, 4608, 5120): _gemv(32, 4, 2),
-    ("fp8_block_gemm", 2, 5120, 2304): _gemv(32, 4, 4),
+    ("fp8_block_gemm", 2, 5120, 2304): _gluon_fp8(8, 4, 256, 3),
     ("fp8_block_gemm", 2, 5120, 8192): _gemv(64, 8, 3),
     ("fp8_block_gemm", 2, 5120, 15360): _gemv(32, 4, 2),
-    ("fp8_block_gemm", 2, 32768, 1280): _gemv(64, 8, 3),
+    ("fp8_block_gemm", 2, 25600, 6144): _gluon_fp8(16, 4, 256, 3),
+    ("fp8_block_gemm", 2, 32768, 1280): _gluon_fp8(8, 8, 128, 3),
     ("mxfp4_gemm", 2, 4608, 5120): _gemv(16, 4, 3),
     ("mxfp4_gemm", 2, 5120, 2304): _gemv(16, 4, 3),
     ("fp8_block_gemm", 16, 512, 5120): _swap(16, 64, 4, 4),
@@ -535,9 +544,13 @@ def invariant_config(op: str, rows: int) -> BlockConfig:
     rows, else by 64, split-K up to 64 rows (without it a prefill's FP32 partials would take chunks × M × N × 4 bytes;
     the chunks are the same). The 16-row tile was the fastest swap_fp8 tile at one row on 8 of the scaled preset's 9
     FP8 weights (1.05–1.41x the FMA kernel's time), the 64-row one at 256 rows on 7 of 9
-    (kernels_gemm-fp8-swap.json)."""
+    (kernels_gemm-fp8-swap.json). From 17 to 256 rows the FP8 block GEMM runs the Gluon kernel's 64 × 64 tile instead
+    (``gluon_fp8``, the same chunks added in one program: the same bits), 1.2–1.8x faster than the fastest swap_fp8
+    tile on all 9 weights at 256 rows (kernels_gemm-fp8-gluon.json: engram.wkv 336.8 against 477.2 µs)."""
     if op == "mxfp4_grouped_gemm":
         return _GROUPED_GLUON_TILE
+    if op == "fp8_block_gemm" and 16 < rows <= 256:
+        return _INVARIANT_GLUON_FP8
     return _swap(16 if rows <= 16 else 64, 128, 4, 3, split_grid=rows <= 64)
 
 
