@@ -33,6 +33,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
 
+from deepinfer_kernels.cuda.fp8_wgmma import _fp8_wgmma_kernel, fp8_wgmma_constexprs
 from deepinfer_kernels.cuda.gemm import _fp8_block_kernel, mxfp4_kernel
 from deepinfer_kernels.cuda.gemm_tiles import DECODINGS, decodings
 from deepinfer_kernels.cuda.gemv import fp8_gemv_kernel, mxfp4_gemv_kernel
@@ -52,7 +53,7 @@ INDEX_POINTERS = (
 )
 UNALIGNED = ("M", "num_experts")  # runtime values with no divisibility a launch could rely on
 CLASSES = {
-    "global loads": ("LDG",),
+    "global loads": ("LDG", "LDGSTS"),
     "shared memory": ("LDS", "STS", "LDSM"),
     "barriers": ("BAR",),
     "MMA": ("HMMA", "HGMMA", "QGMMA"),
@@ -65,9 +66,9 @@ CLASSES = {
 def variants() -> list[dict[str, Any]]:
     """(name, kernel, constexprs, warps, weight elements per thread per K step) of each counted variant: the
     decode-size tiles of the scaled preset's GEMMs (16 × 64 MMA tiles, 2-row FMA tiles with 32 weight rows) and the
-    grouped GEMM's 16 × 128 tiles, its 8 × 128 swap_fp8 tile, the Gluon kernel's 8 × 64 tiles (gluon_fp8), and the
-    BF16 kernel's tiles (swap_bf16, 8 warps): the grouped 128 × 128 prefill tile, the dense FP8 128 × 128 and 256 × 128
-    ones."""
+    grouped GEMM's 16 × 128 tiles, its 8 × 128 swap_fp8 tile, the Gluon kernel's 8 × 64 tiles (gluon_fp8), the dense
+    FP8 Gluon kernel's 8 × 64 and 64 × 64 tiles, and the BF16 kernel's tiles (swap_bf16, 8 warps): the grouped
+    128 × 128 prefill tile, the dense FP8 128 × 128 and 256 × 128 ones."""
     mma = {"SPLIT_GRID": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "DOT_BF16": True, "NATIVE_FP8": True}
     gemv = {"SPLIT_GRID": True, "ROWS": 2, "BLOCK_N": 32, "BLOCK_K": 128, "NATIVE_FP8": True, "E4M3_BIAS": 0}
     out: list[dict[str, Any]] = []
@@ -99,6 +100,15 @@ def variants() -> list[dict[str, Any]]:
                 "name": f"mxfp4 grouped 8x64 k{block_k} gluon_fp8",
                 "kernel": _grouped_wgmma_kernel,
                 "constexprs": gluon_constexprs(scan=False, block_m=8, block_k=block_k, num_warps=4, stages=3),
+            }
+        )
+    # The dense FP8 Gluon kernel (both operands from its ring): the one-row tile and the 256-row one.
+    for block_m, block_k, stages in ((8, 256, 3), (64, 256, 2)):
+        out.append(
+            {
+                "name": f"fp8 {block_m}x64 k{block_k} gluon_fp8",
+                "kernel": _fp8_wgmma_kernel,
+                "constexprs": fp8_wgmma_constexprs(block_m, block_k, num_warps=4, stages=stages),
             }
         )
     # The BF16 kernel's tiles on even shapes (weight loads as vectors, no K masks): the grouped prefill tile, and the
