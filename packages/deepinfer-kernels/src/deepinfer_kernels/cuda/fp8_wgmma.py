@@ -41,18 +41,29 @@ from deepinfer_kernels.cuda.gluon_ring import (
 __all__ = ["fits", "fp8_wgmma_constexprs", "fp8_wgmma_launch"]
 
 
-def fits(n: int, k: int, w_q: torch.Tensor, w_scale: torch.Tensor, groups: int, cfg: BlockConfig) -> bool:
+def fits(
+    n: int,
+    k: int,
+    q: torch.Tensor,
+    q_scale: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    groups: int,
+    cfg: BlockConfig,
+) -> bool:
     """Whether the ring can copy these operands in whole pieces and K's chunks are whole K steps: K and its chunk
-    length multiples of ``block_k``, the weight scale bytes' row stride a multiple of a step's groups, both weight
-    tensors 16-byte aligned, and (grouped) every group of weight rows a whole number of tiles. The activation's codes
-    and scale bytes are the launcher's contiguous buffers ([M, groups·K], [M, groups·K/32])."""
+    length multiples of ``block_k``; the rows of the codes (16 bytes), of both sides' scale bytes (a step's groups)
+    and of the weight codes (16 bytes) aligned, every base 16-byte aligned; (grouped) every group of weight rows a
+    whole number of tiles."""
+    groups_per_step = cfg.block_k // 32
     return (
         k % cfg.block_k == 0
         and chunk_length(n, k, cfg) % cfg.block_k == 0
-        and w_scale.stride(0) % (cfg.block_k // 32) == 0
+        and q.stride(0) % PIECE == 0
+        and q_scale.stride(0) % groups_per_step == 0
         and w_q.stride(0) % PIECE == 0
-        and w_q.data_ptr() % PIECE == 0
-        and w_scale.data_ptr() % PIECE == 0
+        and w_scale.stride(0) % groups_per_step == 0
+        and all(t.data_ptr() % PIECE == 0 for t in (q, q_scale, w_q, w_scale))
         and (n // groups) % cfg.block_n == 0
     )
 
@@ -185,11 +196,11 @@ def fp8_wgmma_launch(
             f" memory, more than the {SHARED_PER_PROGRAM} a Hopper program can have: fewer slots, rows or K columns,"
             f" got {cfg}"
         )
-    if not fits(n, k, w_q, w_scale, groups, cfg):
+    if not fits(n, k, q, q_scale, w_q, w_scale, groups, cfg):
         raise ValueError(
-            f"the gluon_fp8 ring copies whole K steps: K ({k}) and its chunk multiples of block_k ({cfg.block_k}), the"
-            f" scale row stride ({w_scale.stride(0)}) of its groups, 16-byte aligned weights and rows, whole tiles of"
-            f" each of the {groups} groups of weight rows"
+            f"the gluon_fp8 ring copies whole K steps: K ({k}) and its chunk multiples of block_k ({cfg.block_k}),"
+            f" scale row strides ({q_scale.stride(0)}, {w_scale.stride(0)}) multiples of its groups, 16-byte aligned"
+            f" codes and rows, whole tiles of each of the {groups} groups of weight rows"
         )
     _fp8_wgmma_kernel[(triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))](
         q, q_scale, w_q.view(torch.uint8), w_scale.view(torch.uint8), out, m, n, k, chunk_length(n, k, cfg),

@@ -435,7 +435,7 @@ def fp8_block_launch(
         _x_hat_launch(dequantized_activation(q, q_scale), w_q, w_scale, out, groups, cfg)
         return
     if cfg.decoding == "gluon_fp8":
-        if available(out.device) and fp8_wgmma.fits(n, k, w_q, w_scale, groups, cfg):
+        if available(out.device) and fp8_wgmma.fits(n, k, q, q_scale, w_q, w_scale, groups, cfg):
             fp8_wgmma.fp8_wgmma_launch(q, q_scale, w_q, w_scale, out, groups, cfg)
             return
         # The same sums from Triton (cuda.fp8_wgmma): the swap_fp8 tile in the same chunks, in one program.
