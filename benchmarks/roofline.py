@@ -190,9 +190,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="checkpoint directory (default: the built-in tiny checkpoint)")
     parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: detect)")
-    parser.add_argument("--decode-batches", type=int_list, default=None, help="decode batch sizes")
+    parser.add_argument("--decode-batches", type=int_list, default=None, help="decode batch sizes ('' for none)")
     parser.add_argument("--context", type=int, default=128, help="tokens cached per request before a decode step")
-    parser.add_argument("--prefill-lens", type=int_list, default=None, help="prompt lengths of the prefill points")
+    parser.add_argument(
+        "--prefill-lens", type=int_list, default=None, help="prompt lengths of the prefill points ('' for none)"
+    )
     parser.add_argument("--decode-repeats", type=int, default=20, help="timed decode steps per point")
     parser.add_argument("--prefill-repeats", type=int, default=3, help="timed prefill steps per point")
     parser.add_argument("--copy-mib", type=int, default=None, help="copy buffer size (CUDA 4096, CPU 64)")
@@ -216,8 +218,10 @@ def main() -> None:
     on_cuda = device.type == "cuda"
     # Points run in list order, decode first; the CUDA defaults put issue 13's acceptance points (decode at 1, 64 and
     # 256, the 8K prefill) ahead of the others, so that a tight --deadline-s drops the others first.
-    batches = args.decode_batches or ([1, 64, 256, 16] if on_cuda else [1, 4])
-    prefill = args.prefill_lens or ([8192, 1024] if on_cuda else [64, 256])
+    batches = [1, 64, 256, 16] if on_cuda else [1, 4]
+    batches = batches if args.decode_batches is None else args.decode_batches
+    prefill = [8192, 1024] if on_cuda else [64, 256]
+    prefill = prefill if args.prefill_lens is None else args.prefill_lens
     out = args.out or RESULTS / f"roofline-{device_label(str(device))}.json"
     result: dict[str, Any] = {"header": {}, "records": [], "skipped": [], "errors": []}
     header = result["header"]
