@@ -15,8 +15,9 @@ CUDA-graph replays) of:
 - every --configs variant of it (``;``-separated ``key=value,...`` overrides of ``TILES``);
 - ``new@<programs>`` for each of --split-targets: the path with ``SPLIT_TARGET_PROGRAMS`` at that value (fewer
   programs of (query, head block) than the target make a call split its keys, into about that many programs);
-- ``inv-<keys>`` for each of --invariant-chunks: the path in batch-invariant mode with chunks of that many keys
-  (``INVARIANT_CHUNK_KEYS``), every query split.
+- ``inv-<keys>`` (and ``inv-<keys>+<i>`` for the i-th of --configs) for each of --invariant-chunks: the path in
+  batch-invariant mode with chunks of that many keys (``INVARIANT_CHUNK_KEYS``): split when the queries are few, else
+  added in one program a query (``chunks_kernel``, its value sweep ``chunks_block_v``).
 
 Reports ms per call, attention TFLOP/s = 4 · heads · width · keys · queries / time (the q·kᵀ and p·v products at two
 FLOPs a multiply-add, each counted once: neither the old kernel's second logits pass nor anything else repeated is
@@ -169,7 +170,7 @@ def main() -> None:
         raise SystemExit("kernels_attention.py needs a CUDA device")
     from deepinfer_kernels.batch_invariant import batch_invariant_ops
     from deepinfer_kernels.cuda import attention
-    from deepinfer_kernels.cuda.attention_kernels import prefill_kernel, split_sums_kernel
+    from deepinfer_kernels.cuda.attention_kernels import chunks_kernel, prefill_kernel, split_sums_kernel
 
     shape = preset_shape()
     if args.compressed_format:
@@ -177,6 +178,7 @@ def main() -> None:
     # The new path reads TILES and INVARIANT_CHUNK_KEYS at each call.
     new_op = implementation("sparse_attention", Backend.NVIDIA)
     new_kernels = (prefill_kernel, split_sums_kernel)
+    invariant_kernels = (chunks_kernel, split_sums_kernel)
     default_tiles, default_chunk = dict(attention.TILES), attention.INVARIANT_CHUNK_KEYS
     results = []
     for queries in args.queries:
@@ -195,8 +197,13 @@ def main() -> None:
         attention.SPLIT_TARGET_PROGRAMS = default_target
         for chunk in args.invariant_chunks:
             attention.INVARIANT_CHUNK_KEYS = chunk
-            with batch_invariant_ops():
-                rows.append(run_variant(f"inv-{chunk}", new_op, new_kernels, {"chunk_keys": chunk}, inputs, args))
+            for i, overrides in enumerate([{}, *parse_configs(args.configs)]):
+                attention.TILES = {**default_tiles, **overrides}
+                name = f"inv-{chunk}" if i == 0 else f"inv-{chunk}+{i}"
+                with batch_invariant_ops():
+                    config = {"chunk_keys": chunk, **attention.TILES}
+                    rows.append(run_variant(name, new_op, invariant_kernels, config, inputs, args))
+        attention.TILES = default_tiles
         attention.INVARIANT_CHUNK_KEYS = default_chunk
         for r in rows:
             r["queries"] = queries

@@ -1,8 +1,8 @@
 """Triton sparse attention with the key list split over programs (docs/design/kernels.md, "sparse_attention"):
 against the dense re-computation for several split counts, with empty sources, all-invalid splits and sink-only
 queries; in batch-invariant mode a query's output is bitwise the same alone and inside a batch whose other queries
-have other key counts (the rows padded with −1 to the longest list), split or not. Runs in Triton's interpreter on
-CPU tensors, or on a CUDA device."""
+have other key counts (the rows padded with −1 to the longest list), split or added in one program. Runs in Triton's
+interpreter on CPU tensors, or on a CUDA device."""
 
 from __future__ import annotations
 
@@ -98,8 +98,10 @@ def test_split_plan_splits_only_programs_that_leave_half_the_target_idle(monkeyp
 
 
 # FP32 rows in the third source: the tiles must not change with whether a query has such keys (query 3 alone has none).
+# Target programs: 1, every launch runs chunks_kernel; 8, a query alone splits and the batch of six runs chunks_kernel;
+# 1000, every launch splits.
 @pytest.mark.parametrize("formats", [_FORMATS, (F.FP8, F.FP8, F.RAW_FP32)])
-@pytest.mark.parametrize("target_programs", [None, 1000])
+@pytest.mark.parametrize("target_programs", [1, 8, 1000])
 def test_invariant_mode_gives_a_query_the_same_bits_alone_and_in_a_batch(
     triton_device: str, monkeypatch: pytest.MonkeyPatch, target_programs: int | None, formats: tuple
 ) -> None:
@@ -117,6 +119,12 @@ def test_invariant_mode_gives_a_query_the_same_bits_alone_and_in_a_batch(
         source.rows[torch.arange(widths[i])[None, :] >= lengths[:, i : i + 1]] = -1
     expected = dense_attention(q, sources, sink, 0.125, True)
     with batch_invariant_ops():
+        splits = {
+            count: attention._split_plan(count, list(widths), 16, torch.device(triton_device))[1] for count in (1, 6)
+        }
+        assert [bool(splits[1]), bool(splits[6])] == {1: [False, False], 8: [True, False], 1000: [True, True]}[
+            target_programs
+        ]
         together = _triton(triton_device, q, sources, sink, True)
         for t in range(num_tokens):
             own = [dk.KeySource(s.pool, s.rows[t : t + 1, : int(lengths[t, i])], s.fmt) for i, s in enumerate(sources)]

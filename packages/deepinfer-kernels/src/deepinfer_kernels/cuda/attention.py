@@ -16,21 +16,23 @@ maximum, ``split_sums_kernel`` takes the maximum over the sink and all splits' m
 it, and ``combine_kernel`` adds the splits' sums in split order and divides. The partial sums are
 O(queries × splits × H × D), bounded by launches of at most :data:`SPLIT_WORKSPACE_BYTES`.
 
-Batch invariance (docs/design/numerics.md, "Batch invariance"): inside ``batch_invariant_ops`` every step takes the
-split path, its chunks a fixed :data:`INVARIANT_CHUNK_KEYS` keys counted from each source's start, so a chunk holds
-the same key positions whatever the other requests of the step: a source's width (the step's longest list, e.g. the
-draft block) moves only its own last chunks, and chunks past a query's own keys hold −1 rows only and add exact
-zeros. Every chunk is summed from zero in tile order by the same kernels at the same tiles and the chunk sums are
-added in chunk order after the sink's term by the combine, whatever the number of queries; the maximum is exact in
-any order. (The non-split program sums a query's keys in one run, so its bits differ: the invariant mode never runs
-it.)
+Batch invariance (docs/design/numerics.md, "Batch invariance"): inside ``batch_invariant_ops`` the keys are cut into
+chunks of a fixed :data:`INVARIANT_CHUNK_KEYS` keys counted from each source's start, so a chunk holds the same key
+positions whatever the other requests of the step: a source's width (the step's longest list, e.g. the draft block)
+moves only its own last chunks, and chunks past a query's own keys hold −1 rows only and add exact zeros. Every chunk
+is summed from zero in tile order by ``sums_pass`` at the same tiles and the chunk sums are added in chunk order after
+the sink's term; the maximum is exact in any order. Few queries take the split path (a chunk a split, the combine
+adds them); queries that fill the device take ``chunks_kernel``, which makes the same additions in one program per
+(query, head block) and writes no partial sums (at batch 256 of the scaled preset they were 200 MB a layer, written
+and read back). (The non-split ``prefill_kernel`` sums a query's keys in one run, so its bits differ: the invariant
+mode never runs it.)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import triton
@@ -39,6 +41,7 @@ from deepinfer_kernels.batch_invariant import invariant_kernels
 from deepinfer_kernels.cache_layout import KeySource, RowFormat
 from deepinfer_kernels.cuda._launch import check_launchable
 from deepinfer_kernels.cuda.attention_kernels import (
+    chunks_kernel,
     combine_kernel,
     prefill_kernel,
     split_logits_kernel,
@@ -65,14 +68,20 @@ MAX_SOURCES = 3
 # value columns per pass-2 sweep; the whole width in one sweep keeps the [64, 512] FP32 accumulator (128 registers a
 # thread at 8 warps) beside 16-key tiles: 253-255 registers at sm_90 and no spill (Triton 3.9; 3.6 spills 8-16 bytes
 # when FP4_E4M3 rows meet FP8 rows); wider tiles or 16 warps spill (docs/design/kernels.md, "sparse_attention").
-# logits_block_n: keys per pass-1 tile of the non-split kernel, where no accumulator competes for registers: 32 keys
-# halve pass 1's dependent gathers at 255 registers and 16 bytes of stack at sm_90 (Triton 3.6: three stores and loads
-# a program, between the key loops, for the next tile's prefetched row indices; 64 keys spill in the loops).
+# logits_block_n: keys per pass-1 tile of every kernel (pass 1 holds no accumulator to compete for registers): 32 keys
+# halve pass 1's dependent gathers; the non-split kernel then takes 255 registers and 16 bytes of stack at sm_90
+# (Triton 3.6: three stores and loads a program, between the key loops, for the next tile's prefetched row indices;
+# 64 keys spill in the loops). The split and chunks kernels share it, so their logits are the same.
+# chunks_block_v: value columns per pass-2 sweep of the batch-invariant ``chunks_kernel``, which holds two accumulators
+# (the running total and the chunk's): 256 columns spill 56 bytes at sm_90 (Triton 3.6), 128 none, yet at 256 decode
+# queries of the scaled preset 256 took 0.394 against 0.435 ms a call (kernels_attention-h200-chunks.json, 16-key
+# pass-1 tiles then). (Columns are independent sums: the sweep width does not change their bits.)
 TILES: dict[str, int] = {
     "block_h": 64,
     "block_n": 16,
     "logits_block_n": 32,
     "block_v": 512,
+    "chunks_block_v": 256,
     "num_warps": 8,
     "num_stages": 1,
 }
@@ -83,6 +92,7 @@ FP32_TILES: dict[str, int] = {
     "block_n": 16,
     "logits_block_n": 16,
     "block_v": 512,
+    "chunks_block_v": 256,
     "num_warps": 4,
     "num_stages": 1,
 }
@@ -96,7 +106,8 @@ PREFILL_WORKSPACE_BYTES = 256 << 20
 # The largest workspace of one split launch: partial sums (FP32 [queries, splits, heads, width]) and logits.
 SPLIT_WORKSPACE_BYTES = 256 << 20
 # Keys per chunk in batch-invariant mode: eight tiles. A decode query (128 + few + 512 keys) makes six splits, and the
-# partial sums written and read back stay a quarter of what 32-key chunks would cost at many queries.
+# partial sums the split path writes and reads back stay a quarter of what 32-key chunks would cost (queries that fill
+# the device run ``chunks_kernel``, which writes none).
 INVARIANT_CHUNK_KEYS = 128
 
 
@@ -157,6 +168,8 @@ def sparse_attention(
     call = _Call(q, padded, sink, scale, round_probs_bf16, out, tiles, constexprs)
     if split_counts:
         _split(call, chunk_keys, split_counts)
+    elif invariant_kernels():
+        _chunks(call, chunk_keys)
     else:
         _prefill(call)
 
@@ -180,14 +193,15 @@ def _block_d(width: int) -> int:
     return max(triton.next_power_of_2(width), 16)
 
 
-def _value_columns(tiles: dict[str, int], width: int) -> int:
-    """Columns of a pass-2 sweep: whole scale groups (``decode_groups``), so at least 32, the largest group."""
-    return min(max(tiles["block_v"], 32), _block_d(width))
+def _value_columns(tiles: dict[str, int], width: int, chunks: bool = False) -> int:
+    """Columns of a pass-2 sweep (of ``chunks_kernel`` when ``chunks``): whole scale groups (``decode_groups``), so at
+    least 32, the largest group."""
+    return min(max(tiles["chunks_block_v" if chunks else "block_v"], 32), _block_d(width))
 
 
 def _split(call: _Call, chunk_keys: int, split_counts: list[int]) -> None:
     """The split path: pass 1 and pass 2 per (query, head block, split), then the combine, in launches whose partial
-    sums and logits stay within :data:`SPLIT_WORKSPACE_BYTES` (only batch-invariant prefills take several). Buffers
+    sums and logits stay within :data:`SPLIT_WORKSPACE_BYTES` (few queries: one launch at the preset's shapes). Buffers
     are sized from T, splits and H only (host shapes), so a captured step replays with the same plan."""
     q, sources, tiles, constexprs = call.q, call.sources, call.tiles, call.constexprs
     num_tokens, num_heads, width = q.shape
@@ -208,7 +222,10 @@ def _split(call: _Call, chunk_keys: int, split_counts: list[int]) -> None:
         stop = min(start + rows, num_tokens)
         plan = (chunk_keys, num_splits, counts[0], counts[0] + counts[1], *_source_args(sources, start, stop))
         grid = (stop - start, head_blocks, num_splits)
-        split_logits_kernel[grid](q[start:stop], part_m, logits, num_heads, call.scale, *plan, **constexprs)
+        split_logits_kernel[grid](
+            q[start:stop], part_m, logits, num_heads, call.scale, *plan, LOGITS_BLOCK_N=tiles["logits_block_n"],
+            **constexprs,
+        )  # fmt: skip
         split_sums_kernel[grid](
             call.sink, part_acc, part_m, part_l, logits, num_heads, *plan, BLOCK_V=_value_columns(tiles, width),
             ROUND=call.round_probs_bf16, **constexprs,
@@ -229,22 +246,39 @@ def _source_args(sources: list[KeySource], start: int, stop: int) -> list[object
 
 
 def _prefill(call: _Call) -> None:
-    """The non-split path: one program per (query, head block), in launches whose logits workspace stays within
-    :data:`PREFILL_WORKSPACE_BYTES` (sized from host shapes only, so a captured step replays)."""
-    q, sources, tiles = call.q, call.sources, call.tiles
-    num_tokens, num_heads, width = q.shape
-    head_blocks = triton.cdiv(num_heads, tiles["block_h"])
-    head_rows = head_blocks * tiles["block_h"]
-    num_keys = sum(source.rows.shape[1] for source in sources)
-    queries = max(1, PREFILL_WORKSPACE_BYTES // max(head_rows * num_keys * 4, 1))
-    logits = torch.empty((min(queries, num_tokens), head_rows, max(num_keys, 1)), dtype=torch.float32, device=q.device)
-    for start in range(0, num_tokens, queries):
-        stop = min(start + queries, num_tokens)
-        prefill_kernel[(stop - start, head_blocks)](
-            q[start:stop], call.sink, call.out[start:stop], logits, num_heads, call.scale,
-            *_source_args(sources, start, stop), BLOCK_V=_value_columns(tiles, width), ROUND=call.round_probs_bf16,
-            LOGITS_BLOCK_N=tiles["logits_block_n"], **call.constexprs,
+    """The non-split path: one program per (query, head block) over all its keys."""
+    for start, stop, logits in _unsplit_launches(call):
+        prefill_kernel[(stop - start, logits.shape[1] // call.tiles["block_h"])](
+            call.q[start:stop], call.sink, call.out[start:stop], logits, call.q.shape[1], call.scale,
+            *_source_args(call.sources, start, stop), BLOCK_V=_value_columns(call.tiles, call.q.shape[2]),
+            ROUND=call.round_probs_bf16, LOGITS_BLOCK_N=call.tiles["logits_block_n"], **call.constexprs,
         )  # fmt: skip
+
+
+def _chunks(call: _Call, chunk_keys: int) -> None:
+    """The batch-invariant mode's unsplit path: one program per (query, head block) making the split path's additions
+    over chunks of ``chunk_keys`` keys."""
+    for start, stop, logits in _unsplit_launches(call):
+        chunks_kernel[(stop - start, logits.shape[1] // call.tiles["block_h"])](
+            call.q[start:stop], call.sink, call.out[start:stop], logits, call.q.shape[1], call.scale, chunk_keys,
+            *_source_args(call.sources, start, stop), BLOCK_V=_value_columns(call.tiles, call.q.shape[2], chunks=True),
+            ROUND=call.round_probs_bf16, LOGITS_BLOCK_N=call.tiles["logits_block_n"], **call.constexprs,
+        )  # fmt: skip
+
+
+def _unsplit_launches(call: _Call) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """(first query, end query, logits workspace) of each launch of a path with one program per (query, head block):
+    launches whose FP32 logits workspace [queries, head rows, keys] stays within :data:`PREFILL_WORKSPACE_BYTES`
+    (sized from host shapes only, so a captured step replays)."""
+    num_tokens, num_heads, _ = call.q.shape
+    head_rows = triton.cdiv(num_heads, call.tiles["block_h"]) * call.tiles["block_h"]
+    num_keys = sum(source.rows.shape[1] for source in call.sources)
+    queries = max(1, PREFILL_WORKSPACE_BYTES // max(head_rows * num_keys * 4, 1))
+    logits = torch.empty(
+        (min(queries, num_tokens), head_rows, max(num_keys, 1)), dtype=torch.float32, device=call.q.device
+    )
+    for start in range(0, num_tokens, queries):
+        yield start, min(start + queries, num_tokens), logits
 
 
 @functools.cache
@@ -263,15 +297,16 @@ def _split_plan(programs: int, widths: list[int], block_n: int, device: torch.de
     programs (a 64-head program holds a whole multiprocessor's registers, so more already fill the device, and two
     splits would only add the partial sums and the combine: 256 queries on the H200 took 0.38 ms a call in two
     splits, where the unsplit kernel's rate at 8,192 queries gives 0.32); the chunks are sized to reach the target.
-    Inside ``batch_invariant_ops`` every step splits, in chunks of :data:`INVARIANT_CHUNK_KEYS` keys whatever the
-    batch: the same kernels on the same chunks give a query the same bits alone and in any batch
-    (docs/design/numerics.md, "Batch invariance").
+    Inside ``batch_invariant_ops`` the chunks are :data:`INVARIANT_CHUNK_KEYS` keys whatever the batch, split under
+    the same rule or else added in one program by ``chunks_kernel``: the same additions give a query the same bits
+    alone and in any batch (docs/design/numerics.md, "Batch invariance").
     """
-    if invariant_kernels():
-        return INVARIANT_CHUNK_KEYS, [triton.cdiv(width, INVARIANT_CHUNK_KEYS) for width in widths]
-    tiles = max(triton.cdiv(sum(widths), block_n), 1)
     target = SPLIT_TARGET_PROGRAMS or 2 * _multiprocessors(device)
-    wanted = min(tiles, triton.cdiv(target, programs)) if 2 * programs <= target else 1
+    few = 2 * programs <= target
+    if invariant_kernels():
+        return INVARIANT_CHUNK_KEYS, [triton.cdiv(width, INVARIANT_CHUNK_KEYS) for width in widths] if few else []
+    tiles = max(triton.cdiv(sum(widths), block_n), 1)
+    wanted = min(tiles, triton.cdiv(target, programs)) if few else 1
     chunk_keys = triton.cdiv(tiles, wanted) * block_n
     counts = [triton.cdiv(width, chunk_keys) for width in widths]
     return chunk_keys, counts if wanted > 1 and sum(counts) > 1 else []

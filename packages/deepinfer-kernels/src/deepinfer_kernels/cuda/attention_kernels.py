@@ -17,6 +17,8 @@ The split path runs the passes as two launches over (query, head block, split), 
 source's keys: ``split_logits_kernel`` (pass 1 over the split's keys, its maximum into ``part_m``),
 ``split_sums_kernel`` (pass 2 at the maximum over the sink and every split, from zero, into ``part_acc`` and
 ``part_l``) and ``combine_kernel`` (the sink's term, then the splits' sums in split order, and the division).
+``chunks_kernel`` makes the same additions in one program per (query, head block): pass 1 over all keys, then each
+chunk summed from zero and added in chunk order in registers (the batch-invariant mode at many queries).
 """
 
 # Triton reads parameter annotations as kernel type hints, so @triton.jit functions stay unannotated.
@@ -29,7 +31,7 @@ import triton.language as tl
 
 from deepinfer_kernels.cuda.row_formats import decode_groups, round_bf16
 
-__all__ = ["combine_kernel", "prefill_kernel", "split_logits_kernel", "split_sums_kernel"]
+__all__ = ["chunks_kernel", "combine_kernel", "prefill_kernel", "split_logits_kernel", "split_sums_kernel"]
 
 # Splits whose partial results are loaded together (one memory round trip for them), then taken in split order: a
 # one-query decode step has up to about 40 splits, and the combine's sums loaded one split a loop step (its maximum
@@ -209,10 +211,11 @@ def split_logits_kernel(  # type: ignore[no-untyped-def]
     pool0, rows0, stride0, keys0, bytes0, pool1, rows1, stride1, keys1, bytes1, pool2, rows2, stride2, keys2, bytes2,
     WIDTH: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     FMT0: tl.constexpr, FMT1: tl.constexpr, FMT2: tl.constexpr,
-    BF16_0: tl.constexpr, BF16_1: tl.constexpr, BF16_2: tl.constexpr,
+    BF16_0: tl.constexpr, BF16_1: tl.constexpr, BF16_2: tl.constexpr, LOGITS_BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """Grid (query, head block, split): pass 1 over the split's keys (only the source owning the split has a
-    non-empty range), their largest logit (−inf when it has none) into ``part_m_ptr`` [T, splits, H]."""
+    """Grid (query, head block, split): pass 1 over the split's keys in tiles of ``LOGITS_BLOCK_N`` (only the source
+    owning the split has a non-empty range), their largest logit (−inf when it has none) into ``part_m_ptr``
+    [T, splits, H]."""
     token = tl.program_id(0).to(tl.int64)
     split = tl.program_id(2)
     h, h_mask = _heads(num_heads, BLOCK_H)
@@ -223,7 +226,7 @@ def split_logits_kernel(  # type: ignore[no-untyped-def]
         tl.full([BLOCK_H], float("-inf"), tl.float32), q, token, scale, logits0, lo0, hi0, lo1, hi1, lo2, hi2,
         pool0, rows0, stride0, keys0, bytes0, pool1, rows1, stride1, keys1, bytes1,
         pool2, rows2, stride2, keys2, bytes2,
-        WIDTH, BLOCK_D, BLOCK_N, FMT0, FMT1, FMT2, BF16_0, BF16_1, BF16_2,
+        WIDTH, BLOCK_D, LOGITS_BLOCK_N, FMT0, FMT1, FMT2, BF16_0, BF16_1, BF16_2,
     )  # fmt: skip
     tl.store(part_m_ptr + (token * num_splits + split) * num_heads + h, m, mask=h_mask)
 
@@ -324,3 +327,70 @@ def prefill_kernel(  # type: ignore[no-untyped-def]
         )  # fmt: skip
         out_offsets = (token * num_heads + h[:, None]) * WIDTH + dv[None, :]
         tl.store(out_ptr + out_offsets, acc / denom[:, None], mask=h_mask[:, None] & (dv < WIDTH)[None, :])
+
+
+@triton.jit
+def _chunk_sums(  # type: ignore[no-untyped-def]
+    total, denom, m, pool_ptr, rows_ptr, stride_rows, num_keys, row_bytes, token, v, logits_ptr, chunk_keys,
+    WIDTH: tl.constexpr, FMT: tl.constexpr, BF16_DOT: tl.constexpr, ROUND: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    """``total`` and ``denom`` plus each ``chunk_keys``-key chunk of one source's keys, the chunk summed from zero by
+    ``sums_pass`` (as ``split_sums_kernel`` sums it) and added in chunk order (as ``combine_kernel`` adds it)."""
+    for lo in range(0, num_keys, chunk_keys):
+        acc, part = sums_pass(
+            tl.zeros_like(total), tl.zeros_like(denom), m, pool_ptr, rows_ptr, stride_rows, lo,
+            tl.minimum(lo + chunk_keys, num_keys), row_bytes, token, v, logits_ptr, WIDTH, FMT, BF16_DOT, ROUND,
+            BLOCK_N, BLOCK_V,
+        )  # fmt: skip
+        total += acc
+        denom += part
+    return total, denom
+
+
+@triton.jit
+def chunks_kernel(  # type: ignore[no-untyped-def]
+    q_ptr, sink_ptr, out_ptr, logits_ptr, num_heads, scale, chunk_keys,
+    pool0, rows0, stride0, keys0, bytes0, pool1, rows1, stride1, keys1, bytes1, pool2, rows2, stride2, keys2, bytes2,
+    WIDTH: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    FMT0: tl.constexpr, FMT1: tl.constexpr, FMT2: tl.constexpr,
+    BF16_0: tl.constexpr, BF16_1: tl.constexpr, BF16_2: tl.constexpr, ROUND: tl.constexpr,
+    LOGITS_BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Grid (query, head block): the split path's result in one program. Pass 1 over every key in the split path's
+    ``LOGITS_BLOCK_N`` tiles (the same logits; the maximum is exact in any order), then per ``BLOCK_V`` value columns
+    the sink's term and each source's chunks, every chunk summed from zero in tile order and added in chunk order: the
+    additions of ``split_sums_kernel`` and ``combine_kernel``, without the ``[T, splits, H, WIDTH]`` partial sums
+    between them. Two ``[BLOCK_H, BLOCK_V]`` accumulators (the running total and the chunk's), so ``BLOCK_V`` is
+    narrower than the other kernels' to stay in registers."""
+    token = tl.program_id(0).to(tl.int64)
+    h, h_mask = _heads(num_heads, BLOCK_H)
+    q = _load_query(q_ptr, token, h, h_mask, num_heads, WIDTH, BLOCK_D)
+    sink = tl.load(sink_ptr + h, mask=h_mask, other=0.0)
+    logits0 = _logits_rows(logits_ptr, token, keys0 + keys1 + keys2, BLOCK_H)
+    m = _sources_logits(
+        sink, q, token, scale, logits0, 0, keys0, 0, keys1, 0, keys2,
+        pool0, rows0, stride0, keys0, bytes0, pool1, rows1, stride1, keys1, bytes1,
+        pool2, rows2, stride2, keys2, bytes2,
+        WIDTH, BLOCK_D, LOGITS_BLOCK_N, FMT0, FMT1, FMT2, BF16_0, BF16_1, BF16_2,
+    )  # fmt: skip
+    # Pass 2 reads logits that other threads of the program wrote: a CTA barrier orders the global memory accesses.
+    tl.debug_barrier()
+    for v in tl.static_range(0, BLOCK_D, BLOCK_V):
+        dv = v + tl.arange(0, BLOCK_V)
+        total = tl.zeros([BLOCK_H, BLOCK_V], tl.float32)
+        denom = tl.exp(sink - m)
+        total, denom = _chunk_sums(
+            total, denom, m, pool0, rows0, stride0, keys0, bytes0, token, v, logits0, chunk_keys,
+            WIDTH, FMT0, BF16_0, ROUND, BLOCK_N, BLOCK_V,
+        )  # fmt: skip
+        total, denom = _chunk_sums(
+            total, denom, m, pool1, rows1, stride1, keys1, bytes1, token, v, logits0 + keys0, chunk_keys,
+            WIDTH, FMT1, BF16_1, ROUND, BLOCK_N, BLOCK_V,
+        )  # fmt: skip
+        total, denom = _chunk_sums(
+            total, denom, m, pool2, rows2, stride2, keys2, bytes2, token, v, logits0 + keys0 + keys1, chunk_keys,
+            WIDTH, FMT2, BF16_2, ROUND, BLOCK_N, BLOCK_V,
+        )  # fmt: skip
+        out_offsets = (token * num_heads + h[:, None]) * WIDTH + dv[None, :]
+        tl.store(out_ptr + out_offsets, total / denom[:, None], mask=h_mask[:, None] & (dv < WIDTH)[None, :])
