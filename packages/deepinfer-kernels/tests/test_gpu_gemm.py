@@ -159,16 +159,19 @@ _DEQUANT_BF16 = BlockConfig(128, 128, num_warps=8, num_stages=1, split_grid=Fals
 
 
 # The FP8 block GEMM's BF16 paths: the cuBLAS GEMM on both operands dequantized, and the weight decoded in the MMA's
-# registers against x̂ (cuda.swap_bf16) in a 64-, 128- and 256-row tile.
+# registers against x̂ (cuda.swap_bf16) in a 64-, 128- and 256-row tile, and the split-K 16- and 64-row tiles the
+# decode buckets take.
 _BF16_FP8 = [
     _DEQUANT_BF16,
+    BlockConfig(16, 64, num_warps=4, num_stages=3, split_grid=True, block_k=64, decoding="swap_bf16"),
+    BlockConfig(64, 128, num_warps=8, num_stages=3, split_grid=True, block_k=64, decoding="swap_bf16"),
     BlockConfig(64, 128, num_warps=8, num_stages=3, split_grid=False, block_k=64, decoding="swap_bf16"),
     BlockConfig(128, 128, num_warps=8, num_stages=3, split_grid=False, block_k=64, decoding="swap_bf16"),
     BlockConfig(256, 128, num_warps=8, num_stages=3, split_grid=False, block_k=64, decoding="swap_bf16"),
 ]
 
 
-@pytest.mark.parametrize("cfg", _BF16_FP8, ids=lambda c: f"{c.decoding}-m{c.block_m}")
+@pytest.mark.parametrize("cfg", _BF16_FP8, ids=lambda c: f"{c.decoding}-m{c.block_m}{'-split' * c.split_grid}")
 @pytest.mark.parametrize("m", [300, 4096])
 def test_bf16_fp8_gemms_meet_the_fp32_bound(m: int, cfg: BlockConfig) -> None:
     """The BF16 paths (exact BF16 operands, FP32 sums, FP32 result rounded once) meet the FP32 accumulation bound on
@@ -445,6 +448,8 @@ def test_dense_swap_fp8_rows_keep_their_bits_in_every_tile_and_batch(op: str) ->
 _GLUON_FP8_TILES = [
     BlockConfig(8, 64, num_warps=4, num_stages=3, split_grid=False, block_k=256, decoding="gluon_fp8"),
     BlockConfig(16, 64, num_warps=4, num_stages=4, split_grid=False, block_k=128, decoding="gluon_fp8"),
+    BlockConfig(16, 64, num_warps=4, num_stages=3, split_grid=False, block_k=256, decoding="gluon_fp8"),
+    BlockConfig(32, 64, num_warps=4, num_stages=3, split_grid=False, block_k=128, decoding="gluon_fp8"),
     BlockConfig(8, 128, num_warps=8, num_stages=3, split_grid=False, block_k=128, decoding="gluon_fp8"),
     BlockConfig(64, 64, num_warps=4, num_stages=3, split_grid=False, block_k=128, decoding="gluon_fp8"),
     BlockConfig(64, 128, num_warps=8, num_stages=2, split_grid=False, block_k=128, decoding="gluon_fp8"),

@@ -458,10 +458,16 @@ _SWAP_BF16_64 = _swap_bf16(64, 64, 4)
 _SWAP_BF16_256 = _swap_bf16(256, 128, 8)
 # The dense FP8 Gluon kernel's fastest tile at 256 rows on every FP8 weight of the scaled preset.
 _INVARIANT_GLUON_FP8 = _gluon_fp8(64, 4, 256, 2)
-# The FP8 block GEMM at 16 and 64 rows (kernels_gemm-fp8-swap.json): swap_fp8 tiles, split-K in the weight shape's
-# chunks, were the fastest on 8 of 9 shapes at 16 rows (1.1–1.7x the tiles before where those were timed; on wq_b a
-# group_fp8 tile was 2 % faster, the swap_fp8 one is kept, as its rows' bits serve the batch-invariant mode too) and on
-# 8 of 9 at 64 rows (1.1–1.5x); on attn.wkv at 64 rows the dot_scaled tile stays, 15.8 against 17.9 µs.
+# The FP8 block GEMM at 16 and 64 rows: swap_fp8 tiles, split-K in the weight shape's chunks, had been the fastest on 8
+# of 9 shapes at each (kernels_gemm-fp8-swap.json). The split-K swap_bf16 tiles and the Gluon ring kernel then beat
+# them on 17 of 18 (kernels_gemm-fp8-tune-16-64-256.json; the swap_fp8 tiles' times from the run before, where this
+# run did not time them, ran 3–9 % faster than this one's machine on the shapes both timed): at 16 rows swap_bf16
+# 16×64 on five weights (wo_b 25.8 against 33.2 µs, main_proj 43.1 against 52.4, attn.wkv 9.7 against 11.3 in the same
+# run), Gluon on four (the indexer's wq_b 7.4 against 11.0 µs in the same run, engram.wkv 72.5 against 86.5); at 64
+# rows swap_bf16 on five (main_proj 62.4 against 84.2 µs, engram.wkv 113.5 against 146.6, the shared w2 17.9 against
+# 24.5 in the same run), Gluon on three (the indexer's wq_b 10.1 against 17.0 µs and wq_a 20.5 against 25.7, both in
+# the same run); attn.wkv at 64 rows keeps its dot_scaled tile (16.3 µs, the fastest again). In the batch-invariant
+# mode the swap_bf16 and dot_scaled tiles give way to invariant_config's; the Gluon ones stay (the same bits).
 # At 256 rows (kernels_gemm-dequant-t256.json) the cuBLAS path (dequant_bf16) beat the group_fp8 tiles on 7 of 9 FP8
 # weights (22 against 66 µs on attn.wkv … 42 against 45 µs on the shared w2) and lost on the two of K = 1280 (124
 # against 99 µs on wq_b, 24 against 20 on the indexer's wq_b); wo_a was not timed. With the e4m3 weight decoded in
@@ -486,24 +492,24 @@ MEASURED: dict[tuple[str, int, int, int], BlockConfig] = {
     ("fp8_block_gemm", 2, 32768, 1280): _gluon_fp8(8, 8, 128, 3),
     ("mxfp4_gemm", 2, 4608, 5120): _gemv(16, 4, 3),
     ("mxfp4_gemm", 2, 5120, 2304): _gemv(16, 4, 3),
-    ("fp8_block_gemm", 16, 512, 5120): _swap(16, 64, 4, 4),
-    ("fp8_block_gemm", 16, 1280, 5120): _swap(16, 128, 8, 3),
-    ("fp8_block_gemm", 16, 4096, 1280): _swap(16, 64, 4, 4),
-    ("fp8_block_gemm", 16, 4608, 5120): _swap(16, 128, 4, 3),
-    ("fp8_block_gemm", 16, 5120, 2304): _swap(16, 128, 4, 3),
-    ("fp8_block_gemm", 16, 5120, 8192): _swap(16, 128, 4, 3),
-    ("fp8_block_gemm", 16, 5120, 15360): _swap(16, 128, 4, 3),
-    ("fp8_block_gemm", 16, 25600, 6144): _swap(16, 128, 4, 3),
-    ("fp8_block_gemm", 16, 32768, 1280): _swap(16, 128, 4, 3),
+    ("fp8_block_gemm", 16, 512, 5120): _swap_bf16(16, 64, 4, split_grid=True),
+    ("fp8_block_gemm", 16, 1280, 5120): _swap_bf16(16, 64, 4, split_grid=True),
+    ("fp8_block_gemm", 16, 4096, 1280): _gluon_fp8(8, 4, 256, 3),
+    ("fp8_block_gemm", 16, 4608, 5120): _swap_bf16(16, 64, 4, split_grid=True),
+    ("fp8_block_gemm", 16, 5120, 2304): _gluon_fp8(16, 4, 256, 3),
+    ("fp8_block_gemm", 16, 5120, 8192): _swap_bf16(16, 64, 4, split_grid=True),
+    ("fp8_block_gemm", 16, 5120, 15360): _swap_bf16(16, 64, 4, split_grid=True),
+    ("fp8_block_gemm", 16, 25600, 6144): _gluon_fp8(16, 4, 256, 3),
+    ("fp8_block_gemm", 16, 32768, 1280): _gluon_fp8(16, 4, 256, 3),
     ("fp8_block_gemm", 64, 512, 5120): _mma(64, 32, 4, 4, decoding="dot_scaled"),
-    ("fp8_block_gemm", 64, 1280, 5120): _swap(64, 64, 4, 4),
-    ("fp8_block_gemm", 64, 4096, 1280): _swap(64, 64, 4, 4),
-    ("fp8_block_gemm", 64, 4608, 5120): _swap(64, 128, 4, 3),
-    ("fp8_block_gemm", 64, 5120, 2304): _swap(64, 64, 4, 4),
-    ("fp8_block_gemm", 64, 5120, 8192): _swap(64, 128, 4, 3),
-    ("fp8_block_gemm", 64, 5120, 15360): _swap(64, 128, 4, 3),
-    ("fp8_block_gemm", 64, 25600, 6144): _swap(64, 128, 4, 3),
-    ("fp8_block_gemm", 64, 32768, 1280): _swap(64, 128, 4, 3),
+    ("fp8_block_gemm", 64, 1280, 5120): _gluon_fp8(16, 4, 256, 3),
+    ("fp8_block_gemm", 64, 4096, 1280): _gluon_fp8(32, 4, 128, 3),
+    ("fp8_block_gemm", 64, 4608, 5120): _swap_bf16(64, 128, 8, split_grid=True),
+    ("fp8_block_gemm", 64, 5120, 2304): _swap_bf16(64, 64, 4, split_grid=True),
+    ("fp8_block_gemm", 64, 5120, 8192): _swap_bf16(64, 128, 8, split_grid=True),
+    ("fp8_block_gemm", 64, 5120, 15360): _swap_bf16(64, 128, 8, split_grid=True),
+    ("fp8_block_gemm", 64, 25600, 6144): _swap_bf16(64, 128, 8, split_grid=True),
+    ("fp8_block_gemm", 64, 32768, 1280): _gluon_fp8(64, 4, 128, 3),
     ("fp8_block_gemm", 256, 512, 5120): _DEQUANT_BF16,
     ("fp8_block_gemm", 256, 1280, 5120): _DEQUANT_BF16,
     ("fp8_block_gemm", 256, 4096, 1280): _SWAP_BF16_64,
