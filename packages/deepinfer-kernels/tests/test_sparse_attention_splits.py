@@ -95,6 +95,8 @@ def test_split_plan_splits_only_programs_that_leave_half_the_target_idle(monkeyp
     chunk_keys, counts = attention._split_plan(64, widths, 16, cpu)
     assert chunk_keys == 9 * 16 and counts == [1, 1, 4]  # five chunks of nine tiles
     assert attention._split_plan(1, widths, 16, cpu) == (16, [8, 1, 32])  # one tile a split
+    # Pass 1 of a split: 32-key tiles over chunks of at least 32 keys, the 16-key tile over shorter ones.
+    assert [attention._chunk_logits_tile(attention.TILES, keys) for keys in (16, 31, 32, 144)] == [16, 16, 32, 32]
 
 
 # FP32 rows in the third source: the tiles must not change with whether a query has such keys (query 3 alone has none).

@@ -71,7 +71,9 @@ MAX_SOURCES = 3
 # logits_block_n: keys per pass-1 tile of every kernel (pass 1 holds no accumulator to compete for registers): 32 keys
 # halve pass 1's dependent gathers; the non-split kernel then takes 255 registers and 16 bytes of stack at sm_90
 # (Triton 3.6: three stores and loads a program, between the key loops, for the next tile's prefetched row indices;
-# 64 keys spill in the loops). The split and chunks kernels share it, so their logits are the same.
+# 64 keys spill in the loops). The split and chunks kernels take it for chunks of at least as many keys, else
+# block_n (:func:`_chunk_logits_tile`: a one-query decode splits into 16-key chunks, where a 32-key tile would
+# multiply a masked half); both kernels follow the same rule, so their logits are the same.
 # chunks_block_v: value columns per pass-2 sweep of the batch-invariant ``chunks_kernel``, which holds two accumulators
 # (the running total and the chunk's): 256 columns spill 56 bytes at sm_90 (Triton 3.6), 128 none, yet at 256 decode
 # queries of the scaled preset 256 took 0.394 against 0.435 ms a call (kernels_attention-h200-chunks.json, 16-key
@@ -223,7 +225,8 @@ def _split(call: _Call, chunk_keys: int, split_counts: list[int]) -> None:
         plan = (chunk_keys, num_splits, counts[0], counts[0] + counts[1], *_source_args(sources, start, stop))
         grid = (stop - start, head_blocks, num_splits)
         split_logits_kernel[grid](
-            q[start:stop], part_m, logits, num_heads, call.scale, *plan, LOGITS_BLOCK_N=tiles["logits_block_n"],
+            q[start:stop], part_m, logits, num_heads, call.scale, *plan,
+            LOGITS_BLOCK_N=_chunk_logits_tile(tiles, chunk_keys),
             **constexprs,
         )  # fmt: skip
         split_sums_kernel[grid](
@@ -262,8 +265,14 @@ def _chunks(call: _Call, chunk_keys: int) -> None:
         chunks_kernel[(stop - start, logits.shape[1] // call.tiles["block_h"])](
             call.q[start:stop], call.sink, call.out[start:stop], logits, call.q.shape[1], call.scale, chunk_keys,
             *_source_args(call.sources, start, stop), BLOCK_V=_value_columns(call.tiles, call.q.shape[2], chunks=True),
-            ROUND=call.round_probs_bf16, LOGITS_BLOCK_N=call.tiles["logits_block_n"], **call.constexprs,
+            ROUND=call.round_probs_bf16, LOGITS_BLOCK_N=_chunk_logits_tile(call.tiles, chunk_keys),
+            **call.constexprs,
         )  # fmt: skip
+
+
+def _chunk_logits_tile(tiles: dict[str, int], chunk_keys: int) -> int:
+    """Keys per pass-1 tile over chunks of ``chunk_keys`` keys (split or ``chunks_kernel``)."""
+    return tiles["logits_block_n"] if chunk_keys >= tiles["logits_block_n"] else tiles["block_n"]
 
 
 def _unsplit_launches(call: _Call) -> Iterator[tuple[int, int, torch.Tensor]]:
