@@ -47,18 +47,20 @@ def random_prompts(vocab: int, num: int, length: int, seed: int) -> list[list[in
 
 
 def git_commit() -> str | None:
-    """The commit checked out in this repository, or None outside a git checkout."""
+    """The commit checked out in this repository, with ``+dirty`` when tracked files differ from it (a copy of a
+    working tree, such as a device machine's, may carry an older commit than the code it runs), or None outside a git
+    checkout."""
     try:
-        done = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=pathlib.Path(__file__).resolve().parent,
-            capture_output=True,
-            text=True,
-            check=True,
-        )
+        head = _git("rev-parse", "HEAD")
+        changed = _git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.CalledProcessError):
         return None
-    return done.stdout.strip() or None
+    return f"{head}+dirty" if head and changed else head or None
+
+
+def _git(*args: str) -> str:
+    here = pathlib.Path(__file__).resolve().parent
+    return subprocess.run(["git", *args], cwd=here, capture_output=True, text=True, check=True).stdout.strip()
 
 
 def median_wall_s(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> float:
