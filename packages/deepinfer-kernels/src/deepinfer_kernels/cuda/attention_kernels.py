@@ -291,17 +291,16 @@ def combine_kernel(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def prefill_kernel(  # type: ignore[no-untyped-def]
-    q_ptr, sink_ptr, out_ptr, logits_ptr, num_heads, scale,
+def _whole_logits(  # type: ignore[no-untyped-def]
+    q_ptr, sink_ptr, logits_ptr, num_heads, scale,
     pool0, rows0, stride0, keys0, bytes0, pool1, rows1, stride1, keys1, bytes1, pool2, rows2, stride2, keys2, bytes2,
-    WIDTH: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    WIDTH: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, LOGITS_BLOCK_N: tl.constexpr,
     FMT0: tl.constexpr, FMT1: tl.constexpr, FMT2: tl.constexpr,
     BF16_0: tl.constexpr, BF16_1: tl.constexpr, BF16_2: tl.constexpr,
-    ROUND: tl.constexpr, LOGITS_BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """Grid (query, head block), the non-split path: the maximum over the sink and every key (pass 1, in tiles of
-    ``LOGITS_BLOCK_N`` keys), then per ``BLOCK_V`` value columns the sink's term and every key's sums added in key
-    order (pass 2, tiles of ``BLOCK_N``), and the output."""
+    """Pass 1 of a program over all its query's keys (grid (query, head block)): (query, heads, head mask, sink
+    logits, the program's logits workspace rows, the maximum over the sink and every key), the logits written and
+    visible to the whole program."""
     token = tl.program_id(0).to(tl.int64)
     h, h_mask = _heads(num_heads, BLOCK_H)
     q = _load_query(q_ptr, token, h, h_mask, num_heads, WIDTH, BLOCK_D)
@@ -315,6 +314,27 @@ def prefill_kernel(  # type: ignore[no-untyped-def]
     )  # fmt: skip
     # Pass 2 reads logits that other threads of the program wrote: a CTA barrier orders the global memory accesses.
     tl.debug_barrier()
+    return token, h, h_mask, sink, logits0, m
+
+
+@triton.jit
+def prefill_kernel(  # type: ignore[no-untyped-def]
+    q_ptr, sink_ptr, out_ptr, logits_ptr, num_heads, scale,
+    pool0, rows0, stride0, keys0, bytes0, pool1, rows1, stride1, keys1, bytes1, pool2, rows2, stride2, keys2, bytes2,
+    WIDTH: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    FMT0: tl.constexpr, FMT1: tl.constexpr, FMT2: tl.constexpr,
+    BF16_0: tl.constexpr, BF16_1: tl.constexpr, BF16_2: tl.constexpr,
+    ROUND: tl.constexpr, LOGITS_BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Grid (query, head block), the non-split path: the maximum over the sink and every key (pass 1, in tiles of
+    ``LOGITS_BLOCK_N`` keys), then per ``BLOCK_V`` value columns the sink's term and every key's sums added in key
+    order (pass 2, tiles of ``BLOCK_N``), and the output."""
+    token, h, h_mask, sink, logits0, m = _whole_logits(
+        q_ptr, sink_ptr, logits_ptr, num_heads, scale,
+        pool0, rows0, stride0, keys0, bytes0, pool1, rows1, stride1, keys1, bytes1,
+        pool2, rows2, stride2, keys2, bytes2,
+        WIDTH, BLOCK_D, BLOCK_H, LOGITS_BLOCK_N, FMT0, FMT1, FMT2, BF16_0, BF16_1, BF16_2,
+    )  # fmt: skip
     for v in tl.static_range(0, BLOCK_D, BLOCK_V):
         dv = v + tl.arange(0, BLOCK_V)
         # The sink is a logit with a zero value: it enters the denominator only, first, as in the combine.
@@ -363,19 +383,12 @@ def chunks_kernel(  # type: ignore[no-untyped-def]
     additions of ``split_sums_kernel`` and ``combine_kernel``, without the ``[T, splits, H, WIDTH]`` partial sums
     between them. Two ``[BLOCK_H, BLOCK_V]`` accumulators (the running total and the chunk's), so ``BLOCK_V`` is
     narrower than the other kernels' to stay in registers."""
-    token = tl.program_id(0).to(tl.int64)
-    h, h_mask = _heads(num_heads, BLOCK_H)
-    q = _load_query(q_ptr, token, h, h_mask, num_heads, WIDTH, BLOCK_D)
-    sink = tl.load(sink_ptr + h, mask=h_mask, other=0.0)
-    logits0 = _logits_rows(logits_ptr, token, keys0 + keys1 + keys2, BLOCK_H)
-    m = _sources_logits(
-        sink, q, token, scale, logits0, 0, keys0, 0, keys1, 0, keys2,
+    token, h, h_mask, sink, logits0, m = _whole_logits(
+        q_ptr, sink_ptr, logits_ptr, num_heads, scale,
         pool0, rows0, stride0, keys0, bytes0, pool1, rows1, stride1, keys1, bytes1,
         pool2, rows2, stride2, keys2, bytes2,
-        WIDTH, BLOCK_D, LOGITS_BLOCK_N, FMT0, FMT1, FMT2, BF16_0, BF16_1, BF16_2,
+        WIDTH, BLOCK_D, BLOCK_H, LOGITS_BLOCK_N, FMT0, FMT1, FMT2, BF16_0, BF16_1, BF16_2,
     )  # fmt: skip
-    # Pass 2 reads logits that other threads of the program wrote: a CTA barrier orders the global memory accesses.
-    tl.debug_barrier()
     for v in tl.static_range(0, BLOCK_D, BLOCK_V):
         dv = v + tl.arange(0, BLOCK_V)
         total = tl.zeros([BLOCK_H, BLOCK_V], tl.float32)
