@@ -82,6 +82,8 @@ def test_step_metadata_addressing() -> None:
     assert meta.ring_rows(torch.tensor([0]), torch.tensor([9]), 6).tolist() == [9]
     # 2 rows per page: logical row 3 of request 0 lies in its page 1 → physical page 2, offset 1.
     assert meta.paged_rows(torch.tensor([0]), torch.tensor([3]), 2).tolist() == [5]
+    # Per request a row of logical rows; −1 (none) stays −1.
+    assert meta.paged_rows(torch.tensor([0, 1]), torch.tensor([[3, -1], [0, 1]]), 2).tolist() == [[5, -1], [0, 1]]
     # Ring of 3: request 1 writes only its last 3 tokens; request 0 its only one.
     assert meta.ring_write_tokens(3).tolist() == [True, False, False, True, True, True]
 

@@ -22,6 +22,7 @@ from deepinfer_kernels.hyper_connection import hc_mix_logits, hc_mixes, hc_post,
 from deepinfer_kernels.indexer import indexer_select
 from deepinfer_kernels.kv_cache import store_rows
 from deepinfer_kernels.norm import rms_norm, rms_norm_fp8
+from deepinfer_kernels.paging import paged_rows
 from deepinfer_kernels.platform import Accelerator, current_accelerator
 from deepinfer_kernels.quant import (
     dequantize_fp8_block,
@@ -70,6 +71,7 @@ __all__ = [
     "moe_combine",
     "mxfp4_gemm",
     "mxfp4_grouped_gemm",
+    "paged_rows",
     "quantize_fp8_block",
     "quantize_fp8_per_token_group",
     "quantize_mxfp4",

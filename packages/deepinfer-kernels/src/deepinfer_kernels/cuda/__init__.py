@@ -18,6 +18,7 @@ from deepinfer_kernels.cuda import (
     indexer,
     invariant_matmul,
     norm,
+    paging,
     quant,
     rope,
     routing,
@@ -57,4 +58,5 @@ def register(registry: OpRegistry) -> None:
     registry.register("router_topk", nvidia, routing.router_topk)
     registry.register("engram_gate", nvidia, engram.engram_gate)
     registry.register("moe_combine", nvidia, combine.moe_combine)
+    registry.register("paged_rows", nvidia, paging.paged_rows)
     registry.register("invariant_matmul", nvidia, invariant_matmul.invariant_matmul)

@@ -14,6 +14,7 @@ from deepinfer_kernels.reference import (
     indexer,
     matmul,
     norm,
+    paging,
     quant,
     rope,
     routing,
@@ -58,3 +59,4 @@ def register(registry: OpRegistry) -> None:
     registry.register("router_topk", ref, routing.router_topk)
     registry.register("engram_gate", ref, engram.engram_gate)
     registry.register("moe_combine", ref, combine.moe_combine)
+    registry.register("paged_rows", ref, paging.paged_rows)

@@ -288,5 +288,4 @@ def draft_rows(meta: StepMetadata, ring: int, window: int) -> tuple[torch.Tensor
 
 def selected_rows(meta: StepMetadata, selected: torch.Tensor, rows_per_block: int) -> torch.Tensor:
     """Flat paged rows [T, K] int64 of the selected logical rows ``selected`` [T, K] of each query, −1 = none."""
-    rows = meta.paged_rows(meta.token_request[:, None].expand_as(selected), selected, rows_per_block)
-    return torch.where(selected >= 0, rows, -1)
+    return meta.paged_rows(meta.token_request, selected, rows_per_block)

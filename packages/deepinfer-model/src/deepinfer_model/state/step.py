@@ -21,6 +21,7 @@ from typing import Any, TypeVar, cast
 
 import torch
 
+from deepinfer_kernels import paged_rows
 from deepinfer_model.forward_batch import ForwardBatch
 
 __all__ = ["StepMemo", "StepMetadata"]
@@ -149,10 +150,9 @@ class StepMetadata:
         return self.state_slots[request] * ring_size + torch.remainder(position, ring_size)
 
     def paged_rows(self, request: torch.Tensor, row: torch.Tensor, rows_per_block: int) -> torch.Tensor:
-        """Flat paged row of logical row ``row`` of ``request`` (rows must be ≥ 0 where used)."""
-        row = row.clamp(min=0)
-        pages = self.block_table[request, torch.div(row, rows_per_block, rounding_mode="floor")]
-        return pages * rows_per_block + torch.remainder(row, rows_per_block)
+        """Flat paged rows of logical rows ``row`` ([N] or [N, K]) of ``request`` [N], −1 where a row is negative
+        (``deepinfer_kernels.paged_rows``: one launch on NVIDIA)."""
+        return paged_rows(self.block_table, request, row, rows_per_block)
 
     def ring_tail(self, ring_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Flat ring rows the step stores (docs/design/cache.md, "Rings") and which tokens they hold.
