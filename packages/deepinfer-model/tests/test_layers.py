@@ -287,6 +287,32 @@ def test_engram_vocab_hash_and_rows_match_reference() -> None:
     assert torch.equal(rows, full[3:]) and active.all()
 
 
+def test_engram_table_indices_match_the_reference_hash() -> None:
+    """The model's vectorized hash (one remainder over every order and head) against the reference's column loop:
+    the hand-worked example, then random rows of large ids whose products wrap around int64."""
+    from types import SimpleNamespace
+
+    from deepinfer_model.deepseek_v41.engram import Engram
+
+    primes = [1009, 1013, 1019, 1021, 1031, 1033]
+    engram = SimpleNamespace(
+        max_ngram=4,
+        n_heads=2,
+        sizes=torch.tensor(primes),
+        offsets=torch.tensor([sum(primes[:i]) for i in range(len(primes))]),
+    )
+    multipliers = ref.engram_hash_multipliers(0, 4, 1000)
+    rows = torch.randint(0, 2**40, (50, 4), generator=torch.Generator().manual_seed(3))
+    rows[0] = torch.tensor([5, 7, 2, 3])
+    got = Engram.table_indices(engram, rows, torch.tensor(multipliers))  # type: ignore[arg-type]
+    assert torch.equal(got, ref.engram_hash(rows, multipliers, primes, 2))
+    small = SimpleNamespace(max_ngram=3, n_heads=2, sizes=engram.sizes[:4], offsets=engram.offsets[:4])
+    a0 = ref.engram_hash_multipliers(0, 3, 1000)
+    assert Engram.table_indices(small, torch.tensor([[5, 7, 2]]), torch.tensor(a0)).tolist() == [  # type: ignore[arg-type]
+        [645, 1023, 2832, 3808]
+    ]
+
+
 @pytest.mark.parametrize("seed", [0, 1, 20014, 140098, 2**40 + 5])
 def test_pcg64_bounded_integers_match_numpy(seed: int) -> None:
     import numpy as np
