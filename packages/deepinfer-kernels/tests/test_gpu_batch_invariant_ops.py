@@ -72,19 +72,23 @@ def test_torch_reductions_under_the_mode() -> None:
 
 @pytest.mark.parametrize("n", [3000, 384])
 def test_invariant_matmul_rows_at_every_position(n: int) -> None:
-    """Every row of a 130-row product (one program summing K's chunks in order) equals the row alone (the chunks as
-    programs of their own, summed by each tile's last program): 11 chunks at 3,000 columns, 16 at the router's 384."""
+    """Every row of a 130-row product equals the row alone, with K's chunks as programs of their own summed by each
+    tile's last program (one batch entry) and with one program summing them in order (two entries): 11 chunks at
+    3,000 columns, 16 at the router's 384; 130 rows run the 128-row tile, one row the 16-row tile."""
     x = _randn((130, _K), seed=6)
     w = _randn((_K, n), seed=7)
-    out = dk_matmul(x, w)
+    split = dk_matmul(x[None], w[None])[0]
+    one_program = dk_matmul(x[None].expand(2, -1, -1), w[None].expand(2, -1, -1))
+    assert torch.equal(one_program[0], split) and torch.equal(one_program[1], split)
     for row in range(130):
-        assert torch.equal(dk_matmul(x[row : row + 1], w)[0], out[row]), row
+        assert torch.equal(dk_matmul(x[None, row : row + 1], w[None])[0, 0], split[row]), row
 
 
 def dk_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    out = torch.empty((1, a.shape[0], b.shape[1]), dtype=torch.float32, device="cuda")
-    implementation("invariant_matmul", Backend.NVIDIA)(a[None], b[None], out)
-    return out[0]
+    """The nvidia ``invariant_matmul`` of [B, M, K] and [B, K, N], FP32 out."""
+    out = torch.empty((a.shape[0], a.shape[1], b.shape[2]), dtype=torch.float32, device="cuda")
+    implementation("invariant_matmul", Backend.NVIDIA)(a, b, out)
+    return out
 
 
 @pytest.mark.parametrize(("n", "k"), [(4608, 5120), (5120, 2304), (512, 5120)])

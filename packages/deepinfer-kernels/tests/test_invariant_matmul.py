@@ -56,7 +56,7 @@ def test_a_tile_of_rows_has_the_same_bits_alone_and_in_any_batch(triton_device: 
 
     a = random_normal((1, 150, 300), seed=1, dtype=torch.bfloat16)
     b = random_normal((1, 300, 40), seed=2, dtype=torch.bfloat16)
-    few = ROW_TILES[0]
+    few = ROW_TILES[0].block_m
     together = {
         "few": _triton(a[:, :few], b, torch.float32, triton_device),
         "many": _triton(a, b, torch.float32, triton_device),

@@ -6,18 +6,21 @@ FP32 summation orders alone and inside a batch. Here one program per (BLOCK_M ro
 sums K from zero in BLOCK_K steps, in order, into one FP32 accumulator, and rounds once to the output dtype; the
 columns and the K steps are the same whatever M, N, K and the batch count are. The columns of ``b`` are the dot's
 first side (``bᵀ · aᵀ``: on Hopper the wgmma's 128-row M side, which a weight fills) and the rows of ``a`` its
-second, 16 of them up to 16 rows and 64 beyond, so a one-row product reads the weight once without computing 63
-empty rows. An output element's arithmetic therefore depends only on its own row of ``a``, its own column of ``b``
-and K: the tensor-core instruction sums the same products into the same accumulator whatever the width of its other
-side (the GPU tests check a row's bits alone and in batches of 64 and 130), and the FP32 path's FMA dots add the K
-products of an element one by one. Rows missing from a partial tile are loaded as zeros and touch no other row.
+second (:data:`ROW_TILES`: 16 of them up to 16 rows, 64 up to 64, and beyond, on the tensor cores, 128 with 8
+warps), so a one-row product reads the weight once without computing 63 empty rows and a 256-row one reads the
+LM head's 1.3 GB in tiles that keep the tensor cores busy. An output element's arithmetic therefore depends only on
+its own row of ``a``, its own column of ``b`` and K: the tensor-core instruction sums the same products into the
+same accumulator whatever the width of either side (the GPU tests check a row's bits alone and in batches of 64,
+130 and 300), and the FP32 path's FMA dots add the K products of an element one by one. Rows missing from a partial
+tile are loaded as zeros and touch no other row.
 
 K is summed in chunks whose length follows from (N, K) alone (:func:`k_chunk`): each chunk from zero in its K steps,
-then the chunk sums from zero in chunk order. A weight of few columns (the router's 384, three column tiles) gets
-chunks of 256 so that a product of few rows still has programs enough: up to 64 rows each chunk is a program of its
-own and each tile's last program adds the chunk sums in order (``gemm_operands.finish_tile``; one program streaming
-the router's 3.9 MB through 80 dependent K steps made its product latency-bound, 8 of them about 0.3 ms of a
-batch-1 step); beyond, one program adds them in the same order, so the bits are the same either way.
+then the chunk sums from zero in chunk order. A weight of few columns (the router's 384) gets chunks of 256 so that
+a product of few tiles still has programs enough: while the tiles alone are fewer than the programs the device
+wants and the chunk sums fit :data:`_SPLIT_MAX_BYTES`, each chunk is a program of its own and each tile's last
+program adds the chunk sums in order (``gemm_operands.finish_tile``; one program streaming the router's 3.9 MB
+through 80 dependent K steps made its product latency-bound); otherwise one program adds them in the same order, so
+the bits are the same either way.
 
 BF16×BF16 and FP16×FP16 run on the tensor cores (exact products, FP32 accumulation); every other pair is computed
 as an FP32 ``tl.dot`` with ``input_precision="ieee"`` (what PyTorch's FP32 matmul does with TF32 off). Under
@@ -30,6 +33,8 @@ integers); the values, hence the products, are the same.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -38,22 +43,38 @@ from deepinfer_kernels.cuda._launch import check_launchable
 from deepinfer_kernels.cuda.gemm_operands import chunk_range, finish_tile, split_counters
 from deepinfer_kernels.platform import triton_interpreter_enabled
 
-__all__ = ["CONFIG", "ROW_TILES", "invariant_matmul", "k_chunk"]
+__all__ = ["BLOCK_K", "ROW_TILES", "RowTile", "invariant_matmul", "k_chunk", "row_tile"]
 
-# The tiles: block_n columns of b (a weight's rows: the dot's M side) and block_k K steps per program. K steps of 64
-# keep the FP32 path's register tile small.
-CONFIG = {"block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 3}
-# Rows of a per program: the first up to that many rows, the second beyond. 64-row tiles take a decode batch of up to
-# 64 rows in one pass over the weight (the LM head reads its 1.3 GB once per step).
-ROW_TILES = (16, 64)
+
+@dataclass(frozen=True)
+class RowTile:
+    """One program's tile: ``block_m`` rows of ``a`` (the dot's second side), ``block_n`` columns of ``b`` (a weight's
+    rows: its first side), and the launch. K steps are :data:`BLOCK_K` in every tile (the chunks are whole steps)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# K columns per step: 64 keeps the FP32 path's register tile small.
+BLOCK_K = 64
+# A product of M rows takes the first tile with block_m ≥ M, else the last; FP32 pairs (FMA dots, whose register
+# tile grows with both sides) stop at the 64-row tile. 64-row tiles take a decode batch of up to 64 rows in one pass
+# over the weight; the 128-row tile is for more rows (the LM head at 256 rows: 339 GFLOP on the tensor cores). Its
+# two FP32 tiles of a chunked product (acc and total) take 128 registers a thread at 8 warps.
+ROW_TILES = (RowTile(16, 128, 4, 3), RowTile(64, 128, 4, 3), RowTile(128, 128, 8, 3))
+_FMA_ROW_TILES = ROW_TILES[:2]
+# Columns of b per tile in the chunk rule (k_chunk): fixed, so the chunks do not follow the tile a product runs on.
+_CHUNK_RULE_COLUMNS = 128
 _MAX_GRID_Z = 65535
 # Programs a product should have (about two per SM of an H200), which sets the chunks of a weight of few columns, and
 # the shortest chunk (four K steps).
 _TARGET_PROGRAMS = 264
 _MIN_CHUNK = 256
-# Up to this many rows (a decode step) the chunks run as programs of their own; a prefill's partial sums would take
-# chunks × M × N × 4 bytes.
-_SPLIT_MAX_ROWS = 64
+# The chunk sums of a split product (chunks × M × N FP32): a decode step's router at 256 rows takes 7.9 MB; a prefill's
+# would take hundreds, and its row tiles give programs enough anyway.
+_SPLIT_MAX_BYTES = 32 << 20
 _TENSOR_CORE_PAIRS = {(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16)}
 
 
@@ -130,12 +151,18 @@ def k_chunk(n: int, k: int) -> int:
     """K columns per chunk of a product with N columns: a whole number of K steps, at least :data:`_MIN_CHUNK`, as
     many chunks as :data:`_TARGET_PROGRAMS` column tiles would want (one chunk when the columns give programs
     enough). Depends on ``(n, k)`` only."""
-    tiles = triton.cdiv(n, CONFIG["block_n"])
+    tiles = triton.cdiv(n, _CHUNK_RULE_COLUMNS)
     chunks = max(1, min(k // _MIN_CHUNK, triton.cdiv(_TARGET_PROGRAMS, tiles)))
-    return max(1, triton.cdiv(triton.cdiv(k, chunks), CONFIG["block_k"])) * CONFIG["block_k"]
+    return max(1, triton.cdiv(triton.cdiv(k, chunks), BLOCK_K)) * BLOCK_K
 
 
-def invariant_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+def row_tile(m: int, tensor_cores: bool) -> RowTile:
+    """The tile of an M-row product (:data:`ROW_TILES`)."""
+    tiles = ROW_TILES if tensor_cores else _FMA_ROW_TILES
+    return next((tile for tile in tiles if m <= tile.block_m), tiles[-1])
+
+
+def invariant_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, tile: RowTile | None = None) -> None:
     """``out[i] = a[i] @ b[i]`` with FP32 accumulation in a K order fixed by (N, K), rounded once (contract of
     ``reference.matmul.invariant_matmul``).
 
@@ -143,6 +170,7 @@ def invariant_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> Non
         a: [B, M, K] bf16/fp16/fp32, any strides.
         b: [B, K, N] bf16/fp16/fp32, any strides.
         out: [B, M, N] bf16/fp16/fp32; written.
+        tile: the program tile (default :func:`row_tile`); any tile gives the same bits (benchmarks time others).
     """
     check_launchable(a=a, b=b, out=out)
     batches, m, k = a.shape
@@ -150,18 +178,25 @@ def invariant_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> Non
     if not out.numel():
         return
     native = (a.dtype, b.dtype) in _TENSOR_CORE_PAIRS and not triton_interpreter_enabled()
-    block_m = ROW_TILES[0] if m <= ROW_TILES[0] else ROW_TILES[1]
+    tile = tile or row_tile(m, native)
     chunk = k_chunk(n, k)
-    row_tiles, col_tiles, chunks = triton.cdiv(m, block_m), triton.cdiv(n, CONFIG["block_n"]), triton.cdiv(k, chunk)
+    row_tiles, col_tiles, chunks = triton.cdiv(m, tile.block_m), triton.cdiv(n, tile.block_n), triton.cdiv(k, chunk)
     tiles = {
-        "BLOCK_M": block_m,
-        "BLOCK_N": CONFIG["block_n"],
-        "BLOCK_K": CONFIG["block_k"],
+        "BLOCK_M": tile.block_m,
+        "BLOCK_N": tile.block_n,
+        "BLOCK_K": BLOCK_K,
         "NATIVE_DOT": native,
         "CHUNKED": chunks > 1,
     }
-    launch = {"num_warps": CONFIG["num_warps"], "num_stages": CONFIG["num_stages"]}
-    if batches == 1 and chunks > 1 and m <= _SPLIT_MAX_ROWS and out.stride(2) == 1:
+    launch = {"num_warps": tile.num_warps, "num_stages": tile.num_stages}
+    split = (
+        batches == 1
+        and chunks > 1
+        and row_tiles * col_tiles < _TARGET_PROGRAMS
+        and chunks * m * n * 4 <= _SPLIT_MAX_BYTES
+        and out.stride(2) == 1
+    )
+    if split:
         partial = torch.empty((chunks, m, n), dtype=torch.float32, device=out.device)
         counters = split_counters(out.device, row_tiles * col_tiles)
         _matmul_kernel[(row_tiles, col_tiles, chunks)](
