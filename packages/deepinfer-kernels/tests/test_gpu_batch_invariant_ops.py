@@ -70,11 +70,12 @@ def test_torch_reductions_under_the_mode() -> None:
     _assert_rows_invariant(lambda rows: rows.view(-1, 4, 1250).float().mean(dim=1), x)
 
 
-@pytest.mark.parametrize("n", [3000, 384])
+@pytest.mark.parametrize("n", [3000, 384, 40000])
 def test_invariant_matmul_rows_at_every_position(n: int) -> None:
-    """Every row of a 130-row product equals the row alone, with K's chunks as programs of their own summed by each
-    tile's last program (one batch entry) and with one program summing them in order (two entries): 11 chunks at
-    3,000 columns, 16 at the router's 384; 130 rows run the 128-row tile, one row the 16-row tile."""
+    """Every row of a 130-row product equals the row alone (the 16-row tile, K's chunks summed by each tile's last
+    program), with K's chunks as programs of their own summed by a second launch (one batch entry) and with one
+    program summing them in order (two entries): 11 chunks at 3,000 columns and 16 at the router's 384 on the
+    128-row tile; one chunk at 40,000 columns (an LM head's shape) on the 128 × 256 tile."""
     x = _randn((130, _K), seed=6)
     w = _randn((_K, n), seed=7)
     split = dk_matmul(x[None], w[None])[0]

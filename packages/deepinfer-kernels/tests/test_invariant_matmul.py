@@ -8,6 +8,8 @@ Tolerance of the Triton matmul: FP32 accumulation of exact (BF16/FP16) or FP32-r
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -74,26 +76,39 @@ def test_k_chunks_as_programs_give_the_bits_of_one_program(
 ) -> None:
     """A one-batch product of few columns sums K in chunks (a weight's shape fixes them: K = 1,090 by 40 columns makes
     three chunks of 320 and one of 130), each its own program, the chunk sums added in order by the tile's last
-    program; two batch entries run one program per tile over the same chunks. Both give the same bits, twice in a row
-    (the tickets are back to zero), and a product with none to split gives zeros."""
+    program (3 rows) or by a second launch (40 rows); two batch entries run one program per tile over the same chunks.
+    All give the same bits, twice in a row (the tickets are back to zero), and a product with none to split gives
+    zeros."""
     from deepinfer_kernels.cuda import invariant_matmul as module
     from deepinfer_kernels.cuda.gemm_operands import split_counters
 
     n, k = 40, 1090
     assert module.k_chunk(n, k) == 320
-    split_launches: list[int] = []
+    tickets: list[int] = []
+    sum_grids: list[tuple[int, ...]] = []
 
     def counting(device: torch.device, tiles: int) -> torch.Tensor:
-        split_launches.append(tiles)
+        tickets.append(tiles)
         return split_counters(device, tiles)
 
+    class RecordingLaunches:
+        def __init__(self, kernel: Any) -> None:
+            self.kernel = kernel
+
+        def __getitem__(self, grid: tuple[int, ...]) -> Any:
+            sum_grids.append(grid)
+            return self.kernel[grid]
+
     monkeypatch.setattr(module, "split_counters", counting)
+    monkeypatch.setattr(module, "_chunk_sums_kernel", RecordingLaunches(module._chunk_sums_kernel))
     a = random_normal((1, m, k), seed=m, dtype=torch.bfloat16)
     b = random_normal((1, n, k), seed=m + 1, dtype=torch.bfloat16).transpose(1, 2)
     split = [_triton(a, b, torch.float32, triton_device) for _ in range(2)]
-    assert split_launches == [1, 1] and not split_counters(torch.device(triton_device), 0).any()
+    in_tile = m <= module._TILE_FINISH_MAX_ROWS
+    assert tickets == ([1, 1] if in_tile else []) and sum_grids == ([] if in_tile else [(2,), (2,)])
+    assert not split_counters(torch.device(triton_device), 0).any()
     batched = _triton(a.expand(2, m, k), b.expand(2, k, n), torch.float32, triton_device)
-    assert len(split_launches) == 2
+    assert len(tickets) + len(sum_grids) == 2
     assert (
         torch.equal(split[0], split[1]) and torch.equal(split[0][0], batched[0]) and torch.equal(batched[0], batched[1])
     )

@@ -23,6 +23,7 @@ from deepinfer_kernels.cuda.gemm_tiles import BlockConfig, chunk_length
 from deepinfer_kernels.platform import triton_interpreter_enabled
 
 __all__ = [
+    "CHUNKS_PER_LOAD",
     "chunk_range",
     "dot_in_bf16",
     "e2m1_e4m3_codes",
@@ -337,7 +338,7 @@ def group_activation(q_ptr, qs_ptr, K, N_PER_GROUP, BLOCK_N: tl.constexpr):  # t
 
 # Chunk sums a split-K tile's last program loads together (finish_tile): a decode GEMV has up to 20 chunks, and one L2
 # round trip per chunk made the end of every split call a chain of that many dependent loads.
-_CHUNKS_PER_LOAD: tl.constexpr = tl.constexpr(8)
+CHUNKS_PER_LOAD: tl.constexpr = tl.constexpr(8)
 
 
 @triton.jit
@@ -347,7 +348,7 @@ def finish_tile(  # type: ignore[no-untyped-def]
     # Split-K: the chunk's FP32 sum goes to partial[chunk, row, column]; the tile's last program to finish (a ticket
     # per tile in counter_ptr) adds the tile's chunk sums from zero in chunk order, the additions of the
     # single-program path, rounds them into out and resets the ticket to zero for the next launch. No second kernel.
-    # It loads the sums _CHUNKS_PER_LOAD chunks at a time (one L2 round trip for them, not one per chunk, on the
+    # It loads the sums CHUNKS_PER_LOAD chunks at a time (one L2 round trip for them, not one per chunk, on the
     # step's critical path); the loads past the last chunk give +0.0, which changes no bit of a sum that starts at
     # +0.0. Else the finished sum is rounded into out.
     mask = row_mask[:, None] & (n_offsets < N)[None, :]
@@ -363,8 +364,8 @@ def finish_tile(  # type: ignore[no-untyped-def]
         if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == chunks - 1:
             total = tl.zeros_like(total)
             end = chunks * M * N  # the offsets of real chunks lie below it
-            for first in range(0, chunks, _CHUNKS_PER_LOAD):
-                for j in tl.static_range(_CHUNKS_PER_LOAD):
+            for first in range(0, chunks, CHUNKS_PER_LOAD):
+                for j in tl.static_range(CHUNKS_PER_LOAD):
                     at = offsets + (first + j) * M * N
                     total += tl.load(partial_ptr + at, mask=mask & (at < end), other=0.0, cache_modifier=".cg")
             tl.store(out_ptrs, to_output_dtype(total, out_ptr), mask=mask)

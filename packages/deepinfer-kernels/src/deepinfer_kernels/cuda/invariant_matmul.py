@@ -20,7 +20,9 @@ a product of few tiles still has programs enough: while the tiles alone are fewe
 wants and the chunk sums fit :data:`_SPLIT_MAX_BYTES`, each chunk is a program of its own and each tile's last
 program adds the chunk sums in order (``gemm_operands.finish_tile``; one program streaming the router's 3.9 MB
 through 80 dependent K steps made its product latency-bound); otherwise one program adds them in the same order, so
-the bits are the same either way.
+the bits are the same either way. Beyond :data:`_TILE_FINISH_MAX_ROWS` rows a second launch adds the chunk sums
+(``_chunk_sums_kernel``, many small programs) instead of each tile's last program: at 256 rows the router's 128-row
+tiles each had 1.3 MB of chunk sums to add alone, about 20 µs a call.
 
 BF16×BF16 and FP16×FP16 run on the tensor cores (exact products, FP32 accumulation); every other pair is computed
 as an FP32 ``tl.dot`` with ``input_precision="ieee"`` (what PyTorch's FP32 matmul does with TF32 off). Under
@@ -39,8 +41,9 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_kernels.cuda._formats import to_output_dtype
 from deepinfer_kernels.cuda._launch import check_launchable
-from deepinfer_kernels.cuda.gemm_operands import chunk_range, finish_tile, split_counters
+from deepinfer_kernels.cuda.gemm_operands import CHUNKS_PER_LOAD, chunk_range, finish_tile, split_counters
 from deepinfer_kernels.platform import triton_interpreter_enabled
 
 __all__ = ["BLOCK_K", "ROW_TILES", "RowTile", "invariant_matmul", "k_chunk", "row_tile"]
@@ -61,9 +64,11 @@ class RowTile:
 BLOCK_K = 64
 # A product of M rows takes the first tile with block_m ≥ M, else the last; FP32 pairs (FMA dots, whose register
 # tile grows with both sides) stop at the 64-row tile. 64-row tiles take a decode batch of up to 64 rows in one pass
-# over the weight; the 128-row tile is for more rows (the LM head at 256 rows: 339 GFLOP on the tensor cores). Its
-# two FP32 tiles of a chunked product (acc and total) take 128 registers a thread at 8 warps.
+# over the weight; the 128-row tiles are for more rows: 256 columns of b for a product of one chunk (the LM head at 256
+# rows: 640 against 709 µs for 128 columns, kernels_invariant-h200-54d09d7.json), 128 for a chunked one, whose two FP32
+# tiles (acc and total) take 128 registers a thread at 8 warps (at 256 columns they spill: 2-3x the time).
 ROW_TILES = (RowTile(16, 128, 4, 3), RowTile(64, 128, 4, 3), RowTile(128, 128, 8, 3))
+_WIDE_TILE = RowTile(128, 256, 8, 3)
 _FMA_ROW_TILES = ROW_TILES[:2]
 # Columns of b per tile in the chunk rule (k_chunk): fixed, so the chunks do not follow the tile a product runs on.
 _CHUNK_RULE_COLUMNS = 128
@@ -75,6 +80,10 @@ _MIN_CHUNK = 256
 # The chunk sums of a split product (chunks × M × N FP32): a decode step's router at 256 rows takes 7.9 MB; a prefill's
 # would take hundreds, and its row tiles give programs enough anyway.
 _SPLIT_MAX_BYTES = 32 << 20
+# Rows up to which a split tile's last program adds its chunk sums (a decode GEMV's are a few KB); beyond, a launch of
+# _SUM_BLOCK-element programs does.
+_TILE_FINISH_MAX_ROWS = 16
+_SUM_BLOCK = 1024
 _TENSOR_CORE_PAIRS = {(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16)}
 
 
@@ -116,9 +125,11 @@ def _matmul_kernel(  # type: ignore[no-untyped-def]
     NATIVE_DOT: tl.constexpr,
     CHUNKED: tl.constexpr,
     SPLIT_GRID: tl.constexpr,
+    FINISH_IN_TILE: tl.constexpr,
 ):
     # SPLIT_GRID (one batch entry, unit column stride out): grid axis 2 is the K chunk; else the batch entry, and the
-    # program sums every chunk in order.
+    # program sums every chunk in order. FINISH_IN_TILE: a split tile's last program adds the chunk sums into out,
+    # else _chunk_sums_kernel does.
     batch = 0 if SPLIT_GRID else tl.program_id(2).to(tl.int64)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -139,12 +150,31 @@ def _matmul_kernel(  # type: ignore[no-untyped-def]
     else:
         for k0 in range(0, K, BLOCK_K):
             total = _k_step(a_base, b_base, total, k0 + ks, rows, cols, M, N, K, stride_ak, stride_bk, NATIVE_DOT)
-    if SPLIT_GRID:
+    if SPLIT_GRID and FINISH_IN_TILE:
         row_mask = rows < M
         finish_tile(out_ptr, partial_ptr, counter_ptr, tl.trans(total), rows, row_mask, cols, M, N, stride_om, True)
+    elif SPLIT_GRID:
+        chunk_sum = partial_ptr + tl.program_id(2).to(tl.int64) * M * N + rows[None, :] * N + cols[:, None]
+        tl.store(chunk_sum, total, mask=(cols[:, None] < N) & (rows[None, :] < M))
     else:
         out = out_ptr + batch * stride_ob + rows[None, :] * stride_om + cols[:, None] * stride_on
         tl.store(out, total.to(out_ptr.dtype.element_ty), mask=(cols[:, None] < N) & (rows[None, :] < M))
+
+
+@triton.jit
+def _chunk_sums_kernel(partial_ptr, out_ptr, M, N, chunks, stride_om, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+    # out[r, c] = the chunk sums partial[:, r, c] added from zero in chunk order: finish_tile's additions, its loads
+    # CHUNKS_PER_LOAD at a time too (those past the last chunk give +0.0, which changes no bit of the sum).
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < M * N
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    end = chunks * M * N  # the offsets of real chunks lie below it
+    for first in range(0, chunks, CHUNKS_PER_LOAD):
+        for j in tl.static_range(CHUNKS_PER_LOAD):
+            at = (first + j) * M * N + offsets
+            total += tl.load(partial_ptr + at, mask=mask & (at < end), other=0.0)
+    out = out_ptr + (offsets // N) * stride_om + offsets % N
+    tl.store(out, to_output_dtype(total, out_ptr), mask=mask)
 
 
 def k_chunk(n: int, k: int) -> int:
@@ -156,9 +186,11 @@ def k_chunk(n: int, k: int) -> int:
     return max(1, triton.cdiv(triton.cdiv(k, chunks), BLOCK_K)) * BLOCK_K
 
 
-def row_tile(m: int, tensor_cores: bool) -> RowTile:
-    """The tile of an M-row product (:data:`ROW_TILES`)."""
+def row_tile(m: int, tensor_cores: bool, chunked: bool) -> RowTile:
+    """The tile of an M-row product (:data:`ROW_TILES`; the wide tile for an unchunked one beyond them)."""
     tiles = ROW_TILES if tensor_cores else _FMA_ROW_TILES
+    if tensor_cores and not chunked and m > tiles[-2].block_m:
+        return _WIDE_TILE
     return next((tile for tile in tiles if m <= tile.block_m), tiles[-1])
 
 
@@ -178,9 +210,10 @@ def invariant_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, tile: 
     if not out.numel():
         return
     native = (a.dtype, b.dtype) in _TENSOR_CORE_PAIRS and not triton_interpreter_enabled()
-    tile = tile or row_tile(m, native)
     chunk = k_chunk(n, k)
-    row_tiles, col_tiles, chunks = triton.cdiv(m, tile.block_m), triton.cdiv(n, tile.block_n), triton.cdiv(k, chunk)
+    chunks = triton.cdiv(k, chunk)
+    tile = tile or row_tile(m, native, chunks > 1)
+    row_tiles, col_tiles = triton.cdiv(m, tile.block_m), triton.cdiv(n, tile.block_n)
     tiles = {
         "BLOCK_M": tile.block_m,
         "BLOCK_N": tile.block_n,
@@ -198,16 +231,21 @@ def invariant_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, tile: 
     )
     if split:
         partial = torch.empty((chunks, m, n), dtype=torch.float32, device=out.device)
-        counters = split_counters(out.device, row_tiles * col_tiles)
+        in_tile = m <= _TILE_FINISH_MAX_ROWS
+        counters = split_counters(out.device, row_tiles * col_tiles) if in_tile else partial
         _matmul_kernel[(row_tiles, col_tiles, chunks)](
             a, b, out, partial, counters, m, n, k, chunk, *a.stride(), *b.stride(), *out.stride(),
-            SPLIT_GRID=True, **tiles, **launch,
+            SPLIT_GRID=True, FINISH_IN_TILE=in_tile, **tiles, **launch,
         )  # fmt: skip
+        if not in_tile:
+            _chunk_sums_kernel[(triton.cdiv(m * n, _SUM_BLOCK),)](
+                partial, out, m, n, chunks, out.stride(1), BLOCK=_SUM_BLOCK, num_warps=4
+            )
         return
     # CUDA grids allow 65535 programs along the batch axis; more batch entries run in several launches.
     for start in range(0, batches, _MAX_GRID_Z):
         stop = min(start + _MAX_GRID_Z, batches)
         _matmul_kernel[(row_tiles, col_tiles, stop - start)](
             a[start:stop], b[start:stop], out[start:stop], out, out, m, n, k, chunk,
-            *a.stride(), *b.stride(), *out.stride(), SPLIT_GRID=False, **tiles, **launch,
+            *a.stride(), *b.stride(), *out.stride(), SPLIT_GRID=False, FINISH_IN_TILE=False, **tiles, **launch,
         )  # fmt: skip
