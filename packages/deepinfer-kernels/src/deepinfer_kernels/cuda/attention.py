@@ -75,15 +75,16 @@ MAX_SOURCES = 3
 # block_n (:func:`_chunk_logits_tile`: a one-query decode splits into 16-key chunks, where a 32-key tile would
 # multiply a masked half); both kernels follow the same rule, so their logits are the same.
 # chunks_block_v: value columns per pass-2 sweep of the batch-invariant ``chunks_kernel``, which holds two accumulators
-# (the running total and the chunk's): 256 columns spill 56 bytes at sm_90 (Triton 3.6), 128 none, yet at 256 decode
-# queries of the scaled preset 256 took 0.394 against 0.435 ms a call (kernels_attention-h200-chunks.json, 16-key
-# pass-1 tiles then). (Columns are independent sums: the sweep width does not change their bits.)
+# (the running total and the chunk's). One 512-column sweep spills 62 bytes at sm_90 (Triton 3.6), two of 256 16 and
+# four of 128 none, yet at 256 decode queries of the scaled preset they took 0.295, 0.356 and 0.452 ms a call
+# (kernels_attention-h200-chunksv.json; the normal mode 0.232): each sweep gathers and weighs every key again.
+# (Columns are independent sums: the sweep width does not change their bits.)
 TILES: dict[str, int] = {
     "block_h": 64,
     "block_n": 16,
     "logits_block_n": 32,
     "block_v": 512,
-    "chunks_block_v": 256,
+    "chunks_block_v": 512,
     "num_warps": 8,
     "num_stages": 1,
 }
