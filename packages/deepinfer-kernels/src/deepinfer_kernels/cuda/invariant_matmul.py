@@ -7,12 +7,12 @@ sums K from zero in BLOCK_K steps, in order, into one FP32 accumulator, and roun
 columns and the K steps are the same whatever M, N, K and the batch count are. The columns of ``b`` are the dot's
 first side (``bᵀ · aᵀ``: on Hopper the wgmma's 128-row M side, which a weight fills) and the rows of ``a`` its
 second (:data:`ROW_TILES`: 16 of them up to 16 rows, 64 up to 64, and beyond, on the tensor cores, 128 with 8
-warps), so a one-row product reads the weight once without computing 63 empty rows and a 256-row one reads the
-LM head's 1.3 GB in tiles that keep the tensor cores busy. An output element's arithmetic therefore depends only on
-its own row of ``a``, its own column of ``b`` and K: the tensor-core instruction sums the same products into the
-same accumulator whatever the width of either side (the GPU tests check a row's bits alone and in batches of 64,
-130 and 300), and the FP32 path's FMA dots add the K products of an element one by one. Rows missing from a partial
-tile are loaded as zeros and touch no other row.
+warps, against 256 columns of ``b`` for a product of one K chunk), so a one-row product reads the weight once
+without computing 63 empty rows and a 256-row one reads the LM head's 1.3 GB in tiles that keep the tensor cores
+busy. An output element's arithmetic therefore depends only on its own row of ``a``, its own column of ``b`` and K:
+the tensor-core instruction sums the same products into the same accumulator whatever the width of either side (the
+GPU tests check a row's bits alone and in batches of 64, 130 and 300), and the FP32 path's FMA dots add the K
+products of an element one by one. Rows missing from a partial tile are loaded as zeros and touch no other row.
 
 K is summed in chunks whose length follows from (N, K) alone (:func:`k_chunk`): each chunk from zero in its K steps,
 then the chunk sums from zero in chunk order. A weight of few columns (the router's 384) gets chunks of 256 so that
@@ -187,7 +187,8 @@ def k_chunk(n: int, k: int) -> int:
 
 
 def row_tile(m: int, tensor_cores: bool, chunked: bool) -> RowTile:
-    """The tile of an M-row product (:data:`ROW_TILES`; the wide tile for an unchunked one beyond them)."""
+    """The tile of an M-row product (:data:`ROW_TILES`; beyond 64 rows on the tensor cores, 256 columns of ``b`` for
+    a product of one K chunk)."""
     tiles = ROW_TILES if tensor_cores else _FMA_ROW_TILES
     if tensor_cores and not chunked and m > tiles[-2].block_m:
         return _WIDE_TILE
