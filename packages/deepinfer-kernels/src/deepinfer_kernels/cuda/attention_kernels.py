@@ -381,8 +381,8 @@ def chunks_kernel(  # type: ignore[no-untyped-def]
     ``LOGITS_BLOCK_N`` tiles (the same logits; the maximum is exact in any order), then per ``BLOCK_V`` value columns
     the sink's term and each source's chunks, every chunk summed from zero in tile order and added in chunk order: the
     additions of ``split_sums_kernel`` and ``combine_kernel``, without the ``[T, splits, H, WIDTH]`` partial sums
-    between them. Two ``[BLOCK_H, BLOCK_V]`` accumulators (the running total and the chunk's), so ``BLOCK_V`` is
-    narrower than the other kernels' to stay in registers."""
+    between them. Two ``[BLOCK_H, BLOCK_V]`` accumulators (the running total and the chunk's): ``BLOCK_V`` is its own
+    tile (``TILES["chunks_block_v"]``), weighing their registers against a sweep per ``BLOCK_V`` columns."""
     token, h, h_mask, sink, logits0, m = _whole_logits(
         q_ptr, sink_ptr, logits_ptr, num_heads, scale,
         pool0, rows0, stride0, keys0, bytes0, pool1, rows1, stride1, keys1, bytes1,
