@@ -14,6 +14,11 @@ Cases (old path → new op), per token count (--rows):
   No weight bytes for the norm alone (copy% then 0).
 - ``swiglu+w2``: the shared expert's SwiGLU and ``w2`` (``swiglu_clamped`` + ``fp8_block_gemm`` →
   ``swiglu_clamped_fp8`` + ``fp8_block_gemm_quantized``).
+- ``hc_mixes``: the mHC mixes of the preset's trunk (m = 4 streams of H), TF32 products: old, the 64-token
+  mix-logits programs the batch-invariant mode runs at every token count; new, outside the mode (per-token programs
+  up to 16 tokens). The weight bytes are ``fn``'s FP32 rows.
+
+``--cases`` runs only the comma-separated families among ``wo_a``, ``norm``, ``swiglu``, ``quantized``, ``hc_mixes``.
 
 Times are medians of CUDA-graph replays (``kernels_gemm.time_us``: one graph calls the op once per weight copy, the
 copies exceeding L2). Prints a table last and writes JSON (default benchmarks/results/kernels_fused-<device>.json).
@@ -33,6 +38,7 @@ from kernels_gemm import copy_bandwidth_gbps, device_label, inputs_for, preset_s
 
 import deepinfer_kernels as dk
 from deepinfer_kernels._registry import Backend, implementation
+from deepinfer_kernels.batch_invariant import batch_invariant_ops
 
 
 def wo_a_shape() -> tuple[int, int, int]:
@@ -145,10 +151,34 @@ def swiglu_case(tokens: int) -> tuple[dict[str, Any], list[tuple[torch.Tensor, .
     return point, weight_copies(inputs_for("fp8_block_gemm", hidden, half, 0)), make
 
 
+def hc_mixes_case(tokens: int) -> tuple[dict[str, Any], list[tuple[torch.Tensor, ...]], Callable[..., Any]]:
+    from deepinfer_model.config import load_preset
+
+    text = load_preset("v41-flash-scaled").text
+    m, hidden = text.hc_mult, text.hidden_size
+    rows = (2 + m) * m
+    trunk = torch.randn(tokens, m, hidden, device="cuda").to(torch.bfloat16)
+    scale = torch.rand(3, device="cuda") + 0.5
+    base = torch.randn(rows, device="cuda")
+    outs = [torch.empty(shape, device="cuda") for shape in ((tokens, m), (tokens, m), (tokens, m, m))]
+    mixes = implementation("hc_mixes", Backend.NVIDIA)
+
+    def make(old: bool, fn: torch.Tensor) -> Callable[[], None]:
+        def call() -> None:
+            with batch_invariant_ops(old):
+                mixes(trunk, fn, scale, base, 1e-6, 1e-6, 20, True, *outs)
+
+        return call
+
+    copies = [(torch.randn(rows, m * hidden, device="cuda") * 0.05,) for _ in range(16)]
+    return {"case": "hc_mixes", "n": rows, "k": m * hidden, "groups": 1, "tokens": tokens}, copies, make
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="1,16,64", help="comma-separated token counts")
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--cases", default=None, help="comma-separated case families (default: all)")
     parser.add_argument("--out", default=None, help="JSON path (default results/kernels_fused-<device>.json)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -158,8 +188,18 @@ def main() -> None:
     copy_gbps = copy_bandwidth_gbps()
     results: list[dict[str, Any]] = []
     for tokens in (int(v) for v in args.rows.split(",")):
-        cases = [wo_a_case(tokens), *norm_cases(tokens), swiglu_case(tokens)]
-        cases += [quantized_case(name, n, k, tokens) for name, n, k in preset_shapes()["fp8_block_gemm"]]
+        families: dict[str, Callable[[int], list[Any]]] = {
+            "wo_a": lambda t: [wo_a_case(t)],
+            "norm": norm_cases,
+            "swiglu": lambda t: [swiglu_case(t)],
+            "quantized": lambda t: [quantized_case(name, n, k, t) for name, n, k in preset_shapes()["fp8_block_gemm"]],
+            "hc_mixes": lambda t: [hc_mixes_case(t)],
+        }
+        chosen = args.cases.split(",") if args.cases else list(families)
+        unknown = sorted(set(chosen) - set(families))
+        if unknown:
+            raise SystemExit(f"--cases: unknown {unknown}; the cases are {sorted(families)}")
+        cases = [case for family in chosen for case in families[family](tokens)]
         for point, copies, make in cases:
             try:
                 point["old_us"] = time_us([make(True, *w) for w in copies], args.repeats)

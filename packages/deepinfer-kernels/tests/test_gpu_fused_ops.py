@@ -15,11 +15,12 @@ import torch
 from _gpu_marks import COMPILED_TRITON_ON_GPU
 
 from deepinfer_kernels._registry import Backend, implementation
+from deepinfer_kernels.batch_invariant import batch_invariant_ops
 from deepinfer_kernels.testing import assert_bitwise_equal, assert_close, random_normal
 
 pytestmark = COMPILED_TRITON_ON_GPU
 
-_SHAPES = [(1, 256), (64, 256), (1, 5120), (64, 5120), (777, 5120)]
+_SHAPES = [(1, 256), (64, 256), (1, 5120), (16, 5120), (64, 5120), (777, 5120)]
 
 
 @pytest.mark.parametrize(("n", "hidden"), _SHAPES)
@@ -43,8 +44,9 @@ def test_hc_mixes_gpu(n: int, hidden: int, dtype: torch.dtype, tf32: bool) -> No
 
 @pytest.mark.parametrize(("dtype", "tf32"), [(torch.bfloat16, True), (torch.float32, False)])
 def test_hc_mixes_rows_keep_their_bits_in_any_batch(dtype: torch.dtype, tf32: bool) -> None:
-    """A token's mixes are the same bits alone and at every position of a 130-token call (64-token programs: rows at
-    every place in a tile, a partial last tile)."""
+    """In the batch-invariant mode a token's mixes are the same bits alone and at every position of a 130-token call
+    (64-token programs: rows at every place in a tile, a partial last tile). Outside it a call of up to 16 tokens
+    takes per-token programs, another FP32 order."""
     m, rows, hidden, n = 4, 24, 5120, 130
     trunk = random_normal((n, m, hidden), seed=40, dtype=dtype, std=2.0).cuda()
     weights = (
@@ -59,10 +61,11 @@ def test_hc_mixes_rows_keep_their_bits_in_any_batch(dtype: torch.dtype, tf32: bo
         implementation("hc_mixes", Backend.NVIDIA)(tokens, *weights, 1e-6, 1e-6, 20, tf32, *out)
         return out
 
-    together = mixes(trunk)
-    for row in range(n):
-        for alone, batch in zip(mixes(trunk[row : row + 1]), together, strict=True):
-            assert torch.equal(alone[0], batch[row]), row
+    with batch_invariant_ops():
+        together = mixes(trunk)
+        for row in range(n):
+            for alone, batch in zip(mixes(trunk[row : row + 1]), together, strict=True):
+                assert torch.equal(alone[0], batch[row]), row
 
 
 @pytest.mark.parametrize(("n", "hidden"), _SHAPES)

@@ -14,6 +14,7 @@ import torch
 
 import deepinfer_kernels as dk
 from deepinfer_kernels._registry import Backend, implementation
+from deepinfer_kernels.batch_invariant import batch_invariant_ops
 from deepinfer_kernels.reference.hyper_connection import round_to_tf32
 from deepinfer_kernels.testing import assert_bitwise_equal, assert_close, random_normal
 
@@ -39,14 +40,17 @@ def _run_mixes(backend: Backend, device: str, inputs: tuple[torch.Tensor, ...], 
     return [o.cpu() for o in outs]
 
 
+@pytest.mark.parametrize("invariant", [False, True])
 @pytest.mark.parametrize(("n", "m", "hidden"), _SHAPES)
 @pytest.mark.parametrize(("dtype", "tf32"), [(torch.bfloat16, True), (torch.float32, False)])
 def test_hc_mixes_triton_parity(
-    triton_device: str, n: int, m: int, hidden: int, dtype: torch.dtype, tf32: bool
+    triton_device: str, n: int, m: int, hidden: int, dtype: torch.dtype, tf32: bool, invariant: bool
 ) -> None:
+    """Both mix-logits kernels: up to 16 tokens the per-token programs, except in the batch-invariant mode."""
     inputs = _mix_inputs(n, m, hidden, dtype, seed=n * 100 + hidden)
     expected = _run_mixes(Backend.REFERENCE, "cpu", inputs, tf32)
-    actual = _run_mixes(Backend.NVIDIA, triton_device, inputs, tf32)
+    with batch_invariant_ops(invariant):
+        actual = _run_mixes(Backend.NVIDIA, triton_device, inputs, tf32)
     for name, a, e in zip(("read mix", "write mix", "comb"), actual, expected, strict=True):
         assert_close(a, e, rtol=0.0, atol=2e-5, message=name)
 

@@ -3,6 +3,11 @@
 - Mixes, kernel 1 (``_mix_logits_kernel``): the mix GEMM ``fn·z`` and ``Σz²`` over fixed chunks of ``CHUNK`` columns of
   the flattened trunk ``z`` (split-K, so a batch-1 step spreads the ``fn`` read over many programs), FP32 partials per
   chunk. The chunk count depends only on ``m·H``, so the summation order does not depend on the batch.
+  Outside the batch-invariant mode a call of at most ``_TOKEN_PROGRAM_MAX_TOKENS`` tokens runs
+  ``_token_mix_logits_kernel`` instead: one program per (token, chunk), the chunk's whole ``fn`` tile loaded at once and
+  summed by FP32 FMAs (the same exact products, another FP32 order). A 64-token tile with one real token spent most of
+  its 11.7 µs a call (batch 1 on the H200, profile_step-h200-scaled-3935c2a.json) in eight dependent K steps of a
+  255-register program.
 - Mixes, kernel 2 (``_mixes_kernel``): one program per token sums the partials in chunk order, forms ``γ`` (FP64
   reciprocal square root rounded to FP32, as the reference), the logits, both sigmoids, the softmax and every Sinkhorn
   normalization on the ``m × m`` comb held in registers.
@@ -23,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_kernels.batch_invariant import invariant_kernels
 from deepinfer_kernels.cuda._formats import to_output_dtype
 from deepinfer_kernels.cuda._launch import check_launchable
 from deepinfer_kernels.reference.hyper_connection import HC_POST_MULT
@@ -37,6 +43,8 @@ _BLOCK_K = 64
 # do not depend on the other rows.
 _BLOCK_M = 64
 _BLOCK_H = 512
+# Tokens up to which a call outside the batch-invariant mode takes the per-token mix-logits programs.
+_TOKEN_PROGRAM_MAX_TOKENS = 16
 # Splits' partials the mixes kernel loads together (unrolled, then added in split order): the compiler's own unroll by
 # four left ten dependent memory round trips for the 40 splits of m·H = 20480 (about 7 µs a call at batch 1 on the
 # H200, profile_step-h200-scaled-7299ced.json); eight at a time leave five.
@@ -93,6 +101,28 @@ def _mix_logits_kernel(  # type: ignore[no-untyped-def]
     base = split.to(tl.int64) * n + tokens
     tl.store(part_ptr + base[:, None] * BLOCK_R + fn_rows[None, :], acc, mask=token_mask[:, None])
     tl.store(sum_sq_ptr + base, sum_sq, mask=token_mask)
+
+
+@triton.jit
+def _token_mix_logits_kernel(  # type: ignore[no-untyped-def]
+    z_ptr, fn_ptr, part_ptr, sum_sq_ptr, n, width, rows, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, TF32: tl.constexpr
+):
+    # Program (token, split): _mix_logits_kernel's partials of one token from one load of the chunk's fn tile
+    # [BLOCK_R, CHUNK] and FP32 FMAs; TF32-rounded fn values times the trunk's values are exact products, as in its dot.
+    token = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    fn_rows = tl.arange(0, BLOCK_R)
+    cols = split * CHUNK + tl.arange(0, CHUNK)
+    col_mask = cols < width
+    z = tl.load(z_ptr + token * width + cols, mask=col_mask, other=0.0).to(tl.float32)
+    w = tl.load(
+        fn_ptr + fn_rows[:, None] * width + cols[None, :], mask=(fn_rows < rows)[:, None] & col_mask[None, :], other=0.0
+    )
+    if TF32:
+        w = _round_to_tf32(w)
+    base = split.to(tl.int64) * n + token
+    tl.store(part_ptr + base * BLOCK_R + fn_rows, tl.sum(w * z[None, :], axis=1))
+    tl.store(sum_sq_ptr + base, tl.sum(z * z, axis=0))
 
 
 @triton.jit
@@ -186,21 +216,16 @@ def hc_mixes(
     block_r = max(16, triton.next_power_of_2(rows))
     part = torch.empty((splits, n, block_r), dtype=torch.float32, device=trunk.device)
     sum_sq = torch.empty((splits, n), dtype=torch.float32, device=trunk.device)
-    _mix_logits_kernel[(triton.cdiv(n, _BLOCK_M), splits)](
-        trunk,
-        fn,
-        part,
-        sum_sq,
-        n,
-        width,
-        rows,
-        CHUNK=_CHUNK,
-        BLOCK_M=_BLOCK_M,
-        BLOCK_R=block_r,
-        BLOCK_K=_BLOCK_K,
-        TF32=tf32,
-        enable_fp_fusion=False,
-    )
+    if n <= _TOKEN_PROGRAM_MAX_TOKENS and not invariant_kernels():
+        _token_mix_logits_kernel[(n, splits)](
+            trunk, fn, part, sum_sq, n, width, rows, CHUNK=_CHUNK, BLOCK_R=block_r, TF32=tf32, num_warps=8,
+            enable_fp_fusion=False,
+        )  # fmt: skip
+    else:
+        _mix_logits_kernel[(triton.cdiv(n, _BLOCK_M), splits)](
+            trunk, fn, part, sum_sq, n, width, rows, CHUNK=_CHUNK, BLOCK_M=_BLOCK_M, BLOCK_R=block_r, BLOCK_K=_BLOCK_K,
+            TF32=tf32, enable_fp_fusion=False,
+        )  # fmt: skip
     # Python floats reach the kernel as FP32 values, as the reference adds them to FP32 tensors.
     _mixes_kernel[(n,)](
         part,
