@@ -47,8 +47,8 @@ def _triton(device: str, q: torch.Tensor, sources: list, sink: torch.Tensor, rou
         (16, 12, 512, False, (37, 0, 70)),
         (16, 1000, 32, True, (37, 0, 70)),
         (32, 40, 512, False, (37, 0, 70)),
-        # 22 splits: the combine loads its splits 8 at a time, here two full loads and a partial one.
-        (16, 1000, 512, False, (150, 9, 170)),
+        # 37 splits: the combine loads its splits 16 at a time, here two full loads and a partial one.
+        (16, 1000, 512, False, (300, 9, 260)),
     ],
 )
 def test_split_key_lists_match_dense(

@@ -100,8 +100,8 @@ FP32_TILES: dict[str, int] = {
     "num_stages": 1,
 }
 # The split path's combine: heads and value columns per program (it only adds and divides: small blocks keep its
-# [block_h, block_c] FP32 sum and 8 splits' loads of it in registers and give a one-query step several programs).
-COMBINE_TILES: dict[str, int] = {"block_h": 16, "block_c": 64, "num_warps": 4}
+# [block_h, block_c] FP32 sum and 16 splits' loads of it in registers and give a one-query step several programs).
+COMBINE_TILES: dict[str, int] = {"block_h": 16, "block_c": 32, "num_warps": 4}
 # Programs the split path aims for (None: twice the multiprocessors); a step of at most half as many splits.
 SPLIT_TARGET_PROGRAMS: int | None = None
 # The largest logits workspace of one non-split launch (FP32 [queries, heads, keys]); more queries take more launches.

@@ -36,8 +36,9 @@ __all__ = ["chunks_kernel", "combine_kernel", "prefill_kernel", "split_logits_ke
 # Splits whose partial results are loaded together (one memory round trip for them), then taken in split order: a
 # one-query decode step has up to about 40 splits, and the combine's sums loaded one split a loop step (its maximum
 # four, the compiler's unroll): about 50 dependent round trips, 25 µs a call on the H200
-# (profile_step-h200-scaled-7299ced.json).
-_SPLITS_PER_LOAD: tl.constexpr = tl.constexpr(8)
+# (profile_step-h200-scaled-7299ced.json). Eight at a time left six round trips for the maximum and six for the sums,
+# 13 µs a call (profile_step-h200-scaled-3935c2a.json); sixteen leave three each.
+_SPLITS_PER_LOAD: tl.constexpr = tl.constexpr(16)
 
 
 @triton.jit
