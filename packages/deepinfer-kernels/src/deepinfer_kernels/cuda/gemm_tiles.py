@@ -298,7 +298,9 @@ def candidate_configs(op: str, rows: int) -> list[BlockConfig]:
         out += _gluon_fp8_candidates(rows)
     shapes: tuple[tuple[int, int, int], ...]
     if default.gemv:
-        shapes = ((32, 4, 2), (32, 4, 4), (64, 4, 3), (64, 8, 3), (16, 4, 3))
+        # num_stages is the FMA kernels' depth of weight loads in flight (cuda.gemv); 1 loads each K step after the
+        # last one's FMAs.
+        shapes = ((32, 4, 2), (32, 4, 4), (64, 4, 3), (64, 8, 3), (16, 4, 3), (32, 4, 1), (64, 8, 1), (128, 8, 3))
     else:
         shapes = ((32, 4, 4), (32, 4, 6), (64, 8, 4), (128, 4, 4))
     for block_n, num_warps, num_stages in shapes:
@@ -376,7 +378,7 @@ def _gluon_fp8_candidates(rows: int) -> list[BlockConfig]:
     to 64 tokens, K steps of four or eight groups, rings of two to four slots that fit a program's shared memory."""
     shapes: tuple[tuple[int, int, int, int], ...]
     if rows <= 16:
-        shapes = ((8, 4, 256, 3), (8, 4, 128, 4), (16, 4, 256, 3), (8, 8, 128, 3))
+        shapes = ((8, 4, 256, 3), (8, 4, 128, 4), (16, 4, 256, 3), (8, 8, 128, 3), (8, 4, 256, 4))
     elif rows <= 64:
         shapes = ((32, 4, 128, 3), (64, 4, 128, 3), (16, 4, 256, 3))
     else:
@@ -480,15 +482,19 @@ _INVARIANT_GLUON_FP8 = _gluon_fp8(64, 4, 256, 2)
 # of N or a short K (kernels_gemm-fp8-gluon.json, one run): 18.0 against 23.4 µs (wq_b), 60.0 against 74.4 µs
 # (engram.wkv), 6.1 against 7.0 µs (the indexer's wq_b), 9.7 against 11.3 µs (the shared w2); the FMA kernel kept the
 # five others (wkv 7.6 against 16.2 µs: 8 programs of 64 rows; wo_b 24.4 against 25.6; main_proj 40.4 against 42.9).
+# A ring of four slots then beat three on engram.wkv (56.6 against 62.1 µs in the same run, 59.8 for the 16-row tile
+# it had) and the shared w2 (9.2 against 9.5 µs; kernels_gemm-fp8-t1-pipelined.json). That run's FMA tiles with
+# num_stages above 1 ran an experiment, their K steps' loads pipelined by cp.async (tl.range): slower than the same
+# tiles without it on every weight (main_proj 41.4 µs at depth 1, 43.4–54.3 deeper), so not kept.
 MEASURED: dict[tuple[str, int, int, int], BlockConfig] = {
     ("fp8_block_gemm", 2, 512, 5120): _gemv(16, 4, 3),
     ("fp8_block_gemm", 2, 1280, 5120): _gemv(64, 8, 3),
     ("fp8_block_gemm", 2, 4096, 1280): _gluon_fp8(8, 4, 256, 3),
     ("fp8_block_gemm", 2, 4608, 5120): _gemv(32, 4, 2),
-    ("fp8_block_gemm", 2, 5120, 2304): _gluon_fp8(8, 4, 256, 3),
+    ("fp8_block_gemm", 2, 5120, 2304): _gluon_fp8(8, 4, 256, 4),
     ("fp8_block_gemm", 2, 5120, 8192): _gemv(64, 8, 3),
     ("fp8_block_gemm", 2, 5120, 15360): _gemv(32, 4, 2),
-    ("fp8_block_gemm", 2, 25600, 6144): _gluon_fp8(16, 4, 256, 3),
+    ("fp8_block_gemm", 2, 25600, 6144): _gluon_fp8(8, 4, 256, 4),
     ("fp8_block_gemm", 2, 32768, 1280): _gluon_fp8(8, 8, 128, 3),
     ("mxfp4_gemm", 2, 4608, 5120): _gemv(16, 4, 3),
     ("mxfp4_gemm", 2, 5120, 2304): _gemv(16, 4, 3),
