@@ -3,12 +3,11 @@
 - Mixes, kernel 1 (``_mix_logits_kernel``): the mix GEMM ``fn·z`` and ``Σz²`` over fixed chunks of ``CHUNK`` columns of
   the flattened trunk ``z`` (split-K, so a batch-1 step spreads the ``fn`` read over many programs), FP32 partials per
   chunk. The chunk count depends only on ``m·H``, so the summation order does not depend on the batch.
-  Two kernels make these partials. ``_row_mix_logits_kernel`` loads a chunk's ``fn`` tile once a program and sums
-  each of its tokens on its own (FP32 products and sums; a token's additions are the same in every program, so its
-  bits do not depend on the call's other tokens): the batch-invariant mode runs it at every token count, the normal
-  mode up to ``_ROW_KERNEL_MAX_TOKENS`` tokens (a 64-token wgmma tile spent most of its 11.7 µs a call at batch 1 on
-  the H200 in eight dependent K steps of a 255-register program, profile_step-h200-scaled-3935c2a.json).
-  ``_mix_logits_kernel`` runs the normal mode's larger calls: 64-token tiles on the tensor cores (TF32 operands).
+  Outside the batch-invariant mode a call of at most ``_TOKEN_PROGRAM_MAX_TOKENS`` tokens runs
+  ``_token_mix_logits_kernel`` instead: one program per (token, chunk), the chunk's whole ``fn`` tile loaded at once and
+  summed by FP32 FMAs (the same exact products, another FP32 order). A 64-token tile with one real token spent most of
+  its 11.7 µs a call (batch 1 on the H200, profile_step-h200-scaled-3935c2a.json) in eight dependent K steps of a
+  255-register program.
 - Mixes, kernel 2 (``_mixes_kernel``): one program per token sums the partials in chunk order, forms ``γ`` (FP64
   reciprocal square root rounded to FP32, as the reference), the logits, both sigmoids, the softmax and every Sinkhorn
   normalization on the ``m × m`` comb held in registers.
@@ -40,14 +39,12 @@ _CHUNK = 512  # columns of z per split-K program
 _BLOCK_K = 64
 # Tokens per mix-GEMM program: every program reads its chunk of fn (24 × 512 FP32) and rounds it to TF32, so 16-token
 # programs read fn 512 times over at an 8K prefill (8.2 ms of it on the H200, profile_step-h200-scaled-a1d8b78.json);
-# 64 tokens make it a fourth, on Hopper's wgmma (135 registers, offline sm_90). The normal mode's calls of more than
-# _ROW_KERNEL_MAX_TOKENS tokens run it.
+# 64 tokens make it a fourth, on Hopper's wgmma (135 registers, offline sm_90). One tile for every batch: a row's bits
+# do not depend on the other rows.
 _BLOCK_M = 64
 _BLOCK_H = 512
-# Tokens up to which a call outside the batch-invariant mode takes the row kernel's programs, and tokens a row-kernel
-# program takes beyond 16 (one each up to 16: the most programs for a decode step's few tokens).
-_ROW_KERNEL_MAX_TOKENS = 256
-_ROW_KERNEL_TOKENS = 16
+# Tokens up to which a call outside the batch-invariant mode takes the per-token mix-logits programs.
+_TOKEN_PROGRAM_MAX_TOKENS = 16
 # Splits' partials the mixes kernel loads together (unrolled, then added in split order): the compiler's own unroll by
 # four left ten dependent memory round trips for the 40 splits of m·H = 20480 (about 7 µs a call at batch 1 on the
 # H200, profile_step-h200-scaled-7299ced.json); eight at a time leave five.
@@ -107,31 +104,25 @@ def _mix_logits_kernel(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _row_mix_logits_kernel(  # type: ignore[no-untyped-def]
-    z_ptr, fn_ptr, part_ptr, sum_sq_ptr, n, width, rows, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr,
-    TOKENS: tl.constexpr, TF32: tl.constexpr,
-):  # fmt: skip
-    # Program (token block, split): the split's fn tile [BLOCK_R, CHUNK] loaded once, then for each of TOKENS tokens
-    # (unrolled, so their trunk loads are issued together) the products with the token's chunk summed over the
-    # columns, and its Σz². TF32-rounded fn values times the trunk's values are exact products, as in the dot.
+def _token_mix_logits_kernel(  # type: ignore[no-untyped-def]
+    z_ptr, fn_ptr, part_ptr, sum_sq_ptr, n, width, rows, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, TF32: tl.constexpr
+):
+    # Program (token, split): _mix_logits_kernel's partials of one token from one load of the chunk's fn tile
+    # [BLOCK_R, CHUNK] and FP32 FMAs; TF32-rounded fn values times the trunk's values are exact products, as in its dot.
+    token = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     fn_rows = tl.arange(0, BLOCK_R)
     cols = split * CHUNK + tl.arange(0, CHUNK)
     col_mask = cols < width
+    z = tl.load(z_ptr + token * width + cols, mask=col_mask, other=0.0).to(tl.float32)
     w = tl.load(
         fn_ptr + fn_rows[:, None] * width + cols[None, :], mask=(fn_rows < rows)[:, None] & col_mask[None, :], other=0.0
     )
     if TF32:
         w = _round_to_tf32(w)
-    for i in tl.static_range(TOKENS):
-        token = tl.program_id(0).to(tl.int64) * TOKENS + i
-        # Masks built as vectors (the interpreter rejects scalar ones); Σz² is stored by the tile's row 0.
-        z = tl.load(z_ptr + token * width + cols, mask=col_mask & (cols * 0 + token < n), other=0.0).to(tl.float32)
-        live = fn_rows * 0 + token < n
-        base = split.to(tl.int64) * n + token
-        tl.store(part_ptr + base * BLOCK_R + fn_rows, tl.sum(w * z[None, :], axis=1), mask=live)
-        sum_sq = tl.zeros([BLOCK_R], dtype=tl.float32) + tl.sum(z * z, axis=0)
-        tl.store(sum_sq_ptr + base + fn_rows * 0, sum_sq, mask=live & (fn_rows == 0))
+    base = split.to(tl.int64) * n + token
+    tl.store(part_ptr + base * BLOCK_R + fn_rows, tl.sum(w * z[None, :], axis=1))
+    tl.store(sum_sq_ptr + base, tl.sum(z * z, axis=0))
 
 
 @triton.jit
@@ -225,11 +216,10 @@ def hc_mixes(
     block_r = max(16, triton.next_power_of_2(rows))
     part = torch.empty((splits, n, block_r), dtype=torch.float32, device=trunk.device)
     sum_sq = torch.empty((splits, n), dtype=torch.float32, device=trunk.device)
-    if invariant_kernels() or n <= _ROW_KERNEL_MAX_TOKENS:
-        tokens = 1 if n <= _ROW_KERNEL_TOKENS else _ROW_KERNEL_TOKENS
-        _row_mix_logits_kernel[(triton.cdiv(n, tokens), splits)](
-            trunk, fn, part, sum_sq, n, width, rows, CHUNK=_CHUNK, BLOCK_R=block_r, TOKENS=tokens, TF32=tf32,
-            num_warps=8, enable_fp_fusion=False,
+    if n <= _TOKEN_PROGRAM_MAX_TOKENS and not invariant_kernels():
+        _token_mix_logits_kernel[(n, splits)](
+            trunk, fn, part, sum_sq, n, width, rows, CHUNK=_CHUNK, BLOCK_R=block_r, TF32=tf32, num_warps=8,
+            enable_fp_fusion=False,
         )  # fmt: skip
     else:
         _mix_logits_kernel[(triton.cdiv(n, _BLOCK_M), splits)](
