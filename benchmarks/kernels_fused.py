@@ -14,9 +14,9 @@ Cases (old path → new op), per token count (--rows):
   No weight bytes for the norm alone (copy% then 0).
 - ``swiglu+w2``: the shared expert's SwiGLU and ``w2`` (``swiglu_clamped`` + ``fp8_block_gemm`` →
   ``swiglu_clamped_fp8`` + ``fp8_block_gemm_quantized``).
-- ``hc_mixes``: the mHC mixes of the preset's trunk (m = 4 streams of H), TF32 products: old, the 64-token
-  mix-logits programs the batch-invariant mode runs at every token count; new, outside the mode (per-token programs
-  up to 16 tokens). The weight bytes are ``fn``'s FP32 rows.
+- ``hc_mixes``: the mHC mixes of the preset's trunk (m = 4 streams of H), TF32 products: old, in the batch-invariant
+  mode; new, outside it (``cuda.hyper_connection`` says which mix-logits kernel each runs at a token count; run the
+  script on an older ``deepinfer_kernels`` for that version's kernels). The weight bytes are ``fn``'s FP32 rows.
 
 ``--cases`` runs only the comma-separated families among ``wo_a``, ``norm``, ``swiglu``, ``quantized``, ``hc_mixes``.
 
