@@ -5,7 +5,7 @@
   chunk. The chunk count depends only on ``m·H``, so the summation order does not depend on the batch.
   Outside the batch-invariant mode a call of at most ``_TOKEN_PROGRAM_MAX_TOKENS`` tokens runs
   ``_token_mix_logits_kernel`` instead: one program per (token, chunk), the chunk's whole ``fn`` tile loaded at once and
-  summed by FP32 FMAs (the same exact products, another FP32 order). A 64-token tile with one real token spent most of
+  summed in FP32 (the same exact products, another FP32 order). A 64-token tile with one real token spent most of
   its 11.7 µs a call (batch 1 on the H200, profile_step-h200-scaled-3935c2a.json) in eight dependent K steps of a
   255-register program.
 - Mixes, kernel 2 (``_mixes_kernel``): one program per token sums the partials in chunk order, forms ``γ`` (FP64
@@ -108,7 +108,7 @@ def _token_mix_logits_kernel(  # type: ignore[no-untyped-def]
     z_ptr, fn_ptr, part_ptr, sum_sq_ptr, n, width, rows, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, TF32: tl.constexpr
 ):
     # Program (token, split): _mix_logits_kernel's partials of one token from one load of the chunk's fn tile
-    # [BLOCK_R, CHUNK] and FP32 FMAs; TF32-rounded fn values times the trunk's values are exact products, as in its dot.
+    # [BLOCK_R, CHUNK] and FP32 sums; TF32-rounded fn values times the trunk's values are exact products, as in its dot.
     token = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     fn_rows = tl.arange(0, BLOCK_R)
