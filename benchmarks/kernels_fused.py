@@ -181,6 +181,17 @@ def main() -> None:
     parser.add_argument("--cases", default=None, help="comma-separated case families (default: all)")
     parser.add_argument("--out", default=None, help="JSON path (default results/kernels_fused-<device>.json)")
     args = parser.parse_args()
+    families: dict[str, Callable[[int], list[Any]]] = {
+        "wo_a": lambda t: [wo_a_case(t)],
+        "norm": norm_cases,
+        "swiglu": lambda t: [swiglu_case(t)],
+        "quantized": lambda t: [quantized_case(name, n, k, t) for name, n, k in preset_shapes()["fp8_block_gemm"]],
+        "hc_mixes": lambda t: [hc_mixes_case(t)],
+    }
+    chosen = args.cases.split(",") if args.cases else list(families)
+    unknown = sorted(set(chosen) - set(families))
+    if unknown:
+        raise SystemExit(f"--cases: unknown {unknown}; the cases are {sorted(families)}")
     if not torch.cuda.is_available():
         raise SystemExit("kernels_fused.py needs a CUDA device")
     torch.manual_seed(0)
@@ -188,17 +199,6 @@ def main() -> None:
     copy_gbps = copy_bandwidth_gbps()
     results: list[dict[str, Any]] = []
     for tokens in (int(v) for v in args.rows.split(",")):
-        families: dict[str, Callable[[int], list[Any]]] = {
-            "wo_a": lambda t: [wo_a_case(t)],
-            "norm": norm_cases,
-            "swiglu": lambda t: [swiglu_case(t)],
-            "quantized": lambda t: [quantized_case(name, n, k, t) for name, n, k in preset_shapes()["fp8_block_gemm"]],
-            "hc_mixes": lambda t: [hc_mixes_case(t)],
-        }
-        chosen = args.cases.split(",") if args.cases else list(families)
-        unknown = sorted(set(chosen) - set(families))
-        if unknown:
-            raise SystemExit(f"--cases: unknown {unknown}; the cases are {sorted(families)}")
         cases = [case for family in chosen for case in families[family](tokens)]
         for point, copies, make in cases:
             try:

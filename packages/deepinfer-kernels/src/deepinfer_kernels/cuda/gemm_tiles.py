@@ -298,9 +298,7 @@ def candidate_configs(op: str, rows: int) -> list[BlockConfig]:
         out += _gluon_fp8_candidates(rows)
     shapes: tuple[tuple[int, int, int], ...]
     if default.gemv:
-        # num_stages is the FMA kernels' depth of weight loads in flight (cuda.gemv); 1 loads each K step after the
-        # last one's FMAs.
-        shapes = ((32, 4, 2), (32, 4, 4), (64, 4, 3), (64, 8, 3), (16, 4, 3), (32, 4, 1), (64, 8, 1), (128, 8, 3))
+        shapes = ((32, 4, 2), (32, 4, 4), (64, 4, 3), (64, 8, 3), (16, 4, 3))
     else:
         shapes = ((32, 4, 4), (32, 4, 6), (64, 8, 4), (128, 4, 4))
     for block_n, num_warps, num_stages in shapes:
