@@ -6,9 +6,11 @@ from dataclasses import replace
 
 import pytest
 
+from deepinfer_kernels.batch_invariant import batch_invariant_ops
 from deepinfer_kernels.cuda.gemm_tiles import (
     DECODINGS,
     MEASURED,
+    MEASURED_INVARIANT,
     BlockConfig,
     block_config,
     candidate_configs,
@@ -77,6 +79,20 @@ def test_measured_entries_win_over_the_default() -> None:
     for (op, bucket, n, k), cfg in MEASURED.items():
         assert block_config(op, bucket, n, k) == cfg
         assert cfg.decoding in decodings(op)
+
+
+def test_measured_invariant_entries_stand_in_for_measured_tiles_that_are_not_row_independent() -> None:
+    """Each batch-invariant entry replaces a measured tile whose rows do not keep their bits (the FMA GEMV) with one of
+    the mode's row-independent decodings, and only inside the mode."""
+    assert MEASURED_INVARIANT
+    for key, cfg in MEASURED_INVARIANT.items():
+        op, bucket, n, k = key
+        assert MEASURED[key].decoding not in ("swap_fp8", "gluon_fp8")
+        assert cfg.decoding in ("swap_fp8", "gluon_fp8")
+        assert block_config(op, bucket, n, k) == MEASURED[key]
+        with batch_invariant_ops():
+            assert block_config(op, bucket, n, k) == cfg
+            assert block_config(op, 1, n, k) == cfg
 
 
 def test_weight_first_tiles_are_mxfp4_candidates_only() -> None:

@@ -444,9 +444,10 @@ def test_dense_swap_fp8_rows_keep_their_bits_in_every_tile_and_batch(op: str) ->
 
 
 # The dense FP8 GEMM's Gluon tiles (cuda.fp8_wgmma): 8 to 64 tokens, one and two warpgroups, K steps of four and
-# eight groups, rings of two to four slots.
+# eight groups, rings of two to four slots (the one-row tile of four, gemm_tiles.MEASURED_INVARIANT's too).
 _GLUON_FP8_TILES = [
     BlockConfig(8, 64, num_warps=4, num_stages=3, split_grid=False, block_k=256, decoding="gluon_fp8"),
+    BlockConfig(8, 64, num_warps=4, num_stages=4, split_grid=False, block_k=256, decoding="gluon_fp8"),
     BlockConfig(16, 64, num_warps=4, num_stages=4, split_grid=False, block_k=128, decoding="gluon_fp8"),
     BlockConfig(16, 64, num_warps=4, num_stages=3, split_grid=False, block_k=256, decoding="gluon_fp8"),
     BlockConfig(32, 64, num_warps=4, num_stages=3, split_grid=False, block_k=128, decoding="gluon_fp8"),
@@ -456,7 +457,9 @@ _GLUON_FP8_TILES = [
 ]
 
 
-@pytest.mark.parametrize("cfg", _GLUON_FP8_TILES, ids=lambda c: f"m{c.block_m}-w{c.num_warps}-k{c.block_k}")
+@pytest.mark.parametrize(
+    "cfg", _GLUON_FP8_TILES, ids=lambda c: f"m{c.block_m}-w{c.num_warps}-k{c.block_k}-s{c.num_stages}"
+)
 def test_gluon_fp8_gemm_equals_the_split_swap_fp8_tile(cfg: BlockConfig) -> None:
     """The Gluon FP8 GEMM adds the weight shape's K chunks in one program: the bits of the split swap_fp8 tile (the
     batch-invariant mode's) for 200 rows, for a row alone and for 8 rows, within the reference's bound with the FP8

@@ -538,6 +538,18 @@ MEASURED: dict[tuple[str, int, int, int], BlockConfig] = {
 }
 
 
+# The batch-invariant mode at one or two rows where MEASURED's tile is the FMA GEMV (not row-independent): the fastest
+# row-independent tile of the same run (kernels_gemm-fp8-t1-pipelined.json), the Gluon one-row tile on wo_b (25.8
+# against 29.7 µs for invariant_config's swap_fp8 16×128 tile), the shared w1 (16.5 against 18.2) and main_proj (42.4
+# against 46.6). attn.wkv and wq_a keep invariant_config's (9.4 and 11.8 against 16.0 and 16.2 µs: 8 and 20 programs
+# of 64 weight rows).
+MEASURED_INVARIANT: dict[tuple[str, int, int, int], BlockConfig] = {
+    ("fp8_block_gemm", 2, 4608, 5120): _gluon_fp8(8, 4, 256, 4),
+    ("fp8_block_gemm", 2, 5120, 8192): _gluon_fp8(8, 4, 256, 4),
+    ("fp8_block_gemm", 2, 5120, 15360): _gluon_fp8(8, 4, 256, 3),
+}
+
+
 def _row_independent(op: str, cfg: BlockConfig) -> bool:
     """Whether a row's bits under ``cfg`` are those of every tile of the batch-invariant mode: the FP8 ``wgmma``
     decodings with the weight as its 64-row side, whose per-group sums do not depend on the tile's other rows
@@ -567,8 +579,9 @@ def invariant_config(op: str, rows: int) -> BlockConfig:
 def block_config(op: str, rows: int, n: int, k: int) -> BlockConfig:
     """Tiles for ``op`` ("fp8_block_gemm", "mxfp4_gemm" or "mxfp4_grouped_gemm") on ``rows`` rows per weight: the
     measured or default tile; inside ``batch_invariant_ops`` that tile if its rows keep their bits in every tile of
-    the mode, else :func:`invariant_config`'s."""
-    tuned = MEASURED.get((op, row_bucket(rows), n, k)) or default_config(op, rows)
+    the mode, else the measured row-independent one (``MEASURED_INVARIANT``) or :func:`invariant_config`'s."""
+    key = (op, row_bucket(rows), n, k)
+    tuned = MEASURED.get(key) or default_config(op, rows)
     if invariant_kernels() and not _row_independent(op, tuned):
-        return invariant_config(op, rows)
+        return MEASURED_INVARIANT.get(key) or invariant_config(op, rows)
     return tuned
