@@ -160,10 +160,14 @@ def _store_kernel(  # type: ignore[no-untyped-def]
     GROUP: tl.constexpr,
     FMT: tl.constexpr,
     ROWS: tl.constexpr,
+    IDENTITY: tl.constexpr,
 ):
     for r in tl.static_range(ROWS):
         i = tl.program_id(0) * ROWS + r
-        row = tl.load(rows_ptr + i, mask=i < num_rows, other=-1).to(tl.int64)
+        if IDENTITY:  # value i into pool row i: no row list to build and read (a launch saved per encode)
+            row = tl.where(i < num_rows, i, -1).to(tl.int64)
+        else:
+            row = tl.load(rows_ptr + i, mask=i < num_rows, other=-1).to(tl.int64)
         if row >= 0:
             base = pool_ptr + row * row_bytes
             d = tl.arange(0, BLOCK_W)
@@ -217,14 +221,25 @@ def _decode_kernel(  # type: ignore[no-untyped-def]
 def store_rows(pool: torch.Tensor, rows: torch.Tensor, values: torch.Tensor, fmt: RowFormat) -> None:
     """Fused encode + scatter; see ``reference.row_formats.store_rows``."""
     check_launchable(pool=pool, rows=rows, values=values)
+    _store(pool, rows, values, fmt)
+
+
+def encode_rows(x: torch.Tensor, fmt: RowFormat, out: torch.Tensor) -> None:
+    """Encode ``x`` [N, width] into ``out`` [N, bytes] (the store kernel writing rows 0 … N − 1)."""
+    check_launchable(x=x, out=out)
+    _store(out, None, x, fmt)
+
+
+def _store(pool: torch.Tensor, rows: torch.Tensor | None, values: torch.Tensor, fmt: RowFormat) -> None:
+    """The store kernel: ``values`` into the ``pool`` rows listed in ``rows`` (None: value i into row i)."""
     width = values.shape[1]
     block_w = max(triton.next_power_of_2(width), 2 * fmt.group_size)
-    grid = (triton.cdiv(rows.shape[0], _ROWS_PER_PROGRAM),)
-    _store_kernel[grid](
+    num_rows = values.shape[0] if rows is None else rows.shape[0]
+    _store_kernel[(triton.cdiv(num_rows, _ROWS_PER_PROGRAM),)](
         pool,
         rows,
         values,
-        rows.shape[0],
+        num_rows,
         values.stride(0),
         pool.shape[1],
         WIDTH=width,
@@ -232,13 +247,8 @@ def store_rows(pool: torch.Tensor, rows: torch.Tensor, values: torch.Tensor, fmt
         GROUP=fmt.group_size,
         FMT=FORMAT_CODES[fmt],
         ROWS=_ROWS_PER_PROGRAM,
+        IDENTITY=rows is None,
     )
-
-
-def encode_rows(x: torch.Tensor, fmt: RowFormat, out: torch.Tensor) -> None:
-    """Encode ``x`` [N, width] into ``out`` [N, bytes] (the store kernel writing rows 0 … N − 1)."""
-    rows = torch.arange(x.shape[0], device=x.device)
-    store_rows(out, rows, x, fmt)
 
 
 def decode_rows(rows: torch.Tensor, fmt: RowFormat, out: torch.Tensor) -> None:
