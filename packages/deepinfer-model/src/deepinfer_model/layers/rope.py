@@ -49,9 +49,12 @@ class RotaryEmbedding(nn.Module):
 
     def table(self, positions: torch.Tensor, inverse: bool = False) -> RopeTable:
         """The rotation of ``positions`` [n] int (``inverse``: the conjugate rotation)."""
-        angles = positions.to(torch.float32)[:, None] * self.inverse_frequencies[None, :]
-        rotation = torch.polar(torch.ones_like(angles), angles)
-        table = rotation.real.contiguous(), rotation.imag.contiguous()
+        # Four launches a table: the product promotes the positions to FP32 (the values of a conversion first), and
+        # one copy lays out the cosines and then the sines, each half contiguous.
+        angles = positions[:, None] * self.inverse_frequencies[None, :]
+        rotation = torch.view_as_real(torch.polar(torch.ones_like(angles), angles))
+        cos, sin = rotation.permute(2, 0, 1).contiguous()
+        table = cos, sin
         return _conjugate(table) if inverse else table
 
     def step_table(
