@@ -140,7 +140,8 @@ class DecoderBlock(nn.Module):
             trunk, read_a, write_a, comb_a, x = ctx.enter_consumer_half(trunk, read_a, write_a, comb_a, x)
             x_fp8 = None
         if layer in ctx.capture_layers:
-            ctx.features[layer] = trunk.float().mean(dim=1).to(self.mode.activation_dtype)
+            # The FP32 mean without an FP32 copy of the trunk first (the same values: FP32 sums in either case).
+            ctx.features[layer] = trunk.mean(dim=1, dtype=torch.float32).to(self.mode.activation_dtype)
         trunk_ffn = hc_post(self.attn(x, ctx, x_fp8), trunk, write_a, comb_a, self.mode)
         read_f, write_f, comb_f = self._mixes("ffn", trunk_ffn)
         y = self.ffn(*self.ffn_norm.with_fp8_copy(hc_read(trunk_ffn, read_a if shifted else read_f, self.mode)))
