@@ -14,11 +14,17 @@ Counted per step:
   had nothing to do (`IF_NEEDED_OPS` calling no other op); each stands for about one kernel launch of a device run.
   Top ops by self CPU time.
 
+With `--sites N`, one more pass of `--steps` steps lists the N source lines of the packages (`packages/*/src`) that
+call the most aten ops a step, each op with its line: on a GPU the PyTorch launches beside the Triton kernels (an op
+of a fused kernel's dispatch glue shows under deepinfer_kernels), on the CPU the stand-in's ops. An op counts where
+it writes in place or returns new memory (not a view, not a conversion or reshape that had nothing to do); composite
+ops count once under their own name (matmul, einsum).
+
 Prints a table last and writes JSON (default benchmarks/results/profile_step-<device>.json).
 
 Usage:
     python benchmarks/profile_step.py [--model DIR] [--batches 1,64] [--context 128] [--prefill-lens 8192]
-        [--device cuda] [--batch-invariant]
+        [--device cuda] [--batch-invariant] [--sites 40]
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-from collections import defaultdict
+import sys
+from collections import Counter, defaultdict
 from typing import Any
 
 import torch
@@ -34,6 +41,8 @@ from bench_common import RESULTS, device_label, git_commit, int_list
 from long_context import decode_step, prefill_step
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 # Aten ops that only make views or read metadata: no kernel on a device.
 VIEW_OPS = frozenset(
@@ -110,12 +119,59 @@ def cpu_op_counts(events: list[Any]) -> dict[str, list[float]]:
     return ops
 
 
+class _SiteCounter(TorchDispatchMode):
+    """Counts the aten ops that compute something by (innermost line under a package's ``src``, op)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[tuple[str, str]] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        name = func._schema.name
+        if name not in VIEW_OPS and _computes(name, (args, kwargs), out):
+            self.counts[(_package_line(), name)] += 1
+        return out
+
+
+def _computes(name: str, inputs: Any, out: Any) -> bool:
+    """Whether an op launched work: it writes in place, or one of its non-empty outputs is new memory (a view, or a
+    conversion or reshape with nothing to do, returns its input's)."""
+    if name.endswith("_"):
+        return True
+    outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.numel()]
+    storages = {t.untyped_storage().data_ptr() for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)}
+    return any(t.untyped_storage().data_ptr() not in storages for t in outputs)
+
+
+def _package_line() -> str:
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        marker = path.find("/src/deepinfer_")
+        if marker >= 0:
+            return f"{path[marker + len('/src/') :]}:{frame.f_lineno} {frame.f_code.co_name}"
+        frame = frame.f_back
+    return "<outside the packages>"
+
+
+def launch_sites(model: Any, step: Any, state: Any, steps: int) -> list[dict]:
+    """Aten ops per step by (package source line, op), most first (``--sites``)."""
+    counter = _SiteCounter()
+    with torch.inference_mode(), counter:
+        for _ in range(steps):
+            model(step, state)
+    return [
+        {"site": site, "op": op, "calls_per_step": calls / steps} for (site, op), calls in counter.counts.most_common()
+    ]
+
+
 def profile_point(
-    model: Any, kind: str, size: int, context: int, steps: int, warmup: int, device: torch.device
+    model: Any, kind: str, size: int, context: int, steps: int, warmup: int, device: torch.device, sites: int = 0
 ) -> dict:
     """One decode batch size (``kind`` "decode", ``size`` requests) or one prefill prompt length (``kind``
     "prefill", one request of ``size`` tokens from position 0): launches (kernels or aten ops) per step and the top
-    entries by time."""
+    entries by time; with ``sites`` the aten ops' ``sites`` busiest source lines (:func:`launch_sites`)."""
     with torch.inference_mode():
         if kind == "decode":
             state, step, _ = decode_step(model, size, context, context + 1, device, seed=size)
@@ -132,6 +188,7 @@ def profile_point(
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
     events = list(prof.events())
+    site_rows = launch_sites(model, step, state, steps)[:sites] if sites else []
     if device.type == "cuda":
         table, copies = _cuda_counts(events)
         unit, extra = "kernels", {"memcpy_memset_per_step": copies / steps}
@@ -148,11 +205,17 @@ def profile_point(
         "top": [
             {"name": name, "calls_per_step": calls / steps, "us_per_step": us / steps} for name, (calls, us) in top
         ],
+        **({"sites": site_rows} if sites else {}),
     }
 
 
 def print_table(points: list[dict], top: int) -> None:
     for point in points:
+        if point.get("sites"):
+            print(f"\n{_label(point)}: the source lines calling the most aten ops a step")
+            print(f"{'calls':>7}  {'op':<24} site")
+            for entry in point["sites"]:
+                print(f"{entry['calls_per_step']:>7.1f}  {entry['op'][6:]:<24} {entry['site']}")
         print(f"\n{_label(point)}: top {top} {point['unit']} by total time per step")
         print(f"{'calls':>7} {'us':>10}  name")
         for entry in point["top"][:top]:
@@ -177,6 +240,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="profiled steps per batch")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (Triton compiles here)")
     parser.add_argument("--top", type=int, default=15, help="rows of the top-kernels table")
+    parser.add_argument("--sites", type=int, default=0, help="list this many busiest source lines (aten ops a step)")
     parser.add_argument(
         "--batch-invariant",
         action="store_true",
@@ -203,7 +267,10 @@ def main() -> None:
     )
     llm.model.batch_invariant = args.batch_invariant
     sizes = [("decode", b) for b in args.batches] + [("prefill", n) for n in args.prefill_lens]
-    points = [profile_point(llm.model, kind, n, args.context, args.steps, args.warmup, device) for kind, n in sizes]
+    points = [
+        profile_point(llm.model, kind, n, args.context, args.steps, args.warmup, device, args.sites)
+        for kind, n in sizes
+    ]
     llm.close()
     out = args.out or RESULTS / f"profile_step-{device_label(str(device))}.json"
     result = {

@@ -226,3 +226,35 @@ def test_profile_step_counts_decode_and_prefill_steps(monkeypatch, tiny_llm):
         assert point["unit"] == "aten ops" and point["launches_per_step"] > 100
         assert point["launches_per_step"] == sum(entry["calls_per_step"] for entry in point["top"])
     assert prefill["time_us_per_step"] > 0
+    assert "sites" not in decode
+
+
+def test_profile_step_lists_the_source_lines_that_launch_ops(monkeypatch, tiny_llm):
+    """``--sites``: the busiest package source lines of a decode step, most first; views and conversions that had
+    nothing to do are not counted, in-place writes and new tensors are."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import profile_step
+
+    point = profile_step.profile_point(
+        tiny_llm.model, "decode", 1, 20, steps=1, warmup=0, device=torch.device("cpu"), sites=12
+    )
+    sites = point["sites"]
+    assert len(sites) == 12
+    assert all("/" in entry["site"] and entry["site"].startswith("deepinfer_") for entry in sites)
+    calls = [entry["calls_per_step"] for entry in sites]
+    assert calls == sorted(calls, reverse=True) and calls[-1] > 0
+    x = torch.ones(4, 3)
+    counter = profile_step._SiteCounter()
+    with torch.inference_mode(), counter:  # as the sites pass runs the model
+        x.view(12)
+        x.to(torch.float32)
+        x.reshape(3, 4)
+        x.to(torch.bfloat16)
+        x.t().contiguous()
+        x.clone().add_(1)
+    assert {op: n for (_, op), n in counter.counts.items()} == {
+        "aten::to": 1,
+        "aten::contiguous": 1,
+        "aten::clone": 1,
+        "aten::add_": 1,
+    }
