@@ -287,30 +287,28 @@ def test_engram_vocab_hash_and_rows_match_reference() -> None:
     assert torch.equal(rows, full[3:]) and active.all()
 
 
-def test_engram_table_indices_match_the_reference_hash() -> None:
-    """The model's vectorized hash (one remainder over every order and head) against the reference's column loop:
-    the hand-worked example, then random rows of large ids whose products wrap around int64."""
-    from types import SimpleNamespace
-
-    from deepinfer_model.deepseek_v41.engram import Engram
+def test_engram_lookup_gathers_the_rows_of_the_reference_hash() -> None:
+    """The table rows the Engram gathers (the kernels' ``engram_lookup`` on its sizes and offsets) against the
+    reference's column loop: the hand-worked example, then random rows of large ids whose products wrap around int64.
+    Each table row holds its own index, so the gathered bytes name the rows."""
+    from deepinfer_kernels import engram_lookup
 
     primes = [1009, 1013, 1019, 1021, 1031, 1033]
-    engram = SimpleNamespace(
-        max_ngram=4,
-        n_heads=2,
-        sizes=torch.tensor(primes),
-        offsets=torch.tensor([sum(primes[:i]) for i in range(len(primes))]),
-    )
+    sizes = torch.tensor(primes)
+    offsets = torch.tensor([sum(primes[:i]) for i in range(len(primes))])
+    weight = torch.arange(sum(primes), dtype=torch.int32).view(torch.uint8).view(-1, 4).view(torch.float8_e4m3fn)
+    scale = torch.zeros(sum(primes), 1, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+
+    def table_rows(rows: torch.Tensor, multipliers: list[int], columns: int) -> torch.Tensor:
+        codes, _ = engram_lookup(rows, torch.tensor(multipliers), sizes[:columns], offsets[:columns], weight, scale)
+        return codes.view(torch.uint8).view(torch.int32).long()
+
     multipliers = ref.engram_hash_multipliers(0, 4, 1000)
     rows = torch.randint(0, 2**40, (50, 4), generator=torch.Generator().manual_seed(3))
     rows[0] = torch.tensor([5, 7, 2, 3])
-    got = Engram.table_indices(engram, rows, torch.tensor(multipliers))  # type: ignore[arg-type]
-    assert torch.equal(got, ref.engram_hash(rows, multipliers, primes, 2))
-    small = SimpleNamespace(max_ngram=3, n_heads=2, sizes=engram.sizes[:4], offsets=engram.offsets[:4])
+    assert torch.equal(table_rows(rows, multipliers, 6), ref.engram_hash(rows, multipliers, primes, 2))
     a0 = ref.engram_hash_multipliers(0, 3, 1000)
-    assert Engram.table_indices(small, torch.tensor([[5, 7, 2]]), torch.tensor(a0)).tolist() == [  # type: ignore[arg-type]
-        [645, 1023, 2832, 3808]
-    ]
+    assert table_rows(torch.tensor([[5, 7, 2]]), a0, 4).tolist() == [[645, 1023, 2832, 3808]]
 
 
 @pytest.mark.parametrize("seed", [0, 1, 20014, 140098, 2**40 + 5])

@@ -9,7 +9,7 @@ Importing this package touches neither the device nor the environment.
 from deepinfer_kernels.activation import swiglu_clamped, swiglu_clamped_fp8
 from deepinfer_kernels.attention import KeySource, sparse_attention
 from deepinfer_kernels.combine import moe_combine
-from deepinfer_kernels.engram import engram_gate
+from deepinfer_kernels.engram import engram_gate, engram_lookup
 from deepinfer_kernels.gemm import (
     dequantized_gemm,
     fp8_block_gemm,
@@ -60,6 +60,7 @@ __all__ = [
     "dequantized_grouped_gemm",
     "encode_rows",
     "engram_gate",
+    "engram_lookup",
     "fp8_block_gemm",
     "fp8_block_gemm_quantized",
     "fp8_block_grouped_gemm",

@@ -1,5 +1,5 @@
-"""Public Engram gate op (docs/design/model.md, "Engram lookup and gate"): validation and allocation, then the
-resolved backend (docs/design/kernels.md, "engram_gate")."""
+"""Public Engram ops (docs/design/model.md, "Engram hash", "Engram lookup and gate"): validation and allocation, then
+the resolved backend (docs/design/kernels.md, "engram_lookup", "engram_gate")."""
 
 from __future__ import annotations
 
@@ -10,11 +10,74 @@ import torch
 from deepinfer_kernels import _registry
 from deepinfer_kernels._checks import check_dtype, check_same_device, check_shape, check_tensor
 
-__all__ = ["GATE_FLOOR", "engram_gate"]
+__all__ = ["GATE_FLOOR", "engram_gate", "engram_lookup"]
 
 # The gate's floor on |z| before the square root (sqrt(1e−6) = 1e−3 at z = 0).
 GATE_FLOOR = 1e-6
 _DTYPES = (torch.bfloat16, torch.float32)
+# Bytes a gathered code and its scale are stored in (read and copied as they are).
+_CODE_DTYPE = torch.float8_e4m3fn
+_SCALE_DTYPE = torch.float8_e8m0fnu
+
+
+def engram_lookup(
+    rows: torch.Tensor,
+    multipliers: torch.Tensor,
+    sizes: torch.Tensor,
+    offsets: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The hashed table rows of each token, gathered as stored.
+
+    Per token ``t`` the hash folds its n-gram ids left to right in int64 arithmetic that wraps:
+    ``h_0 = rows[t, 0] · a_0``, ``h_n = h_(n−1) xor rows[t, n] · a_n``. Column ``c = (n − 1) · heads + j``
+    (``n = 1 … N − 1``, ``j < heads``) takes table row ``(h_n mod sizes[c]) + offsets[c]`` (the remainder in
+    ``[0, sizes[c])``): ``codes[t, c·d : (c+1)·d] = weight[row]`` and ``scales[t, c·s : (c+1)·s] = scale[row]``.
+
+    Args:
+        rows: [T, N] int64 n-gram ids (``N ≥ 2``).
+        multipliers: [N] int64 hash multipliers ``a``.
+        sizes: [(N − 1) · heads] int64, each column's sub-table size (positive).
+        offsets: [(N − 1) · heads] int64, each column's first table row.
+        weight: [R, d] float8_e4m3fn table.
+        scale: [R, s] float8_e8m0fnu, the table rows' scales.
+
+    Returns:
+        ``(codes [T, (N − 1) · heads · d], scales [T, (N − 1) · heads · s])`` in weight's and scale's dtypes.
+
+    Raises:
+        TypeError: an argument is not a tensor or has another dtype.
+        ValueError: shapes disagree, or devices differ.
+    """
+    for name, tensor, dtype in (
+        ("rows", rows, torch.int64),
+        ("multipliers", multipliers, torch.int64),
+        ("sizes", sizes, torch.int64),
+        ("offsets", offsets, torch.int64),
+        ("weight", weight, _CODE_DTYPE),
+        ("scale", scale, _SCALE_DTYPE),
+    ):
+        check_tensor(name, tensor)
+        check_dtype(name, tensor.dtype, (dtype,))
+    if rows.dim() != 2 or rows.shape[1] < 2:
+        raise ValueError(f"rows must have shape [T, N] with N >= 2, got {tuple(rows.shape)}")
+    tokens, ngram = rows.shape
+    check_shape("multipliers", multipliers, (ngram,))
+    if sizes.dim() != 1 or sizes.numel() == 0 or sizes.numel() % (ngram - 1):
+        raise ValueError(f"sizes must have shape [(N - 1) * heads] with N = {ngram}, got {tuple(sizes.shape)}")
+    check_shape("offsets", offsets, tuple(sizes.shape))
+    if weight.dim() != 2 or scale.dim() != 2 or scale.shape[0] != weight.shape[0]:
+        raise ValueError(f"weight and scale must be [R, d] and [R, s], got {tuple(weight.shape)}, {tuple(scale.shape)}")
+    check_same_device(rows=rows, multipliers=multipliers, sizes=sizes, offsets=offsets, weight=weight, scale=scale)
+    columns = sizes.numel()
+    codes = torch.empty((tokens, columns * weight.shape[1]), dtype=weight.dtype, device=weight.device)
+    scales = torch.empty((tokens, columns * scale.shape[1]), dtype=scale.dtype, device=scale.device)
+    if tokens:
+        _registry.resolve("engram_lookup", rows.device.type)(
+            rows.contiguous(), multipliers, sizes, offsets, weight.contiguous(), scale.contiguous(), codes, scales
+        )
+    return codes, scales
 
 
 def engram_gate(

@@ -1,5 +1,11 @@
-"""Triton Engram gate: one program per token computes the gate of each of its ``m`` streams and applies it, in one
-launch instead of about thirty elementwise and reduction kernels (docs/design/kernels.md, "engram_gate").
+"""Triton Engram ops.
+
+Lookup (docs/design/kernels.md, "engram_lookup"): one program per token forms the hash of every n-gram order and
+copies each column's table row and scales, one launch where PyTorch takes about nine (the products, the xor chain,
+the stack, the remainder, the offsets, two gathers).
+
+Gate (docs/design/kernels.md, "engram_gate"): one program per token computes the gate of each of its ``m`` streams
+and applies it, in one launch instead of about thirty elementwise and reduction kernels.
 
 The three sums per stream (Σx², Σk², Σx·w·k) run over H in fixed ``BLOCK_H`` column chunks: each lane adds its column
 of every chunk in chunk order, then the lanes are summed. The order depends on H and the block shape only, never on
@@ -23,9 +29,63 @@ from deepinfer_kernels.cuda._formats import to_output_dtype
 from deepinfer_kernels.cuda._launch import check_launchable
 from deepinfer_kernels.engram import GATE_FLOOR
 
-__all__ = ["engram_gate"]
+__all__ = ["engram_gate", "engram_lookup"]
 
 _BLOCK_H = 512
+
+
+@triton.jit
+def _lookup_kernel(  # type: ignore[no-untyped-def]
+    rows_ptr, multipliers_ptr, sizes_ptr, offsets_ptr, weight_ptr, scale_ptr, codes_ptr, scales_ptr, columns,
+    NGRAM: tl.constexpr, HEADS: tl.constexpr, WIDTH: tl.constexpr, SCALES: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0).to(tl.int64)
+    column = tl.arange(0, BLOCK_C)
+    live = column < columns
+    order = column // HEADS + 1
+    # int64 products wrap as torch's do; the xor folds the orders left to right.
+    folded = tl.load(rows_ptr + token * NGRAM) * tl.load(multipliers_ptr)
+    hashes = tl.zeros((BLOCK_C,), dtype=tl.int64)
+    for n in tl.static_range(1, NGRAM):
+        folded = folded ^ (tl.load(rows_ptr + token * NGRAM + n) * tl.load(multipliers_ptr + n))
+        hashes = tl.where(order == n, folded, hashes)
+    size = tl.load(sizes_ptr + column, mask=live, other=1)
+    remainder = hashes % size  # the sign of the hash; torch.remainder's is the size's
+    row = tl.where(remainder < 0, remainder + size, remainder) + tl.load(offsets_ptr + column, mask=live, other=0)
+    byte = tl.arange(0, BLOCK_W)
+    mask = live[:, None] & (byte < WIDTH)[None, :]
+    code = tl.load(weight_ptr + row[:, None] * WIDTH + byte[None, :], mask=mask)
+    tl.store(codes_ptr + (token * columns + column)[:, None] * WIDTH + byte[None, :], code, mask=mask)
+    group = tl.arange(0, BLOCK_S)
+    mask = live[:, None] & (group < SCALES)[None, :]
+    value = tl.load(scale_ptr + row[:, None] * SCALES + group[None, :], mask=mask)
+    tl.store(scales_ptr + (token * columns + column)[:, None] * SCALES + group[None, :], value, mask=mask)
+
+
+def engram_lookup(
+    rows: torch.Tensor,
+    multipliers: torch.Tensor,
+    sizes: torch.Tensor,
+    offsets: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+) -> None:
+    """Triton ``deepinfer_kernels.engram_lookup`` (contiguous tensors, shapes there); the FP8 bytes move as uint8."""
+    check_launchable(
+        rows=rows, multipliers=multipliers, sizes=sizes, offsets=offsets, weight=weight, scale=scale, codes=codes,
+        scales=scales,
+    )  # fmt: skip
+    ngram, columns = rows.shape[1], sizes.numel()
+    width, groups = weight.shape[1], scale.shape[1]
+    _lookup_kernel[(rows.shape[0],)](
+        rows, multipliers, sizes, offsets, weight.view(torch.uint8), scale.view(torch.uint8), codes.view(torch.uint8),
+        scales.view(torch.uint8), columns, NGRAM=ngram, HEADS=columns // (ngram - 1), WIDTH=width, SCALES=groups,
+        BLOCK_C=triton.next_power_of_2(columns), BLOCK_W=triton.next_power_of_2(width),
+        BLOCK_S=triton.next_power_of_2(groups),
+    )  # fmt: skip
 
 
 @triton.jit

@@ -1,4 +1,5 @@
-"""Reference Engram gate: the contract of ``deepinfer_kernels.engram_gate`` in torch ops, FP32 sums in torch's order."""
+"""Reference Engram ops: the contracts of ``deepinfer_kernels.engram_lookup`` and ``engram_gate`` in torch ops (the
+gate's FP32 sums in torch's order)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,29 @@ import torch
 
 from deepinfer_kernels.engram import GATE_FLOOR
 
-__all__ = ["engram_gate"]
+__all__ = ["engram_gate", "engram_lookup"]
+
+
+def engram_lookup(
+    rows: torch.Tensor,
+    multipliers: torch.Tensor,
+    sizes: torch.Tensor,
+    offsets: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+) -> None:
+    products = rows * multipliers
+    hashes = [products[:, 0]]
+    for n in range(1, rows.shape[1]):
+        hashes.append(torch.bitwise_xor(hashes[-1], products[:, n]))
+    # Column (n − 1)·heads + j: the order-(n + 1) hash modulo its own sub-table's size, in one broadcast remainder.
+    shape = (rows.shape[1] - 1, sizes.numel() // (rows.shape[1] - 1))
+    h = torch.stack(hashes[1:], dim=1)[:, :, None]
+    index = (torch.remainder(h, sizes.view(shape)) + offsets.view(shape)).flatten(1)
+    codes.copy_(weight[index].reshape(codes.shape))
+    scales.copy_(scale[index].reshape(scales.shape))
 
 
 def engram_gate(

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from deepinfer_kernels import dequantize_fp8_per_token_group, engram_gate
+from deepinfer_kernels import dequantize_fp8_per_token_group, engram_gate, engram_lookup
 from deepinfer_model.config import TextConfig
 from deepinfer_model.deepseek_v41._pcg64 import bounded_int64s
 from deepinfer_model.layers.linear import Fp8BlockLinear, make_parameter
@@ -134,21 +134,6 @@ class Engram(nn.Module):
             self._multipliers[num_compressed] = cached
         return cached
 
-    def table_indices(self, rows: torch.Tensor, multipliers: torch.Tensor) -> torch.Tensor:
-        """Hash (docs/design/model.md, "Engram hash").
-
-        Args: rows [T, N_g] int64; multipliers [N_g]. Returns: [T, (N_g−1)·h_e] int64 rows.
-        """
-        products = rows * multipliers.to(rows.device)
-        hashes = [products[:, 0]]
-        for n in range(1, self.max_ngram):
-            hashes.append(torch.bitwise_xor(hashes[-1], products[:, n]))
-        # Column (n − 1)·h_e + j takes the n-gram hash of order n + 1 modulo its own table's size: one broadcast
-        # remainder and add over [T, N_g − 1, h_e] instead of two launches per column.
-        h = torch.stack(hashes[1:], dim=1)[:, :, None]
-        shape = (self.max_ngram - 1, self.n_heads)
-        return (torch.remainder(h, self.sizes.view(shape)) + self.offsets.view(shape)).flatten(1)
-
     def forward(
         self, trunk: torch.Tensor, rows: torch.Tensor, active: torch.Tensor, vocab: EngramVocab
     ) -> torch.Tensor:
@@ -164,9 +149,11 @@ class Engram(nn.Module):
             [T, m, H] activation dtype.
         """
         num_tokens = trunk.shape[0]
-        index = self.table_indices(rows, self.multipliers(vocab.num_compressed))
-        codes = self.embed.weight[index].reshape(num_tokens, -1)
-        scales = self.embed.scale[index].reshape(num_tokens, -1)
+        # The hash (docs/design/model.md, "Engram hash") and the gather of the rows and their scales, in one launch on
+        # a GPU.
+        codes, scales = engram_lookup(
+            rows, self.multipliers(vocab.num_compressed), self.sizes, self.offsets, self.embed.weight, self.embed.scale
+        )
         if self.wkv.runs_on_fp8_copy():
             # The gathered rows are already an FP8 copy with 32-column scales: the FP8 GEMM reads them as they are
             # (no dequantized activation, no dequantized weight per step).
