@@ -283,7 +283,7 @@ def test_engram_vocab_hash_and_rows_match_reference() -> None:
     batch = ForwardBatch.for_requests(
         [ids[3:].tolist()], [3], torch.zeros(1, 1, dtype=torch.int32), [0], torch.tensor([[7, 2000]])
     )
-    rows, active = ngram_rows(StepMetadata.from_batch(batch), batch.input_ids, batch.engram_prefix_ids, vocab, 3)
+    rows, active = ngram_rows(StepMetadata.from_batch(batch), batch.input_ids, batch.engram_prefix_ids, vocab)
     assert torch.equal(rows, full[3:]) and active.all()
 
 

@@ -9,7 +9,7 @@ Importing this package touches neither the device nor the environment.
 from deepinfer_kernels.activation import swiglu_clamped, swiglu_clamped_fp8
 from deepinfer_kernels.attention import KeySource, sparse_attention
 from deepinfer_kernels.combine import moe_combine
-from deepinfer_kernels.engram import engram_gate, engram_lookup
+from deepinfer_kernels.engram import engram_gate, engram_lookup, engram_ngram_rows
 from deepinfer_kernels.gemm import (
     dequantized_gemm,
     fp8_block_gemm,
@@ -61,6 +61,7 @@ __all__ = [
     "encode_rows",
     "engram_gate",
     "engram_lookup",
+    "engram_ngram_rows",
     "fp8_block_gemm",
     "fp8_block_gemm_quantized",
     "fp8_block_grouped_gemm",

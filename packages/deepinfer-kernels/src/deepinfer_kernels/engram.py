@@ -10,7 +10,7 @@ import torch
 from deepinfer_kernels import _registry
 from deepinfer_kernels._checks import check_dtype, check_same_device, check_shape, check_tensor
 
-__all__ = ["GATE_FLOOR", "engram_gate", "engram_lookup"]
+__all__ = ["GATE_FLOOR", "engram_gate", "engram_lookup", "engram_ngram_rows"]
 
 # The gate's floor on |z| before the square root (sqrt(1e−6) = 1e−3 at z = 0).
 GATE_FLOOR = 1e-6
@@ -18,6 +18,93 @@ _DTYPES = (torch.bfloat16, torch.float32)
 # Bytes a gathered code and its scale are stored in (read and copied as they are).
 _CODE_DTYPE = torch.float8_e4m3fn
 _SCALE_DTYPE = torch.float8_e8m0fnu
+
+
+def engram_ngram_rows(
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    token_request: torch.Tensor,
+    q_start: torch.Tensor,
+    prefix_ids: torch.Tensor,
+    old_to_new: torch.Tensor,
+    pad_id: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compressed n-gram ids of a step's tokens (docs/design/model.md, "N-gram rows").
+
+    Column ``j < N`` of token ``t`` (request ``r = token_request[t]``) is the token ``j`` places back: this step's
+    token ``t − j`` where that position is in the step's chunk (``positions[t] − q_start[r] ≥ j``), else
+    ``prefix_ids[r, N − 1 + positions[t] − q_start[r] − j]``. Its compressed id is ``old_to_new[id]``, −1 for an id
+    outside the table; the pad id before position 0; and from the first negative id on, that column included (the
+    n-gram cut there), the pad id.
+
+    Args:
+        input_ids: [T] int64 token ids of the step, requests in order.
+        positions: [T] int64 absolute positions.
+        token_request: [T] int64 request of each token.
+        q_start: [R] int64 first position each request computes this step.
+        prefix_ids: [R, N − 1] int64 tokens before each request's chunk (oldest first; −1 for none), ``N ≥ 2``.
+        old_to_new: [V] int64 compressed id of every token id (−1: none).
+        pad_id: the compressed pad id.
+
+    Returns:
+        ``(rows [T, N] int64, active [T] bool)``: active where the token's own compressed id is not negative.
+
+    Raises:
+        TypeError: an argument is not a tensor, not int64, or ``pad_id`` not an int.
+        ValueError: shapes disagree, or devices differ.
+    """
+    for name, tensor in (
+        ("input_ids", input_ids),
+        ("positions", positions),
+        ("token_request", token_request),
+        ("q_start", q_start),
+        ("prefix_ids", prefix_ids),
+        ("old_to_new", old_to_new),
+    ):
+        check_tensor(name, tensor)
+        check_dtype(name, tensor.dtype, (torch.int64,))
+    if not isinstance(pad_id, int):
+        raise TypeError(f"pad_id must be an int, got {type(pad_id).__name__}")
+    if input_ids.dim() != 1:
+        raise ValueError(f"input_ids must have shape [T], got {tuple(input_ids.shape)}")
+    tokens = input_ids.shape[0]
+    check_shape("positions", positions, (tokens,))
+    check_shape("token_request", token_request, (tokens,))
+    if (
+        q_start.dim() != 1
+        or prefix_ids.dim() != 2
+        or prefix_ids.shape[0] != q_start.shape[0]
+        or prefix_ids.shape[1] < 1
+    ):
+        raise ValueError(
+            f"q_start and prefix_ids must be [R] and [R, N - 1] with N >= 2, got {tuple(q_start.shape)}, "
+            f"{tuple(prefix_ids.shape)}"
+        )
+    if old_to_new.dim() != 1:
+        raise ValueError(f"old_to_new must have shape [V], got {tuple(old_to_new.shape)}")
+    check_same_device(
+        input_ids=input_ids,
+        positions=positions,
+        token_request=token_request,
+        q_start=q_start,
+        prefix_ids=prefix_ids,
+        old_to_new=old_to_new,
+    )
+    rows = torch.empty((tokens, prefix_ids.shape[1] + 1), dtype=torch.int64, device=input_ids.device)
+    active = torch.empty((tokens,), dtype=torch.bool, device=input_ids.device)
+    if tokens:
+        _registry.resolve("engram_ngram_rows", input_ids.device.type)(
+            input_ids.contiguous(),
+            positions.contiguous(),
+            token_request.contiguous(),
+            q_start.contiguous(),
+            prefix_ids.contiguous(),
+            old_to_new.contiguous(),
+            pad_id,
+            rows,
+            active,
+        )
+    return rows, active
 
 
 def engram_lookup(

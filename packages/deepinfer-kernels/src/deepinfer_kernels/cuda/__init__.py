@@ -58,6 +58,7 @@ def register(registry: OpRegistry) -> None:
     registry.register("router_topk", nvidia, routing.router_topk)
     registry.register("engram_gate", nvidia, engram.engram_gate)
     registry.register("engram_lookup", nvidia, engram.engram_lookup)
+    registry.register("engram_ngram_rows", nvidia, engram.engram_ngram_rows)
     registry.register("moe_combine", nvidia, combine.moe_combine)
     registry.register("paged_rows", nvidia, paging.paged_rows)
     registry.register("invariant_matmul", nvidia, invariant_matmul.invariant_matmul)

@@ -1,5 +1,9 @@
 """Triton Engram ops.
 
+N-gram rows (docs/design/kernels.md, "engram_ngram_rows"): one program per 128 tokens walks each token's n-gram
+back to front once, where PyTorch takes about thirty launches (index arithmetic, gathers, selects, a cumulative
+maximum).
+
 Lookup (docs/design/kernels.md, "engram_lookup"): one program per token forms the hash of every n-gram order and
 copies each column's table row and scales, one launch where PyTorch takes about nine (the products, the xor chain,
 the stack, the remainder, the offsets, two gathers).
@@ -29,9 +33,60 @@ from deepinfer_kernels.cuda._formats import to_output_dtype
 from deepinfer_kernels.cuda._launch import check_launchable
 from deepinfer_kernels.engram import GATE_FLOOR
 
-__all__ = ["engram_gate", "engram_lookup"]
+__all__ = ["engram_gate", "engram_lookup", "engram_ngram_rows"]
 
 _BLOCK_H = 512
+_NGRAM_BLOCK = 128
+
+
+@triton.jit
+def _ngram_rows_kernel(  # type: ignore[no-untyped-def]
+    ids_ptr, positions_ptr, request_ptr, q_start_ptr, prefix_ptr, table_ptr, rows_ptr, active_ptr, tokens, table_len,
+    pad_id, NGRAM: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = token < tokens
+    position = tl.load(positions_ptr + token, mask=live, other=0)
+    request = tl.load(request_ptr + token, mask=live, other=0)
+    in_chunk = position - tl.load(q_start_ptr + request, mask=live, other=0)
+    cut = token < 0  # all false: no negative id seen yet
+    for j in tl.static_range(NGRAM):
+        offset = in_chunk - j
+        column = tl.minimum(tl.maximum(offset + NGRAM - 1, 0), NGRAM - 2)
+        before = tl.load(prefix_ptr + request * (NGRAM - 1) + column, mask=live, other=-1)
+        here = tl.load(ids_ptr + tl.maximum(token - j, 0), mask=live, other=-1)
+        raw = tl.where(offset >= 0, here, before)
+        known = (raw >= 0) & (raw < table_len)
+        compressed = tl.load(table_ptr + tl.where(known, raw, 0), mask=live & known, other=-1)
+        compressed = tl.where(known, compressed, -1)
+        compressed = tl.where(position - j < 0, pad_id, compressed)
+        if j == 0:
+            tl.store(active_ptr + token, compressed >= 0, mask=live)
+        cut = cut | (compressed < 0)
+        tl.store(rows_ptr + token * NGRAM + j, tl.where(cut, pad_id, compressed), mask=live)
+
+
+def engram_ngram_rows(
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    token_request: torch.Tensor,
+    q_start: torch.Tensor,
+    prefix_ids: torch.Tensor,
+    old_to_new: torch.Tensor,
+    pad_id: int,
+    rows: torch.Tensor,
+    active: torch.Tensor,
+) -> None:
+    """Triton ``deepinfer_kernels.engram_ngram_rows`` (contiguous tensors, shapes there)."""
+    check_launchable(
+        input_ids=input_ids, positions=positions, token_request=token_request, q_start=q_start, prefix_ids=prefix_ids,
+        old_to_new=old_to_new, rows=rows, active=active,
+    )  # fmt: skip
+    tokens = input_ids.shape[0]
+    _ngram_rows_kernel[(triton.cdiv(tokens, _NGRAM_BLOCK),)](
+        input_ids, positions, token_request, q_start, prefix_ids, old_to_new, rows, active, tokens,
+        old_to_new.shape[0], pad_id, NGRAM=rows.shape[1], BLOCK=_NGRAM_BLOCK,
+    )  # fmt: skip
 
 
 @triton.jit

@@ -59,5 +59,6 @@ def register(registry: OpRegistry) -> None:
     registry.register("router_topk", ref, routing.router_topk)
     registry.register("engram_gate", ref, engram.engram_gate)
     registry.register("engram_lookup", ref, engram.engram_lookup)
+    registry.register("engram_ngram_rows", ref, engram.engram_ngram_rows)
     registry.register("moe_combine", ref, combine.moe_combine)
     registry.register("paged_rows", ref, paging.paged_rows)

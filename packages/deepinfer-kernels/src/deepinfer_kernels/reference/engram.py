@@ -1,5 +1,5 @@
-"""Reference Engram ops: the contracts of ``deepinfer_kernels.engram_lookup`` and ``engram_gate`` in torch ops (the
-gate's FP32 sums in torch's order)."""
+"""Reference Engram ops: the contracts of ``deepinfer_kernels.engram_ngram_rows``, ``engram_lookup`` and
+``engram_gate`` in torch ops (the gate's FP32 sums in torch's order)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,33 @@ import torch
 
 from deepinfer_kernels.engram import GATE_FLOOR
 
-__all__ = ["engram_gate", "engram_lookup"]
+__all__ = ["engram_gate", "engram_lookup", "engram_ngram_rows"]
+
+
+def engram_ngram_rows(
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    token_request: torch.Tensor,
+    q_start: torch.Tensor,
+    prefix_ids: torch.Tensor,
+    old_to_new: torch.Tensor,
+    pad_id: int,
+    rows: torch.Tensor,
+    active: torch.Tensor,
+) -> None:
+    ngram = prefix_ids.shape[1] + 1
+    lookback = torch.arange(ngram, device=input_ids.device)
+    offset = (positions - q_start[token_request])[:, None] - lookback[None, :]
+    token_index = (torch.arange(input_ids.shape[0], device=input_ids.device)[:, None] - lookback[None, :]).clamp(min=0)
+    prefix_col = (offset + ngram - 1).clamp(min=0, max=ngram - 2)
+    from_prefix = prefix_ids[token_request[:, None].expand_as(offset), prefix_col]
+    raw = torch.where(offset >= 0, input_ids[token_index], from_prefix)
+    known = (raw >= 0) & (raw < old_to_new.shape[0])
+    compressed = torch.where(known, old_to_new[torch.where(known, raw, 0)], -1)
+    compressed = torch.where((positions[:, None] - lookback[None, :]) < 0, pad_id, compressed)
+    cut = torch.cummax((compressed < 0).to(torch.int64), dim=1).values.bool()
+    rows.copy_(torch.where(cut, pad_id, compressed))
+    active.copy_(compressed[:, 0] >= 0)
 
 
 def engram_lookup(

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from deepinfer_kernels import dequantize_fp8_per_token_group, engram_gate, engram_lookup
+from deepinfer_kernels import dequantize_fp8_per_token_group, engram_gate, engram_lookup, engram_ngram_rows
 from deepinfer_model.config import TextConfig
 from deepinfer_model.deepseek_v41._pcg64 import bounded_int64s
 from deepinfer_model.layers.linear import Fp8BlockLinear, make_parameter
@@ -59,34 +59,24 @@ def hash_multipliers(layer_id: int, num_compressed: int, max_ngram: int) -> torc
 
 
 def ngram_rows(
-    meta: StepMetadata, input_ids: torch.Tensor, prefix_ids: torch.Tensor, vocab: EngramVocab, max_ngram: int
+    meta: StepMetadata, input_ids: torch.Tensor, prefix_ids: torch.Tensor, vocab: EngramVocab
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Compressed n-gram rows of the step's tokens (docs/design/model.md, "N-gram rows").
+    """Compressed n-gram rows of the step's tokens (docs/design/model.md, "N-gram rows"; the kernels'
+    ``engram_ngram_rows``, one launch on a GPU).
 
     Args:
         meta: step metadata.
         input_ids: [T] int64.
         prefix_ids: [R, N_g − 1] int64 tokens preceding each request's chunk.
         vocab: compressed vocabulary, on the tokens' device.
-        max_ngram: ``N_g``.
 
     Returns:
         ``(rows [T, N_g] int64, active [T] bool)``; inactive tokens (current token outside the tokenizer
         vocabulary) skip the Engram.
     """
-    lookback = torch.arange(max_ngram, device=input_ids.device)
-    offset = (meta.positions - meta.q_start[meta.token_request])[:, None] - lookback[None, :]
-    token_index = (torch.arange(meta.num_tokens, device=input_ids.device)[:, None] - lookback[None, :]).clamp(min=0)
-    prefix_col = (offset + max_ngram - 1).clamp(min=0, max=max_ngram - 2)
-    from_prefix = prefix_ids[meta.token_request[:, None].expand_as(offset), prefix_col]
-    raw = torch.where(offset >= 0, input_ids[token_index], from_prefix)
-    table = vocab.old_to_new
-    known = (raw >= 0) & (raw < table.shape[0])
-    compressed = torch.where(known, table[torch.where(known, raw, 0)], -1)
-    before_start = (meta.positions[:, None] - lookback[None, :]) < 0
-    compressed = torch.where(before_start, vocab.pad_id, compressed)
-    truncated = torch.cummax((compressed < 0).to(torch.int64), dim=1).values.bool()
-    return torch.where(truncated, vocab.pad_id, compressed), compressed[:, 0] >= 0
+    return engram_ngram_rows(
+        input_ids, meta.positions, meta.token_request, meta.q_start, prefix_ids, vocab.old_to_new, vocab.pad_id
+    )
 
 
 class EngramTable(nn.Module):

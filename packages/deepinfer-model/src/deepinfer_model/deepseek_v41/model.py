@@ -377,7 +377,7 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
             )
         # Keep the table on the step's device once instead of copying it every step.
         self.engram_vocab = self.engram_vocab.to(batch.input_ids.device)
-        rows, active = ngram_rows(meta, batch.input_ids, prefix, self.engram_vocab, cfg.engram_max_ngram_size)
+        rows, active = ngram_rows(meta, batch.input_ids, prefix, self.engram_vocab)
         ctx.engram_rows, ctx.engram_active = ctx.split.local(rows), ctx.split.local(active)
         ctx.engram_vocab = self.engram_vocab
 
