@@ -1,5 +1,5 @@
-"""Public paged-row lookup (docs/design/kernels.md, "paged_rows"): validation and allocation, then the resolved backend
-(one Triton launch on NVIDIA where PyTorch takes about eight)."""
+"""Public cache-row lookups (docs/design/kernels.md, "paged_rows", "window_key_rows"): validation and allocation, then
+the resolved backend (one Triton launch each on NVIDIA where PyTorch takes about eight and twenty)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from deepinfer_kernels import _registry
 from deepinfer_kernels._checks import check_dtype, check_same_device, check_tensor
 
-__all__ = ["paged_rows"]
+__all__ = ["paged_rows", "window_key_rows"]
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -51,3 +51,85 @@ def paged_rows(
             block_table.contiguous(), request.contiguous(), rows.contiguous(), rows_per_block, out
         )
     return out
+
+
+def window_key_rows(
+    positions: torch.Tensor,
+    token_request: torch.Tensor,
+    q_start: torch.Tensor,
+    cu_query_lens: torch.Tensor,
+    state_slots: torch.Tensor,
+    window_floor: torch.Tensor | None,
+    ring: int,
+    window: int,
+    num_key_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each query's sliding-window keys are read from: a request's ring of past keys, or this step's keys.
+
+    For query ``i`` of request ``r = token_request[i]`` and ``w < window``, key position
+    ``p = positions[i] − window + 1 + w`` is not read (−1 in both outputs) where ``p < 0`` or, with a floor,
+    ``p < window_floor[r]``; else, computed this step (``p ≥ q_start[r]``), it is step key
+    ``own = clamp(cu_query_lens[r] + p − q_start[r], 0, num_key_tokens − 1)``; else ring row
+    ``history = state_slots[r] · ring + p mod ring``.
+
+    Args:
+        positions: [T] int64 query positions.
+        token_request: [T] int64 request of each query.
+        q_start: [R] int64 first position each request's keys compute this step.
+        cu_query_lens: [R + 1] int64 first step key of each request.
+        state_slots: [R] int64 ring slot of each request.
+        window_floor: [R] int64 lowest position a query may see, or None for none.
+        ring: rows of a request's ring, at least 1.
+        window: keys a query sees, at least 1.
+        num_key_tokens: the step's key tokens.
+
+    Returns:
+        ``(history, own)``: [T, window] int64 each, −1 where not read from there.
+
+    Raises:
+        TypeError: a tensor is not a tensor or not int64.
+        ValueError: shapes disagree, ``ring`` or ``window`` is below 1, or devices differ.
+    """
+    named = {
+        "positions": positions,
+        "token_request": token_request,
+        "q_start": q_start,
+        "cu_query_lens": cu_query_lens,
+        "state_slots": state_slots,
+        **({} if window_floor is None else {"window_floor": window_floor}),
+    }
+    for name, tensor in named.items():
+        check_tensor(name, tensor)
+        check_dtype(name, tensor.dtype, (torch.int64,))
+    if positions.dim() != 1 or tuple(token_request.shape) != tuple(positions.shape):
+        raise ValueError(
+            f"positions and token_request must both be [T], got {tuple(positions.shape)}, {tuple(token_request.shape)}"
+        )
+    requests = q_start.shape[0] if q_start.dim() == 1 else -1
+    if (
+        requests < 0
+        or tuple(cu_query_lens.shape) != (requests + 1,)
+        or tuple(state_slots.shape) != (requests,)
+        or (window_floor is not None and tuple(window_floor.shape) != (requests,))
+    ):
+        raise ValueError(
+            "q_start, state_slots and window_floor must be [R] and cu_query_lens [R + 1], got "
+            f"{tuple(q_start.shape)}, {tuple(state_slots.shape)}, "
+            f"{None if window_floor is None else tuple(window_floor.shape)}, {tuple(cu_query_lens.shape)}"
+        )
+    if not isinstance(ring, int) or ring < 1 or not isinstance(window, int) or window < 1:
+        raise ValueError(f"ring and window must be ints >= 1, got {ring!r} and {window!r}")
+    check_same_device(**named)
+    history = torch.empty((positions.shape[0], window), dtype=torch.int64, device=positions.device)
+    own = torch.empty_like(history)
+    if history.numel():
+        _registry.resolve("window_key_rows", positions.device.type)(
+            *(t.contiguous() for t in (positions, token_request, q_start, cu_query_lens, state_slots)),
+            None if window_floor is None else window_floor.contiguous(),
+            ring,
+            window,
+            num_key_tokens,
+            history,
+            own,
+        )
+    return history, own

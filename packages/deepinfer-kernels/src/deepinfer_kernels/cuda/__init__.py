@@ -61,4 +61,5 @@ def register(registry: OpRegistry) -> None:
     registry.register("engram_ngram_rows", nvidia, engram.engram_ngram_rows)
     registry.register("moe_combine", nvidia, combine.moe_combine)
     registry.register("paged_rows", nvidia, paging.paged_rows)
+    registry.register("window_key_rows", nvidia, paging.window_key_rows)
     registry.register("invariant_matmul", nvidia, invariant_matmul.invariant_matmul)

@@ -1,5 +1,10 @@
-"""Triton paged-row lookup (docs/design/kernels.md, "paged_rows"): one launch for the division, the table gather, the
-product, the remainder and the −1 of missing rows, which PyTorch runs as about eight kernels."""
+"""Triton cache-row lookups (docs/design/kernels.md, "paged_rows", "window_key_rows").
+
+- paged_rows: one launch for the division, the table gather, the product, the remainder and the −1 of missing rows,
+  which PyTorch runs as about eight kernels.
+- window_key_rows: one launch for a step's sliding-window key rows (the positions, the floor, the chunk test, the ring
+  rows and the step rows), about twenty kernels in PyTorch.
+"""
 
 # Triton reads parameter annotations as kernel type hints, so @triton.jit functions stay unannotated.
 # ruff: noqa: ANN001, ANN202
@@ -12,7 +17,7 @@ import triton.language as tl
 
 from deepinfer_kernels.cuda._launch import check_launchable
 
-__all__ = ["paged_rows"]
+__all__ = ["paged_rows", "window_key_rows"]
 
 _BLOCK = 1024
 
@@ -42,4 +47,53 @@ def paged_rows(
     _paged_rows_kernel[(triton.cdiv(total, _BLOCK),)](
         block_table, request, rows, out, total, per_request, block_table.shape[0], block_table.shape[1],
         rows_per_block, BLOCK=_BLOCK,
+    )  # fmt: skip
+
+
+@triton.jit
+def _window_key_rows_kernel(  # type: ignore[no-untyped-def]
+    positions_ptr, request_ptr, q_start_ptr, cu_ptr, slots_ptr, floor_ptr, history_ptr, own_ptr, total, ring,
+    last_key, WINDOW: tl.constexpr, FLOORED: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = i < total
+    query = i // WINDOW
+    request = tl.load(request_ptr + query, mask=live, other=0)
+    position = tl.load(positions_ptr + query, mask=live, other=0) - (WINDOW - 1) + i % WINDOW
+    seen = position >= 0
+    if FLOORED:
+        seen = seen & (position >= tl.load(floor_ptr + request, mask=live, other=0))
+    start = tl.load(q_start_ptr + request, mask=live, other=0)
+    in_chunk = position >= start
+    # Read only where position ≥ 0, so C's remainder equals the floor one there.
+    ring_row = tl.load(slots_ptr + request, mask=live, other=0) * ring + position % ring
+    step_row = tl.load(cu_ptr + request, mask=live, other=0) + position - start
+    step_row = tl.minimum(tl.maximum(step_row, 0), last_key)
+    tl.store(history_ptr + i, tl.where(seen & (~in_chunk), ring_row, -1), mask=live)
+    tl.store(own_ptr + i, tl.where(seen & in_chunk, step_row, -1), mask=live)
+
+
+def window_key_rows(
+    positions: torch.Tensor,
+    token_request: torch.Tensor,
+    q_start: torch.Tensor,
+    cu_query_lens: torch.Tensor,
+    state_slots: torch.Tensor,
+    window_floor: torch.Tensor | None,
+    ring: int,
+    window: int,
+    num_key_tokens: int,
+    history: torch.Tensor,
+    own: torch.Tensor,
+) -> None:
+    """Triton ``deepinfer_kernels.window_key_rows`` (contiguous tensors, shapes there)."""
+    check_launchable(
+        positions=positions, token_request=token_request, q_start=q_start, cu_query_lens=cu_query_lens,
+        state_slots=state_slots, history=history, own=own,
+    )  # fmt: skip
+    total = history.numel()
+    _window_key_rows_kernel[(triton.cdiv(total, _BLOCK),)](
+        positions, token_request, q_start, cu_query_lens, state_slots,
+        positions if window_floor is None else window_floor, history, own, total, ring, max(num_key_tokens - 1, 0),
+        WINDOW=window, FLOORED=window_floor is not None, BLOCK=_BLOCK,
     )  # fmt: skip

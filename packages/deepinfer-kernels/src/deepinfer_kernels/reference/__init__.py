@@ -62,3 +62,4 @@ def register(registry: OpRegistry) -> None:
     registry.register("engram_ngram_rows", ref, engram.engram_ngram_rows)
     registry.register("moe_combine", ref, combine.moe_combine)
     registry.register("paged_rows", ref, paging.paged_rows)
+    registry.register("window_key_rows", ref, paging.window_key_rows)

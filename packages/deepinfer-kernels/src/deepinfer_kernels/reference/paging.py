@@ -1,10 +1,11 @@
-"""Reference paged-row lookup: the contract of ``deepinfer_kernels.paged_rows`` in torch ops."""
+"""Reference cache-row lookups: the contracts of ``deepinfer_kernels.paged_rows`` and ``window_key_rows`` in torch
+ops."""
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["paged_rows"]
+__all__ = ["paged_rows", "window_key_rows"]
 
 
 def paged_rows(
@@ -20,3 +21,29 @@ def paged_rows(
     # Invalid entries read entry [0, 0] (any in-range one) and are replaced by −1.
     page = block_table[torch.where(valid, request, 0), torch.where(valid, pages, 0)].long()
     out.copy_(torch.where(valid, page * rows_per_block + torch.remainder(rows, rows_per_block), -1))
+
+
+def window_key_rows(
+    positions: torch.Tensor,
+    token_request: torch.Tensor,
+    q_start: torch.Tensor,
+    cu_query_lens: torch.Tensor,
+    state_slots: torch.Tensor,
+    window_floor: torch.Tensor | None,
+    ring: int,
+    window: int,
+    num_key_tokens: int,
+    history: torch.Tensor,
+    own: torch.Tensor,
+) -> None:
+    offsets = torch.arange(window, device=positions.device) - (window - 1)
+    key_positions = positions[:, None] + offsets[None, :]
+    request = token_request[:, None].expand_as(key_positions)
+    seen = key_positions >= 0
+    if window_floor is not None:
+        seen &= key_positions >= window_floor[request]
+    in_chunk = key_positions >= q_start[request]
+    ring_rows = state_slots[request] * ring + torch.remainder(key_positions, ring)
+    step_rows = (cu_query_lens[request] + key_positions - q_start[request]).clamp(0, max(num_key_tokens - 1, 0))
+    history.copy_(torch.where(seen & ~in_chunk, ring_rows, -1))
+    own.copy_(torch.where(seen & in_chunk, step_rows, -1))

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer_kernels import KeySource, sparse_attention
+from deepinfer_kernels import KeySource, sparse_attention, window_key_rows
 from deepinfer_model.config import LayerSpec, TextConfig
 from deepinfer_model.deepseek_v41.compressor import Compressor
 from deepinfer_model.deepseek_v41.context import StepContext, compressed_group
@@ -254,17 +254,20 @@ def window_rows(
     Returns:
         ``(history, own)``: [T, W] int64 flat ring rows and [T, W] int64 fresh-key rows, −1 = not read.
     """
-    offsets = torch.arange(window, device=meta.positions.device) - (window - 1)
-    positions = meta.positions[:, None] + offsets[None, :]
-    request = meta.token_request[:, None].expand_as(positions)
-    seen = positions >= 0
-    if floored:
-        assert meta.window_floor is not None
-        seen &= positions >= meta.window_floor[request]
-    in_chunk = key_meta.in_chunk(request, positions)
-    history = torch.where(seen & ~in_chunk, key_meta.ring_rows(request, positions, ring), -1)
-    own = torch.where(seen & in_chunk, key_meta.chunk_index(request, positions), -1)
-    return history, own
+    if floored and meta.window_floor is None:
+        raise RuntimeError("a floored window needs the step's window_floor (YOCO prefill truncation)")
+    # The kernels' window_key_rows: one launch on a GPU.
+    return window_key_rows(
+        meta.positions,
+        meta.token_request,
+        key_meta.q_start,
+        key_meta.cu_query_lens,
+        key_meta.state_slots,
+        meta.window_floor if floored else None,
+        ring,
+        window,
+        key_meta.num_tokens,
+    )
 
 
 def draft_rows(meta: StepMetadata, ring: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
