@@ -1,5 +1,5 @@
-"""Public Engram ops (docs/design/model.md, "Engram hash", "Engram lookup and gate"): validation and allocation, then
-the resolved backend (docs/design/kernels.md, "engram_lookup", "engram_gate")."""
+"""Public Engram ops (docs/design/model.md, "N-gram rows", "Engram hash", "Engram lookup and gate"): validation and
+allocation, then the resolved backend (docs/design/kernels.md, "engram_ngram_rows", "engram_lookup", "engram_gate")."""
 
 from __future__ import annotations
 
