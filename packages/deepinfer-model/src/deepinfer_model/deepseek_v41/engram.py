@@ -101,7 +101,6 @@ class Engram(nn.Module):
             raise ValueError(f"layer {layer_id} has an Engram but the Engram config keys are missing")
         self.layer_id = layer_id
         self.max_ngram = cfg.engram_max_ngram_size
-        self.n_heads = cfg.engram_n_heads
         self.hc_mult = cfg.hc_mult
         self.hidden = cfg.hidden_size
         self.eps = cfg.rms_norm_eps

@@ -54,8 +54,7 @@ class RotaryEmbedding(nn.Module):
         angles = positions[:, None] * self.inverse_frequencies[None, :]
         rotation = torch.view_as_real(torch.polar(torch.ones_like(angles), angles))
         cos, sin = rotation.permute(2, 0, 1).contiguous()
-        table = cos, sin
-        return _conjugate(table) if inverse else table
+        return _conjugate((cos, sin)) if inverse else (cos, sin)
 
     def step_table(
         self, memo: StepMemo, positions_key: Hashable, positions: Callable[[], torch.Tensor], inverse: bool = False
