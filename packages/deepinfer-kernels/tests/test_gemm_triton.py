@@ -178,6 +178,32 @@ def test_grouped_triton_ids_outside_range_give_zero_rows(triton_device: str) -> 
     assert torch.all(out == 0)
 
 
+@pytest.mark.parametrize(("rows", "block_m", "gemv"), [(6, 16, False), (40, 16, False), (6, 2, True)])
+def test_grouped_all_local_writes_every_row_without_the_zero_launch(
+    triton_device: str, rows: int, block_m: int, gemv: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``all_local`` (every id held) leaves out the zero-row launch: each row is still written, by its tile, bit for
+    bit as without it, over an output that starts as NaN. Rows in one tile (the scan), tile tables, FMA GEMV."""
+    from deepinfer_kernels.cuda import grouped_gemm
+    from deepinfer_kernels.cuda.gemm_tiles import BlockConfig
+
+    experts, n, k = 5, 48, 128
+    packed = random_mxfp4_packed((experts, n, k // 2), seed=60).to(triton_device)
+    scale = random_ue8m0((experts, n, k // 32), seed=61).to(triton_device)
+    ids = torch.randint(0, experts, (rows,), generator=torch.Generator().manual_seed(62)).to(triton_device)
+    x = _activation(rows, k, seed=63, dtype=torch.bfloat16).to(triton_device)
+    cfg = BlockConfig(block_m, 32, num_warps=4, num_stages=2, split_grid=gemv, gemv=gemv)
+    gemm = implementation("mxfp4_grouped_gemm", Backend.NVIDIA)
+    default = torch.full((rows, n), float("nan"), dtype=torch.bfloat16, device=triton_device)
+    gemm(x, ids, packed, scale, default, config=cfg)
+    local = torch.full((rows, n), float("nan"), dtype=torch.bfloat16, device=triton_device)
+    with monkeypatch.context() as patched:
+        patched.setattr(grouped_gemm, "_zero_unrouted_rows", lambda *_: pytest.fail("the zero-row launch ran"))
+        gemm(x, ids, packed, scale, local, config=cfg, all_local=True)
+    assert not local.isnan().any()
+    assert torch.equal(local, default)
+
+
 @pytest.mark.parametrize("decoding", ["scaled_bf16", "group_fp16"])
 @pytest.mark.parametrize("split_grid", [False, True])
 def test_grouped_rows_in_one_tile_skip_the_tables(triton_device: str, decoding: str, split_grid: bool) -> None:

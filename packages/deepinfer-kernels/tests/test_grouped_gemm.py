@@ -95,6 +95,15 @@ def test_replicated_experts_and_uint8(op_device: str) -> None:
     _assert_matches_rows(y, x, ids, packed, scale)
 
 
+def test_all_local_rows_equal_the_plain_ids(op_device: str) -> None:
+    """``ExpertRows(all_local=True)`` (every id held, no -1) gives the bits of the call on the bare ids."""
+    packed, scale = _experts(4, 32, 64, seed=14, device=op_device)
+    x = random_normal((10, 64), seed=15, dtype=torch.bfloat16, device=op_device)
+    ids = torch.tensor([3, 0, 2, 3, 1, 0, 3, 2, 2, 1], device=op_device)
+    y = dk.mxfp4_grouped_gemm(x, dk.ExpertRows(ids, all_local=True), packed, scale)
+    assert torch.equal(y, dk.mxfp4_grouped_gemm(x, ids, packed, scale))
+
+
 def test_empty_and_all_unassigned(op_device: str) -> None:
     packed, scale = _experts(2, 8, 32, seed=6, device=op_device)
     x = random_normal((3, 32), seed=7, dtype=torch.bfloat16, device=op_device)
@@ -112,6 +121,8 @@ def test_validation() -> None:
         dk.mxfp4_grouped_gemm(x, torch.tensor([0, 2, 0]), packed, scale)
     with pytest.raises(ValueError, match=r"expert_ids\[0\] is -2"):
         dk.mxfp4_grouped_gemm(x, torch.tensor([-2, 0, 0]), packed, scale)
+    with pytest.raises(ValueError, match=r"expert_ids\[2\] is -1; allowed: 0\.\.1 \(every expert local\)"):
+        dk.mxfp4_grouped_gemm(x, dk.ExpertRows(ids, all_local=True), packed, scale)
     with pytest.raises(TypeError, match=r"expert_ids has dtype torch\.int32"):
         dk.mxfp4_grouped_gemm(x, ids.int(), packed, scale)
     with pytest.raises(TypeError, match=r"x has dtype torch\.float16"):

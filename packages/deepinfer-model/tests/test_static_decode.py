@@ -136,6 +136,7 @@ def test_grouped_expert_sum_equals_per_expert_loop() -> None:
     model = tiny_model(ComputeMode.EXACT)
     layer = model.layers[1]
     moe = layer.ffn
+    assert moe.experts.holds_every_expert  # the router's ids are the slots: no lookup, no zero rows
     generator = torch.Generator().manual_seed(3)
     x = (torch.randn(37, tiny_config().text.hidden_size, generator=generator) * 2).to(torch.bfloat16)
     topk_ids, topk_weights = moe.gate(x)
@@ -150,7 +151,7 @@ def test_grouped_expert_sum_maps_logical_experts_to_slots() -> None:
     model = tiny_model(ComputeMode.EXACT)
     experts = model.layers[0].ffn.experts
     experts.set_local_experts([3, 0, 1, 2, 7, 6, 5, 4])  # a permutation: slot i now claims another expert's weights
-    assert experts.expert_slot.tolist() == [1, 2, 3, 0, 7, 6, 5, 4]
+    assert experts.expert_slot.tolist() == [1, 2, 3, 0, 7, 6, 5, 4] and not experts.holds_every_expert
     x = torch.randn(5, tiny_config().text.hidden_size, generator=torch.Generator().manual_seed(4))
     topk_ids = torch.tensor([[0, 3], [4, 1], [2, 7], [5, 6], [6, 0]])
     weights = torch.rand(5, 2, generator=torch.Generator().manual_seed(5))
@@ -164,4 +165,4 @@ def test_grouped_expert_sum_maps_logical_experts_to_slots() -> None:
 def test_expert_slot_table_marks_experts_not_held() -> None:
     text = tiny_config().text
     experts = RoutedExperts(8, text.hidden_size, text.moe_intermediate_size, 10.0, ComputeMode.EXACT, [5, 2, 5])
-    assert experts.expert_slot.tolist() == [-1, -1, 1, -1, -1, 0, -1, -1]
+    assert experts.expert_slot.tolist() == [-1, -1, 1, -1, -1, 0, -1, -1] and not experts.holds_every_expert

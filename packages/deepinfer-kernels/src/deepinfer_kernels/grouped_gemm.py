@@ -34,11 +34,15 @@ class ExpertRows:
 
     Attributes:
         ids: [M] int64 expert id of each row.
+        all_local: the caller knows that every id names a held expert (none is ``-1``, as when every expert is
+            local and the ids come straight from the router): backends then write no zero rows, which on the nvidia
+            backend saves a launch per GEMM. The reference checks it.
         derived: what backends derived from ``ids``, by a key of their own.
     """
 
-    def __init__(self, ids: torch.Tensor) -> None:
+    def __init__(self, ids: torch.Tensor, all_local: bool = False) -> None:
         self.ids = ids
+        self.all_local = all_local
         self.derived: dict[Hashable, Any] = {}
 
 
@@ -102,11 +106,12 @@ def mxfp4_grouped_gemm(
 
     Raises:
         TypeError: a tensor has the wrong dtype.
-        ValueError: shapes disagree, tensors are on different devices, or (reference only) an id is out of range.
+        ValueError: shapes disagree, tensors are on different devices, or (reference only) an id is out of range or
+            ``-1`` under ``ExpertRows(all_local=True)``.
     """
-    derived = None
+    derived, all_local = None, False
     if isinstance(expert_ids, ExpertRows):
-        derived, expert_ids = expert_ids.derived, expert_ids.ids
+        derived, all_local, expert_ids = expert_ids.derived, expert_ids.all_local, expert_ids.ids
     for name, value in (("x", x), ("expert_ids", expert_ids), ("packed", packed), ("scale", scale)):
         check_tensor(name, value)
     check_dtype("packed", packed.dtype, (torch.int8, torch.uint8))
@@ -122,7 +127,7 @@ def mxfp4_grouped_gemm(
         )
     check_same_device(x=x, expert_ids=expert_ids, packed=packed, scale=scale)
     weights = (packed.contiguous().view(torch.int8), scale.contiguous())
-    return _run("mxfp4_grouped_gemm", x, expert_ids, n, *weights, derived=derived, repeats=repeats)
+    return _run("mxfp4_grouped_gemm", x, expert_ids, n, *weights, derived=derived, repeats=repeats, all_local=all_local)
 
 
 def dequantized_grouped_gemm(x: torch.Tensor, expert_ids: torch.Tensor, w_hat: torch.Tensor) -> torch.Tensor:

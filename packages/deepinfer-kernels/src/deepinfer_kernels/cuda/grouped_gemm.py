@@ -7,7 +7,8 @@ The grid has ``cdiv(M, BLOCK_M) + min(E, M)`` row tiles — the most that ``Σ_e
 and tiles past the real count exit at once. Tiles read their rows through the sort order and write results back to
 the original rows, so nothing is permuted in memory. Ids outside ``[0, E)`` (``-1`` included) are put in a bucket
 no tile serves; a launch of their own writes those rows' zeros (it reads the ids and stores only there:
-zero-filling the whole output first took 2.3 ms of an 8K prefill on the H200, 0.95 GB a layer). For few rows the K
+zero-filling the whole output first took 2.3 ms of an 8K prefill on the H200, 0.95 GB a layer), unless the caller
+knows every id is held (``ExpertRows.all_local``: every expert local, ids from the router). For few rows the K
 chunks run as programs of their own (split-K, ``cuda.gemm_tiles``). When every row fits one MMA tile there are no
 tables: each program scans the expert ids for its expert's rows.
 """
@@ -109,6 +110,7 @@ def mxfp4_grouped_gemm(
     config: BlockConfig | None = None,
     derived: dict[Hashable, Any] | None = None,
     repeats: int = 1,
+    all_local: bool = False,
 ) -> None:
     """Triton ``out[m] = bf16(x̂[m // repeats] · Ŵ[expert_ids[m]]ᵀ)`` (contract of ``reference.grouped_gemm``),
     sync-free.
@@ -124,10 +126,13 @@ def mxfp4_grouped_gemm(
             over the same rows built them (same expert count and rows per tile), else built and kept there.
         repeats: product rows per row of x. ``swap_bf16``'s sorted copy reads x's rows directly; the other
             decodings quantize x and repeat its codes (1 byte an element, not the 2 or 4 of x itself).
+        all_local: every id is in ``[0, E)`` (``ExpertRows.all_local``): every row has a tile, so the zero-row
+            launch is left out.
     """
     check_launchable(x=x, expert_ids=expert_ids, packed=packed, scale=scale, out=out)
     (m, k), (experts, n) = (expert_ids.shape[0], x.shape[1]), packed.shape[:2]
-    _zero_unrouted_rows(expert_ids, out, experts)
+    if not (all_local and experts):
+        _zero_unrouted_rows(expert_ids, out, experts)
     if experts == 0:
         return  # no local experts: every row is zero
     mean_rows = triton.cdiv(m, experts)

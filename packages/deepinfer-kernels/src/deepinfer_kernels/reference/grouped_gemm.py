@@ -23,14 +23,16 @@ def _per_expert(
     experts: int,
     out: torch.Tensor,
     gemm: Callable[[torch.Tensor, int, torch.Tensor], None],
+    all_local: bool = False,
 ) -> None:
-    """``out[rows of e] = gemm(x[rows of e], e)`` for every expert ``e`` present; zero rows for id -1."""
-    bad = (expert_ids < -1) | (expert_ids >= experts)
+    """``out[rows of e] = gemm(x[rows of e], e)`` for every expert ``e`` present; zero rows for id -1 (which
+    ``all_local`` rules out)."""
+    lowest = 0 if all_local else -1
+    bad = (expert_ids < lowest) | (expert_ids >= experts)
     if bool(bad.any()):
         row = int(torch.nonzero(bad)[0, 0])
-        raise ValueError(
-            f"expert_ids[{row}] is {int(expert_ids[row])}; allowed: -1 (no local expert) or 0..{experts - 1}"
-        )
+        allowed = f"0..{experts - 1} (every expert local)" if all_local else f"-1 (no local expert) or 0..{experts - 1}"
+        raise ValueError(f"expert_ids[{row}] is {int(expert_ids[row])}; allowed: {allowed}")
     out.zero_()
     for expert in torch.unique(expert_ids[expert_ids >= 0]).tolist():
         rows = torch.nonzero(expert_ids == expert).squeeze(1)
@@ -47,9 +49,11 @@ def mxfp4_grouped_gemm(
     out: torch.Tensor,
     derived: dict[Hashable, Any] | None = None,
     repeats: int = 1,
+    all_local: bool = False,
 ) -> None:
     """``out[m] = bf16(x̂[m // repeats] · Ŵ[expert_ids[m]]ᵀ)``, zero where ``expert_ids[m] == -1``. ``derived`` (an
-    ``ExpertRows``'s store) is left as it is: the reference derives nothing from the ids that it could keep.
+    ``ExpertRows``'s store) is left as it is: the reference derives nothing from the ids that it could keep;
+    ``all_local`` (``ExpertRows.all_local``) makes an id of ``-1`` an error.
 
     Args:
         x: [M / repeats, K] bf16/fp32 activation, ``K % 32 == 0``.
@@ -59,10 +63,12 @@ def mxfp4_grouped_gemm(
         out: [M, N] bf16; written (every row).
 
     Raises:
-        ValueError: an expert id is outside ``[-1, E)``.
+        ValueError: an expert id is outside ``[-1, E)``, or ``-1`` with ``all_local``.
     """
     rows = x.repeat_interleave(repeats, dim=0) if repeats > 1 else x
-    _per_expert(rows, expert_ids, packed.shape[0], out, lambda r, e, y: mxfp4_gemm(r, packed[e], scale[e], y))
+    _per_expert(
+        rows, expert_ids, packed.shape[0], out, lambda r, e, y: mxfp4_gemm(r, packed[e], scale[e], y), all_local
+    )
 
 
 def dequantized_grouped_gemm(x: torch.Tensor, expert_ids: torch.Tensor, w_hat: torch.Tensor, out: torch.Tensor) -> None:

@@ -77,7 +77,8 @@ class RoutedExperts(nn.Module):
     """MXFP4 experts: ``w13`` = ``[w1; w3]`` ``[E, 2I, H]`` and ``w2`` ``[E, H, I]`` (logical shapes).
 
     ``local_experts`` (logical ids, one per stored slot) keeps only an expert-parallel rank's experts; ``compute``
-    then accepts only those ids. None keeps all ``num_experts``.
+    then accepts only those ids. None keeps all ``num_experts``. ``holds_every_expert`` says that slot ``e`` holds
+    expert ``e`` for every ``e``.
     """
 
     expert_slot: torch.Tensor
@@ -100,6 +101,7 @@ class RoutedExperts(nn.Module):
         self.w2 = Mxfp4ExpertStack(num_experts, intermediate, hidden, (hidden,), mode, local_experts)
         # Device lookup logical expert -> stored slot (-1: not held here), so grouped dispatch needs no host map.
         self.register_buffer("expert_slot", self._slot_table(), persistent=False)
+        self.holds_every_expert = self._identity_slots()
 
     def _slot_table(self) -> torch.Tensor:
         table = [-1] * self.w13.num_experts
@@ -112,6 +114,12 @@ class RoutedExperts(nn.Module):
         self.w13.set_local_experts(local_experts)
         self.w2.set_local_experts(local_experts)
         self.expert_slot.copy_(self._slot_table())
+        self.holds_every_expert = self._identity_slots()
+
+    def _identity_slots(self) -> bool:
+        # Slot e holds logical expert e for every expert: the router's ids are the slots, all local (no lookup, no
+        # zero rows).
+        return self.w13.local_experts == tuple(range(self.w13.num_experts))
 
     def grouped_sum(
         self,
@@ -136,13 +144,20 @@ class RoutedExperts(nn.Module):
             [n, H] ``out_dtype``.
         """
         n, k = topk_ids.shape
-        slots = self.expert_slot[topk_ids.reshape(-1)]
+        ids = topk_ids.reshape(-1)
+        identity = self.holds_every_expert
+        slots = ids if identity else self.expert_slot[ids]
         # Row i of the product is token i // k's choice i % k: w13 reads the tokens themselves (no copy per choice).
-        routed = self.grouped_rows(x, slots, topk_weights.reshape(-1), repeats=k).view(n, k, -1)
+        routed = self.grouped_rows(x, slots, topk_weights.reshape(-1), repeats=k, all_local=identity).view(n, k, -1)
         return moe_combine(routed, bias, out_dtype)
 
     def grouped_rows(
-        self, rows: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, repeats: int = 1
+        self,
+        rows: torch.Tensor,
+        slots: torch.Tensor,
+        weights: torch.Tensor,
+        repeats: int = 1,
+        all_local: bool = False,
     ) -> torch.Tensor:
         """``compute`` of every row with its own stored expert slot, through two grouped MXFP4 GEMMs (exact mode; no
         host synchronization).
@@ -152,11 +167,12 @@ class RoutedExperts(nn.Module):
             slots: [m] int64 stored slot of each row, -1 for a row no expert here takes (its output is zero).
             weights: [m] fp32 routing weight of each row.
             repeats: product rows per input row (a token's top-k choices, in rank order).
+            all_local: no slot is -1 (``deepinfer_kernels.ExpertRows.all_local``: no zero rows to write).
 
         Returns:
             [m, H] activation dtype.
         """
-        shared = ExpertRows(slots)  # w13 and w2 multiply the same rows: one set of tile tables
+        shared = ExpertRows(slots, all_local)  # w13 and w2 multiply the same rows: one set of tile tables
         act = swiglu_clamped(self.w13.grouped(rows, shared, repeats), self.limit, weights)
         return round_activation(self.w2.grouped(act, shared), self.mode)
 
