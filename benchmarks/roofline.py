@@ -16,6 +16,10 @@
    (DEEPINFER_BATCH_INVARIANT; docs/design/numerics.md, "Batch invariance"; graphs captured inside the mode); `on`
    runs only the mode. Each record has "batch_invariant"; the header's "batch_invariant_overhead" maps each batch
    to step_on / step_off − 1.
+6. `--dependent-launch` does the same for the model's dependent-launch mode (`EngineArgs.dependent_launch`;
+   docs/design/kernels.md, "Dependent launches"), for decode and prefill points: records have "dependent_launch",
+   the header's "dependent_launch_change" maps each point (decode batch, or "prefill <prompt>") to step_on /
+   step_off − 1. Each mode's change compares points with the other mode off.
 
 Points run in that order. Each point's ratio is step / floor; the records are sorted at the end. A point that would
 end past `--deadline-s` is skipped; the JSON is rewritten after every point, so a run that is stopped keeps what it
@@ -109,22 +113,39 @@ def run_prefill(model: DeepseekV41ForCausalLM, prompt: int, repeats: int, device
     return {"seconds": seconds, "tokens_per_s": prompt / seconds, "cuda_graph": False}
 
 
-def invariant_point(
-    model: DeepseekV41ForCausalLM, invariant: bool, run: Callable[..., dict[str, Any]], *args: Any
+MODES = ("batch_invariant", "dependent_launch")
+
+
+def mode_point(
+    model: DeepseekV41ForCausalLM, modes: dict[str, bool], run: Callable[..., dict[str, Any]], *args: Any
 ) -> dict[str, Any]:
-    """``run(*args)`` with the model's batch-invariant mode set to ``invariant`` (restored after)."""
-    before = model.batch_invariant
-    model.batch_invariant = invariant
+    """``run(*args)`` with the model's kernel modes (``MODES``: its attributes) set as ``modes`` says (restored
+    after); the record carries them."""
+    before = {name: getattr(model, name) for name in MODES}
+    for name, value in modes.items():
+        setattr(model, name, value)
     try:
-        return {**run(*args), "batch_invariant": invariant}
+        return {**run(*args), **modes}
     finally:
-        model.batch_invariant = before
+        for name, value in before.items():
+            setattr(model, name, value)
 
 
-def invariant_overhead(records: list[dict[str, Any]]) -> dict[int, float]:
-    """Per decode batch measured with the mode off and on: step_on / step_off − 1."""
-    steps = {(r["batch"], r["batch_invariant"]): r["step_ms"] for r in records if r["kind"] == "decode"}
-    return {b: steps[(b, True)] / steps[(b, False)] - 1 for b, on in steps if on and (b, False) in steps}
+def mode_change(records: list[dict[str, Any]], mode: str, kinds: tuple[str, ...]) -> dict[str, float]:
+    """Per point of ``kinds`` measured with ``mode`` off and on, every other mode off: step_on / step_off − 1, keyed
+    by the decode batch or "prefill <prompt>"."""
+    others = [name for name in MODES if name != mode]
+    steps = {
+        (r["kind"], r["batch"] if r["kind"] == "decode" else r["prompt"], r[mode]): r["step_ms"]
+        for r in records
+        if r["kind"] in kinds and not any(r[name] for name in others)
+    }
+    return {
+        (str(size) if kind == "decode" else f"{kind} {size}"): steps[(kind, size, True)] / steps[(kind, size, False)]
+        - 1
+        for kind, size, on in steps
+        if on and (kind, size, False) in steps
+    }
 
 
 def roofline_record(kind: str, record: dict[str, Any], config: Any, rates: dict[str, Any]) -> dict[str, Any]:
@@ -166,14 +187,16 @@ def print_table(result: dict[str, Any]) -> None:
     print(f"\ncopy bandwidth {bandwidth['bytes_per_s'] / 1e12:.3f} TB/s ({bandwidth['method']})")
     rate = gemm.get("flop_per_s")
     print(f"GEMM rate {rate / 1e12:.1f} TFLOP/s ({gemm['method']})" if rate else f"GEMM rate: {gemm.get('error')}")
-    print(f"{'kind':<8}{'batch':>6}{'prompt':>8}{'inv':>5}{'step ms':>11}{'floor ms':>11}{'ratio':>8}  basis")
+    print(f"{'kind':<8}{'batch':>6}{'prompt':>8}{'inv':>5}{'pdl':>5}{'step ms':>11}{'floor ms':>11}{'ratio':>8}  basis")
     for r in result["records"]:
         basis = f"{r['bytes'] / 1e9:.3f} GB" if r["kind"] == "decode" else f"{r['flops'] / 1e12:.3f} TFLOP"
         floor = f"{r['floor_ms']:>11.3f}{r['ratio']:>8.2f}" if r["floor_ms"] else f"{'-':>11}{'-':>8}"
-        invariant = "on" if r["batch_invariant"] else "off"
-        print(f"{r['kind']:<8}{r['batch']:>6}{r['prompt']:>8}{invariant:>5}{r['step_ms']:>11.3f}{floor}  {basis}")
+        modes = "".join(f"{'on' if r[name] else 'off':>5}" for name in MODES)
+        print(f"{r['kind']:<8}{r['batch']:>6}{r['prompt']:>8}{modes}{r['step_ms']:>11.3f}{floor}  {basis}")
     for batch, overhead in header.get("batch_invariant_overhead", {}).items():
         print(f"batch-invariant overhead at decode batch {batch}: {overhead * 100:+.1f} %")
+    for point, change in header.get("dependent_launch_change", {}).items():
+        print(f"dependent launches at {point}: {change * 100:+.1f} % step time")
     for line in result["skipped"] + result["errors"]:
         print(line)
 
@@ -207,6 +230,12 @@ def main() -> None:
         choices=("off", "on", "both"),
         default="off",
         help="decode points with the batch-invariant mode off, on, or both (overhead in the header)",
+    )
+    parser.add_argument(
+        "--dependent-launch",
+        choices=("off", "on", "both"),
+        default="off",
+        help="decode and prefill points with the dependent-launch mode off, on, or both (change in the header)",
     )
     args = parser.parse_args()
 
@@ -263,23 +292,28 @@ def main() -> None:
     model = llm.model
     config = model.config
     # Decode steps pass the exact bound C + 1 as max_context_len, as an eager engine step does.
-    modes = {"off": (False,), "on": (True,), "both": (False, True)}[args.batch_invariant]
+    settings = {"off": (False,), "on": (True,), "both": (False, True)}
+    invariant_modes, dependent_modes = settings[args.batch_invariant], settings[args.dependent_launch]
     plan: list[tuple[str, int, Callable[[], dict[str, Any]]]] = [
         (
             "decode",
             b,
             functools.partial(
-                invariant_point, model, invariant, run_decode, model, b, args.context, args.context + 1,
-                args.decode_repeats, device,
+                mode_point, model, {"batch_invariant": invariant, "dependent_launch": dependent}, run_decode, model,
+                b, args.context, args.context + 1, args.decode_repeats, device,
             ),
         )
         for b in batches
-        for invariant in modes
+        for invariant in invariant_modes
+        for dependent in dependent_modes
     ]  # fmt: skip
     for prompt in prefill:
         point = long_context.Point("prefill", prompt, 1, "model-step")
         step = functools.partial(run_prefill, model, prompt, args.prefill_repeats, device)
-        plan.append(("prefill", prompt, functools.partial(long_context.measure, point, step, device)))
+        for dependent in dependent_modes:
+            modes = {"batch_invariant": False, "dependent_launch": dependent}
+            measure = functools.partial(long_context.measure, point, step, device)
+            plan.append(("prefill", prompt, functools.partial(mode_point, model, modes, measure)))
     try:
         for kind, size, run in plan:
             label = f"{kind} {'batch' if kind == 'decode' else 'prompt'} {size}"
@@ -292,8 +326,11 @@ def main() -> None:
                 result["errors"].append(f"{label}: {record.get('error')}")
             else:
                 result["records"].append(roofline_record(kind, record, config, header))
-                result["records"][-1]["batch_invariant"] = bool(record.get("batch_invariant"))
-                header["batch_invariant_overhead"] = invariant_overhead(result["records"])
+                result["records"][-1].update({name: bool(record.get(name)) for name in MODES})
+                header["batch_invariant_overhead"] = mode_change(result["records"], "batch_invariant", ("decode",))
+                header["dependent_launch_change"] = mode_change(
+                    result["records"], "dependent_launch", ("decode", "prefill")
+                )
                 print(result["records"][-1], flush=True)
             save()
     finally:

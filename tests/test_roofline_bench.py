@@ -162,6 +162,39 @@ def test_decode_point_counts_routed_experts_and_makes_a_record(roofline, tiny_ll
     assert record["ratio"] == pytest.approx(record["step_ms"] / record["floor_ms"])
 
 
+def test_mode_points_restore_the_model_and_changes_compare_like_with_like(roofline, tiny_llm):
+    model = tiny_llm.model
+    seen = roofline.mode_point(
+        model,
+        {"batch_invariant": True, "dependent_launch": True},
+        lambda: {"modes": (model.batch_invariant, model.dependent_launch)},
+    )
+    assert seen == {"modes": (True, True), "batch_invariant": True, "dependent_launch": True}
+    assert (model.batch_invariant, model.dependent_launch) == (False, False)
+
+    def record(kind, size, invariant, dependent, step_ms):
+        size_key = {"batch": size, "prompt": 128} if kind == "decode" else {"batch": 1, "prompt": size}
+        return {
+            "kind": kind,
+            **size_key,
+            "batch_invariant": invariant,
+            "dependent_launch": dependent,
+            "step_ms": step_ms,
+        }
+
+    records = [
+        record("decode", 1, False, False, 2.0),
+        record("decode", 1, False, True, 1.8),
+        record("decode", 1, True, False, 2.2),
+        record("decode", 1, True, True, 99.0),  # both modes on: in neither comparison
+        record("prefill", 64, False, False, 10.0),
+        record("prefill", 64, False, True, 9.0),
+    ]
+    assert roofline.mode_change(records, "batch_invariant", ("decode",)) == {"1": pytest.approx(0.1)}
+    change = roofline.mode_change(records, "dependent_launch", ("decode", "prefill"))
+    assert change == {"1": pytest.approx(-0.1), "prefill 64": pytest.approx(-0.1)}
+
+
 @pytest.mark.slow
 def test_script_cpu_run_writes_every_record(tmp_path):
     out = tmp_path / "roofline.json"

@@ -70,3 +70,28 @@ def test_the_accelerator_routing_keeps_the_forward_invariant(monkeypatch: pytest
     monkeypatch.setattr(batch_invariant, "invariant_product", counted)
     test_a_prompt_alone_and_inside_a_batch_has_the_same_logits()
     assert {"aten.mm.default", "aten.bmm.default"} <= set(routed)
+
+
+def test_the_dependent_launch_flag_reaches_the_kernels_and_changes_no_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``dependent_launch`` runs the forward inside ``deepinfer_kernels.dependent_launch.dependent_launches`` (seen
+    from the kernels' RMSNorm, which every layer calls), and on the CPU changes nothing."""
+    import deepinfer_model.layers.norm as norm
+    from deepinfer_kernels.dependent_launch import dependent_launches_requested
+
+    model = tiny_model(ComputeMode.EXACT)
+    prompts = [prompt(length, seed=length).tolist() for length in (5, 30)]
+    default = torch.cat(_prefill(model, prompts))
+    seen: list[bool] = []
+    kernel = norm.rms_norm
+
+    def observed(*args: object, **kwargs: object) -> torch.Tensor:
+        seen.append(dependent_launches_requested())
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(norm, "rms_norm", observed)
+    model.dependent_launch = True
+    assert torch.equal(torch.cat(_prefill(model, prompts)), default)
+    model.dependent_launch = False
+    _prefill(model, prompts)
+    half = len(seen) // 2
+    assert half and seen == [True] * half + [False] * half

@@ -122,6 +122,7 @@ class Engine:
             max_backtracking_tokens=args.nextn + 1,
             prefill_truncation=prefill_truncation(args, env),
             batch_invariant=env["DEEPINFER_BATCH_INVARIANT"],
+            dependent_launch=args.dependent_launch,
         )
         text = self.model.config.text
         spec = self.model.cache_spec()

@@ -87,6 +87,9 @@ class EngineArgs:
             an engine on a CUDA device captures its decode forwards at start and replays them for pure decode
             steps (`deepinfer_engine.cuda_graphs`); on CPU, in "fp32" precision and under expert parallelism every
             step runs eagerly whatever this says.
+        dependent_launch: launch the Triton kernels of the forward as programmatic dependent launches, so each
+            starts while the one before it finishes (NVIDIA Hopper and later; the same results; docs/design/kernels.md,
+            "Dependent launches"). Off by default until measured; ignored elsewhere.
         precision: "exact" or "fp32" (FP32 activations and caches, for parity with the reference model).
         device: "cpu", "cuda" or "cuda:N"; None picks CUDA when the kernels platform is NVIDIA.
         async_scheduling: overrides DEEPINFER_ZERO_OVERHEAD_SCHEDULING when not None.
@@ -116,6 +119,7 @@ class EngineArgs:
     expert_parallel_size: int = 1
     context_parallel_size: int = 1
     enforce_eager: bool = False
+    dependent_launch: bool = False
     precision: Precision = "exact"
     device: str | None = None
     async_scheduling: bool | None = None
@@ -146,8 +150,9 @@ class EngineArgs:
                 )
         if self.precision not in ("exact", "fp32"):
             raise ValueError(f"precision must be 'exact' or 'fp32', got {self.precision!r}")
-        if not isinstance(self.enforce_eager, bool):
-            raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
+        for flag in ("enforce_eager", "dependent_launch"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
         nextn = self.nextn
         if isinstance(nextn, bool) or not isinstance(nextn, int) or not 0 <= nextn <= MAX_NEXTN:
             raise ValueError(f"nextn must be an int in [0, {MAX_NEXTN}] (0 disables drafting), got {nextn!r}")

@@ -34,6 +34,7 @@ def load_model(
     max_backtracking_tokens: int = 1,
     prefill_truncation: PrefillTruncation | None = None,
     batch_invariant: bool = False,
+    dependent_launch: bool = False,
 ) -> DeepseekV41ForCausalLM:
     """The checkpoint's model on `device`, weights loaded, in eval mode.
 
@@ -41,7 +42,8 @@ def load_model(
     the EP group; None keeps every expert in this process. `max_backtracking_tokens` sizes the rings for rolled-back
     draft positions (`nextn + 1` with speculative decoding, 1 without). `prefill_truncation` (None: off) is the YOCO
     prefill truncation the model runs prompt chunks with. `batch_invariant` (DEEPINFER_BATCH_INVARIANT) makes the CPU
-    and CUDA forward batch-invariant (docs/design/numerics.md, "Batch invariance").
+    and CUDA forward batch-invariant (docs/design/numerics.md, "Batch invariance"); `dependent_launch`
+    (`EngineArgs.dependent_launch`) launches its Triton kernels as programmatic dependent launches.
 
     Raises:
         deepinfer_model.loading.errors.CheckpointError / CoverageError: the checkpoint is incomplete or corrupt.
@@ -62,6 +64,7 @@ def load_model(
             expert_parallel=expert_parallel,
             prefill_truncation=prefill_truncation,
             batch_invariant=batch_invariant,
+            dependent_launch=dependent_launch,
         )
     model.load_weights(checkpoint.tensors.items())
     model.to(device)  # buffers built from host data during construction follow the parameters

@@ -1,12 +1,27 @@
-"""Device checks for the Triton launchers: CUDA tensors, or any tensors under TRITON_INTERPRET=1."""
+"""What every Triton launcher of the nvidia backend shares: the device check (CUDA tensors, or any tensors under
+TRITON_INTERPRET=1) and the programmatic dependent launch (``deepinfer_kernels.dependent_launch``).
+
+A kernel launched with ``**dependent_launch(device)`` takes the constexpr ``PDL`` and calls ``await_inputs(PDL)`` as
+its first statement, before it touches memory: with ``PDL`` set it may have started while the kernel before it still
+runs, and the wait is what makes that kernel's writes visible (and its reads done) before this one reads or writes.
+``tests/test_dependent_launch.py`` checks every launch and kernel of the package for this pattern.
+"""
+
+# Triton reads parameter annotations as kernel type hints, so @triton.jit functions stay unannotated.
+# ruff: noqa: ANN202
 
 from __future__ import annotations
 
-import torch
+import functools
 
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer_kernels.dependent_launch import dependent_launches_requested
 from deepinfer_kernels.platform import triton_interpreter_enabled
 
-__all__ = ["check_launchable"]
+__all__ = ["await_inputs", "check_launchable", "dependent_launch"]
 
 
 def check_launchable(**tensors: torch.Tensor) -> None:
@@ -23,3 +38,28 @@ def check_launchable(**tensors: torch.Tensor) -> None:
                 f"{name} is on {tensor.device}, but the nvidia backend runs Triton kernels on CUDA tensors; move the "
                 "inputs to a CUDA device (or set TRITON_INTERPRET=1 to run the kernels on CPU tensors for testing)"
             )
+
+
+@functools.cache
+def _has_grid_dependency_control(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9  # griddepcontrol is sm_90 PTX
+
+
+def dependent_launch(device: torch.device) -> dict[str, bool]:
+    """The launch options of a kernel on ``device``: ``PDL`` (the kernel's constexpr) and ``launch_pdl`` (Triton's
+    launch attribute), both set inside ``dependent_launches()`` on a Hopper or later GPU outside the interpreter."""
+    enabled = (
+        dependent_launches_requested()
+        and device.type == "cuda"
+        and not triton_interpreter_enabled()
+        and _has_grid_dependency_control(device.index if device.index is not None else torch.cuda.current_device())
+    )
+    return {"PDL": enabled, "launch_pdl": enabled}
+
+
+@triton.jit
+def await_inputs(PDL: tl.constexpr):  # type: ignore[no-untyped-def]
+    # The first statement of every kernel: wait for the kernels before it, then let the next one launch.
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_kernels.cuda._formats import fp8_token_groups
-from deepinfer_kernels.cuda._launch import check_launchable
+from deepinfer_kernels.cuda._launch import await_inputs, check_launchable, dependent_launch
 
 __all__ = ["swiglu_clamped", "swiglu_clamped_fp8"]
 
@@ -50,7 +50,9 @@ def _swiglu_kernel(  # type: ignore[no-untyped-def]
     HAS_LIMIT: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    await_inputs(PDL)
     row, cols, mask, act = _swiglu_block(t_ptr, weight_ptr, half, limit, HAS_LIMIT, HAS_WEIGHT, BLOCK)
     tl.store(out_ptr + row * half + cols, act, mask=mask)
 
@@ -66,8 +68,10 @@ def _swiglu_fp8_kernel(  # type: ignore[no-untyped-def]
     HAS_LIMIT: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # BLOCK is a multiple of 32 and half too, so the program's groups are whole and start at a group boundary.
+    await_inputs(PDL)
     row, cols, mask, act = _swiglu_block(t_ptr, weight_ptr, half, limit, HAS_LIMIT, HAS_WEIGHT, BLOCK)
     codes, scale_bytes = fp8_token_groups(tl.reshape(act, (BLOCK // _GROUP, _GROUP)))
     tl.store(q_ptr + row * half + cols, tl.reshape(codes, (BLOCK,)), mask=mask)
@@ -90,6 +94,7 @@ def swiglu_clamped(t: torch.Tensor, limit: float | None, row_weight: torch.Tenso
         HAS_WEIGHT=row_weight is not None,
         BLOCK=block,
         enable_fp_fusion=False,
+        **dependent_launch(out.device),
     )
 
 
@@ -112,4 +117,5 @@ def swiglu_clamped_fp8(
         HAS_WEIGHT=row_weight is not None,
         BLOCK=block,
         enable_fp_fusion=False,
+        **dependent_launch(q.device),
     )

@@ -39,7 +39,7 @@ import triton
 
 from deepinfer_kernels.batch_invariant import invariant_kernels
 from deepinfer_kernels.cache_layout import KeySource, RowFormat
-from deepinfer_kernels.cuda._launch import check_launchable
+from deepinfer_kernels.cuda._launch import check_launchable, dependent_launch
 from deepinfer_kernels.cuda.attention_kernels import (
     chunks_kernel,
     combine_kernel,
@@ -229,14 +229,17 @@ def _split(call: _Call, chunk_keys: int, split_counts: list[int]) -> None:
             q[start:stop], part_m, logits, num_heads, call.scale, *plan,
             LOGITS_BLOCK_N=_chunk_logits_tile(tiles, chunk_keys),
             **constexprs,
+            **dependent_launch(q.device),
         )  # fmt: skip
         split_sums_kernel[grid](
             call.sink, part_acc, part_m, part_l, logits, num_heads, *plan, BLOCK_V=_value_columns(tiles, width),
             ROUND=call.round_probs_bf16, **constexprs,
+            **dependent_launch(call.sink.device),
         )  # fmt: skip
         combine_kernel[(stop - start, *combine_grid)](
             call.sink, call.out[start:stop], part_m, part_acc, part_l, num_heads, num_splits, WIDTH=width, **combine,
             num_warps=COMBINE_TILES["num_warps"],
+            **dependent_launch(call.sink.device),
         )  # fmt: skip
 
 
@@ -256,6 +259,7 @@ def _prefill(call: _Call) -> None:
             call.q[start:stop], call.sink, call.out[start:stop], logits, call.q.shape[1], call.scale,
             *_source_args(call.sources, start, stop), BLOCK_V=_value_columns(call.tiles, call.q.shape[2]),
             ROUND=call.round_probs_bf16, LOGITS_BLOCK_N=call.tiles["logits_block_n"], **call.constexprs,
+            **dependent_launch(call.q.device),
         )  # fmt: skip
 
 
@@ -268,6 +272,7 @@ def _chunks(call: _Call, chunk_keys: int) -> None:
             *_source_args(call.sources, start, stop), BLOCK_V=_value_columns(call.tiles, call.q.shape[2], chunks=True),
             ROUND=call.round_probs_bf16, LOGITS_BLOCK_N=_chunk_logits_tile(call.tiles, chunk_keys),
             **call.constexprs,
+            **dependent_launch(call.q.device),
         )  # fmt: skip
 
 

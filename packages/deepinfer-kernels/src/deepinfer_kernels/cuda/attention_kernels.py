@@ -29,6 +29,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from deepinfer_kernels.cuda._launch import await_inputs
 from deepinfer_kernels.cuda.row_formats import decode_groups, round_bf16
 
 __all__ = ["chunks_kernel", "combine_kernel", "prefill_kernel", "split_logits_kernel", "split_sums_kernel"]
@@ -212,11 +213,12 @@ def split_logits_kernel(  # type: ignore[no-untyped-def]
     pool0, rows0, stride0, keys0, bytes0, pool1, rows1, stride1, keys1, bytes1, pool2, rows2, stride2, keys2, bytes2,
     WIDTH: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     FMT0: tl.constexpr, FMT1: tl.constexpr, FMT2: tl.constexpr,
-    BF16_0: tl.constexpr, BF16_1: tl.constexpr, BF16_2: tl.constexpr, LOGITS_BLOCK_N: tl.constexpr,
+    BF16_0: tl.constexpr, BF16_1: tl.constexpr, BF16_2: tl.constexpr, LOGITS_BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Grid (query, head block, split): pass 1 over the split's keys in tiles of ``LOGITS_BLOCK_N`` (only the source
     owning the split has a non-empty range), their largest logit (−inf when it has none) into ``part_m_ptr``
     [T, splits, H]."""
+    await_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     split = tl.program_id(2)
     h, h_mask = _heads(num_heads, BLOCK_H)
@@ -238,10 +240,11 @@ def split_sums_kernel(  # type: ignore[no-untyped-def]
     pool0, rows0, stride0, keys0, bytes0, pool1, rows1, stride1, keys1, bytes1, pool2, rows2, stride2, keys2, bytes2,
     WIDTH: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
     FMT0: tl.constexpr, FMT1: tl.constexpr, FMT2: tl.constexpr,
-    BF16_0: tl.constexpr, BF16_1: tl.constexpr, BF16_2: tl.constexpr, ROUND: tl.constexpr,
+    BF16_0: tl.constexpr, BF16_1: tl.constexpr, BF16_2: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Grid (query, head block, split): pass 2 over the split's keys at the maximum over the sink and every split, its
     sums from zero into ``part_acc_ptr`` [T, splits, H, WIDTH] and ``part_l_ptr`` [T, splits, H]."""
+    await_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     split = tl.program_id(2)
     h, h_mask = _heads(num_heads, BLOCK_H)
@@ -268,12 +271,13 @@ def split_sums_kernel(  # type: ignore[no-untyped-def]
 @triton.jit
 def combine_kernel(  # type: ignore[no-untyped-def]
     sink_ptr, out_ptr, part_m_ptr, part_acc_ptr, part_l_ptr, num_heads, num_splits,
-    WIDTH: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
+    WIDTH: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Grid (query, head block, column block): the sink's term, then every split's sums added in split order, and the
     output. Each element is the same additions whatever the blocks. The splits are loaded :data:`_SPLITS_PER_LOAD` at
     a time; those past the last one load as +0.0, which leaves the sums' bits as they are (a sum that starts at +0.0
     is never −0.0, and ``a + 0.0 == a`` for every other ``a``)."""
+    await_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     h, h_mask = _heads(num_heads, BLOCK_H)
     c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -325,11 +329,12 @@ def prefill_kernel(  # type: ignore[no-untyped-def]
     WIDTH: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
     FMT0: tl.constexpr, FMT1: tl.constexpr, FMT2: tl.constexpr,
     BF16_0: tl.constexpr, BF16_1: tl.constexpr, BF16_2: tl.constexpr,
-    ROUND: tl.constexpr, LOGITS_BLOCK_N: tl.constexpr,
+    ROUND: tl.constexpr, LOGITS_BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Grid (query, head block), the non-split path: the maximum over the sink and every key (pass 1, in tiles of
     ``LOGITS_BLOCK_N`` keys), then per ``BLOCK_V`` value columns the sink's term and every key's sums added in key
     order (pass 2, tiles of ``BLOCK_N``), and the output."""
+    await_inputs(PDL)
     token, h, h_mask, sink, logits0, m = _whole_logits(
         q_ptr, sink_ptr, logits_ptr, num_heads, scale,
         pool0, rows0, stride0, keys0, bytes0, pool1, rows1, stride1, keys1, bytes1,
@@ -376,7 +381,7 @@ def chunks_kernel(  # type: ignore[no-untyped-def]
     WIDTH: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
     FMT0: tl.constexpr, FMT1: tl.constexpr, FMT2: tl.constexpr,
     BF16_0: tl.constexpr, BF16_1: tl.constexpr, BF16_2: tl.constexpr, ROUND: tl.constexpr,
-    LOGITS_BLOCK_N: tl.constexpr,
+    LOGITS_BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Grid (query, head block): the split path's result in one program. Pass 1 over every key in the split path's
     ``LOGITS_BLOCK_N`` tiles (the same logits; the maximum is exact in any order), then per ``BLOCK_V`` value columns
@@ -384,6 +389,7 @@ def chunks_kernel(  # type: ignore[no-untyped-def]
     additions of ``split_sums_kernel`` and ``combine_kernel``, without the ``[T, splits, H, WIDTH]`` partial sums
     between them. Two ``[BLOCK_H, BLOCK_V]`` accumulators (the running total and the chunk's): ``BLOCK_V`` is its own
     tile (``TILES["chunks_block_v"]``), weighing their registers against a sweep per ``BLOCK_V`` columns."""
+    await_inputs(PDL)
     token, h, h_mask, sink, logits0, m = _whole_logits(
         q_ptr, sink_ptr, logits_ptr, num_heads, scale,
         pool0, rows0, stride0, keys0, bytes0, pool1, rows1, stride1, keys1, bytes1,

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_kernels.cuda._formats import to_output_dtype
-from deepinfer_kernels.cuda._launch import check_launchable
+from deepinfer_kernels.cuda._launch import await_inputs, check_launchable, dependent_launch
 
 __all__ = ["moe_combine"]
 
@@ -20,7 +20,10 @@ _BLOCK = 1024
 
 
 @triton.jit
-def _combine_kernel(routed_ptr, bias_ptr, out_ptr, k, hidden, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+def _combine_kernel(  # type: ignore[no-untyped-def]
+    routed_ptr, bias_ptr, out_ptr, k, hidden, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
+    await_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -39,5 +42,12 @@ def moe_combine(routed: torch.Tensor, bias: torch.Tensor | None, out: torch.Tens
     n, k, hidden = routed.shape
     block = min(_BLOCK, triton.next_power_of_2(hidden))
     _combine_kernel[(n, triton.cdiv(hidden, block))](
-        routed, out if bias is None else bias, out, k, hidden, HAS_BIAS=bias is not None, BLOCK=block
+        routed,
+        out if bias is None else bias,
+        out,
+        k,
+        hidden,
+        HAS_BIAS=bias is not None,
+        BLOCK=block,
+        **dependent_launch(out.device),
     )

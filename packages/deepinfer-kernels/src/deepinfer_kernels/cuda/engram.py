@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_kernels.cuda._formats import to_output_dtype
-from deepinfer_kernels.cuda._launch import check_launchable
+from deepinfer_kernels.cuda._launch import await_inputs, check_launchable, dependent_launch
 from deepinfer_kernels.engram import GATE_FLOOR
 
 __all__ = ["engram_gate", "engram_lookup", "engram_ngram_rows"]
@@ -42,8 +42,9 @@ _NGRAM_BLOCK = 128
 @triton.jit
 def _ngram_rows_kernel(  # type: ignore[no-untyped-def]
     ids_ptr, positions_ptr, request_ptr, q_start_ptr, prefix_ptr, table_ptr, rows_ptr, active_ptr, tokens, table_len,
-    pad_id, NGRAM: tl.constexpr, BLOCK: tl.constexpr,
+    pad_id, NGRAM: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    await_inputs(PDL)
     token = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = token < tokens
     position = tl.load(positions_ptr + token, mask=live, other=0)
@@ -86,6 +87,7 @@ def engram_ngram_rows(
     _ngram_rows_kernel[(triton.cdiv(tokens, _NGRAM_BLOCK),)](
         input_ids, positions, token_request, q_start, prefix_ids, old_to_new, rows, active, tokens,
         old_to_new.shape[0], pad_id, NGRAM=rows.shape[1], BLOCK=_NGRAM_BLOCK,
+        **dependent_launch(input_ids.device),
     )  # fmt: skip
 
 
@@ -93,8 +95,9 @@ def engram_ngram_rows(
 def _lookup_kernel(  # type: ignore[no-untyped-def]
     rows_ptr, multipliers_ptr, sizes_ptr, offsets_ptr, weight_ptr, scale_ptr, codes_ptr, scales_ptr, columns,
     NGRAM: tl.constexpr, HEADS: tl.constexpr, WIDTH: tl.constexpr, SCALES: tl.constexpr, BLOCK_C: tl.constexpr,
-    BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    await_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     column = tl.arange(0, BLOCK_C)
     live = column < columns
@@ -140,6 +143,7 @@ def engram_lookup(
         scales.view(torch.uint8), columns, NGRAM=ngram, HEADS=columns // (ngram - 1), WIDTH=width, SCALES=groups,
         BLOCK_C=triton.next_power_of_2(columns), BLOCK_W=triton.next_power_of_2(width),
         BLOCK_S=triton.next_power_of_2(groups),
+        **dependent_launch(rows.device),
     )  # fmt: skip
 
 
@@ -172,7 +176,9 @@ def _engram_gate_kernel(  # type: ignore[no-untyped-def]
     M_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
     FLOOR: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    await_inputs(PDL)
     t = tl.program_id(0).to(tl.int64)
     m = tl.arange(0, M_PAD)
     m_ok = m < streams
@@ -248,4 +254,5 @@ def engram_gate(
         BLOCK_H=min(_BLOCK_H, triton.next_power_of_2(hidden)),
         FLOOR=GATE_FLOOR,
         num_warps=4,
+        **dependent_launch(trunk.device),
     )

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_kernels.cuda import fp8_wgmma, quant
-from deepinfer_kernels.cuda._launch import check_launchable
+from deepinfer_kernels.cuda._launch import await_inputs, check_launchable, dependent_launch
 from deepinfer_kernels.cuda.dequantized_gemm import bf16_product, dequantized_activation, quantized_value_activation
 from deepinfer_kernels.cuda.gemm_decodings import dot_scaled_tiles, group_tiles, swapped_tiles
 from deepinfer_kernels.cuda.gemm_operands import (
@@ -99,7 +99,9 @@ def _fp8_block_kernel(  # type: ignore[no-untyped-def]
     DOT_BF16: tl.constexpr,
     DECODING: tl.constexpr,
     NATIVE_FP8: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    await_inputs(PDL)
     q_ptr, qs_ptr = group_activation(q_ptr, qs_ptr, K, N_PER_GROUP, BLOCK_N)
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     row_mask = rows < M
@@ -181,6 +183,7 @@ def mxfp4_kernel(  # type: ignore[no-untyped-def]
     DECODING: tl.constexpr,
     NATIVE_FP8: tl.constexpr,
     SCAN: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Dense (``GROUPED=False``: one weight, rows ``pid·BLOCK_M …``) or grouped MXFP4 GEMM tile.
 
@@ -204,6 +207,7 @@ def mxfp4_kernel(  # type: ignore[no-untyped-def]
     the expert's first, with every row of that expert in one tile (so each weight is still read once), and exits
     otherwise.
     """
+    await_inputs(PDL)
     if GROUPED:
         if SCAN:
             slots = tl.arange(0, BLOCK_M)
@@ -394,6 +398,7 @@ def mxfp4_launch(
         **rows,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **dependent_launch(out.device),
     )
 
 
@@ -461,6 +466,7 @@ def fp8_block_launch(
             NATIVE_FP8=native_fp8(),
             E4M3_BIAS=0 if native_fp8() else 8,
             **launch,
+            **dependent_launch(out.device),
         )
     else:
         _fp8_block_kernel[grid](
@@ -474,6 +480,7 @@ def fp8_block_launch(
             DECODING=cfg.decoding,
             NATIVE_FP8=native_fp8(),
             **launch,
+            **dependent_launch(out.device),
         )
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from deepinfer_kernels.cuda._launch import await_inputs
 from deepinfer_kernels.cuda.gemm_operands import (
     chunk_range,
     e2m1_halves,
@@ -79,9 +80,11 @@ def fp8_gemv_kernel(  # type: ignore[no-untyped-def]
     BLOCK_K: tl.constexpr,
     NATIVE_FP8: tl.constexpr,
     E4M3_BIAS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Rows ``pid·ROWS …`` times an FP8 32×32-block weight tile (``E4M3_BIAS``: 0 native, 8 from bits); weight rows
     are grouped by ``N_PER_GROUP`` as in ``cuda.gemm._fp8_block_kernel``."""
+    await_inputs(PDL)
     q_ptr, qs_ptr = group_activation(q_ptr, qs_ptr, K, N_PER_GROUP, BLOCK_N)
     slots = tl.arange(0, ROWS)
     start = tl.program_id(0) * ROWS
@@ -146,8 +149,10 @@ def mxfp4_gemv_kernel(  # type: ignore[no-untyped-def]
     BLOCK_K: tl.constexpr,
     NATIVE_FP8: tl.constexpr,
     E4M3_BIAS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Dense or grouped MXFP4 weight tile times up to ``ROWS`` rows (the tables as in ``cuda.gemm.mxfp4_kernel``)."""
+    await_inputs(PDL)
     if GROUPED:
         expert = tl.load(block_expert_ptr + tl.program_id(0))
         if expert >= num_experts:

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_kernels.cuda._launch import check_launchable
+from deepinfer_kernels.cuda._launch import await_inputs, check_launchable, dependent_launch
 from deepinfer_kernels.cuda.gemm import activation_for, gemv_rows, mxfp4_launch
 from deepinfer_kernels.cuda.gemm_tiles import (
     GLUON_BLOCK_K,
@@ -46,9 +46,10 @@ _ZERO_ROWS, _ZERO_COLUMNS = 16, 256
 
 @triton.jit
 def _zero_unrouted_kernel(  # type: ignore[no-untyped-def]
-    ids_ptr, out_ptr, M, N, E, stride_out, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr
+    ids_ptr, out_ptr, M, N, E, stride_out, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr
 ):
     # Zeros into the rows whose id is outside [0, E); every other row is left to the GEMM.
+    await_inputs(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     ids = tl.load(ids_ptr + rows, mask=rows < M, other=0)
     unrouted = (rows < M) & ((ids < 0) | (ids >= E))
@@ -62,7 +63,16 @@ def _zero_unrouted_rows(expert_ids: torch.Tensor, out: torch.Tensor, experts: in
     m, n = out.shape
     grid = (triton.cdiv(m, _ZERO_ROWS), triton.cdiv(n, _ZERO_COLUMNS))
     _zero_unrouted_kernel[grid](
-        expert_ids, out, m, n, experts, out.stride(0), BLOCK_R=_ZERO_ROWS, BLOCK_C=_ZERO_COLUMNS, num_warps=4
+        expert_ids,
+        out,
+        m,
+        n,
+        experts,
+        out.stride(0),
+        BLOCK_R=_ZERO_ROWS,
+        BLOCK_C=_ZERO_COLUMNS,
+        num_warps=4,
+        **dependent_launch(out.device),
     )
 
 

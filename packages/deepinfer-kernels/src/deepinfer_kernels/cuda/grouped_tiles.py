@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_kernels.cuda._launch import await_inputs, dependent_launch
+
 __all__ = ["MAX_ROWS", "expert_tiles_one_launch"]
 
 MAX_ROWS = 2048
@@ -57,9 +59,11 @@ def _tiles_kernel(  # type: ignore[no-untyped-def]
     BINS: tl.constexpr,
     CHUNK: tl.constexpr,
     SCAN: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # Programs [0, ROW_PROGRAMS) own CHUNK rows each, the others CHUNK tiles each; both read the ids SCAN at a time.
     # BINS > E: rows past M count in bin E with the unrouted ones, and no expert's count includes them.
+    await_inputs(PDL)
     experts = tl.arange(0, BINS)
     counts = tl.zeros((BINS,), dtype=tl.int32)
     for r0 in range(0, M, SCAN):
@@ -120,5 +124,6 @@ def expert_tiles_one_launch(
         CHUNK=_CHUNK,
         SCAN=_SCAN,
         num_warps=4,
+        **dependent_launch(expert_ids.device),
     )
     return order, tile_expert, tile_start, tile_end

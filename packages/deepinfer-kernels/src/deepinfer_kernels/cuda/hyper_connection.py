@@ -30,7 +30,7 @@ import triton.language as tl
 
 from deepinfer_kernels.batch_invariant import invariant_kernels
 from deepinfer_kernels.cuda._formats import to_output_dtype
-from deepinfer_kernels.cuda._launch import check_launchable
+from deepinfer_kernels.cuda._launch import await_inputs, check_launchable, dependent_launch
 from deepinfer_kernels.reference.hyper_connection import HC_POST_MULT
 
 __all__ = ["hc_mixes", "hc_post", "hc_read"]
@@ -71,7 +71,9 @@ def _mix_logits_kernel(  # type: ignore[no-untyped-def]
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
     TF32: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    await_inputs(PDL)
     pid_m = tl.program_id(0)
     split = tl.program_id(1)
     tokens = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -105,10 +107,21 @@ def _mix_logits_kernel(  # type: ignore[no-untyped-def]
 
 @triton.jit
 def _token_mix_logits_kernel(  # type: ignore[no-untyped-def]
-    z_ptr, fn_ptr, part_ptr, sum_sq_ptr, n, width, rows, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, TF32: tl.constexpr
+    z_ptr,
+    fn_ptr,
+    part_ptr,
+    sum_sq_ptr,
+    n,
+    width,
+    rows,
+    CHUNK: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    TF32: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # Program (token, split): _mix_logits_kernel's partials of one token from one load of the chunk's fn tile
     # [BLOCK_R, CHUNK] and FP32 sums; TF32-rounded fn values times the trunk's values are exact products, as in its dot.
+    await_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     fn_rows = tl.arange(0, BLOCK_R)
@@ -149,7 +162,9 @@ def _mixes_kernel(  # type: ignore[no-untyped-def]
     BLOCK_MM: tl.constexpr,
     BLOCK_R: tl.constexpr,
     POST_MULT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    await_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     streams = tl.arange(0, BLOCK_MM)
     stream_mask = streams < M
@@ -220,11 +235,13 @@ def hc_mixes(
         _token_mix_logits_kernel[(n, splits)](
             trunk, fn, part, sum_sq, n, width, rows, CHUNK=_CHUNK, BLOCK_R=block_r, TF32=tf32, num_warps=8,
             enable_fp_fusion=False,
+            **dependent_launch(trunk.device),
         )  # fmt: skip
     else:
         _mix_logits_kernel[(triton.cdiv(n, _BLOCK_M), splits)](
             trunk, fn, part, sum_sq, n, width, rows, CHUNK=_CHUNK, BLOCK_M=_BLOCK_M, BLOCK_R=block_r, BLOCK_K=_BLOCK_K,
             TF32=tf32, enable_fp_fusion=False,
+            **dependent_launch(trunk.device),
         )  # fmt: skip
     # Python floats reach the kernel as FP32 values, as the reference adds them to FP32 tensors.
     _mixes_kernel[(n,)](
@@ -246,11 +263,13 @@ def hc_mixes(
         BLOCK_R=block_r,
         POST_MULT=HC_POST_MULT,
         enable_fp_fusion=False,
+        **dependent_launch(part.device),
     )
 
 
 @triton.jit
-def _read_kernel(x_ptr, mix_ptr, out_ptr, hidden, M: tl.constexpr, BLOCK_H: tl.constexpr):  # type: ignore[no-untyped-def]
+def _read_kernel(x_ptr, mix_ptr, out_ptr, hidden, M: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):  # type: ignore[no-untyped-def]
+    await_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = cols < hidden
@@ -267,14 +286,15 @@ def hc_read(trunk: torch.Tensor, read_mix: torch.Tensor, out: torch.Tensor) -> N
     n, m, hidden = trunk.shape
     block = min(_BLOCK_H, triton.next_power_of_2(hidden))
     _read_kernel[(n, triton.cdiv(hidden, block))](
-        trunk, read_mix, out, hidden, M=m, BLOCK_H=block, enable_fp_fusion=False
+        trunk, read_mix, out, hidden, M=m, BLOCK_H=block, enable_fp_fusion=False, **dependent_launch(trunk.device)
     )
 
 
 @triton.jit
 def _post_kernel(  # type: ignore[no-untyped-def]
-    y_ptr, x_ptr, write_ptr, comb_ptr, out_ptr, hidden, M: tl.constexpr, BLOCK_H: tl.constexpr
+    y_ptr, x_ptr, write_ptr, comb_ptr, out_ptr, hidden, M: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr
 ):
+    await_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = cols < hidden
@@ -296,5 +316,14 @@ def hc_post(
     n, m, hidden = trunk.shape
     block = min(_BLOCK_H, triton.next_power_of_2(hidden))
     _post_kernel[(n, triton.cdiv(hidden, block))](
-        output, trunk, write_mix, comb, out, hidden, M=m, BLOCK_H=block, enable_fp_fusion=False
+        output,
+        trunk,
+        write_mix,
+        comb,
+        out,
+        hidden,
+        M=m,
+        BLOCK_H=block,
+        enable_fp_fusion=False,
+        **dependent_launch(output.device),
     )

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from deepinfer_kernels.batch_invariant import invariant_kernels
 from deepinfer_kernels.cache_layout import RowFormat
-from deepinfer_kernels.cuda._launch import check_launchable
+from deepinfer_kernels.cuda._launch import await_inputs, check_launchable, dependent_launch
 from deepinfer_kernels.cuda.row_formats import FORMAT_CODES, decode_tile, round_bf16
 from deepinfer_kernels.platform import triton_interpreter_enabled
 from deepinfer_kernels.reference import indexer as reference
@@ -145,9 +145,11 @@ def _index_scores_kernel(  # type: ignore[no-untyped-def]
     ROUND: tl.constexpr,
     BF16_DOT: tl.constexpr,
     BLOCK_Q: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # BLOCK_Q > 1: the step's queries all belong to one request (the host knows: one block-table row), and a program
     # scores BLOCK_Q consecutive queries against one gathered, decoded key tile (_score_queries).
+    await_inputs(PDL)
     if BLOCK_Q > 1:
         _score_queries(
             q_ptr, w_ptr, pool_ptr, block_table_ptr, stride_table, request_ptr, num_rows_ptr, keys_ptr, stride_keys,
@@ -222,9 +224,12 @@ def _index_scores_kernel(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _selection_kernel(keys_ptr, stride_keys, out_ptr, stride_out, COLS, OUT_COLS, WIDTH: tl.constexpr):  # type: ignore[no-untyped-def]
+def _selection_kernel(  # type: ignore[no-untyped-def]
+    keys_ptr, stride_keys, out_ptr, stride_out, COLS, OUT_COLS, WIDTH: tl.constexpr, PDL: tl.constexpr
+):
     # Row program: the ids of a row's COLS merged sort keys (_sort_key: the id's complement in the low 32 bits; the
     # int64 minimum for no entry) in ascending order, then −1 for every missing entry, into OUT_COLS columns.
+    await_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, WIDTH)
     none = -9223372036854775807 - 1
@@ -246,6 +251,7 @@ def _write_ids(out: torch.Tensor, merged: torch.Tensor, selected: int, chunk_is_
     _selection_kernel[(out.shape[0],)](
         keys, keys.stride(0), out, out.stride(0), keys.shape[1], out.shape[1], WIDTH=width,
         num_warps=8 if width > 512 else 4,
+        **dependent_launch(keys.device),
     )  # fmt: skip
 
 
@@ -334,6 +340,7 @@ def indexer_select(
                 merged[:, topk:], merged.stride(0), merged_blocks[:, num_candidate_blocks:], merged_blocks.stride(0),
                 q_start, count, slot_start, span, num_heads, key_pool.shape[1], rows_per_block,
                 **statics,
+                **dependent_launch(q.device),
             )  # fmt: skip
             if topk and not rows_all:
                 merged[:count, :topk] = torch.topk(merged[:count], topk, dim=1, sorted=False).values

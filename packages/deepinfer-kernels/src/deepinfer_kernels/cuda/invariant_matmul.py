@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_kernels.cuda._formats import to_output_dtype
-from deepinfer_kernels.cuda._launch import check_launchable
+from deepinfer_kernels.cuda._launch import await_inputs, check_launchable, dependent_launch
 from deepinfer_kernels.cuda.gemm_operands import CHUNKS_PER_LOAD, chunk_range, finish_tile, split_counters
 from deepinfer_kernels.platform import triton_interpreter_enabled
 
@@ -126,10 +126,12 @@ def _matmul_kernel(  # type: ignore[no-untyped-def]
     CHUNKED: tl.constexpr,
     SPLIT_GRID: tl.constexpr,
     FINISH_IN_TILE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # SPLIT_GRID (one batch entry, unit column stride out): grid axis 2 is the K chunk; else the batch entry, and the
     # program sums every chunk in order. FINISH_IN_TILE: a split tile's last program adds the chunk sums into out,
     # else _chunk_sums_kernel does.
+    await_inputs(PDL)
     batch = 0 if SPLIT_GRID else tl.program_id(2).to(tl.int64)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -162,9 +164,10 @@ def _matmul_kernel(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _chunk_sums_kernel(partial_ptr, out_ptr, M, N, chunks, stride_om, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+def _chunk_sums_kernel(partial_ptr, out_ptr, M, N, chunks, stride_om, BLOCK: tl.constexpr, PDL: tl.constexpr):  # type: ignore[no-untyped-def]
     # out[r, c] = the chunk sums partial[:, r, c] added from zero in chunk order: finish_tile's additions, its loads
     # CHUNKS_PER_LOAD at a time too (those past the last chunk give +0.0, which changes no bit of the sum).
+    await_inputs(PDL)
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < M * N
     total = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -237,10 +240,11 @@ def invariant_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, tile: 
         _matmul_kernel[(row_tiles, col_tiles, chunks)](
             a, b, out, partial, counters, m, n, k, chunk, *a.stride(), *b.stride(), *out.stride(),
             SPLIT_GRID=True, FINISH_IN_TILE=in_tile, **tiles, **launch,
+            **dependent_launch(out.device),
         )  # fmt: skip
         if not in_tile:
             _chunk_sums_kernel[(triton.cdiv(m * n, _SUM_BLOCK),)](
-                partial, out, m, n, chunks, out.stride(1), BLOCK=_SUM_BLOCK, num_warps=4
+                partial, out, m, n, chunks, out.stride(1), BLOCK=_SUM_BLOCK, num_warps=4, **dependent_launch(out.device)
             )
         return
     # CUDA grids allow 65535 programs along the batch axis; more batch entries run in several launches.
@@ -249,4 +253,5 @@ def invariant_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, tile: 
         _matmul_kernel[(row_tiles, col_tiles, stop - start)](
             a[start:stop], b[start:stop], out[start:stop], out, out, m, n, k, chunk,
             *a.stride(), *b.stride(), *out.stride(), SPLIT_GRID=False, FINISH_IN_TILE=False, **tiles, **launch,
+            **dependent_launch(out.device),
         )  # fmt: skip

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_kernels.cuda._formats import fp8_token_groups, to_output_dtype
-from deepinfer_kernels.cuda._launch import check_launchable
+from deepinfer_kernels.cuda._launch import await_inputs, check_launchable, dependent_launch
 
 __all__ = ["rms_norm", "rms_norm_fp8"]
 
@@ -37,8 +37,9 @@ def _normed_row(x_ptr, weight_ptr, out_ptr, hidden, eps, stride_x, stride_out, B
 
 @triton.jit
 def _rms_norm_kernel(  # type: ignore[no-untyped-def]
-    x_ptr, weight_ptr, out_ptr, hidden, eps, stride_x, stride_out, BLOCK: tl.constexpr
+    x_ptr, weight_ptr, out_ptr, hidden, eps, stride_x, stride_out, BLOCK: tl.constexpr, PDL: tl.constexpr
 ):
+    await_inputs(PDL)
     _normed_row(x_ptr, weight_ptr, out_ptr, hidden, eps, stride_x, stride_out, BLOCK)
 
 
@@ -56,11 +57,13 @@ def _rms_norm_fp8_kernel(  # type: ignore[no-untyped-def]
     stride_q,
     stride_scale,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # The FP8 copy quantizes the rounded output as the separate quantizer would read it: the row is stored, then read
     # back in the quantizer's [groups, 32] shape after a barrier. Reshaping the normalized values in registers instead
     # lets Triton pick another layout for the whole row, which changes the order of the sum of squares (the output then
     # differed in the last bit from rms_norm's on the H200).
+    await_inputs(PDL)
     row = _normed_row(x_ptr, weight_ptr, out_ptr, hidden, eps, stride_x, stride_out, BLOCK)
     tl.debug_barrier()
     columns = tl.arange(0, BLOCK // _GROUP)[:, None] * _GROUP + tl.arange(0, _GROUP)[None, :]
@@ -85,7 +88,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
     num_rows, hidden = x.shape
     eps_fp32 = float(torch.tensor(eps, dtype=torch.float32))
     _rms_norm_kernel[(num_rows,)](
-        x, weight, out, hidden, eps_fp32, x.stride(0), out.stride(0), BLOCK=triton.next_power_of_2(hidden)
+        x,
+        weight,
+        out,
+        hidden,
+        eps_fp32,
+        x.stride(0),
+        out.stride(0),
+        BLOCK=triton.next_power_of_2(hidden),
+        **dependent_launch(x.device),
     )
 
 
@@ -120,4 +131,5 @@ def rms_norm_fp8(
         q.stride(0),
         scale.stride(0),
         BLOCK=triton.next_power_of_2(hidden),
+        **dependent_launch(x.device),
     )

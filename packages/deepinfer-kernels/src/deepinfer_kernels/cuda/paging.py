@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_kernels.cuda._launch import check_launchable
+from deepinfer_kernels.cuda._launch import await_inputs, check_launchable, dependent_launch
 
 __all__ = ["paged_rows", "window_key_rows"]
 
@@ -25,8 +25,9 @@ _BLOCK = 1024
 @triton.jit
 def _paged_rows_kernel(  # type: ignore[no-untyped-def]
     table_ptr, request_ptr, rows_ptr, out_ptr, total, per_request, table_rows, table_cols, rows_per_block,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    await_inputs(PDL)
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = i < total
     row = tl.load(rows_ptr + i, mask=live, other=-1).to(tl.int64)
@@ -47,14 +48,16 @@ def paged_rows(
     _paged_rows_kernel[(triton.cdiv(total, _BLOCK),)](
         block_table, request, rows, out, total, per_request, block_table.shape[0], block_table.shape[1],
         rows_per_block, BLOCK=_BLOCK,
+        **dependent_launch(block_table.device),
     )  # fmt: skip
 
 
 @triton.jit
 def _window_key_rows_kernel(  # type: ignore[no-untyped-def]
     positions_ptr, request_ptr, q_start_ptr, cu_ptr, slots_ptr, floor_ptr, history_ptr, own_ptr, total, ring,
-    last_key, WINDOW: tl.constexpr, FLOORED: tl.constexpr, BLOCK: tl.constexpr,
+    last_key, WINDOW: tl.constexpr, FLOORED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    await_inputs(PDL)
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = i < total
     query = i // WINDOW
@@ -96,4 +99,5 @@ def window_key_rows(
         positions, token_request, q_start, cu_query_lens, state_slots,
         positions if window_floor is None else window_floor, history, own, total, ring, max(num_key_tokens - 1, 0),
         WINDOW=window, FLOORED=window_floor is not None, BLOCK=_BLOCK,
+        **dependent_launch(positions.device),
     )  # fmt: skip

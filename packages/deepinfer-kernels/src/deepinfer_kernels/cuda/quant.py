@@ -24,7 +24,7 @@ from deepinfer_kernels.cuda._formats import (
     to_output_dtype,
     ue8m0_decode,
 )
-from deepinfer_kernels.cuda._launch import check_launchable
+from deepinfer_kernels.cuda._launch import await_inputs, check_launchable, dependent_launch
 
 __all__ = [
     "dequantize_fp8_block",
@@ -50,8 +50,9 @@ _E2M1_MAX: tl.constexpr = tl.constexpr(6.0)
 
 @triton.jit
 def _quantize_fp8_block_kernel(  # type: ignore[no-untyped-def]
-    w_ptr, q_ptr, scale_ptr, rows, cols, stride_w, stride_q, stride_scale, BLOCK: tl.constexpr
+    w_ptr, q_ptr, scale_ptr, rows, cols, stride_w, stride_q, stride_scale, BLOCK: tl.constexpr, PDL: tl.constexpr
 ):
+    await_inputs(PDL)
     block_row = tl.program_id(0)
     block_col = tl.program_id(1)
     r = (block_row * BLOCK + tl.arange(0, BLOCK)[:, None]).to(tl.int64)
@@ -67,9 +68,10 @@ def _quantize_fp8_block_kernel(  # type: ignore[no-untyped-def]
 @triton.jit
 def _dequantize_fp8_block_kernel(  # type: ignore[no-untyped-def]
     q_ptr, scale_ptr, out_ptr, rows, cols, stride_q, stride_scale, stride_out,
-    BLOCK: tl.constexpr, BLOCKS: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCKS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # One block row and BLOCKS blocks along it: each column takes its own block's factor.
+    await_inputs(PDL)
     block_row = tl.program_id(0)
     r = (block_row * BLOCK + tl.arange(0, BLOCK)[:, None]).to(tl.int64)
     c = tl.program_id(1) * BLOCKS * BLOCK + tl.arange(0, BLOCKS * BLOCK)[None, :]
@@ -94,10 +96,12 @@ def group_tile(rows, groups, GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOC
 def _quantize_group_kernel(  # type: ignore[no-untyped-def]
     x_ptr, q_ptr, scale_ptr, rows, groups, stride_x, stride_q, stride_scale,
     GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_GROUPS: tl.constexpr, DEINTERLEAVE: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     # DEINTERLEAVE: each group's codes are stored even columns first, then odd ones
     # (cuda.gemm.deinterleaved_activation). They are reordered in registers so the store stays contiguous: permuted
     # byte addresses made the quantizer 10x slower on the H200 (kernels_quant-h200-dc3a5be.json).
+    await_inputs(PDL)
     r, g, c, row_mask, mask = group_tile(rows, groups, GROUP, BLOCK_ROWS, BLOCK_GROUPS)
     x = tl.load(x_ptr + r[:, None, None] * stride_x + c[None, :, :], mask=mask, other=0.0).to(tl.float32)
     q, scale_bytes = fp8_token_groups(tl.reshape(x, (BLOCK_ROWS * BLOCK_GROUPS, GROUP)))
@@ -115,11 +119,13 @@ def _quantize_group_kernel(  # type: ignore[no-untyped-def]
 def _quantized_values_kernel(  # type: ignore[no-untyped-def]
     x_ptr, order_ptr, out_ptr, rows, groups, repeats, stride_x, stride_out,
     BLOCK_ROWS: tl.constexpr, BLOCK_GROUPS: tl.constexpr, GATHER: tl.constexpr, WORD_PAIRS: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     # out[p, 32g + c] = x̂[source row, 32g + column c]: the source row order[p] // repeats (GATHER) or p, the column c
     # or word_pair_columns(32)[c] (WORD_PAIRS). A group's amax and codes do not depend on the order of its columns, so
     # the group is loaded and stored contiguously and its values reordered in registers (loading the permuted columns
     # took every element as a 2-byte load of its own).
+    await_inputs(PDL)
     r, _, c, row_mask, mask = group_tile(rows, groups, 32, BLOCK_ROWS, BLOCK_GROUPS)
     source = r
     if GATHER:
@@ -138,8 +144,9 @@ def _quantized_values_kernel(  # type: ignore[no-untyped-def]
 @triton.jit
 def _dequantize_group_kernel(  # type: ignore[no-untyped-def]
     q_ptr, scale_ptr, out_ptr, rows, groups, stride_q, stride_scale, stride_out,
-    GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_GROUPS: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_GROUPS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    await_inputs(PDL)
     r, g, c, row_mask, mask = group_tile(rows, groups, GROUP, BLOCK_ROWS, BLOCK_GROUPS)
     scale_mask = row_mask[:, None] & (g < groups)[None, :]
     factor = ue8m0_decode(tl.load(scale_ptr + r[:, None] * stride_scale + g[None, :], mask=scale_mask, other=127))
@@ -150,8 +157,17 @@ def _dequantize_group_kernel(  # type: ignore[no-untyped-def]
 
 @triton.jit
 def _dequantize_mxfp4_kernel(  # type: ignore[no-untyped-def]
-    packed_ptr, scale_ptr, out_ptr, rows, stride_packed, stride_scale, stride_out, BLOCK_ROWS: tl.constexpr
+    packed_ptr,
+    scale_ptr,
+    out_ptr,
+    rows,
+    stride_packed,
+    stride_scale,
+    stride_out,
+    BLOCK_ROWS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    await_inputs(PDL)
     group = tl.program_id(1)
     r = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
     row_mask = r < rows
@@ -167,8 +183,17 @@ def _dequantize_mxfp4_kernel(  # type: ignore[no-untyped-def]
 
 @triton.jit
 def _quantize_mxfp4_kernel(  # type: ignore[no-untyped-def]
-    w_ptr, packed_ptr, scale_ptr, rows, stride_w, stride_packed, stride_scale, BLOCK_ROWS: tl.constexpr
+    w_ptr,
+    packed_ptr,
+    scale_ptr,
+    rows,
+    stride_w,
+    stride_packed,
+    stride_scale,
+    BLOCK_ROWS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    await_inputs(PDL)
     group = tl.program_id(1)
     r = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
     row_mask = r < rows
@@ -212,7 +237,16 @@ def quantize_fp8_block(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) ->
     rows, cols = w.shape
     grid = (scale.shape[0], scale.shape[1])
     _quantize_fp8_block_kernel[grid](
-        w, _bytes(q), _bytes(scale), rows, cols, w.stride(0), q.stride(0), scale.stride(0), BLOCK=_BLOCK
+        w,
+        _bytes(q),
+        _bytes(scale),
+        rows,
+        cols,
+        w.stride(0),
+        q.stride(0),
+        scale.stride(0),
+        BLOCK=_BLOCK,
+        **dependent_launch(w.device),
     )
 
 
@@ -231,6 +265,7 @@ def dequantize_fp8_block(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor
     _dequantize_fp8_block_kernel[grid](
         _bytes(q), _bytes(scale), out, rows, cols, q.stride(0), scale.stride(0), out.stride(0),
         BLOCK=_BLOCK, BLOCKS=_BLOCKS_PER_PROGRAM, num_warps=8,
+        **dependent_launch(q.device),
     )  # fmt: skip
 
 
@@ -255,6 +290,7 @@ def quantize_fp8_per_token_group(
         x, _bytes(q), _bytes(scale), rows, groups, x.stride(0), q.stride(0), scale.stride(0),
         GROUP=cols // groups, BLOCK_ROWS=_ROWS_PER_PROGRAM, BLOCK_GROUPS=per_program, DEINTERLEAVE=deinterleave,
         num_warps=_warps(per_program),
+        **dependent_launch(x.device),
     )  # fmt: skip
 
 
@@ -286,6 +322,7 @@ def quantized_values(
         x, order if order is not None else x, out, rows, cols // 32, repeats, x.stride(0), out.stride(0),
         BLOCK_ROWS=_ROWS_PER_PROGRAM, BLOCK_GROUPS=per_program, GATHER=order is not None, WORD_PAIRS=word_pairs,
         num_warps=_warps(per_program),
+        **dependent_launch(x.device),
     )  # fmt: skip
 
 
@@ -305,6 +342,7 @@ def dequantize_fp8_per_token_group(q: torch.Tensor, scale: torch.Tensor, out: to
     _dequantize_group_kernel[grid](
         _bytes(q), _bytes(scale), out, rows, groups, q.stride(0), scale.stride(0), out.stride(0),
         GROUP=cols // groups, BLOCK_ROWS=_ROWS_PER_PROGRAM, BLOCK_GROUPS=per_program, num_warps=_warps(per_program),
+        **dependent_launch(q.device),
     )  # fmt: skip
 
 
@@ -328,6 +366,7 @@ def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, out: torch.Tenso
         scale.stride(0),
         out.stride(0),
         BLOCK_ROWS=_ROWS_PER_PROGRAM,
+        **dependent_launch(packed.device),
     )
 
 
@@ -351,4 +390,5 @@ def quantize_mxfp4(w: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -
         packed.stride(0),
         scale.stride(0),
         BLOCK_ROWS=_ROWS_PER_PROGRAM,
+        **dependent_launch(w.device),
     )

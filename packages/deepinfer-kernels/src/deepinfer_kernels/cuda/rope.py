@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_kernels.cuda._formats import to_output_dtype
-from deepinfer_kernels.cuda._launch import check_launchable
+from deepinfer_kernels.cuda._launch import await_inputs, check_launchable, dependent_launch
 
 __all__ = ["apply_rope"]
 
@@ -32,7 +32,9 @@ def _rope_kernel(  # type: ignore[no-untyped-def]
     stride_table,
     BLOCK_HEADS: tl.constexpr,
     BLOCK_DIM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    await_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)[:, None]
     dims = tl.arange(0, BLOCK_DIM)[None, :]
@@ -80,4 +82,5 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch
         cos.stride(0),
         BLOCK_HEADS=block_heads,
         BLOCK_DIM=max(triton.next_power_of_2(rope_dim), 2),
+        **dependent_launch(x.device),
     )

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_kernels.cuda._launch import check_launchable
+from deepinfer_kernels.cuda._launch import await_inputs, check_launchable, dependent_launch
 from deepinfer_kernels.reference.routing import WEIGHT_NORM_EPS
 
 __all__ = ["router_topk"]
@@ -34,7 +34,9 @@ def _router_kernel(  # type: ignore[no-untyped-def]
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NORM_EPS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    await_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     offsets = tl.arange(0, BLOCK_E)
     mask = offsets < experts
@@ -77,4 +79,5 @@ def router_topk(
         BLOCK_K=triton.next_power_of_2(top_k),
         NORM_EPS=WEIGHT_NORM_EPS,
         enable_fp_fusion=False,
+        **dependent_launch(logits.device),
     )

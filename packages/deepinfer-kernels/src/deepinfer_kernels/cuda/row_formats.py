@@ -26,7 +26,7 @@ from deepinfer_kernels.cuda._formats import (
     scale_exponent,
     ue8m0_decode,
 )
-from deepinfer_kernels.cuda._launch import check_launchable
+from deepinfer_kernels.cuda._launch import await_inputs, check_launchable, dependent_launch
 from deepinfer_kernels.cuda.gemm_operands import e2m1_halves, native_fp8
 
 __all__ = ["FORMAT_CODES", "decode_groups", "decode_rows", "decode_tile", "encode_rows", "round_bf16", "store_rows"]
@@ -161,7 +161,9 @@ def _store_kernel(  # type: ignore[no-untyped-def]
     FMT: tl.constexpr,
     ROWS: tl.constexpr,
     IDENTITY: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    await_inputs(PDL)
     for r in tl.static_range(ROWS):
         i = tl.program_id(0) * ROWS + r
         if IDENTITY:  # value i into pool row i: no row list to build and read (a launch saved per encode)
@@ -210,7 +212,9 @@ def _decode_kernel(  # type: ignore[no-untyped-def]
     BLOCK_W: tl.constexpr,
     FMT: tl.constexpr,
     ROWS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    await_inputs(PDL)
     r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     d = tl.arange(0, BLOCK_W)
     mask = (r[:, None] < num_rows) & (d[None, :] < WIDTH)
@@ -248,6 +252,7 @@ def _store(pool: torch.Tensor, rows: torch.Tensor | None, values: torch.Tensor, 
         FMT=FORMAT_CODES[fmt],
         ROWS=_ROWS_PER_PROGRAM,
         IDENTITY=rows is None,
+        **dependent_launch(pool.device),
     )
 
 
@@ -266,4 +271,5 @@ def decode_rows(rows: torch.Tensor, fmt: RowFormat, out: torch.Tensor) -> None:
         BLOCK_W=triton.next_power_of_2(width),
         FMT=FORMAT_CODES[fmt],
         ROWS=_ROWS_PER_PROGRAM,
+        **dependent_launch(rows.device),
     )

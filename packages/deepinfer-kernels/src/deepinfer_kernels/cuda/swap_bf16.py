@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_kernels.batch_invariant import invariant_kernels
+from deepinfer_kernels.cuda._launch import await_inputs, dependent_launch
 from deepinfer_kernels.cuda.gemm_decodings import swapped_weight, swapped_weight_pointers
 from deepinfer_kernels.cuda.gemm_operands import (
     chunk_range,
@@ -94,6 +95,7 @@ def _swap_bf16_kernel(  # type: ignore[no-untyped-def]
     stride_out,
     GROUPED: tl.constexpr, SPLIT_GRID: tl.constexpr, CHUNK_SUMS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_BF16: tl.constexpr, NATIVE: tl.constexpr, EVEN: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     # GROUPED (MXFP4 experts): program (tile, N block) owns positions [tile_start, tile_end) of the sorted order, all
     # of expert tile_expert (a spare tile of the worst-case grid has an expert ≥ num_experts and exits); the copy's
@@ -106,6 +108,7 @@ def _swap_bf16_kernel(  # type: ignore[no-untyped-def]
     # second FP32 tile of registers). Otherwise K is one run of the accumulator.
     # EVEN: N and K multiples of the tile's (the model's shapes): the weight and activation loads need only the tile's
     # row mask.
+    await_inputs(PDL)
     if GROUPED:
         expert = tl.load(tile_expert_ptr + tl.program_id(0))
         if expert >= num_experts:
@@ -192,6 +195,7 @@ def swap_bf16_launch(
         GROUPED=True, SPLIT_GRID=False, CHUNK_SUMS=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DOT_BF16=dot_in_bf16(), NATIVE=native_fp8(), EVEN=n % cfg.block_n == 0 and k % cfg.block_k == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **dependent_launch(out.device),
     )  # fmt: skip
 
 
@@ -218,4 +222,5 @@ def fp8_swap_bf16_launch(
         GROUPED=False, SPLIT_GRID=cfg.split_grid, CHUNK_SUMS=chunk_sums, BLOCK_M=cfg.block_m, BLOCK_N=block_n,
         BLOCK_K=cfg.block_k, DOT_BF16=dot_in_bf16(), NATIVE=native_fp8(),
         EVEN=n % block_n == 0 and k % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **dependent_launch(out.device),
     )  # fmt: skip

@@ -38,7 +38,7 @@ from deepinfer_model.deepseek_v41.truncation import Compaction, PrefillTruncatio
 from deepinfer_model.deepseek_v41.weight_loading import load_named_weights
 from deepinfer_model.forward_batch import ForwardBatch
 from deepinfer_model.layers.embedding import LMHead, VocabEmbedding
-from deepinfer_model.layers.invariant import batch_invariant_forward
+from deepinfer_model.layers.kernel_modes import kernel_modes_forward
 from deepinfer_model.layers.mode import ComputeMode
 from deepinfer_model.layers.norm import RMSNorm
 from deepinfer_model.state import ModelState, StepMetadata
@@ -74,8 +74,10 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
         prefill_truncation: YOCO prefill truncation of prompt chunks (off by default); it applies to the steps whose
             ``ForwardBatch.known_lens`` is set.
         batch_invariant: on the CPU and on CUDA, ``forward``, ``draft_forward``, ``draft_logits`` and ``draft_heads``
-            give every request the same bits whatever else is in the step (``deepinfer_model.layers.invariant``;
+            give every request the same bits whatever else is in the step (``deepinfer_model.layers.kernel_modes``;
             docs/design/numerics.md, "Batch invariance"); other devices ignore it.
+        dependent_launch: the same four entry points launch the nvidia backend's Triton kernels as programmatic
+            dependent launches (the same bits; docs/design/kernels.md, "Dependent launches"); a no-op elsewhere.
 
     Attributes:
         consumer_layer_rows: query rows the YOCO consumer layers computed, summed over layers and eager forwards
@@ -99,6 +101,7 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
         context_parallel: RankGroup | None = None,
         prefill_truncation: PrefillTruncation | None = None,
         batch_invariant: bool = False,
+        dependent_launch: bool = False,
     ) -> None:
         super().__init__()
         cfg = config.text
@@ -119,6 +122,7 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
         self.context_parallel = context_parallel
         self.prefill_truncation = prefill_truncation
         self.batch_invariant = batch_invariant
+        self.dependent_launch = dependent_launch
         self.consumer_layer_rows = 0
         backbone = cfg.layers[: cfg.num_hidden_layers]
         self.embed = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, mode)
@@ -251,7 +255,7 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
 
     # ---- forward -----------------------------------------------------------------------------------------------
 
-    @batch_invariant_forward
+    @kernel_modes_forward
     def forward(self, batch: ForwardBatch, state: ModelState) -> torch.Tensor:
         """One step: compute every query token of the batch, update the caches, return logits.
 
@@ -294,7 +298,7 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
             final = final[rows]
         return self.head(self.norm(final))
 
-    @batch_invariant_forward
+    @kernel_modes_forward
     def draft_forward(self, batch: ForwardBatch, state: ModelState) -> torch.Tensor:
         """DSpark draft forward (docs/design/model.md, "Draft forward"): every request's tokens form one non-causal
         draft block.
@@ -322,7 +326,7 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
             trunk, read_mix = block(trunk, read_mix, ctx)
         return self._last_dspark().collapse(trunk, read_mix, cfg, self.mode)
 
-    @batch_invariant_forward
+    @kernel_modes_forward
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft logits before the Markov bias of any number of draft rows (``DSparkBlock.head_logits``): a drafter
         passes every slot of its blocks at once, so the LM head is read once per draft step, not once per slot.
@@ -335,7 +339,7 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
         """
         return self._last_dspark().head_logits(hidden, self.head)
 
-    @batch_invariant_forward
+    @kernel_modes_forward
     def draft_heads(
         self, logits: torch.Tensor, hidden: torch.Tensor, previous_tokens: torch.Tensor, temperature: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,55 @@
+"""The dependent-launch mode on NVIDIA (``EngineArgs.dependent_launch``; docs/design/kernels.md, "Dependent
+launches"): every Triton kernel waits for the kernels before it before it touches memory, so on the built-in
+checkpoint with CUDA graphs (decode) and eager prefill chunks, a batch of mixed requests gives bitwise the same greedy
+tokens and log-probs (with their top 20 alternatives) as the engine without the mode; with drafting too."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from deepinfer_engine import LLM, SamplingParams
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+HELD_OUT = Path(__file__).resolve().parents[3] / "benchmarks" / "data" / "tiny_heldout.jsonl"
+
+
+def _prompts(num: int) -> list[str]:
+    lines = HELD_OUT.read_text(encoding="utf-8").splitlines()[:num]
+    return [json.loads(line)["prompt"] for line in lines]
+
+
+def _run(root: Path, dependent_launch: bool, nextn: int) -> list[tuple[Any, ...]]:
+    llm = LLM(
+        device="cuda",
+        nextn=nextn,
+        max_num_seqs=16,
+        max_num_batched_tokens=256,
+        block_size=16,
+        num_cache_blocks=1024,
+        cache_dir=str(root),
+        dependent_launch=dependent_launch,
+    )
+    try:
+        assert llm.model.dependent_launch is dependent_launch
+        params = [
+            SamplingParams(temperature=0.0, max_tokens=8 + 3 * i, ignore_eos=True, top_logprobs=20) for i in range(16)
+        ]
+        outputs = llm.generate(_prompts(16), params)
+    finally:
+        llm.close()
+    assert all(output.ok for output in outputs)
+    return [(output.token_ids, output.logprobs, output.top_logprobs) for output in outputs]
+
+
+@pytest.mark.parametrize("nextn", [0, 2])
+def test_dependent_launches_give_the_same_bits(tmp_path: Path, nextn: int) -> None:
+    assert _run(tmp_path, True, nextn) == _run(tmp_path, False, nextn)

@@ -1,0 +1,41 @@
+"""Programmatic dependent launch (PDL) of the nvidia backend's Triton kernels (docs/design/kernels.md, "Dependent
+launches").
+
+On Hopper and later a kernel launched with the programmatic-serialization attribute may start while the kernel before
+it on the stream is still running. Inside ``dependent_launches()`` every Triton kernel of the nvidia backend is
+launched that way and, as its first statement, waits for the kernels before it (``griddepcontrol.wait``: their
+writes are then visible) and lets the next kernel launch (``griddepcontrol.launch_dependents``). A kernel therefore
+reads and writes nothing before everything before it has finished, exactly as without the attribute: results are
+the same bits. What is gained is the next kernel's launch (its programs scheduled and waiting) overlapped with the
+running one, for every pair of Triton kernels in a row (the decode step is some 600 kernels, most of them small).
+Kernels of other libraries (PyTorch, cuBLAS) and the Gluon GEMMs launch as before and end the overlap.
+
+The mode is a context variable, read when a kernel is launched, so a CUDA graph captured inside it records the
+dependent launches. Off by default. Off on the CPU, in Triton's interpreter and on GPUs before Hopper.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+__all__ = ["dependent_launches", "dependent_launches_requested"]
+
+_DEPENDENT_LAUNCHES: ContextVar[bool] = ContextVar("deepinfer_dependent_launches", default=False)
+
+
+def dependent_launches_requested() -> bool:
+    """Whether the calling code runs inside ``dependent_launches()`` (the launchers also check the device)."""
+    return _DEPENDENT_LAUNCHES.get()
+
+
+@contextmanager
+def dependent_launches(enabled: bool = True) -> Iterator[None]:
+    """Launch the nvidia backend's Triton kernels as programmatic dependent launches in the body (a no-op when
+    ``enabled`` is false; see the module docstring)."""
+    token = _DEPENDENT_LAUNCHES.set(enabled)
+    try:
+        yield
+    finally:
+        _DEPENDENT_LAUNCHES.reset(token)

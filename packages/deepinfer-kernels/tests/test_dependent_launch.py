@@ -1,0 +1,127 @@
+"""Programmatic dependent launch (``deepinfer_kernels.dependent_launch``): every Triton launch of the nvidia backend
+passes the launch options and every kernel it launches waits for the kernels before it as its first statement (read
+from the source, so a new kernel cannot skip it); the options are off outside the mode, on the CPU and in the
+interpreter; compiled for sm_90 with the mode on, the kernel's wait comes before its first global load."""
+
+from __future__ import annotations
+
+import ast
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from deepinfer_kernels.dependent_launch import dependent_launches, dependent_launches_requested
+
+_CUDA = pathlib.Path(__file__).resolve().parents[1] / "src" / "deepinfer_kernels" / "cuda"
+
+
+def _decorated(node: ast.FunctionDef, decorator: str) -> bool:
+    # ``@triton.jit`` or ``@triton.jit(...)``
+    return any(ast.unparse(d.func if isinstance(d, ast.Call) else d) == decorator for d in node.decorator_list)
+
+
+def _modules() -> dict[str, ast.Module]:
+    return {path.name: ast.parse(path.read_text()) for path in sorted(_CUDA.glob("*.py"))}
+
+
+def _jit_functions(modules: dict[str, ast.Module], decorator: str) -> dict[str, ast.FunctionDef]:
+    return {
+        node.name: node
+        for tree in modules.values()
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef) and _decorated(node, decorator)
+    }
+
+
+def _launches(modules: dict[str, ast.Module]) -> list[tuple[str, ast.Call, set[str]]]:
+    """(module, launch call, names of the kernels it may launch): ``kernel[grid](...)`` calls, where ``kernel`` is
+    a jit function's name or a local variable bound to one (``kernel = a if c else b``)."""
+    found = []
+    for name, tree in modules.items():
+        for function in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
+            bound: dict[str, set[str]] = {}
+            for node in ast.walk(function):
+                if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+                    names = {n.id for n in ast.walk(node.value) if isinstance(n, ast.Name)}
+                    bound.setdefault(node.targets[0].id, set()).update(names)
+            for node in ast.walk(function):
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript):
+                    launched = node.func.value
+                    if isinstance(launched, ast.Name):
+                        found.append((name, node, bound.get(launched.id, {launched.id})))
+    return found
+
+
+def test_every_triton_launch_is_a_dependent_launch_of_a_kernel_that_waits_first() -> None:
+    modules = _modules()
+    triton_kernels = _jit_functions(modules, "triton.jit")
+    gluon_kernels = _jit_functions(modules, "gluon.jit")
+    launched: set[str] = set()
+    for module, call, names in _launches(modules):
+        kernels = names & set(triton_kernels)
+        if names & set(gluon_kernels):
+            continue  # the Gluon GEMMs launch as before (docs/design/kernels.md, "Dependent launches")
+        assert kernels, f"{module}:{call.lineno} launches {sorted(names)}, none of them a @triton.jit function"
+        options = [k.value for k in call.keywords if k.arg is None]
+        assert any(ast.unparse(o).startswith("dependent_launch(") for o in options), (
+            f"{module}:{call.lineno}: a launch of {sorted(kernels)} without **dependent_launch(device)"
+        )
+        launched |= kernels
+    assert len(launched) >= 40  # the scan found the launches
+    for name in sorted(launched):
+        kernel = triton_kernels[name]
+        assert kernel.args.args[-1].arg == "PDL", f"{name} has no PDL constexpr"
+        body = kernel.body
+        statements = body[1:] if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) else body
+        assert ast.unparse(statements[0]) == "await_inputs(PDL)", f"{name} does not wait for its inputs first"
+
+
+def test_the_mode_nests_and_is_off_by_default() -> None:
+    assert not dependent_launches_requested()
+    with dependent_launches():
+        assert dependent_launches_requested()
+        with dependent_launches(False):
+            assert not dependent_launches_requested()
+        assert dependent_launches_requested()
+    assert not dependent_launches_requested()
+
+
+def test_launch_options_are_off_off_the_gpu() -> None:
+    pytest.importorskip("triton")
+    from deepinfer_kernels.cuda._launch import dependent_launch
+
+    off = {"PDL": False, "launch_pdl": False}
+    assert dependent_launch(torch.device("cpu")) == off
+    with dependent_launches():
+        assert dependent_launch(torch.device("cpu")) == off  # CPU tensors: the interpreter, no launch attribute
+
+
+_COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from deepinfer_kernels.cuda.paging import _paged_rows_kernel as kernel
+types = {n: "*i64" if n.endswith("_ptr") else "i32" for n in kernel.arg_names}
+signature = {**types, "BLOCK": "constexpr", "PDL": "constexpr"}
+for pdl in (True, False):
+    source = ASTSource(fn=kernel, signature=signature, constexprs={"BLOCK": 128, "PDL": pdl})
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    print(pdl, ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents"), ptx.find("ld.global"))
+"""
+
+
+def test_compiled_kernel_waits_before_its_first_load() -> None:
+    """Offline compile for sm_90 (no GPU needed; a process of its own, as this session's kernels run in the
+    interpreter): with PDL the PTX waits, then lets the next kernel launch, then loads; without, neither."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = {line.split()[0]: [int(v) for v in line.split()[1:]] for line in result.stdout.splitlines()}
+    wait, launch, load = rows["True"]
+    assert 0 <= wait < launch < load
+    assert rows["False"][:2] == [-1, -1] and rows["False"][2] >= 0
