@@ -133,8 +133,13 @@ def variants() -> list[dict[str, Any]]:
     return out
 
 
+# Launch-time constexprs the counted variants leave at their defaults: an ordinary launch, activation row = row.
+LAUNCH_DEFAULTS = {"PDL": False, "REPEATS": 1}
+
+
 def compile_variant(kernel: Any, constexprs: dict[str, Any], warps: int, stages: int = 1) -> Any:
     names = kernel.arg_names
+    constexprs = {**{k: v for k, v in LAUNCH_DEFAULTS.items() if k in names}, **constexprs}
     signature: dict[str, str] = {}
     for name in names:
         if name in constexprs:

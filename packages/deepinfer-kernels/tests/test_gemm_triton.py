@@ -96,12 +96,23 @@ def test_grouped_bf16_tiles_meet_the_reference_bound(triton_device: str, n: int,
 
 
 @pytest.mark.parametrize(
-    ("tokens", "decoding", "block_m"),
-    [(5, "scaled_bf16", 16), (20, "scaled_bf16", 16), (20, "swap_fp8", 16), (20, "swap_bf16", 16)],
+    ("tokens", "decoding", "block_m", "gemv"),
+    [
+        (5, "scaled_bf16", 16, False),
+        (20, "scaled_bf16", 16, False),
+        (20, "swap_fp8", 16, False),
+        (20, "swap_bf16", 16, False),
+        (5, "gluon_fp8", 16, False),
+        (20, "gluon_fp8", 16, False),
+        (2, "scaled_bf16", 2, True),
+    ],
 )
-def test_repeated_rows_read_the_tokens(triton_device: str, tokens: int, decoding: str, block_m: int) -> None:
+def test_repeated_rows_read_the_tokens(
+    triton_device: str, tokens: int, decoding: str, block_m: int, gemv: bool
+) -> None:
     """``repeats`` (a token's top-k rows read the token): bit for bit the call on the token rows copied, with every row
-    in one tile (5 tokens × 3: no tables) and over tables (20 × 3), on the codes repeated and on ``swap_bf16``'s copy
+    in one tile (5 tokens × 3: no tables) and over tables (20 × 3), each kernel reading row ``r // 3`` of the codes
+    (the MMA tiles, the Gluon tile where it runs — ``swap_fp8`` elsewhere —, the FMA GEMV), and on ``swap_bf16``'s copy
     gathered from the tokens."""
     from deepinfer_kernels.cuda.gemm_tiles import BlockConfig
 
@@ -110,7 +121,10 @@ def test_repeated_rows_read_the_tokens(triton_device: str, tokens: int, decoding
     scale = random_ue8m0((experts, n, k // 32), seed=31)
     x = _activation(tokens, k, seed=32, dtype=torch.bfloat16)
     ids = torch.randint(-1, experts, (3 * tokens,), generator=torch.Generator().manual_seed(33))
-    cfg = BlockConfig(block_m, 64, num_warps=4, num_stages=2, split_grid=False, block_k=64, decoding=decoding)
+    block_k = 128 if decoding == "gluon_fp8" else 64
+    cfg = BlockConfig(
+        block_m, 64, num_warps=4, num_stages=2, split_grid=gemv, gemv=gemv, block_k=block_k, decoding=decoding
+    )
     gemm = implementation("mxfp4_grouped_gemm", Backend.NVIDIA)
     inputs = [t.to(triton_device) for t in (ids, packed, scale)]
     repeated = torch.zeros(3 * tokens, n, dtype=torch.bfloat16, device=triton_device)

@@ -183,6 +183,7 @@ def mxfp4_kernel(  # type: ignore[no-untyped-def]
     DECODING: tl.constexpr,
     NATIVE_FP8: tl.constexpr,
     SCAN: tl.constexpr,
+    REPEATS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Dense (``GROUPED=False``: one weight, rows ``pid·BLOCK_M …``) or grouped MXFP4 GEMM tile.
@@ -205,7 +206,7 @@ def mxfp4_kernel(  # type: ignore[no-untyped-def]
     program of the worst-case grid, which exits at once. ``SCAN`` (all ``M ≤ BLOCK_M`` rows fit one tile): there are
     no tables and ``order_ptr`` holds the expert ids; program ``pid`` serves the expert of row ``pid`` if that row is
     the expert's first, with every row of that expert in one tile (so each weight is still read once), and exits
-    otherwise.
+    otherwise. Product row r reads activation row ``r // REPEATS`` (a token's top-k rows read the token).
     """
     await_inputs(PDL)
     if GROUPED:
@@ -230,27 +231,28 @@ def mxfp4_kernel(  # type: ignore[no-untyped-def]
     else:
         rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         row_mask = rows < M
+    a_rows = rows // REPEATS
     n_offsets = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n_offsets < N
     n_rows = n_offsets.to(tl.int64)
     groups = tl.arange(0, BLOCK_K // 32)
     if DECODING == "dot_scaled":
         total = dot_scaled_tiles(
-            q_ptr, qs_ptr, packed_ptr, ws_ptr, rows, row_mask, n_rows, n_mask, n_rows, groups, K, K_CHUNK,
+            q_ptr, qs_ptr, packed_ptr, ws_ptr, a_rows, row_mask, n_rows, n_mask, n_rows, groups, K, K_CHUNK,
             stride_q, stride_qs, stride_p, 2, stride_s, "e2m1", SPLIT_GRID, BLOCK_M, BLOCK_N, BLOCK_K,
         )  # fmt: skip
         finish_tile(out_ptr, partial_ptr, counter_ptr, total, rows, row_mask, n_offsets, M, N, stride_out, SPLIT_GRID)
         return
     if DECODING == "swap_ab":
         total = swapped_tiles(
-            q_ptr, qs_ptr, packed_ptr, ws_ptr, rows, row_mask, n_rows, n_mask, K, K_CHUNK,
+            q_ptr, qs_ptr, packed_ptr, ws_ptr, a_rows, row_mask, n_rows, n_mask, K, K_CHUNK,
             stride_q, stride_qs, stride_p, stride_s, SPLIT_GRID, BLOCK_M, BLOCK_N, BLOCK_K, DOT_BF16, NATIVE_FP8,
         )  # fmt: skip
         finish_tile(out_ptr, partial_ptr, counter_ptr, total, rows, row_mask, n_offsets, M, N, stride_out, SPLIT_GRID)
         return
     if DECODING == "group_fp16" or DECODING == "group_fp8" or DECODING == "swap_fp8":
         total = group_tiles(
-            q_ptr, qs_ptr, packed_ptr, ws_ptr, rows, row_mask, n_rows, n_mask, n_rows, K, K_CHUNK,
+            q_ptr, qs_ptr, packed_ptr, ws_ptr, a_rows, row_mask, n_rows, n_mask, n_rows, K, K_CHUNK,
             stride_q, stride_qs, stride_p, stride_s, "e2m1", SPLIT_GRID, BLOCK_M, BLOCK_N, BLOCK_K, NATIVE_FP8,
             DECODING != "group_fp16", DECODING == "swap_fp8",
         )  # fmt: skip
@@ -260,8 +262,8 @@ def mxfp4_kernel(  # type: ignore[no-untyped-def]
     # deinterleaved_activation), so each nibble plane of the packed weight meets contiguous activation bytes: the
     # product is the sum of an even-column and an odd-column dot.
     sixteen = tl.arange(0, 16)
-    q_ptrs = q_ptr + rows[:, None, None] * stride_q + (groups[:, None] * 32 + sixteen[None, :])[None, :, :]
-    qs_ptrs = qs_ptr + rows[:, None] * stride_qs + groups[None, :]
+    q_ptrs = q_ptr + a_rows[:, None, None] * stride_q + (groups[:, None] * 32 + sixteen[None, :])[None, :, :]
+    qs_ptrs = qs_ptr + a_rows[:, None] * stride_qs + groups[None, :]
     p_ptrs = packed_ptr + n_rows[:, None, None] * stride_p + (groups[:, None] * 16 + sixteen[None, :])[None, :, :]
     s_ptrs = ws_ptr + n_rows[:, None] * stride_s + groups[None, :]
     first, last = chunk_range(K, K_CHUNK, SPLIT_GRID)
@@ -329,12 +331,14 @@ def mxfp4_launch(
     tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | torch.Tensor | None,
     rows_per_program: int,
     cfg: BlockConfig,
+    repeats: int = 1,
 ) -> None:
     """Launch the MXFP4 GEMM (``cfg.gemv``: ``gemv.mxfp4_gemv_kernel`` on codes from :func:`quantized_activation`,
     else ``mxfp4_kernel`` on codes from :func:`activation_for`), dense (``tables`` None; packed [N, K/2]) or grouped
     (packed [E, N, K/2]; ``tables`` from ``grouped_gemm.expert_tiles``, or, for MMA tiles of at least M rows, the
-    expert ids themselves: ``mxfp4_kernel``'s ``SCAN``)."""
-    m, k = q.shape
+    expert ids themselves: ``mxfp4_kernel``'s ``SCAN``). Row r of ``out`` [M, N] reads row ``r // repeats`` of the
+    codes ``q`` [M / repeats, K]."""
+    m, k = out.shape[0], q.shape[1]
     n = packed.shape[-2]
     grouped, scan = tables is not None, isinstance(tables, torch.Tensor)
     if cfg.decoding in ("gluon_fp8", "swap_bf16"):
@@ -396,6 +400,7 @@ def mxfp4_launch(
         BLOCK_N=cfg.block_n,
         **({"BLOCK_K": cfg.block_k} if cfg.gemv else {}),
         **rows,
+        REPEATS=repeats,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **dependent_launch(out.device),

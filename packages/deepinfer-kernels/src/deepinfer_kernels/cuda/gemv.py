@@ -149,9 +149,11 @@ def mxfp4_gemv_kernel(  # type: ignore[no-untyped-def]
     BLOCK_K: tl.constexpr,
     NATIVE_FP8: tl.constexpr,
     E4M3_BIAS: tl.constexpr,
+    REPEATS: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Dense or grouped MXFP4 weight tile times up to ``ROWS`` rows (the tables as in ``cuda.gemm.mxfp4_kernel``)."""
+    """Dense or grouped MXFP4 weight tile times up to ``ROWS`` rows (the tables and ``REPEATS`` as in
+    ``cuda.gemm.mxfp4_kernel``)."""
     await_inputs(PDL)
     if GROUPED:
         expert = tl.load(block_expert_ptr + tl.program_id(0))
@@ -190,10 +192,11 @@ def mxfp4_gemv_kernel(  # type: ignore[no-untyped-def]
             for r in tl.static_range(ROWS):
                 row, valid = _row(order_ptr, start, end, r, groups, GROUPED)
                 a_mask = (group_ok & valid)[:, None]
-                a_ptrs = q_ptr + row * stride_q + k0 + even_columns
+                a_row = row // REPEATS
+                a_ptrs = q_ptr + a_row * stride_q + k0 + even_columns
                 a_even = e4m3_unscaled(tl.load(a_ptrs, mask=a_mask, other=0), NATIVE_FP8)
                 a_odd = e4m3_unscaled(tl.load(a_ptrs + 1, mask=a_mask, other=0), NATIVE_FP8)
-                a_scale = tl.load(qs_ptr + row * stride_qs + k0 // 32 + groups, mask=group_ok & valid, other=0)
+                a_scale = tl.load(qs_ptr + a_row * stride_qs + k0 // 32 + groups, mask=group_ok & valid, other=0)
                 a_even = a_even * pow2(a_scale, E4M3_BIAS)[:, None]
                 a_odd = a_odd * pow2(a_scale, E4M3_BIAS)[:, None]
                 pairs = w_even * a_even[None, :, :] + w_odd * a_odd[None, :, :]

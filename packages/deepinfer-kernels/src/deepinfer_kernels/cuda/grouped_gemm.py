@@ -135,7 +135,7 @@ def mxfp4_grouped_gemm(
         derived: an ``ExpertRows``'s store: the tile tables for these ids are taken from it when an earlier call
             over the same rows built them (same expert count and rows per tile), else built and kept there.
         repeats: product rows per row of x. ``swap_bf16``'s sorted copy reads x's rows directly; the other
-            decodings quantize x and repeat its codes (1 byte an element, not the 2 or 4 of x itself).
+            decodings quantize x once and read row ``m // repeats`` of its codes (no copy per choice).
         all_local: every id is in ``[0, E)`` (``ExpertRows.all_local``): every row has a tile, so the zero-row
             launch is left out.
     """
@@ -155,7 +155,7 @@ def mxfp4_grouped_gemm(
     if not cfg.gemv and m <= cfg.block_m and cfg.decoding != "swap_bf16":
         # Every row fits one MMA tile: each program finds its expert's rows itself (mxfp4_kernel's SCAN), which saves
         # the tile-table launch (about 33 µs at batch 1 on the H200, longer than the GEMM's own share of a weight).
-        launch(*_row_codes(x, cfg, repeats), packed, scale, out, expert_ids, cfg.block_m, cfg)
+        launch(*activation_for(x, cfg), packed, scale, out, expert_ids, cfg.block_m, cfg, repeats)
         return
     # FMA tiles take up to twice the mean rows, so that an expert with a few more rows than the mean is still read
     # once rather than once per tile.
@@ -169,7 +169,7 @@ def mxfp4_grouped_gemm(
     if cfg.decoding == "swap_bf16":  # quantizes x into a BF16 copy in the tables' row order (cuda.swap_bf16)
         swap_bf16_launch(x, packed, scale, out, tables, cfg, repeats)
         return
-    launch(*_row_codes(x, cfg, repeats), packed, scale, out, tables, rows, cfg)
+    launch(*activation_for(x, cfg), packed, scale, out, tables, rows, cfg, repeats)
 
 
 def _gluon_tile(cfg: BlockConfig, packed: torch.Tensor, scale: torch.Tensor, device: torch.device) -> BlockConfig:
@@ -181,11 +181,3 @@ def _gluon_tile(cfg: BlockConfig, packed: torch.Tensor, scale: torch.Tensor, dev
     if available(device) and fits(k, packed, scale, block_k):
         return dataclasses.replace(cfg, block_k=block_k)
     return dataclasses.replace(cfg, decoding="swap_fp8", block_m=max(16, cfg.block_m))
-
-
-def _row_codes(x: torch.Tensor, cfg: BlockConfig, repeats: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The codes and scale bytes of every product row: x's (``gemm.activation_for``), each row repeated."""
-    q, q_scale = activation_for(x, cfg)
-    if repeats == 1:
-        return q, q_scale
-    return q.repeat_interleave(repeats, dim=0), q_scale.repeat_interleave(repeats, dim=0)

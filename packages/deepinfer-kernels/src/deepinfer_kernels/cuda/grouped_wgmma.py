@@ -150,6 +150,7 @@ def _grouped_wgmma_kernel(  # type: ignore[no-untyped-def]
     GROUP_BITS: gl.constexpr, ACC: gl.constexpr, WEIGHT: gl.constexpr, WEIGHT_COPY: gl.constexpr,
     WEIGHT_SLOT: gl.constexpr, CODES_COPY: gl.constexpr, CODES_SLOT: gl.constexpr, SCALE_COPY: gl.constexpr,
     CODE_SCALE_COPY: gl.constexpr, SCALE_SLOT: gl.constexpr, WEIGHT_SCALES: gl.constexpr, CODE_SCALES: gl.constexpr,
+    REPEATS: gl.constexpr,
 ):  # fmt: skip
     # K is a multiple of BLOCK_K and the scale strides of GROUPS (grouped_wgmma.fits): only rows need masks.
     GROUPS: gl.constexpr = BLOCK_K // 32
@@ -182,7 +183,8 @@ def _grouped_wgmma_kernel(  # type: ignore[no-untyped-def]
     # Activation codes [GROUPS·BLOCK_M, 32]: group g of the tile's row m at slot row g·BLOCK_M + m.
     c_g = gl.arange(0, GROUPS * BLOCK_M, layout=gl.SliceLayout(1, CODES_COPY)) // BLOCK_M
     c_k = gl.arange(0, 32, layout=gl.SliceLayout(0, CODES_COPY))
-    c_ptrs = q_ptr + (code_rows * stride_q + c_g * 32)[:, None] + c_k[None, :]
+    # Product row r reads the codes of activation row r // REPEATS (a token's top-k rows read the token).
+    c_ptrs = q_ptr + ((code_rows // REPEATS) * stride_q + c_g * 32)[:, None] + c_k[None, :]
     c_in = code_mask[:, None]
     # Scale bytes [rows, GROUPS]: the weight's per row, the activation's per token; the row strides are multiples of
     # GROUPS (grouped_wgmma.fits), told to the compiler so that a row's bytes go as one piece.
@@ -191,7 +193,7 @@ def _grouped_wgmma_kernel(  # type: ignore[no-untyped-def]
     ws_ptrs = ws_ptr + gl.multiple_of(s_n.to(gl.int64) * stride_s, GROUPS)[:, None] + s_g[None, :]
     ws_in = (s_n < N)[:, None]
     a_g = gl.arange(0, GROUPS, layout=gl.SliceLayout(0, CODE_SCALE_COPY))
-    qs_ptrs = qs_ptr + gl.multiple_of(scale_rows * stride_qs, GROUPS)[:, None] + a_g[None, :]
+    qs_ptrs = qs_ptr + gl.multiple_of((scale_rows // REPEATS) * stride_qs, GROUPS)[:, None] + a_g[None, :]
     qs_in = scale_mask[:, None]
     n_rows = n0 + gl.arange(0, BLOCK_N, layout=W_ROWS)
 
@@ -250,16 +252,18 @@ def grouped_wgmma_launch(
     rows: torch.Tensor | tuple[torch.Tensor, ...],
     block_m: int,
     cfg: BlockConfig,
+    repeats: int = 1,
 ) -> None:
-    """Launch the kernel on de-interleaved activation codes ``q`` [M, K] (``cuda.gemm.deinterleaved_activation``)
-    with their scale bytes, ``packed`` [E, N, K/2] and ``scale`` [E, N, K/32] of the experts, into ``out`` [M, N]
-    (``cuda.gemm.mxfp4_launch``'s arguments; ``cfg`` a ``gluon_fp8`` tile of ``block_m`` rows whose ring
-    :func:`fits` the operands, ``cfg.num_stages`` slots).
+    """Launch the kernel on de-interleaved activation codes ``q`` [M / repeats, K]
+    (``cuda.gemm.deinterleaved_activation``) with their scale bytes, ``packed`` [E, N, K/2] and ``scale`` [E, N, K/32]
+    of the experts, into ``out`` [M, N], row r from codes row ``r // repeats`` (``cuda.gemm.mxfp4_launch``'s
+    arguments; ``cfg`` a ``gluon_fp8`` tile of ``block_m`` rows whose ring :func:`fits` the operands,
+    ``cfg.num_stages`` slots).
 
     ``rows`` is the expert id per row when every row fits one tile (``M ≤ block_m``: each program scans for its
     expert's rows) or the tile tables of ``cuda.grouped_gemm.expert_tiles`` for tiles of ``block_m`` rows.
     """
-    (m, k), (experts, n) = q.shape, packed.shape[:2]
+    (m, k), (experts, n) = (out.shape[0], q.shape[1]), packed.shape[:2]
     if not fits(k, packed, scale, cfg.block_k):
         raise ValueError(
             f"the gluon_fp8 ring copies whole K steps: K ({k}) a multiple of block_k ({cfg.block_k}), the scale row"
@@ -274,5 +278,6 @@ def grouped_wgmma_launch(
         q, q_scale, packed, scale.view(torch.uint8), out, *tables,
         m, n, k, experts, q.stride(0), q_scale.stride(0), packed.stride(0), packed.stride(1),
         scale.stride(0), scale.stride(1), out.stride(0),
-        **gluon_constexprs(scan, block_m, cfg.block_k, cfg.num_warps, cfg.num_stages), num_warps=cfg.num_warps,
+        **gluon_constexprs(scan, block_m, cfg.block_k, cfg.num_warps, cfg.num_stages), REPEATS=repeats,
+        num_warps=cfg.num_warps,
     )  # fmt: skip
