@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from deepinfer_kernels import compressed_block_sources
 from deepinfer_model import reference as ref
 from deepinfer_model.cache_spec import CacheGroupSpec, CacheSpec
 from deepinfer_model.forward_batch import ForwardBatch
@@ -75,9 +76,15 @@ def test_step_metadata_addressing() -> None:
     meta = StepMetadata.from_batch(batch)
     assert meta.token_request.tolist() == [0, 1, 1, 1, 1, 1]
     assert meta.q_start.tolist() == [9, 0]
-    request = torch.tensor([0, 0, 1])
-    assert meta.in_chunk(request, torch.tensor([8, 9, 3])).tolist() == [False, True, True]
-    assert meta.chunk_index(request, torch.tensor([9, 9, 3])).tolist() == [0, 0, 4]
+    # Compressed rows of ratio 2 (request 0's row 4: positions 8, 9; request 1's row 1: positions 2, 3): in the
+    # chunk or not, their step tokens and their rows in a ring of 6 (deepinfer_kernels.compressed_block_sources).
+    request, row = torch.tensor([0, 1]), torch.tensor([4, 1])
+    sources = compressed_block_sources(
+        request, row, 2, meta.q_start, meta.cu_query_lens, meta.context_lens, meta.state_slots, 6, meta.num_tokens
+    )
+    token, ring_row, in_chunk = (t.tolist() for t in sources)
+    assert in_chunk == [[False, True], [True, True]] and token[0][1] == 0 and token[1] == [3, 4]
+    assert ring_row[0] == [1 * 6 + 2, 1 * 6 + 3]
     # Ring of 6 rows per slot: position 9 of the request in slot 1 is row 1·6 + 3.
     assert meta.ring_rows(torch.tensor([0]), torch.tensor([9]), 6).tolist() == [9]
     # 2 rows per page: logical row 3 of request 0 lies in its page 1 → physical page 2, offset 1.

@@ -22,7 +22,7 @@ from deepinfer_kernels.hyper_connection import hc_mix_logits, hc_mixes, hc_post,
 from deepinfer_kernels.indexer import indexer_select
 from deepinfer_kernels.kv_cache import store_rows
 from deepinfer_kernels.norm import rms_norm, rms_norm_fp8
-from deepinfer_kernels.paging import paged_rows, window_key_rows
+from deepinfer_kernels.paging import compressed_block_sources, paged_rows, uniform_compressed_rows, window_key_rows
 from deepinfer_kernels.platform import Accelerator, current_accelerator
 from deepinfer_kernels.quant import (
     dequantize_fp8_block,
@@ -51,6 +51,7 @@ __all__ = [
     "apply_rope",
     "apply_rope_",
     "bytes_per_row",
+    "compressed_block_sources",
     "current_accelerator",
     "decode_rows",
     "dequantize_fp8_block",
@@ -87,6 +88,7 @@ __all__ = [
     "swiglu_clamped",
     "swiglu_clamped_fp8",
     "ue8m0_to_float",
+    "uniform_compressed_rows",
     "window_key_rows",
     "yarn_inverse_frequencies",
 ]

@@ -1,5 +1,6 @@
-"""Public cache-row lookups (docs/design/kernels.md, "paged_rows", "window_key_rows"): validation and allocation, then
-the resolved backend (one Triton launch each on NVIDIA where PyTorch takes about eight and twenty)."""
+"""Public cache-row lookups (docs/design/kernels.md, "paged_rows", "window_key_rows", "Compressed rows"): validation
+and allocation, then the resolved backend (one Triton launch each on NVIDIA where PyTorch takes about eight, twenty,
+nine and seventeen)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 from deepinfer_kernels import _registry
 from deepinfer_kernels._checks import check_dtype, check_same_device, check_tensor
 
-__all__ = ["paged_rows", "window_key_rows"]
+__all__ = ["compressed_block_sources", "paged_rows", "uniform_compressed_rows", "window_key_rows"]
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -133,3 +134,120 @@ def window_key_rows(
             own,
         )
     return history, own
+
+
+def _check_int64(**tensors: torch.Tensor) -> None:
+    for name, tensor in tensors.items():
+        check_tensor(name, tensor)
+        check_dtype(name, tensor.dtype, (torch.int64,))
+
+
+def _check_per_request(requests: int, cu_query_lens: torch.Tensor | None = None, **tensors: torch.Tensor) -> None:
+    wrong = {name: tuple(t.shape) for name, t in tensors.items() if tuple(t.shape) != (requests,)}
+    if cu_query_lens is not None and tuple(cu_query_lens.shape) != (requests + 1,):
+        wrong["cu_query_lens"] = tuple(cu_query_lens.shape)
+    if wrong:
+        raise ValueError(f"per-request tensors must be [R] (cu_query_lens [R + 1]) with R = {requests}, got {wrong}")
+
+
+def uniform_compressed_rows(
+    q_start: torch.Tensor, context_lens: torch.Tensor, ratio: int, count: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The compressed rows of ratio ``ratio`` a uniform step touches (docs/design/attention.md, "KV compressor"):
+    ``count`` rows per request, row ``j`` of request ``r`` being ``min(q_start[r] // ratio + j,
+    (context_lens[r] − 1) // ratio)`` (floor divisions; the last row repeated where the step touches fewer).
+
+    Args:
+        q_start: [R] int64 first position each request computes this step.
+        context_lens: [R] int64 tokens of each request after the step.
+        ratio: the compress ratio, at least 1.
+        count: rows per request, at least 0.
+
+    Returns:
+        ``(request, row)``: [R · count] int64 each, request-major.
+
+    Raises:
+        TypeError: a tensor is not a tensor or not int64.
+        ValueError: shapes disagree, ``ratio`` or ``count`` is out of range, or devices differ.
+    """
+    _check_int64(q_start=q_start, context_lens=context_lens)
+    if q_start.dim() != 1:
+        raise ValueError(f"q_start must be [R], got shape {tuple(q_start.shape)}")
+    _check_per_request(q_start.shape[0], context_lens=context_lens)
+    if not isinstance(ratio, int) or ratio < 1 or not isinstance(count, int) or count < 0:
+        raise ValueError(f"ratio must be an int >= 1 and count an int >= 0, got {ratio!r} and {count!r}")
+    check_same_device(q_start=q_start, context_lens=context_lens)
+    request = torch.empty(q_start.shape[0] * count, dtype=torch.int64, device=q_start.device)
+    row = torch.empty_like(request)
+    if row.numel():
+        _registry.resolve("uniform_compressed_rows", row.device.type)(
+            q_start.contiguous(), context_lens.contiguous(), ratio, count, request, row
+        )
+    return request, row
+
+
+def compressed_block_sources(
+    request: torch.Tensor,
+    row: torch.Tensor,
+    ratio: int,
+    q_start: torch.Tensor,
+    cu_query_lens: torch.Tensor,
+    context_lens: torch.Tensor,
+    state_slots: torch.Tensor,
+    ring: int,
+    num_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where the ``ratio`` positions of each compressed row are read from: this step's tokens or the request's ring of
+    ``ring`` rows (docs/design/attention.md, "KV compressor").
+
+    Position ``c`` of entry ``i`` (request ``r = request[i]``) is ``p = min(row[i] · ratio + c, context_lens[r] − 1)``
+    (a row not complete yet repeats the last computed position). It is computed this step where ``p ≥ q_start[r]``,
+    as token ``clamp(cu_query_lens[r] + p − q_start[r], 0, num_tokens − 1)``; the ring holds it at row
+    ``state_slots[r] · ring + p mod ring`` (floor remainder).
+
+    Args:
+        request, row: [N] int64 compressed rows (``uniform_compressed_rows``'s or any others).
+        ratio: the compress ratio, at least 1.
+        q_start, context_lens, state_slots: [R] int64 per request; cu_query_lens: [R + 1] int64.
+        ring: rows of a request's ring, at least 1.
+        num_tokens: the step's tokens.
+
+    Returns:
+        ``(token, ring_row, in_chunk)``: [N, ratio] int64, int64 and bool.
+
+    Raises:
+        TypeError: a tensor is not a tensor or not int64.
+        ValueError: shapes disagree, ``ratio`` or ``ring`` is below 1, or devices differ.
+    """
+    named = {
+        "request": request,
+        "row": row,
+        "q_start": q_start,
+        "cu_query_lens": cu_query_lens,
+        "context_lens": context_lens,
+        "state_slots": state_slots,
+    }
+    _check_int64(**named)
+    if row.dim() != 1 or tuple(request.shape) != tuple(row.shape):
+        raise ValueError(f"request and row must both be [N], got {tuple(request.shape)}, {tuple(row.shape)}")
+    if q_start.dim() != 1:
+        raise ValueError(f"q_start must be [R], got shape {tuple(q_start.shape)}")
+    _check_per_request(q_start.shape[0], cu_query_lens, context_lens=context_lens, state_slots=state_slots)
+    if not isinstance(ratio, int) or ratio < 1 or not isinstance(ring, int) or ring < 1:
+        raise ValueError(f"ratio and ring must be ints >= 1, got {ratio!r} and {ring!r}")
+    check_same_device(**named)
+    token = torch.empty((row.shape[0], ratio), dtype=torch.int64, device=row.device)
+    ring_row = torch.empty_like(token)
+    in_chunk = torch.empty(token.shape, dtype=torch.bool, device=row.device)
+    if token.numel():
+        _registry.resolve("compressed_block_sources", row.device.type)(
+            *(t.contiguous() for t in (request, row)),
+            ratio,
+            *(t.contiguous() for t in (q_start, cu_query_lens, context_lens, state_slots)),
+            ring,
+            num_tokens,
+            token,
+            ring_row,
+            in_chunk,
+        )
+    return token, ring_row, in_chunk

@@ -4,6 +4,11 @@
   which PyTorch runs as about eight kernels.
 - window_key_rows: one launch for a step's sliding-window key rows (the positions, the floor, the chunk test, the ring
   rows and the step rows), about twenty kernels in PyTorch.
+- uniform_compressed_rows, compressed_block_sources: one launch each for a decode step's new compressed rows and where
+  their positions are read from, about nine and seventeen kernels in PyTorch.
+
+Division and remainder follow torch's floor rounding where an operand may be negative (a padded request's context of
+0): Triton's ``//`` and ``%`` truncate toward zero.
 """
 
 # Triton reads parameter annotations as kernel type hints, so @triton.jit functions stay unannotated.
@@ -17,9 +22,23 @@ import triton.language as tl
 
 from deepinfer_kernels.cuda._launch import await_inputs, check_launchable, dependent_launch
 
-__all__ = ["paged_rows", "window_key_rows"]
+__all__ = ["compressed_block_sources", "paged_rows", "uniform_compressed_rows", "window_key_rows"]
 
 _BLOCK = 1024
+
+
+@triton.jit
+def _floor_div(a, b):  # type: ignore[no-untyped-def]
+    # b > 0: a // b rounded toward −inf, as torch.div(..., rounding_mode="floor").
+    q = a // b
+    return tl.where((a % b != 0) & (a < 0), q - 1, q)
+
+
+@triton.jit
+def _floor_mod(a, b):  # type: ignore[no-untyped-def]
+    # b > 0: the remainder in [0, b), as torch.remainder.
+    r = a % b
+    return tl.where(r < 0, r + b, r)
 
 
 @triton.jit
@@ -100,4 +119,76 @@ def window_key_rows(
         positions if window_floor is None else window_floor, history, own, total, ring, max(num_key_tokens - 1, 0),
         WINDOW=window, FLOORED=window_floor is not None, BLOCK=_BLOCK,
         **dependent_launch(positions.device),
+    )  # fmt: skip
+
+
+@triton.jit
+def _uniform_rows_kernel(  # type: ignore[no-untyped-def]
+    q_start_ptr, context_ptr, request_ptr, row_ptr, total, ratio, count, BLOCK: tl.constexpr, PDL: tl.constexpr
+):  # fmt: skip
+    await_inputs(PDL)
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = i < total
+    request = i // count
+    first = _floor_div(tl.load(q_start_ptr + request, mask=live, other=0), ratio)
+    last = _floor_div(tl.load(context_ptr + request, mask=live, other=0) - 1, ratio)
+    tl.store(request_ptr + i, request, mask=live)
+    tl.store(row_ptr + i, tl.minimum(first + i % count, last), mask=live)
+
+
+def uniform_compressed_rows(
+    q_start: torch.Tensor, context_lens: torch.Tensor, ratio: int, count: int, request: torch.Tensor, row: torch.Tensor
+) -> None:
+    """Triton ``deepinfer_kernels.uniform_compressed_rows`` (contiguous tensors, shapes there)."""
+    check_launchable(q_start=q_start, context_lens=context_lens, request=request, row=row)
+    total = row.numel()
+    _uniform_rows_kernel[(triton.cdiv(total, _BLOCK),)](
+        q_start, context_lens, request, row, total, ratio, count, BLOCK=_BLOCK, **dependent_launch(row.device)
+    )
+
+
+@triton.jit
+def _block_sources_kernel(  # type: ignore[no-untyped-def]
+    request_ptr, row_ptr, q_start_ptr, cu_ptr, context_ptr, slots_ptr, token_ptr, ring_row_ptr, in_chunk_ptr,
+    total, ring, last_token, RATIO: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    await_inputs(PDL)
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = i < total
+    entry = i // RATIO
+    request = tl.load(request_ptr + entry, mask=live, other=0)
+    position = tl.load(row_ptr + entry, mask=live, other=0) * RATIO + i % RATIO
+    position = tl.minimum(position, tl.load(context_ptr + request, mask=live, other=0) - 1)
+    start = tl.load(q_start_ptr + request, mask=live, other=0)
+    token = tl.load(cu_ptr + request, mask=live, other=0) + position - start
+    ring_row = tl.load(slots_ptr + request, mask=live, other=0) * ring + _floor_mod(position, ring)
+    tl.store(in_chunk_ptr + i, (position >= start).to(tl.int8), mask=live)
+    tl.store(token_ptr + i, tl.minimum(tl.maximum(token, 0), last_token), mask=live)
+    tl.store(ring_row_ptr + i, ring_row, mask=live)
+
+
+def compressed_block_sources(
+    request: torch.Tensor,
+    row: torch.Tensor,
+    ratio: int,
+    q_start: torch.Tensor,
+    cu_query_lens: torch.Tensor,
+    context_lens: torch.Tensor,
+    state_slots: torch.Tensor,
+    ring: int,
+    num_tokens: int,
+    token: torch.Tensor,
+    ring_row: torch.Tensor,
+    in_chunk: torch.Tensor,
+) -> None:
+    """Triton ``deepinfer_kernels.compressed_block_sources`` (contiguous tensors, shapes there)."""
+    check_launchable(
+        request=request, row=row, q_start=q_start, cu_query_lens=cu_query_lens, context_lens=context_lens,
+        state_slots=state_slots, token=token, ring_row=ring_row, in_chunk=in_chunk,
+    )  # fmt: skip
+    total = token.numel()
+    _block_sources_kernel[(triton.cdiv(total, _BLOCK),)](
+        request, row, q_start, cu_query_lens, context_lens, state_slots, token, ring_row, in_chunk.view(torch.int8),
+        total, ring, max(num_tokens - 1, 0), RATIO=ratio, BLOCK=_BLOCK,
+        **dependent_launch(row.device),
     )  # fmt: skip

@@ -1,11 +1,11 @@
-"""Reference cache-row lookups: the contracts of ``deepinfer_kernels.paged_rows`` and ``window_key_rows`` in torch
-ops."""
+"""Reference cache-row lookups: the contracts of ``deepinfer_kernels.paged_rows``, ``window_key_rows``,
+``uniform_compressed_rows`` and ``compressed_block_sources`` in torch ops."""
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["paged_rows", "window_key_rows"]
+__all__ = ["compressed_block_sources", "paged_rows", "uniform_compressed_rows", "window_key_rows"]
 
 
 def paged_rows(
@@ -47,3 +47,37 @@ def window_key_rows(
     step_rows = (cu_query_lens[request] + key_positions - q_start[request]).clamp(0, max(num_key_tokens - 1, 0))
     history.copy_(torch.where(seen & ~in_chunk, ring_rows, -1))
     own.copy_(torch.where(seen & in_chunk, step_rows, -1))
+
+
+def uniform_compressed_rows(
+    q_start: torch.Tensor, context_lens: torch.Tensor, ratio: int, count: int, request: torch.Tensor, row: torch.Tensor
+) -> None:
+    first = torch.div(q_start, ratio, rounding_mode="floor")
+    last = torch.div(context_lens - 1, ratio, rounding_mode="floor")
+    rows = first[:, None] + torch.arange(count, device=first.device)[None, :]
+    request.copy_(torch.arange(first.shape[0], device=first.device).repeat_interleave(count))
+    row.copy_(torch.minimum(rows, last[:, None]).reshape(-1))
+
+
+def compressed_block_sources(
+    request: torch.Tensor,
+    row: torch.Tensor,
+    ratio: int,
+    q_start: torch.Tensor,
+    cu_query_lens: torch.Tensor,
+    context_lens: torch.Tensor,
+    state_slots: torch.Tensor,
+    ring: int,
+    num_tokens: int,
+    token: torch.Tensor,
+    ring_row: torch.Tensor,
+    in_chunk: torch.Tensor,
+) -> None:
+    offsets = torch.arange(ratio, device=row.device)
+    positions = row[:, None] * ratio + offsets[None, :]
+    req = request[:, None].expand_as(positions)
+    positions = torch.minimum(positions, context_lens[req] - 1)
+    start = q_start[req]
+    in_chunk.copy_(positions >= start)
+    token.copy_((cu_query_lens[req] + positions - start).clamp(0, max(num_tokens - 1, 0)))
+    ring_row.copy_(state_slots[req] * ring + torch.remainder(positions, ring))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deepinfer_kernels import compressed_block_sources, uniform_compressed_rows
 from deepinfer_model.deepseek_v41.context import COMPRESSOR_GROUP, NewRows, compressed_group
 from deepinfer_model.layers.linear import Bf16Linear
 from deepinfer_model.layers.mode import ComputeMode, round_activation
@@ -54,8 +55,10 @@ class Compressor(nn.Module):
         request, row = new_compressed_rows(meta, ratio)
         latent = self.wkv(hidden)
         if self.wgate is None:
-            # Each C1 row is one chunk token's latent; which token is the same for every C1 kv source.
-            rows = latent[meta.memo.get(("compressed_row_tokens", ratio), lambda: meta.chunk_index(request, row))]
+            # Each C1 row is one chunk token's latent; which token is the same for every C1 kv source. (A C1 row's
+            # position is always in the chunk, so no ring is read: the ring size given is any.)
+            tokens = meta.memo.get(("compressed_row_tokens", ratio), lambda: block_sources(meta, 1, 1)[0][:, 0])
+            rows = latent[tokens]
         else:
             score = self.wgate(hidden)
             rows = self._combine_c2(torch.cat([score, latent.float()], dim=-1), meta, state, layer_id)
@@ -120,13 +123,10 @@ def completed_rows(meta: StepMetadata, ratio: int) -> tuple[torch.Tensor, torch.
     visibility"), and the step that computes the block's last position forms and rewrites the row before any
     layer reads it.
     """
-    first = torch.div(meta.q_start, ratio, rounding_mode="floor")
     if meta.is_uniform:
         count = meta.max_query_len // ratio + (1 if ratio > 1 else 0)
-        last = torch.div(meta.context_lens - 1, ratio, rounding_mode="floor")
-        rows = first[:, None] + torch.arange(count, device=first.device)[None, :]
-        request = torch.arange(first.shape[0], device=first.device).repeat_interleave(count)
-        return request, torch.minimum(rows, last[:, None]).reshape(-1)
+        return uniform_compressed_rows(meta.q_start, meta.context_lens, ratio, count)
+    first = torch.div(meta.q_start, ratio, rounding_mode="floor")
     counts = torch.div(meta.context_lens, ratio, rounding_mode="floor") - first
     request = torch.repeat_interleave(torch.arange(counts.shape[0], device=counts.device), counts)
     starts = torch.cumsum(counts, 0) - counts
@@ -142,12 +142,12 @@ def block_sources(meta: StepMetadata, ratio: int, ring: int) -> tuple[torch.Tens
     the missing one: finite values, never read (``completed_rows``). A no-op for complete rows.
 
     Returns:
-        ``(token [N, c], ring_row [N, c], in_chunk [N, c, 1] bool)`` int64 indices, ``in_chunk`` choosing between them.
+        ``(token [N, c], ring_row [N, c], in_chunk [N, c, 1] bool)`` int64 indices, ``in_chunk`` choosing between them
+        (``deepinfer_kernels.compressed_block_sources``: one launch on NVIDIA).
     """
     request, row = new_compressed_rows(meta, ratio)
-    offsets = torch.arange(ratio, device=row.device)
-    positions = row[:, None] * ratio + offsets[None, :]
-    req = request[:, None].expand_as(positions)
-    positions = torch.minimum(positions, meta.context_lens[req] - 1)
-    in_chunk = meta.in_chunk(req, positions)[..., None]
-    return meta.chunk_index(req, positions), meta.ring_rows(req, positions, ring), in_chunk
+    token, ring_row, in_chunk = compressed_block_sources(
+        request, row, ratio, meta.q_start, meta.cu_query_lens, meta.context_lens, meta.state_slots, ring,
+        meta.num_tokens,
+    )  # fmt: skip
+    return token, ring_row, in_chunk[..., None]

@@ -136,15 +136,6 @@ class StepMetadata:
         """
         return self.num_tokens == int(self.q_len.shape[0]) * self.max_query_len
 
-    def in_chunk(self, request: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """Whether ``position`` of ``request`` is computed in this step (any equal shapes; bool)."""
-        return position >= self.q_start[request]
-
-    def chunk_index(self, request: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """Token index of an in-chunk position (clamped into range for out-of-chunk ones; mask separately)."""
-        index = self.cu_query_lens[request] + position - self.q_start[request]
-        return index.clamp(0, max(self.num_tokens - 1, 0))
-
     def ring_rows(self, request: torch.Tensor, position: torch.Tensor, ring_size: int) -> torch.Tensor:
         """Flat ring row of ``position`` of ``request`` (positions must be ≥ 0 where used)."""
         return self.state_slots[request] * ring_size + torch.remainder(position, ring_size)
