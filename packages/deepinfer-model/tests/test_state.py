@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer_kernels import compressed_block_sources
+from deepinfer_kernels import position_sources
 from deepinfer_model import reference as ref
 from deepinfer_model.cache_spec import CacheGroupSpec, CacheSpec
 from deepinfer_model.forward_batch import ForwardBatch
@@ -77,9 +77,9 @@ def test_step_metadata_addressing() -> None:
     assert meta.token_request.tolist() == [0, 1, 1, 1, 1, 1]
     assert meta.q_start.tolist() == [9, 0]
     # Compressed rows of ratio 2 (request 0's row 4: positions 8, 9; request 1's row 1: positions 2, 3): in the
-    # chunk or not, their step tokens and their rows in a ring of 6 (deepinfer_kernels.compressed_block_sources).
+    # chunk or not, their step tokens and their rows in a ring of 6 (deepinfer_kernels.position_sources).
     request, row = torch.tensor([0, 1]), torch.tensor([4, 1])
-    sources = compressed_block_sources(
+    sources = position_sources(
         request, row, 2, meta.q_start, meta.cu_query_lens, meta.context_lens, meta.state_slots, 6, meta.num_tokens
     )
     token, ring_row, in_chunk = (t.tolist() for t in sources)

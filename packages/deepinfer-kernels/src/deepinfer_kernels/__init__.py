@@ -22,7 +22,7 @@ from deepinfer_kernels.hyper_connection import hc_mix_logits, hc_mixes, hc_post,
 from deepinfer_kernels.indexer import indexer_select
 from deepinfer_kernels.kv_cache import store_rows
 from deepinfer_kernels.norm import rms_norm, rms_norm_fp8
-from deepinfer_kernels.paging import compressed_block_sources, paged_rows, uniform_compressed_rows, window_key_rows
+from deepinfer_kernels.paging import paged_rows, position_sources, uniform_compressed_rows, window_key_rows
 from deepinfer_kernels.platform import Accelerator, current_accelerator
 from deepinfer_kernels.quant import (
     dequantize_fp8_block,
@@ -51,7 +51,6 @@ __all__ = [
     "apply_rope",
     "apply_rope_",
     "bytes_per_row",
-    "compressed_block_sources",
     "current_accelerator",
     "decode_rows",
     "dequantize_fp8_block",
@@ -75,6 +74,7 @@ __all__ = [
     "mxfp4_gemm",
     "mxfp4_grouped_gemm",
     "paged_rows",
+    "position_sources",
     "quantize_fp8_block",
     "quantize_fp8_per_token_group",
     "quantize_mxfp4",

@@ -1,4 +1,4 @@
-"""Public cache-row lookups (docs/design/kernels.md, "paged_rows", "window_key_rows", "Compressed rows"): validation
+"""Public cache-row lookups (docs/design/kernels.md, "paged_rows", "window_key_rows", "Position sources"): validation
 and allocation, then the resolved backend (one Triton launch each on NVIDIA where PyTorch takes about eight, twenty,
 nine and seventeen)."""
 
@@ -9,7 +9,7 @@ import torch
 from deepinfer_kernels import _registry
 from deepinfer_kernels._checks import check_dtype, check_same_device, check_tensor
 
-__all__ = ["compressed_block_sources", "paged_rows", "uniform_compressed_rows", "window_key_rows"]
+__all__ = ["paged_rows", "position_sources", "uniform_compressed_rows", "window_key_rows"]
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -186,7 +186,7 @@ def uniform_compressed_rows(
     return request, row
 
 
-def compressed_block_sources(
+def position_sources(
     request: torch.Tensor,
     row: torch.Tensor,
     ratio: int,
@@ -197,17 +197,19 @@ def compressed_block_sources(
     ring: int,
     num_tokens: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Where the ``ratio`` positions of each compressed row are read from: this step's tokens or the request's ring of
-    ``ring`` rows (docs/design/attention.md, "KV compressor").
+    """Where positions ``row[i] · ratio … row[i] · ratio + ratio − 1`` are read from: this step's tokens or the
+    request's ring of ``ring`` rows. With ``ratio = c`` and compressed rows: a row's ``c`` positions (the compressor's
+    sources, docs/design/attention.md, "KV compressor"); with ``ratio = 1`` and positions as the rows: single
+    positions (where the step's tokens go in a ring).
 
-    Position ``c`` of entry ``i`` (request ``r = request[i]``) is ``p = min(row[i] · ratio + c, context_lens[r] − 1)``
-    (a row not complete yet repeats the last computed position). It is computed this step where ``p ≥ q_start[r]``,
-    as token ``clamp(cu_query_lens[r] + p − q_start[r], 0, num_tokens − 1)``; the ring holds it at row
-    ``state_slots[r] · ring + p mod ring`` (floor remainder).
+    Position ``j`` of entry ``i`` (request ``r = request[i]``) is ``p = min(row[i] · ratio + j, context_lens[r] − 1)``
+    (a compressed row not complete yet repeats the last computed position). It is computed this step where
+    ``p ≥ q_start[r]``, as token ``clamp(cu_query_lens[r] + p − q_start[r], 0, num_tokens − 1)``; the ring holds it
+    at row ``state_slots[r] · ring + p mod ring`` (floor remainder).
 
     Args:
-        request, row: [N] int64 compressed rows (``uniform_compressed_rows``'s or any others).
-        ratio: the compress ratio, at least 1.
+        request, row: [N] int64 entries (compressed rows, e.g. ``uniform_compressed_rows``'s, or positions).
+        ratio: positions per entry, at least 1.
         q_start, context_lens, state_slots: [R] int64 per request; cu_query_lens: [R + 1] int64.
         ring: rows of a request's ring, at least 1.
         num_tokens: the step's tokens.
@@ -240,7 +242,7 @@ def compressed_block_sources(
     ring_row = torch.empty_like(token)
     in_chunk = torch.empty(token.shape, dtype=torch.bool, device=row.device)
     if token.numel():
-        _registry.resolve("compressed_block_sources", row.device.type)(
+        _registry.resolve("position_sources", row.device.type)(
             *(t.contiguous() for t in (request, row)),
             ratio,
             *(t.contiguous() for t in (q_start, cu_query_lens, context_lens, state_slots)),

@@ -63,5 +63,5 @@ def register(registry: OpRegistry) -> None:
     registry.register("paged_rows", nvidia, paging.paged_rows)
     registry.register("window_key_rows", nvidia, paging.window_key_rows)
     registry.register("uniform_compressed_rows", nvidia, paging.uniform_compressed_rows)
-    registry.register("compressed_block_sources", nvidia, paging.compressed_block_sources)
+    registry.register("position_sources", nvidia, paging.position_sources)
     registry.register("invariant_matmul", nvidia, invariant_matmul.invariant_matmul)

@@ -4,8 +4,8 @@
   which PyTorch runs as about eight kernels.
 - window_key_rows: one launch for a step's sliding-window key rows (the positions, the floor, the chunk test, the ring
   rows and the step rows), about twenty kernels in PyTorch.
-- uniform_compressed_rows, compressed_block_sources: one launch each for a decode step's new compressed rows and where
-  their positions are read from, about nine and seventeen kernels in PyTorch.
+- uniform_compressed_rows, position_sources: one launch each for a decode step's new compressed rows and for where
+  positions are read from (the rows' positions, a ring's new rows), about nine and seventeen kernels in PyTorch.
 
 Division and remainder follow torch's floor rounding where an operand may be negative (a padded request's context of
 0): Triton's ``//`` and ``%`` truncate toward zero.
@@ -22,7 +22,7 @@ import triton.language as tl
 
 from deepinfer_kernels.cuda._launch import await_inputs, check_launchable, dependent_launch
 
-__all__ = ["compressed_block_sources", "paged_rows", "uniform_compressed_rows", "window_key_rows"]
+__all__ = ["paged_rows", "position_sources", "uniform_compressed_rows", "window_key_rows"]
 
 _BLOCK = 1024
 
@@ -148,7 +148,7 @@ def uniform_compressed_rows(
 
 
 @triton.jit
-def _block_sources_kernel(  # type: ignore[no-untyped-def]
+def _position_sources_kernel(  # type: ignore[no-untyped-def]
     request_ptr, row_ptr, q_start_ptr, cu_ptr, context_ptr, slots_ptr, token_ptr, ring_row_ptr, in_chunk_ptr,
     total, ring, last_token, RATIO: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
@@ -167,7 +167,7 @@ def _block_sources_kernel(  # type: ignore[no-untyped-def]
     tl.store(ring_row_ptr + i, ring_row, mask=live)
 
 
-def compressed_block_sources(
+def position_sources(
     request: torch.Tensor,
     row: torch.Tensor,
     ratio: int,
@@ -181,13 +181,13 @@ def compressed_block_sources(
     ring_row: torch.Tensor,
     in_chunk: torch.Tensor,
 ) -> None:
-    """Triton ``deepinfer_kernels.compressed_block_sources`` (contiguous tensors, shapes there)."""
+    """Triton ``deepinfer_kernels.position_sources`` (contiguous tensors, shapes there)."""
     check_launchable(
         request=request, row=row, q_start=q_start, cu_query_lens=cu_query_lens, context_lens=context_lens,
         state_slots=state_slots, token=token, ring_row=ring_row, in_chunk=in_chunk,
     )  # fmt: skip
     total = token.numel()
-    _block_sources_kernel[(triton.cdiv(total, _BLOCK),)](
+    _position_sources_kernel[(triton.cdiv(total, _BLOCK),)](
         request, row, q_start, cu_query_lens, context_lens, state_slots, token, ring_row, in_chunk.view(torch.int8),
         total, ring, max(num_tokens - 1, 0), RATIO=ratio, BLOCK=_BLOCK,
         **dependent_launch(row.device),

@@ -64,4 +64,4 @@ def register(registry: OpRegistry) -> None:
     registry.register("paged_rows", ref, paging.paged_rows)
     registry.register("window_key_rows", ref, paging.window_key_rows)
     registry.register("uniform_compressed_rows", ref, paging.uniform_compressed_rows)
-    registry.register("compressed_block_sources", ref, paging.compressed_block_sources)
+    registry.register("position_sources", ref, paging.position_sources)

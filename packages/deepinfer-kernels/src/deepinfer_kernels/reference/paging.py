@@ -1,11 +1,11 @@
 """Reference cache-row lookups: the contracts of ``deepinfer_kernels.paged_rows``, ``window_key_rows``,
-``uniform_compressed_rows`` and ``compressed_block_sources`` in torch ops."""
+``uniform_compressed_rows`` and ``position_sources`` in torch ops."""
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["compressed_block_sources", "paged_rows", "uniform_compressed_rows", "window_key_rows"]
+__all__ = ["paged_rows", "position_sources", "uniform_compressed_rows", "window_key_rows"]
 
 
 def paged_rows(
@@ -59,7 +59,7 @@ def uniform_compressed_rows(
     row.copy_(torch.minimum(rows, last[:, None]).reshape(-1))
 
 
-def compressed_block_sources(
+def position_sources(
     request: torch.Tensor,
     row: torch.Tensor,
     ratio: int,

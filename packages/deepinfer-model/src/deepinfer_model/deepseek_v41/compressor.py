@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer_kernels import compressed_block_sources, uniform_compressed_rows
+from deepinfer_kernels import position_sources, uniform_compressed_rows
 from deepinfer_model.deepseek_v41.context import COMPRESSOR_GROUP, NewRows, compressed_group
 from deepinfer_model.layers.linear import Bf16Linear
 from deepinfer_model.layers.mode import ComputeMode, round_activation
@@ -143,10 +143,10 @@ def block_sources(meta: StepMetadata, ratio: int, ring: int) -> tuple[torch.Tens
 
     Returns:
         ``(token [N, c], ring_row [N, c], in_chunk [N, c, 1] bool)`` int64 indices, ``in_chunk`` choosing between them
-        (``deepinfer_kernels.compressed_block_sources``: one launch on NVIDIA).
+        (``deepinfer_kernels.position_sources``: one launch on NVIDIA).
     """
     request, row = new_compressed_rows(meta, ratio)
-    token, ring_row, in_chunk = compressed_block_sources(
+    token, ring_row, in_chunk = position_sources(
         request, row, ratio, meta.q_start, meta.cu_query_lens, meta.context_lens, meta.state_slots, ring,
         meta.num_tokens,
     )  # fmt: skip

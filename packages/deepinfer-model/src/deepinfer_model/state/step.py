@@ -21,7 +21,7 @@ from typing import Any, TypeVar, cast
 
 import torch
 
-from deepinfer_kernels import paged_rows
+from deepinfer_kernels import paged_rows, position_sources
 from deepinfer_model.forward_batch import ForwardBatch
 
 __all__ = ["StepMemo", "StepMetadata"]
@@ -158,9 +158,17 @@ class StepMetadata:
 
     def _ring_tail(self, ring_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.max_query_len <= ring_size:
-            return self.ring_rows(self.token_request, self.positions, ring_size), None
+            return self._token_ring_rows(self.token_request, self.positions, ring_size), None
         keep = self.ring_write_tokens(ring_size)
-        return self.ring_rows(self.token_request[keep], self.positions[keep], ring_size), keep
+        return self._token_ring_rows(self.token_request[keep], self.positions[keep], ring_size), keep
+
+    def _token_ring_rows(self, request: torch.Tensor, position: torch.Tensor, ring_size: int) -> torch.Tensor:
+        # ring_rows of positions the step computes (each below its request's context), in one launch on NVIDIA.
+        sources = position_sources(
+            request, position, 1, self.q_start, self.cu_query_lens, self.context_lens, self.state_slots, ring_size,
+            self.num_tokens,
+        )  # fmt: skip
+        return sources[1][:, 0]
 
     def ring_write_tokens(self, ring_size: int) -> torch.Tensor:
         """[T] bool: the token is among the last ``min(q_len, ring_size)`` tokens of its request (older chunk tokens

@@ -1,4 +1,4 @@
-"""uniform_compressed_rows and compressed_block_sources: the Triton kernels (interpreter on CPU, compiled on CUDA)
+"""uniform_compressed_rows and position_sources: the Triton kernels (interpreter on CPU, compiled on CUDA)
 equal the reference on random uniform steps (decode, verify and padded requests whose context is 0); the reference
 against the formulas, entry by entry; validation."""
 
@@ -43,7 +43,7 @@ def _sources(
     in_chunk = torch.zeros(shape, dtype=torch.bool, device=device)
     per_request = [step[name].to(device) for name in ("q_start", "cu_query_lens", "context_lens", "state_slots")]
     num_tokens = int(step["cu_query_lens"][-1])
-    implementation("compressed_block_sources", backend)(
+    implementation("position_sources", backend)(
         request.to(device), row.to(device), ratio, *per_request, ring, num_tokens, token, ring_row, in_chunk
     )
     return token.cpu(), ring_row.cpu(), in_chunk.cpu()
@@ -91,7 +91,7 @@ def test_public_ops_allocate_and_validate() -> None:
     step = _step([3, 8], 1, seed=1)
     request, row = dk.uniform_compressed_rows(step["q_start"], step["context_lens"], 2, 1)
     assert request.tolist() == [0, 1] and row.tolist() == [1, 3]
-    token, ring_row, in_chunk = dk.compressed_block_sources(
+    token, ring_row, in_chunk = dk.position_sources(
         request, row, 2, step["q_start"], step["cu_query_lens"], step["context_lens"], step["state_slots"], 4, 2
     )
     assert token.shape == ring_row.shape == in_chunk.shape == (2, 2) and in_chunk.dtype == torch.bool
@@ -106,14 +106,14 @@ def test_public_ops_allocate_and_validate() -> None:
     with pytest.raises(TypeError, match="q_start"):
         dk.uniform_compressed_rows(step["q_start"].int(), step["context_lens"], 2, 1)
     with pytest.raises(ValueError, match="request and row must both be"):
-        dk.compressed_block_sources(
+        dk.position_sources(
             request[:1], row, 2, step["q_start"], step["cu_query_lens"], step["context_lens"], step["state_slots"], 4, 2
         )
     with pytest.raises(ValueError, match=r"cu_query_lens"):
-        dk.compressed_block_sources(
+        dk.position_sources(
             request, row, 2, step["q_start"], step["cu_query_lens"][:2], step["context_lens"], step["state_slots"], 4, 2
         )
     with pytest.raises(ValueError, match="ratio and ring must be ints >= 1"):
-        dk.compressed_block_sources(
+        dk.position_sources(
             request, row, 2, step["q_start"], step["cu_query_lens"], step["context_lens"], step["state_slots"], 0, 2
         )
