@@ -55,6 +55,39 @@ def test_hc_mixes_triton_parity(
         assert_close(a, e, rtol=0.0, atol=2e-5, message=name)
 
 
+@pytest.mark.parametrize(("n", "m", "hidden"), [(1, 4, 32), (5, 4, 160), (3, 3, 40), (2, 4, 1280)])
+def test_token_programs_finish_the_mixes_as_the_mixes_kernel(triton_device: str, n: int, m: int, hidden: int) -> None:
+    """Up to 16 tokens the per-token programs finish the mixes themselves (each token's last program): bit for bit
+    what ``_mixes_kernel`` makes of the partials they leave, and the tickets are back at zero (a CUDA graph replays
+    the launch)."""
+    import triton
+
+    from deepinfer_kernels.cuda import hyper_connection as hc
+    from deepinfer_kernels.cuda.gemm_operands import split_counters
+
+    trunk, fn, scale, base = (t.to(triton_device) for t in _mix_inputs(n, m, hidden, torch.bfloat16, seed=n + 7))
+    width, rows, block_mm = m * hidden, fn.shape[0], triton.next_power_of_2(m)
+    splits, block_r = triton.cdiv(width, hc._CHUNK), max(16, triton.next_power_of_2(rows))
+    part = torch.empty((splits, n, block_r), device=triton_device)
+    sum_sq = torch.empty((splits, n), device=triton_device)
+    fused = [torch.full(shape, float("nan"), device=triton_device) for shape in ((n, m), (n, m), (n, m, m))]
+    tickets = split_counters(trunk.device, n)
+    constexprs = {"M": m, "BLOCK_MM": block_mm, "BLOCK_R": block_r, "POST_MULT": hc.HC_POST_MULT, "PDL": False}
+    hc._token_mixes_kernel[(n, splits)](
+        trunk, fn, part, sum_sq, tickets, scale, base, *fused, n, width, rows, 1e-6, 1e-6, 20, CHUNK=hc._CHUNK,
+        TF32=True, **constexprs, enable_fp_fusion=False,
+    )  # fmt: skip
+    separate = [torch.full_like(out, float("nan")) for out in fused]
+    hc._mixes_kernel[(n,)](
+        part, sum_sq, scale, base, *separate, n, float(width), splits, 1e-6, 1e-6, 20, **constexprs,
+        enable_fp_fusion=False,
+    )  # fmt: skip
+    for name, a, b in zip(("read mix", "write mix", "comb"), fused, separate, strict=True):
+        assert not a.isnan().any(), name
+        assert_bitwise_equal(a.cpu(), b.cpu(), message=name)
+    assert not tickets[:n].any()
+
+
 @pytest.mark.parametrize(("n", "m", "hidden"), _SHAPES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_hc_read_and_post_triton_bitwise(triton_device: str, n: int, m: int, hidden: int, dtype: torch.dtype) -> None:

@@ -4,13 +4,14 @@
   the flattened trunk ``z`` (split-K, so a batch-1 step spreads the ``fn`` read over many programs), FP32 partials per
   chunk. The chunk count depends only on ``m·H``, so the summation order does not depend on the batch.
   Outside the batch-invariant mode a call of at most ``_TOKEN_PROGRAM_MAX_TOKENS`` tokens runs
-  ``_token_mix_logits_kernel`` instead: one program per (token, chunk), the chunk's whole ``fn`` tile loaded at once and
+  ``_token_mixes_kernel`` instead: one program per (token, chunk), the chunk's whole ``fn`` tile loaded at once and
   summed in FP32 (the same exact products, another FP32 order). A 64-token tile with one real token spent most of
   its 11.7 µs a call (batch 1 on the H200, profile_step-h200-scaled-3935c2a.json) in eight dependent K steps of a
   255-register program.
 - Mixes, kernel 2 (``_mixes_kernel``): one program per token sums the partials in chunk order, forms ``γ`` (FP64
   reciprocal square root rounded to FP32, as the reference), the logits, both sigmoids, the softmax and every Sinkhorn
-  normalization on the ``m × m`` comb held in registers.
+  normalization on the ``m × m`` comb held in registers. After the per-token programs (``_token_mixes_kernel``) there
+  is no second launch: each token's last program to finish does this, with the same loads and arithmetic.
 - Read and post: one program per (token, block of ``H``); FP32 products and sums in the reference's order.
 
 Divisions are IEEE (``tl.div_rn``) and every kernel is compiled with ``enable_fp_fusion=False``: a multiply followed
@@ -31,6 +32,7 @@ import triton.language as tl
 from deepinfer_kernels.batch_invariant import invariant_kernels
 from deepinfer_kernels.cuda._formats import to_output_dtype
 from deepinfer_kernels.cuda._launch import await_inputs, check_launchable, dependent_launch
+from deepinfer_kernels.cuda.gemm_operands import split_counters
 from deepinfer_kernels.reference.hyper_connection import HC_POST_MULT
 
 __all__ = ["hc_mixes", "hc_post", "hc_read"]
@@ -106,21 +108,15 @@ def _mix_logits_kernel(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _token_mix_logits_kernel(  # type: ignore[no-untyped-def]
-    z_ptr,
-    fn_ptr,
-    part_ptr,
-    sum_sq_ptr,
-    n,
-    width,
-    rows,
-    CHUNK: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    TF32: tl.constexpr,
-    PDL: tl.constexpr,
-):
+def _token_mixes_kernel(  # type: ignore[no-untyped-def]
+    z_ptr, fn_ptr, part_ptr, sum_sq_ptr, counter_ptr, scale_ptr, base_ptr, read_ptr, write_ptr, comb_ptr, n, width,
+    rows, rms_eps, hc_eps, sinkhorn_iters, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, TF32: tl.constexpr,
+    M: tl.constexpr, BLOCK_MM: tl.constexpr, POST_MULT: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
     # Program (token, split): _mix_logits_kernel's partials of one token from one load of the chunk's fn tile
     # [BLOCK_R, CHUNK] and FP32 sums; TF32-rounded fn values times the trunk's values are exact products, as in its dot.
+    # The token's last program to finish (a ticket per token, as gemm_operands.finish_tile) then forms its mixes from
+    # every split's partials: _mixes_kernel's loads and arithmetic, so its bits, without a launch of its own.
     await_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -136,6 +132,16 @@ def _token_mix_logits_kernel(  # type: ignore[no-untyped-def]
     base = split.to(tl.int64) * n + token
     tl.store(part_ptr + base * BLOCK_R + fn_rows, tl.sum(w * z[None, :], axis=1))
     tl.store(sum_sq_ptr + base, tl.sum(z * z, axis=0))
+    # Every thread's stores precede the ticket (taken with release semantics); the last program reads the others'
+    # partials after its acquire.
+    tl.debug_barrier()
+    splits = tl.num_programs(1)
+    if tl.atomic_add(counter_ptr + token, 1, sem="acq_rel", scope="gpu") == splits - 1:
+        _token_mixes(
+            token, part_ptr, sum_sq_ptr, scale_ptr, base_ptr, read_ptr, write_ptr, comb_ptr, n, width.to(tl.float32),
+            splits, rms_eps, hc_eps, sinkhorn_iters, M, BLOCK_MM, BLOCK_R, POST_MULT, ".cg",
+        )  # fmt: skip
+        tl.atomic_xchg(counter_ptr + token, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -144,28 +150,13 @@ def _sigmoid(x):  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _mixes_kernel(  # type: ignore[no-untyped-def]
-    part_ptr,
-    sum_sq_ptr,
-    scale_ptr,
-    base_ptr,
-    read_ptr,
-    write_ptr,
-    comb_ptr,
-    n,
-    width,  # m·H as a float
-    splits,
-    rms_eps,
-    hc_eps,
-    sinkhorn_iters,
-    M: tl.constexpr,
-    BLOCK_MM: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    POST_MULT: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    await_inputs(PDL)
-    token = tl.program_id(0).to(tl.int64)
+def _token_mixes(  # type: ignore[no-untyped-def]
+    token, part_ptr, sum_sq_ptr, scale_ptr, base_ptr, read_ptr, write_ptr, comb_ptr, n, width, splits, rms_eps, hc_eps,
+    sinkhorn_iters, M: tl.constexpr, BLOCK_MM: tl.constexpr, BLOCK_R: tl.constexpr, POST_MULT: tl.constexpr,
+    CACHE: tl.constexpr,
+):  # fmt: skip
+    # Token ``token``'s mixes from the partials of every split (``CACHE``: the partials' load cache modifier; ".cg"
+    # where other programs of the same launch wrote them, as L1 is not coherent across multiprocessors).
     streams = tl.arange(0, BLOCK_MM)
     stream_mask = streams < M
     comb_mask = stream_mask[:, None] & stream_mask[None, :]
@@ -181,11 +172,13 @@ def _mixes_kernel(  # type: ignore[no-untyped-def]
         for j in tl.static_range(_SPLITS_PER_LOAD):
             split_token = (first + j) * n + token
             row = split_token * BLOCK_R
-            sum_sq += tl.load(sum_sq_ptr + split_token, mask=split_token < splits * n, other=0.0)
+            sum_sq += tl.load(sum_sq_ptr + split_token, mask=split_token < splits * n, other=0.0, cache_modifier=CACHE)
             read_at, write_at, comb_at = row + streams, row + M + streams, row + 2 * M + comb_index
-            mu_read += tl.load(part_ptr + read_at, mask=stream_mask & (read_at < end), other=0.0)
-            mu_write += tl.load(part_ptr + write_at, mask=stream_mask & (write_at < end), other=0.0)
-            mu_comb += tl.load(part_ptr + comb_at, mask=comb_mask & (comb_at < end), other=0.0)
+            mu_read += tl.load(part_ptr + read_at, mask=stream_mask & (read_at < end), other=0.0, cache_modifier=CACHE)
+            mu_write += tl.load(
+                part_ptr + write_at, mask=stream_mask & (write_at < end), other=0.0, cache_modifier=CACHE
+            )
+            mu_comb += tl.load(part_ptr + comb_at, mask=comb_mask & (comb_at < end), other=0.0, cache_modifier=CACHE)
     # γ: FP32 mean square and + eps, the reciprocal square root in FP64, rounded once to FP32.
     mean_square = tl.div_rn(sum_sq, width)
     gamma = (1.0 / tl.sqrt((mean_square + rms_eps).to(tl.float64))).to(tl.float32)
@@ -210,6 +203,20 @@ def _mixes_kernel(  # type: ignore[no-untyped-def]
     tl.store(comb_ptr + token * M * M + comb_index, comb, mask=comb_mask)
 
 
+@triton.jit
+def _mixes_kernel(  # type: ignore[no-untyped-def]
+    part_ptr, sum_sq_ptr, scale_ptr, base_ptr, read_ptr, write_ptr, comb_ptr, n,
+    width,  # m·H as a float
+    splits, rms_eps, hc_eps, sinkhorn_iters, M: tl.constexpr, BLOCK_MM: tl.constexpr, BLOCK_R: tl.constexpr,
+    POST_MULT: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    await_inputs(PDL)
+    _token_mixes(
+        tl.program_id(0).to(tl.int64), part_ptr, sum_sq_ptr, scale_ptr, base_ptr, read_ptr, write_ptr, comb_ptr, n,
+        width, splits, rms_eps, hc_eps, sinkhorn_iters, M, BLOCK_MM, BLOCK_R, POST_MULT, "",
+    )  # fmt: skip
+
+
 def hc_mixes(
     trunk: torch.Tensor,
     fn: torch.Tensor,
@@ -231,40 +238,26 @@ def hc_mixes(
     block_r = max(16, triton.next_power_of_2(rows))
     part = torch.empty((splits, n, block_r), dtype=torch.float32, device=trunk.device)
     sum_sq = torch.empty((splits, n), dtype=torch.float32, device=trunk.device)
+    constexprs = {"M": m, "BLOCK_MM": triton.next_power_of_2(m), "BLOCK_R": block_r, "POST_MULT": HC_POST_MULT}
+    # Python floats reach the kernels as FP32 values, as the reference adds them to FP32 tensors.
     if n <= _TOKEN_PROGRAM_MAX_TOKENS and not invariant_kernels():
-        _token_mix_logits_kernel[(n, splits)](
-            trunk, fn, part, sum_sq, n, width, rows, CHUNK=_CHUNK, BLOCK_R=block_r, TF32=tf32, num_warps=8,
+        _token_mixes_kernel[(n, splits)](
+            trunk, fn, part, sum_sq, split_counters(trunk.device, n), scale, base, read, write, comb, n, width, rows,
+            float(rms_eps), float(hc_eps), sinkhorn_iters, CHUNK=_CHUNK, TF32=tf32, **constexprs, num_warps=8,
             enable_fp_fusion=False,
             **dependent_launch(trunk.device),
         )  # fmt: skip
-    else:
-        _mix_logits_kernel[(triton.cdiv(n, _BLOCK_M), splits)](
-            trunk, fn, part, sum_sq, n, width, rows, CHUNK=_CHUNK, BLOCK_M=_BLOCK_M, BLOCK_R=block_r, BLOCK_K=_BLOCK_K,
-            TF32=tf32, enable_fp_fusion=False,
-            **dependent_launch(trunk.device),
-        )  # fmt: skip
-    # Python floats reach the kernel as FP32 values, as the reference adds them to FP32 tensors.
+        return
+    _mix_logits_kernel[(triton.cdiv(n, _BLOCK_M), splits)](
+        trunk, fn, part, sum_sq, n, width, rows, CHUNK=_CHUNK, BLOCK_M=_BLOCK_M, BLOCK_R=block_r, BLOCK_K=_BLOCK_K,
+        TF32=tf32, enable_fp_fusion=False,
+        **dependent_launch(trunk.device),
+    )  # fmt: skip
     _mixes_kernel[(n,)](
-        part,
-        sum_sq,
-        scale,
-        base,
-        read,
-        write,
-        comb,
-        n,
-        float(width),
-        splits,
-        float(rms_eps),
-        float(hc_eps),
-        sinkhorn_iters,
-        M=m,
-        BLOCK_MM=triton.next_power_of_2(m),
-        BLOCK_R=block_r,
-        POST_MULT=HC_POST_MULT,
-        enable_fp_fusion=False,
+        part, sum_sq, scale, base, read, write, comb, n, float(width), splits, float(rms_eps), float(hc_eps),
+        sinkhorn_iters, **constexprs, enable_fp_fusion=False,
         **dependent_launch(part.device),
-    )
+    )  # fmt: skip
 
 
 @triton.jit
