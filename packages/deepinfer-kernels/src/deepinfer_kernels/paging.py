@@ -14,6 +14,20 @@ __all__ = ["paged_rows", "position_sources", "uniform_compressed_rows", "window_
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
+def _check_int64(**tensors: torch.Tensor) -> None:
+    for name, tensor in tensors.items():
+        check_tensor(name, tensor)
+        check_dtype(name, tensor.dtype, (torch.int64,))
+
+
+def _check_per_request(requests: int, cu_query_lens: torch.Tensor | None = None, **tensors: torch.Tensor) -> None:
+    wrong = {name: tuple(t.shape) for name, t in tensors.items() if tuple(t.shape) != (requests,)}
+    if cu_query_lens is not None and tuple(cu_query_lens.shape) != (requests + 1,):
+        wrong["cu_query_lens"] = tuple(cu_query_lens.shape)
+    if wrong:
+        raise ValueError(f"per-request tensors must be [R] (cu_query_lens [R + 1]) with R = {requests}, got {wrong}")
+
+
 def paged_rows(
     block_table: torch.Tensor, request: torch.Tensor, rows: torch.Tensor, rows_per_block: int
 ) -> torch.Tensor:
@@ -99,9 +113,7 @@ def window_key_rows(
         "state_slots": state_slots,
         **({} if window_floor is None else {"window_floor": window_floor}),
     }
-    for name, tensor in named.items():
-        check_tensor(name, tensor)
-        check_dtype(name, tensor.dtype, (torch.int64,))
+    _check_int64(**named)
     if positions.dim() != 1 or tuple(token_request.shape) != tuple(positions.shape):
         raise ValueError(
             f"positions and token_request must both be [T], got {tuple(positions.shape)}, {tuple(token_request.shape)}"
@@ -134,20 +146,6 @@ def window_key_rows(
             own,
         )
     return history, own
-
-
-def _check_int64(**tensors: torch.Tensor) -> None:
-    for name, tensor in tensors.items():
-        check_tensor(name, tensor)
-        check_dtype(name, tensor.dtype, (torch.int64,))
-
-
-def _check_per_request(requests: int, cu_query_lens: torch.Tensor | None = None, **tensors: torch.Tensor) -> None:
-    wrong = {name: tuple(t.shape) for name, t in tensors.items() if tuple(t.shape) != (requests,)}
-    if cu_query_lens is not None and tuple(cu_query_lens.shape) != (requests + 1,):
-        wrong["cu_query_lens"] = tuple(cu_query_lens.shape)
-    if wrong:
-        raise ValueError(f"per-request tensors must be [R] (cu_query_lens [R + 1]) with R = {requests}, got {wrong}")
 
 
 def uniform_compressed_rows(
