@@ -102,13 +102,17 @@ def variants() -> list[dict[str, Any]]:
                 "constexprs": gluon_constexprs(scan=False, block_m=8, block_k=block_k, num_warps=4, stages=3),
             }
         )
-    # The dense FP8 Gluon kernel (both operands from its ring): the one-row tile and the 256-row one.
-    for block_m, block_k, stages in ((8, 256, 3), (64, 256, 2)):
+    # The dense FP8 Gluon kernel (both operands from its ring): the one-row tile, whole and split-K, and the 256-row
+    # one.
+    for block_m, block_k, stages, split in ((8, 256, 3, False), (8, 256, 3, True), (64, 256, 2, False)):
         out.append(
             {
-                "name": f"fp8 {block_m}x64 k{block_k} gluon_fp8",
+                "name": f"fp8 {block_m}x64 k{block_k} gluon_fp8{' split' if split else ''}",
                 "kernel": _fp8_wgmma_kernel,
-                "constexprs": fp8_wgmma_constexprs(block_m, block_k, num_warps=4, stages=stages),
+                "constexprs": {
+                    "SPLIT_GRID": split,
+                    **fp8_wgmma_constexprs(block_m, block_k, num_warps=4, stages=stages),
+                },
             }
         )
     # The BF16 kernel's tiles on even shapes (weight loads as vectors, no K masks): the grouped prefill tile, and the

@@ -395,8 +395,8 @@ def test_every_decoding_meets_the_reference_bound(triton_device: str, op: str, s
     ]
     if "swap_ab" in decodings(op):  # its K step of two groups too
         configs.append(BlockConfig(16, 64, 4, 2, split_grid=split_grid, block_k=64, decoding="swap_ab"))
-    if "gluon_fp8" in decodings(op):  # 16 rows a warp, K in one program (swap_fp8 where Gluon cannot run)
-        configs.append(BlockConfig(16, 64, 4, 3, split_grid=False, decoding="gluon_fp8"))
+    if "gluon_fp8" in decodings(op):  # 16 rows a warp (swap_fp8 where Gluon cannot run; grouped: K in one program)
+        configs.append(BlockConfig(16, 64, 4, 3, split_grid=split_grid, decoding="gluon_fp8"))
     if "dequant_bf16" in decodings(op):  # no tile and never split: one GEMM on the dequantized operands
         configs.append(BlockConfig(16, 32, 4, 1, split_grid=False, decoding="dequant_bf16"))
     if "swap_bf16" in decodings(op):  # weight-first like swap_fp8, K in one program

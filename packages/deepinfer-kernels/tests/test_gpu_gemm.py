@@ -454,11 +454,17 @@ _GLUON_FP8_TILES = [
     BlockConfig(8, 128, num_warps=8, num_stages=3, split_grid=False, block_k=128, decoding="gluon_fp8"),
     BlockConfig(64, 64, num_warps=4, num_stages=3, split_grid=False, block_k=128, decoding="gluon_fp8"),
     BlockConfig(64, 128, num_warps=8, num_stages=2, split_grid=False, block_k=128, decoding="gluon_fp8"),
+    # Split-K (one chunk a program, the tile's last program adds the chunks): the narrow weights' one-row tiles.
+    BlockConfig(8, 64, num_warps=4, num_stages=3, split_grid=True, block_k=256, decoding="gluon_fp8"),
+    BlockConfig(8, 64, num_warps=4, num_stages=4, split_grid=True, block_k=128, decoding="gluon_fp8"),
+    BlockConfig(16, 128, num_warps=8, num_stages=3, split_grid=True, block_k=128, decoding="gluon_fp8"),
 ]
 
 
 @pytest.mark.parametrize(
-    "cfg", _GLUON_FP8_TILES, ids=lambda c: f"m{c.block_m}-w{c.num_warps}-k{c.block_k}-s{c.num_stages}"
+    "cfg",
+    _GLUON_FP8_TILES,
+    ids=lambda c: f"m{c.block_m}-w{c.num_warps}-k{c.block_k}-s{c.num_stages}{'-split' if c.split_grid else ''}",
 )
 def test_gluon_fp8_gemm_equals_the_split_swap_fp8_tile(cfg: BlockConfig) -> None:
     """The Gluon FP8 GEMM adds the weight shape's K chunks in one program: the bits of the split swap_fp8 tile (the
@@ -486,7 +492,7 @@ def test_gluon_fp8_gemm_equals_the_split_swap_fp8_tile(cfg: BlockConfig) -> None
 def test_gluon_fp8_grouped_gemm_equals_the_swap_fp8_tile() -> None:
     """The attention's wo_a shape (8 groups of [1024, 4096] weight rows, each on its own 4,096 activation columns, FP32
     output) on Gluon tiles: within the FP32 bound and the swap_fp8 tile's bits."""
-    for cfg in (_GLUON_FP8_TILES[0], _GLUON_FP8_TILES[4]):
+    for cfg in (_GLUON_FP8_TILES[0], _GLUON_FP8_TILES[4], _GLUON_FP8_TILES[8]):
         _check_grouped_wo_a(300, (11, 12, 13), config=cfg)
     groups, n, m = 8, 8192, 64
     x = torch.randn((m, groups * _K), generator=_generator(14), device="cuda").to(torch.bfloat16)

@@ -6,8 +6,9 @@ the tile ``[BLOCK_N, BLOCK_M] = Ŵ·x̂ᵀ``, one FP8 ``wgmma`` per 32-column gr
 (the stored e4m3 weight codes need no decoding), each group's sum times the activation's factor, then the weight
 block's, added into the chunk's FP32 sum; K runs in the weight shape's chunks (``gemm_tiles.k_chunk``), each summed
 from zero and added in chunk order. These are the additions of a split ``swap_fp8`` launch, so the bits are the same
-whatever the tile and the rows (a tile for the batch-invariant mode), but one program runs every chunk of its tile:
-no split-K, so it suits weights with enough rows to give the device programs.
+whatever the tile and the rows (a tile for the batch-invariant mode). A tile either runs every chunk in one program
+(weights with rows enough to give the device programs) or, ``split_grid``, one chunk a program with the split-K
+protocol of ``gemm_operands.finish_tile`` (the narrow weights of a batch-1 step): the same additions either way.
 
 A K step's operands travel by ``cp.async`` into ``STAGES`` slots: the weight codes group-major (group ``g`` of weight
 row ``n`` at slot row ``g·BLOCK_N + n``, so that each group is a K-major ``[BLOCK_N, 32]`` operand), the activation's
@@ -27,6 +28,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
 
+from deepinfer_kernels.cuda.gemm_operands import split_buffers
 from deepinfer_kernels.cuda.gemm_tiles import SHARED_PER_PROGRAM, BlockConfig, chunk_length, gluon_shared_bytes
 from deepinfer_kernels.cuda.gluon_ring import (
     PIECE,
@@ -83,9 +85,9 @@ def _layouts(block_m: int, block_k: int, num_warps: int) -> dict[str, object]:
 
 @gluon.jit
 def _fp8_wgmma_kernel(  # type: ignore[no-untyped-def]
-    q_ptr, qs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, K_CHUNK, N_PER_GROUP, stride_q, stride_qs, stride_w, stride_ws,
-    stride_out,
-    STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+    q_ptr, qs_ptr, w_ptr, ws_ptr, out_ptr, partial_ptr, counter_ptr, M, N, K, K_CHUNK, N_PER_GROUP, stride_q,
+    stride_qs, stride_w, stride_ws, stride_out,
+    SPLIT_GRID: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
     GROUP_BITS: gl.constexpr, ACC: gl.constexpr, WEIGHT_COPY: gl.constexpr, WEIGHT_SLOT: gl.constexpr,
     CODES_COPY: gl.constexpr, CODES_SLOT: gl.constexpr, SCALE_COPY: gl.constexpr, CODE_SCALE_COPY: gl.constexpr,
     SCALE_SLOT: gl.constexpr, WEIGHT_SCALES: gl.constexpr, CODE_SCALES: gl.constexpr,
@@ -96,7 +98,16 @@ def _fp8_wgmma_kernel(  # type: ignore[no-untyped-def]
     n0 = gl.program_id(1) * BLOCK_N
     # Grouped (wo_a): weight rows g·N_PER_GROUP … multiply activation columns g·K …; a tile lies in one group.
     group_of_tile = (n0 // N_PER_GROUP).to(gl.int64)
+    if SPLIT_GRID:
+        # This program's K chunk only (grid axis 2): the ring starts at the chunk's first column.
+        k_first = gl.program_id(2) * K_CHUNK
+        steps = gl.minimum(K - k_first, K_CHUNK) // BLOCK_K
+    else:
+        steps = K // BLOCK_K
     q_ptr += group_of_tile * K
+    if SPLIT_GRID:
+        q_ptr += k_first
+        w_ptr += k_first
 
     # Where K step 0's pieces come from. Weight codes: group g of row n at slot row g·BLOCK_N + n.
     w_i = gl.arange(0, GROUPS * BLOCK_N, layout=gl.SliceLayout(1, WEIGHT_COPY))
@@ -114,15 +125,18 @@ def _fp8_wgmma_kernel(  # type: ignore[no-untyped-def]
     # strides are multiples of GROUPS (fits), told to the compiler so that a row's bytes go as one piece.
     s_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, SCALE_COPY))
     s_g = gl.arange(0, GROUPS, layout=gl.SliceLayout(0, SCALE_COPY))
-    ws_ptrs = ws_ptr + gl.multiple_of((s_n // 32).to(gl.int64) * stride_ws, GROUPS)[:, None] + s_g[None, :]
-    ws_in = (s_n < N)[:, None]
+    ws_rows = (s_n // 32).to(gl.int64) * stride_ws
     a_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, CODE_SCALE_COPY))
     a_g = gl.arange(0, GROUPS, layout=gl.SliceLayout(0, CODE_SCALE_COPY))
     a_rows = a_m.to(gl.int64) * stride_qs + group_of_tile * (K // 32)
+    if SPLIT_GRID:  # (a constant 0 added would be folded away with the multiple_of facts on its sum)
+        ws_rows += k_first // 32
+        a_rows += k_first // 32
+    ws_ptrs = ws_ptr + gl.multiple_of(ws_rows, GROUPS)[:, None] + s_g[None, :]
+    ws_in = (s_n < N)[:, None]
     qs_ptrs = qs_ptr + gl.multiple_of(a_rows, GROUPS)[:, None] + a_g[None, :]
     qs_in = (a_m < M)[:, None]
 
-    steps = K // BLOCK_K
     weights, codes, w_scales, a_scales = start_ring(
         w_ptrs, w_in, c_ptrs, c_in, ws_ptrs, ws_in, qs_ptrs, qs_in, steps, STAGES, GROUPS * BLOCK_N, 32, BLOCK_K,
         BLOCK_M, BLOCK_N, BLOCK_K, WEIGHT_SLOT, CODES_SLOT, SCALE_SLOT,
@@ -160,8 +174,32 @@ def _fp8_wgmma_kernel(  # type: ignore[no-untyped-def]
         total = total + acc
     rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, ACC))
     n_rows = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ACC))
+    mask = (rows < M)[None, :] & (n_rows < N)[:, None]
     out_ptrs = out_ptr + rows.to(gl.int64)[None, :] * stride_out + n_rows[:, None]
-    gl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=(rows < M)[None, :] & (n_rows < N)[:, None])
+    if SPLIT_GRID:
+        _finish_split(out_ptrs, partial_ptr, counter_ptr, total, rows, n_rows, mask, M, N)
+    else:
+        gl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@gluon.jit
+def _finish_split(out_ptrs, partial_ptr, counter_ptr, total, rows, n_rows, mask, M, N):  # type: ignore[no-untyped-def]
+    # The split-K protocol of gemm_operands.finish_tile: the chunk's sum to partial[chunk, row, column]; the tile's
+    # last program (a ticket per tile, acquire-release) adds every chunk's sum from zero in chunk order, the additions
+    # of the one-program path, rounds them into out and resets the ticket for the next launch.
+    offsets = rows.to(gl.int64)[None, :] * N + n_rows[:, None]
+    gl.store(partial_ptr + gl.program_id(2).to(gl.int64) * M * N + offsets, total, mask=mask)
+    gl.thread_barrier()
+    ticket = counter_ptr + gl.program_id(0) * gl.num_programs(1) + gl.program_id(1)
+    chunks = gl.num_programs(2)
+    if gl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == chunks - 1:
+        total = gl.zeros_like(total)
+        at = partial_ptr + offsets
+        for _ in range(0, chunks):
+            total += gl.load(at, mask=mask, other=0.0, cache_modifier=".cg")
+            at += M * N
+        gl.store(out_ptrs, total.to(out_ptrs.dtype.element_ty), mask=mask)
+        gl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
 
 
 def fp8_wgmma_constexprs(block_m: int, block_k: int, num_warps: int, stages: int) -> dict[str, object]:
@@ -202,8 +240,12 @@ def fp8_wgmma_launch(
             f" scale row strides ({q_scale.stride(0)}, {w_scale.stride(0)}) multiples of its groups, 16-byte aligned"
             f" codes and rows, whole tiles of each of the {groups} groups of weight rows"
         )
-    _fp8_wgmma_kernel[(triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))](
-        q, q_scale, w_q.view(torch.uint8), w_scale.view(torch.uint8), out, m, n, k, chunk_length(n, k, cfg),
+    chunk = chunk_length(n, k, cfg)
+    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), triton.cdiv(k, chunk) if cfg.split_grid else 1)
+    partial, counters = split_buffers(m, n, cfg, grid, out.device)
+    _fp8_wgmma_kernel[grid](
+        q, q_scale, w_q.view(torch.uint8), w_scale.view(torch.uint8), out, partial, counters, m, n, k, chunk,
         n // groups, q.stride(0), q_scale.stride(0), w_q.stride(0), w_scale.stride(0), out.stride(0),
-        **fp8_wgmma_constexprs(cfg.block_m, cfg.block_k, cfg.num_warps, cfg.num_stages), num_warps=cfg.num_warps,
+        SPLIT_GRID=cfg.split_grid, **fp8_wgmma_constexprs(cfg.block_m, cfg.block_k, cfg.num_warps, cfg.num_stages),
+        num_warps=cfg.num_warps,
     )  # fmt: skip

@@ -127,11 +127,10 @@ class BlockConfig:
             or self.block_m not in (8, 16, 32, 64)
             or self.block_k not in GLUON_BLOCK_K
             or self.num_stages < 2
-            or self.split_grid
         ):
             raise ValueError(
                 "a gluon_fp8 tile has block_n = 16 × num_warps, block_m in (8, 16, 32, 64), block_k in"
-                f" {GLUON_BLOCK_K}, num_stages (its ring's slots) at least 2 and no split_grid, got {self}"
+                f" {GLUON_BLOCK_K} and num_stages (its ring's slots) at least 2, got {self}"
             )
         if self.decoding == "gluon_fp8" and gluon_shared_bytes(self) > SHARED_PER_PROGRAM:
             raise ValueError(
@@ -375,18 +374,23 @@ def _gluon_fp8_candidates(rows: int) -> list[BlockConfig]:
     """The dense FP8 GEMM's Gluon tiles (``cuda.fp8_wgmma``, no split-K) for a row bucket: 64 or 128 weight rows by 8
     to 64 tokens, K steps of four or eight groups, rings of two to four slots that fit a program's shared memory."""
     shapes: tuple[tuple[int, int, int, int], ...]
+    split: tuple[tuple[int, int, int, int], ...] = ()
     if rows <= 16:
         shapes = ((8, 4, 256, 3), (8, 4, 128, 4), (16, 4, 256, 3), (8, 8, 128, 3), (8, 4, 256, 4))
+        # Split-K, one chunk a program: the narrow weights' tiles (N / 64 of them) get programs for every SM.
+        split = ((8, 4, 256, 3), (8, 4, 128, 4), (8, 4, 256, 4))
     elif rows <= 64:
         shapes = ((32, 4, 128, 3), (64, 4, 128, 3), (16, 4, 256, 3))
     else:
         shapes = ((64, 4, 128, 3), (64, 8, 128, 2), (64, 4, 256, 2))
-    tiles = (_gluon_fp8(*shape) for shape in shapes)
+    tiles = [_gluon_fp8(*shape) for shape in shapes] + [_gluon_fp8(*shape, split_grid=True) for shape in split]
     return [cfg for cfg in tiles if gluon_shared_bytes(cfg, weight_bits=8) <= SHARED_PER_PROGRAM]
 
 
-def _gluon_fp8(block_m: int, num_warps: int, block_k: int, num_stages: int) -> BlockConfig:
-    return _mma(block_m, 16 * num_warps, num_warps, num_stages, split_grid=False, decoding="gluon_fp8", block_k=block_k)
+def _gluon_fp8(block_m: int, num_warps: int, block_k: int, num_stages: int, split_grid: bool = False) -> BlockConfig:
+    return _mma(
+        block_m, 16 * num_warps, num_warps, num_stages, split_grid=split_grid, decoding="gluon_fp8", block_k=block_k
+    )
 
 
 def _swap(block_m: int, block_n: int, num_warps: int, num_stages: int, split_grid: bool = True) -> BlockConfig:

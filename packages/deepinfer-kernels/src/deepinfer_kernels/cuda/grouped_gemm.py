@@ -175,9 +175,10 @@ def mxfp4_grouped_gemm(
 def _gluon_tile(cfg: BlockConfig, packed: torch.Tensor, scale: torch.Tensor, device: torch.device) -> BlockConfig:
     """``cfg``, its K step shortened to one that divides K where ``cfg``'s does not (the same sums in the same order:
     a step only batches groups), or, where the Gluon kernel cannot run or its ring cannot copy these operands, the
-    same sums from Triton (``swap_fp8``, the narrowest FP8 wgmma tile)."""
+    same sums from Triton (``swap_fp8``, the narrowest FP8 wgmma tile). The grouped kernel sums K in one program, so
+    ``split_grid`` is off (the same bits: one chunk)."""
     k = packed.shape[-1] * 2
     block_k = max((b for b in GLUON_BLOCK_K if b <= cfg.block_k and k % b == 0), default=cfg.block_k)
     if available(device) and fits(k, packed, scale, block_k):
-        return dataclasses.replace(cfg, block_k=block_k)
-    return dataclasses.replace(cfg, decoding="swap_fp8", block_m=max(16, cfg.block_m))
+        return dataclasses.replace(cfg, block_k=block_k, split_grid=False)
+    return dataclasses.replace(cfg, decoding="swap_fp8", block_m=max(16, cfg.block_m), split_grid=False)
