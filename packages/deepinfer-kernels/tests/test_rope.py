@@ -128,6 +128,48 @@ def test_in_place_rotation_of_a_strided_tail(op_device: str, dtype: torch.dtype)
         assert_bitwise_equal(x[..., :-16], before[..., :-16])
 
 
+def _positions(seed: int) -> torch.Tensor:
+    """0, 1, a table's far end and random positions up to 2^20 (exact in FP32), in no order."""
+    random = torch.randint(0, 1 << 20, (45,), generator=torch.Generator().manual_seed(seed))
+    return torch.cat([torch.tensor([0, 1, 2999, (1 << 20) - 1]), random])
+
+
+def test_reference_table_is_the_cos_sin_tables_rows() -> None:
+    """``rope_table``'s planes are the rows of ``rope_cos_sin`` at the positions, bit for bit, and the negated sines;
+    int32 positions give the same."""
+    inv = dk.yarn_inverse_frequencies(64, 160000.0, 16.0, 1024, 32.0, 1.0)
+    positions = torch.tensor([0, 1, 7, 2999, 1234, 5])
+    cos, sin = dk.rope_cos_sin(inv, 3000)
+    planes = dk.rope_table(positions, inv)
+    assert planes.shape == (3, 6, 32) and planes.is_contiguous()
+    assert_bitwise_equal(planes[0], cos[positions])
+    assert_bitwise_equal(planes[1], sin[positions])
+    assert_bitwise_equal(planes[2], -sin[positions])
+    assert_bitwise_equal(dk.rope_table(positions.int(), inv), planes)
+    assert dk.rope_table(torch.empty(0, dtype=torch.int64), inv).shape == (3, 0, 32)
+
+
+@pytest.mark.parametrize("rope_dim", [2, 24, 64])
+def test_rope_table_triton(triton_device: str, rope_dim: int) -> None:
+    """The Triton table against the reference on positions up to 2^20 and both frequency kinds: the same FP32 angles,
+    so cos and sin differ only by the math library's rounding (within 2 FP32 ulps of 1); the third plane is exactly
+    the negated second; 49 positions span four programs, the last one partial."""
+    for seed, inv in enumerate(
+        (
+            dk.rope_inverse_frequencies(rope_dim, 10000.0),
+            dk.yarn_inverse_frequencies(rope_dim, 160000.0, 16.0, 1024, 32.0, 1.0),
+        )
+    ):
+        positions = _positions(seed)
+        expected = torch.empty(3, positions.shape[0], rope_dim // 2)
+        implementation("rope_table", Backend.REFERENCE)(positions, inv, expected)
+        actual = torch.full((3, positions.shape[0], rope_dim // 2), math.nan, device=triton_device)
+        implementation("rope_table", Backend.NVIDIA)(positions.to(triton_device), inv.to(triton_device), actual)
+        actual = actual.cpu()
+        assert_close(actual, expected, rtol=0.0, atol=2 * 2.0**-24)
+        assert_bitwise_equal(actual[2], -actual[1])
+
+
 def test_validation() -> None:
     cos, sin = _tables(3, 8, seed=9)
     with pytest.raises(ValueError, match="must be even"):
@@ -136,6 +178,10 @@ def test_validation() -> None:
         dk.apply_rope(torch.zeros(3, 8), cos[:2], sin)
     with pytest.raises(TypeError, match=r"cos has dtype torch\.bfloat16"):
         dk.apply_rope(torch.zeros(3, 8), cos.bfloat16(), sin)
+    with pytest.raises(TypeError, match=r"positions has dtype torch\.float32"):
+        dk.rope_table(torch.zeros(3), dk.rope_inverse_frequencies(8, 10000.0))
+    with pytest.raises(ValueError, match="inverse_frequencies must be 1-D"):
+        dk.rope_table(torch.zeros(3, dtype=torch.int64), torch.zeros(2, 4))
     with pytest.raises(ValueError, match="rope_dim must be a positive even int"):
         dk.rope_inverse_frequencies(7, 10000.0)
     with pytest.raises(ValueError, match="factor must be a positive finite number"):

@@ -38,6 +38,7 @@ from deepinfer_kernels.rope import (
     apply_rope_,
     rope_cos_sin,
     rope_inverse_frequencies,
+    rope_table,
     yarn_inverse_frequencies,
 )
 from deepinfer_kernels.routing import router_topk
@@ -82,6 +83,7 @@ __all__ = [
     "rms_norm_fp8",
     "rope_cos_sin",
     "rope_inverse_frequencies",
+    "rope_table",
     "router_topk",
     "sparse_attention",
     "store_rows",

@@ -7,6 +7,9 @@ The table builders are plain FP32 PyTorch functions run once at model build time
 - :func:`yarn_inverse_frequencies` — YaRN-blended inverse frequencies (magnitude scale is exactly 1).
 - :func:`rope_cos_sin` — cos/sin tables from FP32 angles ``fp32(t · f_i)``.
 
+:func:`rope_table` builds the rotations of a step's positions on their device (one launch on a GPU): the rows of
+those tables at the positions, with the negated sines of the inverse rotation beside them.
+
 :func:`apply_rope` rotates interleaved pairs (docs/design/model.md, "RoPE and YaRN"), :func:`apply_rope_` in place. The
 inverse ("conjugate") rotation is ``apply_rope(x, cos, -sin)``, which is bit-identical to the conjugate rotation
 formula.
@@ -21,7 +24,14 @@ import torch
 from deepinfer_kernels import _registry
 from deepinfer_kernels._checks import check_dtype, check_ndim_at_least, check_same_device, check_tensor
 
-__all__ = ["apply_rope", "apply_rope_", "rope_cos_sin", "rope_inverse_frequencies", "yarn_inverse_frequencies"]
+__all__ = [
+    "apply_rope",
+    "apply_rope_",
+    "rope_cos_sin",
+    "rope_inverse_frequencies",
+    "rope_table",
+    "yarn_inverse_frequencies",
+]
 
 _ROPE_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -130,6 +140,39 @@ def rope_cos_sin(inverse_frequencies: torch.Tensor, num_positions: int) -> tuple
     angles = torch.outer(positions, inverse_frequencies)
     rotation = torch.polar(torch.ones_like(angles), angles)
     return rotation.real.contiguous(), rotation.imag.contiguous()
+
+
+def rope_table(positions: torch.Tensor, inverse_frequencies: torch.Tensor) -> torch.Tensor:
+    """The rotations of ``positions`` (docs/design/model.md, "RoPE and YaRN"): planes ``cos``, ``sin`` and ``−sin`` of
+    the FP32 angles ``fp32(t · f_i)``, the values of :func:`rope_cos_sin`'s rows at those positions. Planes 0 and 1 are
+    the rotation :func:`apply_rope` takes, planes 0 and 2 the inverse one.
+
+    Args:
+        positions: [n] int32 or int64 token positions (each converted to FP32 before the product, as a table's row
+            index is).
+        inverse_frequencies: [rope_dim // 2] fp32 on ``positions``'s device.
+
+    Returns:
+        [3, n, rope_dim // 2] fp32, contiguous.
+
+    Raises:
+        TypeError: a tensor argument is missing or has an unsupported dtype.
+        ValueError: a tensor is not 1-D, or the devices differ.
+    """
+    check_tensor("positions", positions)
+    check_tensor("inverse_frequencies", inverse_frequencies)
+    check_dtype("positions", positions.dtype, (torch.int32, torch.int64))
+    check_dtype("inverse_frequencies", inverse_frequencies.dtype, (torch.float32,))
+    for name, tensor in (("positions", positions), ("inverse_frequencies", inverse_frequencies)):
+        if tensor.dim() != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {tuple(tensor.shape)}")
+    check_same_device(positions=positions, inverse_frequencies=inverse_frequencies)
+    out = torch.empty(
+        (3, positions.shape[0], inverse_frequencies.shape[0]), dtype=torch.float32, device=positions.device
+    )
+    if out.numel():
+        _registry.resolve("rope_table", out.device.type)(positions.contiguous(), inverse_frequencies.contiguous(), out)
+    return out
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,7 @@ def register(registry: OpRegistry) -> None:
     registry.register("rms_norm", nvidia, norm.rms_norm)
     registry.register("rms_norm_fp8", nvidia, norm.rms_norm_fp8)
     registry.register("apply_rope", nvidia, rope.apply_rope)
+    registry.register("rope_table", nvidia, rope.rope_table)
     registry.register("quantize_fp8_block", nvidia, quant.quantize_fp8_block)
     registry.register("dequantize_fp8_block", nvidia, quant.dequantize_fp8_block)
     registry.register("quantize_fp8_per_token_group", nvidia, quant.quantize_fp8_per_token_group)

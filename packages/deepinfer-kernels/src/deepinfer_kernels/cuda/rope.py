@@ -1,4 +1,5 @@
-"""Triton interleaved-pair RoPE: one program per (token, head tile), true FP32 fma, one rounding."""
+"""Triton RoPE: the interleaved-pair rotation (one program per (token, head tile), true FP32 fma, one rounding) and the
+rotation table of a step's positions (one launch for its three planes)."""
 
 # Triton reads parameter annotations as kernel type hints, so @triton.jit functions stay unannotated.
 # ruff: noqa: ANN001, ANN202
@@ -12,9 +13,10 @@ import triton.language as tl
 from deepinfer_kernels.cuda._formats import to_output_dtype
 from deepinfer_kernels.cuda._launch import await_inputs, check_launchable, dependent_launch
 
-__all__ = ["apply_rope"]
+__all__ = ["apply_rope", "rope_table"]
 
 _HEADS_PER_PROGRAM = 16
+_TABLE_ROWS_PER_PROGRAM = 16
 
 
 @triton.jit
@@ -83,4 +85,55 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch
         BLOCK_HEADS=block_heads,
         BLOCK_DIM=max(triton.next_power_of_2(rope_dim), 2),
         **dependent_launch(x.device),
+    )
+
+
+@triton.jit
+def _rope_table_kernel(  # type: ignore[no-untyped-def]
+    positions_ptr,
+    freqs_ptr,
+    out_ptr,
+    n,
+    half,
+    plane,
+    BLOCK_T: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    # Rows of BLOCK_T positions; the planes (cos, sin, −sin) lie `plane` = n · half elements apart.
+    await_inputs(PDL)
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]
+    pairs = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (rows < n) & (pairs < half)
+    t = tl.load(positions_ptr + rows, mask=rows < n, other=0).to(tl.float32)
+    angles = t * tl.load(freqs_ptr + pairs, mask=pairs < half, other=0.0)
+    # Compiled, tl.cos and tl.sin are libdevice's cosf and sinf (not the .approx instructions): the CUDA math
+    # library's, which PyTorch's polar kernel is built on.
+    cos, sin = tl.cos(angles), tl.sin(angles)
+    offsets = rows.to(tl.int64) * half + pairs
+    tl.store(out_ptr + offsets, cos, mask=mask)
+    tl.store(out_ptr + plane + offsets, sin, mask=mask)
+    tl.store(out_ptr + 2 * plane + offsets, sin * -1.0, mask=mask)
+
+
+def rope_table(positions: torch.Tensor, inverse_frequencies: torch.Tensor, out: torch.Tensor) -> None:
+    """Triton ``reference.rope.rope_table`` (the same FP32 angles; cos and sin from the CUDA math library).
+
+    Args:
+        positions: [n] int32/int64, contiguous.
+        inverse_frequencies: [r/2] fp32, contiguous.
+        out: [3, n, r/2] fp32, contiguous; written.
+    """
+    check_launchable(positions=positions, inverse_frequencies=inverse_frequencies, out=out)
+    n, half = positions.shape[0], inverse_frequencies.shape[0]
+    _rope_table_kernel[(triton.cdiv(n, _TABLE_ROWS_PER_PROGRAM),)](
+        positions,
+        inverse_frequencies,
+        out,
+        n,
+        half,
+        n * half,
+        BLOCK_T=_TABLE_ROWS_PER_PROGRAM,
+        BLOCK_HALF=triton.next_power_of_2(half),
+        **dependent_launch(out.device),
     )

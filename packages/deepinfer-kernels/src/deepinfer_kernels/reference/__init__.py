@@ -30,6 +30,7 @@ def register(registry: OpRegistry) -> None:
     registry.register("rms_norm", ref, norm.rms_norm)
     registry.register("rms_norm_fp8", ref, norm.rms_norm_fp8)
     registry.register("apply_rope", ref, rope.apply_rope)
+    registry.register("rope_table", ref, rope.rope_table)
     registry.register("ue8m0_to_float", ref, quant.ue8m0_to_float)
     registry.register("quantize_fp8_block", ref, quant.quantize_fp8_block)
     registry.register("dequantize_fp8_block", ref, quant.dequantize_fp8_block)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["apply_rope"]
+__all__ = ["apply_rope", "rope_table"]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> None:
@@ -29,3 +29,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch
     odd = (x_even.double() * s.double() + (x_odd * c).double()).float()
     out[..., 0::2] = even
     out[..., 1::2] = odd
+
+
+def rope_table(positions: torch.Tensor, inverse_frequencies: torch.Tensor, out: torch.Tensor) -> None:
+    """Planes cos, sin and −sin of the FP32 angles ``fp32(fp32(t) · f_i)``, evaluated through the complex polar form.
+
+    Args:
+        positions: [n] int32/int64, contiguous.
+        inverse_frequencies: [r/2] fp32, contiguous.
+        out: [3, n, r/2] fp32; written.
+    """
+    angles = positions.to(torch.float32)[:, None] * inverse_frequencies[None, :]
+    rotation = torch.view_as_real(torch.polar(torch.ones_like(angles), angles))
+    out[0] = rotation[..., 0]
+    out[1] = rotation[..., 1]
+    torch.neg(rotation[..., 1], out=out[2])

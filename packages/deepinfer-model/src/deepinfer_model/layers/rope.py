@@ -2,8 +2,9 @@
 (docs/design/model.md, "RoPE and YaRN"; docs/design/attention.md, "RoPE positions").
 
 ``RotaryEmbedding`` owns one layer's inverse frequencies: base RoPE (``rope_theta``) or YaRN over
-``compress_rope_theta``. Angles are formed on the fly as FP32 products ``fp32(t · f_i)``, which equals a lookup in a
-cos/sin table, so no position-capacity table is allocated. Within a step, the table of a set of positions is built
+``compress_rope_theta``. Angles are formed on the fly as FP32 products ``fp32(t · f_i)`` (``rope_table``: one launch
+on a GPU for the forward and inverse rotations), which equals a lookup in a cos/sin table, so no position-capacity
+table is allocated. Within a step, the table of a set of positions is built
 once for all layers whose RoPE has the same frequencies (``step_table``; docs/design/attention.md, "Step-invariant
 index math").
 """
@@ -15,7 +16,7 @@ from collections.abc import Callable, Hashable
 import torch
 from torch import nn
 
-from deepinfer_kernels import apply_rope_, rope_inverse_frequencies, yarn_inverse_frequencies
+from deepinfer_kernels import apply_rope_, rope_inverse_frequencies, rope_table, yarn_inverse_frequencies
 from deepinfer_model.state import StepMemo, StepMetadata
 
 __all__ = ["RopeTable", "RotaryEmbedding"]
@@ -49,27 +50,19 @@ class RotaryEmbedding(nn.Module):
 
     def table(self, positions: torch.Tensor, inverse: bool = False) -> RopeTable:
         """The rotation of ``positions`` [n] int (``inverse``: the conjugate rotation)."""
-        # Four launches a table: the product promotes the positions to FP32 (the values of a conversion first), and
-        # one copy lays out the cosines and then the sines, each half contiguous.
-        angles = positions[:, None] * self.inverse_frequencies[None, :]
-        rotation = torch.view_as_real(torch.polar(torch.ones_like(angles), angles))
-        cos, sin = rotation.permute(2, 0, 1).contiguous()
-        return _conjugate((cos, sin)) if inverse else (cos, sin)
+        return _rotation(rope_table(positions, self.inverse_frequencies), inverse)
 
     def step_table(
         self, memo: StepMemo, positions_key: Hashable, positions: Callable[[], torch.Tensor], inverse: bool = False
     ) -> RopeTable:
         """``table(positions(), inverse)``, built once per step for every RoPE with these frequencies.
 
-        Memo key: ``("rope", positions_key, frequency_key, inverse)``. Valid because the table reads nothing but the
-        positions and the frequencies, which ``frequency_key`` determines; ``positions_key`` must name
-        ``positions()`` within the memo's step. The inverse table reuses the forward one (same cosines, negated
-        sines: the same values ``table`` gives).
+        Memo key: ``("rope", positions_key, frequency_key)``. Valid because the table reads nothing but the positions
+        and the frequencies, which ``frequency_key`` determines; ``positions_key`` must name ``positions()`` within
+        the memo's step. One ``rope_table`` serves both directions (its cosines with its sines or negated sines).
         """
-        key = ("rope", positions_key, self.frequency_key, inverse)
-        if inverse:
-            return memo.get(key, lambda: _conjugate(self.step_table(memo, positions_key, positions)))
-        return memo.get(key, lambda: self.table(positions()))
+        key = ("rope", positions_key, self.frequency_key)
+        return _rotation(memo.get(key, lambda: rope_table(positions(), self.inverse_frequencies)), inverse)
 
     def table_at(self, meta: StepMetadata, inverse: bool = False) -> RopeTable:
         """The rotation of ``meta.positions``, built once per step metadata (``step_table``)."""
@@ -98,6 +91,6 @@ class RotaryEmbedding(nn.Module):
         return x
 
 
-def _conjugate(table: RopeTable) -> RopeTable:
-    cos, sin = table
-    return cos, -sin
+def _rotation(planes: torch.Tensor, inverse: bool) -> RopeTable:
+    # rope_table's planes: cos, sin, −sin.
+    return planes[0], planes[2 if inverse else 1]
