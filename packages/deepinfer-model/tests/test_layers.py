@@ -28,6 +28,7 @@ from deepinfer_model.layers.linear import (
 from deepinfer_model.layers.mode import ComputeMode
 from deepinfer_model.layers.norm import RMSNorm
 from deepinfer_model.layers.rope import RotaryEmbedding
+from deepinfer_model.state import StepMemo
 
 EXACT, FP32 = ComputeMode.EXACT, ComputeMode.FP32
 
@@ -202,6 +203,25 @@ def test_rope_matches_reference_and_inverts(yarn: tuple[float, int, float, float
     xf = x.float()
     back = rope.rotate(rope.rotate(xf, rope.table(positions)), rope.table(positions, inverse=True))
     torch.testing.assert_close(back, xf, rtol=1e-5, atol=1e-5)
+
+
+def test_step_tables_share_one_table_for_both_directions() -> None:
+    """``step_table`` builds one ``rope_table`` per positions key and frequencies, for the forward and the inverse
+    rotation (the inverse's sines are the forward's negated, bit for bit), and gives ``table``'s values."""
+    rope, same = RotaryEmbedding(64, 10000.0, None), RotaryEmbedding(64, 10000.0, None)
+    positions = torch.tensor([3, 0, 41])
+    memo, calls = StepMemo(), []
+
+    def counted() -> torch.Tensor:
+        calls.append(1)
+        return positions
+
+    cos, sin = rope.step_table(memo, "p", counted)
+    inv_cos, inv_sin = same.step_table(memo, "p", counted, inverse=True)
+    assert len(calls) == 1
+    assert cos.data_ptr() == inv_cos.data_ptr() and torch.equal(inv_sin.view(torch.int32), (-sin).view(torch.int32))
+    table = rope.table(positions)
+    assert torch.equal(cos, table[0]) and torch.equal(sin, table[1])
 
 
 def test_swiglu_clamps_and_weights() -> None:
