@@ -93,6 +93,15 @@ def variants() -> list[dict[str, Any]]:
         {"name": "mxfp4 grouped FMA (2 rows)", "kernel": mxfp4_gemv_kernel, "constexprs": {**gemv, "GROUPED": True}}
     )
     out.append({"name": "fp8 FMA (2 rows)", "kernel": fp8_gemv_kernel, "constexprs": gemv})
+    # The same reading the BF16 activation and quantizing it in the loop (no quantizer launch before it).
+    out.append(
+        {
+            "name": "fp8 FMA (2 rows) quantizing",
+            "kernel": fp8_gemv_kernel,
+            "constexprs": {**gemv, "QUANTIZE": True},
+            "pointers": {"q_ptr": "*bf16"},
+        }
+    )
     for block_k in (128, 256):
         # The Gluon kernel with a ring of three slots.
         out.append(
@@ -137,19 +146,23 @@ def variants() -> list[dict[str, Any]]:
     return out
 
 
-# Launch-time constexprs the counted variants leave at their defaults: an ordinary launch, activation row = row.
-LAUNCH_DEFAULTS = {"PDL": False, "REPEATS": 1}
+# Launch-time constexprs the counted variants leave at their defaults: an ordinary launch, activation row = row,
+# codes from the quantizer.
+LAUNCH_DEFAULTS = {"PDL": False, "REPEATS": 1, "QUANTIZE": False}
 
 
-def compile_variant(kernel: Any, constexprs: dict[str, Any], warps: int, stages: int = 1) -> Any:
+def compile_variant(
+    kernel: Any, constexprs: dict[str, Any], warps: int, stages: int = 1, pointers: dict[str, str] | None = None
+) -> Any:
     names = kernel.arg_names
+    pointer_types = {**POINTER_TYPES, **(pointers or {})}
     constexprs = {**{k: v for k, v in LAUNCH_DEFAULTS.items() if k in names}, **constexprs}
     signature: dict[str, str] = {}
     for name in names:
         if name in constexprs:
             signature[name] = "constexpr"
         elif name.endswith("_ptr"):
-            signature[name] = POINTER_TYPES.get(name, "*i64" if name in INDEX_POINTERS else "*u8")
+            signature[name] = pointer_types.get(name, "*i64" if name in INDEX_POINTERS else "*u8")
         else:
             signature[name] = "i32"
     aligned = [n for n in names if n not in constexprs and n not in UNALIGNED]
@@ -196,7 +209,8 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     for v in variants():
-        ops = innermost_loop(sass(compile_variant(v["kernel"], v["constexprs"], v["warps"]).asm["cubin"]))
+        kernel = compile_variant(v["kernel"], v["constexprs"], v["warps"], pointers=v.get("pointers"))
+        ops = innermost_loop(sass(kernel.asm["cubin"]))
         total = sum(ops.values())
         classes = {label: sum(ops[o] for o in opcodes) for label, opcodes in CLASSES.items()}
         rows.append(

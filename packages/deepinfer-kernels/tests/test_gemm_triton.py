@@ -441,6 +441,50 @@ def test_gemv_row_bits_do_not_depend_on_the_row_count(triton_device: str, op: st
         assert torch.equal(alone[0].cpu(), together[r].cpu())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("groups", [1, 2])
+def test_quantizing_gemv_equals_the_gemv_on_the_quantizers_codes(
+    triton_device: str, dtype: torch.dtype, groups: int
+) -> None:
+    """The FMA GEMV on an unquantized activation quantizes it as it reads it: the bits of the GEMV on the quantizer's
+    codes (``fp8_block_gemm_quantized``), for 1 and 2 rows, dense and grouped (``fp8_block_grouped_gemm``, FP32 out),
+    split and whole, with a zero group, a group reaching the e4m3 maximum and a K tail past the last full step."""
+    from deepinfer_kernels.cuda.gemm import fp8_block_launch
+    from deepinfer_kernels.cuda.gemm_tiles import BlockConfig
+
+    n, k = 64, 352
+    weights = (random_e4m3((n, k), seed=40), random_ue8m0((n // 32, k // 32), seed=41))
+    device_weights = tuple(w.to(triton_device) for w in weights)
+    for m in (1, 2):
+        x = _activation(m, groups * k, seed=42 + m, dtype=dtype)
+        x[:, 32:64] = 0.0
+        x[0, 64:96] = torch.linspace(-448.0, 448.0, 32)
+        q, q_scale = dk.quantize_fp8_per_token_group(x.to(triton_device))
+        for split_grid in (True, False):
+            cfg = BlockConfig(block_m=2, block_n=32, num_warps=4, num_stages=3, split_grid=split_grid, gemv=True)
+            out_dtype = torch.bfloat16 if groups == 1 else torch.float32
+            fused = torch.full((m, n), float("nan"), dtype=out_dtype, device=triton_device)
+            codes = fused.clone()
+            if groups == 1:
+                implementation("fp8_block_gemm", Backend.NVIDIA)(
+                    x.to(triton_device), *device_weights, fused, config=cfg
+                )
+                implementation("fp8_block_gemm_quantized", Backend.NVIDIA)(
+                    q, q_scale, *device_weights, codes, config=cfg
+                )
+            else:
+                wide = (weights[0].repeat(groups, 1).to(triton_device), weights[1].repeat(groups, 1).to(triton_device))
+                fused = torch.full((m, groups * n), float("nan"), dtype=out_dtype, device=triton_device)
+                codes = fused.clone()
+                grouped = implementation("fp8_block_grouped_gemm", Backend.NVIDIA)
+                grouped(x.to(triton_device), *wide, fused, config=cfg)
+                fp8_block_launch(
+                    q.view(torch.uint8), q_scale.view(torch.uint8), *wide, codes, groups=groups, config=cfg
+                )
+            assert not torch.isnan(fused).any()
+            assert torch.equal(fused.cpu(), codes.cpu()), (m, split_grid)
+
+
 def test_expert_rows_share_the_tile_tables(triton_device: str) -> None:
     """Two grouped GEMMs over one ``ExpertRows`` store (a MoE's w13 and w2): the second reuses the first's tile
     tables (one entry in ``derived``; replacing them with tables of no work zeroes its result, so they are read), and

@@ -450,6 +450,22 @@ def fp8_block_launch(
             return
         # The same sums from Triton (cuda.fp8_wgmma): the swap_fp8 tile in the same chunks, in one program.
         cfg = replace(cfg, decoding="swap_fp8", block_m=max(16, cfg.block_m))
+    _fp8_tile_launch(q, q_scale, w_q, w_scale, out, groups, cfg, quantize=False)
+
+
+def _fp8_tile_launch(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    out: torch.Tensor,
+    groups: int,
+    cfg: BlockConfig,
+    quantize: bool,
+) -> None:
+    # The FMA GEMV (cfg.gemv) or the MMA kernel on codes a and scale bytes a_scale; quantize (GEMV only): a is the
+    # activation itself, which the GEMV quantizes as it reads it (a_scale unused).
+    (m, n), k = out.shape, w_q.shape[1]
     n_per_group = n // groups
     while groups > 1 and n_per_group % cfg.block_n:  # a tile must not straddle two groups
         cfg = replace(cfg, block_n=cfg.block_n // 2)
@@ -457,8 +473,8 @@ def fp8_block_launch(
     grid, chunk = launch_grid(triton.cdiv(m, rows), n, k, cfg)
     partial, counters = split_buffers(m, n, cfg, grid, out.device)
     weight = (w_q.view(torch.uint8), w_scale.view(torch.uint8))
-    args = (q, q_scale, *weight, out, partial, counters, m, n, k, chunk, n_per_group)
-    strides = (q.stride(0), q_scale.stride(0), w_q.stride(0), w_scale.stride(0), out.stride(0))
+    args = (a, a_scale, *weight, out, partial, counters, m, n, k, chunk, n_per_group)
+    strides = (a.stride(0), a_scale.stride(0), w_q.stride(0), w_scale.stride(0), out.stride(0))
     launch = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     if cfg.gemv:
         fp8_gemv_kernel[grid](
@@ -470,6 +486,7 @@ def fp8_block_launch(
             BLOCK_K=cfg.block_k,
             NATIVE_FP8=native_fp8(),
             E4M3_BIAS=0 if native_fp8() else 8,
+            QUANTIZE=quantize,
             **launch,
             **dependent_launch(out.device),
         )
@@ -514,12 +531,15 @@ def fp8_block_activation_launch(
     config: BlockConfig | None = None,
 ) -> None:
     """:func:`fp8_block_launch` on the unquantized activation x [M, groups·K] (bf16/fp32, contiguous): the
-    ``dequant_bf16`` and ``swap_bf16`` decodings take ``x̂`` from one quantize-and-dequantize launch, the others the
-    quantizer's codes."""
+    ``dequant_bf16`` and ``swap_bf16`` decodings take ``x̂`` from one quantize-and-dequantize launch, the FMA GEMV
+    quantizes x itself as it reads it (no quantizer launch), the others read the quantizer's codes."""
     (m, n), k = out.shape, w_q.shape[1]
     cfg = config or block_config("fp8_block_gemm", m, n, k)
     if cfg.decoding in _ON_X_HAT:
         _x_hat_launch(quantized_value_activation(x), w_q, w_scale, out, groups, cfg)
+        return
+    if cfg.gemv:  # the FMA GEMV quantizes x as it reads it: one launch, the quantizer's codes
+        _fp8_tile_launch(x, x, w_q, w_scale, out, groups, cfg, quantize=True)
         return
     q, q_scale = quantized_activation(x)
     fp8_block_launch(q, q_scale, w_q, w_scale, out, groups, config=cfg)

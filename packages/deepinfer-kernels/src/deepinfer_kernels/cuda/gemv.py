@@ -24,6 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from deepinfer_kernels.cuda._formats import fp8_token_groups
 from deepinfer_kernels.cuda._launch import await_inputs
 from deepinfer_kernels.cuda.gemm_operands import (
     chunk_range,
@@ -80,10 +81,13 @@ def fp8_gemv_kernel(  # type: ignore[no-untyped-def]
     BLOCK_K: tl.constexpr,
     NATIVE_FP8: tl.constexpr,
     E4M3_BIAS: tl.constexpr,
+    QUANTIZE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Rows ``pid·ROWS …`` times an FP8 32×32-block weight tile (``E4M3_BIAS``: 0 native, 8 from bits); weight rows
-    are grouped by ``N_PER_GROUP`` as in ``cuda.gemm._fp8_block_kernel``."""
+    are grouped by ``N_PER_GROUP`` as in ``cuda.gemm._fp8_block_kernel``. ``QUANTIZE``: ``q_ptr`` holds the BF16/FP32
+    activation itself, quantized here group by group with the quantizer's code (``_formats.fp8_token_groups``: the
+    same codes and scale bytes), so that no quantizer launch precedes the GEMV; ``qs_ptr`` is then not read."""
     await_inputs(PDL)
     q_ptr, qs_ptr = group_activation(q_ptr, qs_ptr, K, N_PER_GROUP, BLOCK_N)
     slots = tl.arange(0, ROWS)
@@ -108,8 +112,12 @@ def fp8_gemv_kernel(  # type: ignore[no-untyped-def]
             for r in tl.static_range(ROWS):
                 row, valid = _row(q_ptr, start, M, r, groups, False)
                 a_mask = group_ok & valid
-                codes = tl.load(q_ptr + row * stride_q + k0 + within, mask=a_mask[:, None], other=0)
-                a_scale = tl.load(qs_ptr + row * stride_qs + k0 // 32 + groups, mask=a_mask, other=0)
+                if QUANTIZE:
+                    x = tl.load(q_ptr + row * stride_q + k0 + within, mask=a_mask[:, None], other=0.0)
+                    codes, a_scale = fp8_token_groups(x.to(tl.float32))
+                else:
+                    codes = tl.load(q_ptr + row * stride_q + k0 + within, mask=a_mask[:, None], other=0)
+                    a_scale = tl.load(qs_ptr + row * stride_qs + k0 // 32 + groups, mask=a_mask, other=0)
                 a = e4m3_unscaled(codes, NATIVE_FP8) * pow2(a_scale, E4M3_BIAS)[:, None]
                 acc = _add_row(acc, slots, r, tl.sum(w * a[None, :, :], axis=2) * w_factor)
         total += acc
