@@ -489,12 +489,12 @@ _INVARIANT_GLUON_FP8 = _gluon_fp8(64, 4, 256, 2)
 # num_stages above 1 ran an experiment, their K steps' loads pipelined by cp.async (tl.range): slower than the same
 # tiles without it on every weight (main_proj 41.4 µs at depth 1, 43.4–54.3 deeper), so not kept.
 MEASURED: dict[tuple[str, int, int, int], BlockConfig] = {
-    ("fp8_block_gemm", 2, 512, 5120): _gemv(16, 4, 3),
-    ("fp8_block_gemm", 2, 1280, 5120): _gemv(64, 8, 3),
-    ("fp8_block_gemm", 2, 4096, 1280): _gluon_fp8(8, 4, 256, 3),
-    ("fp8_block_gemm", 2, 4608, 5120): _gemv(32, 4, 2),
+    ("fp8_block_gemm", 2, 512, 5120): _gemv(32, 4, 2),
+    ("fp8_block_gemm", 2, 1280, 5120): _gemv(32, 4, 2),
+    ("fp8_block_gemm", 2, 4096, 1280): _gemv(32, 4, 3),
+    ("fp8_block_gemm", 2, 4608, 5120): _gemv(32, 4, 3),
     ("fp8_block_gemm", 2, 5120, 2304): _gluon_fp8(8, 4, 256, 4),
-    ("fp8_block_gemm", 2, 5120, 8192): _gemv(64, 8, 3),
+    ("fp8_block_gemm", 2, 5120, 8192): _gemv(32, 4, 3),
     ("fp8_block_gemm", 2, 5120, 15360): _gemv(32, 4, 2),
     ("fp8_block_gemm", 2, 25600, 6144): _gluon_fp8(8, 4, 256, 4),
     ("fp8_block_gemm", 2, 32768, 1280): _gluon_fp8(8, 8, 128, 3),
@@ -548,9 +548,12 @@ MEASURED: dict[tuple[str, int, int, int], BlockConfig] = {
 # against 46.6). attn.wkv and wq_a keep invariant_config's (9.4 and 11.8 against 16.0 and 16.2 µs: 8 and 20 programs
 # of 64 weight rows).
 MEASURED_INVARIANT: dict[tuple[str, int, int, int], BlockConfig] = {
-    ("fp8_block_gemm", 2, 4608, 5120): _gluon_fp8(8, 4, 256, 4),
-    ("fp8_block_gemm", 2, 5120, 8192): _gluon_fp8(8, 4, 256, 4),
-    ("fp8_block_gemm", 2, 5120, 15360): _gluon_fp8(8, 4, 256, 3),
+    ("fp8_block_gemm", 2, 512, 5120): _gluon_fp8(8, 4, 256, 3, split_grid=True),
+    ("fp8_block_gemm", 2, 1280, 5120): _gluon_fp8(8, 4, 256, 3, split_grid=True),
+    ("fp8_block_gemm", 2, 4096, 1280): _gluon_fp8(8, 4, 256, 3),
+    ("fp8_block_gemm", 2, 4608, 5120): _gluon_fp8(8, 4, 256, 3, split_grid=True),
+    ("fp8_block_gemm", 2, 5120, 8192): _gluon_fp8(8, 4, 256, 3, split_grid=True),
+    ("fp8_block_gemm", 2, 5120, 15360): _gluon_fp8(8, 4, 256, 3, split_grid=True),
 }
 
 
