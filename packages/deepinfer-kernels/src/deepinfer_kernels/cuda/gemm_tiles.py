@@ -488,6 +488,11 @@ _INVARIANT_GLUON_FP8 = _gluon_fp8(64, 4, 256, 2)
 # it had) and the shared w2 (9.2 against 9.5 µs; kernels_gemm-fp8-t1-pipelined.json). That run's FMA tiles with
 # num_stages above 1 ran an experiment, their K steps' loads pipelined by cp.async (tl.range): slower than the same
 # tiles without it on every weight (main_proj 41.4 µs at depth 1, 43.4–54.3 deeper), so not kept.
+# Bucket 2 was re-tuned when the FMA GEMV began quantizing its activation itself (kernels_gemm-fp8-t1-split.json,
+# the twentieth session): its 64-column 8-warp tiles became 2.1–2.7x slower (wo_b 56.1 against 20.8 µs for the
+# 32-column 4-warp tile), and the 32-column tiles were the fastest on six weights, the indexer's wq_b among them
+# (5.6 against 6.1 µs for its Gluon tile, which also needs the quantizer's launch). The split-K Gluon tiles lost to
+# the GEMV on every weight (wkv 7.4 against 5.9 µs, wo_b 21.4 against 20.8).
 MEASURED: dict[tuple[str, int, int, int], BlockConfig] = {
     ("fp8_block_gemm", 2, 512, 5120): _gemv(32, 4, 2),
     ("fp8_block_gemm", 2, 1280, 5120): _gemv(32, 4, 2),
@@ -543,10 +548,12 @@ MEASURED: dict[tuple[str, int, int, int], BlockConfig] = {
 
 
 # The batch-invariant mode at one or two rows where MEASURED's tile is the FMA GEMV (not row-independent): the fastest
-# row-independent tile of the same run (kernels_gemm-fp8-t1-pipelined.json), the Gluon one-row tile on wo_b (25.8
-# against 29.7 µs for invariant_config's swap_fp8 16×128 tile), the shared w1 (16.5 against 18.2) and main_proj (42.4
-# against 46.6). attn.wkv and wq_a keep invariant_config's (9.4 and 11.8 against 16.0 and 16.2 µs: 8 and 20 programs
-# of 64 weight rows).
+# row-independent tile. First the unsplit Gluon one-row tile on wo_b (25.8 against 29.7 µs for invariant_config's
+# swap_fp8 16×128 tile), the shared w1 (16.5 against 18.2) and main_proj (42.4 against 46.6;
+# kernels_gemm-fp8-t1-pipelined.json), wkv and wq_a on invariant_config's (9.4 and 11.8 µs against 16.0 and 16.2: 8
+# and 20 programs of 64 weight rows). Then the split-K Gluon tile (kernels_gemm-fp8-t1-split.json, another run): wkv
+# 7.4, wq_a 8.8, wo_b 21.4, the shared w1 14.4, main_proj 34.4 µs; the indexer's wq_b keeps the unsplit one (6.1
+# against 7.2 split).
 MEASURED_INVARIANT: dict[tuple[str, int, int, int], BlockConfig] = {
     ("fp8_block_gemm", 2, 512, 5120): _gluon_fp8(8, 4, 256, 3, split_grid=True),
     ("fp8_block_gemm", 2, 1280, 5120): _gluon_fp8(8, 4, 256, 3, split_grid=True),
