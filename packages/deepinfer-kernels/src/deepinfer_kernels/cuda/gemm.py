@@ -448,7 +448,7 @@ def fp8_block_launch(
         if available(out.device) and fp8_wgmma.fits(n, k, q, q_scale, w_q, w_scale, groups, cfg):
             fp8_wgmma.fp8_wgmma_launch(q, q_scale, w_q, w_scale, out, groups, cfg)
             return
-        # The same sums from Triton (cuda.fp8_wgmma): the swap_fp8 tile in the same chunks, in one program.
+        # The same sums from Triton (cuda.fp8_wgmma): the swap_fp8 tile in the same chunks, split as the tile says.
         cfg = replace(cfg, decoding="swap_fp8", block_m=max(16, cfg.block_m))
     _fp8_tile_launch(q, q_scale, w_q, w_scale, out, groups, cfg, quantize=False)
 

@@ -488,11 +488,9 @@ _INVARIANT_GLUON_FP8 = _gluon_fp8(64, 4, 256, 2)
 # it had) and the shared w2 (9.2 against 9.5 µs; kernels_gemm-fp8-t1-pipelined.json). That run's FMA tiles with
 # num_stages above 1 ran an experiment, their K steps' loads pipelined by cp.async (tl.range): slower than the same
 # tiles without it on every weight (main_proj 41.4 µs at depth 1, 43.4–54.3 deeper), so not kept.
-# Bucket 2 was re-tuned when the FMA GEMV began quantizing its activation itself (kernels_gemm-fp8-t1-split.json,
-# the twentieth session): its 64-column 8-warp tiles became 2.1–2.7x slower (wo_b 56.1 against 20.8 µs for the
-# 32-column 4-warp tile), and the 32-column tiles were the fastest on six weights, the indexer's wq_b among them
-# (5.6 against 6.1 µs for its Gluon tile, which also needs the quantizer's launch). The split-K Gluon tiles lost to
-# the GEMV on every weight (wkv 7.4 against 5.9 µs, wo_b 21.4 against 20.8).
+# Bucket 2 re-tuned once the FMA GEMV quantized its own activation (kernels_gemm-fp8-t1-split.json): its 64-column
+# 8-warp tiles became 2.1–2.7x slower (wo_b 56.1 against 20.8 µs for 32 columns, 4 warps), the 32-column tiles the
+# fastest on six weights (the indexer's wq_b 5.6 against 6.1 for Gluon); split-K Gluon lost to the GEMV on all.
 MEASURED: dict[tuple[str, int, int, int], BlockConfig] = {
     ("fp8_block_gemm", 2, 512, 5120): _gemv(32, 4, 2),
     ("fp8_block_gemm", 2, 1280, 5120): _gemv(32, 4, 2),
