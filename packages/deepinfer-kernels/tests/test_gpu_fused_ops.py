@@ -44,9 +44,8 @@ def test_hc_mixes_gpu(n: int, hidden: int, dtype: torch.dtype, tf32: bool) -> No
 
 @pytest.mark.parametrize(("dtype", "tf32"), [(torch.bfloat16, True), (torch.float32, False)])
 def test_hc_mixes_rows_keep_their_bits_in_any_batch(dtype: torch.dtype, tf32: bool) -> None:
-    """In the batch-invariant mode a token's mixes are the same bits alone and at every position of a 130-token call
-    (64-token programs: rows at every place in a tile, a partial last tile). Outside it a call of up to 16 tokens
-    takes per-token programs, another FP32 order."""
+    """In the batch-invariant mode a token's mixes are the same bits alone (its programs finish the mixes) and at every
+    position of a 130-token call (blocks of 8 tokens a program, a partial last block, then the mixes kernel)."""
     m, rows, hidden, n = 4, 24, 5120, 130
     trunk = random_normal((n, m, hidden), seed=40, dtype=dtype, std=2.0).cuda()
     weights = (

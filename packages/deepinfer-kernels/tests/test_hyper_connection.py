@@ -46,7 +46,8 @@ def _run_mixes(backend: Backend, device: str, inputs: tuple[torch.Tensor, ...], 
 def test_hc_mixes_triton_parity(
     triton_device: str, n: int, m: int, hidden: int, dtype: torch.dtype, tf32: bool, invariant: bool
 ) -> None:
-    """Both mix-logits kernels: up to 16 tokens the per-token programs, except in the batch-invariant mode."""
+    """Both mix-logits kernels: up to 16 tokens the per-token programs; beyond, the 64-token tiles, or in the
+    batch-invariant mode the token kernel with blocks of tokens."""
     inputs = _mix_inputs(n, m, hidden, dtype, seed=n * 100 + hidden)
     expected = _run_mixes(Backend.REFERENCE, "cpu", inputs, tf32)
     with batch_invariant_ops(invariant):
@@ -74,8 +75,8 @@ def test_token_programs_finish_the_mixes_as_the_mixes_kernel(triton_device: str,
     tickets = split_counters(trunk.device, n)
     constexprs = {"M": m, "BLOCK_MM": block_mm, "BLOCK_R": block_r, "POST_MULT": hc.HC_POST_MULT, "PDL": False}
     hc._token_mixes_kernel[(n, splits)](
-        trunk, fn, part, sum_sq, tickets, scale, base, *fused, n, width, rows, 1e-6, 1e-6, 20, CHUNK=hc._CHUNK,
-        TF32=True, **constexprs, enable_fp_fusion=False,
+        trunk, fn, part, sum_sq, tickets, scale, base, *fused, n, width, rows, 1, 1e-6, 1e-6, 20, CHUNK=hc._CHUNK,
+        TF32=True, TOKENS=1, **constexprs, enable_fp_fusion=False,
     )  # fmt: skip
     separate = [torch.full_like(out, float("nan")) for out in fused]
     hc._mixes_kernel[(n,)](
@@ -86,6 +87,22 @@ def test_token_programs_finish_the_mixes_as_the_mixes_kernel(triton_device: str,
         assert not a.isnan().any(), name
         assert_bitwise_equal(a.cpu(), b.cpu(), message=name)
     assert not tickets[:n].any()
+
+
+@pytest.mark.parametrize("n", [12, 21])
+def test_invariant_mixes_of_a_token_do_not_depend_on_the_call(triton_device: str, n: int) -> None:
+    """In the batch-invariant mode every call gives each program a block of 8 tokens: a token's mixes are its bits
+    alone at the first, second, a middle and the last place, in a call whose programs finish the mixes (12 tokens) and
+    in one followed by the mixes kernel (21), the last block partial. The GPU twin is test_gpu_fused_ops.py's
+    130-token test."""
+    m, hidden = 4, 160
+    trunk, fn, scale, base = _mix_inputs(n, m, hidden, torch.bfloat16, seed=n + 11)
+    with batch_invariant_ops():
+        together = _run_mixes(Backend.NVIDIA, triton_device, (trunk, fn, scale, base), True)
+        for row in (0, 1, n // 2, n - 1):
+            alone = _run_mixes(Backend.NVIDIA, triton_device, (trunk[row : row + 1], fn, scale, base), True)
+            for name, a, b in zip(("read mix", "write mix", "comb"), alone, together, strict=True):
+                assert_bitwise_equal(a[0], b[row], message=f"{name}, token {row}")
 
 
 @pytest.mark.parametrize(("n", "m", "hidden"), _SHAPES)

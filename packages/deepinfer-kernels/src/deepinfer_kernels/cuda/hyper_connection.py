@@ -1,17 +1,20 @@
 """Triton mHC ops: the mixes in two kernels, the read and the post in one each (docs/design/kernels.md, "mHC ops").
 
-- Mixes, kernel 1 (``_mix_logits_kernel``): the mix GEMM ``fn·z`` and ``Σz²`` over fixed chunks of ``CHUNK`` columns of
-  the flattened trunk ``z`` (split-K, so a batch-1 step spreads the ``fn`` read over many programs), FP32 partials per
-  chunk. The chunk count depends only on ``m·H``, so the summation order does not depend on the batch.
-  Outside the batch-invariant mode a call of at most ``_TOKEN_PROGRAM_MAX_TOKENS`` tokens runs
-  ``_token_mixes_kernel`` instead: one program per (token, chunk), the chunk's whole ``fn`` tile loaded at once and
-  summed in FP32 (the same exact products, another FP32 order). A 64-token tile with one real token spent most of
-  its 11.7 µs a call (batch 1 on the H200, profile_step-h200-scaled-3935c2a.json) in eight dependent K steps of a
-  255-register program.
+- Mixes, kernel 1: the mix GEMM ``fn·z`` and ``Σz²`` over fixed chunks of ``CHUNK`` columns of the flattened trunk
+  ``z`` (split-K, so a batch-1 step spreads the ``fn`` read over many programs), FP32 partials per chunk; the chunk
+  count depends only on ``m·H``. A call of at most ``_TOKEN_PROGRAM_MAX_TOKENS`` tokens runs ``_token_mixes_kernel``
+  with one program per (token, chunk): the chunk's whole ``fn`` tile loaded at once and summed in FP32. Beyond that,
+  outside the batch-invariant mode, ``_mix_logits_kernel`` takes 64 tokens a program on Hopper's ``wgmma`` (the same
+  exact products, another FP32 order); the invariant mode keeps ``_token_mixes_kernel`` with a block of tokens a
+  program, whose per-token sums are the same code in the same binary, so a token's partials have the same bits at
+  every token count (at one token the 64-token tile took 11.7 µs a call on the H200 and ``_mixes_kernel`` after it
+  6.3, profile_step-h200-scaled-invariant-adf135a.json; the per-token programs, mixes included, 9.7 µs,
+  profile_step-h200-scaled-889b3fc.json).
 - Mixes, kernel 2 (``_mixes_kernel``): one program per token sums the partials in chunk order, forms ``γ`` (FP64
   reciprocal square root rounded to FP32, as the reference), the logits, both sigmoids, the softmax and every Sinkhorn
-  normalization on the ``m × m`` comb held in registers. After the per-token programs (``_token_mixes_kernel``) there
-  is no second launch: each token's last program to finish does this, with the same loads and arithmetic.
+  normalization on the ``m × m`` comb held in registers. A call of at most ``_TOKEN_PROGRAM_MAX_TOKENS`` tokens has no
+  second launch: each token's last ``_token_mixes_kernel`` program to finish does this, with the same loads and
+  arithmetic.
 - Read and post: one program per (token, block of ``H``); FP32 products and sums in the reference's order.
 
 Divisions are IEEE (``tl.div_rn``) and every kernel is compiled with ``enable_fp_fusion=False``: a multiply followed
@@ -45,8 +48,14 @@ _BLOCK_K = 64
 # do not depend on the other rows.
 _BLOCK_M = 64
 _BLOCK_H = 512
-# Tokens up to which a call outside the batch-invariant mode takes the per-token mix-logits programs.
+# Tokens up to which the mix-logits programs finish the mixes themselves (no second launch), and up to which a call
+# outside the batch-invariant mode takes one program per (token, chunk).
 _TOKEN_PROGRAM_MAX_TOKENS = 16
+# Tokens a program in the batch-invariant mode, at every token count: one binary, so a token's bits do not depend on
+# the call. Its programs hold 192 registers (offline sm_90; 80 at one token a program: the compiler keeps the tile's
+# addresses across tokens), one program a multiprocessor; eight tokens each give 1,280 programs at batch 256 and each
+# token's last program finishes at most eight tokens' mixes in turn (not yet timed).
+_INVARIANT_TOKENS = 8
 # Splits' partials the mixes kernel loads together (unrolled, then added in split order): the compiler's own unroll by
 # four left ten dependent memory round trips for the 40 splits of m·H = 20480 (about 7 µs a call at batch 1 on the
 # H200, profile_step-h200-scaled-7299ced.json); eight at a time leave five.
@@ -107,41 +116,48 @@ def _mix_logits_kernel(  # type: ignore[no-untyped-def]
     tl.store(sum_sq_ptr + base, sum_sq, mask=token_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "finish"])
 def _token_mixes_kernel(  # type: ignore[no-untyped-def]
     z_ptr, fn_ptr, part_ptr, sum_sq_ptr, counter_ptr, scale_ptr, base_ptr, read_ptr, write_ptr, comb_ptr, n, width,
-    rows, rms_eps, hc_eps, sinkhorn_iters, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, TF32: tl.constexpr,
-    M: tl.constexpr, BLOCK_MM: tl.constexpr, POST_MULT: tl.constexpr, PDL: tl.constexpr,
+    rows, finish, rms_eps, hc_eps, sinkhorn_iters, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, TF32: tl.constexpr,
+    TOKENS: tl.constexpr, M: tl.constexpr, BLOCK_MM: tl.constexpr, POST_MULT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    # Program (token, split): _mix_logits_kernel's partials of one token from one load of the chunk's fn tile
-    # [BLOCK_R, CHUNK] and FP32 sums; TF32-rounded fn values times the trunk's values are exact products, as in its dot.
-    # The token's last program to finish (a ticket per token, as gemm_operands.finish_tile) then forms its mixes from
-    # every split's partials: _mixes_kernel's loads and arithmetic, so its bits, without a launch of its own.
+    # Program (block of TOKENS tokens, split): for each token, _mix_logits_kernel's partials from one load of the
+    # chunk's fn tile [BLOCK_R, CHUNK] and FP32 sums; TF32-rounded fn values times the trunk's values are exact
+    # products, as in its dot. A token's sums are the same code whatever its place and the call's token count (n and
+    # finish are not specialized, so one TOKENS gives one binary). With finish, the token's last program to finish (a
+    # ticket per token, as gemm_operands.finish_tile) forms its mixes from every split's partials: _mixes_kernel's
+    # loads and arithmetic, so its bits, without a launch of its own.
     await_inputs(PDL)
-    token = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
+    splits = tl.num_programs(1)
     fn_rows = tl.arange(0, BLOCK_R)
     cols = split * CHUNK + tl.arange(0, CHUNK)
     col_mask = cols < width
-    z = tl.load(z_ptr + token * width + cols, mask=col_mask, other=0.0).to(tl.float32)
-    w = tl.load(
-        fn_ptr + fn_rows[:, None] * width + cols[None, :], mask=(fn_rows < rows)[:, None] & col_mask[None, :], other=0.0
-    )
-    if TF32:
-        w = _round_to_tf32(w)
-    base = split.to(tl.int64) * n + token
-    tl.store(part_ptr + base * BLOCK_R + fn_rows, tl.sum(w * z[None, :], axis=1))
-    tl.store(sum_sq_ptr + base, tl.sum(z * z, axis=0))
-    # Every thread's stores precede the ticket (taken with release semantics); the last program reads the others'
-    # partials after its acquire.
-    tl.debug_barrier()
-    splits = tl.num_programs(1)
-    if tl.atomic_add(counter_ptr + token, 1, sem="acq_rel", scope="gpu") == splits - 1:
-        _token_mixes(
-            token, part_ptr, sum_sq_ptr, scale_ptr, base_ptr, read_ptr, write_ptr, comb_ptr, n, width.to(tl.float32),
-            splits, rms_eps, hc_eps, sinkhorn_iters, M, BLOCK_MM, BLOCK_R, POST_MULT, ".cg",
-        )  # fmt: skip
-        tl.atomic_xchg(counter_ptr + token, 0, sem="relaxed", scope="gpu")
+    first = tl.program_id(0).to(tl.int64) * TOKENS
+    for token in range(first, tl.minimum(first + TOKENS, n)):
+        w = tl.load(
+            fn_ptr + fn_rows[:, None] * width + cols[None, :],
+            mask=(fn_rows < rows)[:, None] & col_mask[None, :],
+            other=0.0,
+        )
+        if TF32:
+            w = _round_to_tf32(w)
+        z = tl.load(z_ptr + token * width + cols, mask=col_mask, other=0.0).to(tl.float32)
+        base = split.to(tl.int64) * n + token
+        tl.store(part_ptr + base * BLOCK_R + fn_rows, tl.sum(w * z[None, :], axis=1))
+        tl.store(sum_sq_ptr + base, tl.sum(z * z, axis=0))
+        if finish:
+            # Every thread's stores precede the ticket (taken with release semantics); the last program reads the
+            # others' partials after its acquire.
+            tl.debug_barrier()
+            if tl.atomic_add(counter_ptr + token, 1, sem="acq_rel", scope="gpu") == splits - 1:
+                _token_mixes(
+                    token, part_ptr, sum_sq_ptr, scale_ptr, base_ptr, read_ptr, write_ptr, comb_ptr, n,
+                    width.to(tl.float32), splits, rms_eps, hc_eps, sinkhorn_iters, M, BLOCK_MM, BLOCK_R, POST_MULT,
+                    ".cg",
+                )  # fmt: skip
+                tl.atomic_xchg(counter_ptr + token, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -240,22 +256,29 @@ def hc_mixes(
     sum_sq = torch.empty((splits, n), dtype=torch.float32, device=trunk.device)
     constexprs = {"M": m, "BLOCK_MM": triton.next_power_of_2(m), "BLOCK_R": block_r, "POST_MULT": HC_POST_MULT}
     # Python floats reach the kernels as FP32 values, as the reference adds them to FP32 tensors.
-    if n <= _TOKEN_PROGRAM_MAX_TOKENS and not invariant_kernels():
-        _token_mixes_kernel[(n, splits)](
-            trunk, fn, part, sum_sq, split_counters(trunk.device, n), scale, base, read, write, comb, n, width, rows,
-            float(rms_eps), float(hc_eps), sinkhorn_iters, CHUNK=_CHUNK, TF32=tf32, **constexprs, num_warps=8,
+    scalars = (float(rms_eps), float(hc_eps), sinkhorn_iters)
+    invariant = invariant_kernels()
+    if n <= _TOKEN_PROGRAM_MAX_TOKENS or invariant:
+        # The invariant mode's blocks keep one binary for every call; one token a program otherwise.
+        tokens = _INVARIANT_TOKENS if invariant else 1
+        finish = n <= _TOKEN_PROGRAM_MAX_TOKENS
+        _token_mixes_kernel[(triton.cdiv(n, tokens), splits)](
+            trunk, fn, part, sum_sq, split_counters(trunk.device, n if finish else 1), scale, base, read, write, comb,
+            n, width, rows, int(finish), *scalars, CHUNK=_CHUNK, TF32=tf32, TOKENS=tokens, **constexprs, num_warps=8,
             enable_fp_fusion=False,
             **dependent_launch(trunk.device),
         )  # fmt: skip
-        return
-    _mix_logits_kernel[(triton.cdiv(n, _BLOCK_M), splits)](
-        trunk, fn, part, sum_sq, n, width, rows, CHUNK=_CHUNK, BLOCK_M=_BLOCK_M, BLOCK_R=block_r, BLOCK_K=_BLOCK_K,
-        TF32=tf32, enable_fp_fusion=False,
-        **dependent_launch(trunk.device),
-    )  # fmt: skip
+        if finish:
+            return
+    else:
+        _mix_logits_kernel[(triton.cdiv(n, _BLOCK_M), splits)](
+            trunk, fn, part, sum_sq, n, width, rows, CHUNK=_CHUNK, BLOCK_M=_BLOCK_M, BLOCK_R=block_r, BLOCK_K=_BLOCK_K,
+            TF32=tf32, enable_fp_fusion=False,
+            **dependent_launch(trunk.device),
+        )  # fmt: skip
     _mixes_kernel[(n,)](
-        part, sum_sq, scale, base, read, write, comb, n, float(width), splits, float(rms_eps), float(hc_eps),
-        sinkhorn_iters, **constexprs, enable_fp_fusion=False,
+        part, sum_sq, scale, base, read, write, comb, n, float(width), splits, *scalars, **constexprs,
+        enable_fp_fusion=False,
         **dependent_launch(part.device),
     )  # fmt: skip
 
