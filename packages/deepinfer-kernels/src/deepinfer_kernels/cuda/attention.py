@@ -19,13 +19,13 @@ O(queries × splits × H × D), bounded by launches of at most :data:`SPLIT_WORK
 Batch invariance (docs/design/numerics.md, "Batch invariance"): inside ``batch_invariant_ops`` the keys are cut into
 chunks of a fixed :data:`INVARIANT_CHUNK_KEYS` keys counted from each source's start, so a chunk holds the same key
 positions whatever the other requests of the step: a source's width (the step's longest list, e.g. the draft block)
-moves only its own last chunks, and chunks past a query's own keys hold −1 rows only and add exact zeros. Every chunk
-is summed from zero in tile order by ``sums_pass`` at the same tiles and the chunk sums are added in chunk order after
-the sink's term; the maximum is exact in any order. Few queries take the split path (a chunk a split, the combine
-adds them); queries that fill the device take ``chunks_kernel``, which makes the same additions in one program per
-(query, head block) and writes no partial sums (at batch 256 of the scaled preset they were 200 MB a layer, written
-and read back). (The non-split ``prefill_kernel`` sums a query's keys in one run, so its bits differ: the invariant
-mode never runs it.)
+moves only its own last chunks, and chunks past a query's own keys hold −1 rows only and add exact zeros. Every chunk is
+summed from zero in tile order by ``sums_pass`` at the same tiles and the chunk sums are added in chunk order after the
+sink's term; the maximum is exact in any order. Few queries take the split path (a chunk a split, the combine adds them;
+pass 1, whose logits and maximum do not depend on how it is cut, in one-tile splits); queries that fill the device take
+``chunks_kernel``, which makes the same additions in one program per (query, head block) and writes no partial sums (at
+batch 256 of the scaled preset they were 200 MB a layer, written and read back). (The non-split ``prefill_kernel`` sums
+a query's keys in one run, so its bits differ: the invariant mode never runs it.)
 """
 
 from __future__ import annotations
@@ -205,40 +205,50 @@ def _value_columns(tiles: dict[str, int], width: int, chunks: bool = False) -> i
 def _split(call: _Call, chunk_keys: int, split_counts: list[int]) -> None:
     """The split path: pass 1 and pass 2 per (query, head block, split), then the combine, in launches whose partial
     sums and logits stay within :data:`SPLIT_WORKSPACE_BYTES` (few queries: one launch at the preset's shapes). Buffers
-    are sized from T, splits and H only (host shapes), so a captured step replays with the same plan."""
+    are sized from T, splits and H only (host shapes), so a captured step replays with the same plan.
+
+    Pass 1 splits as pass 2 does, except inside ``batch_invariant_ops``, where each of its splits is one logits tile:
+    the logits and the maximum (exact in any order) do not depend on how pass 1 is cut, only pass 2's sums do, and
+    a one-query step's pass 1 then has a program per tile instead of one per chunk of several tiles, each tile's
+    gather waiting on the last (at batch 1 on the H200 12.3 µs a call against 4.4 in the normal mode's one-tile
+    splits, profile_step-h200-scaled-invariant-adf135a.json; not yet timed this way)."""
     q, sources, tiles, constexprs = call.q, call.sources, call.tiles, call.constexprs
     num_tokens, num_heads, width = q.shape
     counts = split_counts + [0] * (MAX_SOURCES - len(split_counts))
     num_splits = max(sum(counts), 1)
+    logits_tile = _chunk_logits_tile(tiles, chunk_keys)
+    logit_keys = logits_tile if invariant_kernels() else chunk_keys
+    logit_counts = [triton.cdiv(s.rows.shape[1], logit_keys) for s in sources] if logit_keys != chunk_keys else counts
+    num_maxima = max(sum(logit_counts), 1)
     head_blocks = triton.cdiv(num_heads, tiles["block_h"])
     head_rows = head_blocks * tiles["block_h"]
     num_keys = max(sum(s.rows.shape[1] for s in sources), 1)
-    query_bytes = num_splits * num_heads * (width + 2) * 4 + head_rows * num_keys * 4
+    query_bytes = (num_splits * (width + 1) + num_maxima) * num_heads * 4 + head_rows * num_keys * 4
     rows = min(max(1, SPLIT_WORKSPACE_BYTES // query_bytes), num_tokens)
-    part_m = torch.empty((rows, num_splits, num_heads), dtype=torch.float32, device=q.device)
-    part_l = torch.empty_like(part_m)
+    part_m = torch.empty((rows, num_maxima, num_heads), dtype=torch.float32, device=q.device)
+    part_l = torch.empty((rows, num_splits, num_heads), dtype=torch.float32, device=q.device)
     part_acc = torch.empty((rows, num_splits, num_heads, width), dtype=torch.float32, device=q.device)
     logits = torch.empty((rows, head_rows, num_keys), dtype=torch.float32, device=q.device)
     combine = {"BLOCK_H": COMBINE_TILES["block_h"], "BLOCK_C": min(COMBINE_TILES["block_c"], _block_d(width))}
     combine_grid = (triton.cdiv(num_heads, combine["BLOCK_H"]), triton.cdiv(width, combine["BLOCK_C"]))
     for start in range(0, num_tokens, rows):
         stop = min(start + rows, num_tokens)
-        plan = (chunk_keys, num_splits, counts[0], counts[0] + counts[1], *_source_args(sources, start, stop))
-        grid = (stop - start, head_blocks, num_splits)
-        split_logits_kernel[grid](
-            q[start:stop], part_m, logits, num_heads, call.scale, *plan,
-            LOGITS_BLOCK_N=_chunk_logits_tile(tiles, chunk_keys),
+        keys = _source_args(sources, start, stop)
+        logit_plan = (logit_keys, num_maxima, logit_counts[0], logit_counts[0] + logit_counts[1], *keys)
+        split_logits_kernel[(stop - start, head_blocks, num_maxima)](
+            q[start:stop], part_m, logits, num_heads, call.scale, *logit_plan, LOGITS_BLOCK_N=logits_tile,
             **constexprs,
             **dependent_launch(q.device),
         )  # fmt: skip
-        split_sums_kernel[grid](
-            call.sink, part_acc, part_m, part_l, logits, num_heads, *plan, BLOCK_V=_value_columns(tiles, width),
-            ROUND=call.round_probs_bf16, **constexprs,
+        plan = (chunk_keys, num_splits, counts[0], counts[0] + counts[1], *keys)
+        split_sums_kernel[(stop - start, head_blocks, num_splits)](
+            call.sink, part_acc, part_m, part_l, logits, num_heads, num_maxima, *plan,
+            BLOCK_V=_value_columns(tiles, width), ROUND=call.round_probs_bf16, **constexprs,
             **dependent_launch(call.sink.device),
         )  # fmt: skip
         combine_kernel[(stop - start, *combine_grid)](
-            call.sink, call.out[start:stop], part_m, part_acc, part_l, num_heads, num_splits, WIDTH=width, **combine,
-            num_warps=COMBINE_TILES["num_warps"],
+            call.sink, call.out[start:stop], part_m, part_acc, part_l, num_heads, num_maxima, num_splits, WIDTH=width,
+            **combine, num_warps=COMBINE_TILES["num_warps"],
             **dependent_launch(call.sink.device),
         )  # fmt: skip
 

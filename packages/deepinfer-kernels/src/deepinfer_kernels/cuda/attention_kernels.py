@@ -140,13 +140,14 @@ def _split_range(split, first, count, chunk_keys, num_keys):  # type: ignore[no-
 
 
 @triton.jit
-def _global_max(sink, part_m_ptr, token, num_splits, num_heads, h, h_mask):  # type: ignore[no-untyped-def]
-    """The softmax maximum: the sink and every split's maximum (loaded :data:`_SPLITS_PER_LOAD` splits at a time)."""
+def _global_max(sink, part_m_ptr, token, num_maxima, num_heads, h, h_mask):  # type: ignore[no-untyped-def]
+    """The softmax maximum: the sink and the maximum of each of pass 1's ``num_maxima`` splits (loaded
+    :data:`_SPLITS_PER_LOAD` at a time)."""
     m = sink
-    end = (token + 1) * num_splits * num_heads  # past the query's last split
-    for first in range(0, num_splits, _SPLITS_PER_LOAD):
+    end = (token + 1) * num_maxima * num_heads  # past the query's last split
+    for first in range(0, num_maxima, _SPLITS_PER_LOAD):
         for j in tl.static_range(_SPLITS_PER_LOAD):
-            part = (token * num_splits + first + j) * num_heads + h
+            part = (token * num_maxima + first + j) * num_heads + h
             m = tl.maximum(m, tl.load(part_m_ptr + part, mask=h_mask & (part < end), other=float("-inf")))
     return m
 
@@ -236,19 +237,21 @@ def split_logits_kernel(  # type: ignore[no-untyped-def]
 
 @triton.jit
 def split_sums_kernel(  # type: ignore[no-untyped-def]
-    sink_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, logits_ptr, num_heads, chunk_keys, num_splits, first1, first2,
+    sink_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, logits_ptr, num_heads, num_maxima, chunk_keys, num_splits,
+    first1, first2,
     pool0, rows0, stride0, keys0, bytes0, pool1, rows1, stride1, keys1, bytes1, pool2, rows2, stride2, keys2, bytes2,
     WIDTH: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
     FMT0: tl.constexpr, FMT1: tl.constexpr, FMT2: tl.constexpr,
     BF16_0: tl.constexpr, BF16_1: tl.constexpr, BF16_2: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """Grid (query, head block, split): pass 2 over the split's keys at the maximum over the sink and every split, its
-    sums from zero into ``part_acc_ptr`` [T, splits, H, WIDTH] and ``part_l_ptr`` [T, splits, H]."""
+    """Grid (query, head block, split): pass 2 over the split's keys at the maximum over the sink and every pass-1
+    split (``part_m_ptr`` [T, num_maxima, H]), its sums from zero into ``part_acc_ptr`` [T, splits, H, WIDTH] and
+    ``part_l_ptr`` [T, splits, H]."""
     await_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     split = tl.program_id(2)
     h, h_mask = _heads(num_heads, BLOCK_H)
-    m = _global_max(tl.load(sink_ptr + h, mask=h_mask, other=0.0), part_m_ptr, token, num_splits, num_heads, h, h_mask)
+    m = _global_max(tl.load(sink_ptr + h, mask=h_mask, other=0.0), part_m_ptr, token, num_maxima, num_heads, h, h_mask)
     logits0 = _logits_rows(logits_ptr, token, keys0 + keys1 + keys2, BLOCK_H)
     lo0, hi0, lo1, hi1, lo2, hi2 = _split_ranges(split, chunk_keys, num_splits, first1, first2, keys0, keys1, keys2)
     part_row = (token * num_splits + split) * num_heads + h
@@ -270,7 +273,7 @@ def split_sums_kernel(  # type: ignore[no-untyped-def]
 
 @triton.jit
 def combine_kernel(  # type: ignore[no-untyped-def]
-    sink_ptr, out_ptr, part_m_ptr, part_acc_ptr, part_l_ptr, num_heads, num_splits,
+    sink_ptr, out_ptr, part_m_ptr, part_acc_ptr, part_l_ptr, num_heads, num_maxima, num_splits,
     WIDTH: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Grid (query, head block, column block): the sink's term, then every split's sums added in split order, and the
@@ -283,7 +286,7 @@ def combine_kernel(  # type: ignore[no-untyped-def]
     c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = h_mask[:, None] & (c < WIDTH)[None, :]
     sink = tl.load(sink_ptr + h, mask=h_mask, other=0.0)
-    denom = tl.exp(sink - _global_max(sink, part_m_ptr, token, num_splits, num_heads, h, h_mask))
+    denom = tl.exp(sink - _global_max(sink, part_m_ptr, token, num_maxima, num_heads, h, h_mask))
     acc = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
     end = (token + 1) * num_splits * num_heads  # past the query's last split
     for first in range(0, num_splits, _SPLITS_PER_LOAD):
