@@ -95,6 +95,28 @@ def test_measured_invariant_entries_stand_in_for_measured_tiles_that_are_not_row
             assert block_config(op, 1, n, k) == cfg
 
 
+def test_invariant_fp8_one_row_tile_is_the_split_gluon_tile() -> None:
+    """Inside the batch-invariant mode the FP8 block GEMM at one or two rows takes the split-K Gluon tile (the split
+    swap_fp8 tile's sums) wherever the tuned tile is not row-independent: the GEMV-tuned weights and attn.wo_a, which
+    MEASURED does not hold; the exception in MEASURED_INVARIANT and the row-independent tuned tiles stay."""
+    from deepinfer_kernels.cuda.gemm_tiles import _INVARIANT_ONE_ROW
+
+    assert _INVARIANT_ONE_ROW.decoding == "gluon_fp8" and _INVARIANT_ONE_ROW.split_grid
+    gemv_tuned = [key for key, cfg in MEASURED.items() if key[:2] == ("fp8_block_gemm", 2) and cfg.gemv]
+    assert len(gemv_tuned) >= 5
+    with batch_invariant_ops():
+        for _, _, n, k in gemv_tuned:
+            expected = MEASURED_INVARIANT.get(("fp8_block_gemm", 2, n, k), _INVARIANT_ONE_ROW)
+            assert block_config("fp8_block_gemm", 1, n, k) == expected
+            assert block_config("fp8_block_gemm", 2, n, k) == expected
+        assert block_config("fp8_block_gemm", 1, 8192, 4096) == _INVARIANT_ONE_ROW  # attn.wo_a, 8 groups
+        for key, cfg in MEASURED.items():
+            if key[:2] == ("fp8_block_gemm", 2) and cfg.decoding == "gluon_fp8":
+                assert block_config(*key) == cfg
+        assert block_config("fp8_block_gemm", 3, 8192, 4096).decoding == "swap_fp8"
+    assert block_config("fp8_block_gemm", 1, 8192, 4096).gemv
+
+
 def test_weight_first_tiles_are_mxfp4_candidates_only() -> None:
     """``swap_ab`` is an MXFP4 kernel's decoding, never the FP8 GEMM's; the grouped GEMM tries it at few rows per
     expert (the dense MXFP4 GEMM's 1-2 rows take the FMA kernel)."""
