@@ -52,9 +52,9 @@ _BLOCK_H = 512
 # outside the batch-invariant mode takes one program per (token, chunk).
 _TOKEN_PROGRAM_MAX_TOKENS = 16
 # Tokens a program in the batch-invariant mode, at every token count: one binary, so a token's bits do not depend on
-# the call. Its programs hold 192 registers (offline sm_90; 80 at one token a program: the compiler keeps the tile's
-# addresses across tokens), one program a multiprocessor; eight tokens each give 1,280 programs at batch 256 and each
-# token's last program finishes at most eight tokens' mixes in turn (not yet timed).
+# the call. A program loads its fn tile once and keeps it in registers for its tokens: 182 registers (offline sm_90;
+# 80 at one token a program), one program a multiprocessor; eight tokens each give 1,280 programs at batch 256, and a
+# block's last program finishes at most its eight tokens' mixes in turn (not yet timed).
 _INVARIANT_TOKENS = 8
 # Splits' partials the mixes kernel loads together (unrolled, then added in split order): the compiler's own unroll by
 # four left ten dependent memory round trips for the 40 splits of m·H = 20480 (about 7 µs a call at batch 1 on the
@@ -122,8 +122,8 @@ def _token_mixes_kernel(  # type: ignore[no-untyped-def]
     rows, finish, rms_eps, hc_eps, sinkhorn_iters, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, TF32: tl.constexpr,
     TOKENS: tl.constexpr, M: tl.constexpr, BLOCK_MM: tl.constexpr, POST_MULT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    # Program (block of TOKENS tokens, split): for each token, _mix_logits_kernel's partials from one load of the
-    # chunk's fn tile [BLOCK_R, CHUNK] and FP32 sums; TF32-rounded fn values times the trunk's values are exact
+    # Program (block of TOKENS tokens, split): the chunk's fn tile [BLOCK_R, CHUNK] loaded once, then for each token
+    # _mix_logits_kernel's partials from FP32 sums; TF32-rounded fn values times the trunk's values are exact
     # products, as in its dot. A token's sums are the same code whatever its place and the call's token count (n and
     # finish are not specialized, so one TOKENS gives one binary). With finish, the token's last program to finish (a
     # ticket per token, as gemm_operands.finish_tile) forms its mixes from every split's partials: _mixes_kernel's
@@ -134,15 +134,13 @@ def _token_mixes_kernel(  # type: ignore[no-untyped-def]
     fn_rows = tl.arange(0, BLOCK_R)
     cols = split * CHUNK + tl.arange(0, CHUNK)
     col_mask = cols < width
+    w = tl.load(
+        fn_ptr + fn_rows[:, None] * width + cols[None, :], mask=(fn_rows < rows)[:, None] & col_mask[None, :], other=0.0
+    )
+    if TF32:
+        w = _round_to_tf32(w)
     first = tl.program_id(0).to(tl.int64) * TOKENS
     for token in range(first, tl.minimum(first + TOKENS, n)):
-        w = tl.load(
-            fn_ptr + fn_rows[:, None] * width + cols[None, :],
-            mask=(fn_rows < rows)[:, None] & col_mask[None, :],
-            other=0.0,
-        )
-        if TF32:
-            w = _round_to_tf32(w)
         z = tl.load(z_ptr + token * width + cols, mask=col_mask, other=0.0).to(tl.float32)
         base = split.to(tl.int64) * n + token
         tl.store(part_ptr + base * BLOCK_R + fn_rows, tl.sum(w * z[None, :], axis=1))
