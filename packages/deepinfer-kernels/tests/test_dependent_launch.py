@@ -1,6 +1,6 @@
-"""Programmatic dependent launch (``deepinfer_kernels.dependent_launch``): every Triton launch of the nvidia backend
-passes the launch options and every kernel it launches waits for the kernels before it as its first statement (read
-from the source, so a new kernel cannot skip it); the options are off outside the mode, on the CPU and in the
+"""Programmatic dependent launch (``deepinfer_kernels.dependent_launch``): every Triton and Gluon launch of the nvidia
+backend passes the launch options and every kernel it launches waits for the kernels before it as its first statement
+(read from the source, so a new kernel cannot skip it); the options are off outside the mode, on the CPU and in the
 interpreter; compiled for sm_90 with the mode on, the kernel's wait comes before its first global load."""
 
 from __future__ import annotations
@@ -57,27 +57,31 @@ def _launches(modules: dict[str, ast.Module]) -> list[tuple[str, ast.Call, set[s
 
 
 def test_every_triton_launch_is_a_dependent_launch_of_a_kernel_that_waits_first() -> None:
+    """Triton kernels wait through ``_launch.await_inputs``, the Gluon GEMMs through its Gluon twin
+    ``gluon_ring.await_gluon_inputs``."""
     modules = _modules()
-    triton_kernels = _jit_functions(modules, "triton.jit")
-    gluon_kernels = _jit_functions(modules, "gluon.jit")
+    waits = {
+        **dict.fromkeys(_jit_functions(modules, "triton.jit").items(), "await_inputs(PDL)"),
+        **dict.fromkeys(_jit_functions(modules, "gluon.jit").items(), "await_gluon_inputs(PDL)"),
+    }
+    kernels_by_name = {name: (node, wait) for (name, node), wait in waits.items()}
     launched: set[str] = set()
     for module, call, names in _launches(modules):
-        kernels = names & set(triton_kernels)
-        if names & set(gluon_kernels):
-            continue  # the Gluon GEMMs launch as before (docs/design/kernels.md, "Dependent launches")
-        assert kernels, f"{module}:{call.lineno} launches {sorted(names)}, none of them a @triton.jit function"
+        kernels = names & set(kernels_by_name)
+        assert kernels, f"{module}:{call.lineno} launches {sorted(names)}, none of them a jit function"
         options = [k.value for k in call.keywords if k.arg is None]
         assert any(ast.unparse(o).startswith("dependent_launch(") for o in options), (
             f"{module}:{call.lineno}: a launch of {sorted(kernels)} without **dependent_launch(device)"
         )
         launched |= kernels
     assert len(launched) >= 40  # the scan found the launches
+    assert {"_fp8_wgmma_kernel", "_grouped_wgmma_kernel"} <= launched
     for name in sorted(launched):
-        kernel = triton_kernels[name]
+        kernel, wait = kernels_by_name[name]
         assert kernel.args.args[-1].arg == "PDL", f"{name} has no PDL constexpr"
         body = kernel.body
         statements = body[1:] if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) else body
-        assert ast.unparse(statements[0]) == "await_inputs(PDL)", f"{name} does not wait for its inputs first"
+        assert ast.unparse(statements[0]) == wait, f"{name} does not wait for its inputs first"
 
 
 def test_the_mode_nests_and_is_off_by_default() -> None:
@@ -113,15 +117,52 @@ for pdl in (True, False):
     print(pdl, ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents"), ptx.find("ld.global"))
 """
 
+# The same for a Gluon GEMM (the first global access being a load or a cp.async copy).
+_COMPILE_GLUON = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from deepinfer_kernels.cuda.fp8_wgmma import _fp8_wgmma_kernel as kernel, fp8_wgmma_constexprs
+constexprs = {"SPLIT_GRID": True, **fp8_wgmma_constexprs(8, 256, 4, 3)}
+types = {n: "*u8" if n.endswith("_ptr") else "i32" for n in kernel.arg_names}
+pointers = {"out_ptr": "*bf16", "partial_ptr": "*fp32", "counter_ptr": "*i32"}
+signature = {**types, **dict.fromkeys([*constexprs, "PDL"], "constexpr"), **pointers}
+# A launch's 16-byte alignment facts (pointers, strides, N, K and the K chunk; not M), which the copies need.
+aligned = [n for n in kernel.arg_names if signature[n] != "constexpr" and n != "M"]
+attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+for pdl in (True, False):
+    source = GluonASTSource(fn=kernel, signature=signature, constexprs={**constexprs, "PDL": pdl}, attrs=attrs)
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+    first = min(i for i in (ptx.find("ld.global"), ptx.find("cp.async")) if i >= 0)
+    print(pdl, ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents"), first)
+"""
+
+
+def _compiled_positions(script: str) -> dict[str, list[int]]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return {line.split()[0]: [int(v) for v in line.split()[1:]] for line in result.stdout.splitlines()}
+
 
 def test_compiled_kernel_waits_before_its_first_load() -> None:
     """Offline compile for sm_90 (no GPU needed; a process of its own, as this session's kernels run in the
     interpreter): with PDL the PTX waits, then lets the next kernel launch, then loads; without, neither."""
     pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
-    rows = {line.split()[0]: [int(v) for v in line.split()[1:]] for line in result.stdout.splitlines()}
+    rows = _compiled_positions(_COMPILE)
     wait, launch, load = rows["True"]
     assert 0 <= wait < launch < load
+    assert rows["False"][:2] == [-1, -1] and rows["False"][2] >= 0
+
+
+def test_compiled_gluon_gemm_waits_before_its_first_copy() -> None:
+    """The same for the dense FP8 Gluon GEMM. Its kernels are written against Triton 3.6's Gluon (the H200's,
+    docs/hardware.md; later releases renamed parts of it), so other versions skip."""
+    triton = pytest.importorskip("triton")
+    pytest.importorskip("triton.backends.nvidia")
+    if not triton.__version__.startswith("3.6."):
+        pytest.skip(f"the Gluon kernels compile with Triton 3.6, this is {triton.__version__}")
+    rows = _compiled_positions(_COMPILE_GLUON)
+    wait, launch, first_copy = rows["True"]
+    assert 0 <= wait < launch < first_copy
     assert rows["False"][:2] == [-1, -1] and rows["False"][2] >= 0

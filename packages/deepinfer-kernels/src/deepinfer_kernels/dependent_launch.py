@@ -8,7 +8,8 @@ writes are then visible) and lets the next kernel launch (``griddepcontrol.launc
 reads and writes nothing before everything before it has finished, exactly as without the attribute: results are
 the same bits. What is gained is the next kernel's launch (its programs scheduled and waiting) overlapped with the
 running one, for every pair of Triton kernels in a row (the decode step is some 600 kernels, most of them small).
-Kernels of other libraries (PyTorch, cuBLAS) and the Gluon GEMMs launch as before and end the overlap.
+The Gluon GEMMs take part the same way (their first statement is ``gluon_ring.await_gluon_inputs``); kernels of
+other libraries (PyTorch, cuBLAS) launch as before and end the overlap.
 
 The mode is a context variable, read when a kernel is launched, so a CUDA graph captured inside it records the
 dependent launches. Off by default. Off on the CPU, in Triton's interpreter and on GPUs before Hopper.

@@ -28,6 +28,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
 
+from deepinfer_kernels.cuda._launch import dependent_launch
 from deepinfer_kernels.cuda.gemm_operands import split_buffers
 from deepinfer_kernels.cuda.gemm_tiles import SHARED_PER_PROGRAM, BlockConfig, chunk_length, gluon_shared_bytes
 from deepinfer_kernels.cuda.gluon_ring import (
@@ -35,6 +36,7 @@ from deepinfer_kernels.cuda.gluon_ring import (
     ROWS_PER_WARP,
     add_group,
     advance_ring,
+    await_gluon_inputs,
     copy_layout,
     shared_layouts,
     start_ring,
@@ -90,9 +92,10 @@ def _fp8_wgmma_kernel(  # type: ignore[no-untyped-def]
     SPLIT_GRID: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
     GROUP_BITS: gl.constexpr, ACC: gl.constexpr, WEIGHT_COPY: gl.constexpr, WEIGHT_SLOT: gl.constexpr,
     CODES_COPY: gl.constexpr, CODES_SLOT: gl.constexpr, SCALE_COPY: gl.constexpr, CODE_SCALE_COPY: gl.constexpr,
-    SCALE_SLOT: gl.constexpr, WEIGHT_SCALES: gl.constexpr, CODE_SCALES: gl.constexpr,
+    SCALE_SLOT: gl.constexpr, WEIGHT_SCALES: gl.constexpr, CODE_SCALES: gl.constexpr, PDL: gl.constexpr,
 ):  # fmt: skip
     # Program (row tile, N tile). K and K_CHUNK are multiples of BLOCK_K (fp8_wgmma.fits): only rows need masks.
+    await_gluon_inputs(PDL)
     GROUPS: gl.constexpr = BLOCK_K // 32
     m0 = gl.program_id(0) * BLOCK_M
     n0 = gl.program_id(1) * BLOCK_N
@@ -248,4 +251,5 @@ def fp8_wgmma_launch(
         n // groups, q.stride(0), q_scale.stride(0), w_q.stride(0), w_scale.stride(0), out.stride(0),
         SPLIT_GRID=cfg.split_grid, **fp8_wgmma_constexprs(cfg.block_m, cfg.block_k, cfg.num_warps, cfg.num_stages),
         num_warps=cfg.num_warps,
+        **dependent_launch(out.device),
     )  # fmt: skip

@@ -15,6 +15,7 @@ in FP32: the ``swap_fp8`` tile's products, sums and factor order (``cuda.gemm_de
 from __future__ import annotations
 
 import torch
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -28,6 +29,7 @@ __all__ = [
     "add_group",
     "advance_ring",
     "available",
+    "await_gluon_inputs",
     "bits",
     "copy_layout",
     "group",
@@ -49,6 +51,16 @@ def available(device: torch.device) -> bool:
     return (
         device.type == "cuda" and not triton_interpreter_enabled() and torch.cuda.get_device_capability(device)[0] == 9
     )
+
+
+@gluon.jit
+def await_gluon_inputs(PDL: gl.constexpr):  # type: ignore[no-untyped-def]
+    # _launch.await_inputs for the Gluon kernels, which cannot call a triton.jit function: the first statement of
+    # every one, waiting for the kernels before it, then letting the next one launch (docs/design/kernels.md,
+    # "Dependent launches").
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 def bits(n: int) -> list[int]:

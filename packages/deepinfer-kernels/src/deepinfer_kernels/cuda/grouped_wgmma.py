@@ -30,6 +30,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
 
+from deepinfer_kernels.cuda._launch import dependent_launch
 from deepinfer_kernels.cuda.gemm_operands import _E2M1_E4M3_PTX
 from deepinfer_kernels.cuda.gemm_tiles import BlockConfig
 from deepinfer_kernels.cuda.gluon_ring import (
@@ -38,6 +39,7 @@ from deepinfer_kernels.cuda.gluon_ring import (
     add_group,
     advance_ring,
     available,
+    await_gluon_inputs,
     bits,
     copy_layout,
     group,
@@ -150,9 +152,10 @@ def _grouped_wgmma_kernel(  # type: ignore[no-untyped-def]
     GROUP_BITS: gl.constexpr, ACC: gl.constexpr, WEIGHT: gl.constexpr, WEIGHT_COPY: gl.constexpr,
     WEIGHT_SLOT: gl.constexpr, CODES_COPY: gl.constexpr, CODES_SLOT: gl.constexpr, SCALE_COPY: gl.constexpr,
     CODE_SCALE_COPY: gl.constexpr, SCALE_SLOT: gl.constexpr, WEIGHT_SCALES: gl.constexpr, CODE_SCALES: gl.constexpr,
-    REPEATS: gl.constexpr,
+    REPEATS: gl.constexpr, PDL: gl.constexpr,
 ):  # fmt: skip
     # K is a multiple of BLOCK_K and the scale strides of GROUPS (grouped_wgmma.fits): only rows need masks.
+    await_gluon_inputs(PDL)
     GROUPS: gl.constexpr = BLOCK_K // 32
     ROW_BYTES: gl.constexpr = BLOCK_K // 2
     OPERAND: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=4)
@@ -280,4 +283,5 @@ def grouped_wgmma_launch(
         scale.stride(0), scale.stride(1), out.stride(0),
         **gluon_constexprs(scan, block_m, cfg.block_k, cfg.num_warps, cfg.num_stages), REPEATS=repeats,
         num_warps=cfg.num_warps,
+        **dependent_launch(out.device),
     )  # fmt: skip
