@@ -93,15 +93,18 @@ def variants() -> list[dict[str, Any]]:
         {"name": "mxfp4 grouped FMA (2 rows)", "kernel": mxfp4_gemv_kernel, "constexprs": {**gemv, "GROUPED": True}}
     )
     out.append({"name": "fp8 FMA (2 rows)", "kernel": fp8_gemv_kernel, "constexprs": gemv})
-    # The same reading the BF16 activation and quantizing it in the loop (no quantizer launch before it).
-    out.append(
-        {
-            "name": "fp8 FMA (2 rows) quantizing",
-            "kernel": fp8_gemv_kernel,
-            "constexprs": {**gemv, "QUANTIZE": True},
-            "pointers": {"q_ptr": "*bf16"},
-        }
-    )
+    # The same reading the BF16 activation and quantizing it in the loop (no quantizer launch before it), at two rows
+    # and, for the one-row tiles of MEASURED and the wider tuning candidates, at one.
+    one_row = (("2 rows", 2, 32, 128), ("1 row", 1, 32, 128), ("1 row", 1, 128, 128), ("1 row", 1, 64, 256))
+    for label, rows, block_n, block_k in one_row:
+        out.append(
+            {
+                "name": f"fp8 FMA ({label}) quantizing" + ("" if block_n == 32 else f" {block_n}x{block_k}"),
+                "kernel": fp8_gemv_kernel,
+                "constexprs": {**gemv, "ROWS": rows, "BLOCK_N": block_n, "BLOCK_K": block_k, "QUANTIZE": True},
+                "pointers": {"q_ptr": "*bf16"},
+            }
+        )
     for block_k in (128, 256):
         # The Gluon kernel with a ring of three slots.
         out.append(
