@@ -16,7 +16,7 @@ are compute-bound).
 Modes:
 - ``--baseline``: times whatever ``deepinfer_kernels`` is on the path with its own tile choice (run it against the
   previous sources to get the "old" column); LM head as ``h.float() @ w.float().t()``.
-- default: with ``--tune``, times ``gemm_tiles.candidate_configs`` per (op, row bucket, N, K) (``--decodings``
+- default: with ``--tune``, times ``gemm_candidates.candidate_configs`` per (op, row bucket, N, K) (``--decodings``
   limits the MMA candidates, ``--max-candidates`` their number: the first candidates are the default tile in each
   decoding), records every candidate's time, keeps the fastest and prints the ``MEASURED``
   entries; checks that the candidates of one decoding give the same bits (the K-chunk order is the same for all
@@ -167,7 +167,7 @@ def tune(
     """Fastest candidate tiles (only those with one of ``decodings`` when given, the first ``max_candidates`` of
     them), every candidate's time, and whether candidates of the same decoding gave the same bits (the K-chunk order
     is the same for all tiles)."""
-    from deepinfer_kernels.cuda.gemm_tiles import candidate_configs
+    from deepinfer_kernels.cuda.gemm_candidates import candidate_configs
 
     best, best_us, timed, same = None, float("inf"), [], True
     reference: dict[str, torch.Tensor] = {}

@@ -7,13 +7,13 @@ from dataclasses import replace
 import pytest
 
 from deepinfer_kernels.batch_invariant import batch_invariant_ops
+from deepinfer_kernels.cuda.gemm_candidates import candidate_configs
 from deepinfer_kernels.cuda.gemm_tiles import (
     DECODINGS,
     MEASURED,
     MEASURED_INVARIANT,
     BlockConfig,
     block_config,
-    candidate_configs,
     chunk_length,
     decodings,
     default_config,

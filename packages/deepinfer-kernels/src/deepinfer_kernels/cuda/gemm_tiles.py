@@ -23,28 +23,35 @@ Tiles per shape come from :data:`MEASURED` (filled from ``benchmarks/kernels_gem
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from deepinfer_kernels.batch_invariant import invariant_kernels
 
 __all__ = [
     "BLOCK_K",
     "DECODINGS",
+    "DEQUANT_BF16_TILE",
     "GLUON_BLOCK_K",
     "GROUPED_SPLIT_MAX_ROWS",
     "MEASURED",
     "SHARED_PER_PROGRAM",
     "BlockConfig",
     "block_config",
-    "candidate_configs",
     "chunk_length",
     "decodings",
     "default_config",
+    "default_decoding",
+    "gemv_tile",
+    "gluon_fp8_tile",
     "gluon_shared_bytes",
     "grouped_tile_rows",
     "invariant_config",
     "k_chunk",
+    "mma_tile",
     "row_bucket",
+    "swap_bf16_tile",
+    "swap_fp8_tile",
+    "swap_on_wgmma",
 ]
 
 BLOCK_K = 128
@@ -139,11 +146,11 @@ class BlockConfig:
             )
         if self.decoding == "dequant_bf16" and (self.split_grid or self.gemv):
             raise ValueError(f"a dequant_bf16 launch is one cuBLAS GEMM: no split_grid, no gemv, got {self}")
-        if self.decoding == "swap_bf16" and not _swap_on_wgmma(self.block_m, self.block_n, self.num_warps):
+        if self.decoding == "swap_bf16" and not swap_on_wgmma(self.block_m, self.block_n, self.num_warps):
             raise ValueError(
                 f"a swap_bf16 tile has block_n a multiple of 16 × num_warps and block_m at least 16, got {self}"
             )
-        if self.decoding == "swap_fp8" and not _swap_on_wgmma(self.block_m, self.block_n, self.num_warps):
+        if self.decoding == "swap_fp8" and not swap_on_wgmma(self.block_m, self.block_n, self.num_warps):
             raise ValueError(
                 f"a swap_fp8 tile's block_n is a multiple of 16 × num_warps and its block_m at least 16, got {self}"
             )
@@ -159,7 +166,7 @@ def gluon_shared_bytes(cfg: BlockConfig, weight_bits: int = 4) -> int:
     )
 
 
-def _swap_on_wgmma(block_m: int, block_n: int, num_warps: int) -> bool:
+def swap_on_wgmma(block_m: int, block_n: int, num_warps: int) -> bool:
     """Whether Triton 3.6 runs a ``swap_fp8`` tile's dot as Hopper's FP8 ``wgmma``: narrower, it runs an FP16
     ``mma.sync`` (sm_90 SASS: HMMA at 8 rows, QGMMA from 16), whose sums differ."""
     return block_m >= 16 and block_n % (_GLUON_ROWS_PER_WARP * num_warps) == 0
@@ -215,9 +222,10 @@ def grouped_tile_rows(m: int, experts: int) -> int:
     return mean_rows if m <= GROUPED_SPLIT_MAX_ROWS else max(mean_rows, _UNSPLIT_MIN_BUCKET)
 
 
-def _decoding(op: str) -> str:
-    # FP8 MMA tiles decode through tl.dot_scaled, MXFP4 ones with the kernel's own scaled BF16 decoding: the faster
-    # decodings in most shapes of the H200 tuning runs (docs/design/kernels.md, "GEMM tiles and split-K").
+def default_decoding(op: str) -> str:
+    """The decoding of ``op``'s default MMA tiles: FP8 through ``tl.dot_scaled``, MXFP4 with the kernel's own scaled
+    BF16 decoding, the faster in most shapes of the H200 tuning runs (docs/design/kernels.md, "GEMM tiles and
+    split-K")."""
     return "dot_scaled" if op == "fp8_block_gemm" else "scaled_bf16"
 
 
@@ -230,7 +238,7 @@ def default_config(op: str, rows: int) -> BlockConfig:
     FP8 tensor-core (``group_fp8``) 128×64 tiles. Every choice compiles for sm_90a."""
     if rows <= 2 and op != "mxfp4_grouped_gemm":
         return BlockConfig(block_m=2, block_n=32, num_warps=4, num_stages=3, split_grid=True, gemv=True)
-    decoding = _decoding(op)
+    decoding = default_decoding(op)
     if rows <= 16:
         return BlockConfig(16, 64, num_warps=4, num_stages=4, split_grid=True, decoding=decoding)
     if rows <= 32:
@@ -239,175 +247,36 @@ def default_config(op: str, rows: int) -> BlockConfig:
         return BlockConfig(64, 64, num_warps=4, num_stages=4, split_grid=True, decoding=decoding)
     if rows <= 256:
         return BlockConfig(64, 128, num_warps=8, num_stages=3, split_grid=False, decoding=decoding)
-    return _DEQUANT_BF16 if op == "fp8_block_gemm" else _PREFILL_FP8_TILE
+    return DEQUANT_BF16_TILE if op == "fp8_block_gemm" else _PREFILL_FP8_TILE
 
 
-def _bf16_swap_candidates(tiles: tuple[tuple[int, int, int], ...]) -> list[BlockConfig]:
-    # BF16 weight-first tiles (block_m, block_n, warps) on a BF16 copy of the activation, K in the MMA's accumulator
-    # (cuda.swap_bf16).
-    return [_swap_bf16(m, n, warps) for m, n, warps in tiles]
-
-
-def candidate_configs(op: str, rows: int) -> list[BlockConfig]:
-    """The tiles ``benchmarks/kernels_gemm.py --tune`` times for a row bucket: the default first, then its tiles
-    with every other decoding, then other tile shapes with every decoding (MMA tiles), so a default that changes
-    is always timed against the one before it."""
-    default = default_config(op, rows)
-    # gluon_fp8's and swap_bf16's tiles are tied to their warps and dequant_bf16 has no tile: they are added below.
-    own_tiles = ("gluon_fp8", "dequant_bf16", "swap_bf16")
-    others = () if default.gemv else tuple(d for d in decodings(op) if d not in (default.decoding, *own_tiles))
-    kinds = (default.decoding, *others)
-    out = [
-        replace(default, decoding=decoding)
-        for decoding in kinds
-        if decoding != "swap_fp8" or _swap_on_wgmma(default.block_m, default.block_n, default.num_warps)
-    ]
-    if rows > 64:
-        # FP8 tensor-core tiles (group_fp8) without spills on sm_90 (Triton's register counts, 242–254 per thread).
-        fp8_tiles = (
-            (128, 128, 8, 3, 64),
-            (128, 128, 8, 4, 32),
-            (128, 64, 4, 4, 64),
-            (64, 256, 8, 3, 64),
-            (64, 128, 4, 4, 64),
-        )
-        more = [
-            _mma(block_m, block_n, num_warps, num_stages, split_grid=False, decoding="group_fp8", block_k=block_k)
-            for block_m, block_n, num_warps, num_stages, block_k in fp8_tiles
-        ]
-        if rows > 256:  # the default before group_fp8
-            more.append(_mma(128, 128, 8, 3, split_grid=False, decoding=_decoding(op)))
-        if op != "mxfp4_grouped_gemm":
-            more += _swap_candidates(rows)
-        if op == "fp8_block_gemm":
-            more += _gluon_fp8_candidates(rows)
-            more.append(_DEQUANT_BF16)
-            # The FP8 weight decoded in registers against x̂: 90–251 registers, no spills (sm_90 cubin, num_stages 1).
-            more += _bf16_swap_candidates(((64, 128, 8), (128, 128, 8), (256, 128, 8), (64, 64, 4), (128, 64, 4)))
-        if op == "mxfp4_grouped_gemm":
-            more += _bf16_swap_candidates(((64, 128, 8), (128, 128, 8), (128, 64, 4), (64, 64, 4)))
-        return out + [cfg for cfg in more if cfg not in out]
-    if op == "mxfp4_grouped_gemm" and rows > 16:
-        out += _bf16_swap_candidates(((32, 128, 8), (64, 128, 8), (32, 64, 4), (64, 64, 4)))
-    if op == "fp8_block_gemm":
-        # The FP8 weight decoded in registers against x̂, split-K in the weight shape's chunks (few rows give few
-        # programs otherwise).
-        block_m = 16 if rows <= 16 else 64
-        out += [_swap_bf16(block_m, block_n, warps, split_grid=True) for block_n, warps in ((64, 4), (128, 8))]
-        out += _gluon_fp8_candidates(rows)
-    shapes: tuple[tuple[int, int, int], ...]
-    if default.gemv:
-        shapes = ((32, 4, 2), (32, 4, 4), (64, 4, 3), (64, 8, 3), (16, 4, 3))
-    else:
-        shapes = ((32, 4, 4), (32, 4, 6), (64, 8, 4), (128, 4, 4))
-    for block_n, num_warps, num_stages in shapes:
-        for decoding in kinds:
-            if decoding == "swap_fp8" and not _swap_on_wgmma(default.block_m, block_n, num_warps):
-                continue
-            cfg = BlockConfig(
-                default.block_m, block_n, num_warps, num_stages, split_grid=True, gemv=default.gemv, decoding=decoding
-            )
-            if cfg not in out:
-                out.append(cfg)
-    if default.gemv and op != "mxfp4_grouped_gemm":
-        # Narrow FMA tiles with every K chunk in one program: enough programs without split-K on wide weights, and no
-        # partial sums in memory (the same bits either way).
-        out += [_gemv(block_n, num_warps, 3, split_grid=False) for block_n, num_warps in ((8, 2), (16, 4))]
-    if op == "mxfp4_grouped_gemm" and rows <= 16:
-        # 128- and 256-column tiles (the fastest at 1, 64 and 256 tokens on the grouped GEMM), weight-first, with a
-        # 64-column K step (fewer registers per thread: 127 against 206 for the scaled 16×128 tile, sm_90 cubin) or on
-        # the FP8 tensor cores.
-        wide = [
-            _mma(16, 128, 4, 4, block_k=64),
-            _mma(16, 128, 4, 4, decoding="swap_ab", block_k=64),
-            _mma(16, 128, 4, 3, decoding="swap_ab"),
-            _mma(16, 128, 8, 3, decoding="swap_ab"),
-            _mma(16, 256, 8, 3, decoding="swap_ab"),
-            # FP8 tensor cores (K as one chunk, so no split-K): 128 and 140 registers against 158 (sm_90 cubin).
-            _mma(16, 128, 4, 4, split_grid=False, decoding="group_fp8", block_k=64),
-            _mma(16, 256, 8, 4, split_grid=False, decoding="group_fp8", block_k=64),
-            # The same transposed: FP8 wgmma instead of FP16 mma.sync, 4.5 instead of 7.1 SASS instructions per weight
-            # element in the K loop of the 16 × 128 tile (offline sm_90 compile, kernels_sass-sm90.json).
-            _mma(16, 128, 4, 4, split_grid=False, decoding="swap_fp8", block_k=64),
-            _mma(16, 256, 8, 4, split_grid=False, decoding="swap_fp8", block_k=64),
-            # The swap_fp8 sums in explicit layouts (cuda.grouped_wgmma): one or two warpgroups, 8 or 16 rows, K steps
-            # of four to sixteen groups, rings of two to four slots.
-            *(
-                _mma(m, 16 * warps, warps, stages, split_grid=False, decoding="gluon_fp8", block_k=block_k)
-                for m, warps, block_k, stages in (
-                    (8, 4, 256, 2),
-                    (8, 4, 256, 3),
-                    (8, 4, 256, 4),
-                    (8, 4, 128, 3),
-                    (8, 4, 128, 4),
-                    (16, 4, 128, 3),
-                    (8, 8, 128, 3),
-                    (16, 8, 128, 2),
-                    (8, 4, 512, 2),
-                    (8, 8, 256, 2),
-                    (16, 4, 256, 2),
-                )
-            ),
-        ]
-        out += [cfg for cfg in wide if cfg not in out]
-    if op != "mxfp4_grouped_gemm":
-        out += [cfg for cfg in _swap_candidates(rows) if cfg not in out]
-    if op == "mxfp4_grouped_gemm" and rows <= 2:
-        # The FMA kernel, not a default for the grouped GEMM, stays a candidate at about one row per expert.
-        out += [_gemv(block_n, num_warps, num_stages) for block_n, num_warps, num_stages in ((32, 4, 3), (64, 4, 3))]
-    return out
-
-
-def _swap_candidates(rows: int) -> list[BlockConfig]:
-    """``swap_fp8`` tiles of a dense GEMM for a row bucket: the FP8 ``wgmma`` with 64 or 128 weight rows as its wide
-    side and the bucket's rows (16 to 64) as its narrow one, split-K up to 64 rows. With a chunk sum, a group sum and
-    a group product in registers, tiles stay at most 64 rows wide."""
-    block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
-    shapes = ((64, 4, 4, 128), (64, 4, 3, 256), (128, 4, 3, 128), (128, 8, 3, 128))
-    return [
-        _mma(block_m, n, warps, stages, split_grid=rows <= 64, decoding="swap_fp8", block_k=block_k)
-        for n, warps, stages, block_k in shapes
-    ]
-
-
-def _gluon_fp8_candidates(rows: int) -> list[BlockConfig]:
-    """The dense FP8 GEMM's Gluon tiles (``cuda.fp8_wgmma``, no split-K) for a row bucket: 64 or 128 weight rows by 8
-    to 64 tokens, K steps of four or eight groups, rings of two to four slots that fit a program's shared memory."""
-    shapes: tuple[tuple[int, int, int, int], ...]
-    split: tuple[tuple[int, int, int, int], ...] = ()
-    if rows <= 16:
-        shapes = ((8, 4, 256, 3), (8, 4, 128, 4), (16, 4, 256, 3), (8, 8, 128, 3), (8, 4, 256, 4))
-        # Split-K, one chunk a program: the narrow weights' tiles (N / 64 of them) get programs for every SM.
-        split = ((8, 4, 256, 3), (8, 4, 128, 4), (8, 4, 256, 4))
-    elif rows <= 64:
-        shapes = ((32, 4, 128, 3), (64, 4, 128, 3), (16, 4, 256, 3))
-    else:
-        shapes = ((64, 4, 128, 3), (64, 8, 128, 2), (64, 4, 256, 2))
-    tiles = [_gluon_fp8(*shape) for shape in shapes] + [_gluon_fp8(*shape, split_grid=True) for shape in split]
-    return [cfg for cfg in tiles if gluon_shared_bytes(cfg, weight_bits=8) <= SHARED_PER_PROGRAM]
-
-
-def _gluon_fp8(block_m: int, num_warps: int, block_k: int, num_stages: int, split_grid: bool = False) -> BlockConfig:
-    return _mma(
+def gluon_fp8_tile(
+    block_m: int, num_warps: int, block_k: int, num_stages: int, split_grid: bool = False
+) -> BlockConfig:
+    """A ``gluon_fp8`` tile: 16 weight rows a warp, K in one program unless ``split_grid``."""
+    return mma_tile(
         block_m, 16 * num_warps, num_warps, num_stages, split_grid=split_grid, decoding="gluon_fp8", block_k=block_k
     )
 
 
-def _swap(block_m: int, block_n: int, num_warps: int, num_stages: int, split_grid: bool = True) -> BlockConfig:
-    return _mma(block_m, block_n, num_warps, num_stages, split_grid=split_grid, decoding="swap_fp8")
+def swap_fp8_tile(block_m: int, block_n: int, num_warps: int, num_stages: int, split_grid: bool = True) -> BlockConfig:
+    """A ``swap_fp8`` tile (the weight as the FP8 ``wgmma``'s wide side), split-K unless said otherwise."""
+    return mma_tile(block_m, block_n, num_warps, num_stages, split_grid=split_grid, decoding="swap_fp8")
 
 
-def _swap_bf16(block_m: int, block_n: int, num_warps: int, split_grid: bool = False) -> BlockConfig:
-    return _mma(block_m, block_n, num_warps, 3, split_grid=split_grid, decoding="swap_bf16", block_k=64)
+def swap_bf16_tile(block_m: int, block_n: int, num_warps: int, split_grid: bool = False) -> BlockConfig:
+    """A ``swap_bf16`` tile: 64-column K steps, three stages."""
+    return mma_tile(block_m, block_n, num_warps, 3, split_grid=split_grid, decoding="swap_bf16", block_k=64)
 
 
-def _gemv(block_n: int, num_warps: int, num_stages: int, split_grid: bool = True) -> BlockConfig:
+def gemv_tile(block_n: int, num_warps: int, num_stages: int, split_grid: bool = True) -> BlockConfig:
+    """An FMA GEMV tile (``cuda.gemv``) of up to two rows a program, split-K unless said otherwise."""
     return BlockConfig(
         block_m=2, block_n=block_n, num_warps=num_warps, num_stages=num_stages, split_grid=split_grid, gemv=True
     )
 
 
-def _mma(
+def mma_tile(
     block_m: int,
     block_n: int,
     num_warps: int,
@@ -416,6 +285,7 @@ def _mma(
     decoding: str = "scaled_bf16",
     block_k: int = BLOCK_K,
 ) -> BlockConfig:
+    """An MMA tile of any decoding (``scaled_bf16`` by default), split-K unless said otherwise."""
     return BlockConfig(
         block_m, block_n, num_warps, num_stages, split_grid=split_grid, decoding=decoding, block_k=block_k
     )
@@ -443,25 +313,25 @@ def _mma(
 # against 43.8 µs (w2) at 1 token, 1505 against 2023 µs (w13, swap_fp8) and 781 against 1020 µs (w2) at 64 tokens
 # (kernels_gemm-gluon.json); buckets 2 and 16 take it. Its operands then went through registers (one K step in flight
 # a program); they now go by cp.async through a ring of shared-memory slots (three here).
-_GROUPED_GLUON_TILE = _mma(8, 64, 4, 3, split_grid=False, decoding="gluon_fp8", block_k=256)
+_GROUPED_GLUON_TILE = mma_tile(8, 64, 4, 3, split_grid=False, decoding="gluon_fp8", block_k=256)
 # About 128 rows per expert (an 8K-token prefill): the BF16 tensor cores on a BF16 copy of the activation in expert
 # order (swap_bf16, cuda.swap_bf16), 9.5 against 18.6 ms (w13) and 5.0 against 9.4 ms (w2) for the fastest
 # group_fp8 tile (kernels_gemm-swapbf16-prefill.json); the group_fp8 tiles had been 2.5x the scaled_bf16 default
 # (kernels_gemm-h200-prefill.json). Also the fastest tile at 32 and 64 rows per expert (2K- and 4K-token prefills):
 # 3.95 against 7.38 ms and 5.65 against 11.88 ms (w13), 2.16 against 3.97 and 3.08 against 6.17 ms (w2) for the
 # fastest FP8 tile (kernels_gemm-swapbf16-t2048-t4096.json).
-_GROUPED_PREFILL_TILE = _swap_bf16(64, 128, 8)
+_GROUPED_PREFILL_TILE = swap_bf16_tile(64, 128, 8)
 # The FP8 tensor cores: 2.0–2.2x the dot_scaled 128×128 tiles on every FP8 weight of an 8K-token prefill on the H200
 # (kernels_gemm-h200-prefill.json); the default beyond 256 rows. At 256 rows 2.7–4.0x the dot_scaled 64×128 default
 # and 1.1–1.3x the fastest swap_fp8 tile on every FP8 weight of the scaled preset (kernels_gemm-fp8-swap.json).
 _PREFILL_FP8_TILE = BlockConfig(128, 64, num_warps=4, num_stages=4, split_grid=False, block_k=64, decoding="group_fp8")
 # Both operands dequantized into BF16, one cuBLAS GEMM (cuda.dequantized_gemm); the tile fields are unused.
-_DEQUANT_BF16 = BlockConfig(128, 128, num_warps=8, num_stages=1, split_grid=False, decoding="dequant_bf16")
+DEQUANT_BF16_TILE = BlockConfig(128, 128, num_warps=8, num_stages=1, split_grid=False, decoding="dequant_bf16")
 # The FP8 block GEMM's e4m3 weight decoded into a BF16 wgmma's register operand against x̂ (cuda.swap_bf16).
-_SWAP_BF16_64 = _swap_bf16(64, 64, 4)
-_SWAP_BF16_256 = _swap_bf16(256, 128, 8)
+_SWAP_BF16_64 = swap_bf16_tile(64, 64, 4)
+_SWAP_BF16_256 = swap_bf16_tile(256, 128, 8)
 # The dense FP8 Gluon kernel's fastest tile at 256 rows on every FP8 weight of the scaled preset.
-_INVARIANT_GLUON_FP8 = _gluon_fp8(64, 4, 256, 2)
+_INVARIANT_GLUON_FP8 = gluon_fp8_tile(64, 4, 256, 2)
 # The FP8 block GEMM at 16 and 64 rows: swap_fp8 tiles, split-K in the weight shape's chunks, had been the fastest on 8
 # of 9 shapes at each (kernels_gemm-fp8-swap.json). The split-K swap_bf16 tiles and the Gluon ring kernel then beat
 # them on 17 of 18 (kernels_gemm-fp8-tune-16-64-256.json; the swap_fp8 tiles' times from the run before, where this
@@ -492,37 +362,37 @@ _INVARIANT_GLUON_FP8 = _gluon_fp8(64, 4, 256, 2)
 # 8-warp tiles became 2.1–2.7x slower (wo_b 56.1 against 20.8 µs for 32 columns, 4 warps), the 32-column tiles the
 # fastest on six weights (the indexer's wq_b 5.6 against 6.1 for Gluon); split-K Gluon lost to the GEMV on all.
 MEASURED: dict[tuple[str, int, int, int], BlockConfig] = {
-    ("fp8_block_gemm", 2, 512, 5120): _gemv(32, 4, 2),
-    ("fp8_block_gemm", 2, 1280, 5120): _gemv(32, 4, 2),
-    ("fp8_block_gemm", 2, 4096, 1280): _gemv(32, 4, 3),
-    ("fp8_block_gemm", 2, 4608, 5120): _gemv(32, 4, 3),
-    ("fp8_block_gemm", 2, 5120, 2304): _gluon_fp8(8, 4, 256, 4),
-    ("fp8_block_gemm", 2, 5120, 8192): _gemv(32, 4, 3),
-    ("fp8_block_gemm", 2, 5120, 15360): _gemv(32, 4, 2),
-    ("fp8_block_gemm", 2, 25600, 6144): _gluon_fp8(8, 4, 256, 4),
-    ("fp8_block_gemm", 2, 32768, 1280): _gluon_fp8(8, 8, 128, 3),
-    ("mxfp4_gemm", 2, 4608, 5120): _gemv(16, 4, 3),
-    ("mxfp4_gemm", 2, 5120, 2304): _gemv(16, 4, 3),
-    ("fp8_block_gemm", 16, 512, 5120): _swap_bf16(16, 64, 4, split_grid=True),
-    ("fp8_block_gemm", 16, 1280, 5120): _swap_bf16(16, 64, 4, split_grid=True),
-    ("fp8_block_gemm", 16, 4096, 1280): _gluon_fp8(8, 4, 256, 3),
-    ("fp8_block_gemm", 16, 4608, 5120): _swap_bf16(16, 64, 4, split_grid=True),
-    ("fp8_block_gemm", 16, 5120, 2304): _gluon_fp8(16, 4, 256, 3),
-    ("fp8_block_gemm", 16, 5120, 8192): _swap_bf16(16, 64, 4, split_grid=True),
-    ("fp8_block_gemm", 16, 5120, 15360): _swap_bf16(16, 64, 4, split_grid=True),
-    ("fp8_block_gemm", 16, 25600, 6144): _gluon_fp8(16, 4, 256, 3),
-    ("fp8_block_gemm", 16, 32768, 1280): _gluon_fp8(16, 4, 256, 3),
-    ("fp8_block_gemm", 64, 512, 5120): _mma(64, 32, 4, 4, decoding="dot_scaled"),
-    ("fp8_block_gemm", 64, 1280, 5120): _gluon_fp8(16, 4, 256, 3),
-    ("fp8_block_gemm", 64, 4096, 1280): _gluon_fp8(32, 4, 128, 3),
-    ("fp8_block_gemm", 64, 4608, 5120): _swap_bf16(64, 128, 8, split_grid=True),
-    ("fp8_block_gemm", 64, 5120, 2304): _swap_bf16(64, 64, 4, split_grid=True),
-    ("fp8_block_gemm", 64, 5120, 8192): _swap_bf16(64, 128, 8, split_grid=True),
-    ("fp8_block_gemm", 64, 5120, 15360): _swap_bf16(64, 128, 8, split_grid=True),
-    ("fp8_block_gemm", 64, 25600, 6144): _swap_bf16(64, 128, 8, split_grid=True),
-    ("fp8_block_gemm", 64, 32768, 1280): _gluon_fp8(64, 4, 128, 3),
-    ("fp8_block_gemm", 256, 512, 5120): _DEQUANT_BF16,
-    ("fp8_block_gemm", 256, 1280, 5120): _DEQUANT_BF16,
+    ("fp8_block_gemm", 2, 512, 5120): gemv_tile(32, 4, 2),
+    ("fp8_block_gemm", 2, 1280, 5120): gemv_tile(32, 4, 2),
+    ("fp8_block_gemm", 2, 4096, 1280): gemv_tile(32, 4, 3),
+    ("fp8_block_gemm", 2, 4608, 5120): gemv_tile(32, 4, 3),
+    ("fp8_block_gemm", 2, 5120, 2304): gluon_fp8_tile(8, 4, 256, 4),
+    ("fp8_block_gemm", 2, 5120, 8192): gemv_tile(32, 4, 3),
+    ("fp8_block_gemm", 2, 5120, 15360): gemv_tile(32, 4, 2),
+    ("fp8_block_gemm", 2, 25600, 6144): gluon_fp8_tile(8, 4, 256, 4),
+    ("fp8_block_gemm", 2, 32768, 1280): gluon_fp8_tile(8, 8, 128, 3),
+    ("mxfp4_gemm", 2, 4608, 5120): gemv_tile(16, 4, 3),
+    ("mxfp4_gemm", 2, 5120, 2304): gemv_tile(16, 4, 3),
+    ("fp8_block_gemm", 16, 512, 5120): swap_bf16_tile(16, 64, 4, split_grid=True),
+    ("fp8_block_gemm", 16, 1280, 5120): swap_bf16_tile(16, 64, 4, split_grid=True),
+    ("fp8_block_gemm", 16, 4096, 1280): gluon_fp8_tile(8, 4, 256, 3),
+    ("fp8_block_gemm", 16, 4608, 5120): swap_bf16_tile(16, 64, 4, split_grid=True),
+    ("fp8_block_gemm", 16, 5120, 2304): gluon_fp8_tile(16, 4, 256, 3),
+    ("fp8_block_gemm", 16, 5120, 8192): swap_bf16_tile(16, 64, 4, split_grid=True),
+    ("fp8_block_gemm", 16, 5120, 15360): swap_bf16_tile(16, 64, 4, split_grid=True),
+    ("fp8_block_gemm", 16, 25600, 6144): gluon_fp8_tile(16, 4, 256, 3),
+    ("fp8_block_gemm", 16, 32768, 1280): gluon_fp8_tile(16, 4, 256, 3),
+    ("fp8_block_gemm", 64, 512, 5120): mma_tile(64, 32, 4, 4, decoding="dot_scaled"),
+    ("fp8_block_gemm", 64, 1280, 5120): gluon_fp8_tile(16, 4, 256, 3),
+    ("fp8_block_gemm", 64, 4096, 1280): gluon_fp8_tile(32, 4, 128, 3),
+    ("fp8_block_gemm", 64, 4608, 5120): swap_bf16_tile(64, 128, 8, split_grid=True),
+    ("fp8_block_gemm", 64, 5120, 2304): swap_bf16_tile(64, 64, 4, split_grid=True),
+    ("fp8_block_gemm", 64, 5120, 8192): swap_bf16_tile(64, 128, 8, split_grid=True),
+    ("fp8_block_gemm", 64, 5120, 15360): swap_bf16_tile(64, 128, 8, split_grid=True),
+    ("fp8_block_gemm", 64, 25600, 6144): swap_bf16_tile(64, 128, 8, split_grid=True),
+    ("fp8_block_gemm", 64, 32768, 1280): gluon_fp8_tile(64, 4, 128, 3),
+    ("fp8_block_gemm", 256, 512, 5120): DEQUANT_BF16_TILE,
+    ("fp8_block_gemm", 256, 1280, 5120): DEQUANT_BF16_TILE,
     ("fp8_block_gemm", 256, 4096, 1280): _SWAP_BF16_64,
     ("fp8_block_gemm", 256, 4608, 5120): _SWAP_BF16_64,
     ("fp8_block_gemm", 256, 5120, 2304): _SWAP_BF16_64,
@@ -553,9 +423,9 @@ MEASURED: dict[tuple[str, int, int, int], BlockConfig] = {
 # (kernels_gemm-fp8-t1-split.json, another run). attn.wo_a (grouped, 8 × [1024, 4096]; GPU-tested to the swap_fp8
 # bits) has not been timed on it. MEASURED_INVARIANT holds the exception: the indexer's wq_b keeps the unsplit tile
 # (6.1 against 7.2 µs split).
-_INVARIANT_ONE_ROW = _gluon_fp8(8, 4, 256, 3, split_grid=True)
+_INVARIANT_ONE_ROW = gluon_fp8_tile(8, 4, 256, 3, split_grid=True)
 MEASURED_INVARIANT: dict[tuple[str, int, int, int], BlockConfig] = {
-    ("fp8_block_gemm", 2, 4096, 1280): _gluon_fp8(8, 4, 256, 3),
+    ("fp8_block_gemm", 2, 4096, 1280): gluon_fp8_tile(8, 4, 256, 3),
 }
 
 
@@ -585,7 +455,7 @@ def invariant_config(op: str, rows: int) -> BlockConfig:
         return _INVARIANT_ONE_ROW
     if op == "fp8_block_gemm" and 16 < rows <= 256:
         return _INVARIANT_GLUON_FP8
-    return _swap(16 if rows <= 16 else 64, 128, 4, 3, split_grid=rows <= 64)
+    return swap_fp8_tile(16 if rows <= 16 else 64, 128, 4, 3, split_grid=rows <= 64)
 
 
 def block_config(op: str, rows: int, n: int, k: int) -> BlockConfig:
