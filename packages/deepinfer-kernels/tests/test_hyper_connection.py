@@ -91,10 +91,10 @@ def test_token_programs_finish_the_mixes_as_the_mixes_kernel(triton_device: str,
 
 @pytest.mark.parametrize("n", [12, 21])
 def test_invariant_mixes_of_a_token_do_not_depend_on_the_call(triton_device: str, n: int) -> None:
-    """In the batch-invariant mode every call gives each program a block of 8 tokens: a token's mixes are its bits
-    alone at the first, second, a middle and the last place, in a call whose programs finish the mixes (12 tokens) and
-    in one followed by the mixes kernel (21), the last block partial. The GPU twin is test_gpu_fused_ops.py's
-    130-token test."""
+    """In the batch-invariant mode every call gives each program a block of 8 tokens: a token's mixes alone (its
+    programs finish them) are its bits at the first, second, a middle and the last place of a 12- and a 21-token call
+    (the mixes kernel after the programs; the last block partial). The GPU twin is test_gpu_fused_ops.py's 130-token
+    test."""
     m, hidden = 4, 160
     trunk, fn, scale, base = _mix_inputs(n, m, hidden, torch.bfloat16, seed=n + 11)
     with batch_invariant_ops():

@@ -12,9 +12,9 @@
   profile_step-h200-scaled-889b3fc.json).
 - Mixes, kernel 2 (``_mixes_kernel``): one program per token sums the partials in chunk order, forms ``γ`` (FP64
   reciprocal square root rounded to FP32, as the reference), the logits, both sigmoids, the softmax and every Sinkhorn
-  normalization on the ``m × m`` comb held in registers. A call of at most ``_TOKEN_PROGRAM_MAX_TOKENS`` tokens has no
-  second launch: each token's last ``_token_mixes_kernel`` program to finish does this, with the same loads and
-  arithmetic.
+  normalization on the ``m × m`` comb held in registers. A call of at most ``_TOKEN_PROGRAM_MAX_TOKENS`` tokens (in the
+  batch-invariant mode, of one token) has no second launch: each token's last ``_token_mixes_kernel`` program to
+  finish does this, with the same loads and arithmetic.
 - Read and post: one program per (token, block of ``H``); FP32 products and sums in the reference's order.
 
 Divisions are IEEE (``tl.div_rn``) and every kernel is compiled with ``enable_fp_fusion=False``: a multiply followed
@@ -48,13 +48,14 @@ _BLOCK_K = 64
 # do not depend on the other rows.
 _BLOCK_M = 64
 _BLOCK_H = 512
-# Tokens up to which the mix-logits programs finish the mixes themselves (no second launch), and up to which a call
-# outside the batch-invariant mode takes one program per (token, chunk).
+# Tokens up to which a call outside the batch-invariant mode takes one program per (token, chunk), which finish the
+# mixes themselves (no second launch).
 _TOKEN_PROGRAM_MAX_TOKENS = 16
 # Tokens a program in the batch-invariant mode, at every token count: one binary, so a token's bits do not depend on
 # the call. A program loads its fn tile once and keeps it in registers for its tokens: 182 registers (offline sm_90;
-# 80 at one token a program), one program a multiprocessor; eight tokens each give 1,280 programs at batch 256, and a
-# block's last program finishes at most its eight tokens' mixes in turn (not yet timed).
+# 80 at one token a program), one program a multiprocessor; eight tokens each give 1,280 programs at batch 256 (not yet
+# timed). The mode finishes the mixes in these programs only at one token: with blocks, the program that takes a
+# block's first ticket last would take the next ones last too and finish the block's tokens one after another.
 _INVARIANT_TOKENS = 8
 # Splits' partials the mixes kernel loads together (unrolled, then added in split order): the compiler's own unroll by
 # four left ten dependent memory round trips for the 40 splits of m·H = 20480 (about 7 µs a call at batch 1 on the
@@ -259,7 +260,7 @@ def hc_mixes(
     if n <= _TOKEN_PROGRAM_MAX_TOKENS or invariant:
         # The invariant mode's blocks keep one binary for every call; one token a program otherwise.
         tokens = _INVARIANT_TOKENS if invariant else 1
-        finish = n <= _TOKEN_PROGRAM_MAX_TOKENS
+        finish = n == 1 if invariant else True
         _token_mixes_kernel[(triton.cdiv(n, tokens), splits)](
             trunk, fn, part, sum_sq, split_counters(trunk.device, n if finish else 1), scale, base, read, write, comb,
             n, width, rows, int(finish), *scalars, CHUNK=_CHUNK, TF32=tf32, TOKENS=tokens, **constexprs, num_warps=8,
