@@ -65,7 +65,8 @@ CLASSES = {
 
 def variants() -> list[dict[str, Any]]:
     """(name, kernel, constexprs, warps, weight elements per thread per K step) of each counted variant: the
-    decode-size tiles of the scaled preset's GEMMs (16 × 64 MMA tiles, 2-row FMA tiles with 32 weight rows) and the
+    decode-size tiles of the scaled preset's GEMMs (16 × 64 MMA tiles, 2-row FMA tiles with 32 weight rows, the
+    quantizing FMA GEMV at one row on 32 × 128, 128 × 128 and 64 × 256 tiles) and the
     grouped GEMM's 16 × 128 tiles, its 8 × 128 swap_fp8 tile, the Gluon kernel's 8 × 64 tiles (gluon_fp8), the dense
     FP8 Gluon kernel's 8 × 64 and 64 × 64 tiles, and the BF16 kernel's tiles (swap_bf16, 8 warps): the grouped
     128 × 128 prefill tile, the dense FP8 128 × 128 and 256 × 128 ones."""
