@@ -37,7 +37,11 @@ def _rank_main(
             try:
                 # Plain pickle bytes: the queue's own pickler would pass tensors as shared-memory handles that die
                 # with this process, which may exit before the parent reads them.
-                out.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
+                result = pickle.dumps(fn(rank, world_size, *args))
+                # Rank 0 holds the world's store: a rank still forming a group when rank 0 left lost it ("Connection
+                # reset by peer" in gloo's group setup, seen in CI), so every rank waits for the others first.
+                torch.distributed.barrier()
+                out.put((rank, True, result))
             finally:
                 destroy_distributed()
         except BaseException:
