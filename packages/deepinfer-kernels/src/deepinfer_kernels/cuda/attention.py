@@ -218,7 +218,8 @@ def _split(call: _Call, chunk_keys: int, split_counts: list[int]) -> None:
     num_splits = max(sum(counts), 1)
     logits_tile = _chunk_logits_tile(tiles, chunk_keys)
     logit_keys = logits_tile if invariant_kernels() else chunk_keys
-    logit_counts = [triton.cdiv(s.rows.shape[1], logit_keys) for s in sources] if logit_keys != chunk_keys else counts
+    logit_counts = [triton.cdiv(s.rows.shape[1], logit_keys) for s in sources]
+    logit_counts += [0] * (MAX_SOURCES - len(logit_counts))
     num_maxima = max(sum(logit_counts), 1)
     head_blocks = triton.cdiv(num_heads, tiles["block_h"])
     head_rows = head_blocks * tiles["block_h"]

@@ -118,7 +118,7 @@ def candidate_configs(op: str, rows: int) -> list[BlockConfig]:
             # The swap_fp8 sums in explicit layouts (cuda.grouped_wgmma): one or two warpgroups, 8 or 16 rows, K steps
             # of four to sixteen groups, rings of two to four slots.
             *(
-                mma_tile(m, 16 * warps, warps, stages, split_grid=False, decoding="gluon_fp8", block_k=block_k)
+                gluon_fp8_tile(m, warps, block_k, stages)
                 for m, warps, block_k, stages in (
                     (8, 4, 256, 2),
                     (8, 4, 256, 3),

@@ -313,7 +313,7 @@ def mma_tile(
 # against 43.8 µs (w2) at 1 token, 1505 against 2023 µs (w13, swap_fp8) and 781 against 1020 µs (w2) at 64 tokens
 # (kernels_gemm-gluon.json); buckets 2 and 16 take it. Its operands then went through registers (one K step in flight
 # a program); they now go by cp.async through a ring of shared-memory slots (three here).
-_GROUPED_GLUON_TILE = mma_tile(8, 64, 4, 3, split_grid=False, decoding="gluon_fp8", block_k=256)
+_GROUPED_GLUON_TILE = gluon_fp8_tile(8, 4, 256, 3)
 # About 128 rows per expert (an 8K-token prefill): the BF16 tensor cores on a BF16 copy of the activation in expert
 # order (swap_bf16, cuda.swap_bf16), 9.5 against 18.6 ms (w13) and 5.0 against 9.4 ms (w2) for the fastest
 # group_fp8 tile (kernels_gemm-swapbf16-prefill.json); the group_fp8 tiles had been 2.5x the scaled_bf16 default
