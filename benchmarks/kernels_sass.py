@@ -66,7 +66,7 @@ CLASSES = {
 def variants() -> list[dict[str, Any]]:
     """(name, kernel, constexprs, warps, weight elements per thread per K step) of each counted variant: the
     decode-size tiles of the scaled preset's GEMMs (16 × 64 MMA tiles, 2-row FMA tiles with 32 weight rows, the
-    quantizing FMA GEMV at one row on 32 × 128, 128 × 128 and 64 × 256 tiles) and the
+    quantizing FMA GEMV at one row on 32 × 128, 128 × 128 and 64 × 256 tiles, and the same on codes) and the
     grouped GEMM's 16 × 128 tiles, its 8 × 128 swap_fp8 tile, the Gluon kernel's 8 × 64 tiles (gluon_fp8), the dense
     FP8 Gluon kernel's 8 × 64 and 64 × 64 tiles, and the BF16 kernel's tiles (swap_bf16, 8 warps): the grouped
     128 × 128 prefill tile, the dense FP8 128 × 128 and 256 × 128 ones."""
@@ -95,17 +95,22 @@ def variants() -> list[dict[str, Any]]:
     )
     out.append({"name": "fp8 FMA (2 rows)", "kernel": fp8_gemv_kernel, "constexprs": gemv})
     # The same reading the BF16 activation and quantizing it in the loop (no quantizer launch before it), at two rows
-    # and, for the one-row tiles of MEASURED and the wider tuning candidates, at one.
+    # and, for the one-row tiles of MEASURED and the wider tuning candidates, at one; at one row also on codes (a
+    # fused norm's FP8 copy).
     one_row = (("2 rows", 2, 32, 128), ("1 row", 1, 32, 128), ("1 row", 1, 128, 128), ("1 row", 1, 64, 256))
     for label, rows, block_n, block_k in one_row:
+        tile = "" if block_n == 32 else f" {block_n}x{block_k}"
+        constexprs = {**gemv, "ROWS": rows, "BLOCK_N": block_n, "BLOCK_K": block_k}
         out.append(
             {
-                "name": f"fp8 FMA ({label}) quantizing" + ("" if block_n == 32 else f" {block_n}x{block_k}"),
+                "name": f"fp8 FMA ({label}) quantizing{tile}",
                 "kernel": fp8_gemv_kernel,
-                "constexprs": {**gemv, "ROWS": rows, "BLOCK_N": block_n, "BLOCK_K": block_k, "QUANTIZE": True},
+                "constexprs": {**constexprs, "QUANTIZE": True},
                 "pointers": {"q_ptr": "*bf16"},
             }
         )
+        if rows == 1:
+            out.append({"name": f"fp8 FMA ({label}) codes{tile}", "kernel": fp8_gemv_kernel, "constexprs": constexprs})
     for block_k in (128, 256):
         # The Gluon kernel with a ring of three slots.
         out.append(
