@@ -22,6 +22,9 @@ Modes:
   entries; checks that the candidates of one decoding give the same bits (the K-chunk order is the same for all
   tiles) and whether row 0 of an M-row call equals the 1-row call. ``--compare old.json`` adds the
   old-vs-new ratio. The LM head runs as ``torch.mm(h, w.t(), out_dtype=float32)``.
+- ``--on-codes``: the FP8 block GEMM reads the quantizer's codes (``fp8_block_gemm_quantized``, the path of a fused
+  norm's consumers: ``wq_a``, ``wkv``, the shared ``w1``) instead of the BF16 activation, timed and tuned so; the
+  quantizer runs once, outside the timed graph.
 
 Prints the table last and writes JSON (default benchmarks/results/kernels_gemm-<device>.json).
 """
@@ -37,6 +40,7 @@ from typing import Any
 
 import torch
 
+from deepinfer_kernels import quantize_fp8_per_token_group
 from deepinfer_kernels._registry import Backend, implementation
 from deepinfer_kernels.benchmarking import cuda_time_ms
 
@@ -120,15 +124,20 @@ def call(
     weights: tuple[torch.Tensor, ...],
     out: torch.Tensor,
     config: Any = None,
+    on_codes: bool = False,
 ) -> Callable[[], None]:
     if op == "lm_head":
         (w,) = weights
         if baseline:
             return lambda: out.copy_(x.float() @ w.float().t())
         return lambda: torch.mm(x, w.t(), out_dtype=torch.float32, out=out)
+    kwargs = {} if config is None else {"config": config}
+    if on_codes and op == "fp8_block_gemm":
+        codes = quantize_fp8_per_token_group(x)
+        on_codes_impl = implementation("fp8_block_gemm_quantized", Backend.NVIDIA)
+        return lambda: on_codes_impl(*codes, *weights, out, **kwargs)
     impl = implementation(op, Backend.NVIDIA)
     head = (x, ids) if ids is not None else (x,)
-    kwargs = {} if config is None else {"config": config}
     return lambda: impl(*head, *weights, out, **kwargs)
 
 
@@ -163,6 +172,7 @@ def tune(
     repeats: int,
     decodings: list[str] | None,
     max_candidates: int | None,
+    on_codes: bool,
 ) -> tuple[Any, list[dict[str, Any]], bool]:
     """Fastest candidate tiles (only those with one of ``decodings`` when given, the first ``max_candidates`` of
     them), every candidate's time, and whether candidates of the same decoding gave the same bits (the K-chunk order
@@ -174,7 +184,7 @@ def tune(
     candidates = [c for c in candidate_configs(op, rows) if c.gemv or not decodings or c.decoding in decodings]
     for cfg in candidates[:max_candidates]:
         out = torch.zeros(x.shape[0], n, dtype=torch.bfloat16, device="cuda")
-        us = time_us([call(op, False, x, ids, weights, out, cfg) for weights in copies], repeats)
+        us = time_us([call(op, False, x, ids, weights, out, cfg, on_codes) for weights in copies], repeats)
         timed.append({"config": repr(cfg), "us": us})
         print(f"  {cfg!r}: {us:.1f} us", flush=True)
         same &= torch.equal(out, reference.setdefault(cfg.decoding, out.clone()))
@@ -214,6 +224,7 @@ def main() -> None:
     parser.add_argument("--decodings", default=None, help="with --tune: only MMA candidates of these decodings")
     parser.add_argument("--max-candidates", type=int, default=None, help="with --tune: time only the first N")
     parser.add_argument("--parts", action="store_true", help="also time the quantizer alone (grouped: the tile tables)")
+    parser.add_argument("--on-codes", action="store_true", help="fp8_block_gemm on the quantizer's codes")
     parser.add_argument("--compare", default=None, help="JSON of a --baseline run: adds old/new ratios")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernels_gemm-<device>.json)")
     args = parser.parse_args()
@@ -247,6 +258,7 @@ def main() -> None:
                 first_row = x[0].clone()
                 out_dtype = torch.float32 if op == "lm_head" else torch.bfloat16
                 point: dict[str, Any] = {"op": op, "name": name, "n": n, "k": k, "tokens": tokens, "rows": m}
+                point["on_codes"] = args.on_codes and op == "fp8_block_gemm"
                 if args.tune and not args.baseline and op != "lm_head":
                     from deepinfer_kernels.cuda.gemm_tiles import grouped_tile_rows, row_bucket
 
@@ -257,19 +269,28 @@ def main() -> None:
                     else:
                         decodings = args.decodings.split(",") if args.decodings else None
                         cfg, point["candidates"], point["candidates_bitwise_equal"] = tune(
-                            op, n, x, ids, copies, per_expert, args.repeats, decodings, args.max_candidates
+                            op,
+                            n,
+                            x,
+                            ids,
+                            copies,
+                            per_expert,
+                            args.repeats,
+                            decodings,
+                            args.max_candidates,
+                            args.on_codes,
                         )
                         measured[key] = cfg
                     point["config"] = repr(cfg)
                 else:
                     cfg = None
                 out = torch.zeros(m, n, dtype=out_dtype, device="cuda")
-                fns = [call(op, args.baseline, x, ids, w, out, cfg) for w in copies]
+                fns = [call(op, args.baseline, x, ids, w, out, cfg, args.on_codes) for w in copies]
                 point["median_us"] = time_us(fns, args.repeats)
                 point["calls_per_graph"] = len(fns)
                 if ids is None and op != "lm_head":
                     one = torch.zeros(1, n, dtype=out_dtype, device="cuda")
-                    call(op, args.baseline, x[:1].contiguous(), None, weights, one)()
+                    call(op, args.baseline, x[:1].contiguous(), None, weights, one, on_codes=args.on_codes)()
                     point["row0_equals_1_row_call"] = bool(torch.equal(one[0], out[0]))
                 if args.parts and ids is None and op != "lm_head" and not args.baseline:
                     point.update(part_times(n, k, x, args.repeats))
