@@ -37,6 +37,7 @@ from deepinfer_kernels.cuda.fp8_wgmma import _fp8_wgmma_kernel, fp8_wgmma_conste
 from deepinfer_kernels.cuda.gemm import _fp8_block_kernel, mxfp4_kernel
 from deepinfer_kernels.cuda.gemm_tiles import DECODINGS, decodings
 from deepinfer_kernels.cuda.gemv import fp8_gemv_kernel, mxfp4_gemv_kernel
+from deepinfer_kernels.cuda.grouped_bf16_wgmma import _grouped_bf16_kernel, grouped_bf16_constexprs
 from deepinfer_kernels.cuda.grouped_wgmma import _grouped_wgmma_kernel, gluon_constexprs
 from deepinfer_kernels.cuda.swap_bf16 import _swap_bf16_kernel
 
@@ -68,8 +69,9 @@ def variants() -> list[dict[str, Any]]:
     decode-size tiles of the scaled preset's GEMMs (16 × 64 MMA tiles, 2-row FMA tiles with 32 weight rows, the
     quantizing FMA GEMV at one row on 32 × 128, 128 × 128 and 64 × 256 tiles, and the same on codes) and the
     grouped GEMM's 16 × 128 tiles, its 8 × 128 swap_fp8 tile, the Gluon kernel's 8 × 64 tiles (gluon_fp8), the dense
-    FP8 Gluon kernel's 8 × 64 and 64 × 64 tiles, and the BF16 kernel's tiles (swap_bf16, 8 warps): the grouped
-    128 × 128 prefill tile, the dense FP8 128 × 128 and 256 × 128 ones."""
+    FP8 Gluon kernel's 8 × 64 and 64 × 64 tiles, the BF16 kernel's tiles (swap_bf16, 8 warps): the grouped
+    128 × 128 prefill tile, the dense FP8 128 × 128 and 256 × 128 ones, and the grouped BF16 ring kernel's 128 × 128
+    tile (gluon_bf16)."""
     mma = {"SPLIT_GRID": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "DOT_BF16": True, "NATIVE_FP8": True}
     gemv = {"SPLIT_GRID": True, "ROWS": 2, "BLOCK_N": 32, "BLOCK_K": 128, "NATIVE_FP8": True, "E4M3_BIAS": 0}
     out: list[dict[str, Any]] = []
@@ -144,10 +146,19 @@ def variants() -> list[dict[str, Any]]:
         "EVEN": True,
         "CHUNK_SUMS": False,
     }
-    for grouped, block_m in ((True, 128), (False, 128), (False, 256)):
-        name = f"{'mxfp4 grouped' if grouped else 'fp8'} {block_m}x128 k64 swap_bf16"
-        constexprs = {**bf16, "GROUPED": grouped, "SPLIT_GRID": False, "BLOCK_M": block_m}
+    for is_grouped, block_m in ((True, 128), (False, 128), (False, 256)):
+        name = f"{'mxfp4 grouped' if is_grouped else 'fp8'} {block_m}x128 k64 swap_bf16"
+        constexprs = {**bf16, "GROUPED": is_grouped, "SPLIT_GRID": False, "BLOCK_M": block_m}
         out.append({"name": name, "kernel": _swap_bf16_kernel, "constexprs": constexprs, "warps": 8})
+    # The grouped GEMM's BF16 ring kernel (gluon_bf16) on its 128 × 128 prefill tile, four slots.
+    out.append(
+        {
+            "name": "mxfp4 grouped 128x128 k128 gluon_bf16",
+            "kernel": _grouped_bf16_kernel,
+            "constexprs": grouped_bf16_constexprs(128, 128, num_warps=8, stages=4),
+            "warps": 8,
+        }
+    )
     for v in out:
         c = v["constexprs"]
         v.setdefault("warps", 4)

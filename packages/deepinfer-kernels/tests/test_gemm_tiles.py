@@ -51,9 +51,9 @@ def test_candidates_start_with_the_default_and_time_every_decoding(op: str, rows
             c
             for c in candidates
             if (c.block_m, c.block_n, c.num_warps) == (default.block_m, default.block_n, default.num_warps)
-            and c.decoding not in ("gluon_fp8", "dequant_bf16", "swap_bf16")
+            and c.decoding not in ("gluon_fp8", "dequant_bf16", "swap_bf16", "gluon_bf16")
         ]
-        expected = set(decodings(op)) - {"gluon_fp8", "dequant_bf16", "swap_bf16"}
+        expected = set(decodings(op)) - {"gluon_fp8", "dequant_bf16", "swap_bf16", "gluon_bf16"}
         if default.block_n % (16 * default.num_warps):
             expected -= {"swap_fp8"}
         assert {c.decoding for c in same_tile} == expected
@@ -120,8 +120,8 @@ def test_invariant_fp8_one_row_tile_is_the_split_gluon_tile() -> None:
 def test_weight_first_tiles_are_mxfp4_candidates_only() -> None:
     """``swap_ab`` is an MXFP4 kernel's decoding, never the FP8 GEMM's; the grouped GEMM tries it at few rows per
     expert (the dense MXFP4 GEMM's 1-2 rows take the FMA kernel)."""
-    assert set(DECODINGS) - set(decodings("fp8_block_gemm")) == {"swap_ab"}
-    assert set(DECODINGS) - set(decodings("mxfp4_gemm")) == {"gluon_fp8", "dequant_bf16", "swap_bf16"}
+    assert set(DECODINGS) - set(decodings("fp8_block_gemm")) == {"swap_ab", "gluon_bf16"}
+    assert set(DECODINGS) - set(decodings("mxfp4_gemm")) == {"gluon_fp8", "dequant_bf16", "swap_bf16", "gluon_bf16"}
     assert set(DECODINGS) - set(decodings("mxfp4_grouped_gemm")) == {"dequant_bf16"}
     for op in OPS:
         has_swap = any(c.decoding == "swap_ab" for c in candidate_configs(op, 1))
@@ -143,7 +143,7 @@ def test_grouped_calls_beyond_the_split_rows_use_at_least_the_16_row_bucket(m: i
 def test_gluon_tiles_are_grouped_and_fp8_candidates_only() -> None:
     """The explicit-layout kernels serve the grouped MXFP4 GEMM at few rows per expert and the FP8 block GEMM at every
     row count (not the dense MXFP4 GEMM); their tiles are checked."""
-    assert set(DECODINGS) - set(decodings("mxfp4_gemm")) == {"gluon_fp8", "dequant_bf16", "swap_bf16"}
+    assert set(DECODINGS) - set(decodings("mxfp4_gemm")) == {"gluon_fp8", "dequant_bf16", "swap_bf16", "gluon_bf16"}
     for op in OPS:
         for rows in (1, 16, 64, 256):
             gluon = [c for c in candidate_configs(op, rows) if c.decoding == "gluon_fp8"]
@@ -175,6 +175,28 @@ def test_gluon_rings_fit_a_programs_shared_memory() -> None:
                 assert gluon_shared_bytes(cfg, weight_bits=8) <= 227 * 1024, cfg
     with pytest.raises(ValueError, match="shared memory"):
         BlockConfig(32, 128, num_warps=8, num_stages=5, split_grid=False, block_k=512, decoding="gluon_fp8")
+
+
+def test_gluon_bf16_tiles_are_grouped_prefill_candidates_that_fit() -> None:
+    """The BF16 ring kernel (cuda.grouped_bf16_wgmma) is a candidate of the grouped GEMM beyond 64 rows per expert
+    only, with 16 weight rows a warp and K in one program; its shared memory (the 128 × 128 tile with four slots:
+    8,192 + 512 + 32,768 bytes a slot, two decoded K steps of 32,768) fits a Hopper program, a larger one is refused,
+    as is a tile the kernel does not have."""
+    for op in OPS:
+        for rows in (1, 16, 64, 65, 256, 8192):
+            found = [c for c in candidate_configs(op, rows) if c.decoding == "gluon_bf16"]
+            assert bool(found) == (op == "mxfp4_grouped_gemm" and rows > 64), (op, rows)
+            for cfg in found:
+                assert cfg.block_n == 16 * cfg.num_warps and not cfg.split_grid
+                assert gluon_shared_bytes(cfg) <= 227 * 1024, cfg
+    tile = BlockConfig(128, 128, num_warps=8, num_stages=4, split_grid=False, block_k=128, decoding="gluon_bf16")
+    assert gluon_shared_bytes(tile) == 4 * (8192 + 512 + 32768) + 2 * 32768
+    with pytest.raises(ValueError, match="shared memory"):
+        BlockConfig(128, 128, num_warps=8, num_stages=5, split_grid=False, block_k=128, decoding="gluon_bf16")
+    with pytest.raises(ValueError, match="at least 3"):
+        BlockConfig(64, 128, num_warps=8, num_stages=2, split_grid=False, block_k=128, decoding="gluon_bf16")
+    with pytest.raises(ValueError, match="block_m in"):
+        BlockConfig(16, 128, num_warps=8, num_stages=3, split_grid=False, block_k=128, decoding="gluon_bf16")
 
 
 def test_dequantized_bf16_is_an_fp8_candidate_for_many_rows_only() -> None:

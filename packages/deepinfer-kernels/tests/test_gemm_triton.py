@@ -102,6 +102,7 @@ def test_grouped_bf16_tiles_meet_the_reference_bound(triton_device: str, n: int,
         (20, "scaled_bf16", 16, False),
         (20, "swap_fp8", 16, False),
         (20, "swap_bf16", 16, False),
+        (20, "gluon_bf16", 32, False),
         (5, "gluon_fp8", 16, False),
         (20, "gluon_fp8", 16, False),
         (2, "scaled_bf16", 2, True),
@@ -113,7 +114,7 @@ def test_repeated_rows_read_the_tokens(
     """``repeats`` (a token's top-k rows read the token): bit for bit the call on the token rows copied, with every row
     in one tile (5 tokens × 3: no tables) and over tables (20 × 3), each kernel reading row ``r // 3`` of the codes
     (the MMA tiles, the Gluon tile where it runs — ``swap_fp8`` elsewhere —, the FMA GEMV), and on ``swap_bf16``'s copy
-    gathered from the tokens."""
+    gathered from the tokens (which the BF16 Gluon tile reads, ``swap_bf16`` where it cannot run)."""
     from deepinfer_kernels.cuda.gemm_tiles import BlockConfig
 
     n, k, experts = 64, 256, 4
@@ -121,10 +122,11 @@ def test_repeated_rows_read_the_tokens(
     scale = random_ue8m0((experts, n, k // 32), seed=31)
     x = _activation(tokens, k, seed=32, dtype=torch.bfloat16)
     ids = torch.randint(-1, experts, (3 * tokens,), generator=torch.Generator().manual_seed(33))
-    block_k = 128 if decoding == "gluon_fp8" else 64
+    gluon = decoding in ("gluon_fp8", "gluon_bf16")
     cfg = BlockConfig(
-        block_m, 64, num_warps=4, num_stages=2, split_grid=gemv, gemv=gemv, block_k=block_k, decoding=decoding
-    )
+        block_m, 64, num_warps=4, num_stages=3 if gluon else 2, split_grid=gemv, gemv=gemv,
+        block_k=128 if gluon else 64, decoding=decoding,
+    )  # fmt: skip
     gemm = implementation("mxfp4_grouped_gemm", Backend.NVIDIA)
     inputs = [t.to(triton_device) for t in (ids, packed, scale)]
     repeated = torch.zeros(3 * tokens, n, dtype=torch.bfloat16, device=triton_device)
@@ -391,7 +393,7 @@ def test_every_decoding_meets_the_reference_bound(triton_device: str, op: str, s
     configs = [
         BlockConfig(16, 64 if d == "swap_fp8" else 32, num_warps=4, num_stages=2, split_grid=split_grid, decoding=d)
         for d in decodings(op)
-        if d not in ("gluon_fp8", "dequant_bf16", "swap_bf16")
+        if d not in ("gluon_fp8", "dequant_bf16", "swap_bf16", "gluon_bf16")
     ]
     if "swap_ab" in decodings(op):  # its K step of two groups too
         configs.append(BlockConfig(16, 64, 4, 2, split_grid=split_grid, block_k=64, decoding="swap_ab"))
@@ -401,6 +403,8 @@ def test_every_decoding_meets_the_reference_bound(triton_device: str, op: str, s
         configs.append(BlockConfig(16, 32, 4, 1, split_grid=False, decoding="dequant_bf16"))
     if "swap_bf16" in decodings(op):  # weight-first like swap_fp8, K in one program
         configs.append(BlockConfig(16, 64, 4, 2, split_grid=False, block_k=64, decoding="swap_bf16"))
+    if "gluon_bf16" in decodings(op):  # 16 rows a warp (swap_bf16 where Gluon cannot run), K in one program
+        configs.append(BlockConfig(32, 64, 4, 3, split_grid=False, decoding="gluon_bf16"))
     for cfg in configs:
         out = torch.zeros(m, n, dtype=torch.bfloat16, device=triton_device)
         implementation(op, Backend.NVIDIA)(*(t.to(triton_device) for t in inputs), out, config=cfg)

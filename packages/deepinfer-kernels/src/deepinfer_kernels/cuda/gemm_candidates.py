@@ -14,6 +14,7 @@ from deepinfer_kernels.cuda.gemm_tiles import (
     default_config,
     default_decoding,
     gemv_tile,
+    gluon_bf16_tile,
     gluon_fp8_tile,
     gluon_shared_bytes,
     mma_tile,
@@ -35,8 +36,9 @@ def candidate_configs(op: str, rows: int) -> list[BlockConfig]:
     with every other decoding, then other tile shapes with every decoding (MMA tiles), so a default that changes
     is always timed against the one before it."""
     default = default_config(op, rows)
-    # gluon_fp8's and swap_bf16's tiles are tied to their warps and dequant_bf16 has no tile: they are added below.
-    own_tiles = ("gluon_fp8", "dequant_bf16", "swap_bf16")
+    # The Gluon kernels' and swap_bf16's tiles are tied to their warps and dequant_bf16 has no tile: they are added
+    # below.
+    own_tiles = ("gluon_fp8", "dequant_bf16", "swap_bf16", "gluon_bf16")
     others = () if default.gemv else tuple(d for d in decodings(op) if d not in (default.decoding, *own_tiles))
     kinds = (default.decoding, *others)
     out = [
@@ -68,6 +70,13 @@ def candidate_configs(op: str, rows: int) -> list[BlockConfig]:
             more += _bf16_swap_candidates(((64, 128, 8), (128, 128, 8), (256, 128, 8), (64, 64, 4), (128, 64, 4)))
         if op == "mxfp4_grouped_gemm":
             more += _bf16_swap_candidates(((64, 128, 8), (128, 128, 8), (128, 64, 4), (64, 64, 4)))
+            # The same sums in the Gluon ring kernel (cuda.grouped_bf16_wgmma): 64 or 128 rows, one or two
+            # warpgroups, 128-column K steps (at most 231,424 bytes of shared memory, no spills: 170 registers for
+            # 128 × 128 with four slots, offline sm_90).
+            more += [
+                gluon_bf16_tile(block_m, num_warps, 128, num_stages)
+                for block_m, num_warps, num_stages in ((128, 8, 4), (128, 8, 3), (64, 8, 4), (128, 4, 4), (64, 4, 4))
+            ]
         return out + [cfg for cfg in more if cfg not in out]
     if op == "mxfp4_grouped_gemm" and rows > 16:
         out += _bf16_swap_candidates(((32, 128, 8), (64, 128, 8), (32, 64, 4), (64, 64, 4)))

@@ -42,6 +42,7 @@ __all__ = [
     "default_config",
     "default_decoding",
     "gemv_tile",
+    "gluon_bf16_tile",
     "gluon_fp8_tile",
     "gluon_shared_bytes",
     "grouped_tile_rows",
@@ -75,6 +76,7 @@ DECODINGS = (
     "gluon_fp8",
     "dequant_bf16",
     "swap_bf16",
+    "gluon_bf16",
 )
 # K steps of a gluon_fp8 tile: at least four groups, so that a row's scale bytes of a step are one 4-byte cp.async.
 GLUON_BLOCK_K = (128, 256, 512)
@@ -114,7 +116,12 @@ class BlockConfig:
     - ``"swap_bf16"`` (grouped MXFP4 and FP8 block, many rows per weight): the weight decoded into BF16 in the
       registers of the MMA's first operand against a BF16 copy of the activation's dequantization (in expert order for
       the grouped GEMM), K summed in the MMA's FP32 accumulator (``cuda.swap_bf16``); ``block_n`` a multiple of
-      16 × ``num_warps``, no ``split_grid``.
+      16 × ``num_warps``, no ``split_grid``;
+    - ``"gluon_bf16"`` (grouped MXFP4 only, many rows per expert): the ``swap_bf16`` products and sums in the Gluon
+      kernel of ``cuda.grouped_bf16_wgmma``, whose ring copies the K steps and whose ``wgmma`` of one step runs while
+      the next step's weight is decoded (Hopper only; elsewhere and in the interpreter the ``swap_bf16`` tile of the
+      same rows runs): ``block_n`` is 16 rows per warp, ``block_m`` 32 to 128, ``block_k`` 128 to 512, at least three
+      slots, K in one program.
     """
 
     block_m: int
@@ -144,6 +151,22 @@ class BlockConfig:
                 f"a gluon_fp8 tile's ring takes {gluon_shared_bytes(self)} bytes of shared memory, more than the"
                 f" {SHARED_PER_PROGRAM} a Hopper program can have: fewer slots, rows or K columns, got {self}"
             )
+        if self.decoding == "gluon_bf16" and (
+            self.block_n != _GLUON_ROWS_PER_WARP * self.num_warps
+            or self.block_m not in (32, 64, 128)
+            or self.block_k not in GLUON_BLOCK_K
+            or self.num_stages < 3
+            or self.split_grid
+        ):
+            raise ValueError(
+                "a gluon_bf16 tile has block_n = 16 × num_warps, block_m in (32, 64, 128), block_k in"
+                f" {GLUON_BLOCK_K}, num_stages (its ring's slots) at least 3 and no split_grid, got {self}"
+            )
+        if self.decoding == "gluon_bf16" and gluon_shared_bytes(self) > SHARED_PER_PROGRAM:
+            raise ValueError(
+                f"a gluon_bf16 tile takes {gluon_shared_bytes(self)} bytes of shared memory, more than the"
+                f" {SHARED_PER_PROGRAM} a Hopper program can have: fewer slots, rows or K columns, got {self}"
+            )
         if self.decoding == "dequant_bf16" and (self.split_grid or self.gemv):
             raise ValueError(f"a dequant_bf16 launch is one cuBLAS GEMM: no split_grid, no gemv, got {self}")
         if self.decoding == "swap_bf16" and not swap_on_wgmma(self.block_m, self.block_n, self.num_warps):
@@ -159,8 +182,12 @@ class BlockConfig:
 def gluon_shared_bytes(cfg: BlockConfig, weight_bits: int = 4) -> int:
     """Shared memory of a ``gluon_fp8`` tile's ring (``cuda.grouped_wgmma`` for MXFP4 weights, ``cuda.fp8_wgmma`` for
     e4m3 ones, ``weight_bits`` 8): per slot the weight bytes, the activation codes and both sides' scale bytes of a K
-    step."""
+    step. A ``gluon_bf16`` tile's (``cuda.grouped_bf16_wgmma``): per slot the packed weight, its scale bytes and the
+    activation's BF16 values, and two K steps of the decoded BF16 weight."""
     groups = cfg.block_k // 32
+    if cfg.decoding == "gluon_bf16":
+        slot = cfg.block_n * cfg.block_k // 2 + cfg.block_n * groups + cfg.block_m * cfg.block_k * 2
+        return cfg.num_stages * slot + 2 * cfg.block_n * cfg.block_k * 2
     return cfg.num_stages * (
         cfg.block_n * cfg.block_k * weight_bits // 8 + cfg.block_m * cfg.block_k + (cfg.block_n + cfg.block_m) * groups
     )
@@ -175,12 +202,14 @@ def swap_on_wgmma(block_m: int, block_n: int, num_warps: int) -> bool:
 def decodings(op: str) -> tuple[str, ...]:
     """The decodings ``op``'s MMA tiles have: ``"gluon_fp8"`` only for the grouped MXFP4 and the FP8 block GEMM,
     ``"swap_ab"`` only for the MXFP4 GEMMs, ``"dequant_bf16"`` only for the FP8 block GEMM, ``"swap_bf16"`` for the
-    grouped MXFP4 and the FP8 block GEMM, every other one for all three."""
+    grouped MXFP4 and the FP8 block GEMM, ``"gluon_bf16"`` only for the grouped MXFP4 GEMM, every other one for all
+    three."""
     only = {
         "gluon_fp8": op in ("mxfp4_grouped_gemm", "fp8_block_gemm"),
         "swap_ab": op.startswith("mxfp4"),
         "dequant_bf16": op == "fp8_block_gemm",
         "swap_bf16": op in ("mxfp4_grouped_gemm", "fp8_block_gemm"),
+        "gluon_bf16": op == "mxfp4_grouped_gemm",
     }
     return tuple(d for d in DECODINGS if only.get(d, True))
 
@@ -256,6 +285,13 @@ def gluon_fp8_tile(
     """A ``gluon_fp8`` tile: 16 weight rows a warp, K in one program unless ``split_grid``."""
     return mma_tile(
         block_m, 16 * num_warps, num_warps, num_stages, split_grid=split_grid, decoding="gluon_fp8", block_k=block_k
+    )
+
+
+def gluon_bf16_tile(block_m: int, num_warps: int, block_k: int, num_stages: int) -> BlockConfig:
+    """A ``gluon_bf16`` tile: 16 weight rows a warp, K in one program."""
+    return mma_tile(
+        block_m, 16 * num_warps, num_warps, num_stages, split_grid=False, decoding="gluon_bf16", block_k=block_k
     )
 
 

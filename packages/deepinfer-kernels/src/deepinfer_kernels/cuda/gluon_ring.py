@@ -157,58 +157,69 @@ def add_group(  # type: ignore[no-untyped-def]
 
 @gluon.jit
 def _copy_step(  # type: ignore[no-untyped-def]
-    weights, codes, w_scales, a_scales, w_ptrs, w_in, c_ptrs, c_in, ws_ptrs, ws_in, qs_ptrs, qs_in, step,
+    weights, codes, w_scales, a_scales, slot, w_ptrs, w_in, c_ptrs, c_in, ws_ptrs, ws_in, qs_ptrs, qs_in, step,
     W_STEP: gl.constexpr, BLOCK_K: gl.constexpr, GROUPS: gl.constexpr,
 ):  # fmt: skip
-    # Start the copies of K step `step`'s operands into their slots (a weight row's step is W_STEP bytes; rows outside
-    # the tile or N read as zeros).
-    _copy(weights, w_ptrs + step * W_STEP, mask=w_in)
-    _copy(codes, c_ptrs + step * BLOCK_K, mask=c_in)
-    _copy(w_scales, ws_ptrs + step * GROUPS, mask=ws_in)
-    _copy(a_scales, qs_ptrs + step * GROUPS, mask=qs_in)
+    # Start the copies of K step `step`'s operands into their slots `slot` (a weight row's step is W_STEP bytes; rows
+    # outside the tile or N read as zeros; a BF16 activation has no scales, a_scales None).
+    _copy(weights.index(slot), w_ptrs + step * W_STEP, mask=w_in)
+    _copy(codes.index(slot), c_ptrs + step * BLOCK_K, mask=c_in)
+    _copy(w_scales.index(slot), ws_ptrs + step * GROUPS, mask=ws_in)
+    if a_scales is not None:
+        _copy(a_scales.index(slot), qs_ptrs + step * GROUPS, mask=qs_in)
 
 
 @gluon.jit
 def start_ring(  # type: ignore[no-untyped-def]
     w_ptrs, w_in, c_ptrs, c_in, ws_ptrs, ws_in, qs_ptrs, qs_in, steps, STAGES: gl.constexpr, W_ROWS: gl.constexpr,
     W_BYTES: gl.constexpr, W_STEP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-    WEIGHT_SLOT: gl.constexpr, CODES_SLOT: gl.constexpr, SCALE_SLOT: gl.constexpr,
+    WEIGHT_SLOT: gl.constexpr, CODES_SLOT: gl.constexpr, SCALE_SLOT: gl.constexpr, LAG: gl.constexpr = 0,
+    BF16_ACT: gl.constexpr = False,
 ):  # fmt: skip
-    # The ring's slots (weight bytes [W_ROWS, W_BYTES], codes [GROUPS·BLOCK_M, 32], both sides' scale bytes), every one
-    # but the last filled ahead. One copy group per step, committed even when empty, so that the count of groups
-    # still in flight says which step has landed.
+    # The ring's slots (weight bytes [W_ROWS, W_BYTES], the activation's codes [GROUPS·BLOCK_M, 32] and both sides'
+    # scale bytes, or with BF16_ACT its BF16 values [BLOCK_M, BLOCK_K] and the weight's scale bytes), every one but
+    # the last LAG + 1 filled ahead: LAG is how many steps' MMAs may still read their slots when the next step starts.
+    # One copy group per step, committed even when empty, so that the count of groups still in flight says which step
+    # has landed.
     GROUPS: gl.constexpr = BLOCK_K // 32
     weights = gl.allocate_shared_memory(gl.uint8, [STAGES, W_ROWS, W_BYTES], WEIGHT_SLOT)
-    codes = gl.allocate_shared_memory(gl.uint8, [STAGES, GROUPS * BLOCK_M, 32], CODES_SLOT)
     w_scales = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, GROUPS], SCALE_SLOT)
-    a_scales = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_M, GROUPS], SCALE_SLOT)
-    for s in gl.static_range(STAGES - 1):
+    if BF16_ACT:
+        codes = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BLOCK_K], CODES_SLOT)
+        a_scales = None
+    else:
+        codes = gl.allocate_shared_memory(gl.uint8, [STAGES, GROUPS * BLOCK_M, 32], CODES_SLOT)
+        a_scales = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_M, GROUPS], SCALE_SLOT)
+    for s in gl.static_range(STAGES - 1 - LAG):
         if s < steps:
             _copy_step(
-                weights.index(s), codes.index(s), w_scales.index(s), a_scales.index(s), w_ptrs, w_in, c_ptrs, c_in,
-                ws_ptrs, ws_in, qs_ptrs, qs_in, s, W_STEP, BLOCK_K, GROUPS,
+                weights, codes, w_scales, a_scales, s, w_ptrs, w_in, c_ptrs, c_in, ws_ptrs, ws_in, qs_ptrs, qs_in, s,
+                W_STEP, BLOCK_K, GROUPS,
             )  # fmt: skip
         async_copy.commit_group()
-    return weights, codes, w_scales, a_scales
+    if BF16_ACT:
+        return weights, codes, w_scales
+    else:
+        return weights, codes, w_scales, a_scales
 
 
 @gluon.jit
 def advance_ring(  # type: ignore[no-untyped-def]
     step, weights, codes, w_scales, a_scales, w_ptrs, w_in, c_ptrs, c_in, ws_ptrs, ws_in, qs_ptrs, qs_in, steps,
-    STAGES: gl.constexpr, W_STEP: gl.constexpr, BLOCK_K: gl.constexpr, GROUPS: gl.constexpr,
+    STAGES: gl.constexpr, W_STEP: gl.constexpr, BLOCK_K: gl.constexpr, GROUPS: gl.constexpr, LAG: gl.constexpr = 0,
 ):  # fmt: skip
-    # Wait until K step `step` is in its slot (step % STAGES) for every thread, then start the step STAGES − 1 ahead
-    # into the slot the previous step used. The fence orders this thread's landed copies before the wgmma's reads
+    # Wait until K step `step` is in its slot (step % STAGES) for every thread, then start the step STAGES − 1 − LAG
+    # ahead into the slot step − 1 − LAG used. The fence orders this thread's landed copies before the wgmma's reads
     # (another proxy); the barrier waits for every thread's, and for every thread to be done with the slot refilled
-    # (the previous step's wgmma were waited for before it).
-    async_copy.wait_group(STAGES - 2)
+    # (every wgmma but the last LAG steps' was waited for before it).
+    async_copy.wait_group(STAGES - 2 - LAG)
     fence_async_shared()
     gl.thread_barrier()
-    ahead = step + STAGES - 1
+    ahead = step + STAGES - 1 - LAG
     if ahead < steps:
         refill = ahead % STAGES
         _copy_step(
-            weights.index(refill), codes.index(refill), w_scales.index(refill), a_scales.index(refill), w_ptrs, w_in,
-            c_ptrs, c_in, ws_ptrs, ws_in, qs_ptrs, qs_in, ahead, W_STEP, BLOCK_K, GROUPS,
+            weights, codes, w_scales, a_scales, refill, w_ptrs, w_in, c_ptrs, c_in, ws_ptrs, ws_in, qs_ptrs, qs_in,
+            ahead, W_STEP, BLOCK_K, GROUPS,
         )  # fmt: skip
     async_copy.commit_group()

@@ -34,7 +34,9 @@ from deepinfer_kernels.cuda.gemm_tiles import (
     BlockConfig,
     block_config,
     grouped_tile_rows,
+    swap_bf16_tile,
 )
+from deepinfer_kernels.cuda.grouped_bf16_wgmma import grouped_bf16_launch
 from deepinfer_kernels.cuda.grouped_tiles import MAX_ROWS, expert_tiles_one_launch
 from deepinfer_kernels.cuda.grouped_wgmma import available, fits, grouped_wgmma_launch
 from deepinfer_kernels.cuda.swap_bf16 import swap_bf16_launch
@@ -149,10 +151,11 @@ def mxfp4_grouped_gemm(
     cfg = config or block_config("mxfp4_grouped_gemm", grouped_tile_rows(m, experts), n, k)
     if m > GROUPED_SPLIT_MAX_ROWS:
         cfg = dataclasses.replace(cfg, split_grid=False)
-    if cfg.decoding == "gluon_fp8":
+    if cfg.decoding in ("gluon_fp8", "gluon_bf16"):
         cfg = _gluon_tile(cfg, packed, scale, x.device)
     launch = grouped_wgmma_launch if cfg.decoding == "gluon_fp8" else mxfp4_launch
-    if not cfg.gemv and m <= cfg.block_m and cfg.decoding != "swap_bf16":
+    sorted_copy = {"swap_bf16": swap_bf16_launch, "gluon_bf16": grouped_bf16_launch}.get(cfg.decoding)
+    if not cfg.gemv and m <= cfg.block_m and sorted_copy is None:
         # Every row fits one MMA tile: each program finds its expert's rows itself (mxfp4_kernel's SCAN), which saves
         # the tile-table launch (about 33 µs at batch 1 on the H200, longer than the GEMM's own share of a weight).
         launch(*activation_for(x, cfg), packed, scale, out, expert_ids, cfg.block_m, cfg, repeats)
@@ -166,19 +169,22 @@ def mxfp4_grouped_gemm(
         tables = (expert_tiles_one_launch if m <= MAX_ROWS else expert_tiles)(expert_ids, experts, rows)
         if derived is not None:
             derived[key] = tables
-    if cfg.decoding == "swap_bf16":  # quantizes x into a BF16 copy in the tables' row order (cuda.swap_bf16)
-        swap_bf16_launch(x, packed, scale, out, tables, cfg, repeats)
+    if sorted_copy is not None:  # quantizes x into a BF16 copy in the tables' row order (cuda.swap_bf16)
+        sorted_copy(x, packed, scale, out, tables, cfg, repeats)
         return
     launch(*activation_for(x, cfg), packed, scale, out, tables, rows, cfg, repeats)
 
 
 def _gluon_tile(cfg: BlockConfig, packed: torch.Tensor, scale: torch.Tensor, device: torch.device) -> BlockConfig:
     """``cfg``, its K step shortened to one that divides K where ``cfg``'s does not (the same sums in the same order:
-    a step only batches groups), or, where the Gluon kernel cannot run or its ring cannot copy these operands, the
-    same sums from Triton (``swap_fp8``, the narrowest FP8 wgmma tile). The grouped kernel sums K in one program, so
-    ``split_grid`` is off (the same bits: one chunk)."""
+    a step only batches groups), or, where the Gluon kernels cannot run or their ring cannot copy these operands, the
+    same sums from Triton: for ``gluon_fp8`` the ``swap_fp8`` tile (the narrowest FP8 wgmma tile), for ``gluon_bf16``
+    the ``swap_bf16`` tile of the same rows. The grouped kernels sum K in one program, so ``split_grid`` is off (the
+    same bits: one chunk)."""
     k = packed.shape[-1] * 2
     block_k = max((b for b in GLUON_BLOCK_K if b <= cfg.block_k and k % b == 0), default=cfg.block_k)
     if available(device) and fits(k, packed, scale, block_k):
         return dataclasses.replace(cfg, block_k=block_k, split_grid=False)
+    if cfg.decoding == "gluon_bf16":
+        return swap_bf16_tile(cfg.block_m, cfg.block_n, cfg.num_warps)
     return dataclasses.replace(cfg, decoding="swap_fp8", block_m=max(16, cfg.block_m), split_grid=False)
