@@ -97,11 +97,12 @@ def _swap_bf16_kernel(  # type: ignore[no-untyped-def]
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_BF16: tl.constexpr, NATIVE: tl.constexpr, EVEN: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
-    # GROUPED (MXFP4 experts): program (tile, N block) owns positions [tile_start, tile_end) of the sorted order, all
+    # GROUPED (MXFP4 experts): program (N block, tile) owns positions [tile_start, tile_end) of the sorted order, all
     # of expert tile_expert (a spare tile of the worst-case grid has an expert ≥ num_experts and exits); the copy's
-    # row p holds the activation row order[p]. Dense (FP8 block weight): program (row block, N block[, K chunk]), the
-    # copy in row order; weight rows g·N_PER_GROUP … multiply the copy's columns g·K … (the launcher keeps a tile in
-    # one group).
+    # row p holds the activation row order[p]. A tile's N blocks are consecutive programs, so that its rows of the
+    # copy are read from memory about once (cuda.grouped_bf16_wgmma says why). Dense (FP8 block weight): program (row
+    # block, N block[, K chunk]), the copy in row order; weight rows g·N_PER_GROUP … multiply the copy's columns
+    # g·K … (the launcher keeps a tile in one group).
     # SPLIT_GRID (dense): program (…, chunk) sums the chunk's K_CHUNK columns (fixed by the weight's shape) from zero
     # and finish_tile adds the chunks in order. CHUNK_SUMS (dense, unsplit): the program makes the same additions, each
     # chunk from zero, added in order into the total (the bits of the split launch, for the batch-invariant mode; a
@@ -110,18 +111,21 @@ def _swap_bf16_kernel(  # type: ignore[no-untyped-def]
     # row mask.
     await_inputs(PDL)
     if GROUPED:
-        expert = tl.load(tile_expert_ptr + tl.program_id(0))
+        tile = tl.program_id(1)
+        n_block = tl.program_id(0)
+        expert = tl.load(tile_expert_ptr + tile)
         if expert >= num_experts:
             return
-        positions = tl.load(tile_start_ptr + tl.program_id(0)) + tl.arange(0, BLOCK_M)
-        in_tile = positions < tl.load(tile_end_ptr + tl.program_id(0))
+        positions = tl.load(tile_start_ptr + tile) + tl.arange(0, BLOCK_M)
+        in_tile = positions < tl.load(tile_end_ptr + tile)
         w_ptr += expert.to(tl.int64) * stride_we
         ws_ptr += expert.to(tl.int64) * stride_se
     else:
+        n_block = tl.program_id(1)
         positions = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         in_tile = positions < M
-        xs_ptr += (tl.program_id(1) * BLOCK_N) // N_PER_GROUP * K
-    n_offsets = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        xs_ptr += (n_block * BLOCK_N) // N_PER_GROUP * K
+    n_offsets = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
     n_rows = n_offsets.to(tl.int64)
     n_mask = n_rows < N
     k = tl.arange(0, BLOCK_K)
@@ -188,7 +192,7 @@ def swap_bf16_launch(
     (experts, n), k = packed.shape[:2], x.shape[1]
     if cfg.split_grid:
         raise ValueError(f"the grouped swap_bf16 GEMM sums K in one program: no split_grid, got {cfg}")
-    _swap_bf16_kernel[(tile_expert.numel(), triton.cdiv(n, cfg.block_n))](
+    _swap_bf16_kernel[(triton.cdiv(n, cfg.block_n), tile_expert.numel())](
         xs, packed.view(torch.uint8), scale.view(torch.uint8), out, out, out, order, tile_expert, tile_start,
         tile_end, xs.shape[0], n, k, k, experts, n, xs.stride(0), packed.stride(0), packed.stride(1), scale.stride(0),
         scale.stride(1), out.stride(0),
