@@ -357,6 +357,11 @@ _GROUPED_GLUON_TILE = gluon_fp8_tile(8, 4, 256, 3)
 # 3.95 against 7.38 ms and 5.65 against 11.88 ms (w13), 2.16 against 3.97 and 3.08 against 6.17 ms (w2) for the
 # fastest FP8 tile (kernels_gemm-swapbf16-t2048-t4096.json).
 _GROUPED_PREFILL_TILE = swap_bf16_tile(64, 128, 8)
+# At 8,192 tokens once a tile's N blocks ran as consecutive programs (cuda.swap_bf16), the 128-row tile beat it on both
+# shapes: 8,043.7 against 8,338.4 µs (w13), 4,067.4 against 4,340.0 µs (w2), in the same run
+# (kernels_gemm-gluon-bf16-order-t8192.json; the Gluon BF16 ring tiles, gluon_bf16, took 9,765.8 and 5,380.5 µs).
+# The 32- and 64-row buckets were not re-timed.
+_GROUPED_PREFILL_TILE_256 = swap_bf16_tile(128, 128, 8)
 # The FP8 tensor cores: 2.0–2.2x the dot_scaled 128×128 tiles on every FP8 weight of an 8K-token prefill on the H200
 # (kernels_gemm-h200-prefill.json); the default beyond 256 rows. At 256 rows 2.7–4.0x the dot_scaled 64×128 default
 # and 1.1–1.3x the fastest swap_fp8 tile on every FP8 weight of the scaled preset (kernels_gemm-fp8-swap.json).
@@ -446,8 +451,8 @@ MEASURED: dict[tuple[str, int, int, int], BlockConfig] = {
     ("mxfp4_grouped_gemm", 32, 5120, 2304): _GROUPED_PREFILL_TILE,
     ("mxfp4_grouped_gemm", 64, 4608, 5120): _GROUPED_PREFILL_TILE,
     ("mxfp4_grouped_gemm", 64, 5120, 2304): _GROUPED_PREFILL_TILE,
-    ("mxfp4_grouped_gemm", 256, 4608, 5120): _GROUPED_PREFILL_TILE,
-    ("mxfp4_grouped_gemm", 256, 5120, 2304): _GROUPED_PREFILL_TILE,
+    ("mxfp4_grouped_gemm", 256, 4608, 5120): _GROUPED_PREFILL_TILE_256,
+    ("mxfp4_grouped_gemm", 256, 5120, 2304): _GROUPED_PREFILL_TILE_256,
 }
 
 
