@@ -70,6 +70,10 @@ def candidate_configs(op: str, rows: int) -> list[BlockConfig]:
             more += _bf16_swap_candidates(((64, 128, 8), (128, 128, 8), (256, 128, 8), (64, 64, 4), (128, 64, 4)))
         if op == "mxfp4_grouped_gemm":
             more += _bf16_swap_candidates(((64, 128, 8), (128, 128, 8), (128, 64, 4), (64, 64, 4)))
+            # 256 weight rows a tile: a K step's rows of x̂ (2 bytes an element, most of what a tile reads) serve
+            # twice the weight rows, 175 against 105 FLOPs a byte of operands at 128 tokens (145 and 252 registers, no
+            # spills, offline sm_90; not yet timed).
+            more += _bf16_swap_candidates(((64, 256, 8), (128, 256, 8)))
             # The same sums in the Gluon ring kernel (cuda.grouped_bf16_wgmma): 64 or 128 rows, one or two
             # warpgroups, 128-column K steps (at most 231,424 bytes of shared memory, no spills: 170 registers for
             # 128 × 128 with four slots, offline sm_90).
