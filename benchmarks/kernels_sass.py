@@ -76,8 +76,8 @@ def variants() -> list[dict[str, Any]]:
     gemv = {"SPLIT_GRID": True, "ROWS": 2, "BLOCK_N": 32, "BLOCK_K": 128, "NATIVE_FP8": True, "E4M3_BIAS": 0}
     out: list[dict[str, Any]] = []
     for decoding in DECODINGS:
-        if decoding in ("gluon_fp8", "dequant_bf16", "swap_bf16"):
-            continue  # kernels of their own (cuda.grouped_wgmma, cuda.swap_bf16), below; cuBLAS
+        if decoding in ("gluon_fp8", "dequant_bf16", "swap_bf16", "gluon_bf16"):
+            continue  # kernels of their own (cuda.grouped_wgmma, cuda.swap_bf16, cuda.grouped_bf16_wgmma); cuBLAS
         grouped = {**mma, "GROUPED": True, "DECODING": decoding, "SCAN": False}
         out.append({"name": f"mxfp4 grouped MMA {decoding}", "kernel": mxfp4_kernel, "constexprs": grouped})
         if decoding in decodings("fp8_block_gemm"):

@@ -40,6 +40,7 @@ from deepinfer_kernels.cuda.gluon_ring import (
     copy_layout,
     shared_layouts,
     start_ring,
+    tile_constexprs,
 )
 
 __all__ = ["fits", "fp8_wgmma_constexprs", "fp8_wgmma_launch"]
@@ -75,7 +76,6 @@ def fits(
 @functools.cache
 def _layouts(block_m: int, block_k: int, num_warps: int) -> dict[str, object]:
     shared = shared_layouts(block_m, block_k, num_warps)
-    shared.pop("weight_warps")
     block_n, groups = ROWS_PER_WARP * num_warps, block_k // 32
     return {
         **shared,
@@ -208,14 +208,8 @@ def _finish_split(out_ptrs, partial_ptr, counter_ptr, total, rows, n_rows, mask,
 def fp8_wgmma_constexprs(block_m: int, block_k: int, num_warps: int, stages: int) -> dict[str, object]:
     """The kernel's compile-time arguments for a tile (also what ``benchmarks/kernels_sass.py`` compiles)."""
     layouts = _layouts(block_m, block_k, num_warps)
-    return {
-        "STAGES": stages,
-        "BLOCK_M": block_m,
-        "BLOCK_N": ROWS_PER_WARP * num_warps,
-        "BLOCK_K": block_k,
-        "GROUP_BITS": (block_k // 32).bit_length() - 1,
-        **{name.upper(): layout for name, layout in layouts.items()},
-    }
+    group_bits = (block_k // 32).bit_length() - 1
+    return {"GROUP_BITS": group_bits, **tile_constexprs(layouts, block_m, block_k, num_warps, stages)}
 
 
 def fp8_wgmma_launch(

@@ -36,6 +36,9 @@ __all__ = [
     "pow2",
     "shared_layouts",
     "start_ring",
+    "tile_constexprs",
+    "weight_layouts",
+    "weight_pointers",
 ]
 
 # Rows of the wgmma's first operand per warp (a warpgroup's 4 warps make its 64 rows).
@@ -108,7 +111,6 @@ def shared_layouts(block_m: int, block_k: int, num_warps: int) -> dict[str, obje
     scale_piece = max(4, groups // 2)
     return {
         "acc": gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, block_m, 32]),
-        "weight_warps": [[w[0], 0] for w in bases[2]],
         # Activation codes [GROUPS·BLOCK_M, 32] of a K step: 8 bytes a thread.
         "codes_copy": copy_layout(groups * block_m, 32, 8, num_warps),
         "codes_slot": gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=8, rank=2),
@@ -118,6 +120,62 @@ def shared_layouts(block_m: int, block_k: int, num_warps: int) -> dict[str, obje
         "weight_scales": _scale_layout(bases, 0, groups, block_n),
         "code_scales": _scale_layout(bases, 1, groups, block_m),
     }
+
+
+def tile_constexprs(
+    layouts: dict[str, object], block_m: int, block_k: int, num_warps: int, stages: int
+) -> dict[str, object]:
+    """The compile-time arguments the Gluon GEMM kernels share for a tile: its ring's slots, sizes and ``layouts``
+    (each under its name in capitals)."""
+    return {
+        "STAGES": stages,
+        "BLOCK_M": block_m,
+        "BLOCK_N": ROWS_PER_WARP * num_warps,
+        "BLOCK_K": block_k,
+        **{name.upper(): layout for name, layout in layouts.items()},
+    }
+
+
+def weight_layouts(block_k: int, num_warps: int) -> dict[str, object]:
+    """The MXFP4 kernels' layouts of the packed weight bytes [16·num_warps, block_k/2] of a K step: their copy, their
+    slot, and how they are read from it, as the wgmma operand wants their decoded values: a thread's 4 consecutive
+    bytes (one word) of rows r and r + 8 in each group (16 bytes), lane bits 0-1 the word, lane bits 2-4 and the warps
+    the row."""
+    block_n, groups, row_bytes = ROWS_PER_WARP * num_warps, block_k // 32, block_k // 2
+    chunks = row_bytes // PIECE
+    return {
+        "weight": gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [0, 2], [8, 0]] + [[0, PIECE * g] for g in bits(groups)],
+            lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+            warp_bases=[[ROWS_PER_WARP * w, 0] for w in bits(num_warps)],
+            block_bases=[],
+            shape=[block_n, row_bytes],
+        ),
+        "weight_copy": copy_layout(block_n, row_bytes, PIECE, num_warps),
+        # 16-byte chunks XOR (row / per_phase) mod max_phase, 128 bytes a phase, so that the 8 rows a warp's lanes read
+        # together (the same word of one group) fall in distinct banks.
+        "weight_slot": gl.SwizzledSharedLayout(
+            vec=PIECE, per_phase=max(1, 8 // chunks), max_phase=min(8, chunks), order=[1, 0]
+        ),
+    }
+
+
+@gluon.jit
+def weight_pointers(  # type: ignore[no-untyped-def]
+    packed_ptr, ws_ptr, n0, N, stride_p, stride_s, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+    WEIGHT_COPY: gl.constexpr, SCALE_COPY: gl.constexpr,
+):  # fmt: skip
+    # Where K step 0's pieces of an MXFP4 weight's rows n0 … n0 + BLOCK_N − 1 come from, and which rows are in N: the
+    # packed bytes [BLOCK_N, BLOCK_K/2] (row n at n·stride_p) and the scale bytes [BLOCK_N, GROUPS], whose row stride
+    # is a multiple of GROUPS (the launchers' fits), told to the compiler so that a row's bytes go as one piece.
+    GROUPS: gl.constexpr = BLOCK_K // 32
+    w_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, WEIGHT_COPY))
+    w_c = gl.arange(0, BLOCK_K // 2, layout=gl.SliceLayout(0, WEIGHT_COPY))
+    w_ptrs = packed_ptr + (w_n.to(gl.int64) * stride_p)[:, None] + w_c[None, :]
+    s_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, SCALE_COPY))
+    s_g = gl.arange(0, GROUPS, layout=gl.SliceLayout(0, SCALE_COPY))
+    ws_ptrs = ws_ptr + gl.multiple_of(s_n.to(gl.int64) * stride_s, GROUPS)[:, None] + s_g[None, :]
+    return w_ptrs, (w_n < N)[:, None], ws_ptrs, (s_n < N)[:, None]
 
 
 @gluon.jit

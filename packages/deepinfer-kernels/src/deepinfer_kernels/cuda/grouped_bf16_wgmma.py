@@ -24,7 +24,6 @@ copy in whole pieces the launcher (``cuda.grouped_gemm``) runs the ``swap_bf16``
 from __future__ import annotations
 
 import functools
-from typing import cast
 
 import torch
 import triton
@@ -44,6 +43,9 @@ from deepinfer_kernels.cuda.gluon_ring import (
     copy_layout,
     shared_layouts,
     start_ring,
+    tile_constexprs,
+    weight_layouts,
+    weight_pointers,
 )
 from deepinfer_kernels.cuda.grouped_wgmma import fits
 from deepinfer_kernels.cuda.swap_bf16 import sorted_bf16_activation
@@ -57,39 +59,22 @@ _ACT_PIECE = PIECE // 2
 @functools.cache
 def _layouts(block_m: int, block_k: int, num_warps: int) -> dict[str, object]:
     """The kernel's layouts for its tile (docs/design/kernels.md, "The BF16 ring kernel")."""
-    block_n, groups, row_bytes = ROWS_PER_WARP * num_warps, block_k // 32, block_k // 2
+    block_n, groups = ROWS_PER_WARP * num_warps, block_k // 32
     shared = shared_layouts(block_m, block_k, num_warps)
-    warps = cast(list[list[int]], shared["weight_warps"])
-    # Packed weight bytes [BLOCK_N, BLOCK_K/2] of a K step as read from their slot (the FP8 Gluon kernel's layout):
-    # a thread's 4 consecutive bytes (one word) of rows r and r + 8 in each group (16 bytes).
-    weight = gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [8, 0]] + [[0, PIECE * g] for g in bits(groups)],
-        lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
-        warp_bases=warps,
-        block_bases=[],
-        shape=[block_n, row_bytes],
-    )
     # The same bytes as [BLOCK_N, GROUPS, 16], so that a group's scale byte can be broadcast over its 16 bytes.
     weight_groups = gl.DistributedLinearLayout(
         reg_bases=[[0, 0, 1], [0, 0, 2], [8, 0, 0]] + [[0, g, 0] for g in bits(groups)],
         lane_bases=[[0, 0, 4], [0, 0, 8], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-        warp_bases=[[w[0], 0, 0] for w in warps],
+        warp_bases=[[ROWS_PER_WARP * w, 0, 0] for w in bits(num_warps)],
         block_bases=[],
         shape=[block_n, groups, 16],
     )
-    chunks = row_bytes // PIECE
     # A BF16 wgmma instruction takes 16 columns: the accumulator's instruction shape differs from the FP8 kernels'.
     acc = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, block_m, 16])
     return {
         "acc": acc,
-        "weight": weight,
+        **weight_layouts(block_k, num_warps),
         "weight_groups": weight_groups,
-        "weight_copy": copy_layout(block_n, row_bytes, PIECE, num_warps),
-        # 16-byte chunks XOR the row, as in cuda.grouped_wgmma: the 8 rows a warp's lanes read together (the same
-        # word of one group) fall in distinct banks.
-        "weight_slot": gl.SwizzledSharedLayout(
-            vec=PIECE, per_phase=max(1, 8 // chunks), max_phase=min(8, chunks), order=[1, 0]
-        ),
         "scale_copy": shared["scale_copy"],
         "scale_slot": shared["scale_slot"],
         # x̂'s rows of a K step [BLOCK_M, BLOCK_K], the K-major second operand of the wgmma.
@@ -156,7 +141,6 @@ def _grouped_bf16_kernel(  # type: ignore[no-untyped-def]
     # re-read x̂ whole: 36 times for w13 at an 8K-token prefill, 18 GB). K is a multiple of BLOCK_K and the scale
     # row stride of GROUPS (grouped_wgmma.fits): only rows need masks.
     await_gluon_inputs(PDL)
-    GROUPS: gl.constexpr = BLOCK_K // 32
     ROW_BYTES: gl.constexpr = BLOCK_K // 2
     tile = gl.program_id(1)
     expert = gl.load(tile_expert_ptr + tile)
@@ -168,22 +152,15 @@ def _grouped_bf16_kernel(  # type: ignore[no-untyped-def]
     ws_ptr += expert.to(gl.int64) * stride_se
     n0 = gl.program_id(0) * BLOCK_N
 
-    # Where K step 0's pieces come from. Weight bytes [BLOCK_N, BLOCK_K/2]: row n at n·stride_p.
-    w_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, WEIGHT_COPY))
-    w_c = gl.arange(0, ROW_BYTES, layout=gl.SliceLayout(0, WEIGHT_COPY))
-    w_ptrs = packed_ptr + (w_n.to(gl.int64) * stride_p)[:, None] + w_c[None, :]
-    w_in = (w_n < N)[:, None]
+    # Where K step 0's pieces come from: the weight's (gluon_ring.weight_pointers) and the tile's rows of x̂.
+    w_ptrs, w_in, ws_ptrs, ws_in = weight_pointers(
+        packed_ptr, ws_ptr, n0, N, stride_p, stride_s, BLOCK_N, BLOCK_K, WEIGHT_COPY, SCALE_COPY
+    )
     # The tile's rows of x̂ [BLOCK_M, BLOCK_K]: consecutive positions of the sorted copy.
     a_p = start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ACT_COPY))
     a_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, ACT_COPY))
     a_ptrs = xs_ptr + (a_p * stride_xs)[:, None] + a_k[None, :]
     a_in = (a_p < end)[:, None]
-    # The weight's scale bytes [BLOCK_N, GROUPS]; the row stride is a multiple of GROUPS (grouped_wgmma.fits), told
-    # to the compiler so that a row's bytes go as one piece.
-    s_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, SCALE_COPY))
-    s_g = gl.arange(0, GROUPS, layout=gl.SliceLayout(0, SCALE_COPY))
-    ws_ptrs = ws_ptr + gl.multiple_of(s_n.to(gl.int64) * stride_s, GROUPS)[:, None] + s_g[None, :]
-    ws_in = (s_n < N)[:, None]
 
     steps = K // BLOCK_K
     weights, acts, w_scales = start_ring(
@@ -223,14 +200,7 @@ def _grouped_bf16_kernel(  # type: ignore[no-untyped-def]
 
 def grouped_bf16_constexprs(block_m: int, block_k: int, num_warps: int, stages: int) -> dict[str, object]:
     """The kernel's compile-time arguments for a tile (also what ``benchmarks/kernels_sass.py`` compiles)."""
-    layouts = _layouts(block_m, block_k, num_warps)
-    return {
-        "STAGES": stages,
-        "BLOCK_M": block_m,
-        "BLOCK_N": ROWS_PER_WARP * num_warps,
-        "BLOCK_K": block_k,
-        **{name.upper(): layout for name, layout in layouts.items()},
-    }
+    return tile_constexprs(_layouts(block_m, block_k, num_warps), block_m, block_k, num_warps, stages)
 
 
 def grouped_bf16_launch(

@@ -35,16 +35,16 @@ from deepinfer_kernels.cuda.gemm_operands import _E2M1_E4M3_PTX
 from deepinfer_kernels.cuda.gemm_tiles import BlockConfig
 from deepinfer_kernels.cuda.gluon_ring import (
     PIECE,
-    ROWS_PER_WARP,
     add_group,
     advance_ring,
     available,
     await_gluon_inputs,
-    bits,
-    copy_layout,
     group,
     shared_layouts,
     start_ring,
+    tile_constexprs,
+    weight_layouts,
+    weight_pointers,
 )
 
 __all__ = ["available", "fits", "gluon_constexprs", "grouped_wgmma_launch"]
@@ -66,30 +66,7 @@ def fits(k: int, packed: torch.Tensor, scale: torch.Tensor, block_k: int) -> boo
 @functools.cache
 def _layouts(block_m: int, block_k: int, num_warps: int) -> dict[str, object]:
     """The kernel's layouts for its tile (docs/design/kernels.md, "The explicit-layout grouped GEMM")."""
-    block_n, groups, row_bytes = ROWS_PER_WARP * num_warps, block_k // 32, block_k // 2
-    shared = shared_layouts(block_m, block_k, num_warps)
-    # Packed weight bytes [BLOCK_N, BLOCK_K/2] of a K step, read from their slot as the wgmma operand wants their
-    # decoded values: a thread's 4 consecutive bytes (one word) of rows r and r + 8 in each group (16 bytes), lane
-    # bits 0-1 the word, lane bits 2-4 and the warps the row.
-    weight = gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [8, 0]] + [[0, PIECE * g] for g in bits(groups)],
-        lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
-        warp_bases=shared.pop("weight_warps"),
-        block_bases=[],
-        shape=[block_n, row_bytes],
-    )
-    # The weight slot: 16-byte chunks XOR (row / per_phase) mod max_phase, 128 bytes a phase, so that the 8 rows a
-    # warp's lanes read together (the same word of one group) fall in distinct banks.
-    chunks = row_bytes // PIECE
-    weight_slot = gl.SwizzledSharedLayout(
-        vec=PIECE, per_phase=max(1, 8 // chunks), max_phase=min(8, chunks), order=[1, 0]
-    )
-    return {
-        **shared,
-        "weight": weight,
-        "weight_copy": copy_layout(block_n, row_bytes, PIECE, num_warps),
-        "weight_slot": weight_slot,
-    }
+    return {**shared_layouts(block_m, block_k, num_warps), **weight_layouts(block_k, num_warps)}
 
 
 @gluon.jit
@@ -178,23 +155,19 @@ def _grouped_wgmma_kernel(  # type: ignore[no-untyped-def]
     ws_ptr += expert.to(gl.int64) * stride_se
     n0 = gl.program_id(1) * BLOCK_N
 
-    # Where K step 0's pieces come from. Weight bytes [BLOCK_N, BLOCK_K/2]: row n at n·stride_p.
-    w_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, WEIGHT_COPY))
-    w_c = gl.arange(0, ROW_BYTES, layout=gl.SliceLayout(0, WEIGHT_COPY))
-    w_ptrs = packed_ptr + (w_n.to(gl.int64) * stride_p)[:, None] + w_c[None, :]
-    w_in = (w_n < N)[:, None]
+    # Where K step 0's pieces come from: the weight's (gluon_ring.weight_pointers), the activation's codes and scale
+    # bytes.
+    w_ptrs, w_in, ws_ptrs, ws_in = weight_pointers(
+        packed_ptr, ws_ptr, n0, N, stride_p, stride_s, BLOCK_N, BLOCK_K, WEIGHT_COPY, SCALE_COPY
+    )
     # Activation codes [GROUPS·BLOCK_M, 32]: group g of the tile's row m at slot row g·BLOCK_M + m.
     c_g = gl.arange(0, GROUPS * BLOCK_M, layout=gl.SliceLayout(1, CODES_COPY)) // BLOCK_M
     c_k = gl.arange(0, 32, layout=gl.SliceLayout(0, CODES_COPY))
     # Product row r reads the codes of activation row r // REPEATS (a token's top-k rows read the token).
     c_ptrs = q_ptr + ((code_rows // REPEATS) * stride_q + c_g * 32)[:, None] + c_k[None, :]
     c_in = code_mask[:, None]
-    # Scale bytes [rows, GROUPS]: the weight's per row, the activation's per token; the row strides are multiples of
-    # GROUPS (grouped_wgmma.fits), told to the compiler so that a row's bytes go as one piece.
-    s_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, SCALE_COPY))
-    s_g = gl.arange(0, GROUPS, layout=gl.SliceLayout(0, SCALE_COPY))
-    ws_ptrs = ws_ptr + gl.multiple_of(s_n.to(gl.int64) * stride_s, GROUPS)[:, None] + s_g[None, :]
-    ws_in = (s_n < N)[:, None]
+    # The activation's scale bytes [rows, GROUPS] per token; the row stride is a multiple of GROUPS (its buffer is the
+    # launcher's own), told to the compiler so that a row's bytes go as one piece.
     a_g = gl.arange(0, GROUPS, layout=gl.SliceLayout(0, CODE_SCALE_COPY))
     qs_ptrs = qs_ptr + gl.multiple_of((scale_rows // REPEATS) * stride_qs, GROUPS)[:, None] + a_g[None, :]
     qs_in = scale_mask[:, None]
@@ -234,16 +207,8 @@ def _grouped_wgmma_kernel(  # type: ignore[no-untyped-def]
 def gluon_constexprs(scan: bool, block_m: int, block_k: int, num_warps: int, stages: int) -> dict[str, object]:
     """The kernel's compile-time arguments for a tile (also what ``benchmarks/kernels_sass.py`` compiles)."""
     layouts = _layouts(block_m, block_k, num_warps)
-    return {
-        "SCAN": scan,
-        "STAGES": stages,
-        "BLOCK_M": block_m,
-        "BLOCK_N": ROWS_PER_WARP * num_warps,
-        "BLOCK_K": block_k,
-        "GROUP_BITS": (block_k // 32).bit_length() - 1,
-        **{name.upper(): layout for name, layout in layouts.items() if name != "acc"},
-        "ACC": layouts["acc"],
-    }
+    group_bits = (block_k // 32).bit_length() - 1
+    return {"SCAN": scan, "GROUP_BITS": group_bits, **tile_constexprs(layouts, block_m, block_k, num_warps, stages)}
 
 
 def grouped_wgmma_launch(
