@@ -146,11 +146,6 @@ class BlockConfig:
                 "a gluon_fp8 tile has block_n = 16 × num_warps, block_m in (8, 16, 32, 64), block_k in"
                 f" {GLUON_BLOCK_K} and num_stages (its ring's slots) at least 2, got {self}"
             )
-        if self.decoding == "gluon_fp8" and gluon_shared_bytes(self) > SHARED_PER_PROGRAM:
-            raise ValueError(
-                f"a gluon_fp8 tile's ring takes {gluon_shared_bytes(self)} bytes of shared memory, more than the"
-                f" {SHARED_PER_PROGRAM} a Hopper program can have: fewer slots, rows or K columns, got {self}"
-            )
         if self.decoding == "gluon_bf16" and (
             self.block_n != _GLUON_ROWS_PER_WARP * self.num_warps
             or self.block_m not in (32, 64, 128)
@@ -162,9 +157,9 @@ class BlockConfig:
                 "a gluon_bf16 tile has block_n = 16 × num_warps, block_m in (32, 64, 128), block_k in"
                 f" {GLUON_BLOCK_K}, num_stages (its ring's slots) at least 3 and no split_grid, got {self}"
             )
-        if self.decoding == "gluon_bf16" and gluon_shared_bytes(self) > SHARED_PER_PROGRAM:
+        if self.decoding in ("gluon_fp8", "gluon_bf16") and gluon_shared_bytes(self) > SHARED_PER_PROGRAM:
             raise ValueError(
-                f"a gluon_bf16 tile takes {gluon_shared_bytes(self)} bytes of shared memory, more than the"
+                f"a {self.decoding} tile's ring takes {gluon_shared_bytes(self)} bytes of shared memory, more than the"
                 f" {SHARED_PER_PROGRAM} a Hopper program can have: fewer slots, rows or K columns, got {self}"
             )
         if self.decoding == "dequant_bf16" and (self.split_grid or self.gemv):

@@ -232,17 +232,17 @@ def start_ring(  # type: ignore[no-untyped-def]
     w_ptrs, w_in, c_ptrs, c_in, ws_ptrs, ws_in, qs_ptrs, qs_in, steps, STAGES: gl.constexpr, W_ROWS: gl.constexpr,
     W_BYTES: gl.constexpr, W_STEP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
     WEIGHT_SLOT: gl.constexpr, CODES_SLOT: gl.constexpr, SCALE_SLOT: gl.constexpr, LAG: gl.constexpr = 0,
-    BF16_ACT: gl.constexpr = False,
 ):  # fmt: skip
     # The ring's slots (weight bytes [W_ROWS, W_BYTES], the activation's codes [GROUPS·BLOCK_M, 32] and both sides'
-    # scale bytes, or with BF16_ACT its BF16 values [BLOCK_M, BLOCK_K] and the weight's scale bytes), every one but
+    # scale bytes, or, with no activation scales (qs_ptrs None), its BF16 values [BLOCK_M, BLOCK_K] and the weight's
+    # scale bytes), every one but
     # the last LAG + 1 filled ahead: LAG is how many steps' MMAs may still read their slots when the next step starts.
     # One copy group per step, committed even when empty, so that the count of groups still in flight says which step
     # has landed.
     GROUPS: gl.constexpr = BLOCK_K // 32
     weights = gl.allocate_shared_memory(gl.uint8, [STAGES, W_ROWS, W_BYTES], WEIGHT_SLOT)
     w_scales = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, GROUPS], SCALE_SLOT)
-    if BF16_ACT:
+    if qs_ptrs is None:
         codes = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BLOCK_K], CODES_SLOT)
         a_scales = None
     else:
@@ -255,7 +255,7 @@ def start_ring(  # type: ignore[no-untyped-def]
                 W_STEP, BLOCK_K, GROUPS,
             )  # fmt: skip
         async_copy.commit_group()
-    if BF16_ACT:
+    if qs_ptrs is None:
         return weights, codes, w_scales
     else:
         return weights, codes, w_scales, a_scales

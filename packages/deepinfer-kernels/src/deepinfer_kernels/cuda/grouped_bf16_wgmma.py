@@ -165,7 +165,7 @@ def _grouped_bf16_kernel(  # type: ignore[no-untyped-def]
     steps = K // BLOCK_K
     weights, acts, w_scales = start_ring(
         w_ptrs, w_in, a_ptrs, a_in, ws_ptrs, ws_in, None, None, steps, STAGES, BLOCK_N, ROW_BYTES, ROW_BYTES,
-        BLOCK_M, BLOCK_N, BLOCK_K, WEIGHT_SLOT, ACT_SLOT, SCALE_SLOT, 1, True,
+        BLOCK_M, BLOCK_N, BLOCK_K, WEIGHT_SLOT, ACT_SLOT, SCALE_SLOT, 1,
     )  # fmt: skip
     # The decoded weight of two steps: one read by the running MMAs, the other being written.
     decoded = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, BLOCK_K], DECODED_SLOT)
