@@ -294,6 +294,79 @@ def test_expert_tiles_cover_each_routed_row_once(
             assert torch.equal(mine[real], theirs[real])
 
 
+@pytest.mark.parametrize(
+    ("m", "experts", "block_m", "tail_m"), [(50, 4, 32, 16), (300, 6, 32, 16), (700, 5, 128, 32), (9, 3, 64, 16)]
+)
+def test_tail_tiles_take_the_rows_past_whole_tiles(
+    triton_device: str, m: int, experts: int, block_m: int, tail_m: int
+) -> None:
+    """With ``tail_m`` the whole tiles and the tail tiles together serve each routed row once, over the same order; an
+    expert's rows past its whole tiles are one tail tile when 1 … ``tail_m``, else one more (partial) whole tile."""
+    from deepinfer_kernels.cuda.grouped_gemm import expert_tiles, tail_tiles
+
+    ids = torch.randint(-1, experts, (m,), generator=torch.Generator().manual_seed(m + block_m))
+    order, tile_expert, start, end = (t.cpu() for t in expert_tiles(ids.to(triton_device), experts, block_m, tail_m))
+    assert torch.equal(order, expert_tiles(ids, experts, block_m)[0])
+    tail_expert, tail_start, tail_end = (t.cpu() for t in tail_tiles(ids.to(triton_device), experts, block_m, tail_m))
+    assert tail_expert.numel() == experts
+    served: list[int] = []
+    for expert_of, starts, ends, rows in (
+        (tile_expert, start, end, block_m),
+        (tail_expert, tail_start, tail_end, tail_m),
+    ):
+        for tile in range(expert_of.numel()):
+            expert = int(expert_of[tile])
+            if expert == experts:
+                continue
+            positions = range(int(starts[tile]), int(ends[tile]))
+            assert 0 < len(positions) <= rows
+            assert all(int(ids[order[p]]) == expert for p in positions)
+            served.extend(int(order[p]) for p in positions)
+    assert sorted(served) == [r for r in range(m) if int(ids[r]) >= 0]
+    for expert in range(experts):
+        rest = int((ids == expert).sum()) % block_m
+        assert (int(tail_expert[expert]) == expert) == (0 < rest <= tail_m)
+
+
+@pytest.mark.parametrize("tail_m", [0, 16])
+def test_grouped_bf16_tail_tiles_meet_the_reference_bound(triton_device: str, tail_m: int) -> None:
+    """``swap_bf16`` with and without tail tiles (32-row tiles): an expert of 37 rows (a whole tile and a tail), of 40
+    (whole and tail), of 20 (one partial whole tile), of 3 (only a tail), rows of no expert; against the reference."""
+    from deepinfer_kernels.cuda.gemm_tiles import swap_bf16_tile
+
+    experts, n, k = 5, 64, 256
+    ids = torch.cat([torch.full((count,), e) for e, count in enumerate((37, 40, 20, 3))] + [torch.tensor([-1, -1])])
+    ids = ids[torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(60))]
+    packed = random_mxfp4_packed((experts, n, k // 2), seed=61)
+    scale = random_ue8m0((experts, n, k // 32), seed=62)
+    x = _activation(ids.numel(), k, seed=63, dtype=torch.bfloat16)
+    fast = torch.full((ids.numel(), n), float("nan"), dtype=torch.bfloat16, device=triton_device)
+    cfg = swap_bf16_tile(32, 64, 4, tail_m=tail_m)
+    implementation("mxfp4_grouped_gemm", Backend.NVIDIA)(
+        *(t.to(triton_device) for t in (x, ids, packed, scale)), fast, config=cfg
+    )
+    ref = torch.zeros(ids.numel(), n, dtype=torch.bfloat16)
+    implementation("mxfp4_grouped_gemm", Backend.REFERENCE)(x, ids, packed, scale, ref)
+    x_hat = dequantized_activation(x)
+    bound = torch.zeros(ids.numel(), n, dtype=torch.float64)
+    for row, expert in enumerate(ids.tolist()):
+        if expert >= 0:
+            bound[row] = abs_product(x_hat[row : row + 1], dk.dequantize_mxfp4(packed[expert], scale[expert]))[0]
+    assert_gemm_close(fast.cpu(), ref, bound, k)
+    assert torch.equal(fast.cpu()[ids < 0], torch.zeros(2, n, dtype=torch.bfloat16))
+
+
+def test_tail_m_is_checked(triton_device: str) -> None:
+    """tail_m: 16, 32 or 64 rows, below block_m, on swap_bf16 tiles only."""
+    from deepinfer_kernels.cuda.gemm_tiles import BlockConfig, swap_bf16_tile
+
+    for bad in (8, 48, 128):
+        with pytest.raises(ValueError, match="tail_m"):
+            swap_bf16_tile(128, 128, 8, tail_m=bad)
+    with pytest.raises(ValueError, match="tail_m"):
+        BlockConfig(32, 64, 4, 2, split_grid=False, decoding="swap_fp8", tail_m=16)
+
+
 @pytest.mark.parametrize(("scale_byte", "x_exponent"), [(10, 100), (127, 0), (240, -10)])
 def test_weight_scale_range_edges(triton_device: str, scale_byte: int, x_exponent: int) -> None:
     """In-kernel bf16 dequantization is exact for weight scale bytes across the documented range [10, 240] (the
@@ -511,6 +584,6 @@ def test_expert_rows_share_the_tile_tables(triton_device: str) -> None:
     y2 = run(second, shared)
     assert len(shared) == 1
     assert torch.equal(y1, run(first, None)) and torch.equal(y2, run(second, None))
-    ((key, (order, tile_expert, start, end)),) = shared.items()
-    shared[key] = (order, torch.full_like(tile_expert, 3), start, end)  # expert 3 of 3: every tile exits
+    ((key, ((order, tile_expert, start, end), tails)),) = shared.items()
+    shared[key] = ((order, torch.full_like(tile_expert, 3), start, end), tails)  # expert 3 of 3: every tile exits
     assert torch.all(run(second, shared) == 0)

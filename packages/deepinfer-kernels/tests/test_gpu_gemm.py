@@ -14,7 +14,7 @@ import deepinfer_kernels as dk
 from deepinfer_kernels import _registry
 from deepinfer_kernels._registry import Backend, implementation
 from deepinfer_kernels.batch_invariant import batch_invariant_ops
-from deepinfer_kernels.cuda.gemm_tiles import BlockConfig
+from deepinfer_kernels.cuda.gemm_tiles import BlockConfig, swap_bf16_tile
 
 pytestmark = COMPILED_TRITON_ON_GPU
 
@@ -296,14 +296,17 @@ def test_fp8_tensor_core_decoding_meets_the_bound(op: str, exact: bool, decoding
     [
         BlockConfig(64, 128, num_warps=8, num_stages=3, split_grid=False, block_k=64, decoding="swap_bf16"),
         BlockConfig(128, 64, num_warps=4, num_stages=3, split_grid=False, block_k=64, decoding="swap_bf16"),
+        swap_bf16_tile(64, 128, 8, tail_m=16),
+        swap_bf16_tile(32, 128, 8, tail_m=16),
     ],
-    ids=lambda c: f"m{c.block_m}-n{c.block_n}",
+    ids=lambda c: f"m{c.block_m}-n{c.block_n}-t{c.tail_m}",
 )
 @pytest.mark.parametrize("n", [2048, 2000])
 def test_grouped_bf16_tiles_meet_the_fp32_bound(cfg: BlockConfig, n: int) -> None:
     """``swap_bf16`` (BF16 copy of the activation in expert order, K in the MMA's FP32 accumulator): the FP32 bound on
     random inputs with no FP8-MMA term, 1,200 rows over 16 experts (about 75 an expert: several tiles each, partial
-    ones), N a multiple of the tile (unmasked loads) and not; rows without an expert stay zero."""
+    ones), N a multiple of the tile (unmasked loads) and not, with tail tiles (an expert's last 11 or so rows) and
+    without; rows without an expert stay zero."""
     experts, m = 16, 1200
     packed, scale = _mxfp4((experts, n), seed=60)
     x = _activation(m, seed=61)

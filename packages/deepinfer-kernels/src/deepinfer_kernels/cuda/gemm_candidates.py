@@ -25,10 +25,10 @@ from deepinfer_kernels.cuda.gemm_tiles import (
 __all__ = ["candidate_configs"]
 
 
-def _bf16_swap_candidates(tiles: tuple[tuple[int, int, int], ...]) -> list[BlockConfig]:
-    # BF16 weight-first tiles (block_m, block_n, warps) on a BF16 copy of the activation, K in the MMA's accumulator
-    # (cuda.swap_bf16).
-    return [swap_bf16_tile(m, n, warps) for m, n, warps in tiles]
+def _bf16_swap_candidates(tiles: tuple[tuple[int, ...], ...]) -> list[BlockConfig]:
+    # BF16 weight-first tiles (block_m, block_n, warps[, tail_m]) on a BF16 copy of the activation, K in the MMA's
+    # accumulator (cuda.swap_bf16).
+    return [swap_bf16_tile(tile[0], tile[1], tile[2], tail_m=tile[3] if len(tile) > 3 else 0) for tile in tiles]
 
 
 def candidate_configs(op: str, rows: int) -> list[BlockConfig]:
@@ -70,10 +70,9 @@ def candidate_configs(op: str, rows: int) -> list[BlockConfig]:
             more += _bf16_swap_candidates(((64, 128, 8), (128, 128, 8), (256, 128, 8), (64, 64, 4), (128, 64, 4)))
         if op == "mxfp4_grouped_gemm":
             more += _bf16_swap_candidates(((64, 128, 8), (128, 128, 8), (128, 64, 4), (64, 64, 4)))
-            # 256 weight rows a tile: a K step's rows of x̂ (2 bytes an element, most of what a tile reads) serve
-            # twice the weight rows, 175 against 105 FLOPs a byte of operands at 128 tokens (145 and 252 registers, no
-            # spills, offline sm_90; not yet timed).
-            more += _bf16_swap_candidates(((64, 256, 8), (128, 256, 8)))
+            # An expert's last few rows in tail tiles (gemm_tiles.BlockConfig.tail_m): at 128 rows an expert about
+            # half the experts of random routing have 1–32 rows past a whole tile, which took a 128-row tile each.
+            more += _bf16_swap_candidates(((128, 128, 8, 16), (128, 128, 8, 32), (64, 128, 8, 16)))
             # The same sums in the Gluon ring kernel (cuda.grouped_bf16_wgmma): 64 or 128 rows, one or two
             # warpgroups, 128-column K steps (at most 231,424 bytes of shared memory, no spills: 170 registers for
             # 128 × 128 with four slots, offline sm_90).
@@ -84,6 +83,7 @@ def candidate_configs(op: str, rows: int) -> list[BlockConfig]:
         return out + [cfg for cfg in more if cfg not in out]
     if op == "mxfp4_grouped_gemm" and rows > 16:
         out += _bf16_swap_candidates(((32, 128, 8), (64, 128, 8), (32, 64, 4), (64, 64, 4)))
+        out += _bf16_swap_candidates(((32, 128, 8, 16), (64, 128, 8, 16), (64, 64, 4, 16)))
     if op == "fp8_block_gemm":
         # The FP8 weight decoded in registers against x̂, split-K in the weight shape's chunks (few rows give few
         # programs otherwise).

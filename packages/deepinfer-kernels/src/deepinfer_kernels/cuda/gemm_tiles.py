@@ -82,6 +82,8 @@ DECODINGS = (
 GLUON_BLOCK_K = (128, 256, 512)
 # Shared memory one program can have on Hopper (227 KiB).
 SHARED_PER_PROGRAM = 232448
+# Rows of a grouped swap_bf16 GEMM's tail tiles: at least the 16 its wgmma needs, a power of two for Triton.
+_TAIL_ROWS = (16, 32, 64)
 # Rows of a gluon_fp8 tile's block_n per warp (a warpgroup's 4 warps make the wgmma's 64-row register operand).
 _GLUON_ROWS_PER_WARP = 16
 
@@ -122,6 +124,10 @@ class BlockConfig:
       the next step's weight is decoded (Hopper only; elsewhere and in the interpreter the ``swap_bf16`` tile of the
       same rows runs): ``block_n`` is 16 rows per warp, ``block_m`` 32 to 128, ``block_k`` 128 to 512, at least three
       slots, K in one program.
+
+    ``tail_m`` (grouped ``swap_bf16`` only; 0: off): an expert whose rows leave at most ``tail_m`` past its last
+    whole tile has those rows computed in a second launch of ``tail_m``-row tiles instead of a mostly empty
+    ``block_m``-row one (``cuda.grouped_gemm``; docs/design/kernels.md, "Tail tiles").
     """
 
     block_m: int
@@ -132,6 +138,7 @@ class BlockConfig:
     gemv: bool = False
     block_k: int = BLOCK_K
     decoding: str = "scaled_bf16"
+    tail_m: int = 0
 
     def __post_init__(self) -> None:
         if self.decoding not in DECODINGS:
@@ -167,6 +174,13 @@ class BlockConfig:
         if self.decoding == "swap_bf16" and not swap_on_wgmma(self.block_m, self.block_n, self.num_warps):
             raise ValueError(
                 f"a swap_bf16 tile has block_n a multiple of 16 × num_warps and block_m at least 16, got {self}"
+            )
+        if self.tail_m and (
+            self.decoding != "swap_bf16" or self.tail_m not in _TAIL_ROWS or self.tail_m >= self.block_m
+        ):
+            raise ValueError(
+                f"tail_m (rows of a grouped swap_bf16 GEMM's tail tiles) is 0 or one of {_TAIL_ROWS} below block_m, on"
+                f" a swap_bf16 tile, got {self}"
             )
         if self.decoding == "swap_fp8" and not swap_on_wgmma(self.block_m, self.block_n, self.num_warps):
             raise ValueError(
@@ -295,9 +309,13 @@ def swap_fp8_tile(block_m: int, block_n: int, num_warps: int, num_stages: int, s
     return mma_tile(block_m, block_n, num_warps, num_stages, split_grid=split_grid, decoding="swap_fp8")
 
 
-def swap_bf16_tile(block_m: int, block_n: int, num_warps: int, split_grid: bool = False) -> BlockConfig:
+def swap_bf16_tile(
+    block_m: int, block_n: int, num_warps: int, split_grid: bool = False, tail_m: int = 0
+) -> BlockConfig:
     """A ``swap_bf16`` tile: 64-column K steps, three stages."""
-    return mma_tile(block_m, block_n, num_warps, 3, split_grid=split_grid, decoding="swap_bf16", block_k=64)
+    return BlockConfig(
+        block_m, block_n, num_warps, 3, split_grid=split_grid, block_k=64, decoding="swap_bf16", tail_m=tail_m
+    )
 
 
 def gemv_tile(block_n: int, num_warps: int, num_stages: int, split_grid: bool = True) -> BlockConfig:

@@ -4,8 +4,11 @@ Rows are grouped by expert on the device with fixed-size tensors only (shapes de
 ids): a stable sort gives the expert-sorted row order, a scatter-add the per-expert row counts, cumulative sums the
 row and tile offsets, and a ``searchsorted`` of every tile index of the worst-case grid gives each tile's expert.
 The grid has ``cdiv(M, BLOCK_M) + min(E, M)`` row tiles — the most that ``Σ_e cdiv(count_e, BLOCK_M)`` can be —
-and tiles past the real count exit at once. Tiles read their rows through the sort order and write results back to
-the original rows, so nothing is permuted in memory. Ids outside ``[0, E)`` (``-1`` included) are put in a bucket
+and tiles past the real count exit at once. A ``swap_bf16`` tile with ``tail_m`` leaves an expert's last rows past
+its whole tiles, when there are at most ``tail_m``, to a second launch of ``tail_m``-row tiles, one an expert
+(``tail_tiles``): about half the experts of an 8K prefill have a few rows past 128 (docs/design/kernels.md, "Tail
+tiles"). Tiles read their rows through the sort order and write results back to the original rows, so nothing is
+permuted in memory. Ids outside ``[0, E)`` (``-1`` included) are put in a bucket
 no tile serves; a launch of their own writes those rows' zeros (it reads the ids and stores only there:
 zero-filling the whole output first took 2.3 ms of an 8K prefill on the H200, 0.95 GB a layer), unless the caller
 knows every id is held (``ExpertRows.all_local``: every expert local, ids from the router). For few rows the K
@@ -41,7 +44,7 @@ from deepinfer_kernels.cuda.grouped_tiles import MAX_ROWS, expert_tiles_one_laun
 from deepinfer_kernels.cuda.grouped_wgmma import available, fits, grouped_wgmma_launch
 from deepinfer_kernels.cuda.swap_bf16 import swap_bf16_launch
 
-__all__ = ["expert_tiles", "mxfp4_grouped_gemm"]
+__all__ = ["expert_tiles", "mxfp4_grouped_gemm", "tail_tiles"]
 
 _ZERO_ROWS, _ZERO_COLUMNS = 16, 256
 
@@ -78,8 +81,19 @@ def _zero_unrouted_rows(expert_ids: torch.Tensor, out: torch.Tensor, experts: in
     )
 
 
+def _expert_rows(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's bucket (its expert, ``num_experts`` for ids outside ``[0, num_experts)``), and per expert its row
+    count and the end of its rows in the expert-sorted order."""
+    valid = (expert_ids >= 0) & (expert_ids < num_experts)
+    bucket = torch.where(valid, expert_ids, num_experts)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=expert_ids.device)
+    counts.scatter_add_(0, bucket, torch.ones_like(bucket))
+    counts = counts[:num_experts]
+    return bucket, counts, torch.cumsum(counts, 0)
+
+
 def expert_tiles(
-    expert_ids: torch.Tensor, num_experts: int, block_m: int
+    expert_ids: torch.Tensor, num_experts: int, block_m: int, tail_m: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tile tables of the grouped GEMM, built with device ops of fixed output sizes (no host sync).
 
@@ -87,6 +101,7 @@ def expert_tiles(
         expert_ids: [M] int64; ids outside ``[0, num_experts)`` are served by no tile.
         num_experts: E.
         block_m: rows per tile.
+        tail_m: an expert's last rows past its whole tiles, if at most ``tail_m``, are left to :func:`tail_tiles`.
 
     Returns:
         order: [M] int64, the stable expert-sorted order of the rows (position → original row);
@@ -95,22 +110,29 @@ def expert_tiles(
         where ``T = cdiv(M, block_m) + min(E, M)``.
     """
     m = expert_ids.numel()
-    device = expert_ids.device
-    valid = (expert_ids >= 0) & (expert_ids < num_experts)
-    bucket = torch.where(valid, expert_ids, num_experts)
+    bucket, counts, row_end = _expert_rows(expert_ids, num_experts)
     order = torch.sort(bucket, stable=True).indices
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, bucket, torch.ones_like(bucket))
-    counts = counts[:num_experts]
-    row_end = torch.cumsum(counts, 0)
-    tiles = (counts + block_m - 1) // block_m
+    tiles = counts // block_m + (counts % block_m > tail_m)
     tile_end_per_expert = torch.cumsum(tiles, 0)
-    tile = torch.arange(triton.cdiv(m, block_m) + min(num_experts, m), dtype=torch.int64, device=device)
+    tile = torch.arange(triton.cdiv(m, block_m) + min(num_experts, m), dtype=torch.int64, device=expert_ids.device)
     tile_expert = torch.searchsorted(tile_end_per_expert, tile, right=True)
     expert = tile_expert.clamp(max=num_experts - 1)
     first_tile = tile_end_per_expert[expert] - tiles[expert]
     tile_start = row_end[expert] - counts[expert] + (tile - first_tile) * block_m
     return order, tile_expert, tile_start, torch.minimum(tile_start + block_m, row_end[expert])
+
+
+def tail_tiles(
+    expert_ids: torch.Tensor, num_experts: int, block_m: int, tail_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The tiles :func:`expert_tiles` with ``tail_m`` leaves out, one per expert, over the same order: tile e holds
+    expert e's last ``count_e mod block_m`` positions if that is 1 … ``tail_m`` (tile_expert, tile_start, tile_end
+    [E] as there; ``num_experts`` for an expert with no tail)."""
+    _, counts, row_end = _expert_rows(expert_ids, num_experts)
+    rest = counts % block_m
+    experts = torch.arange(num_experts, dtype=torch.int64, device=expert_ids.device)
+    tile_expert = torch.where((rest > 0) & (rest <= tail_m), experts, num_experts)
+    return tile_expert, row_end - rest, row_end
 
 
 def mxfp4_grouped_gemm(
@@ -154,8 +176,8 @@ def mxfp4_grouped_gemm(
     if cfg.decoding in ("gluon_fp8", "gluon_bf16"):
         cfg = _gluon_tile(cfg, packed, scale, x.device)
     launch = grouped_wgmma_launch if cfg.decoding == "gluon_fp8" else mxfp4_launch
-    sorted_copy = {"swap_bf16": swap_bf16_launch, "gluon_bf16": grouped_bf16_launch}.get(cfg.decoding)
-    if not cfg.gemv and m <= cfg.block_m and sorted_copy is None:
+    sorted_copy = cfg.decoding in ("swap_bf16", "gluon_bf16")
+    if not cfg.gemv and m <= cfg.block_m and not sorted_copy:
         # Every row fits one MMA tile: each program finds its expert's rows itself (mxfp4_kernel's SCAN), which saves
         # the tile-table launch (about 33 µs at batch 1 on the H200, longer than the GEMM's own share of a weight).
         launch(*activation_for(x, cfg), packed, scale, out, expert_ids, cfg.block_m, cfg, repeats)
@@ -163,16 +185,34 @@ def mxfp4_grouped_gemm(
     # FMA tiles take up to twice the mean rows, so that an expert with a few more rows than the mean is still read
     # once rather than once per tile.
     rows = gemv_rows(2 * mean_rows, cfg) if cfg.gemv else cfg.block_m
-    key = ("mxfp4_grouped_gemm tiles", experts, rows)
+    tables, tails = _tables(derived, expert_ids, experts, rows, cfg.tail_m)
+    # The sorted-copy decodings quantize x into a BF16 copy in the tables' row order (cuda.swap_bf16).
+    if cfg.decoding == "swap_bf16":
+        swap_bf16_launch(x, packed, scale, out, tables, cfg, repeats, tails)
+    elif cfg.decoding == "gluon_bf16":
+        grouped_bf16_launch(x, packed, scale, out, tables, cfg, repeats)
+    else:
+        launch(*activation_for(x, cfg), packed, scale, out, tables, rows, cfg, repeats)
+
+
+def _tables(
+    derived: dict[Hashable, Any] | None, expert_ids: torch.Tensor, experts: int, rows: int, tail_m: int
+) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...] | None]:
+    """The tile tables of ``rows``-row tiles and, under ``tail_m``, of the tail tiles (else None): from ``derived``
+    when an earlier call over the same rows built them (same expert count, tile rows and tail), else built and kept
+    there."""
+    key = ("mxfp4_grouped_gemm tiles", experts, rows, tail_m)
     tables = None if derived is None else derived.get(key)
     if tables is None:
-        tables = (expert_tiles_one_launch if m <= MAX_ROWS else expert_tiles)(expert_ids, experts, rows)
+        if tail_m:
+            tiles = expert_tiles(expert_ids, experts, rows, tail_m)
+            tables = (tiles, tail_tiles(expert_ids, experts, rows, tail_m))
+        else:
+            one_launch = expert_ids.numel() <= MAX_ROWS
+            tables = ((expert_tiles_one_launch if one_launch else expert_tiles)(expert_ids, experts, rows), None)
         if derived is not None:
             derived[key] = tables
-    if sorted_copy is not None:  # quantizes x into a BF16 copy in the tables' row order (cuda.swap_bf16)
-        sorted_copy(x, packed, scale, out, tables, cfg, repeats)
-        return
-    launch(*activation_for(x, cfg), packed, scale, out, tables, rows, cfg, repeats)
+    return tables
 
 
 def _gluon_tile(cfg: BlockConfig, packed: torch.Tensor, scale: torch.Tensor, device: torch.device) -> BlockConfig:

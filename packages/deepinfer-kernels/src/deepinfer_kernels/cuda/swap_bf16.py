@@ -178,25 +178,46 @@ def swap_bf16_launch(
     tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     cfg: BlockConfig,
     repeats: int = 1,
+    tails: tuple[torch.Tensor, ...] | None = None,
 ) -> None:
     """The grouped MXFP4 GEMM on a ``swap_bf16`` tile ``cfg``: x [M / repeats, K] the unquantized activation (product
     row i reads row ``i // repeats``), packed [E, N, K/2] and scale [E, N, K/32] of the experts, out [M, N],
-    ``tables`` of ``cuda.grouped_gemm.expert_tiles`` for tiles of ``cfg.block_m`` rows."""
+    ``tables`` of ``cuda.grouped_gemm.expert_tiles`` for tiles of ``cfg.block_m`` rows; under ``cfg.tail_m``, ``tails``
+    of ``cuda.grouped_gemm.tail_tiles``, run as a second launch of ``cfg.tail_m``-row tiles on the same copy."""
     _check_tile(cfg)
     if packed.data_ptr() % 4 or packed.stride(-2) % 4:
         raise ValueError(
             "decoding 'swap_bf16' reads the packed weight in 4-byte words: its rows must be 4-byte aligned"
         )
-    order, tile_expert, tile_start, tile_end = tables
-    xs = sorted_bf16_activation(x, order, repeats)
-    (experts, n), k = packed.shape[:2], x.shape[1]
     if cfg.split_grid:
         raise ValueError(f"the grouped swap_bf16 GEMM sums K in one program: no split_grid, got {cfg}")
+    if (tails is None) != (cfg.tail_m == 0):
+        raise ValueError(f"tail tables go with a tile's tail_m and only then, got {cfg} with tails={tails is not None}")
+    order = tables[0]
+    xs = sorted_bf16_activation(x, order, repeats)
+    _grouped_launch(xs, packed, scale, out, order, tables[1:], cfg.block_m, cfg)
+    if tails is not None:
+        _grouped_launch(xs, packed, scale, out, order, tails, cfg.tail_m, cfg)
+
+
+def _grouped_launch(
+    xs: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    out: torch.Tensor,
+    order: torch.Tensor,
+    tiles: tuple[torch.Tensor, ...],
+    block_m: int,
+    cfg: BlockConfig,
+) -> None:
+    # One launch over the tiles (tile_expert, tile_start, tile_end) of block_m rows of the sorted copy xs.
+    tile_expert, tile_start, tile_end = tiles
+    (experts, n), k = packed.shape[:2], xs.shape[1]
     _swap_bf16_kernel[(triton.cdiv(n, cfg.block_n), tile_expert.numel())](
         xs, packed.view(torch.uint8), scale.view(torch.uint8), out, out, out, order, tile_expert, tile_start,
         tile_end, xs.shape[0], n, k, k, experts, n, xs.stride(0), packed.stride(0), packed.stride(1), scale.stride(0),
         scale.stride(1), out.stride(0),
-        GROUPED=True, SPLIT_GRID=False, CHUNK_SUMS=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GROUPED=True, SPLIT_GRID=False, CHUNK_SUMS=False, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DOT_BF16=dot_in_bf16(), NATIVE=native_fp8(), EVEN=n % cfg.block_n == 0 and k % cfg.block_k == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **dependent_launch(out.device),
