@@ -16,12 +16,19 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
-import pathlib
 from typing import Any
 
 import torch
-from kernels_gemm import TOP_K, copy_bandwidth_gbps, device_label, inputs_for, preset_shapes, routed_ids, time_us
+from kernels_gemm import (
+    TOP_K,
+    copy_bandwidth_gbps,
+    device_label,
+    inputs_for,
+    preset_shapes,
+    routed_ids,
+    time_us,
+    write_results,
+)
 
 EXPERTS = 384
 
@@ -85,11 +92,7 @@ def main() -> None:
                          "executed_tflops": 2 * rows * n * k / us / 1e6}  # fmt: skip
                 results.append(point)
                 print(f"{name} {routing} {spec}: {us:.1f} us", flush=True)
-    path = pathlib.Path(args.out or pathlib.Path(__file__).parent / "results" / f"grouped_tails-{label}.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"device": label, "torch": torch.__version__, "repeats": args.repeats, "copy_gbps": copy_gbps}
-    path.write_text(json.dumps({**meta, "results": results}, indent=2) + "\n")
-    print(f"\ndevice {label}, torch {torch.__version__}; copy bandwidth {copy_gbps:.0f} GB/s (read + write)")
+    write_results(args.out, "grouped_tails", label, args.repeats, copy_gbps, results)
     header = f"{'shape':<12} {'routing':<9} {'tile':<13} {'us':>9} {'tiles':>6} {'tails':>6}"
     print(f"{header} {'fill':>6} {'useful':>7} {'exec':>7}")
     for p in results:
@@ -98,7 +101,6 @@ def main() -> None:
             f"{p['tail_tiles']:>6} {p['fill']:>6.3f} {p['useful_tflops']:>7.1f} {p['executed_tflops']:>7.1f}"
         )
     print("(useful / exec: TFLOP/s over the routed rows / over the rows the tiles run)")
-    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

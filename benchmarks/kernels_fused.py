@@ -28,13 +28,19 @@ Run from the repository root: ``python benchmarks/kernels_fused.py``.
 from __future__ import annotations
 
 import argparse
-import json
-import pathlib
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from kernels_gemm import copy_bandwidth_gbps, device_label, inputs_for, preset_shapes, time_us, weight_copies
+from kernels_gemm import (
+    copy_bandwidth_gbps,
+    device_label,
+    inputs_for,
+    preset_shapes,
+    time_us,
+    weight_copies,
+    write_results,
+)
 
 import deepinfer_kernels as dk
 from deepinfer_kernels._registry import Backend, implementation
@@ -212,18 +218,13 @@ def main() -> None:
             point["new_copy_fraction"] = point["weight_bytes"] / point["new_us"] / 1e3 / copy_gbps
             results.append(point)
             print(f"{point['case']} tokens={tokens}: {point['old_us']:.1f} -> {point['new_us']:.1f} us", flush=True)
-    path = pathlib.Path(args.out or pathlib.Path(__file__).parent / "results" / f"kernels_fused-{label}.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"device": label, "torch": torch.__version__, "repeats": args.repeats, "copy_gbps": copy_gbps}
-    path.write_text(json.dumps({**meta, "results": results}, indent=2) + "\n")
-    print(f"\ndevice {label}, torch {torch.__version__}; copy bandwidth {copy_gbps:.0f} GB/s (read + write)")
+    write_results(args.out, "kernels_fused", label, args.repeats, copy_gbps, results)
     print(f"{'case':<28} {'N':>6} {'K':>5} {'tok':>4} {'old us':>8} {'new us':>8} {'x':>5} {'copy%':>6}")
     for p in results:
         print(
             f"{p['case'][:28]:<28} {p['n']:>6} {p['k']:>5} {p['tokens']:>4} {p['old_us']:>8.1f} {p['new_us']:>8.1f} "
             f"{p['speedup']:>5.1f} {100 * p['new_copy_fraction']:>5.0f}%"
         )
-    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

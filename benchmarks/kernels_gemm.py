@@ -101,6 +101,18 @@ def copy_bandwidth_gbps() -> float:
     return 2 * src.numel() * src.element_size() / ms / 1e6
 
 
+def write_results(
+    out: str | None, stem: str, label: str, repeats: int, copy_gbps: float, results: list, **extra: Any
+) -> None:
+    """Writes the run's JSON (``out``, default benchmarks/results/<stem>-<label>.json); prints the table's preamble."""
+    path = pathlib.Path(out or pathlib.Path(__file__).parent / "results" / f"{stem}-{label}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"device": label, "torch": torch.__version__, "repeats": repeats, "copy_gbps": copy_gbps, **extra}
+    path.write_text(json.dumps({**meta, "results": results}, indent=2) + "\n")
+    print(f"wrote {path}")
+    print(f"\ndevice {label}, torch {torch.__version__}; copy bandwidth {copy_gbps:.0f} GB/s (read + write)")
+
+
 def routed_ids(tokens: int, experts: int) -> torch.Tensor:
     """Each token's TOP_K distinct uniformly random experts, flattened (one row per (token, expert))."""
     return torch.rand(tokens, experts, device="cuda").topk(TOP_K, dim=1).indices.reshape(-1)
@@ -318,11 +330,7 @@ def main() -> None:
         for key, cfg in measured.items():
             print(f"    {key}: {cfg!r},")
         print("}")
-    path = pathlib.Path(args.out or pathlib.Path(__file__).parent / "results" / f"kernels_gemm-{label}.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"device": label, "torch": torch.__version__, "repeats": args.repeats, "copy_gbps": copy_gbps}
-    path.write_text(json.dumps({**meta, "baseline": args.baseline, "results": results}, indent=2) + "\n")
-    print(f"\ndevice {label}, torch {torch.__version__}; copy bandwidth {copy_gbps:.0f} GB/s (read + write)")
+    write_results(args.out, "kernels_gemm", label, args.repeats, copy_gbps, results, baseline=args.baseline)
     header = f"{'op':<19} {'shape':<22} {'N':>6} {'K':>5} {'tok':>4} {'old us':>8} {'us':>8} {'x':>5}"
     print(f"{header} {'GB/s':>6} {'copy%':>6} {'TFLOP/s':>8}")
     for p in results:
@@ -333,7 +341,6 @@ def main() -> None:
             f"{p['median_us']:>8.1f} {ratio} {p['weight_gbps']:>6.0f} {100 * p['copy_fraction']:>5.0f}% "
             f"{p['tflops']:>8.1f}"
         )
-    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -256,6 +256,21 @@ def test_grouped_rows_in_one_tile_skip_the_tables(triton_device: str, decoding: 
     assert_gemm_close(small.cpu(), ref, bound, k)
 
 
+def _served_rows(
+    ids: torch.Tensor, order: torch.Tensor, tiles: tuple[torch.Tensor, ...], experts: int, rows: int
+) -> list[int]:
+    """The rows the tiles (tile_expert, tile_start, tile_end) serve, checking that each working tile has 1 … ``rows``
+    positions, all of its expert."""
+    served = []
+    for expert_id, start, end in zip(*(t.tolist() for t in tiles), strict=True):
+        if expert_id == experts:
+            continue
+        assert 0 < end - start <= rows
+        assert all(int(ids[order[p]]) == expert_id for p in range(start, end))
+        served.extend(int(order[p]) for p in range(start, end))
+    return served
+
+
 @pytest.mark.parametrize("one_launch", [False, True])
 @pytest.mark.parametrize(
     ("m", "experts", "block_m"),
@@ -275,15 +290,7 @@ def test_expert_tiles_cover_each_routed_row_once(
     assert torch.equal(torch.sort(order).values, torch.arange(m))
     # Stable: sorted by expert, original order within an expert.
     assert torch.all((bucket[1:] > bucket[:-1]) | ((bucket[1:] == bucket[:-1]) & (order[1:] > order[:-1])))
-    served = []
-    for tile in range(tile_expert.numel()):
-        expert = int(tile_expert[tile])
-        if expert == experts:
-            continue
-        positions = range(int(start[tile]), int(end[tile]))
-        assert 0 < len(positions) <= block_m
-        assert all(int(ids[order[p]]) == expert for p in positions)
-        served.extend(int(order[p]) for p in positions)
+    served = _served_rows(ids, order, (tile_expert, start, end), experts, block_m)
     assert sorted(served) == [r for r in range(m) if int(ids[r]) >= 0]
     if one_launch:
         # The same tables as the PyTorch ops wherever a tile has rows.
@@ -309,19 +316,8 @@ def test_tail_tiles_take_the_rows_past_whole_tiles(
     assert torch.equal(order, expert_tiles(ids, experts, block_m)[0])
     tail_expert, tail_start, tail_end = (t.cpu() for t in tail_tiles(ids.to(triton_device), experts, block_m, tail_m))
     assert tail_expert.numel() == experts
-    served: list[int] = []
-    for expert_of, starts, ends, rows in (
-        (tile_expert, start, end, block_m),
-        (tail_expert, tail_start, tail_end, tail_m),
-    ):
-        for tile in range(expert_of.numel()):
-            expert = int(expert_of[tile])
-            if expert == experts:
-                continue
-            positions = range(int(starts[tile]), int(ends[tile]))
-            assert 0 < len(positions) <= rows
-            assert all(int(ids[order[p]]) == expert for p in positions)
-            served.extend(int(order[p]) for p in positions)
+    served = _served_rows(ids, order, (tile_expert, start, end), experts, block_m)
+    served += _served_rows(ids, order, (tail_expert, tail_start, tail_end), experts, tail_m)
     assert sorted(served) == [r for r in range(m) if int(ids[r]) >= 0]
     for expert in range(experts):
         rest = int((ids == expert).sum()) % block_m
