@@ -73,6 +73,10 @@ def candidate_configs(op: str, rows: int) -> list[BlockConfig]:
             # An expert's last few rows in tail tiles (gemm_tiles.BlockConfig.tail_m): at 128 rows an expert about
             # half the experts of random routing have 1–32 rows past a whole tile, which took a 128-row tile each.
             more += _bf16_swap_candidates(((128, 128, 8, 16), (128, 128, 8, 32), (64, 128, 8, 16)))
+            # Deeper cp.async pipelines: long-scoreboard waits were 2.0 cycles an issued instruction at three stages
+            # (docs/design/kernels.md, "Tail tiles"); four and five stages keep 125 registers (two programs a
+            # multiprocessor) with 78 and 99 KB of shared memory (offline sm_90; not yet timed).
+            more += [swap_bf16_tile(128, 128, 8, tail_m=32, num_stages=stages) for stages in (4, 5)]
             # The same sums in the Gluon ring kernel (cuda.grouped_bf16_wgmma): 64 or 128 rows, one or two
             # warpgroups, 128-column K steps (at most 231,424 bytes of shared memory, no spills: 170 registers for
             # 128 × 128 with four slots, offline sm_90).

@@ -310,11 +310,11 @@ def swap_fp8_tile(block_m: int, block_n: int, num_warps: int, num_stages: int, s
 
 
 def swap_bf16_tile(
-    block_m: int, block_n: int, num_warps: int, split_grid: bool = False, tail_m: int = 0
+    block_m: int, block_n: int, num_warps: int, split_grid: bool = False, tail_m: int = 0, num_stages: int = 3
 ) -> BlockConfig:
-    """A ``swap_bf16`` tile: 64-column K steps, three stages."""
+    """A ``swap_bf16`` tile: 64-column K steps, three stages unless said otherwise."""
     return BlockConfig(
-        block_m, block_n, num_warps, 3, split_grid=split_grid, block_k=64, decoding="swap_bf16", tail_m=tail_m
+        block_m, block_n, num_warps, num_stages, split_grid=split_grid, block_k=64, decoding="swap_bf16", tail_m=tail_m
     )
 
 
