@@ -19,7 +19,9 @@
 6. `--dependent-launch` does the same for the model's dependent-launch mode (`EngineArgs.dependent_launch`;
    docs/design/kernels.md, "Dependent launches"), for decode and prefill points: records have "dependent_launch",
    the header's "dependent_launch_change" maps each point (decode batch, or "prefill <prompt>") to step_on /
-   step_off − 1. Each mode's change compares points with the other mode off.
+   step_off − 1. `--branch-streams` likewise for the branch-streams mode (`EngineArgs.branch_streams`;
+   docs/design/kernels.md, "Branch streams"; "branch_streams", "branch_streams_change"). Each mode's change compares
+   points with the other modes off.
 
 Points run in that order. Each point's ratio is step / floor; the records are sorted at the end. A point that would
 end past `--deadline-s` is skipped; the JSON is rewritten after every point, so a run that is stopped keeps what it
@@ -41,6 +43,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import itertools
 import json
 import pathlib
 import platform
@@ -113,7 +116,7 @@ def run_prefill(model: DeepseekV41ForCausalLM, prompt: int, repeats: int, device
     return {"seconds": seconds, "tokens_per_s": prompt / seconds, "cuda_graph": False}
 
 
-MODES = ("batch_invariant", "dependent_launch")
+MODES = ("batch_invariant", "dependent_launch", "branch_streams")
 
 
 def mode_point(
@@ -187,7 +190,8 @@ def print_table(result: dict[str, Any]) -> None:
     print(f"\ncopy bandwidth {bandwidth['bytes_per_s'] / 1e12:.3f} TB/s ({bandwidth['method']})")
     rate = gemm.get("flop_per_s")
     print(f"GEMM rate {rate / 1e12:.1f} TFLOP/s ({gemm['method']})" if rate else f"GEMM rate: {gemm.get('error')}")
-    print(f"{'kind':<8}{'batch':>6}{'prompt':>8}{'inv':>5}{'pdl':>5}{'step ms':>11}{'floor ms':>11}{'ratio':>8}  basis")
+    modes = "".join(f"{name:>5}" for name in ("inv", "pdl", "br"))
+    print(f"{'kind':<8}{'batch':>6}{'prompt':>8}{modes}{'step ms':>11}{'floor ms':>11}{'ratio':>8}  basis")
     for r in result["records"]:
         basis = f"{r['bytes'] / 1e9:.3f} GB" if r["kind"] == "decode" else f"{r['flops'] / 1e12:.3f} TFLOP"
         floor = f"{r['floor_ms']:>11.3f}{r['ratio']:>8.2f}" if r["floor_ms"] else f"{'-':>11}{'-':>8}"
@@ -197,6 +201,8 @@ def print_table(result: dict[str, Any]) -> None:
         print(f"batch-invariant overhead at decode batch {batch}: {overhead * 100:+.1f} %")
     for point, change in header.get("dependent_launch_change", {}).items():
         print(f"dependent launches at {point}: {change * 100:+.1f} % step time")
+    for point, change in header.get("branch_streams_change", {}).items():
+        print(f"branch streams at {point}: {change * 100:+.1f} % step time")
     for line in result["skipped"] + result["errors"]:
         print(line)
 
@@ -236,6 +242,12 @@ def main() -> None:
         choices=("off", "on", "both"),
         default="off",
         help="decode and prefill points with the dependent-launch mode off, on, or both (change in the header)",
+    )
+    parser.add_argument(
+        "--branch-streams",
+        choices=("off", "on", "both"),
+        default="off",
+        help="decode and prefill points with the branch-streams mode off, on, or both (change in the header)",
     )
     args = parser.parse_args()
 
@@ -294,24 +306,27 @@ def main() -> None:
     # Decode steps pass the exact bound C + 1 as max_context_len, as an eager engine step does.
     settings = {"off": (False,), "on": (True,), "both": (False, True)}
     invariant_modes, dependent_modes = settings[args.batch_invariant], settings[args.dependent_launch]
+    branch_modes = settings[args.branch_streams]
     plan: list[tuple[str, int, Callable[[], dict[str, Any]]]] = [
         (
             "decode",
             b,
             functools.partial(
-                mode_point, model, {"batch_invariant": invariant, "dependent_launch": dependent}, run_decode, model,
-                b, args.context, args.context + 1, args.decode_repeats, device,
+                mode_point, model,
+                {"batch_invariant": invariant, "dependent_launch": dependent, "branch_streams": branch},
+                run_decode, model, b, args.context, args.context + 1, args.decode_repeats, device,
             ),
         )
         for b in batches
         for invariant in invariant_modes
         for dependent in dependent_modes
+        for branch in branch_modes
     ]  # fmt: skip
     for prompt in prefill:
         point = long_context.Point("prefill", prompt, 1, "model-step")
         step = functools.partial(run_prefill, model, prompt, args.prefill_repeats, device)
-        for dependent in dependent_modes:
-            modes = {"batch_invariant": False, "dependent_launch": dependent}
+        for dependent, branch in itertools.product(dependent_modes, branch_modes):
+            modes = {"batch_invariant": False, "dependent_launch": dependent, "branch_streams": branch}
             measure = functools.partial(long_context.measure, point, step, device)
             plan.append(("prefill", prompt, functools.partial(mode_point, model, modes, measure)))
     try:
@@ -328,9 +343,8 @@ def main() -> None:
                 result["records"].append(roofline_record(kind, record, config, header))
                 result["records"][-1].update({name: bool(record.get(name)) for name in MODES})
                 header["batch_invariant_overhead"] = mode_change(result["records"], "batch_invariant", ("decode",))
-                header["dependent_launch_change"] = mode_change(
-                    result["records"], "dependent_launch", ("decode", "prefill")
-                )
+                for mode in ("dependent_launch", "branch_streams"):
+                    header[f"{mode}_change"] = mode_change(result["records"], mode, ("decode", "prefill"))
                 print(result["records"][-1], flush=True)
             save()
     finally:

@@ -72,12 +72,15 @@ def test_the_accelerator_routing_keeps_the_forward_invariant(monkeypatch: pytest
     assert {"aten.mm.default", "aten.bmm.default"} <= set(routed)
 
 
-def test_the_dependent_launch_flag_reaches_the_kernels_and_changes_no_bits(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``dependent_launch`` runs the forward inside ``deepinfer_kernels.dependent_launch.dependent_launches`` (seen
-    from the kernels' RMSNorm, which every layer calls), and on the CPU changes nothing."""
+@pytest.mark.parametrize("flag", ["dependent_launch", "branch_streams"])
+def test_the_launch_flags_reach_the_kernels_and_change_no_bits(monkeypatch: pytest.MonkeyPatch, flag: str) -> None:
+    """``dependent_launch`` and ``branch_streams`` run the forward inside the kernels' ``dependent_launches`` and
+    ``branch_streams`` (seen from the kernels' RMSNorm, which every layer calls), and on the CPU change nothing."""
     import deepinfer_model.layers.norm as norm
+    from deepinfer_kernels.branch_streams import branch_streams_requested
     from deepinfer_kernels.dependent_launch import dependent_launches_requested
 
+    requested = {"dependent_launch": dependent_launches_requested, "branch_streams": branch_streams_requested}[flag]
     model = tiny_model(ComputeMode.EXACT)
     prompts = [prompt(length, seed=length).tolist() for length in (5, 30)]
     default = torch.cat(_prefill(model, prompts))
@@ -85,13 +88,13 @@ def test_the_dependent_launch_flag_reaches_the_kernels_and_changes_no_bits(monke
     kernel = norm.rms_norm
 
     def observed(*args: object, **kwargs: object) -> torch.Tensor:
-        seen.append(dependent_launches_requested())
+        seen.append(requested())
         return kernel(*args, **kwargs)
 
     monkeypatch.setattr(norm, "rms_norm", observed)
-    model.dependent_launch = True
+    setattr(model, flag, True)
     assert torch.equal(torch.cat(_prefill(model, prompts)), default)
-    model.dependent_launch = False
+    setattr(model, flag, False)
     _prefill(model, prompts)
     half = len(seen) // 2
     assert half and seen == [True] * half + [False] * half

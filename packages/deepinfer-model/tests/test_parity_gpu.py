@@ -119,9 +119,9 @@ def test_engram_on_cuda_feeds_its_stored_rows_to_the_fp8_gemm() -> None:
     rows = torch.randint(0, vocab.num_compressed, (tokens, engram.max_ngram), generator=generator)
     active = torch.ones(tokens, dtype=torch.bool)
     active[3] = False
-    on_cpu = engram(trunk, rows, active, vocab)
+    on_cpu = engram(trunk, engram.project(rows, vocab), active)
     engram = engram.cuda()
     assert engram.wkv.runs_on_fp8_copy()
-    on_cuda = engram(trunk.cuda(), rows.cuda(), active.cuda(), vocab.to("cuda")).cpu()
+    on_cuda = engram(trunk.cuda(), engram.project(rows.cuda(), vocab.to("cuda")), active.cuda()).cpu()
     assert torch.equal(on_cuda[3], trunk[3])
     torch.testing.assert_close(on_cuda.float(), on_cpu.float(), rtol=2.0**-7, atol=2.0**-7 * on_cpu.abs().max().item())

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from _layered_model_support import prompt, tiny_config, tiny_model
 
+from deepinfer_kernels import moe_combine
 from deepinfer_model.deepseek_v41.moe import RoutedExperts, local_expert_dispatch
 from deepinfer_model.forward_batch import ForwardBatch
 from deepinfer_model.layers.mode import ComputeMode
@@ -142,7 +143,7 @@ def test_grouped_expert_sum_equals_per_expert_loop() -> None:
     topk_ids, topk_weights = moe.gate(x)
     bias = torch.randn(x.shape, generator=generator)
     with torch.no_grad():
-        grouped = moe.experts.grouped_sum(x, topk_ids, topk_weights, bias)
+        grouped = moe_combine(moe.experts.grouped_rows_of_tokens(x, topk_ids, topk_weights), bias, torch.float32)
         loop = local_expert_dispatch(x, topk_ids, topk_weights, moe.experts, bias)
     assert torch.equal(grouped, loop)
 
@@ -157,7 +158,9 @@ def test_grouped_expert_sum_maps_logical_experts_to_slots() -> None:
     weights = torch.rand(5, 2, generator=torch.Generator().manual_seed(5))
     bias = torch.zeros(x.shape)
     with torch.no_grad():
-        grouped = experts.grouped_sum(x.to(torch.bfloat16), topk_ids, weights, bias)
+        grouped = moe_combine(
+            experts.grouped_rows_of_tokens(x.to(torch.bfloat16), topk_ids, weights), bias, torch.float32
+        )
         loop = local_expert_dispatch(x.to(torch.bfloat16), topk_ids, weights, experts, bias)
     assert torch.equal(grouped, loop)
 

@@ -123,6 +123,7 @@ class Engine:
             prefill_truncation=prefill_truncation(args, env),
             batch_invariant=env["DEEPINFER_BATCH_INVARIANT"],
             dependent_launch=args.dependent_launch,
+            branch_streams=args.branch_streams,
         )
         text = self.model.config.text
         spec = self.model.cache_spec()

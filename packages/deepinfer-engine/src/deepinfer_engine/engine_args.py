@@ -90,6 +90,9 @@ class EngineArgs:
         dependent_launch: launch the Triton kernels of the forward as programmatic dependent launches, so each
             starts while the one before it finishes (NVIDIA Hopper and later; the same results; docs/design/kernels.md,
             "Dependent launches"). Off by default until measured; ignored elsewhere.
+        branch_streams: run the forward's independent branches (the shared expert, the window keys, the next Engram
+            projection) on a second CUDA stream beside the work they do not depend on (the same results;
+            docs/design/kernels.md, "Branch streams"). Ignored off CUDA.
         precision: "exact" or "fp32" (FP32 activations and caches, for parity with the reference model).
         device: "cpu", "cuda" or "cuda:N"; None picks CUDA when the kernels platform is NVIDIA.
         async_scheduling: overrides DEEPINFER_ZERO_OVERHEAD_SCHEDULING when not None.
@@ -120,6 +123,7 @@ class EngineArgs:
     context_parallel_size: int = 1
     enforce_eager: bool = False
     dependent_launch: bool = False
+    branch_streams: bool = False
     precision: Precision = "exact"
     device: str | None = None
     async_scheduling: bool | None = None
@@ -150,7 +154,7 @@ class EngineArgs:
                 )
         if self.precision not in ("exact", "fp32"):
             raise ValueError(f"precision must be 'exact' or 'fp32', got {self.precision!r}")
-        for flag in ("enforce_eager", "dependent_launch"):
+        for flag in ("enforce_eager", "dependent_launch", "branch_streams"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
         nextn = self.nextn

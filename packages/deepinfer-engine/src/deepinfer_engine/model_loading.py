@@ -35,6 +35,7 @@ def load_model(
     prefill_truncation: PrefillTruncation | None = None,
     batch_invariant: bool = False,
     dependent_launch: bool = False,
+    branch_streams: bool = False,
 ) -> DeepseekV41ForCausalLM:
     """The checkpoint's model on `device`, weights loaded, in eval mode.
 
@@ -43,7 +44,8 @@ def load_model(
     draft positions (`nextn + 1` with speculative decoding, 1 without). `prefill_truncation` (None: off) is the YOCO
     prefill truncation the model runs prompt chunks with. `batch_invariant` (DEEPINFER_BATCH_INVARIANT) makes the CPU
     and CUDA forward batch-invariant (docs/design/numerics.md, "Batch invariance"); `dependent_launch`
-    (`EngineArgs.dependent_launch`) launches its Triton kernels as programmatic dependent launches.
+    (`EngineArgs.dependent_launch`) launches its Triton kernels as programmatic dependent launches; `branch_streams`
+    (`EngineArgs.branch_streams`) runs its independent branches on a second CUDA stream.
 
     Raises:
         deepinfer_model.loading.errors.CheckpointError / CoverageError: the checkpoint is incomplete or corrupt.
@@ -65,6 +67,7 @@ def load_model(
             prefill_truncation=prefill_truncation,
             batch_invariant=batch_invariant,
             dependent_launch=dependent_launch,
+            branch_streams=branch_streams,
         )
     model.load_weights(checkpoint.tensors.items())
     model.to(device)  # buffers built from host data during construction follow the parameters

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_kernels.branch_streams import stream_lane
 from deepinfer_kernels.cuda._formats import to_output_dtype
 from deepinfer_kernels.cuda.gemm_tiles import BlockConfig, chunk_length
 from deepinfer_kernels.platform import triton_interpreter_enabled
@@ -377,13 +378,15 @@ def finish_tile(  # type: ignore[no-untyped-def]
 # Tickets per device for split-K launches: enough for every tile of a split launch (at most 64 rows: a few row tiles,
 # or the grouped GEMM's cdiv(M, 16) + min(E, M), times N / 32 column tiles).
 _MAX_SPLIT_TILES = 1 << 16
-_tile_counters: dict[torch.device, torch.Tensor] = {}
+_tile_counters: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
 def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
     """The per-tile tickets of ``finish_tile`` on ``device``: int32 zeros between launches (each tile's last program
-    resets its own). One buffer per device, created by the first split launch there; launches on one device never
-    overlap (one stream at a time, CUDA graphs captured and replayed in order).
+    resets its own). One buffer per device and stream lane (``deepinfer_kernels.branch_streams.stream_lane``),
+    created by the lane's first split launch: launches on one stream never overlap (CUDA graphs are captured and
+    replayed in order), and the only streams that run beside it are the branch streams (docs/design/kernels.md,
+    "Branch streams"), each a lane of its own.
 
     Raises:
         ValueError: a launch with more than 65,536 tiles.
@@ -392,13 +395,15 @@ def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
     """
     if tiles > _MAX_SPLIT_TILES:
         raise ValueError(f"a split-K launch takes at most {_MAX_SPLIT_TILES} tiles, got {tiles}")
-    counters = _tile_counters.get(device)
+    lane = (device, stream_lane(device))
+    counters = _tile_counters.get(lane)
     if counters is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
-                "the first split-K GEMM on a device ran inside CUDA graph capture; run one eagerly before capturing"
+                "the first split-K GEMM of a device's stream lane (the branch streams, or every other stream) ran "
+                "inside CUDA graph capture; run one eagerly in the same mode before capturing"
             )
-        counters = _tile_counters[device] = torch.zeros(_MAX_SPLIT_TILES, dtype=torch.int32, device=device)
+        counters = _tile_counters[lane] = torch.zeros(_MAX_SPLIT_TILES, dtype=torch.int32, device=device)
     return counters
 
 

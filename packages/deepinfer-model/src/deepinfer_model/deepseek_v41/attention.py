@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from deepinfer_kernels import KeySource, sparse_attention, window_key_rows
+from deepinfer_kernels.branch_streams import fork
 from deepinfer_model.config import LayerSpec, TextConfig
 from deepinfer_model.deepseek_v41.compressor import Compressor
 from deepinfer_model.deepseek_v41.context import StepContext, compressed_group
@@ -25,7 +26,7 @@ from deepinfer_model.deepseek_v41.indexer import Indexer, IndexSelection
 from deepinfer_model.layers.linear import Fp8BlockLinear, Fp8Copy, Fp8GroupedLinear, make_parameter
 from deepinfer_model.layers.mode import ComputeMode
 from deepinfer_model.layers.norm import RMSNorm
-from deepinfer_model.layers.rope import RotaryEmbedding
+from deepinfer_model.layers.rope import RopeTable, RotaryEmbedding
 from deepinfer_model.state import ModelState, StepMetadata
 
 __all__ = ["FUSED_OUTPUT_HEADS", "Attention"]
@@ -112,11 +113,15 @@ class Attention(nn.Module):
         """
         meta = ctx.meta
         num_tokens = meta.num_tokens
+        kv_x = ctx.key_tokens(x)
+        # The window keys run beside the queries (a side stream under branch streams; docs/design/kernels.md, "Branch
+        # streams"); the step's rotations are built first, on this stream, as both read them.
+        key_table, table = self.rope.table_at(ctx.key_meta), self.rope.table_at(meta)
+        forked = fork(x.device, self._window_kv, kv_x, key_table, ctx.state, x_fp8 if kv_x is x else None)
         q_latent, q_latent_fp8 = self.q_norm.with_fp8_copy(self.wq_a(x, fp8_copy=x_fp8))
         q = self.wq_b(q_latent, fp8_copy=q_latent_fp8).view(num_tokens, self.n_heads, self.head_dim)
-        q = self.rope.rotate_(q, self.rope.table_at(meta))
-        kv_x = ctx.key_tokens(x)
-        fresh = self._window_kv(kv_x, ctx.key_meta, ctx.state, x_fp8 if kv_x is x else None)
+        q = self.rope.rotate_(q, table)
+        fresh = forked.result()
         sources = self._draft_sources(fresh, ctx) if ctx.draft else self._window_sources(fresh, ctx)
         if self.spec.is_compressed:
             sources.append(self._compressed_source(q_latent, x, kv_x, ctx))
@@ -130,11 +135,11 @@ class Attention(nn.Module):
         return self.wo_b(self.wo_a(out.reshape(num_tokens, -1)))
 
     def _window_kv(
-        self, x: torch.Tensor, meta: StepMetadata, state: ModelState, x_fp8: Fp8Copy | None = None
+        self, x: torch.Tensor, table: RopeTable, state: ModelState, x_fp8: Fp8Copy | None = None
     ) -> torch.Tensor:
-        """SWA KV of the key tokens ``RoPE(kv_norm(x · wkvᵀ))``, encoded in the ring format: ``[T_kv, bytes]`` uint8,
-        the scratch pool the step's fresh window keys are read from."""
-        kv = self.rope.rotate_(self.kv_norm(self.wkv(x, fp8_copy=x_fp8)), self.rope.table_at(meta))
+        """SWA KV of the key tokens ``RoPE(kv_norm(x · wkvᵀ))`` (``table``: their rotations), encoded in the ring
+        format: ``[T_kv, bytes]`` uint8, the scratch pool the step's fresh window keys are read from."""
+        kv = self.rope.rotate_(self.kv_norm(self.wkv(x, fp8_copy=x_fp8)), table)
         return state.codec(self.swa_group).encode(kv)
 
     def _write_window(self, encoded: torch.Tensor, meta: StepMetadata, state: ModelState) -> None:
@@ -150,7 +155,7 @@ class Attention(nn.Module):
             meta: index math of those tokens.
             state: the cache pools.
         """
-        self._write_window(self._window_kv(x, meta, state), meta, state)
+        self._write_window(self._window_kv(x, self.rope.table_at(meta), state), meta, state)
 
     def _window_sources(self, fresh: torch.Tensor, ctx: StepContext) -> list[KeySource]:
         """Every query's window ``t − W + 1 … t`` (``window_rows``): positions before the step from the ring (read

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from deepinfer_kernels.branch_streams import prefetch
 from deepinfer_model.config import LayerSpec, TextConfig
 from deepinfer_model.deepseek_v41.attention import Attention
 from deepinfer_model.deepseek_v41.context import StepContext
@@ -109,6 +110,18 @@ class DecoderBlock(nn.Module):
             self.mode,
         )
 
+    def start_engram(self, ctx: StepContext) -> None:
+        """Start this block's Engram projection (``Engram.project``, which reads the step's tokens only) unless it
+        has started: the forward starts the next block's beside the running one (the prefetch stream under branch
+        streams; docs/design/kernels.md, "Branch streams"). A block without an Engram does nothing."""
+        layer = self.spec.layer_id
+        if self.engram is None or layer in ctx.engram_kv:
+            return
+        if ctx.engram_rows is None or ctx.engram_active is None or ctx.engram_vocab is None:
+            raise ValueError(f"layer {layer} has an Engram: the step needs engram_prefix_ids and an EngramVocab")
+        rows = ctx.engram_rows
+        ctx.engram_kv[layer] = prefetch(rows.device, self.engram.project, rows, ctx.engram_vocab)
+
     def forward(
         self, trunk: torch.Tensor, read_mix: torch.Tensor, ctx: StepContext
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,9 +139,9 @@ class DecoderBlock(nn.Module):
         """
         layer = self.spec.layer_id
         if self.engram is not None:
-            if ctx.engram_rows is None or ctx.engram_active is None or ctx.engram_vocab is None:
-                raise ValueError(f"layer {layer} has an Engram: the step needs engram_prefix_ids and an EngramVocab")
-            trunk = self.engram(trunk, ctx.engram_rows, ctx.engram_active, ctx.engram_vocab)
+            self.start_engram(ctx)
+            assert ctx.engram_active is not None
+            trunk = self.engram(trunk, ctx.engram_kv.pop(layer).result(), ctx.engram_active)
         read_a, write_a, comb_a = self._mixes("attn", trunk)
         shifted = self.cfg.hc_shifted
         # The norms' FP8 copies feed the FP8 GEMMs that read their outputs (docs/design/numerics.md, "Rounding points").

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from deepinfer_kernels.branch_streams import Forked
 from deepinfer_model.state import ModelState, StepMemo, StepMetadata
 
 if TYPE_CHECKING:
@@ -100,6 +101,7 @@ class StepContext:
         engram_rows: [T, N_g] compressed n-gram rows (models with Engram).
         engram_active: [T] bool, tokens the Engram applies to.
         engram_vocab: the compressed vocabulary.
+        engram_kv: Engram layer → its started projection (``DecoderBlock.start_engram``), until the layer takes it.
         capture_layers: layers whose incoming trunk mean is captured (DSpark target features).
         features: layer → [T, H] captured mean of the trunk entering the layer's attention.
         draft: the step is a DSpark draft forward (each request's tokens are one non-causal draft block).
@@ -121,6 +123,7 @@ class StepContext:
     engram_rows: torch.Tensor | None = None
     engram_active: torch.Tensor | None = None
     engram_vocab: EngramVocab | None = None
+    engram_kv: dict[int, Forked[torch.Tensor]] = field(default_factory=dict)
     capture_layers: frozenset[int] = frozenset()
     features: dict[int, torch.Tensor] = field(default_factory=dict)
     draft: bool = False

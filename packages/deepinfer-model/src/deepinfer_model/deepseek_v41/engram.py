@@ -123,21 +123,17 @@ class Engram(nn.Module):
             self._multipliers[num_compressed] = cached
         return cached
 
-    def forward(
-        self, trunk: torch.Tensor, rows: torch.Tensor, active: torch.Tensor, vocab: EngramVocab
-    ) -> torch.Tensor:
-        """Apply the Engram to the trunk (docs/design/model.md, "Engram lookup and gate").
+    def project(self, rows: torch.Tensor, vocab: EngramVocab) -> torch.Tensor:
+        """The gathered table rows of every token projected by ``wkv`` (docs/design/model.md, "Engram lookup and
+        gate"): they depend on the tokens alone, not on the trunk, so a forward may compute them ahead of the layer.
 
         Args:
-            trunk: [T, m, H] activation dtype.
             rows: [T, N_g] compressed n-gram rows.
-            active: [T] bool; inactive tokens are returned unchanged.
             vocab: compressed vocabulary (``V_c`` seeds the multipliers).
 
         Returns:
-            [T, m, H] activation dtype.
+            [T, m + 1, H] activation dtype: one key per stream, then the shared value.
         """
-        num_tokens = trunk.shape[0]
         # The hash (docs/design/model.md, "Engram hash") and the gather of the rows and their scales, in one launch on
         # a GPU.
         codes, scales = engram_lookup(
@@ -149,7 +145,19 @@ class Engram(nn.Module):
             kv = self.wkv.forward_fp8((codes, scales))
         else:
             kv = self.wkv(dequantize_fp8_per_token_group(codes, scales), prequantized=True)
-        kv = kv.view(num_tokens, self.hc_mult + 1, self.hidden)
+        return kv.view(rows.shape[0], self.hc_mult + 1, self.hidden)
+
+    def forward(self, trunk: torch.Tensor, kv: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+        """Apply the Engram to the trunk (docs/design/model.md, "Engram lookup and gate").
+
+        Args:
+            trunk: [T, m, H] activation dtype.
+            kv: [T, m + 1, H] ``project`` of the tokens' n-gram rows.
+            active: [T] bool; inactive tokens are returned unchanged.
+
+        Returns:
+            [T, m, H] activation dtype.
+        """
         # One kernel for the gate and the update (docs/design/model.md, "Engram lookup and gate"); the streams keep
         # the trunk's dtype, the mode's activation dtype.
         return engram_gate(

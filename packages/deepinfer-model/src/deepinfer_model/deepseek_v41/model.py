@@ -78,6 +78,9 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
             docs/design/numerics.md, "Batch invariance"); other devices ignore it.
         dependent_launch: the same four entry points launch the nvidia backend's Triton kernels as programmatic
             dependent launches (the same bits; docs/design/kernels.md, "Dependent launches"); a no-op elsewhere.
+        branch_streams: on CUDA the four entry points run their independent branches (the shared expert, the window
+            keys, the next Engram projection) on a side stream (the same bits; docs/design/kernels.md, "Branch
+            streams"); a no-op elsewhere.
 
     Attributes:
         consumer_layer_rows: query rows the YOCO consumer layers computed, summed over layers and eager forwards
@@ -102,6 +105,7 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
         prefill_truncation: PrefillTruncation | None = None,
         batch_invariant: bool = False,
         dependent_launch: bool = False,
+        branch_streams: bool = False,
     ) -> None:
         super().__init__()
         cfg = config.text
@@ -123,6 +127,7 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
         self.prefill_truncation = prefill_truncation
         self.batch_invariant = batch_invariant
         self.dependent_launch = dependent_launch
+        self.branch_streams = branch_streams
         self.consumer_layer_rows = 0
         backbone = cfg.layers[: cfg.num_hidden_layers]
         self.embed = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, mode)
@@ -286,7 +291,13 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
         hidden = self.embed(split.local(batch.input_ids))
         trunk = hidden[:, None, :].expand(-1, cfg.hc_mult, -1).contiguous()
         read_mix = initial_read_mix(ctx.meta.num_tokens, cfg.hc_mult, hidden.device)
-        for spec, block in zip(cfg.layers, self.layers, strict=False):
+        blocks = list(zip(cfg.layers, self.layers, strict=False))
+        for index, (spec, block) in enumerate(blocks):
+            if index + 1 < len(blocks):
+                # The next block's Engram projection reads only the tokens: it runs beside this block.
+                upcoming = blocks[index + 1][1]
+                assert isinstance(upcoming, DecoderBlock)
+                upcoming.start_engram(ctx)
             trunk, read_mix = block(trunk, read_mix, ctx)
             if spec.is_yoco_consumer:
                 self.consumer_layer_rows += trunk.shape[0]

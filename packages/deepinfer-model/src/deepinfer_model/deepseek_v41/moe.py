@@ -6,9 +6,10 @@ routing and a per-expert compute function and returns the FP32 sum of the routed
 runs every expert on this rank; ``deepseek_v41.expert_parallel`` plugs in the dispatch/combine version over
 ``deepinfer_parallel``.
 
-With the local dispatch in exact mode the MoE does not loop over experts: ``RoutedExperts.grouped_sum`` runs every
-(token, top-k choice) row through one grouped MXFP4 GEMM per matrix (``Mxfp4ExpertStack.grouped``), which on CUDA
-has static shapes and no host synchronization (CUDA graphs), with the same arithmetic as the per-expert loop.
+With the local dispatch in exact mode the MoE does not loop over experts: ``RoutedExperts.grouped_rows_of_tokens``
+runs every (token, top-k choice) row through one grouped MXFP4 GEMM per matrix (``Mxfp4ExpertStack.grouped``), which
+on CUDA has static shapes and no host synchronization (CUDA graphs), with the same arithmetic as the per-expert loop;
+``moe_combine`` sums the rows onto the shared expert's output.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 from deepinfer_kernels import ExpertRows, moe_combine, router_topk, swiglu_clamped, swiglu_clamped_fp8
+from deepinfer_kernels.branch_streams import fork
 from deepinfer_model.layers.linear import Fp8BlockLinear, Fp8Copy, Mxfp4ExpertStack, bf16_weight_product, make_parameter
 from deepinfer_model.layers.mode import ComputeMode, round_activation
 
@@ -121,35 +123,26 @@ class RoutedExperts(nn.Module):
         # zero rows).
         return self.w13.local_experts == tuple(range(self.w13.num_experts))
 
-    def grouped_sum(
-        self,
-        x: torch.Tensor,
-        topk_ids: torch.Tensor,
-        topk_weights: torch.Tensor,
-        bias: torch.Tensor | None,
-        out_dtype: torch.dtype = torch.float32,
+    def grouped_rows_of_tokens(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
-        """Every (token, top-k choice) row through grouped MXFP4 GEMMs, summed onto ``bias`` in top-k order (exact
-        mode; the arithmetic of ``local_expert_dispatch`` over ``compute``, without host synchronization). The sum
-        is the kernels' ``moe_combine``: FP32 in top-k order, rounded once to ``out_dtype``.
+        """Every (token, top-k choice) row through grouped MXFP4 GEMMs (exact mode; the arithmetic of ``compute``,
+        without host synchronization). ``moe_combine`` of the result onto a bias is ``local_expert_dispatch``'s sum.
 
         Args:
             x: [n, H] expert inputs (activation dtype).
-            topk_ids: [n, k] int64 logical expert ids (experts not held here contribute zero).
+            topk_ids: [n, k] int64 logical expert ids (experts not held here give zero rows).
             topk_weights: [n, k] fp32 routing weights.
-            bias: [n, H] added first (widened to FP32), or None for +0.
-            out_dtype: dtype of the result.
 
         Returns:
-            [n, H] ``out_dtype``.
+            [n, k, H] activation dtype.
         """
         n, k = topk_ids.shape
         ids = topk_ids.reshape(-1)
         identity = self.holds_every_expert
         slots = ids if identity else self.expert_slot[ids]
         # Row i of the product is token i // k's choice i % k: w13 reads the tokens themselves (no copy per choice).
-        routed = self.grouped_rows(x, slots, topk_weights.reshape(-1), repeats=k, all_local=identity).view(n, k, -1)
-        return moe_combine(routed, bias, out_dtype)
+        return self.grouped_rows(x, slots, topk_weights.reshape(-1), repeats=k, all_local=identity).view(n, k, -1)
 
     def grouped_rows(
         self,
@@ -238,10 +231,14 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, x_fp8: Fp8Copy | None = None) -> torch.Tensor:
         """Args: x [n, H] ``ffn_norm`` output (activation dtype); x_fp8 its FP8 copy from a fused norm, or None (read
         by the shared expert's ``w13``). Returns: [n, H] activation dtype."""
+        if self.dispatch is local_expert_dispatch and self.mode is ComputeMode.EXACT:
+            # The shared expert runs beside the router and the routed experts (a side stream under branch streams;
+            # docs/design/kernels.md, "Branch streams"); the combine widens its output, adds and rounds in one kernel.
+            forked = None if self.shared_experts is None else fork(x.device, self.shared_experts, x, x_fp8)
+            topk_ids, topk_weights = self.gate(x)
+            routed = self.experts.grouped_rows_of_tokens(x, topk_ids, topk_weights)
+            return moe_combine(routed, None if forked is None else forked.result(), self.mode.activation_dtype)
         topk_ids, topk_weights = self.gate(x)
         shared = None if self.shared_experts is None else self.shared_experts(x, x_fp8)
-        if self.dispatch is local_expert_dispatch and self.mode is ComputeMode.EXACT:
-            # The combine widens the shared output, adds and rounds in one kernel.
-            return self.experts.grouped_sum(x, topk_ids, topk_weights, shared, self.mode.activation_dtype)
         bias = torch.zeros(x.shape, dtype=torch.float32, device=x.device) if shared is None else shared.float()
         return round_activation(self.dispatch(x, topk_ids, topk_weights, self.experts, bias), self.mode)

@@ -9,6 +9,10 @@ modes its model was built with.
 - ``dependent_launch=True``: under ``deepinfer_kernels.dependent_launch.dependent_launches``, so the nvidia backend's
   Triton kernels start while the kernel before them finishes (the same bits; docs/design/kernels.md, "Dependent
   launches"). Elsewhere it changes nothing.
+- ``branch_streams=True``: under ``deepinfer_kernels.branch_streams.branch_streams``, so on CUDA the forward's
+  independent branches (the shared expert, the window keys, the next Engram projection) run on a side stream beside
+  the work they do not depend on (the same bits; docs/design/kernels.md, "Branch streams"). Elsewhere it changes
+  nothing.
 
 The modes are active while CUDA graphs are captured (the engine captures by calling the decorated ``forward``), so
 the graphs hold the kernels the modes choose.
@@ -23,6 +27,7 @@ from typing import Concatenate, ParamSpec, Protocol, TypeVar
 import torch
 
 from deepinfer_kernels.batch_invariant import batch_invariant_ops
+from deepinfer_kernels.branch_streams import branch_streams
 from deepinfer_kernels.dependent_launch import dependent_launches
 
 __all__ = ["kernel_modes_forward"]
@@ -36,6 +41,7 @@ _R = TypeVar("_R")
 class _ModalModel(Protocol):
     batch_invariant: bool
     dependent_launch: bool
+    branch_streams: bool
 
     def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]: ...
 
@@ -49,7 +55,11 @@ def kernel_modes_forward(method: Callable[Concatenate[_Self, _P], _R]) -> Callab
     @wraps(method)
     def wrapped(self: _Self, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         supported = next(self.parameters()).device.type in _INVARIANT_DEVICES
-        with batch_invariant_ops(self.batch_invariant and supported), dependent_launches(self.dependent_launch):
+        with (
+            batch_invariant_ops(self.batch_invariant and supported),
+            dependent_launches(self.dependent_launch),
+            branch_streams(self.branch_streams),
+        ):
             return method(self, *args, **kwargs)
 
     return wrapped
