@@ -250,6 +250,39 @@ def test_indexer_queries_of_one_request_share_key_tiles(
     assert shared[0][0].tolist() == [-1] * 12 and shared[0][1].tolist() == [0] + [-1] * 11
 
 
+@pytest.mark.parametrize("row_tiles", [2, 4])
+def test_indexer_scores_several_row_tiles_a_program(
+    triton_device: str, monkeypatch: pytest.MonkeyPatch, row_tiles: int
+) -> None:
+    """A prefill's programs score several row tiles each (their queries loaded once): with 2 and 4 tiles a program
+    over five 64-row tiles (a partial last group), shared key tiles with candidate blocks and one-query programs over
+    candidate lists, every selection equals the one-tile programs' and the reference's."""
+    from deepinfer_kernels.cuda import indexer as triton_indexer
+
+    case = random_selection_case(1, 70, 300, 16, 64, 5, seed=61)
+    case["num_rows"][:6] = torch.tensor([0, 1, 300, 64, 65, 129])
+    gen = torch.Generator().manual_seed(62)
+    candidates = torch.full((70, 40), -1)
+    for t in range(70):
+        count = int(torch.randint(0, 41, (1,), generator=gen))
+        candidates[t, :count] = torch.randperm(40, generator=gen)[:count].sort().values
+    calls = [
+        {"candidate_block_size": 8, "num_candidate_blocks": 6},
+        {"candidates": candidates, "candidate_block_size": 8},
+    ]
+    monkeypatch.setattr(triton_indexer, "MAX_ROW_TILES", 1)
+    one_tile = [_select_both(triton_device, case, 12, **kwargs) for kwargs in calls]
+    monkeypatch.setattr(triton_indexer, "MAX_ROW_TILES", row_tiles)
+    monkeypatch.setattr(triton_indexer, "ROW_TILE_PROGRAMS", 1)
+    for kwargs, ((rows, blocks), expected) in zip(calls, one_tile, strict=True):
+        (tiled_rows, tiled_blocks), reference = _select_both(triton_device, case, 12, **kwargs)
+        assert torch.equal(tiled_rows, rows) and torch.equal(reference[0], expected[0])
+        assert (tiled_blocks is None and blocks is None) or torch.equal(tiled_blocks, blocks)
+    logits = dense_logits(case, True)
+    tol = 2.0**-7 * float(logits.abs().max())
+    assert_equivalent_selection(one_tile[0][0][0], one_tile[0][1][0], torch.where(logits.isfinite(), logits, 0), tol)
+
+
 def test_indexer_ties_go_to_the_lower_row(triton_device: str) -> None:
     case = random_selection_case(1, 3, 300, 32, 32, 2, seed=5)
     case["key_pool"][:] = case["key_pool"][0]

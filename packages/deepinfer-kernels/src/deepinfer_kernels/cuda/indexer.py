@@ -36,6 +36,11 @@ CONFIG = {"block_r": 64, "num_warps": 4}
 # Queries of one request per program (BLOCK_Q; 4 × 32 heads fill a 128-row MMA), from this many tokens on.
 SHARED_QUERIES = 4
 SHARED_MIN_TOKENS = 64
+# Row tiles per program (ROW_TILES, a power of two up to MAX_ROW_TILES) from SHARED_MIN_TOKENS tokens on: as many as
+# leave at least ROW_TILE_PROGRAMS programs. A program loads its queries once for all its tiles; decode steps keep one
+# tile a program (their few queries need the programs of every tile to fill the GPU).
+MAX_ROW_TILES = 16
+ROW_TILE_PROGRAMS = 4096
 
 
 @triton.jit
@@ -48,179 +53,121 @@ def _sort_key(score, ident, valid):  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _score_queries(  # type: ignore[no-untyped-def]
-    q_ptr, w_ptr, pool_ptr, block_table_ptr, stride_table, request_ptr, num_rows_ptr, keys_ptr, stride_keys,
-    block_keys_ptr, stride_block_keys, query_start, count, slot_start, span, num_heads, row_bytes, rows_per_block,
-    DIM: tl.constexpr, BLOCK_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, FMT: tl.constexpr,
-    BS: tl.constexpr, BLOCKS: tl.constexpr, ROUND: tl.constexpr, BF16_DOT: tl.constexpr, BLOCK_Q: tl.constexpr,
+def _invalid_keys(  # type: ignore[no-untyped-def]
+    keys_ptr, stride_keys, block_keys_ptr, stride_block_keys, locals_, q_in, tile,
+    BLOCK_R: tl.constexpr, BS: tl.constexpr, BLOCKS: tl.constexpr,
 ):  # fmt: skip
-    # Unrestricted rows of one request for BLOCK_Q queries: the key tile is gathered and decoded once, and one
-    # [BLOCK_Q·heads, DIM] × [DIM, BLOCK_R] dot scores every query's heads; each query's logits, validity (its own
-    # visible rows) and sort keys are then those of the one-query program, up to the FP32 order of the head sum.
-    locals_ = tl.program_id(0) * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    q_in = locals_ < count
-    tokens = (query_start + locals_).to(tl.int64)
-    klens = tl.load(num_rows_ptr + tokens, mask=q_in, other=0).to(tl.int64)
-    chunk_slot = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-    slot = slot_start + chunk_slot
-    rows = slot.to(tl.int64)
-    in_span = slot < span
-    valid = in_span[None, :] & (rows[None, :] < klens[:, None])
-    key_ptrs = keys_ptr + locals_.to(tl.int64)[:, None] * stride_keys + chunk_slot[None, :]
-    local_block = tl.program_id(1) * (BLOCK_R // BS) + tl.arange(0, BLOCK_R // BS)
-    block_ptrs = block_keys_ptr + locals_.to(tl.int64)[:, None] * stride_block_keys + local_block[None, :]
-    # The tile past every query's visible rows only writes invalid keys (as the one-query program does).
-    if slot_start + tl.program_id(1) * BLOCK_R >= tl.minimum(tl.max(klens, axis=0), span):
-        tl.store(key_ptrs, tl.full((BLOCK_Q, BLOCK_R), -9223372036854775807 - 1, tl.int64), mask=q_in[:, None])
-        if BLOCKS:
-            invalid = tl.full((BLOCK_Q, BLOCK_R // BS), -9223372036854775807 - 1, tl.int64)
-            tl.store(block_ptrs, invalid, mask=q_in[:, None])
-    else:
-        request = tl.load(request_ptr + query_start + tl.program_id(0) * BLOCK_Q).to(tl.int64)
-        visible = in_span & (rows < tl.max(klens, axis=0))
-        safe = tl.where(visible, rows, 0)
-        page_ptrs = block_table_ptr + request * stride_table + safe // rows_per_block
-        page = tl.load(page_ptrs, mask=visible, other=0).to(tl.int64)
-        base = (page * rows_per_block + safe % rows_per_block) * row_bytes
-        d = tl.arange(0, BLOCK_DIM)
-        keys = decode_tile(pool_ptr, base[:, None], d[None, :], visible[:, None] & (d[None, :] < DIM), DIM, FMT)
-        h = tl.arange(0, BLOCK_H)
-        heads = (h < num_heads)[None, :]
-        q_rows = tokens[:, None] * num_heads + h[None, :]
-        q_mask = (q_in[:, None] & heads)[:, :, None] & (d < DIM)[None, None, :]
-        q = tl.load(q_ptr + q_rows[:, :, None] * DIM + d[None, None, :], mask=q_mask, other=0.0)
-        q = tl.reshape(q, (BLOCK_Q * BLOCK_H, BLOCK_DIM))
-        weights = tl.load(w_ptr + q_rows, mask=q_in[:, None] & heads, other=0.0)
-        if BF16_DOT:
-            scores = tl.dot(q.to(tl.bfloat16), tl.trans(keys.to(tl.bfloat16)))
-        else:
-            scores = tl.dot(q, tl.trans(keys), input_precision="ieee")
-        scores = tl.reshape(scores, (BLOCK_Q, BLOCK_H, BLOCK_R))
-        logits = tl.sum(tl.maximum(scores, 0.0) * weights[:, :, None], axis=1)
-        if ROUND:
-            logits = round_bf16(logits).to(tl.float32)
-        key = _sort_key(tl.maximum(logits, -3.4028234663852886e38), rows[None, :], valid)
-        tl.store(key_ptrs, key, mask=q_in[:, None])
-        if BLOCKS:
-            capped = tl.where(valid, tl.minimum(logits, _BF16_MAX), float("-inf"))
-            best = tl.max(tl.reshape(capped, (BLOCK_Q, BLOCK_R // BS, BS)), axis=2)
-            block_id = (slot_start + tl.program_id(1) * BLOCK_R) // BS + tl.arange(0, BLOCK_R // BS)
-            newest = (klens - 1) // BS
-            best = tl.where((block_id[None, :] == newest[:, None]) & (klens[:, None] > 0), float("inf"), best)
-            block_key = _sort_key(best, block_id[None, :], best > float("-inf"))
-            tl.store(block_ptrs, block_key, mask=q_in[:, None])
+    # The keys (and block keys) of a row tile past the queries' visible rows: every one the int64 minimum.
+    chunk_slot = tile * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = locals_.to(tl.int64)[:, None]
+    none = tl.full((locals_.shape[0], BLOCK_R), -9223372036854775807 - 1, tl.int64)
+    tl.store(keys_ptr + rows * stride_keys + chunk_slot[None, :], none, mask=q_in[:, None])
+    if BLOCKS:
+        local_block = tile * (BLOCK_R // BS) + tl.arange(0, BLOCK_R // BS)
+        none_blocks = tl.full((locals_.shape[0], BLOCK_R // BS), -9223372036854775807 - 1, tl.int64)
+        tl.store(block_keys_ptr + rows * stride_block_keys + local_block[None, :], none_blocks, mask=q_in[:, None])
+
+
+@triton.jit
+def _store_keys(  # type: ignore[no-untyped-def]
+    logits, rows, valid, klens, locals_, q_in, tile, slot_start, keys_ptr, stride_keys, block_keys_ptr,
+    stride_block_keys, BLOCK_R: tl.constexpr, BS: tl.constexpr, BLOCKS: tl.constexpr, ROUND: tl.constexpr,
+):  # fmt: skip
+    # The sort keys of a tile's [queries, BLOCK_R] logits, and with BLOCKS one key per (query, candidate block) from
+    # the block maxima (the query's newest block always kept).
+    if ROUND:
+        logits = round_bf16(logits).to(tl.float32)
+    chunk_slot = tile * BLOCK_R + tl.arange(0, BLOCK_R)
+    key = _sort_key(tl.maximum(logits, -3.4028234663852886e38), rows, valid)
+    tl.store(keys_ptr + locals_.to(tl.int64)[:, None] * stride_keys + chunk_slot[None, :], key, mask=q_in[:, None])
+    if BLOCKS:
+        capped = tl.where(valid, tl.minimum(logits, _BF16_MAX), float("-inf"))
+        best = tl.max(tl.reshape(capped, (locals_.shape[0], BLOCK_R // BS, BS)), axis=2)
+        block_id = (slot_start + tile * BLOCK_R) // BS + tl.arange(0, BLOCK_R // BS)
+        newest = (klens - 1) // BS
+        best = tl.where((block_id[None, :] == newest[:, None]) & (klens[:, None] > 0), float("inf"), best)
+        block_key = _sort_key(best, block_id[None, :], best > float("-inf"))
+        local_block = tile * (BLOCK_R // BS) + tl.arange(0, BLOCK_R // BS)
+        block_ptrs = block_keys_ptr + locals_.to(tl.int64)[:, None] * stride_block_keys + local_block[None, :]
+        tl.store(block_ptrs, block_key, mask=q_in[:, None])
 
 
 @triton.jit
 def _index_scores_kernel(  # type: ignore[no-untyped-def]
-    q_ptr,
-    w_ptr,
-    pool_ptr,
-    block_table_ptr,
-    stride_table,
-    request_ptr,
-    num_rows_ptr,
-    cand_ptr,
-    stride_cand,
-    num_cand,
-    keys_ptr,
-    stride_keys,
-    block_keys_ptr,
-    stride_block_keys,
-    query_start,
-    count,
-    slot_start,
-    span,
-    num_heads,
-    row_bytes,
-    rows_per_block,
-    DIM: tl.constexpr,
-    BLOCK_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    FMT: tl.constexpr,
-    RESTRICTED: tl.constexpr,
-    BS: tl.constexpr,
-    BLOCKS: tl.constexpr,
-    ROUND: tl.constexpr,
-    BF16_DOT: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    # BLOCK_Q > 1: the step's queries all belong to one request (the host knows: one block-table row), and a program
-    # scores BLOCK_Q consecutive queries against one gathered, decoded key tile (_score_queries).
+    q_ptr, w_ptr, pool_ptr, block_table_ptr, stride_table, request_ptr, num_rows_ptr, cand_ptr, stride_cand, num_cand,
+    keys_ptr, stride_keys, block_keys_ptr, stride_block_keys, query_start, count, slot_start, span, num_tiles,
+    num_heads, row_bytes, rows_per_block,
+    DIM: tl.constexpr, BLOCK_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, FMT: tl.constexpr,
+    RESTRICTED: tl.constexpr, BS: tl.constexpr, BLOCKS: tl.constexpr, ROUND: tl.constexpr, BF16_DOT: tl.constexpr,
+    BLOCK_Q: tl.constexpr, ROW_TILES: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    # A program scores BLOCK_Q consecutive queries (BLOCK_Q > 1: all of one request, which the host knows from a
+    # one-row block table; they share each gathered, decoded key tile and one [BLOCK_Q·heads, DIM] × [DIM, BLOCK_R]
+    # dot) against ROW_TILES consecutive tiles of BLOCK_R rows. The queries and weights are loaded once; the tiles
+    # with a row some query sees are scored in a loop, the rest (about half the tiles of a causal prefill) only get
+    # invalid keys. A query's logits, validity and keys are those of the one-query, one-tile program, up to the FP32
+    # order of the head sum when BLOCK_Q > 1.
     await_inputs(PDL)
-    if BLOCK_Q > 1:
-        _score_queries(
-            q_ptr, w_ptr, pool_ptr, block_table_ptr, stride_table, request_ptr, num_rows_ptr, keys_ptr, stride_keys,
-            block_keys_ptr, stride_block_keys, query_start, count, slot_start, span, num_heads, row_bytes,
-            rows_per_block,
-            DIM, BLOCK_DIM, BLOCK_H, BLOCK_R, FMT, BS, BLOCKS, ROUND, BF16_DOT, BLOCK_Q,
-        )  # fmt: skip
+    locals_ = tl.program_id(0) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    q_in = locals_ < count
+    tokens = (query_start + locals_).to(tl.int64)
+    klens = tl.load(num_rows_ptr + tokens, mask=q_in, other=0).to(tl.int64)
+    max_klen = tl.max(klens, axis=0)
+    request = tl.load(request_ptr + tokens, mask=q_in, other=0).to(tl.int64)
+    d = tl.arange(0, BLOCK_DIM)
+    h = tl.arange(0, BLOCK_H)
+    heads = (h < num_heads)[None, :]
+    q_rows = tokens[:, None] * num_heads + h[None, :]
+    q_mask = (q_in[:, None] & heads)[:, :, None] & (d < DIM)[None, None, :]
+    q = tl.reshape(
+        tl.load(q_ptr + q_rows[:, :, None] * DIM + d[None, None, :], mask=q_mask, other=0.0),
+        (BLOCK_Q * BLOCK_H, BLOCK_DIM),
+    )
+    if BF16_DOT:
+        q = q.to(tl.bfloat16)
+    weights = tl.load(w_ptr + q_rows, mask=q_in[:, None] & heads, other=0.0)
+    table_row = block_table_ptr + tl.max(request, axis=0) * stride_table
+    first_tile = tl.program_id(1) * ROW_TILES
+    end_tile = tl.minimum(first_tile + ROW_TILES, num_tiles)
+    if RESTRICTED:
+        # BLOCK_Q == 1. The candidate entries of the program's tiles that hold one of the query's visible blocks are
+        # a prefix of them (the list is ascending and −1 padded at the end): a tile is scored when its first is.
+        entry = (slot_start + first_tile * BLOCK_R) // BS + tl.arange(0, ROW_TILES * BLOCK_R // BS)
+        listed = tl.load(cand_ptr + tokens * stride_cand + entry, mask=entry * BS < span, other=-1).to(tl.int64)
+        held = tl.sum(((listed >= 0) & (listed * BS < max_klen)).to(tl.int32), axis=0)
+        visible_end = tl.minimum(first_tile + tl.cdiv(held * BS, BLOCK_R), end_tile)
     else:
-        local = tl.program_id(0)
-        token = (query_start + local).to(tl.int64)
-        chunk_slot = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-        slot = slot_start + chunk_slot
-        klen = tl.load(num_rows_ptr + token).to(tl.int64)
-        # A tile past the query's visible rows (about half the tiles of a causal prefill) only writes invalid keys: rows
-        # are ascending, and so are candidate blocks, −1 padded at the end.
-        first_slot = slot_start + tl.program_id(1) * BLOCK_R
-        if RESTRICTED:
-            first_block = tl.load(cand_ptr + token * stride_cand + first_slot // BS, mask=first_slot < span, other=-1)
-            empty = (first_block < 0) | (first_block.to(tl.int64) * BS >= klen)
-        else:
-            empty = first_slot >= klen
-        if empty | (first_slot >= span):
-            tl.store(
-                keys_ptr + local.to(tl.int64) * stride_keys + chunk_slot,
-                tl.full((BLOCK_R,), -9223372036854775807 - 1, tl.int64),
-            )
-            if BLOCKS:
-                local_block = tl.program_id(1) * (BLOCK_R // BS) + tl.arange(0, BLOCK_R // BS)
-                tl.store(
-                    block_keys_ptr + local.to(tl.int64) * stride_block_keys + local_block,
-                    tl.full((BLOCK_R // BS,), -9223372036854775807 - 1, tl.int64),
-                )
-            return
-        request = tl.load(request_ptr + token).to(tl.int64)
+        limit = tl.minimum(max_klen, span)
+        visible_end = tl.minimum(tl.maximum(tl.cdiv(limit - slot_start, BLOCK_R), first_tile), end_tile)
+    for tile in tl.range(first_tile, visible_end):
+        slot = slot_start + tile * BLOCK_R + tl.arange(0, BLOCK_R)
         in_span = slot < span
         if RESTRICTED:
-            block = tl.load(cand_ptr + token * stride_cand + slot // BS, mask=in_span, other=-1).to(tl.int64)
+            block = tl.load(cand_ptr + tokens * stride_cand + slot // BS, mask=in_span, other=-1).to(tl.int64)
             rows = block * BS + slot % BS
-            valid = in_span & (block >= 0) & (rows < klen)
+            visible = in_span & (block >= 0) & (rows < max_klen)
         else:
             rows = slot.to(tl.int64)
-            valid = in_span & (rows < klen)
-        safe = tl.where(valid, rows, 0)
-        page = tl.load(block_table_ptr + request * stride_table + safe // rows_per_block, mask=valid, other=0).to(
-            tl.int64
-        )
+            visible = in_span & (rows < max_klen)
+        valid = visible[None, :] & (rows[None, :] < klens[:, None])
+        safe = tl.where(visible, rows, 0)
+        page = tl.load(table_row + safe // rows_per_block, mask=visible, other=0).to(tl.int64)
         base = (page * rows_per_block + safe % rows_per_block) * row_bytes
-        d = tl.arange(0, BLOCK_DIM)
-        keys = decode_tile(pool_ptr, base[:, None], d[None, :], valid[:, None] & (d[None, :] < DIM), DIM, FMT)
-        h = tl.arange(0, BLOCK_H)
-        q_mask = (h[:, None] < num_heads) & (d[None, :] < DIM)
-        q = tl.load(q_ptr + (token * num_heads + h[:, None]) * DIM + d[None, :], mask=q_mask, other=0.0)
-        weights = tl.load(w_ptr + token * num_heads + h, mask=h < num_heads, other=0.0)
+        keys = decode_tile(pool_ptr, base[:, None], d[None, :], visible[:, None] & (d[None, :] < DIM), DIM, FMT)
         if BF16_DOT:
-            scores = tl.dot(q.to(tl.bfloat16), tl.trans(keys.to(tl.bfloat16)))
+            scores = tl.dot(q, tl.trans(keys.to(tl.bfloat16)))
         else:
             scores = tl.dot(q, tl.trans(keys), input_precision="ieee")
-        logits = tl.sum(tl.maximum(scores, 0.0) * weights[:, None], axis=0)
-        if ROUND:
-            logits = round_bf16(logits).to(tl.float32)
-        key = _sort_key(tl.maximum(logits, -3.4028234663852886e38), rows, valid)
-        tl.store(keys_ptr + local.to(tl.int64) * stride_keys + chunk_slot, key)
-        if BLOCKS:
-            capped = tl.where(valid, tl.minimum(logits, _BF16_MAX), float("-inf"))
-            best = tl.max(tl.reshape(capped, (BLOCK_R // BS, BS)), axis=1)
-            block_id = (slot_start + tl.program_id(1) * BLOCK_R) // BS + tl.arange(0, BLOCK_R // BS)
-            newest = (klen - 1) // BS
-            best = tl.where((block_id == newest) & (klen > 0), float("inf"), best)
-            block_key = _sort_key(best, block_id, best > float("-inf"))
-            local_block = tl.program_id(1) * (BLOCK_R // BS) + tl.arange(0, BLOCK_R // BS)
-            tl.store(block_keys_ptr + local.to(tl.int64) * stride_block_keys + local_block, block_key)
+        scores = tl.reshape(scores, (BLOCK_Q, BLOCK_H, BLOCK_R))
+        logits = tl.sum(tl.maximum(scores, 0.0) * weights[:, :, None], axis=1)
+        _store_keys(
+            logits, rows[None, :], valid, klens, locals_, q_in, tile, slot_start, keys_ptr, stride_keys,
+            block_keys_ptr, stride_block_keys, BLOCK_R, BS, BLOCKS, ROUND,
+        )  # fmt: skip
+    for tile in tl.range(visible_end, end_tile):
+        _invalid_keys(
+            keys_ptr, stride_keys, block_keys_ptr, stride_block_keys, locals_, q_in, tile, BLOCK_R, BS, BLOCKS
+        )
 
 
 @triton.jit
@@ -313,6 +260,12 @@ def indexer_select(
         candidates is None and block_table.shape[0] == 1 and num_tokens >= SHARED_MIN_TOKENS and not invariant_kernels()
     )
     block_q = SHARED_QUERIES if shared else 1
+    num_tiles = row_chunk // block_r
+    row_tiles = 1
+    if num_tokens >= SHARED_MIN_TOKENS:
+        programs = triton.cdiv(min(num_tokens, query_chunk), block_q) * num_tiles
+        while row_tiles < MAX_ROW_TILES and programs // (2 * row_tiles) >= ROW_TILE_PROGRAMS:
+            row_tiles *= 2
     statics = {
         "DIM": dim,
         "BLOCK_DIM": max(triton.next_power_of_2(dim), 16),
@@ -328,6 +281,7 @@ def indexer_select(
         "BF16_DOT": key_format is not RowFormat.RAW_FP32 and not triton_interpreter_enabled(),
         "num_warps": CONFIG["num_warps"],
         "BLOCK_Q": block_q,
+        "ROW_TILES": row_tiles,
     }
     # One chunk holding no more rows (blocks) than are selected: every valid one is selected, so the chunk's keys
     # are the selection and no top-k runs (short contexts; shapes are still host ints).
@@ -338,11 +292,11 @@ def indexer_select(
         merged[:count, :topk] = _INT64_MIN
         merged_blocks[:count, :num_candidate_blocks] = _INT64_MIN
         for slot_start in range(0, span, row_chunk):
-            _index_scores_kernel[(triton.cdiv(count, block_q), row_chunk // block_r)](
+            _index_scores_kernel[(triton.cdiv(count, block_q), triton.cdiv(num_tiles, row_tiles))](
                 q, weights, key_pool, block_table, block_table.stride(0), token_request, num_rows,
                 cand, cand.stride(0), cand.shape[-1] if candidates is not None else 0,
                 merged[:, topk:], merged.stride(0), merged_blocks[:, num_candidate_blocks:], merged_blocks.stride(0),
-                q_start, count, slot_start, span, num_heads, key_pool.shape[1], rows_per_block,
+                q_start, count, slot_start, span, num_tiles, num_heads, key_pool.shape[1], rows_per_block,
                 **statics,
                 **dependent_launch(q.device),
             )  # fmt: skip
