@@ -91,7 +91,7 @@ class EngineArgs:
             starts while the one before it finishes (NVIDIA Hopper and later; the same results; docs/design/kernels.md,
             "Dependent launches"). Off by default until measured; ignored elsewhere.
         branch_streams: run the forward's independent branches (the shared expert, the window keys, the next Engram
-            projection) on a second CUDA stream beside the work they do not depend on (the same results;
+            projection) on side CUDA streams beside the work they do not depend on (the same results;
             docs/design/kernels.md, "Branch streams"). Ignored off CUDA.
         precision: "exact" or "fp32" (FP32 activations and caches, for parity with the reference model).
         device: "cpu", "cuda" or "cuda:N"; None picks CUDA when the kernels platform is NVIDIA.

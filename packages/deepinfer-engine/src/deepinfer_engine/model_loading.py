@@ -45,7 +45,7 @@ def load_model(
     prefill truncation the model runs prompt chunks with. `batch_invariant` (DEEPINFER_BATCH_INVARIANT) makes the CPU
     and CUDA forward batch-invariant (docs/design/numerics.md, "Batch invariance"); `dependent_launch`
     (`EngineArgs.dependent_launch`) launches its Triton kernels as programmatic dependent launches; `branch_streams`
-    (`EngineArgs.branch_streams`) runs its independent branches on a second CUDA stream.
+    (`EngineArgs.branch_streams`) runs its independent branches on side CUDA streams.
 
     Raises:
         deepinfer_model.loading.errors.CheckpointError / CoverageError: the checkpoint is incomplete or corrupt.

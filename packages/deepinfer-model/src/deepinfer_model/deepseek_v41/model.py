@@ -79,7 +79,7 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
         dependent_launch: the same four entry points launch the nvidia backend's Triton kernels as programmatic
             dependent launches (the same bits; docs/design/kernels.md, "Dependent launches"); a no-op elsewhere.
         branch_streams: on CUDA the four entry points run their independent branches (the shared expert, the window
-            keys, the next Engram projection) on a side stream (the same bits; docs/design/kernels.md, "Branch
+            keys, the next Engram projection) on side streams (the same bits; docs/design/kernels.md, "Branch
             streams"); a no-op elsewhere.
 
     Attributes:
