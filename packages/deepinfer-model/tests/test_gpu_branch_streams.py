@@ -1,7 +1,7 @@
 """The model's branch streams on CUDA (``branch_streams``; docs/design/kernels.md, "Branch streams"): the shared
 expert, the window keys and the next block's Engram projection run on the side stream, and the logits are bitwise
-those of the model without it — an eager prefill of mixed prompts, an eager decode step and a decode step captured
-in a CUDA graph and replayed."""
+those of the model without it — an eager prefill of mixed prompts, an eager decode step, a decode step captured
+in a CUDA graph and replayed, and the DSpark drafter's forward."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from _layered_model_support import prompt, tiny_model
+from _layered_model_support import prompt, tiny_config, tiny_model
 
 from deepinfer_model.deepseek_v41.model import DeepseekV41ForCausalLM
 from deepinfer_model.forward_batch import ForwardBatch
@@ -113,3 +113,26 @@ def test_a_captured_decode_step_with_branch_streams_keeps_the_bits() -> None:
     _, off = _run(model, False, graph=True)
     _, on = _run(model, True, graph=True)
     assert torch.equal(on, off)
+
+
+def test_the_drafter_with_branch_streams_keeps_the_bits() -> None:
+    """The DSpark draft forward runs the same sites in its blocks: its hidden states and draft logits are bitwise
+    those without branch streams."""
+    text = tiny_config().text
+    model = tiny_model(ComputeMode.EXACT).cuda()
+    ids = prompt(40, seed=12).tolist()
+    table = torch.arange(11, dtype=torch.int32)[None, :]
+    anchor_block = [17] + [text.dspark_noise_token_id] * (text.dspark_block_size - 1)
+
+    def draft(streams: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        model.branch_streams = streams
+        state = model.allocate_state(block_size=8, num_blocks=11, num_state_slots=2, device="cuda")
+        with torch.inference_mode():
+            model(_cuda(ForwardBatch.for_requests([ids], [0], table, [1])), state)  # writes the context keys
+            hidden = model.draft_forward(
+                _cuda(ForwardBatch.for_requests([anchor_block], [len(ids)], table, [1])), state
+            )
+            return hidden.clone(), model.draft_logits(hidden).clone()
+
+    off, on = draft(False), draft(True)
+    assert torch.equal(on[0], off[0]) and torch.equal(on[1], off[1])
