@@ -172,13 +172,14 @@ def test_mode_points_restore_the_model_and_changes_compare_like_with_like(roofli
     assert seen == {"modes": (True, True), "batch_invariant": True, "dependent_launch": True}
     assert (model.batch_invariant, model.dependent_launch) == (False, False)
 
-    def record(kind, size, invariant, dependent, step_ms):
+    def record(kind, size, invariant, dependent, step_ms, branch=False):
         size_key = {"batch": size, "prompt": 128} if kind == "decode" else {"batch": 1, "prompt": size}
         return {
             "kind": kind,
             **size_key,
             "batch_invariant": invariant,
             "dependent_launch": dependent,
+            "branch_streams": branch,
             "step_ms": step_ms,
         }
 
@@ -187,12 +188,17 @@ def test_mode_points_restore_the_model_and_changes_compare_like_with_like(roofli
         record("decode", 1, False, True, 1.8),
         record("decode", 1, True, False, 2.2),
         record("decode", 1, True, True, 99.0),  # both modes on: in neither comparison
+        record("decode", 1, False, False, 1.9, branch=True),
+        record("decode", 1, False, True, 77.0, branch=True),  # two modes on: in no comparison
         record("prefill", 64, False, False, 10.0),
         record("prefill", 64, False, True, 9.0),
+        record("prefill", 64, False, False, 9.5, branch=True),
     ]
     assert roofline.mode_change(records, "batch_invariant", ("decode",)) == {"1": pytest.approx(0.1)}
     change = roofline.mode_change(records, "dependent_launch", ("decode", "prefill"))
     assert change == {"1": pytest.approx(-0.1), "prefill 64": pytest.approx(-0.1)}
+    change = roofline.mode_change(records, "branch_streams", ("decode", "prefill"))
+    assert change == {"1": pytest.approx(-0.05), "prefill 64": pytest.approx(-0.05)}
 
 
 @pytest.mark.slow
