@@ -35,9 +35,10 @@ VARIANTS: dict[str, tuple[str, ...]] = {"off": (), "all": tuple(SITES), **{kind:
 
 
 def _in_place(device: torch.device, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    from deepinfer_kernels.branch_streams import Forked
+    from deepinfer_kernels.branch_streams import branch_streams, fork
 
-    return Forked(fn(*args, **kwargs), None, None, None)
+    with branch_streams(False):
+        return fork(device, fn, *args, **kwargs)
 
 
 @contextlib.contextmanager

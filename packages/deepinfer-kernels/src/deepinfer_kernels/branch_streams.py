@@ -32,7 +32,15 @@ from typing import Any, Generic, ParamSpec, TypeVar
 
 import torch
 
-__all__ = ["Forked", "branch_streams", "branch_streams_requested", "fork", "prefetch", "stream_lane"]
+__all__ = [
+    "Forked",
+    "branch_streams",
+    "branch_streams_active",
+    "branch_streams_requested",
+    "fork",
+    "prefetch",
+    "stream_lane",
+]
 
 _BRANCH_STREAMS: ContextVar[bool] = ContextVar("deepinfer_branch_streams", default=False)
 _SIDE, _PREFETCH = 1, 2
@@ -45,6 +53,11 @@ _R = TypeVar("_R")
 def branch_streams_requested() -> bool:
     """Whether the calling code runs inside ``branch_streams()`` (``fork`` also checks the device)."""
     return _BRANCH_STREAMS.get()
+
+
+def branch_streams_active(device: torch.device) -> bool:
+    """Whether ``fork`` and ``prefetch`` start branches on streams of ``device`` (inside the mode, on CUDA)."""
+    return _BRANCH_STREAMS.get() and device.type == "cuda"
 
 
 @contextmanager
@@ -102,7 +115,7 @@ class Forked(Generic[_R]):
 def _fork(
     lane: int, device: torch.device, fn: Callable[..., _R], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Forked[_R]:
-    if not (_BRANCH_STREAMS.get() and device.type == "cuda"):
+    if not branch_streams_active(device):
         return Forked(fn(*args, **kwargs), None, None, None)
     main = torch.cuda.current_stream(device)
     branch = _lane_stream(device, lane)

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from deepinfer_kernels.branch_streams import branch_streams_active
 from deepinfer_model.cache_spec import CacheGroupSpec, CacheSpec
 from deepinfer_model.config import ModelConfig
 from deepinfer_model.deepseek_v41.block import DecoderBlock, HCHeadParameters
@@ -293,8 +294,9 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
         read_mix = initial_read_mix(ctx.meta.num_tokens, cfg.hc_mult, hidden.device)
         blocks = list(zip(cfg.layers, self.layers, strict=False))
         for index, (spec, block) in enumerate(blocks):
-            if index + 1 < len(blocks):
-                # The next block's Engram projection reads only the tokens: it runs beside this block.
+            if index + 1 < len(blocks) and branch_streams_active(trunk.device):
+                # The next block's Engram projection reads only the tokens: it runs beside this block. Without the
+                # streams it would only hold its output longer, so each block then starts its own.
                 upcoming = blocks[index + 1][1]
                 assert isinstance(upcoming, DecoderBlock)
                 upcoming.start_engram(ctx)
