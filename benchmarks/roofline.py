@@ -20,8 +20,9 @@
    docs/design/kernels.md, "Dependent launches"), for decode and prefill points: records have "dependent_launch",
    the header's "dependent_launch_change" maps each point (decode batch, or "prefill <prompt>") to step_on /
    step_off − 1. `--branch-streams` likewise for the branch-streams mode (`EngineArgs.branch_streams`;
-   docs/design/kernels.md, "Branch streams"; "branch_streams", "branch_streams_change"). Each mode's change compares
-   points with the other modes off.
+   docs/design/kernels.md, "Branch streams"; on by default, as in the engine; "branch_streams",
+   "branch_streams_change"). Each mode's change compares points with the other modes the same, and names the other
+   modes that were on ("64 +branch_streams").
 
 Points run in that order. Each point's ratio is step / floor; the records are sorted at the end. A point that would
 end past `--deadline-s` is skipped; the JSON is rewritten after every point, so a run that is stopped keeps what it
@@ -135,19 +136,26 @@ def mode_point(
 
 
 def mode_change(records: list[dict[str, Any]], mode: str, kinds: tuple[str, ...]) -> dict[str, float]:
-    """Per point of ``kinds`` measured with ``mode`` off and on, every other mode off: step_on / step_off − 1, keyed
-    by the decode batch or "prefill <prompt>"."""
+    """Per point of ``kinds`` measured with ``mode`` off and on, the other modes the same in both: step_on / step_off
+    − 1, keyed by the decode batch or "prefill <prompt>", followed by the other modes that were on (``"64
+    +branch_streams"``)."""
     others = [name for name in MODES if name != mode]
     steps = {
-        (r["kind"], r["batch"] if r["kind"] == "decode" else r["prompt"], r[mode]): r["step_ms"]
+        (r["kind"], r["batch"] if r["kind"] == "decode" else r["prompt"], tuple(r[n] for n in others), r[mode]): r[
+            "step_ms"
+        ]
         for r in records
-        if r["kind"] in kinds and not any(r[name] for name in others)
+        if r["kind"] in kinds
     }
+
+    def label(kind: str, size: int, setting: tuple[bool, ...]) -> str:
+        point = str(size) if kind == "decode" else f"{kind} {size}"
+        return " ".join([point, *(f"+{name}" for name, on in zip(others, setting, strict=True) if on)])
+
     return {
-        (str(size) if kind == "decode" else f"{kind} {size}"): steps[(kind, size, True)] / steps[(kind, size, False)]
-        - 1
-        for kind, size, on in steps
-        if on and (kind, size, False) in steps
+        label(kind, size, setting): steps[(kind, size, setting, True)] / steps[(kind, size, setting, False)] - 1
+        for kind, size, setting, on in steps
+        if on and (kind, size, setting, False) in steps
     }
 
 
@@ -246,8 +254,9 @@ def main() -> None:
     parser.add_argument(
         "--branch-streams",
         choices=("off", "on", "both"),
-        default="off",
-        help="decode and prefill points with the branch-streams mode off, on, or both (change in the header)",
+        default="on",
+        help="decode and prefill points with the branch-streams mode off, on (the engine's default), or both (change "
+        "in the header)",
     )
     args = parser.parse_args()
 

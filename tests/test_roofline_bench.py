@@ -187,18 +187,29 @@ def test_mode_points_restore_the_model_and_changes_compare_like_with_like(roofli
         record("decode", 1, False, False, 2.0),
         record("decode", 1, False, True, 1.8),
         record("decode", 1, True, False, 2.2),
-        record("decode", 1, True, True, 99.0),  # both modes on: in neither comparison
+        record("decode", 1, True, True, 2.42),
         record("decode", 1, False, False, 1.9, branch=True),
-        record("decode", 1, False, True, 77.0, branch=True),  # two modes on: in no comparison
+        record("decode", 1, False, True, 1.52, branch=True),
+        record("decode", 64, True, True, 99.0),  # no like point with a mode off: in no comparison
         record("prefill", 64, False, False, 10.0),
         record("prefill", 64, False, True, 9.0),
         record("prefill", 64, False, False, 9.5, branch=True),
     ]
-    assert roofline.mode_change(records, "batch_invariant", ("decode",)) == {"1": pytest.approx(0.1)}
+    change = roofline.mode_change(records, "batch_invariant", ("decode",))
+    assert change == {"1": pytest.approx(0.1), "1 +dependent_launch": pytest.approx(2.42 / 1.8 - 1)}
     change = roofline.mode_change(records, "dependent_launch", ("decode", "prefill"))
-    assert change == {"1": pytest.approx(-0.1), "prefill 64": pytest.approx(-0.1)}
+    assert change == {
+        "1": pytest.approx(-0.1),
+        "1 +batch_invariant": pytest.approx(0.1),
+        "1 +branch_streams": pytest.approx(-0.2),
+        "prefill 64": pytest.approx(-0.1),
+    }
     change = roofline.mode_change(records, "branch_streams", ("decode", "prefill"))
-    assert change == {"1": pytest.approx(-0.05), "prefill 64": pytest.approx(-0.05)}
+    assert change == {
+        "1": pytest.approx(-0.05),
+        "1 +dependent_launch": pytest.approx(1.52 / 1.8 - 1),
+        "prefill 64": pytest.approx(-0.05),
+    }
 
 
 @pytest.mark.slow

@@ -92,7 +92,7 @@ class EngineArgs:
             "Dependent launches"). Off by default until measured; ignored elsewhere.
         branch_streams: run the forward's independent branches (the shared expert, the window keys, the next Engram
             projection) on side CUDA streams beside the work they do not depend on (the same results;
-            docs/design/kernels.md, "Branch streams"). Ignored off CUDA.
+            docs/design/kernels.md, "Branch streams"). On by default; ignored off CUDA.
         precision: "exact" or "fp32" (FP32 activations and caches, for parity with the reference model).
         device: "cpu", "cuda" or "cuda:N"; None picks CUDA when the kernels platform is NVIDIA.
         async_scheduling: overrides DEEPINFER_ZERO_OVERHEAD_SCHEDULING when not None.
@@ -123,7 +123,7 @@ class EngineArgs:
     context_parallel_size: int = 1
     enforce_eager: bool = False
     dependent_launch: bool = False
-    branch_streams: bool = False
+    branch_streams: bool = True
     precision: Precision = "exact"
     device: str | None = None
     async_scheduling: bool | None = None

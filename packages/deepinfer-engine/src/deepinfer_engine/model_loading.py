@@ -35,7 +35,7 @@ def load_model(
     prefill_truncation: PrefillTruncation | None = None,
     batch_invariant: bool = False,
     dependent_launch: bool = False,
-    branch_streams: bool = False,
+    branch_streams: bool = True,
 ) -> DeepseekV41ForCausalLM:
     """The checkpoint's model on `device`, weights loaded, in eval mode.
 

@@ -1,7 +1,9 @@
-"""The dependent-launch mode on NVIDIA (``EngineArgs.dependent_launch``; docs/design/kernels.md, "Dependent
-launches"): every Triton kernel waits for the kernels before it before it touches memory, so on the built-in
-checkpoint with CUDA graphs (decode) and eager prefill chunks, a batch of mixed requests gives bitwise the same greedy
-tokens and log-probs (with their top 20 alternatives) as the engine without the mode; with drafting too."""
+"""The kernel modes of NVIDIA that change how kernels launch, not what they compute (docs/design/kernels.md):
+dependent launches (``EngineArgs.dependent_launch``: every Triton kernel waits for the kernels before it before it
+touches memory) and branch streams (``EngineArgs.branch_streams``: independent branches of a layer on side streams).
+On the built-in checkpoint with CUDA graphs (decode) and eager prefill chunks, a batch of mixed requests gives bitwise
+the same greedy tokens and log-probs (with their top 20 alternatives) with the mode as without it; with drafting
+too."""
 
 from __future__ import annotations
 
@@ -27,7 +29,10 @@ def _prompts(num: int) -> list[str]:
     return [json.loads(line)["prompt"] for line in lines]
 
 
-def _run(root: Path, dependent_launch: bool, nextn: int) -> list[tuple[Any, ...]]:
+MODES = ("dependent_launch", "branch_streams")
+
+
+def _run(root: Path, mode: str, on: bool, nextn: int) -> list[tuple[Any, ...]]:
     llm = LLM(
         device="cuda",
         nextn=nextn,
@@ -36,10 +41,10 @@ def _run(root: Path, dependent_launch: bool, nextn: int) -> list[tuple[Any, ...]
         block_size=16,
         num_cache_blocks=1024,
         cache_dir=str(root),
-        dependent_launch=dependent_launch,
+        **{mode: on},
     )
     try:
-        assert llm.model.dependent_launch is dependent_launch
+        assert getattr(llm.model, mode) is on
         params = [
             SamplingParams(temperature=0.0, max_tokens=8 + 3 * i, ignore_eos=True, top_logprobs=20) for i in range(16)
         ]
@@ -51,5 +56,6 @@ def _run(root: Path, dependent_launch: bool, nextn: int) -> list[tuple[Any, ...]
 
 
 @pytest.mark.parametrize("nextn", [0, 2])
-def test_dependent_launches_give_the_same_bits(tmp_path: Path, nextn: int) -> None:
-    assert _run(tmp_path, True, nextn) == _run(tmp_path, False, nextn)
+@pytest.mark.parametrize("mode", MODES)
+def test_the_mode_gives_the_same_bits(tmp_path: Path, mode: str, nextn: int) -> None:
+    assert _run(tmp_path, mode, True, nextn) == _run(tmp_path, mode, False, nextn)
