@@ -21,8 +21,10 @@
    the header's "dependent_launch_change" maps each point (decode batch, or "prefill <prompt>") to step_on /
    step_off − 1. `--branch-streams` likewise for the branch-streams mode (`EngineArgs.branch_streams`;
    docs/design/kernels.md, "Branch streams"; on by default, as in the engine; "branch_streams",
-   "branch_streams_change"). Each mode's change compares points with the other modes the same, and names the other
-   modes that were on ("64 +branch_streams").
+   "branch_streams_change"), and `--flashmla` for FlashMLA's sparse prefill (`EngineArgs.flashmla`;
+   docs/design/kernels.md, "FlashMLA sparse prefill"; prefill points only, decode never takes it; "flashmla",
+   "flashmla_change"). Each mode's change compares points with the other modes the same, and names the other modes
+   that were on ("64 +branch_streams").
 
 Points run in that order. Each point's ratio is step / floor; the records are sorted at the end. A point that would
 end past `--deadline-s` is skipped; the JSON is rewritten after every point, so a run that is stopped keeps what it
@@ -117,7 +119,7 @@ def run_prefill(model: DeepseekV41ForCausalLM, prompt: int, repeats: int, device
     return {"seconds": seconds, "tokens_per_s": prompt / seconds, "cuda_graph": False}
 
 
-MODES = ("batch_invariant", "dependent_launch", "branch_streams")
+MODES = ("batch_invariant", "dependent_launch", "branch_streams", "flashmla")
 
 
 def mode_point(
@@ -198,7 +200,7 @@ def print_table(result: dict[str, Any]) -> None:
     print(f"\ncopy bandwidth {bandwidth['bytes_per_s'] / 1e12:.3f} TB/s ({bandwidth['method']})")
     rate = gemm.get("flop_per_s")
     print(f"GEMM rate {rate / 1e12:.1f} TFLOP/s ({gemm['method']})" if rate else f"GEMM rate: {gemm.get('error')}")
-    modes = "".join(f"{name:>5}" for name in ("inv", "pdl", "br"))
+    modes = "".join(f"{name:>5}" for name in ("inv", "pdl", "br", "fmla"))
     print(f"{'kind':<8}{'batch':>6}{'prompt':>8}{modes}{'step ms':>11}{'floor ms':>11}{'ratio':>8}  basis")
     for r in result["records"]:
         basis = f"{r['bytes'] / 1e9:.3f} GB" if r["kind"] == "decode" else f"{r['flops'] / 1e12:.3f} TFLOP"
@@ -211,6 +213,8 @@ def print_table(result: dict[str, Any]) -> None:
         print(f"dependent launches at {point}: {change * 100:+.1f} % step time")
     for point, change in header.get("branch_streams_change", {}).items():
         print(f"branch streams at {point}: {change * 100:+.1f} % step time")
+    for point, change in header.get("flashmla_change", {}).items():
+        print(f"FlashMLA at {point}: {change * 100:+.1f} % step time")
     for line in result["skipped"] + result["errors"]:
         print(line)
 
@@ -257,6 +261,13 @@ def main() -> None:
         default="on",
         help="decode and prefill points with the branch-streams mode off, on (the engine's default), or both (change "
         "in the header)",
+    )
+    parser.add_argument(
+        "--flashmla",
+        choices=("off", "on", "both"),
+        default="off",
+        help="prefill points with FlashMLA's sparse prefill (EngineArgs.flashmla) off, on, or both (change in the "
+        "header; it needs the flash_mla module)",
     )
     args = parser.parse_args()
 
@@ -315,14 +326,15 @@ def main() -> None:
     # Decode steps pass the exact bound C + 1 as max_context_len, as an eager engine step does.
     settings = {"off": (False,), "on": (True,), "both": (False, True)}
     invariant_modes, dependent_modes = settings[args.batch_invariant], settings[args.dependent_launch]
-    branch_modes = settings[args.branch_streams]
+    branch_modes, flashmla_modes = settings[args.branch_streams], settings[args.flashmla]
     plan: list[tuple[str, int, Callable[[], dict[str, Any]]]] = [
         (
             "decode",
             b,
             functools.partial(
                 mode_point, model,
-                {"batch_invariant": invariant, "dependent_launch": dependent, "branch_streams": branch},
+                {"batch_invariant": invariant, "dependent_launch": dependent, "branch_streams": branch,
+                 "flashmla": False},
                 run_decode, model, b, args.context, args.context + 1, args.decode_repeats, device,
             ),
         )
@@ -334,8 +346,13 @@ def main() -> None:
     for prompt in prefill:
         point = long_context.Point("prefill", prompt, 1, "model-step")
         step = functools.partial(run_prefill, model, prompt, args.prefill_repeats, device)
-        for dependent, branch in itertools.product(dependent_modes, branch_modes):
-            modes = {"batch_invariant": False, "dependent_launch": dependent, "branch_streams": branch}
+        for dependent, branch, flashmla in itertools.product(dependent_modes, branch_modes, flashmla_modes):
+            modes = {
+                "batch_invariant": False,
+                "dependent_launch": dependent,
+                "branch_streams": branch,
+                "flashmla": flashmla,
+            }
             measure = functools.partial(long_context.measure, point, step, device)
             plan.append(("prefill", prompt, functools.partial(mode_point, model, modes, measure)))
     try:
@@ -352,7 +369,7 @@ def main() -> None:
                 result["records"].append(roofline_record(kind, record, config, header))
                 result["records"][-1].update({name: bool(record.get(name)) for name in MODES})
                 header["batch_invariant_overhead"] = mode_change(result["records"], "batch_invariant", ("decode",))
-                for mode in ("dependent_launch", "branch_streams"):
+                for mode in ("dependent_launch", "branch_streams", "flashmla"):
                     header[f"{mode}_change"] = mode_change(result["records"], mode, ("decode", "prefill"))
                 print(result["records"][-1], flush=True)
             save()

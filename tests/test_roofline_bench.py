@@ -180,6 +180,7 @@ def test_mode_points_restore_the_model_and_changes_compare_like_with_like(roofli
             "batch_invariant": invariant,
             "dependent_launch": dependent,
             "branch_streams": branch,
+            "flashmla": False,
             "step_ms": step_ms,
         }
 

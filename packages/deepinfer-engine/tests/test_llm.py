@@ -134,6 +134,7 @@ def test_max_model_len_defaults_from_the_checkpoint(llm: LLM) -> None:
         ({"enforce_eager": "no"}, "enforce_eager must be a bool"),
         ({"dependent_launch": 1}, "dependent_launch must be a bool"),
         ({"branch_streams": "on"}, "branch_streams must be a bool"),
+        ({"flashmla": None}, "flashmla must be a bool"),
     ],
 )
 def test_bad_engine_arguments(root: Path, kwargs: dict[str, object], message: str) -> None:

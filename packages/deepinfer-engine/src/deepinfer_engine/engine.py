@@ -124,6 +124,7 @@ class Engine:
             batch_invariant=env["DEEPINFER_BATCH_INVARIANT"],
             dependent_launch=args.dependent_launch,
             branch_streams=args.branch_streams,
+            flashmla=args.flashmla,
         )
         text = self.model.config.text
         spec = self.model.cache_spec()

@@ -93,6 +93,12 @@ class EngineArgs:
         branch_streams: run the forward's independent branches (the shared expert, the window keys, the next Engram
             projection) on side CUDA streams beside the work they do not depend on (the same results;
             docs/design/kernels.md, "Branch streams"). On by default; ignored off CUDA.
+        flashmla: prompt-sized attention calls (prefill chunks of at least 1,024 tokens) run FlashMLA's SM90 sparse
+            prefill kernel where the `flash_mla` module (the `sgl-flash-mla` wheel) imports on an SM90 GPU: about 6x
+            faster than the package's kernel at an 8K prompt, with probabilities rounded against a running maximum
+            (not the same bits; docs/design/kernels.md, "FlashMLA sparse prefill"). Off by default until its GPU test
+            has run inside the engine; ignored without the module, in "fp32" precision and in the batch-invariant
+            mode.
         precision: "exact" or "fp32" (FP32 activations and caches, for parity with the reference model).
         device: "cpu", "cuda" or "cuda:N"; None picks CUDA when the kernels platform is NVIDIA.
         async_scheduling: overrides DEEPINFER_ZERO_OVERHEAD_SCHEDULING when not None.
@@ -124,6 +130,7 @@ class EngineArgs:
     enforce_eager: bool = False
     dependent_launch: bool = False
     branch_streams: bool = True
+    flashmla: bool = False
     precision: Precision = "exact"
     device: str | None = None
     async_scheduling: bool | None = None
@@ -154,7 +161,7 @@ class EngineArgs:
                 )
         if self.precision not in ("exact", "fp32"):
             raise ValueError(f"precision must be 'exact' or 'fp32', got {self.precision!r}")
-        for flag in ("enforce_eager", "dependent_launch", "branch_streams"):
+        for flag in ("enforce_eager", "dependent_launch", "branch_streams", "flashmla"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
         nextn = self.nextn

@@ -55,8 +55,8 @@ class LLM:
             "tiny" for the random tiny checkpoint (written on first use into ~/.cache/deepinfer, or `cache_dir`).
         **kwargs: any `deepinfer_engine.engine_args.EngineArgs` field (tokenizer, seed, max_model_len,
             gpu_memory_utilization, cache_memory_bytes, block_size, max_num_seqs, max_num_batched_tokens, parallel
-            sizes, enforce_eager, dependent_launch, branch_streams, precision, device, async_scheduling, cache_dir,
-            num_cache_blocks, nextn, mtp_varlen). Without `nextn` the engine drafts 5 tokens per step
+            sizes, enforce_eager, dependent_launch, branch_streams, flashmla, precision, device, async_scheduling,
+            cache_dir, num_cache_blocks, nextn, mtp_varlen). Without `nextn` the engine drafts 5 tokens per step
             (DEEPINFER_USE_NEXTN_DECODE) when the checkpoint has DSpark blocks, and none otherwise.
 
     Attributes:

@@ -36,6 +36,7 @@ def load_model(
     batch_invariant: bool = False,
     dependent_launch: bool = False,
     branch_streams: bool = True,
+    flashmla: bool = False,
 ) -> DeepseekV41ForCausalLM:
     """The checkpoint's model on `device`, weights loaded, in eval mode.
 
@@ -45,7 +46,8 @@ def load_model(
     prefill truncation the model runs prompt chunks with. `batch_invariant` (DEEPINFER_BATCH_INVARIANT) makes the CPU
     and CUDA forward batch-invariant (docs/design/numerics.md, "Batch invariance"); `dependent_launch`
     (`EngineArgs.dependent_launch`) launches its Triton kernels as programmatic dependent launches; `branch_streams`
-    (`EngineArgs.branch_streams`) runs its independent branches on side CUDA streams.
+    (`EngineArgs.branch_streams`) runs its independent branches on side CUDA streams; `flashmla`
+    (`EngineArgs.flashmla`) lets prompt-sized attention calls run FlashMLA's sparse prefill kernel where importable.
 
     Raises:
         deepinfer_model.loading.errors.CheckpointError / CoverageError: the checkpoint is incomplete or corrupt.
@@ -68,6 +70,7 @@ def load_model(
             batch_invariant=batch_invariant,
             dependent_launch=dependent_launch,
             branch_streams=branch_streams,
+            flashmla=flashmla,
         )
     model.load_weights(checkpoint.tensors.items())
     model.to(device)  # buffers built from host data during construction follow the parameters

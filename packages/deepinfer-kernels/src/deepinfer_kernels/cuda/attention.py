@@ -39,6 +39,7 @@ import triton
 
 from deepinfer_kernels.batch_invariant import invariant_kernels
 from deepinfer_kernels.cache_layout import KeySource, RowFormat
+from deepinfer_kernels.cuda import flashmla
 from deepinfer_kernels.cuda._launch import check_launchable, dependent_launch
 from deepinfer_kernels.cuda.attention_kernels import (
     chunks_kernel,
@@ -129,6 +130,9 @@ def sparse_attention(
     check_launchable(q=q, sink=sink, out=out, **{f"rows{i}": s.rows for i, s in enumerate(sources)})
     num_tokens, num_heads, width = q.shape
     if num_tokens == 0:
+        return
+    if flashmla.fits(q, sources, sink, round_probs_bf16):
+        flashmla.sparse_attention(q, sources, sink, scale, out)
         return
     # An empty pool (all its rows −1) is replaced by one zero row: Triton needs a real pointer.
     present = [

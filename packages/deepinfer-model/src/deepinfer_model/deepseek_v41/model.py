@@ -82,6 +82,9 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
         branch_streams: on CUDA the four entry points run their independent branches (the shared expert, the window
             keys, the next Engram projection) on side streams (the same bits; docs/design/kernels.md, "Branch
             streams"); a no-op elsewhere.
+        flashmla: prompt-sized attention calls of the four entry points run FlashMLA's sparse prefill kernel where
+            it is importable on an SM90 device (``deepinfer_kernels.vendor_attention``; not the same bits:
+            docs/design/kernels.md, "FlashMLA sparse prefill"); a no-op elsewhere and in the batch-invariant mode.
 
     Attributes:
         consumer_layer_rows: query rows the YOCO consumer layers computed, summed over layers and eager forwards
@@ -107,6 +110,7 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
         batch_invariant: bool = False,
         dependent_launch: bool = False,
         branch_streams: bool = False,
+        flashmla: bool = False,
     ) -> None:
         super().__init__()
         cfg = config.text
@@ -129,6 +133,7 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
         self.batch_invariant = batch_invariant
         self.dependent_launch = dependent_launch
         self.branch_streams = branch_streams
+        self.flashmla = flashmla
         self.consumer_layer_rows = 0
         backbone = cfg.layers[: cfg.num_hidden_layers]
         self.embed = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, mode)

@@ -13,6 +13,9 @@ modes its model was built with.
   independent branches (the shared expert, the window keys, the next Engram projection) run on a side stream beside
   the work they do not depend on (the same bits; docs/design/kernels.md, "Branch streams"). Elsewhere it changes
   nothing.
+- ``flashmla=True``: under ``deepinfer_kernels.vendor_attention.vendor_attention``, so on an SM90 device with the
+  ``flash_mla`` module importable, prompt-sized attention calls run FlashMLA's sparse prefill kernel (not the same
+  bits: docs/design/kernels.md, "FlashMLA sparse prefill"). Elsewhere it changes nothing.
 
 The modes are active while CUDA graphs are captured (the engine captures by calling the decorated ``forward``), so
 the graphs hold the kernels the modes choose.
@@ -29,6 +32,7 @@ import torch
 from deepinfer_kernels.batch_invariant import batch_invariant_ops
 from deepinfer_kernels.branch_streams import branch_streams
 from deepinfer_kernels.dependent_launch import dependent_launches
+from deepinfer_kernels.vendor_attention import vendor_attention
 
 __all__ = ["kernel_modes_forward"]
 
@@ -42,6 +46,7 @@ class _ModalModel(Protocol):
     batch_invariant: bool
     dependent_launch: bool
     branch_streams: bool
+    flashmla: bool
 
     def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]: ...
 
@@ -59,6 +64,7 @@ def kernel_modes_forward(method: Callable[Concatenate[_Self, _P], _R]) -> Callab
             batch_invariant_ops(self.batch_invariant and supported),
             dependent_launches(self.dependent_launch),
             branch_streams(self.branch_streams),
+            vendor_attention(self.flashmla),
         ):
             return method(self, *args, **kwargs)
 

@@ -1,0 +1,97 @@
+"""FlashMLA's SM90 sparse prefill kernel behind ``sparse_attention`` (docs/design/kernels.md, "FlashMLA sparse
+prefill").
+
+FlashMLA has no SM90 kernel for the V4.1 row formats, but the ``sgl-flash-mla`` wheel's legacy extension runs
+``flash_mla_sparse_fwd(q, kv, indices, ..., use_legacy=True)`` over BF16 keys: ``kv [rows, 1, D]`` and per query
+``indices [T, 1, keys]`` into it (−1: no key), with the per-head sink added to the softmax's denominator as ours is.
+So the sources' keys are decoded into one BF16 table first (exact: every row format's values are BF16 numbers): a
+pool no larger than its row list is decoded whole; a larger one (the compressed cache pool) only at the rows the
+step reads, found by ``torch.unique`` (a host sync, hence eager prompt-sized calls only).
+
+What differs from the package's kernels: FlashMLA's online softmax rounds each probability to BF16 against the
+running maximum, not the final one, and writes BF16 (docs/design/kernels.md, "sparse_attention", "Why two passes").
+Measured against the reference at the scaled preset's shape: 2.5e-3 of max |ref| (the package's kernel 6e-4).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from types import ModuleType
+
+import torch
+
+from deepinfer_kernels.batch_invariant import invariant_kernels
+from deepinfer_kernels.cache_layout import KeySource
+from deepinfer_kernels.row_formats import decode_rows
+from deepinfer_kernels.vendor_attention import vendor_attention_requested
+
+__all__ = ["MIN_QUERIES", "fits", "sparse_attention"]
+
+# Prompt-sized calls only: decode steps (CUDA graphs; the split path's bits) keep the package's kernels, and below
+# about a thousand queries the table's decoding and the host sync would eat what the kernel saves.
+MIN_QUERIES = 1024
+# The kernel's shapes: 64 or 128 query heads, 512 columns, index lists in whole 64-key blocks.
+HEADS = (64, 128)
+WIDTH = 512
+KEY_BLOCK = 64
+
+
+@functools.cache
+def _flash_mla(device_index: int) -> ModuleType | None:
+    """The ``flash_mla`` module when it imports and the device is SM90 (the legacy kernels' only target)."""
+    if torch.cuda.get_device_capability(device_index) != (9, 0):
+        return None
+    try:
+        import flash_mla
+    except ImportError:
+        return None
+    return flash_mla
+
+
+def fits(q: torch.Tensor, sources: Sequence[KeySource], sink: torch.Tensor, round_probs_bf16: bool) -> bool:
+    """Whether ``sparse_attention`` may run this call on FlashMLA: inside ``vendor_attention()``, not in the
+    batch-invariant mode, BF16 queries with rounded probabilities (the exact mode), at least one source, a
+    prompt-sized call outside CUDA graph capture, the kernel's shapes, and the library importable on an SM90 device."""
+    if not vendor_attention_requested() or invariant_kernels() or not round_probs_bf16 or not sources:
+        return False
+    if q.device.type != "cuda" or q.dtype != torch.bfloat16 or sink.dtype != torch.float32:
+        return False
+    tokens, heads, width = q.shape
+    if tokens < MIN_QUERIES or heads not in HEADS or width != WIDTH or torch.cuda.is_current_stream_capturing():
+        return False
+    return _flash_mla(q.device.index if q.device.index is not None else torch.cuda.current_device()) is not None
+
+
+def key_table(sources: Sequence[KeySource], tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sources' keys as one BF16 table ``[rows, 1, D]`` and every query's keys as int32 indices into it ``[T, 1,
+    keys]``, the sources side by side and padded with −1 to whole ``KEY_BLOCK``-key blocks."""
+    tables, indices, offset = [], [], 0
+    for source in sources:
+        rows = source.rows.to(torch.int64)
+        if source.pool.shape[0] <= rows.numel():
+            table = decode_rows(source.pool, source.fmt)
+        else:
+            read, compact = torch.unique(rows.clamp_min(0), return_inverse=True)
+            table, rows = decode_rows(source.pool[read], source.fmt), torch.where(rows >= 0, compact, -1)
+        tables.append(table.to(torch.bfloat16))
+        indices.append(torch.where(rows >= 0, rows + offset, -1))
+        offset += table.shape[0]
+    keys = sum(i.shape[1] for i in indices)
+    pad = -keys % KEY_BLOCK
+    if pad:
+        indices.append(torch.full((tokens, pad), -1, dtype=torch.int64, device=tables[0].device))
+    return torch.cat(tables)[:, None, :], torch.cat(indices, dim=1).to(torch.int32)[:, None, :]
+
+
+def sparse_attention(
+    q: torch.Tensor, sources: Sequence[KeySource], sink: torch.Tensor, scale: float, out: torch.Tensor
+) -> None:
+    """``out`` [T, H, D] FP32 ← FlashMLA's sparse attention of ``q`` over ``sources`` (``fits`` must hold)."""
+    module = _flash_mla(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    assert module is not None, "sparse_attention called on FlashMLA where fits() does not hold"
+    table, indices = key_table(sources, q.shape[0])
+    result, _, _ = module.flash_mla_sparse_fwd(
+        q.contiguous(), table, indices, scale, d_v=q.shape[2], attn_sink=sink, use_legacy=True
+    )
+    out.copy_(result)

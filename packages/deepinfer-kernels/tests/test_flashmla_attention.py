@@ -1,0 +1,119 @@
+"""FlashMLA's sparse prefill kernel behind ``sparse_attention`` (``cuda.flashmla``; docs/design/kernels.md, "FlashMLA
+sparse prefill"): when the call may take it, its key table and indices, and on an SM90 GPU with ``flash_mla``
+importable its output against the reference.
+
+Tolerance on the GPU: max |out − ref| ≤ 2^−7 · max |ref|. FlashMLA rounds each probability to BF16 against a running
+maximum and writes BF16 (each up to 2^−9 relative), where the package's kernels meet 2^−8; measured 2.5e-3 at the
+scaled preset's shape.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import deepinfer_kernels as dk
+from deepinfer_kernels._registry import Backend, implementation
+from deepinfer_kernels.batch_invariant import batch_invariant_ops
+from deepinfer_kernels.vendor_attention import vendor_attention, vendor_attention_requested
+
+flashmla = pytest.importorskip("deepinfer_kernels.cuda.flashmla")
+
+
+def test_the_mode_nests_and_is_off_by_default() -> None:
+    assert not vendor_attention_requested()
+    with vendor_attention():
+        assert vendor_attention_requested()
+        with vendor_attention(False):
+            assert not vendor_attention_requested()
+        assert vendor_attention_requested()
+    assert not vendor_attention_requested()
+
+
+def _call(tokens: int, heads: int = 64, width: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.zeros((tokens, heads, width), dtype=torch.bfloat16), torch.zeros(heads)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "heads", "width", "rounded"),
+    [(2048, 64, 512, True), (512, 64, 512, True), (2048, 32, 512, True), (2048, 64, 256, True), (2048, 64, 512, False)],
+)
+def test_off_the_gpu_or_outside_its_shapes_the_call_keeps_the_package_kernels(
+    tokens: int, heads: int, width: int, rounded: bool
+) -> None:
+    q, sink = _call(tokens, heads, width)
+    source = dk.KeySource(torch.zeros((4, 528), dtype=torch.uint8), torch.zeros((tokens, 64)), dk.RowFormat.FP8)
+    assert not flashmla.fits(q, [source], sink, rounded)  # outside the mode
+    with vendor_attention():
+        assert not flashmla.fits(q, [source], sink, rounded)  # CPU tensors, or a shape the kernel does not take
+        with batch_invariant_ops():
+            assert not flashmla.fits(q, [source], sink, rounded)
+
+
+def test_the_key_table_holds_every_source_and_pads_to_whole_blocks() -> None:
+    """A pool no larger than its row list is decoded whole; a larger one only at the rows read; −1 stays −1."""
+    generator = torch.Generator().manual_seed(0)
+    small = dk.encode_rows(torch.randn((5, 64), generator=generator), dk.RowFormat.FP8)
+    large = dk.encode_rows(torch.randn((40, 64), generator=generator), dk.RowFormat.FP8)
+    rows_small = torch.tensor([[0, 4, -1], [2, -1, -1]])
+    rows_large = torch.tensor([[39, 7], [7, -1]])
+    sources = [dk.KeySource(small, rows_small, dk.RowFormat.FP8), dk.KeySource(large, rows_large, dk.RowFormat.FP8)]
+    table, indices = flashmla.key_table(sources, 2)
+    # The large pool at rows 7 and 39, and at row 0 for its −1 entries (clamped before the unique).
+    assert table.dtype == torch.bfloat16 and table.shape == (5 + 3, 1, 64)
+    assert indices.dtype == torch.int32 and indices.shape == (2, 1, flashmla.KEY_BLOCK)
+    keys = torch.cat([dk.decode_rows(small, dk.RowFormat.FP8), dk.decode_rows(large, dk.RowFormat.FP8)])
+    wanted = torch.cat([rows_small, torch.where(rows_large >= 0, rows_large + 5, -1)], dim=1)
+    for t in range(2):
+        for n, row in enumerate(wanted[t].tolist()):
+            index = int(indices[t, 0, n])
+            assert (index < 0) == (row < 0)
+            if row >= 0:
+                assert torch.equal(table[index, 0].float(), keys[row])
+    assert (indices[:, 0, wanted.shape[1] :] == -1).all()
+
+
+def _flash_mla_on_sm90() -> bool:
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        return False
+    try:
+        import flash_mla  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _flash_mla_on_sm90(), reason="needs an SM90 GPU with flash_mla (the sgl-flash-mla wheel)")
+@pytest.mark.parametrize(
+    ("tokens", "window_keys", "compressed_keys", "pool_rows"),
+    [(1024, 100, 64, 1 << 17), (3000, 128, 512, 1 << 14)],  # a pool read at few rows (torch.unique); one decoded whole
+)
+def test_flashmla_meets_the_reference_bound(
+    tokens: int, window_keys: int, compressed_keys: int, pool_rows: int
+) -> None:
+    """The scaled preset's heads and width: a window source (−1 where a query has fewer keys; 100 keys a query
+    leave the index list short of a whole block) and a compressed FP4_E4M3 source."""
+    generator = torch.Generator(device="cuda").manual_seed(tokens)
+
+    def pool(rows: int, fmt: dk.RowFormat) -> torch.Tensor:
+        return dk.encode_rows(torch.randn((rows, 512), generator=generator, device="cuda"), fmt)
+
+    window = torch.randint(0, tokens, (tokens, window_keys), generator=generator, device="cuda")
+    window[:, window_keys - 20 :] = -1
+    compressed = torch.randint(0, pool_rows, (tokens, compressed_keys), generator=generator, device="cuda")
+    sources = [
+        dk.KeySource(pool(tokens, dk.RowFormat.FP8), window, dk.RowFormat.FP8),
+        dk.KeySource(pool(pool_rows, dk.RowFormat.FP4_E4M3), compressed, dk.RowFormat.FP4_E4M3),
+    ]
+    q = torch.randn((tokens, 64, 512), generator=generator, device="cuda").to(torch.bfloat16)
+    sink = torch.randn((64,), generator=generator, device="cuda")
+    out = torch.empty(q.shape, dtype=torch.float32, device="cuda")
+    with vendor_attention():
+        assert flashmla.fits(q, sources, sink, True)
+        implementation("sparse_attention", Backend.NVIDIA)(q, sources, sink, 512**-0.5, True, out)
+    check = 128
+    expected = torch.empty((check, 64, 512), dtype=torch.float32, device="cuda")
+    head = [dk.KeySource(s.pool, s.rows[:check], s.fmt) for s in sources]
+    implementation("sparse_attention", Backend.REFERENCE)(q[:check], head, sink, 512**-0.5, True, expected)
+    assert float((out[:check] - expected).abs().max()) <= 2.0**-7 * float(expected.abs().max())
