@@ -3,9 +3,9 @@ prefill shape, on one CUDA device (docs/performance.md, "Next"; docs/benchmarks.
 
 FlashMLA has no SM90 kernel for the V4.1 row formats. The ``sgl-flash-mla`` wheel's legacy extension
 (``flash_mla_sparse_fwd(..., use_legacy=True)``) runs on SM90 over BF16 keys: ``kv [s_kv, 1, D]`` and, per query,
-``indices [T, 1, topk]`` into it (−1: no key), with the per-head sink. So this script decodes both sources' pools
-into one BF16 ``kv`` (exact: every row format's values are BF16 numbers), offsets the compressed source's rows behind
-the window pool's, and times, on the same queries, keys and sink as ``kernels_attention.py``:
+``indices [T, 1, topk]`` into it (−1: no key), with the per-head sink. So this script builds the package's key table
+(``cuda.flashmla.key_table``: both sources' pools decoded into one BF16 ``kv``, exact, the compressed source's rows
+offset behind the window pool's) and times, on the same queries, keys and sink as ``kernels_attention.py``:
 
 - ``package``: ``deepinfer_kernels.sparse_attention`` (nvidia backend, exact mode: probabilities rounded to BF16
   against the final maximum, FP32 output);
@@ -37,17 +37,7 @@ from kernels_attention import build_inputs, preset_shape
 import deepinfer_kernels as dk
 from deepinfer_kernels._registry import Backend, implementation
 from deepinfer_kernels.benchmarking import cuda_time_ms
-
-
-def key_table(sources: list[dk.KeySource]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sources' pools decoded into one BF16 table ``[rows, 1, D]`` and every query's keys as int32 indices into it
-    ``[T, 1, keys]`` (the sources side by side, −1 kept)."""
-    tables, indices, offset = [], [], 0
-    for source in sources:
-        tables.append(dk.decode_rows(source.pool, source.fmt).to(torch.bfloat16))
-        indices.append(torch.where(source.rows >= 0, source.rows + offset, -1))
-        offset += source.pool.shape[0]
-    return torch.cat(tables)[:, None, :], torch.cat(indices, dim=1).to(torch.int32)[:, None, :]
+from deepinfer_kernels.cuda.flashmla import key_table
 
 
 def timed(fn: Callable[[], object], repeats: int) -> float:
@@ -71,7 +61,7 @@ def run_point(shape: dict[str, Any], queries: int, args: Any, flash_mla: Any) ->
     def run_package() -> None:
         package(q, sources, sink, scale, True, package_out)
 
-    kv, indices = key_table(sources)
+    kv, indices = key_table(sources, queries)
 
     def run_flashmla() -> torch.Tensor:
         out, _, _ = flash_mla.flash_mla_sparse_fwd(
@@ -80,7 +70,7 @@ def run_point(shape: dict[str, Any], queries: int, args: Any, flash_mla: Any) ->
         return out
 
     def run_flashmla_decoded() -> None:
-        table, rows = key_table(sources)
+        table, rows = key_table(sources, queries)
         flash_mla.flash_mla_sparse_fwd(q, table, rows, scale, d_v=shape["width"], attn_sink=sink, use_legacy=True)
 
     run_package()
