@@ -5,8 +5,9 @@ FlashMLA has no SM90 kernel for the V4.1 row formats, but the ``sgl-flash-mla`` 
 ``flash_mla_sparse_fwd(q, kv, indices, ..., use_legacy=True)`` over BF16 keys: ``kv [rows, 1, D]`` and per query
 ``indices [T, 1, keys]`` into it (−1: no key), with the per-head sink added to the softmax's denominator as ours is.
 So the sources' keys are decoded into one BF16 table first (exact: every row format's values are BF16 numbers): a
-pool no larger than its row list is decoded whole; a larger one (the compressed cache pool) only at the rows the
-step reads, found by ``torch.unique`` (a host sync, hence eager prompt-sized calls only).
+pool of at most ``WHOLE_POOL_ROWS_PER_QUERY`` rows a query (the step's own window keys) is decoded whole; a larger one
+(the rings of every request, the compressed cache pool: millions of rows at a large cache) only at the rows the step
+reads, found by ``torch.unique`` (a host sync, hence eager prompt-sized calls only).
 
 What differs from the package's kernels: FlashMLA's online softmax rounds each probability to BF16 against the
 running maximum, not the final one, and writes BF16 (docs/design/kernels.md, "sparse_attention", "Why two passes").
@@ -35,6 +36,9 @@ MIN_QUERIES = 1024
 HEADS = (64, 128)
 WIDTH = 512
 KEY_BLOCK = 64
+# A pool of at most this many rows a query is decoded whole (it holds about the step's own keys); a larger one is read
+# at its distinct rows: decoding costs by the pool's rows, the unique by the row list's entries.
+WHOLE_POOL_ROWS_PER_QUERY = 2
 
 
 @functools.cache
@@ -65,11 +69,12 @@ def fits(q: torch.Tensor, sources: Sequence[KeySource], sink: torch.Tensor, roun
 
 def key_table(sources: Sequence[KeySource], tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The sources' keys as one BF16 table ``[rows, 1, D]`` and every query's keys as int32 indices into it ``[T, 1,
-    keys]``, the sources side by side and padded with −1 to whole ``KEY_BLOCK``-key blocks."""
+    keys]``, the sources side by side and padded with −1 to whole ``KEY_BLOCK``-key blocks (the module docstring says
+    which pools are decoded whole)."""
     tables, indices, offset = [], [], 0
     for source in sources:
         rows = source.rows.to(torch.int64)
-        if source.pool.shape[0] <= rows.numel():
+        if source.pool.shape[0] <= WHOLE_POOL_ROWS_PER_QUERY * tokens:
             table = decode_rows(source.pool, source.fmt)
         else:
             read, compact = torch.unique(rows.clamp_min(0), return_inverse=True)
