@@ -12,20 +12,10 @@ import torch
 from _gpu_marks import compiled_triton_on_gpu
 
 from deepinfer_kernels._registry import Backend, implementation
-from deepinfer_kernels.branch_streams import branch_streams, branch_streams_requested, fork, prefetch, stream_lane
+from deepinfer_kernels.branch_streams import branch_streams, fork, prefetch, stream_lane
 from deepinfer_kernels.testing import random_e4m3, random_normal, random_ue8m0
 
 _NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-def test_the_mode_is_a_context() -> None:
-    assert not branch_streams_requested()
-    with branch_streams():
-        assert branch_streams_requested()
-        with branch_streams(False):
-            assert not branch_streams_requested()
-        assert branch_streams_requested()
-    assert not branch_streams_requested()
 
 
 @pytest.mark.parametrize("enabled", [False, True])

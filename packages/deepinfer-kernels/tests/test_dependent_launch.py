@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from deepinfer_kernels.dependent_launch import dependent_launches, dependent_launches_requested
+from deepinfer_kernels.dependent_launch import dependent_launches
 
 _CUDA = pathlib.Path(__file__).resolve().parents[1] / "src" / "deepinfer_kernels" / "cuda"
 
@@ -82,16 +82,6 @@ def test_every_triton_launch_is_a_dependent_launch_of_a_kernel_that_waits_first(
         body = kernel.body
         statements = body[1:] if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) else body
         assert ast.unparse(statements[0]) == wait, f"{name} does not wait for its inputs first"
-
-
-def test_the_mode_nests_and_is_off_by_default() -> None:
-    assert not dependent_launches_requested()
-    with dependent_launches():
-        assert dependent_launches_requested()
-        with dependent_launches(False):
-            assert not dependent_launches_requested()
-        assert dependent_launches_requested()
-    assert not dependent_launches_requested()
 
 
 def test_launch_options_are_off_off_the_gpu() -> None:

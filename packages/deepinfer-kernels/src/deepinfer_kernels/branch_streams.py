@@ -25,12 +25,13 @@ launches of different lanes may overlap.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any, Generic, ParamSpec, TypeVar
 
 import torch
+
+from deepinfer_kernels.mode_flag import ModeFlag
 
 __all__ = [
     "Forked",
@@ -42,7 +43,7 @@ __all__ = [
     "stream_lane",
 ]
 
-_BRANCH_STREAMS: ContextVar[bool] = ContextVar("deepinfer_branch_streams", default=False)
+_BRANCH_STREAMS = ModeFlag("branch_streams")
 _SIDE, _PREFETCH = 1, 2
 _LANES: dict[tuple[int, int], torch.cuda.Stream] = {}
 
@@ -52,23 +53,18 @@ _R = TypeVar("_R")
 
 def branch_streams_requested() -> bool:
     """Whether the calling code runs inside ``branch_streams()`` (``fork`` also checks the device)."""
-    return _BRANCH_STREAMS.get()
+    return _BRANCH_STREAMS.requested()
 
 
 def branch_streams_active(device: torch.device) -> bool:
     """Whether ``fork`` and ``prefetch`` start branches on streams of ``device`` (inside the mode, on CUDA)."""
-    return _BRANCH_STREAMS.get() and device.type == "cuda"
+    return _BRANCH_STREAMS.requested() and device.type == "cuda"
 
 
-@contextmanager
-def branch_streams(enabled: bool = True) -> Iterator[None]:
+def branch_streams(enabled: bool = True) -> AbstractContextManager[None]:
     """Run the body's ``fork`` and ``prefetch`` branches on the branch streams (a no-op when ``enabled`` is false; see
     the module docstring)."""
-    token = _BRANCH_STREAMS.set(enabled)
-    try:
-        yield
-    finally:
-        _BRANCH_STREAMS.reset(token)
+    return _BRANCH_STREAMS.scope(enabled)
 
 
 def _index(device: torch.device) -> int:

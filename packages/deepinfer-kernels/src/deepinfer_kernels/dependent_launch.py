@@ -11,32 +11,27 @@ running one, for every pair of Triton kernels in a row (the decode step is some 
 The Gluon GEMMs take part the same way (their first statement is ``gluon_ring.await_gluon_inputs``); kernels of
 other libraries (PyTorch, cuBLAS) launch as before and end the overlap.
 
-The mode is a context variable, read when a kernel is launched, so a CUDA graph captured inside it records the
-dependent launches. Off by default. Off on the CPU, in Triton's interpreter and on GPUs before Hopper.
+The mode is a ``ModeFlag`` (a context variable), read when a kernel is launched, so a CUDA graph captured inside it
+records the dependent launches. Off by default. Off on the CPU, in Triton's interpreter and on GPUs before Hopper.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
+from contextlib import AbstractContextManager
+
+from deepinfer_kernels.mode_flag import ModeFlag
 
 __all__ = ["dependent_launches", "dependent_launches_requested"]
 
-_DEPENDENT_LAUNCHES: ContextVar[bool] = ContextVar("deepinfer_dependent_launches", default=False)
+_DEPENDENT_LAUNCHES = ModeFlag("dependent_launches")
 
 
 def dependent_launches_requested() -> bool:
     """Whether the calling code runs inside ``dependent_launches()`` (the launchers also check the device)."""
-    return _DEPENDENT_LAUNCHES.get()
+    return _DEPENDENT_LAUNCHES.requested()
 
 
-@contextmanager
-def dependent_launches(enabled: bool = True) -> Iterator[None]:
+def dependent_launches(enabled: bool = True) -> AbstractContextManager[None]:
     """Launch the nvidia backend's Triton kernels as programmatic dependent launches in the body (a no-op when
     ``enabled`` is false; see the module docstring)."""
-    token = _DEPENDENT_LAUNCHES.set(enabled)
-    try:
-        yield
-    finally:
-        _DEPENDENT_LAUNCHES.reset(token)
+    return _DEPENDENT_LAUNCHES.scope(enabled)
