@@ -15,19 +15,9 @@ import torch
 import deepinfer_kernels as dk
 from deepinfer_kernels._registry import Backend, implementation
 from deepinfer_kernels.batch_invariant import batch_invariant_ops
-from deepinfer_kernels.vendor_attention import vendor_attention, vendor_attention_requested
+from deepinfer_kernels.vendor_attention import vendor_attention
 
 flashmla = pytest.importorskip("deepinfer_kernels.cuda.flashmla")
-
-
-def test_the_mode_nests_and_is_off_by_default() -> None:
-    assert not vendor_attention_requested()
-    with vendor_attention():
-        assert vendor_attention_requested()
-        with vendor_attention(False):
-            assert not vendor_attention_requested()
-        assert vendor_attention_requested()
-    assert not vendor_attention_requested()
 
 
 def _call(tokens: int, heads: int = 64, width: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,19 +25,35 @@ def _call(tokens: int, heads: int = 64, width: int = 512) -> tuple[torch.Tensor,
 
 
 @pytest.mark.parametrize(
-    ("tokens", "heads", "width", "rounded"),
-    [(2048, 64, 512, True), (512, 64, 512, True), (2048, 32, 512, True), (2048, 64, 256, True), (2048, 64, 512, False)],
+    ("tokens", "heads", "width", "rounded", "taken"),
+    [
+        (2048, 64, 512, True, True),
+        (flashmla.MIN_QUERIES, 128, 512, True, True),
+        (flashmla.MIN_QUERIES - 1, 64, 512, True, False),
+        (2048, 32, 512, True, False),
+        (2048, 64, 256, True, False),
+        (2048, 64, 512, False, False),
+    ],
 )
-def test_off_the_gpu_or_outside_its_shapes_the_call_keeps_the_package_kernels(
-    tokens: int, heads: int, width: int, rounded: bool
+def test_the_kernel_takes_prompt_sized_calls_of_its_heads_and_width(
+    tokens: int, heads: int, width: int, rounded: bool, taken: bool
 ) -> None:
     q, sink = _call(tokens, heads, width)
-    source = dk.KeySource(torch.zeros((4, 528), dtype=torch.uint8), torch.zeros((tokens, 64)), dk.RowFormat.FP8)
-    assert not flashmla.fits(q, [source], sink, rounded)  # outside the mode
+    assert flashmla.takes(q, sink, rounded) is taken
+    assert not flashmla.takes(q.float(), sink, rounded)
+    assert not flashmla.takes(q, sink.bfloat16(), rounded)
+
+
+def test_off_the_gpu_outside_the_mode_or_when_invariant_the_call_keeps_the_package_kernels() -> None:
+    q, sink = _call(2048)
+    source = dk.KeySource(torch.zeros((4, 528), dtype=torch.uint8), torch.zeros((2048, 64)), dk.RowFormat.FP8)
+    assert flashmla.takes(q, sink, True)
+    assert not flashmla.fits(q, [source], sink, True)  # outside the mode
     with vendor_attention():
-        assert not flashmla.fits(q, [source], sink, rounded)  # CPU tensors, or a shape the kernel does not take
+        assert not flashmla.fits(q, [source], sink, True)  # CPU tensors
+        assert not flashmla.fits(q, [], sink, True)
         with batch_invariant_ops():
-            assert not flashmla.fits(q, [source], sink, rounded)
+            assert not flashmla.fits(q, [source], sink, True)
 
 
 def test_the_key_table_holds_every_source_and_pads_to_whole_blocks() -> None:

@@ -27,7 +27,7 @@ from deepinfer_kernels.cache_layout import KeySource
 from deepinfer_kernels.row_formats import decode_rows
 from deepinfer_kernels.vendor_attention import vendor_attention_requested
 
-__all__ = ["MIN_QUERIES", "fits", "sparse_attention"]
+__all__ = ["MIN_QUERIES", "fits", "key_table", "sparse_attention", "takes"]
 
 # Prompt-sized calls only: decode steps (CUDA graphs; the split path's bits) keep the package's kernels, and below
 # about a thousand queries the table's decoding and the host sync would eat what the kernel saves.
@@ -53,16 +53,22 @@ def _flash_mla(device_index: int) -> ModuleType | None:
     return flash_mla
 
 
-def fits(q: torch.Tensor, sources: Sequence[KeySource], sink: torch.Tensor, round_probs_bf16: bool) -> bool:
-    """Whether ``sparse_attention`` may run this call on FlashMLA: inside ``vendor_attention()``, not in the
-    batch-invariant mode, BF16 queries with rounded probabilities (the exact mode), at least one source, a
-    prompt-sized call outside CUDA graph capture, the kernel's shapes, and the library importable on an SM90 device."""
-    if not vendor_attention_requested() or invariant_kernels() or not round_probs_bf16 or not sources:
-        return False
-    if q.device.type != "cuda" or q.dtype != torch.bfloat16 or sink.dtype != torch.float32:
+def takes(q: torch.Tensor, sink: torch.Tensor, round_probs_bf16: bool) -> bool:
+    """Whether the kernel takes a call of this shape and these dtypes, wherever the tensors live: BF16 queries with
+    rounded probabilities (the exact mode), an FP32 sink, at least ``MIN_QUERIES`` queries, and its heads and width."""
+    if not round_probs_bf16 or q.dtype != torch.bfloat16 or sink.dtype != torch.float32 or q.dim() != 3:
         return False
     tokens, heads, width = q.shape
-    if tokens < MIN_QUERIES or heads not in HEADS or width != WIDTH or torch.cuda.is_current_stream_capturing():
+    return tokens >= MIN_QUERIES and heads in HEADS and width == WIDTH
+
+
+def fits(q: torch.Tensor, sources: Sequence[KeySource], sink: torch.Tensor, round_probs_bf16: bool) -> bool:
+    """Whether ``sparse_attention`` may run this call on FlashMLA: inside ``vendor_attention()``, not in the
+    batch-invariant mode, at least one source, a call the kernel ``takes``, on a CUDA device outside graph capture,
+    and the library importable on an SM90 device."""
+    if not vendor_attention_requested() or invariant_kernels() or not sources or not takes(q, sink, round_probs_bf16):
+        return False
+    if q.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return False
     return _flash_mla(q.device.index if q.device.index is not None else torch.cuda.current_device()) is not None
 
