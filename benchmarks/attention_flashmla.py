@@ -27,24 +27,16 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from bench_common import RESULTS, device_label, git_commit, int_list
 from kernels_attention import build_inputs, preset_shape
+from kernels_gemm import time_us
 
 import deepinfer_kernels as dk
 from deepinfer_kernels._registry import Backend, implementation
-from deepinfer_kernels.benchmarking import cuda_time_ms
 from deepinfer_kernels.cuda.flashmla import key_table
-
-
-def timed(fn: Callable[[], object], repeats: int) -> float:
-    ms, graphed = cuda_time_ms(fn, warmup=2, repeats=repeats)
-    if not graphed:
-        raise RuntimeError("the call could not be captured in a CUDA graph")
-    return ms
 
 
 def run_point(shape: dict[str, Any], queries: int, args: Any, flash_mla: Any) -> list[dict[str, Any]]:
@@ -87,7 +79,7 @@ def run_point(shape: dict[str, Any], queries: int, args: Any, flash_mla: Any) ->
     rows = []
     variants = (("package", run_package), ("flashmla", run_flashmla), ("flashmla+decode", run_flashmla_decoded))
     for name, fn in variants:
-        ms = timed(fn, args.repeats)
+        ms = time_us([fn], args.repeats) / 1e3
         rows.append({"queries": queries, "name": name, "ms": ms, "tflops": flops / ms / 1e9, "error": errors[name]})
     for r in rows:
         r["time_ratio_to_package"] = r["ms"] / rows[0]["ms"]

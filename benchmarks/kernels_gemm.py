@@ -35,7 +35,7 @@ import argparse
 import json
 import pathlib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -153,7 +153,7 @@ def call(
     return lambda: impl(*head, *weights, out, **kwargs)
 
 
-def time_us(fns: list[Callable[[], None]], repeats: int) -> float:
+def time_us(fns: Sequence[Callable[[], object]], repeats: int) -> float:
     """Median µs per call: one CUDA graph runs every fn once (each on its own weight copy, so that the weights do not
     sit in L2 between calls and the graph launch is shared); the replay time is divided by the calls."""
 
@@ -163,7 +163,7 @@ def time_us(fns: list[Callable[[], None]], repeats: int) -> float:
 
     ms, graphed = cuda_time_ms(run_all, warmup=3, repeats=repeats)
     if not graphed:
-        raise RuntimeError("a GEMM could not be captured in a CUDA graph")
+        raise RuntimeError("a timed call could not be captured in a CUDA graph")
     return ms * 1e3 / len(fns)
 
 

@@ -15,7 +15,7 @@ import torch
 __all__ = ["cuda_time_ms"]
 
 
-def _median_event_ms(run: Callable[[], None], warmup: int, repeats: int) -> float:
+def _median_event_ms(run: Callable[[], object], warmup: int, repeats: int) -> float:
     for _ in range(warmup):
         run()
     torch.cuda.synchronize()
@@ -31,7 +31,7 @@ def _median_event_ms(run: Callable[[], None], warmup: int, repeats: int) -> floa
 
 
 def cuda_time_ms(
-    fn: Callable[[], None], *, warmup: int = 5, repeats: int = 50, capture: bool = True
+    fn: Callable[[], object], *, warmup: int = 5, repeats: int = 50, capture: bool = True
 ) -> tuple[float, bool]:
     """Median milliseconds per call of ``fn`` on the current CUDA device.
 
