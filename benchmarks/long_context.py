@@ -483,6 +483,7 @@ def run_sweep(
         "max_num_seqs": max([p.batch for p in engine_points], default=1),
         "enforce_eager": args.enforce_eager,
         "precision": "exact",
+        "flashmla": args.flashmla,
     }
     if args.max_num_batched_tokens is not None:
         engine["max_num_batched_tokens"] = args.max_num_batched_tokens
@@ -540,6 +541,9 @@ def main() -> None:
     parser.add_argument("--context-bound", choices=("engine", "exact"), default="engine", help="model-step bound")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="engine token budget per step")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs, in the engine or model steps")
+    parser.add_argument(
+        "--flashmla", action="store_true", help="FlashMLA's sparse prefill for prompt chunks (EngineArgs.flashmla)"
+    )
     parser.add_argument("--memory-context", type=int, default=4000, help="prompt tokens of the CPU memory point")
     parser.add_argument("--memory-limit-gib", type=float, default=8.0, help="stop the memory point past this RSS")
     parser.add_argument("--deadline-s", type=float, default=420.0, help="skip points that would end after this")
