@@ -24,7 +24,7 @@ Prints a table last and writes JSON (default benchmarks/results/profile_step-<de
 
 Usage:
     python benchmarks/profile_step.py [--model DIR] [--batches 1,64] [--context 128] [--prefill-lens 8192]
-        [--device cuda] [--batch-invariant] [--sites 40]
+        [--device cuda] [--batch-invariant] [--flashmla] [--sites 40]
 """
 
 from __future__ import annotations
@@ -246,6 +246,9 @@ def main() -> None:
         action="store_true",
         help="profile the model's batch-invariant mode (DEEPINFER_BATCH_INVARIANT)",
     )
+    parser.add_argument(
+        "--flashmla", action="store_true", help="prefill steps on FlashMLA's sparse prefill (EngineArgs.flashmla)"
+    )
     parser.add_argument("--label", default=None, help="what was measured (e.g. a branch name), recorded in the JSON")
     parser.add_argument("--out", type=pathlib.Path, default=None, help="JSON path")
     args = parser.parse_args()
@@ -264,6 +267,7 @@ def main() -> None:
         max_model_len=max([args.context + 2, *args.prefill_lens]),
         max_num_batched_tokens=max([*args.batches, *args.prefill_lens]),
         cache_memory_bytes=1 << 30,
+        flashmla=args.flashmla,
     )
     llm.model.batch_invariant = args.batch_invariant
     sizes = [("decode", b) for b in args.batches] + [("prefill", n) for n in args.prefill_lens]
@@ -278,6 +282,7 @@ def main() -> None:
         "checkpoint": args.model or "built-in",
         "label": args.label,
         "batch_invariant": args.batch_invariant,
+        "flashmla": args.flashmla,
         "git_commit": git_commit(),
         "method": "eager decode steps (long_context.decode_step) and prefill steps (long_context.prefill_step) of the "
         "engine's model, torch.profiler; CUDA: device "
