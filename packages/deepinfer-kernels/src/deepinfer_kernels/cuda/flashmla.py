@@ -32,10 +32,11 @@ __all__ = ["MIN_QUERIES", "fits", "key_table", "sparse_attention", "takes"]
 # Prompt-sized calls only: decode steps (CUDA graphs; the split path's bits) keep the package's kernels, and below
 # about a thousand queries the table's decoding and the host sync would eat what the kernel saves.
 MIN_QUERIES = 1024
-# The kernel's shapes: 64 or 128 query heads, 512 columns, index lists in whole 64-key blocks.
+# The kernel's shapes: 64 or 128 query heads, 512 columns, index lists in whole 128-key blocks (the SM90 kernel
+# asserts topk % (2·B_TOPK) == 0 with its 64-key B_TOPK; 64-key padding failed on an H100).
 HEADS = (64, 128)
 WIDTH = 512
-KEY_BLOCK = 64
+KEY_BLOCK = 128
 # A pool of at most this many rows a query is decoded whole (it holds about the step's own keys); a larger one is read
 # at its distinct rows: decoding costs by the pool's rows, the unique by the row list's entries.
 WHOLE_POOL_ROWS_PER_QUERY = 2
