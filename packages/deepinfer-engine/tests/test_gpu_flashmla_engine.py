@@ -19,25 +19,15 @@ import torch
 
 from deepinfer_engine import LLM, SamplingParams
 from deepinfer_kernels import KeySource
-from deepinfer_kernels._registry import Backend, implementation
-from deepinfer_kernels.cuda import flashmla
+from deepinfer_kernels.testing import attention_error
 from deepinfer_model.checkpoint.writer import write_checkpoint
 from deepinfer_model.config import ModelConfig, preset_json
 
-
-def _flash_mla_on_sm90() -> bool:
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        return False
-    try:
-        import flash_mla  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
+flashmla = pytest.importorskip("deepinfer_kernels.cuda.flashmla")
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not _flash_mla_on_sm90(), reason="needs an SM90 GPU with flash_mla (the sgl-flash-mla wheel)"),
+    pytest.mark.skipif(not flashmla.available(), reason="needs an SM90 GPU with flash_mla (the sgl-flash-mla wheel)"),
 ]
 
 CHECK = 64
@@ -55,7 +45,6 @@ def test_prompt_chunks_run_on_flashmla_and_decode_steps_do_not(tmp_path: Path, m
     calls: list[tuple[int, bool]] = []
     errors: list[float] = []
     fits, run = flashmla.fits, flashmla.sparse_attention
-    reference = implementation("sparse_attention", Backend.REFERENCE)
 
     def fits_seen(q: torch.Tensor, *args: Any) -> bool:
         calls.append((q.shape[0], fits(q, *args)))
@@ -66,9 +55,7 @@ def test_prompt_chunks_run_on_flashmla_and_decode_steps_do_not(tmp_path: Path, m
     ) -> None:
         run(q, sources, sink, scale, out)
         picked = torch.cat([torch.arange(CHECK), torch.arange(q.shape[0] - CHECK, q.shape[0])]).to(q.device)
-        expected = torch.empty((2 * CHECK, *q.shape[1:]), dtype=torch.float32, device=q.device)
-        reference(q[picked], [KeySource(s.pool, s.rows[picked], s.fmt) for s in sources], sink, scale, True, expected)
-        errors.append(float((out[picked] - expected).abs().max()) / float(expected.abs().max()))
+        errors.append(attention_error(q, sources, sink, scale, out, picked))
 
     monkeypatch.setattr(flashmla, "fits", fits_seen)
     monkeypatch.setattr(flashmla, "sparse_attention", run_checked)

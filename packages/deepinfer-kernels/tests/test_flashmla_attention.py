@@ -15,6 +15,7 @@ import torch
 import deepinfer_kernels as dk
 from deepinfer_kernels._registry import Backend, implementation
 from deepinfer_kernels.batch_invariant import batch_invariant_ops
+from deepinfer_kernels.testing import attention_error
 from deepinfer_kernels.vendor_attention import vendor_attention
 
 flashmla = pytest.importorskip("deepinfer_kernels.cuda.flashmla")
@@ -79,18 +80,8 @@ def test_the_key_table_holds_every_source_and_pads_to_whole_blocks() -> None:
     assert (indices[:, 0, wanted.shape[1] :] == -1).all()
 
 
-def _flash_mla_on_sm90() -> bool:
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        return False
-    try:
-        import flash_mla  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(not _flash_mla_on_sm90(), reason="needs an SM90 GPU with flash_mla (the sgl-flash-mla wheel)")
+@pytest.mark.skipif(not flashmla.available(), reason="needs an SM90 GPU with flash_mla (the sgl-flash-mla wheel)")
 @pytest.mark.parametrize(
     ("tokens", "window_keys", "compressed_keys", "pool_rows"),
     [(1024, 100, 64, 1 << 17), (3000, 128, 512, 1 << 14)],  # the window pools decoded whole, the others at their rows
@@ -118,8 +109,5 @@ def test_flashmla_meets_the_reference_bound(
     with vendor_attention():
         assert flashmla.fits(q, sources, sink, True)
         implementation("sparse_attention", Backend.NVIDIA)(q, sources, sink, 512**-0.5, True, out)
-    check = 128
-    expected = torch.empty((check, 64, 512), dtype=torch.float32, device="cuda")
-    head = [dk.KeySource(s.pool, s.rows[:check], s.fmt) for s in sources]
-    implementation("sparse_attention", Backend.REFERENCE)(q[:check], head, sink, 512**-0.5, True, expected)
-    assert float((out[:check] - expected).abs().max()) <= 2.0**-7 * float(expected.abs().max())
+    check = torch.arange(128, device="cuda")
+    assert attention_error(q, sources, sink, 512**-0.5, out, check) <= 2.0**-7

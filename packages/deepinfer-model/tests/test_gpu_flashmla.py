@@ -20,27 +20,17 @@ import torch
 from _layered_model_support import random_weights, tiny_vocab
 
 from deepinfer_kernels import KeySource
-from deepinfer_kernels._registry import Backend, implementation
-from deepinfer_kernels.cuda import flashmla
+from deepinfer_kernels.testing import attention_error
 from deepinfer_model.config import ModelConfig, preset_json
 from deepinfer_model.deepseek_v41.model import DeepseekV41ForCausalLM
 from deepinfer_model.forward_batch import ForwardBatch
 from deepinfer_model.layers.mode import ComputeMode
 
-
-def _flash_mla_on_sm90() -> bool:
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        return False
-    try:
-        import flash_mla  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
+flashmla = pytest.importorskip("deepinfer_kernels.cuda.flashmla")
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not _flash_mla_on_sm90(), reason="needs an SM90 GPU with flash_mla (the sgl-flash-mla wheel)"),
+    pytest.mark.skipif(not flashmla.available(), reason="needs an SM90 GPU with flash_mla (the sgl-flash-mla wheel)"),
 ]
 
 BLOCK = 16
@@ -78,7 +68,6 @@ def test_a_prompt_prefill_runs_on_flashmla_within_the_bound(monkeypatch: pytest.
     verdicts: list[bool] = []
     errors: list[float] = []
     fits, run = flashmla.fits, flashmla.sparse_attention
-    reference = implementation("sparse_attention", Backend.REFERENCE)
 
     def fits_seen(*args: Any) -> bool:
         verdicts.append(fits(*args))
@@ -90,9 +79,7 @@ def test_a_prompt_prefill_runs_on_flashmla_within_the_bound(monkeypatch: pytest.
         """FlashMLA's output of the call against the reference on the call's first and last queries."""
         run(q, sources, sink, scale, out)
         picked = torch.cat([torch.arange(CHECK), torch.arange(q.shape[0] - CHECK, q.shape[0])]).to(q.device)
-        expected = torch.empty((2 * CHECK, *q.shape[1:]), dtype=torch.float32, device=q.device)
-        reference(q[picked], [KeySource(s.pool, s.rows[picked], s.fmt) for s in sources], sink, scale, True, expected)
-        errors.append(float((out[picked] - expected).abs().max()) / float(expected.abs().max()))
+        errors.append(attention_error(q, sources, sink, scale, out, picked))
 
     monkeypatch.setattr(flashmla, "fits", fits_seen)
     monkeypatch.setattr(flashmla, "sparse_attention", run_checked)

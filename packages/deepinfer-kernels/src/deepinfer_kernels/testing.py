@@ -5,6 +5,7 @@
 - :func:`assert_close` — compares inf/NaN positions first (they must match exactly), then finite values with
   ``|actual − expected| ≤ atol + rtol·|expected|``.
 - :func:`assert_bitwise_equal` — same dtype, shape and bytes.
+- :func:`attention_error` — a ``sparse_attention`` output against the reference on some of its queries.
 - Seeded input builders — every builder takes an explicit ``seed`` and draws on the CPU with its own
   ``torch.Generator`` (then moves to ``device``), so the same seed gives the same values on every device and
   no global RNG state is touched.
@@ -12,11 +13,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+
+from deepinfer_kernels._registry import Backend, implementation
+from deepinfer_kernels.cache_layout import KeySource
 
 __all__ = [
     "assert_bitwise_equal",
     "assert_close",
+    "attention_error",
     "cosine_difference",
     "random_e4m3",
     "random_mxfp4_packed",
@@ -112,6 +119,22 @@ def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, message: 
             f"{prefix}{int(differs.sum())} of {differs.numel()} elements differ; first at {index}: "
             f"actual bytes {a[tuple(index)].tolist()} vs expected {e[tuple(index)].tolist()}"
         )
+
+
+def attention_error(
+    q: torch.Tensor,
+    sources: Sequence[KeySource],
+    sink: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    queries: torch.Tensor,
+) -> float:
+    """``max |out − ref| / max |ref|`` over the ``queries`` (int64 indices) of a ``sparse_attention`` call of exact
+    numerics (rounded probabilities), ``ref`` being the reference backend's output on those queries' keys."""
+    expected = torch.empty((queries.numel(), *q.shape[1:]), dtype=torch.float32, device=q.device)
+    picked = [KeySource(s.pool, s.rows[queries], s.fmt) for s in sources]
+    implementation("sparse_attention", Backend.REFERENCE)(q[queries], picked, sink, scale, True, expected)
+    return float((out[queries].float() - expected).abs().max()) / float(expected.abs().max())
 
 
 def seeded_generator(seed: int) -> torch.Generator:

@@ -27,7 +27,7 @@ from deepinfer_kernels.cache_layout import KeySource
 from deepinfer_kernels.row_formats import decode_rows
 from deepinfer_kernels.vendor_attention import vendor_attention_requested
 
-__all__ = ["MIN_QUERIES", "fits", "key_table", "sparse_attention", "takes"]
+__all__ = ["MIN_QUERIES", "available", "fits", "key_table", "sparse_attention", "takes"]
 
 # Prompt-sized calls only: decode steps (CUDA graphs; the split path's bits) keep the package's kernels, and below
 # about a thousand queries the table's decoding and the host sync would eat what the kernel saves.
@@ -52,6 +52,11 @@ def _flash_mla(device_index: int) -> ModuleType | None:
     except ImportError:
         return None
     return flash_mla
+
+
+def available() -> bool:
+    """Whether the current CUDA device is SM90 and ``flash_mla`` imports (tests and benchmarks skip without it)."""
+    return torch.cuda.is_available() and _flash_mla(torch.cuda.current_device()) is not None
 
 
 def takes(q: torch.Tensor, sink: torch.Tensor, round_probs_bf16: bool) -> bool:
