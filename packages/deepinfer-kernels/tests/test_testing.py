@@ -7,9 +7,11 @@ import math
 import pytest
 import torch
 
+import deepinfer_kernels as dk
 from deepinfer_kernels.testing import (
     assert_bitwise_equal,
     assert_close,
+    attention_error,
     cosine_difference,
     random_e4m3,
     random_mxfp4_packed,
@@ -77,3 +79,17 @@ def test_builders_are_seeded_and_leave_global_rng_alone() -> None:
     assert random_mxfp4_packed((3, 16), seed=6).dtype == torch.int8
     with pytest.raises(ValueError, match="UE8M0 bytes"):
         random_ue8m0((2,), seed=1, low=0, high=255)
+
+
+def test_attention_error_is_small_for_the_kernel_and_sees_one_changed_query() -> None:
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn((6, 2, 64), generator=generator).to(torch.bfloat16)
+    pool = dk.encode_rows(torch.randn((10, 64), generator=generator), dk.RowFormat.FP8)
+    sources = [dk.KeySource(pool, torch.randint(0, 10, (6, 4), generator=generator), dk.RowFormat.FP8)]
+    sink = torch.zeros(2)
+    out = dk.sparse_attention(q, sources, sink, 0.125, True).float()
+    picked = torch.tensor([0, 5])
+    assert attention_error(q, sources, sink, 0.125, out, picked) <= 2.0**-8  # the backend's own kernel
+    out[5, 1, 3] += 1.0
+    assert attention_error(q, sources, sink, 0.125, out, picked) > 0.1
+    assert attention_error(q, sources, sink, 0.125, out, torch.tensor([0, 1])) <= 2.0**-8  # query 5 not compared
