@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 from deepinfer_engine import LLM, SamplingParams
-from deepinfer_kernels import KeySource
-from deepinfer_kernels.testing import attention_error
+from deepinfer_kernels.testing import watch_flashmla
 from deepinfer_model.checkpoint.writer import write_checkpoint
 from deepinfer_model.config import ModelConfig, preset_json
 
@@ -41,24 +39,7 @@ def _wide_checkpoint(root: Path) -> Path:
     return write_checkpoint(ModelConfig.from_dict(raw), root / "tiny-wide", seed=2)
 
 
-def test_prompt_chunks_run_on_flashmla_and_decode_steps_do_not(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[tuple[int, bool]] = []
-    errors: list[float] = []
-    fits, run = flashmla.fits, flashmla.sparse_attention
-
-    def fits_seen(q: torch.Tensor, *args: Any) -> bool:
-        calls.append((q.shape[0], fits(q, *args)))
-        return calls[-1][1]
-
-    def run_checked(
-        q: torch.Tensor, sources: list[KeySource], sink: torch.Tensor, scale: float, out: torch.Tensor
-    ) -> None:
-        run(q, sources, sink, scale, out)
-        picked = torch.cat([torch.arange(CHECK), torch.arange(q.shape[0] - CHECK, q.shape[0])]).to(q.device)
-        errors.append(attention_error(q, sources, sink, scale, out, picked))
-
-    monkeypatch.setattr(flashmla, "fits", fits_seen)
-    monkeypatch.setattr(flashmla, "sparse_attention", run_checked)
+def test_prompt_chunks_run_on_flashmla_and_decode_steps_do_not(tmp_path: Path) -> None:
     llm = LLM(
         str(_wide_checkpoint(tmp_path)),
         device="cuda",
@@ -74,12 +55,12 @@ def test_prompt_chunks_run_on_flashmla_and_decode_steps_do_not(tmp_path: Path, m
         vocab = llm.model.config.text.vocab_size
         prompts = [torch.randint(4, vocab, (n,), generator=generator).tolist() for n in (LONG, SHORT)]
         params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-        outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        with watch_flashmla(CHECK) as seen:
+            outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     finally:
         llm.close()
     assert all(output.ok and len(output.token_ids) == 6 for output in outputs)
     # Every call of a prompt-sized chunk took FlashMLA (at least one a layer), and no other call did.
-    assert all(took == (tokens >= flashmla.MIN_QUERIES) for tokens, took in calls)
-    taken = sum(took for _, took in calls)
-    assert taken >= llm.model.config.text.num_hidden_layers and len(errors) == taken
-    assert max(errors) <= 2.0**-7, errors
+    assert all(took == (tokens >= flashmla.MIN_QUERIES) for tokens, took in seen.calls)
+    assert seen.taken >= llm.model.config.text.num_hidden_layers and len(seen.errors) == seen.taken
+    assert max(seen.errors) <= 2.0**-7, seen.errors

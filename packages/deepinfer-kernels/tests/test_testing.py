@@ -18,6 +18,7 @@ from deepinfer_kernels.testing import (
     random_normal,
     random_ue8m0,
     random_uniform,
+    watch_flashmla,
 )
 
 
@@ -93,3 +94,17 @@ def test_attention_error_is_small_for_the_kernel_and_sees_one_changed_query() ->
     out[5, 1, 3] += 1.0
     assert attention_error(q, sources, sink, 0.125, out, picked) > 0.1
     assert attention_error(q, sources, sink, 0.125, out, torch.tensor([0, 1])) <= 2.0**-8  # query 5 not compared
+
+
+def test_watch_flashmla_records_calls_and_restores_the_module() -> None:
+    flashmla = pytest.importorskip("deepinfer_kernels.cuda.flashmla")
+    fits, run = flashmla.fits, flashmla.sparse_attention
+    q = torch.zeros((flashmla.MIN_QUERIES, 64, 512), dtype=torch.bfloat16)
+    pool = dk.encode_rows(torch.zeros((1, 512)), dk.RowFormat.FP8)
+    source = dk.KeySource(pool, torch.zeros((q.shape[0], 1), dtype=torch.int64), dk.RowFormat.FP8)
+    with watch_flashmla() as seen:
+        assert flashmla.fits is not fits and flashmla.sparse_attention is not run
+        assert not flashmla.fits(q, [source], torch.zeros(64), True)  # CPU tensors: never FlashMLA
+        assert not flashmla.fits(q[:5], [source], torch.zeros(64), True)
+    assert seen.calls == [(flashmla.MIN_QUERIES, False), (5, False)] and seen.taken == 0 and not seen.errors
+    assert flashmla.fits is fits and flashmla.sparse_attention is run

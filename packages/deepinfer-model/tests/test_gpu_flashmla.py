@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any
 
 import pytest
 import torch
 from _layered_model_support import random_weights, tiny_vocab
 
-from deepinfer_kernels import KeySource
-from deepinfer_kernels.testing import attention_error
+from deepinfer_kernels.testing import FlashMLACalls, watch_flashmla
 from deepinfer_model.config import ModelConfig, preset_json
 from deepinfer_model.deepseek_v41.model import DeepseekV41ForCausalLM
 from deepinfer_model.forward_batch import ForwardBatch
@@ -46,7 +44,7 @@ def _wide_config() -> ModelConfig:
     return ModelConfig.from_dict(raw)
 
 
-def test_a_prompt_prefill_runs_on_flashmla_within_the_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_prompt_prefill_runs_on_flashmla_within_the_bound() -> None:
     """Every attention call of the prefill may take FlashMLA once the model asks for it, every one does, and each
     meets the bound."""
     config = _wide_config()
@@ -65,36 +63,17 @@ def test_a_prompt_prefill_runs_on_flashmla_within_the_bound(monkeypatch: pytest.
             if isinstance(value := getattr(cpu_batch, field.name), torch.Tensor)
         },
     )
-    verdicts: list[bool] = []
-    errors: list[float] = []
-    fits, run = flashmla.fits, flashmla.sparse_attention
 
-    def fits_seen(*args: Any) -> bool:
-        verdicts.append(fits(*args))
-        return verdicts[-1]
-
-    def run_checked(
-        q: torch.Tensor, sources: list[KeySource], sink: torch.Tensor, scale: float, out: torch.Tensor
-    ) -> None:
-        """FlashMLA's output of the call against the reference on the call's first and last queries."""
-        run(q, sources, sink, scale, out)
-        picked = torch.cat([torch.arange(CHECK), torch.arange(q.shape[0] - CHECK, q.shape[0])]).to(q.device)
-        errors.append(attention_error(q, sources, sink, scale, out, picked))
-
-    monkeypatch.setattr(flashmla, "fits", fits_seen)
-    monkeypatch.setattr(flashmla, "sparse_attention", run_checked)
-
-    def prefill(on: bool) -> torch.Tensor:
-        verdicts.clear()
+    def prefill(on: bool) -> tuple[FlashMLACalls, torch.Tensor]:
         model.flashmla = on
         state = model.allocate_state(BLOCK, blocks + 1, 1, device="cuda")
-        with torch.inference_mode():
-            return model(batch, state).float()
+        with watch_flashmla(CHECK) as seen, torch.inference_mode():
+            logits = model(batch, state).float()
+        return seen, logits
 
-    prefill(False)
-    calls = len(verdicts)
-    assert calls > 0 and not any(verdicts) and not errors
-    logits = prefill(True)
-    assert len(verdicts) == calls and all(verdicts) and len(errors) == calls
-    assert max(errors) <= 2.0**-7, errors
+    off, _ = prefill(False)
+    assert off.calls and not off.taken and not off.errors
+    on, logits = prefill(True)
+    assert len(on.calls) == len(off.calls) and on.taken == len(on.calls) == len(on.errors)
+    assert max(on.errors) <= 2.0**-7, on.errors
     assert bool(logits.isfinite().all())

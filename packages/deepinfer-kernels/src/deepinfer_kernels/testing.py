@@ -6,6 +6,7 @@
   ``|actual − expected| ≤ atol + rtol·|expected|``.
 - :func:`assert_bitwise_equal` — same dtype, shape and bytes.
 - :func:`attention_error` — a ``sparse_attention`` output against the reference on some of its queries.
+- :func:`watch_flashmla` — records which ``sparse_attention`` calls FlashMLA takes and checks each it runs.
 - Seeded input builders — every builder takes an explicit ``seed`` and draws on the CPU with its own
   ``torch.Generator`` (then moves to ``device``), so the same seed gives the same values on every device and
   no global RNG state is touched.
@@ -13,7 +14,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -21,6 +24,7 @@ from deepinfer_kernels._registry import Backend, implementation
 from deepinfer_kernels.cache_layout import KeySource
 
 __all__ = [
+    "FlashMLACalls",
     "assert_bitwise_equal",
     "assert_close",
     "attention_error",
@@ -31,6 +35,7 @@ __all__ = [
     "random_ue8m0",
     "random_uniform",
     "seeded_generator",
+    "watch_flashmla",
 ]
 
 
@@ -135,6 +140,48 @@ def attention_error(
     picked = [KeySource(s.pool, s.rows[queries], s.fmt) for s in sources]
     implementation("sparse_attention", Backend.REFERENCE)(q[queries], picked, sink, scale, True, expected)
     return float((out[queries].float() - expected).abs().max()) / float(expected.abs().max())
+
+
+@dataclasses.dataclass
+class FlashMLACalls:
+    """What :func:`watch_flashmla` saw: every NVIDIA ``sparse_attention`` call as (queries, whether FlashMLA took
+    it), and the :func:`attention_error` of each call FlashMLA ran."""
+
+    calls: list[tuple[int, bool]] = dataclasses.field(default_factory=list)
+    errors: list[float] = dataclasses.field(default_factory=list)
+
+    @property
+    def taken(self) -> int:
+        return sum(took for _, took in self.calls)
+
+
+@contextlib.contextmanager
+def watch_flashmla(check: int = 64) -> Iterator[FlashMLACalls]:
+    """Within the block, ``cuda.flashmla``'s ``fits`` and ``sparse_attention`` record each call; every call FlashMLA
+    runs is compared with the reference on its first and last ``check`` queries (``attention_error``). Imports the
+    NVIDIA backend's module (the caller skips where it does not import)."""
+    from deepinfer_kernels.cuda import flashmla
+
+    seen = FlashMLACalls()
+    fits, run = flashmla.fits, flashmla.sparse_attention
+
+    def fits_seen(q: torch.Tensor, sources: Sequence[KeySource], sink: torch.Tensor, round_probs_bf16: bool) -> bool:
+        seen.calls.append((q.shape[0], fits(q, sources, sink, round_probs_bf16)))
+        return seen.calls[-1][1]
+
+    def run_checked(
+        q: torch.Tensor, sources: Sequence[KeySource], sink: torch.Tensor, scale: float, out: torch.Tensor
+    ) -> None:
+        run(q, sources, sink, scale, out)
+        tokens = q.shape[0]
+        picked = torch.cat([torch.arange(min(check, tokens)), torch.arange(max(tokens - check, 0), tokens)])
+        seen.errors.append(attention_error(q, sources, sink, scale, out, picked.unique().to(q.device)))
+
+    flashmla.fits, flashmla.sparse_attention = fits_seen, run_checked
+    try:
+        yield seen
+    finally:
+        flashmla.fits, flashmla.sparse_attention = fits, run
 
 
 def seeded_generator(seed: int) -> torch.Generator:
