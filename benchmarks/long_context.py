@@ -467,8 +467,11 @@ def run_sweep(
     from deepinfer_engine import LLM, SamplingParams
 
     on_cuda = device.type == "cuda"
-    prefill = args.prefill_contexts or ([8192, 32768, 131072] if on_cuda else [256, 512])
-    contexts = args.decode_contexts or ([1024, 32768, 131072] if on_cuda else [256, 512])
+    # An empty list ("") means no points of that kind; an absent one, the defaults.
+    prefill = [8192, 32768, 131072] if on_cuda else [256, 512]
+    prefill = prefill if args.prefill_contexts is None else args.prefill_contexts
+    contexts = [1024, 32768, 131072] if on_cuda else [256, 512]
+    contexts = contexts if args.decode_contexts is None else args.decode_contexts
     batches = args.decode_batches or ([1, 32] if on_cuda else [1, 4])
     steps = args.decode_steps or (64 if on_cuda else 4)
     points = plan(prefill, contexts, batches, args.max_prefill_tokens, steps)
@@ -542,7 +545,10 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="engine token budget per step")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs, in the engine or model steps")
     parser.add_argument(
-        "--flashmla", action="store_true", help="FlashMLA's sparse prefill for prompt chunks (EngineArgs.flashmla)"
+        "--flashmla",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="FlashMLA's sparse prefill for prompt chunks (EngineArgs.flashmla) (--no-flashmla: off)",
     )
     parser.add_argument("--memory-context", type=int, default=4000, help="prompt tokens of the CPU memory point")
     parser.add_argument("--memory-limit-gib", type=float, default=8.0, help="stop the memory point past this RSS")

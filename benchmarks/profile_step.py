@@ -24,7 +24,7 @@ Prints a table last and writes JSON (default benchmarks/results/profile_step-<de
 
 Usage:
     python benchmarks/profile_step.py [--model DIR] [--batches 1,64] [--context 128] [--prefill-lens 8192]
-        [--device cuda] [--batch-invariant] [--flashmla] [--sites 40]
+        [--device cuda] [--batch-invariant] [--no-flashmla] [--sites 40]
 """
 
 from __future__ import annotations
@@ -247,7 +247,10 @@ def main() -> None:
         help="profile the model's batch-invariant mode (DEEPINFER_BATCH_INVARIANT)",
     )
     parser.add_argument(
-        "--flashmla", action="store_true", help="prefill steps on FlashMLA's sparse prefill (EngineArgs.flashmla)"
+        "--flashmla",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="prefill steps on FlashMLA's sparse prefill (EngineArgs.flashmla) (--no-flashmla: off)",
     )
     parser.add_argument("--label", default=None, help="what was measured (e.g. a branch name), recorded in the JSON")
     parser.add_argument("--out", type=pathlib.Path, default=None, help="JSON path")
@@ -263,7 +266,7 @@ def main() -> None:
         device=str(device),
         enforce_eager=True,
         nextn=0,
-        max_num_seqs=max(args.batches),
+        max_num_seqs=max([1, *args.batches]),
         max_model_len=max([args.context + 2, *args.prefill_lens]),
         max_num_batched_tokens=max([*args.batches, *args.prefill_lens]),
         cache_memory_bytes=1 << 30,

@@ -22,8 +22,8 @@
    step_off − 1. `--branch-streams` likewise for the branch-streams mode (`EngineArgs.branch_streams`;
    docs/design/kernels.md, "Branch streams"; on by default, as in the engine; "branch_streams",
    "branch_streams_change"), and `--flashmla` for FlashMLA's sparse prefill (`EngineArgs.flashmla`;
-   docs/design/kernels.md, "FlashMLA sparse prefill"; prefill points only, decode never takes it; "flashmla",
-   "flashmla_change"). Each mode's change compares points with the other modes the same, and names the other modes
+   docs/design/kernels.md, "FlashMLA sparse prefill"; on by default, as in the engine; prefill points only, decode
+   never takes it; "flashmla", "flashmla_change"). Each mode's change compares points with the other modes the same, and names the other modes
    that were on ("64 +branch_streams").
 
 Points run in that order. Each point's ratio is step / floor; the records are sorted at the end. A point that would
@@ -265,9 +265,9 @@ def main() -> None:
     parser.add_argument(
         "--flashmla",
         choices=("off", "on", "both"),
-        default="off",
-        help="prefill points with FlashMLA's sparse prefill (EngineArgs.flashmla) off, on, or both (change in the "
-        "header; it needs the flash_mla module)",
+        default="on",
+        help="prefill points with FlashMLA's sparse prefill (EngineArgs.flashmla) off, on (the engine's default), or "
+        "both (change in the header; it needs the flash_mla module)",
     )
     args = parser.parse_args()
 

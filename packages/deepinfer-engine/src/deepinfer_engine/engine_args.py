@@ -96,9 +96,8 @@ class EngineArgs:
         flashmla: prompt-sized attention calls (prefill chunks of at least 1,024 tokens) run FlashMLA's SM90 sparse
             prefill kernel where the `flash_mla` module (the `sgl-flash-mla` wheel) imports on an SM90 GPU: about 6x
             faster than the package's kernel at an 8K prompt, with probabilities rounded against a running maximum
-            (not the same bits; docs/design/kernels.md, "FlashMLA sparse prefill"). Off by default until its GPU test
-            has run inside the engine; ignored without the module, in "fp32" precision and in the batch-invariant
-            mode.
+            (not the same bits; docs/design/kernels.md, "FlashMLA sparse prefill"). On by default; ignored without the
+            module, in "fp32" precision and in the batch-invariant mode.
         precision: "exact" or "fp32" (FP32 activations and caches, for parity with the reference model).
         device: "cpu", "cuda" or "cuda:N"; None picks CUDA when the kernels platform is NVIDIA.
         async_scheduling: overrides DEEPINFER_ZERO_OVERHEAD_SCHEDULING when not None.
@@ -130,7 +129,7 @@ class EngineArgs:
     enforce_eager: bool = False
     dependent_launch: bool = False
     branch_streams: bool = True
-    flashmla: bool = False
+    flashmla: bool = True
     precision: Precision = "exact"
     device: str | None = None
     async_scheduling: bool | None = None

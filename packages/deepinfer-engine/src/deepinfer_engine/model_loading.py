@@ -36,7 +36,7 @@ def load_model(
     batch_invariant: bool = False,
     dependent_launch: bool = False,
     branch_streams: bool = True,
-    flashmla: bool = False,
+    flashmla: bool = True,
 ) -> DeepseekV41ForCausalLM:
     """The checkpoint's model on `device`, weights loaded, in eval mode.
 
