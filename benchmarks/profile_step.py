@@ -8,7 +8,10 @@ profiled eager steps (no CUDA graphs, so every kernel is seen; sampling excluded
 
 Counted per step:
 - CUDA: the device kernels of the trace (memcpy / memset counted apart), and the top kernels by total device time
-  with their calls per step.
+  with their calls per step. Also the device's span (first kernel start to last kernel end, over the back-to-back
+  profiled steps, per step), how much of it no kernel ran ("idle": the span less the union of every stream's kernel
+  intervals; the host falling behind, mostly after a host sync drains the queue), and the host syncs a step: device →
+  host copies (the trace's `Memcpy DtoH`) and the runtime's synchronize calls, the one that ends the profile left out.
 - CPU (the stand-in, labelled "aten ops"): the aten ops called directly by the model code (not those nested inside
   another aten op), without the view and metadata ops that compute nothing (`VIEW_OPS`) and without conversions that
   had nothing to do (`IF_NEEDED_OPS` calling no other op); each stands for about one kernel launch of a device run.
@@ -18,7 +21,9 @@ With `--sites N`, one more pass of `--steps` steps lists the N source lines of t
 call the most aten ops a step, each op with its line: on a GPU the PyTorch launches beside the Triton kernels (an op
 of a fused kernel's dispatch glue shows under deepinfer_kernels), on the CPU the stand-in's ops. An op counts where
 it writes in place or returns new memory (not a view, not a conversion or reshape that had nothing to do); composite
-ops count once under their own name (matmul, einsum).
+ops count once under their own name (matmul, einsum). The same pass lists every line that makes the host wait for
+the device ("host reads"): an op with device inputs that returns CPU data or a Python number (`.item()`, `bool()`, a
+copy back), or whose output size depends on the data (`nonzero`, `unique`, ...).
 
 Prints a table last and writes JSON (default benchmarks/results/profile_step-<device>.json).
 
@@ -84,6 +89,21 @@ VIEW_OPS = frozenset(
 # Aten ops that return their input unchanged when nothing is to be done: counted only when they call another op.
 IF_NEEDED_OPS = frozenset(("aten::to", "aten::contiguous", "aten::reshape", "aten::type_as", "aten::clone"))
 _COPY_PREFIXES = ("Memcpy", "Memset")
+# The runtime calls that block the host until the device catches up (torch.cuda.synchronize is cudaDeviceSynchronize).
+SYNC_CALLS = frozenset(("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize"))
+# Aten ops whose output size depends on the data: on a device each reads a count back to the host.
+DATA_SIZED_OPS = frozenset(
+    f"aten::{name}"
+    for name in (
+        "nonzero",
+        "_unique",
+        "_unique2",
+        "unique_dim",
+        "unique_consecutive",
+        "masked_select",
+        "repeat_interleave",
+    )
+)
 
 
 def _cuda_counts(events: list[Any]) -> tuple[dict[str, list[float]], int]:
@@ -100,6 +120,30 @@ def _cuda_counts(events: list[Any]) -> tuple[dict[str, list[float]], int]:
         entry[0] += 1
         entry[1] += event.device_time
     return kernels, copies
+
+
+def busy_us(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of ``(start, end)`` intervals (kernels of every stream, overlaps counted once)."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def _cuda_timeline(events: list[Any]) -> dict[str, float]:
+    """The device span and busy time of the kernels (memcpy / memset included), in µs, and the host syncs: device →
+    host copies and synchronize calls."""
+    intervals = [(e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA]
+    if not intervals:
+        return {"span_us": 0.0, "busy_us": 0.0, "dtoh_copies": 0.0, "sync_calls": 0.0}
+    return {
+        "span_us": max(end for _, end in intervals) - min(start for start, _ in intervals),
+        "busy_us": busy_us(intervals),
+        "dtoh_copies": sum(e.device_type == DeviceType.CUDA and e.name.startswith("Memcpy DtoH") for e in events),
+        "sync_calls": sum(e.device_type == DeviceType.CPU and e.name in SYNC_CALLS for e in events),
+    }
 
 
 def cpu_op_counts(events: list[Any]) -> dict[str, list[float]]:
@@ -125,13 +169,28 @@ class _SiteCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.counts: Counter[tuple[str, str]] = Counter()
+        self.host_reads: Counter[tuple[str, str]] = Counter()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
         name = func._schema.name
         if name not in VIEW_OPS and _computes(name, (args, kwargs), out):
             self.counts[(_package_line(), name)] += 1
+        if reads_device_on_host(name, (args, kwargs), out):
+            self.host_reads[(_package_line(), name)] += 1
         return out
+
+
+def reads_device_on_host(name: str, inputs: Any, out: Any) -> bool:
+    """Whether an op with device (non-CPU) inputs makes the host wait for the device: it returns CPU tensors or a
+    Python number (a copy back, ``.item()``, ``bool()``), or its output size depends on the data."""
+    tensors = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]
+    if not any(t.device.type != "cpu" for t in tensors):
+        return False
+    outputs = tree_leaves(out)
+    returns_host = any(isinstance(o, torch.Tensor) and o.device.type == "cpu" for o in outputs)
+    returns_number = any(isinstance(o, (bool, int, float)) for o in outputs)
+    return returns_host or returns_number or name in DATA_SIZED_OPS
 
 
 def _computes(name: str, inputs: Any, out: Any) -> bool:
@@ -155,15 +214,18 @@ def _package_line() -> str:
     return "<outside the packages>"
 
 
-def launch_sites(model: Any, step: Any, state: Any, steps: int) -> list[dict]:
-    """Aten ops per step by (package source line, op), most first (``--sites``)."""
+def launch_sites(model: Any, step: Any, state: Any, steps: int) -> tuple[list[dict], list[dict]]:
+    """Aten ops per step by (package source line, op), most first (``--sites``), and the host reads of device data
+    per step by the same key."""
     counter = _SiteCounter()
     with torch.inference_mode(), counter:
         for _ in range(steps):
             model(step, state)
-    return [
-        {"site": site, "op": op, "calls_per_step": calls / steps} for (site, op), calls in counter.counts.most_common()
-    ]
+
+    def rows(counts: Counter[tuple[str, str]]) -> list[dict]:
+        return [{"site": site, "op": op, "calls_per_step": calls / steps} for (site, op), calls in counts.most_common()]
+
+    return rows(counter.counts), rows(counter.host_reads)
 
 
 def profile_point(
@@ -188,10 +250,13 @@ def profile_point(
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
     events = list(prof.events())
-    site_rows = launch_sites(model, step, state, steps)[:sites] if sites else []
+    site_rows, host_reads = launch_sites(model, step, state, steps) if sites else ([], [])
     if device.type == "cuda":
         table, copies = _cuda_counts(events)
-        unit, extra = "kernels", {"memcpy_memset_per_step": copies / steps}
+        timeline = _cuda_timeline(events)
+        timeline["sync_calls"] -= 1  # the synchronize that ends the profile
+        unit = "kernels"
+        extra = {"memcpy_memset_per_step": copies / steps, **{f"{k}_per_step": v / steps for k, v in timeline.items()}}
     else:
         table, unit, extra = cpu_op_counts(events), "aten ops", {}
     top = sorted(table.items(), key=lambda item: -item[1][1])
@@ -205,7 +270,7 @@ def profile_point(
         "top": [
             {"name": name, "calls_per_step": calls / steps, "us_per_step": us / steps} for name, (calls, us) in top
         ],
-        **({"sites": site_rows} if sites else {}),
+        **({"sites": site_rows[:sites], "host_reads": host_reads} if sites else {}),
     }
 
 
@@ -216,14 +281,23 @@ def print_table(points: list[dict], top: int) -> None:
             print(f"{'calls':>7}  {'op':<24} site")
             for entry in point["sites"]:
                 print(f"{entry['calls_per_step']:>7.1f}  {entry['op'][6:]:<24} {entry['site']}")
+            print(f"\n{_label(point)}: host reads of device data a step")
+            for entry in point["host_reads"]:
+                print(f"{entry['calls_per_step']:>7.1f}  {entry['op'][6:]:<24} {entry['site']}")
         print(f"\n{_label(point)}: top {top} {point['unit']} by total time per step")
         print(f"{'calls':>7} {'us':>10}  name")
         for entry in point["top"][:top]:
             print(f"{entry['calls_per_step']:>7.0f} {entry['us_per_step']:>10.1f}  {entry['name'][:100]}")
-    print(f"\n{'step':>14} {'unit':>9} {'per step':>9} {'us/step':>10}")
+    columns = ("step", "unit", "per step", "us/step", "span us", "idle us", "DtoH", "syncs")
+    widths = (14, 9, 9, 10, 10, 9, 5, 5)
+    print("\n" + " ".join(f"{name:>{width}}" for name, width in zip(columns, widths, strict=True)))
     for point in points:
-        launches, us = point["launches_per_step"], point["time_us_per_step"]
-        print(f"{_label(point):>14} {point['unit']:>9} {launches:>9.0f} {us:>10.0f}")
+        row = [_label(point), point["unit"], f"{point['launches_per_step']:.0f}", f"{point['time_us_per_step']:.0f}"]
+        if "span_us_per_step" in point:
+            idle = point["span_us_per_step"] - point["busy_us_per_step"]
+            row += [f"{point['span_us_per_step']:.0f}", f"{idle:.0f}"]
+            row += [f"{point['dtoh_copies_per_step']:.1f}", f"{point['sync_calls_per_step']:.1f}"]
+        print(" ".join(f"{cell:>{width}}" for cell, width in zip(row, widths, strict=False)))
 
 
 def _label(point: dict) -> str:

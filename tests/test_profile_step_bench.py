@@ -1,0 +1,50 @@
+"""benchmarks/profile_step.py: the device timeline's busy time, the host-read test of the sites pass, and a CPU
+profile of one decode step of the built-in checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def profile_step(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import profile_step
+
+    return profile_step
+
+
+def test_busy_time_counts_overlapping_kernels_once(profile_step):
+    assert profile_step.busy_us([]) == 0.0
+    assert profile_step.busy_us([(0.0, 2.0), (5.0, 6.0)]) == 3.0  # disjoint: the gap is idle
+    assert profile_step.busy_us([(4.0, 9.0), (0.0, 5.0)]) == 9.0  # overlapping (two streams), unsorted
+    assert profile_step.busy_us([(0.0, 10.0), (2.0, 3.0), (11.0, 12.0)]) == 11.0  # nested
+
+
+def test_host_reads_are_device_data_brought_to_the_host(profile_step):
+    reads = profile_step.reads_device_on_host
+    device, host = torch.empty(4, device="meta"), torch.empty(4)
+    assert reads("aten::_local_scalar_dense", ((device,), {}), 3.0)  # .item()
+    assert reads("aten::_to_copy", ((device,), {}), host)  # a copy back
+    assert reads("aten::nonzero", ((device,), {}), torch.empty((2, 1), device="meta"))  # data-sized output
+    assert not reads("aten::add", ((device, device), {}), device)
+    assert not reads("aten::_local_scalar_dense", ((host,), {}), 3.0)  # CPU data: no device to wait for
+    assert not reads("aten::nonzero", ((host,), {}), host)
+
+
+def test_a_cpu_decode_profile_lists_sites_and_no_host_reads(profile_step):
+    from deepinfer_engine import LLM
+
+    llm = LLM(device="cpu", max_model_len=256, num_cache_blocks=8, max_num_seqs=2)
+    try:
+        point = profile_step.profile_point(llm.model, "decode", 2, 16, 1, 0, torch.device("cpu"), sites=3)
+    finally:
+        llm.close()
+    assert point["unit"] == "aten ops" and point["launches_per_step"] > 0
+    assert 0 < len(point["sites"]) <= 3 and point["host_reads"] == []
+    assert "span_us_per_step" not in point
