@@ -14,7 +14,12 @@ from llm_support import make_llm
 from deepinfer_engine import LLM
 from deepinfer_engine.engine_args import EngineArgs
 from deepinfer_engine.envs import read_env
-from deepinfer_engine.startup import cache_budget_from_memory, fitting_token_budget, profile_step
+from deepinfer_engine.startup import (
+    cache_budget_from_memory,
+    describe_prompt_attention,
+    fitting_token_budget,
+    profile_step,
+)
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -88,6 +93,15 @@ def test_the_engine_says_what_it_chose(tmp_path: Path, caplog: pytest.LogCapture
     assert f"cache of {chosen.num_blocks} blocks x 128 tokens" in line and "from the CPU default" in line
 
 
+def test_the_prompt_attention_line_says_why_not_flashmla() -> None:
+    cpu = torch.device("cpu")
+    assert describe_prompt_attention(EngineArgs(flashmla=False), False, cpu).endswith("(flashmla=False)")
+    assert "not 'fp32'" in describe_prompt_attention(EngineArgs(precision="fp32"), False, cpu)
+    assert "batch-invariant" in describe_prompt_attention(EngineArgs(), True, cpu)
+    line = describe_prompt_attention(EngineArgs(), False, cpu)
+    assert line.startswith("prompt attention: the package's kernels (FlashMLA unavailable:") and "cpu" in line
+
+
 @pytest.mark.gpu
 @needs_cuda
 def test_cuda_defaults_start_and_say_what_they_chose(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -95,6 +109,7 @@ def test_cuda_defaults_start_and_say_what_they_chose(tmp_path: Path, caplog: pyt
         llm = LLM(cache_dir=str(tmp_path))
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine on cuda")]
     assert "activation peak of a" in line and "profiling step" in line
+    assert any(r.getMessage().startswith("prompt attention: ") for r in caplog.records)
     too_long = [3 + i % 1000 for i in range(llm.config.scheduler.max_model_len + 1)]  # ids inside the vocabulary
     outputs = llm.generate(prompt_token_ids=[[5, 6, 7], too_long], use_tqdm=False)
     assert (

@@ -9,6 +9,9 @@ scaled preset's shape.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -16,7 +19,7 @@ import deepinfer_kernels as dk
 from deepinfer_kernels._registry import Backend, implementation
 from deepinfer_kernels.batch_invariant import batch_invariant_ops
 from deepinfer_kernels.testing import attention_error
-from deepinfer_kernels.vendor_attention import vendor_attention
+from deepinfer_kernels.vendor_attention import vendor_attention, vendor_attention_unavailable
 
 flashmla = pytest.importorskip("deepinfer_kernels.cuda.flashmla")
 
@@ -55,6 +58,36 @@ def test_off_the_gpu_outside_the_mode_or_when_invariant_the_call_keeps_the_packa
         assert not flashmla.fits(q, [], sink, True)
         with batch_invariant_ops():
             assert not flashmla.fits(q, [source], sink, True)
+
+
+@pytest.fixture
+def fresh_load():
+    flashmla._load.cache_clear()
+    yield
+    flashmla._load.cache_clear()
+
+
+def test_unavailable_names_the_device_or_the_import_failure(
+    fresh_load: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (10, 0))
+    assert "SM100" in flashmla.unavailable_reason(0) and "SM90 only" in flashmla.unavailable_reason(0)
+    flashmla._load.cache_clear()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
+    monkeypatch.setitem(sys.modules, "flash_mla", None)  # not installed
+    assert "ModuleNotFoundError" in flashmla.unavailable_reason(1) and "sgl-flash-mla" in flashmla.unavailable_reason(1)
+    flashmla._load.cache_clear()
+    # A wheel built against another torch: its extension fails to load with something other than ImportError.
+    (tmp_path / "flash_mla.py").write_text("raise OSError('undefined symbol: c10_foo')\n")
+    monkeypatch.delitem(sys.modules, "flash_mla")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert "OSError: undefined symbol: c10_foo" in flashmla.unavailable_reason(2)
+    assert flashmla._flash_mla(2) is None
+
+
+def test_off_cuda_vendor_attention_says_why_it_changes_nothing() -> None:
+    assert "cpu devices" in vendor_attention_unavailable(torch.device("cpu"))
 
 
 def test_the_key_table_holds_every_source_and_pads_to_whole_blocks() -> None:

@@ -49,7 +49,7 @@ from deepinfer_engine.output_processor import OutputProcessor, rejected_output
 from deepinfer_engine.progress import GenerateProgress
 from deepinfer_engine.request import FinishReason, RequestStatus
 from deepinfer_engine.scheduler import Scheduler
-from deepinfer_engine.startup import describe, size_engine
+from deepinfer_engine.startup import describe, describe_prompt_attention, size_engine
 from deepinfer_engine.tokenizer import Tokenizer
 from deepinfer_model.deepseek_v41.expert_parallel import ExpertParallelMoE
 from deepinfer_parallel.groups import RankGroup
@@ -147,6 +147,8 @@ class Engine:
         )
         _log_to_stderr_unless_configured()
         logger.info(describe(config, sizing, cache_bytes, text.max_position_embeddings))
+        if device.type == "cuda":
+            logger.info(describe_prompt_attention(args, env["DEEPINFER_BATCH_INVARIANT"], device))
         # Measured before the cache is allocated: the measurement runs on a temporary cache of its own.
         verify_cost = decode_cost_curve(self.model, args, env, config) if config.mtp_varlen else None
         state = self.model.allocate_state(

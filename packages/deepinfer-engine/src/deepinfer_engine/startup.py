@@ -14,7 +14,8 @@ the block count from them):
   to what `max_num_seqs` needs) and the step profiled again, so that default arguments start whenever the weights
   fit.
 
-`describe` is the line the engine logs about what it chose.
+`describe` is the line the engine logs about what it chose; on CUDA `describe_prompt_attention` adds which kernel
+runs the attention of prompt chunks, and why not FlashMLA where it does not.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from deepinfer_engine.engine_args import (
 from deepinfer_engine.envs import EnvSettings
 from deepinfer_engine.model_runner import ModelRunner
 from deepinfer_engine.outputs import ScheduledRequest, SchedulerOutput
+from deepinfer_kernels.vendor_attention import vendor_attention_unavailable
 from deepinfer_model.deepseek_v41.model import DeepseekV41ForCausalLM
 from deepinfer_sampling import SamplingParams
 
@@ -216,3 +218,19 @@ def describe(config: EngineConfig, sizing: EngineSizing, cache_bytes: int, max_p
         f"{config.num_blocks} blocks x {config.cache.block_size} tokens and {config.cache.num_state_slots} state "
         f"slots ({cache_bytes / _GIB:.2f} GiB) from {sizing.source}"
     )
+
+
+def describe_prompt_attention(args: EngineArgs, batch_invariant: bool, device: torch.device) -> str:
+    """The start-up line on which kernel runs the attention of prompt chunks (docs/design/kernels.md, "FlashMLA sparse
+    prefill")."""
+    ours = "prompt attention: the package's kernels"
+    if not args.flashmla:
+        return f"{ours} (flashmla=False)"
+    if args.precision != "exact":
+        return f"{ours} (FlashMLA takes the exact precision only, not {args.precision!r})"
+    if batch_invariant:
+        return f"{ours} (the batch-invariant mode never takes FlashMLA)"
+    reason = vendor_attention_unavailable(device)
+    if reason is not None:
+        return f"{ours} (FlashMLA unavailable: {reason})"
+    return "prompt attention: FlashMLA's sparse prefill for chunks of its size, the package's kernels elsewhere"

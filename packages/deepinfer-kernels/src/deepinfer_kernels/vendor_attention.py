@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 
-from deepinfer_kernels.mode_flag import ModeFlag
+import torch
 
-__all__ = ["vendor_attention", "vendor_attention_requested"]
+from deepinfer_kernels.mode_flag import ModeFlag
+from deepinfer_kernels.platform import Accelerator, current_accelerator
+
+__all__ = ["vendor_attention", "vendor_attention_requested", "vendor_attention_unavailable"]
 
 _VENDOR_ATTENTION = ModeFlag("vendor_attention")
 
@@ -26,3 +29,13 @@ def vendor_attention(enabled: bool = True) -> AbstractContextManager[None]:
     """Let ``sparse_attention`` use FlashMLA's sparse prefill kernel in the body where it fits (a no-op when
     ``enabled`` is false)."""
     return _VENDOR_ATTENTION.scope(enabled)
+
+
+def vendor_attention_unavailable(device: torch.device) -> str | None:
+    """Why ``vendor_attention()`` would change nothing on ``device``, or None when FlashMLA can take its prompt-sized
+    calls there (the start-up line of the engine says which)."""
+    if device.type != "cuda" or current_accelerator() is not Accelerator.NVIDIA:
+        return f"no vendor attention kernel for {device.type} devices on the {current_accelerator().value} backend"
+    from deepinfer_kernels.cuda import flashmla
+
+    return flashmla.unavailable_reason(device.index)

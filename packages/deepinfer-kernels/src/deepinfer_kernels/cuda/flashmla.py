@@ -27,7 +27,7 @@ from deepinfer_kernels.cache_layout import KeySource
 from deepinfer_kernels.row_formats import decode_rows
 from deepinfer_kernels.vendor_attention import vendor_attention_requested
 
-__all__ = ["MIN_QUERIES", "available", "fits", "key_table", "sparse_attention", "takes"]
+__all__ = ["MIN_QUERIES", "available", "fits", "key_table", "sparse_attention", "takes", "unavailable_reason"]
 
 # Prompt-sized calls only: decode steps (CUDA graphs; the split path's bits) keep the package's kernels, and below
 # about a thousand queries the table's decoding and the host sync would eat what the kernel saves.
@@ -43,20 +43,36 @@ WHOLE_POOL_ROWS_PER_QUERY = 2
 
 
 @functools.cache
-def _flash_mla(device_index: int) -> ModuleType | None:
-    """The ``flash_mla`` module when it imports and the device is SM90 (the legacy kernels' only target)."""
-    if torch.cuda.get_device_capability(device_index) != (9, 0):
-        return None
+def _load(device_index: int) -> tuple[ModuleType | None, str]:
+    """The ``flash_mla`` module when it imports and the device is SM90 (the legacy kernels' only target), else None
+    and why not."""
+    capability = torch.cuda.get_device_capability(device_index)
+    if capability != (9, 0):
+        return None, f"cuda:{device_index} is SM{capability[0]}{capability[1]}; its legacy kernels run on SM90 only"
     try:
         import flash_mla
-    except ImportError:
-        return None
-    return flash_mla
+    # A wheel built against another torch fails with more than ImportError (undefined symbols, OSError); FlashMLA is
+    # optional, so any import failure means the package's kernels, with the reason logged by the engine.
+    except Exception as error:
+        return None, f"flash_mla does not import ({type(error).__name__}: {error}); pip install --no-deps sgl-flash-mla"
+    return flash_mla, ""
+
+
+def _flash_mla(device_index: int) -> ModuleType | None:
+    return _load(device_index)[0]
+
+
+def unavailable_reason(device_index: int | None = None) -> str | None:
+    """Why FlashMLA cannot run on the CUDA device (default: the current one), or None when it can."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    module, reason = _load(torch.cuda.current_device() if device_index is None else device_index)
+    return None if module is not None else reason
 
 
 def available() -> bool:
     """Whether the current CUDA device is SM90 and ``flash_mla`` imports (tests and benchmarks skip without it)."""
-    return torch.cuda.is_available() and _flash_mla(torch.cuda.current_device()) is not None
+    return unavailable_reason() is None
 
 
 def takes(q: torch.Tensor, sink: torch.Tensor, round_probs_bf16: bool) -> bool:
