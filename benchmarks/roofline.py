@@ -23,8 +23,8 @@
    docs/design/kernels.md, "Branch streams"; on by default, as in the engine; "branch_streams",
    "branch_streams_change"), and `--flashmla` for FlashMLA's sparse prefill (`EngineArgs.flashmla`;
    docs/design/kernels.md, "FlashMLA sparse prefill"; on by default, as in the engine; prefill points only, decode
-   never takes it; "flashmla", "flashmla_change"). Each mode's change compares points with the other modes the same, and names the other modes
-   that were on ("64 +branch_streams").
+   never takes it; "flashmla", "flashmla_change"). Each mode's change compares points with the other modes the
+   same, and names the other modes that were on ("64 +branch_streams").
 
 Points run in that order. Each point's ratio is step / floor; the records are sorted at the end. A point that would
 end past `--deadline-s` is skipped; the JSON is rewritten after every point, so a run that is stopped keeps what it
