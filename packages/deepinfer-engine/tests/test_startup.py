@@ -95,10 +95,10 @@ def test_the_engine_says_what_it_chose(tmp_path: Path, caplog: pytest.LogCapture
 
 def test_the_prompt_attention_line_says_why_not_flashmla() -> None:
     cpu = torch.device("cpu")
-    assert describe_prompt_attention(EngineArgs(flashmla=False), False, cpu).endswith("(flashmla=False)")
-    assert "not 'fp32'" in describe_prompt_attention(EngineArgs(precision="fp32"), False, cpu)
-    assert "batch-invariant" in describe_prompt_attention(EngineArgs(), True, cpu)
-    line = describe_prompt_attention(EngineArgs(), False, cpu)
+    assert describe_prompt_attention(EngineArgs(flashmla=False), False, cpu, 64, 512).endswith("(flashmla=False)")
+    assert "not 'fp32'" in describe_prompt_attention(EngineArgs(precision="fp32"), False, cpu, 64, 512)
+    assert "batch-invariant" in describe_prompt_attention(EngineArgs(), True, cpu, 64, 512)
+    line = describe_prompt_attention(EngineArgs(), False, cpu, 64, 512)
     assert line.startswith("prompt attention: the package's kernels (FlashMLA unavailable:") and "cpu" in line
 
 

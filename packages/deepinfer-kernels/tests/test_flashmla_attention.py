@@ -18,6 +18,7 @@ import torch
 import deepinfer_kernels as dk
 from deepinfer_kernels._registry import Backend, implementation
 from deepinfer_kernels.batch_invariant import batch_invariant_ops
+from deepinfer_kernels.platform import Accelerator
 from deepinfer_kernels.testing import attention_error
 from deepinfer_kernels.vendor_attention import vendor_attention, vendor_attention_unavailable
 
@@ -86,8 +87,11 @@ def test_unavailable_names_the_device_or_the_import_failure(
     assert flashmla._flash_mla(2) is None
 
 
-def test_off_cuda_vendor_attention_says_why_it_changes_nothing() -> None:
-    assert "cpu devices" in vendor_attention_unavailable(torch.device("cpu"))
+def test_vendor_attention_says_why_it_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert "cpu devices" in vendor_attention_unavailable(torch.device("cpu"), 64, 512)
+    monkeypatch.setattr("deepinfer_kernels.vendor_attention.current_accelerator", lambda: Accelerator.NVIDIA)
+    reason = vendor_attention_unavailable(torch.device("cuda"), 8, 64)
+    assert reason == "its kernel takes 64 or 128 heads of 512; this model has 8 of 64"
 
 
 def test_the_key_table_holds_every_source_and_pads_to_whole_blocks() -> None:

@@ -148,7 +148,10 @@ class Engine:
         _log_to_stderr_unless_configured()
         logger.info(describe(config, sizing, cache_bytes, text.max_position_embeddings))
         if device.type == "cuda":
-            logger.info(describe_prompt_attention(args, env["DEEPINFER_BATCH_INVARIANT"], device))
+            prompt_attention = describe_prompt_attention(
+                args, env["DEEPINFER_BATCH_INVARIANT"], device, text.num_attention_heads, text.head_dim
+            )
+            logger.info(prompt_attention)
         # Measured before the cache is allocated: the measurement runs on a temporary cache of its own.
         verify_cost = decode_cost_curve(self.model, args, env, config) if config.mtp_varlen else None
         state = self.model.allocate_state(

@@ -220,9 +220,11 @@ def describe(config: EngineConfig, sizing: EngineSizing, cache_bytes: int, max_p
     )
 
 
-def describe_prompt_attention(args: EngineArgs, batch_invariant: bool, device: torch.device) -> str:
-    """The start-up line on which kernel runs the attention of prompt chunks (docs/design/kernels.md, "FlashMLA sparse
-    prefill")."""
+def describe_prompt_attention(
+    args: EngineArgs, batch_invariant: bool, device: torch.device, heads: int, head_dim: int
+) -> str:
+    """The start-up line on which kernel runs the attention of prompt chunks of a model with ``heads`` query heads of
+    ``head_dim`` (docs/design/kernels.md, "FlashMLA sparse prefill")."""
     ours = "prompt attention: the package's kernels"
     if not args.flashmla:
         return f"{ours} (flashmla=False)"
@@ -230,7 +232,7 @@ def describe_prompt_attention(args: EngineArgs, batch_invariant: bool, device: t
         return f"{ours} (FlashMLA takes the exact precision only, not {args.precision!r})"
     if batch_invariant:
         return f"{ours} (the batch-invariant mode never takes FlashMLA)"
-    reason = vendor_attention_unavailable(device)
+    reason = vendor_attention_unavailable(device, heads, head_dim)
     if reason is not None:
         return f"{ours} (FlashMLA unavailable: {reason})"
-    return "prompt attention: FlashMLA's sparse prefill for chunks of its size, the package's kernels elsewhere"
+    return "prompt attention: FlashMLA's sparse prefill for prompt-sized chunks, the package's kernels elsewhere"

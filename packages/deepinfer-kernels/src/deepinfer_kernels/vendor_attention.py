@@ -31,11 +31,14 @@ def vendor_attention(enabled: bool = True) -> AbstractContextManager[None]:
     return _VENDOR_ATTENTION.scope(enabled)
 
 
-def vendor_attention_unavailable(device: torch.device) -> str | None:
-    """Why ``vendor_attention()`` would change nothing on ``device``, or None when FlashMLA can take its prompt-sized
-    calls there (the start-up line of the engine says which)."""
+def vendor_attention_unavailable(device: torch.device, heads: int, head_dim: int) -> str | None:
+    """Why ``vendor_attention()`` would change nothing for attention of ``heads`` query heads of ``head_dim`` on
+    ``device``, or None when FlashMLA can take its prompt-sized calls (the start-up line of the engine says which)."""
     if device.type != "cuda" or current_accelerator() is not Accelerator.NVIDIA:
         return f"no vendor attention kernel for {device.type} devices on the {current_accelerator().value} backend"
     from deepinfer_kernels.cuda import flashmla
 
+    if heads not in flashmla.HEADS or head_dim != flashmla.WIDTH:
+        allowed = " or ".join(str(h) for h in flashmla.HEADS)
+        return f"its kernel takes {allowed} heads of {flashmla.WIDTH}; this model has {heads} of {head_dim}"
     return flashmla.unavailable_reason(device.index)
