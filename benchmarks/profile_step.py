@@ -23,7 +23,9 @@ of a fused kernel's dispatch glue shows under deepinfer_kernels), on the CPU the
 it writes in place or returns new memory (not a view, not a conversion or reshape that had nothing to do); composite
 ops count once under their own name (matmul, einsum). The same pass lists every line that makes the host wait for
 the device ("host reads"): an op with device inputs that returns CPU data or a Python number (`.item()`, `bool()`, a
-copy back), or whose output size depends on the data (`nonzero`, `unique`, ...).
+copy back), or whose output size depends on the data (`nonzero`, `unique`, ...). On CUDA it also lists the waits
+that happened ("device waits", torch's sync debug mode): each line and op where the host blocked on the device,
+those inside an op's own C++ (a vendor kernel's wrapper reading a count) included, which the prediction cannot see.
 
 Prints a table last and writes JSON (default benchmarks/results/profile_step-<device>.json).
 
@@ -35,10 +37,13 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import pathlib
 import sys
+import warnings
 from collections import Counter, defaultdict
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -164,21 +169,51 @@ def cpu_op_counts(events: list[Any]) -> dict[str, list[float]]:
 
 
 class _SiteCounter(TorchDispatchMode):
-    """Counts the aten ops that compute something by (innermost line under a package's ``src``, op)."""
+    """Counts the aten ops that compute something by (innermost line under a package's ``src``, op), the predicted
+    host reads the same way, and (:meth:`record_wait`) the observed device waits under the op that caused each."""
 
     def __init__(self) -> None:
         super().__init__()
         self.counts: Counter[tuple[str, str]] = Counter()
         self.host_reads: Counter[tuple[str, str]] = Counter()
+        self.device_waits: Counter[tuple[str, str]] = Counter()
+        self._ops: list[str] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        out = func(*args, **(kwargs or {}))
         name = func._schema.name
+        self._ops.append(name)
+        try:
+            out = func(*args, **(kwargs or {}))
+        finally:
+            self._ops.pop()
         if name not in VIEW_OPS and _computes(name, (args, kwargs), out):
             self.counts[(_package_line(), name)] += 1
         if reads_device_on_host(name, (args, kwargs), out):
             self.host_reads[(_package_line(), name)] += 1
         return out
+
+    def record_wait(self) -> None:
+        """One device wait, at the current package line, under the aten op being run (``<no op>`` outside any)."""
+        self.device_waits[(_package_line(), self._ops[-1] if self._ops else "<no op>")] += 1
+
+
+@contextlib.contextmanager
+def device_waits(counter: _SiteCounter) -> Iterator[None]:
+    """Reports every synchronizing CUDA call to ``counter.record_wait`` (torch's sync debug mode, as warnings)."""
+
+    def show(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+        if "synchronizing" in str(message):
+            counter.record_wait()
+
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
 
 
 def reads_device_on_host(name: str, inputs: Any, out: Any) -> bool:
@@ -214,18 +249,20 @@ def _package_line() -> str:
     return "<outside the packages>"
 
 
-def launch_sites(model: Any, step: Any, state: Any, steps: int) -> tuple[list[dict], list[dict]]:
-    """Aten ops per step by (package source line, op), most first (``--sites``), and the host reads of device data
-    per step by the same key."""
+def launch_sites(model: Any, step: Any, state: Any, steps: int, device: torch.device) -> dict[str, list[dict]]:
+    """Per step, by (package source line, op), most first: the aten ops (``sites``, for ``--sites``), the predicted
+    host reads of device data (``host_reads``) and, on CUDA, the observed device waits (``device_waits``)."""
     counter = _SiteCounter()
-    with torch.inference_mode(), counter:
+    waits = device_waits(counter) if device.type == "cuda" else contextlib.nullcontext()
+    with torch.inference_mode(), counter, waits:
         for _ in range(steps):
             model(step, state)
 
     def rows(counts: Counter[tuple[str, str]]) -> list[dict]:
         return [{"site": site, "op": op, "calls_per_step": calls / steps} for (site, op), calls in counts.most_common()]
 
-    return rows(counter.counts), rows(counter.host_reads)
+    found = {"sites": rows(counter.counts), "host_reads": rows(counter.host_reads)}
+    return found | ({"device_waits": rows(counter.device_waits)} if device.type == "cuda" else {})
 
 
 def profile_point(
@@ -250,7 +287,7 @@ def profile_point(
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
     events = list(prof.events())
-    site_rows, host_reads = launch_sites(model, step, state, steps) if sites else ([], [])
+    found = launch_sites(model, step, state, steps, device) if sites else {}
     if device.type == "cuda":
         table, copies = _cuda_counts(events)
         timeline = _cuda_timeline(events)
@@ -270,20 +307,17 @@ def profile_point(
         "top": [
             {"name": name, "calls_per_step": calls / steps, "us_per_step": us / steps} for name, (calls, us) in top
         ],
-        **({"sites": site_rows[:sites], "host_reads": host_reads} if sites else {}),
+        **({**found, "sites": found["sites"][:sites]} if sites else {}),
     }
 
 
 def print_table(points: list[dict], top: int) -> None:
     for point in points:
         if point.get("sites"):
-            print(f"\n{_label(point)}: the source lines calling the most aten ops a step")
-            print(f"{'calls':>7}  {'op':<24} site")
-            for entry in point["sites"]:
-                print(f"{entry['calls_per_step']:>7.1f}  {entry['op'][6:]:<24} {entry['site']}")
-            print(f"\n{_label(point)}: host reads of device data a step")
-            for entry in point["host_reads"]:
-                print(f"{entry['calls_per_step']:>7.1f}  {entry['op'][6:]:<24} {entry['site']}")
+            _print_site_rows(f"{_label(point)}: the source lines calling the most aten ops a step", point["sites"])
+            for key, title in (("host_reads", "host reads of device data"), ("device_waits", "device waits")):
+                if key in point:
+                    _print_site_rows(f"{_label(point)}: {title} a step", point[key])
         print(f"\n{_label(point)}: top {top} {point['unit']} by total time per step")
         print(f"{'calls':>7} {'us':>10}  name")
         for entry in point["top"][:top]:
@@ -298,6 +332,13 @@ def print_table(points: list[dict], top: int) -> None:
             row += [f"{point['span_us_per_step']:.0f}", f"{idle:.0f}"]
             row += [f"{point['dtoh_copies_per_step']:.1f}", f"{point['sync_calls_per_step']:.1f}"]
         print(" ".join(f"{cell:>{width}}" for cell, width in zip(row, widths, strict=False)))
+
+
+def _print_site_rows(title: str, rows: list[dict]) -> None:
+    print(f"\n{title}")
+    print(f"{'calls':>7}  {'op':<24} site")
+    for entry in rows:
+        print(f"{entry['calls_per_step']:>7.1f}  {entry['op'].removeprefix('aten::'):<24} {entry['site']}")
 
 
 def _label(point: dict) -> str:

@@ -48,3 +48,20 @@ def test_a_cpu_decode_profile_lists_sites_and_no_host_reads(profile_step):
     assert point["unit"] == "aten ops" and point["launches_per_step"] > 0
     assert 0 < len(point["sites"]) <= 3 and point["host_reads"] == []
     assert "span_us_per_step" not in point
+
+
+def test_device_waits_are_counted_from_sync_debug_warnings(profile_step, monkeypatch):
+    """The counting, not torch's detection: the sync debug mode is a CUDA setting, recorded here instead."""
+    import warnings
+
+    modes = [0]
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: modes[-1])
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    counter = profile_step._SiteCounter()
+    with profile_step.device_waits(counter):
+        assert modes[-1] == "warn"
+        warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
+        warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
+        warnings.warn("something else", UserWarning, stacklevel=1)
+    assert counter.device_waits == {("<outside the packages>", "<no op>"): 2}
+    assert modes[-1] == 0  # restored
