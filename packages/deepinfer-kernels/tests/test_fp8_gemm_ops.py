@@ -231,3 +231,21 @@ def test_swap_bf16_fp8_split_k_adds_its_chunks_in_order(triton_device: str, k: i
     implementation("fp8_block_gemm", Backend.REFERENCE)(x, w_q, w_scale, ref)
     w_hat = dk.dequantize_fp8_block(w_q, w_scale, out_dtype=torch.float32)
     assert_gemm_close(together.to(torch.bfloat16), ref, abs_product(dequantized_activation(x), w_hat), k)
+
+
+@pytest.mark.parametrize("before", [True, False])
+def test_fp32_split_k_sums_turns_bf16_reductions_off_and_restores_the_flag(before: bool) -> None:
+    from deepinfer_kernels.cuda.dequantized_gemm import fp32_split_k_sums
+
+    matmul = torch.backends.cuda.matmul
+    saved = matmul.allow_bf16_reduced_precision_reduction
+    matmul.allow_bf16_reduced_precision_reduction = before
+    try:
+        with fp32_split_k_sums():
+            assert matmul.allow_bf16_reduced_precision_reduction is False
+        assert matmul.allow_bf16_reduced_precision_reduction is before
+        with pytest.raises(RuntimeError), fp32_split_k_sums():
+            raise RuntimeError("a failing GEMM")
+        assert matmul.allow_bf16_reduced_precision_reduction is before
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction = saved

@@ -188,6 +188,23 @@ def test_bf16_fp8_gemms_meet_the_fp32_bound(m: int, cfg: BlockConfig) -> None:
     _check_grouped_wo_a(m, (m + 43, m + 44, m + 45), config=cfg)
 
 
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_dequantized_bf16_split_k_sums_stay_fp32(m: int) -> None:
+    """Few rows over a long K is where cuBLAS splits K: its partial sums must be added in FP32 although the output is
+    BF16 (``fp32_split_k_sums``), with torch's default (reduced-precision reductions allowed) in force around it."""
+    k, n = 16384, 1024
+    assert torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+    x = torch.randn((m, k), generator=_generator(m + 70), device="cuda").to(torch.bfloat16)
+    w_q = (_bytes((n, k), seed=m + 71) & 0xF7).view(torch.float8_e4m3fn)
+    w_scale = _bytes((n // 32, k // 32), m + 72, 118, 127).view(torch.float8_e8m0fnu)
+    fast = torch.zeros(m, n, dtype=torch.bfloat16, device="cuda")
+    implementation("fp8_block_gemm", Backend.NVIDIA)(x, w_q, w_scale, fast, config=_DEQUANT_BF16)
+    ref = _run("fp8_block_gemm", Backend.REFERENCE, m, n, x, w_q, w_scale)
+    w_hat = dk.dequantize_fp8_block(w_q, w_scale, out_dtype=torch.float32)
+    assert_gemm_close(fast, ref, abs_product(dequantized_activation(x), w_hat), k, what="dequant_bf16")
+    assert torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction  # restored
+
+
 def test_swap_bf16_fp8_rows_keep_their_bits_in_every_tile() -> None:
     """Whether ``swap_bf16`` FP8 tiles could serve the batch-invariant mode: with K in the weight shape's chunks, a
     row's FP32 sums are the same bits alone in a 16-row tile and among 300 rows in split 16- and 64-row tiles of 64

@@ -3,10 +3,13 @@
 
 Both operands go to BF16 by the Triton dequantizers of ``cuda.quant``: an e4m3 value has 4 significant bits and its
 UE8M0 factor is a power of two, so ``x̂`` and ``Ŵ`` are BF16 numbers, exactly (the scale-byte assumption of
-``cuda.gemm``). One cuBLAS BF16 GEMM with FP32 accumulation and an FP32 result (``out_dtype``, so no reduced-precision
-split-K reduction) multiplies them; the result is rounded once to the output's dtype. The products are exact and the
-sums FP32, so the contract is the other decodings' (only the FP32 summation order differs from the reference); unlike
-``group_fp8`` no sum passes through the FP8 tensor cores' 13-bit accumulator.
+``cuda.gemm``). One cuBLAS BF16 GEMM with FP32 accumulation multiplies them and writes the output in its own dtype,
+each element rounded once. cuBLAS may split K and, by default, add the partial sums in the output's dtype (BF16):
+the GEMM runs with ``allow_bf16_reduced_precision_reduction`` off (``fp32_split_k_sums``), which keeps those sums
+FP32, so no FP32 result has to be written, read and rounded by a copy after it (that copy took about 8 ms of an 8K
+prefill on an H100). The products are exact and the sums FP32, so the contract is the other decodings' (only the FP32
+summation order differs from the reference); unlike ``group_fp8`` no sum passes through the FP8 tensor cores'
+13-bit accumulator.
 
 What it costs beyond the GEMM: the weight is read as FP8 and written and read again as BF16 (5 bytes an element
 instead of 1), which only many rows per weight (prefill) repay, and the two BF16 copies live for the call.
@@ -17,11 +20,27 @@ Under ``TRITON_INTERPRET=1`` (CPU tensors) the BF16 operands are widened to FP32
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 from deepinfer_kernels.cuda import quant
 
-__all__ = ["bf16_product", "dequantized_activation", "quantized_value_activation"]
+__all__ = ["bf16_product", "dequantized_activation", "fp32_split_k_sums", "quantized_value_activation"]
+
+
+@contextlib.contextmanager
+def fp32_split_k_sums() -> Iterator[None]:
+    """cuBLAS GEMMs with BF16 output whose split-K partial sums are added in FP32, not BF16, for the block (the
+    process-wide flag is restored after; the model runs on one host thread)."""
+    matmul = torch.backends.cuda.matmul
+    previous = matmul.allow_bf16_reduced_precision_reduction
+    matmul.allow_bf16_reduced_precision_reduction = False
+    try:
+        yield
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction = previous
 
 
 def _fp32_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -30,6 +49,18 @@ def _fp32_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         product = torch.mm if a.dim() == 2 else torch.bmm
         return product(a, b, out_dtype=torch.float32)
     return torch.matmul(a.float(), b.float())
+
+
+def _product_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = a @ b`` (2-D BF16 operands, out bf16 or fp32) summed in FP32 and rounded once into ``out``."""
+    direct = a.device.type == "cuda" and out.is_contiguous()
+    if direct and out.dtype == torch.float32:
+        torch.mm(a, b, out_dtype=torch.float32, out=out)
+    elif direct and out.dtype == torch.bfloat16:
+        with fp32_split_k_sums():
+            torch.mm(a, b, out=out)
+    else:
+        out.copy_(_fp32_product(a, b))
 
 
 def dequantized_activation(q: torch.Tensor, q_scale: torch.Tensor) -> torch.Tensor:
@@ -56,7 +87,7 @@ def bf16_product(x_hat: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, 
     w_hat = torch.empty(w_q.shape, dtype=torch.bfloat16, device=w_q.device)
     quant.dequantize_fp8_block(w_q, w_scale, w_hat)
     if groups == 1:
-        out.copy_(_fp32_product(x_hat, w_hat.t()))
+        _product_into(x_hat, w_hat.t(), out)
         return
     per_group = n // groups
     # [G, M, K] x [G, K, N/G]: strided views of the row-major copies, no gather.
