@@ -80,9 +80,24 @@ def test_ring_tail_of_each_ring_size_is_its_own() -> None:
         mask = meta.ring_write_tokens(ring)
         assert torch.equal(rows, meta.ring_rows(meta.token_request[mask], meta.positions[mask], ring))
         if ring < 3:
-            assert keep is not None and torch.equal(keep, mask)
+            assert keep is not None and torch.equal(keep, torch.nonzero(mask).squeeze(1))
         else:
             assert keep is None
+
+
+def test_ring_write_indices_are_the_mask_s_tokens_on_every_path() -> None:
+    """The sync-free indices of a uniform step, and the mask's of a ragged or floored one, name the same tokens."""
+    table = torch.arange(9, dtype=torch.int32).view(3, 3)
+    uniform = _chunk_meta()
+    ragged = StepMetadata.from_batch(
+        ForwardBatch.for_requests([[1, 2, 3, 4, 5], [6], [7, 8]], [9, 4, 2], table, [0, 1, 2])
+    )
+    floored = dataclasses.replace(uniform, window_floor=uniform.q_start + 2, floor_stores=True)
+    for meta in (uniform, ragged, floored):
+        for ring in (1, 2, 3, 6):
+            indices = meta.ring_write_indices(ring)
+            assert indices.dtype == torch.int64
+            assert torch.equal(indices, torch.nonzero(meta.ring_write_tokens(ring)).squeeze(1)), (meta, ring)
 
 
 def _model(truncation: str) -> DeepseekV41ForCausalLM:

@@ -149,18 +149,34 @@ class StepMetadata:
         """Flat ring rows the step stores (docs/design/cache.md, "Rings") and which tokens they hold.
 
         Returns:
-            ``(rows [N] int64, keep)``: ``keep`` is the [T] bool mask of ``ring_write_tokens`` (then the rows belong
-            to ``tokens[keep]``), or None when no query is longer than the ring, so every token is its request's
-            ring tail and ``rows`` has one entry per token (no data-dependent shape). Built once per ring size
-            (``memo``): the window rings of every layer and the DSpark rings store the same rows.
+            ``(rows [N] int64, keep)``: ``keep`` is the [N] int64 index of the ``ring_write_tokens`` (then the rows
+            belong to ``tokens[keep]``; ``ring_write_indices``), or None when no query is longer than the ring, so
+            every token is its request's ring tail and ``rows`` has one entry per token (no data-dependent shape).
+            Built once per ring size (``memo``): the window rings of every layer and the DSpark rings store the same
+            rows.
         """
         return self.memo.get(("ring_tail", ring_size), lambda: self._ring_tail(ring_size))
 
     def _ring_tail(self, ring_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.max_query_len <= ring_size:
             return self._token_ring_rows(self.token_request, self.positions, ring_size), None
-        keep = self.ring_write_tokens(ring_size)
+        keep = self.ring_write_indices(ring_size)
         return self._token_ring_rows(self.token_request[keep], self.positions[keep], ring_size), keep
+
+    def ring_write_indices(self, ring_size: int) -> torch.Tensor:
+        """[N] int64, ascending: the tokens of ``ring_write_tokens``.
+
+        A uniform step with no floor keeps the last ``min(max_query_len, ring_size)`` tokens of every request, a
+        count the host knows, so the indices are built with no device sync (a long prompt's chunk: the host would
+        otherwise wait for the device once per layer that stores a ring). Otherwise they come from the mask, one
+        sync.
+        """
+        if self.is_uniform and not (self.floor_stores and self.window_floor is not None):
+            per_request, kept = self.max_query_len, min(self.max_query_len, ring_size)
+            device = self.positions.device
+            first = torch.arange(int(self.q_len.shape[0]), device=device) * per_request + (per_request - kept)
+            return (first[:, None] + torch.arange(kept, device=device)).flatten()
+        return torch.nonzero(self.ring_write_tokens(ring_size)).squeeze(1)
 
     def _token_ring_rows(self, request: torch.Tensor, position: torch.Tensor, ring_size: int) -> torch.Tensor:
         # ring_rows of positions the step computes (each below its request's context), in one launch on NVIDIA.
