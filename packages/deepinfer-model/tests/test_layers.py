@@ -331,6 +331,17 @@ def test_engram_lookup_gathers_the_rows_of_the_reference_hash() -> None:
     assert table_rows(torch.tensor([[5, 7, 2]]), a0, 4).tolist() == [[645, 1023, 2832, 3808]]
 
 
+def test_engram_multipliers_follow_the_module_to_another_device() -> None:
+    """A module moved after a call (the CPU model then ``.cuda()``) hashes with multipliers on its new device."""
+    from _layered_model_support import tiny_model
+
+    engram = next(block.engram for block in tiny_model(ComputeMode.EXACT).layers if block.engram is not None)
+    on_cpu = engram.multipliers(1000)
+    assert on_cpu.device.type == "cpu" and engram.multipliers(1000) is on_cpu
+    moved = engram.to("meta").multipliers(1000)
+    assert moved.device.type == "meta" and moved.shape == on_cpu.shape
+
+
 @pytest.mark.parametrize("seed", [0, 1, 20014, 140098, 2**40 + 5])
 def test_pcg64_bounded_integers_match_numpy(seed: int) -> None:
     import numpy as np

@@ -113,14 +113,16 @@ class Engram(nn.Module):
         self.k_weight = make_parameter((cfg.hc_mult, cfg.hidden_size), torch.bfloat16)
         self.register_buffer("sizes", torch.tensor(sizes, dtype=torch.int64), persistent=False)
         self.register_buffer("offsets", torch.tensor(offsets, dtype=torch.int64), persistent=False)
-        self._multipliers: dict[int, torch.Tensor] = {}
+        self._multipliers: dict[tuple[int, torch.device], torch.Tensor] = {}
 
     def multipliers(self, num_compressed: int) -> torch.Tensor:
-        """Hash multipliers for a compressed vocabulary of ``num_compressed`` ids (computed once). Returns [N_g]."""
-        cached = self._multipliers.get(num_compressed)
+        """Hash multipliers for a compressed vocabulary of ``num_compressed`` ids, on the module's device (computed
+        once per device: a module moved after a call must not keep the old device's copy). Returns [N_g]."""
+        key = (num_compressed, self.sizes.device)
+        cached = self._multipliers.get(key)
         if cached is None:
             cached = hash_multipliers(self.layer_id, num_compressed, self.max_ngram).to(self.sizes.device)
-            self._multipliers[num_compressed] = cached
+            self._multipliers[key] = cached
         return cached
 
     def project(self, rows: torch.Tensor, vocab: EngramVocab) -> torch.Tensor:
