@@ -43,24 +43,18 @@ def fp32_split_k_sums() -> Iterator[None]:
         matmul.allow_bf16_reduced_precision_reduction = previous
 
 
-def _fp32_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` of BF16 operands (2-D, or 3-D batched) summed and returned in FP32."""
-    if a.device.type == "cuda":
-        product = torch.mm if a.dim() == 2 else torch.bmm
-        return product(a, b, out_dtype=torch.float32)
-    return torch.matmul(a.float(), b.float())
-
-
 def _product_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-    """``out = a @ b`` (2-D BF16 operands, out bf16 or fp32) summed in FP32 and rounded once into ``out``."""
-    direct = a.device.type == "cuda" and out.is_contiguous()
-    if direct and out.dtype == torch.float32:
-        torch.mm(a, b, out_dtype=torch.float32, out=out)
-    elif direct and out.dtype == torch.bfloat16:
-        with fp32_split_k_sums():
-            torch.mm(a, b, out=out)
+    """``out = a @ b`` of BF16 operands (2-D, or 3-D batched) summed in FP32 and rounded once into ``out`` (bf16 or
+    fp32, any strides: ATen hands cuBLAS a strided output as it is where its layout allows, else a copy of it)."""
+    if a.device.type == "cuda" and out.dtype in (torch.float32, torch.bfloat16):
+        product = torch.mm if a.dim() == 2 else torch.bmm
+        if out.dtype == torch.float32:
+            product(a, b, out_dtype=torch.float32, out=out)
+        else:
+            with fp32_split_k_sums():
+                product(a, b, out=out)
     else:
-        out.copy_(_fp32_product(a, b))
+        out.copy_(torch.matmul(a.float(), b.float()))
 
 
 def dequantized_activation(q: torch.Tensor, q_scale: torch.Tensor) -> torch.Tensor:
@@ -90,6 +84,9 @@ def bf16_product(x_hat: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, 
         _product_into(x_hat, w_hat.t(), out)
         return
     per_group = n // groups
-    # [G, M, K] x [G, K, N/G]: strided views of the row-major copies, no gather.
-    sums = _fp32_product(x_hat.view(m, groups, k).transpose(0, 1), w_hat.view(groups, per_group, k).transpose(1, 2))
-    out.view(m, groups, per_group).copy_(sums.transpose(0, 1))
+    # [G, M, K] x [G, K, N/G] into [G, M, N/G]: strided views of the row-major copies and of out, no gather.
+    _product_into(
+        x_hat.view(m, groups, k).transpose(0, 1),
+        w_hat.view(groups, per_group, k).transpose(1, 2),
+        out.view(m, groups, per_group).transpose(0, 1),
+    )
