@@ -10,7 +10,10 @@ offset behind the window pool's) and times, on the same queries, keys and sink a
 - ``package``: ``deepinfer_kernels.sparse_attention`` (nvidia backend, exact mode: probabilities rounded to BF16
   against the final maximum, FP32 output);
 - ``flashmla``: ``flash_mla_sparse_fwd`` alone (the key table decoded beforehand);
-- ``flashmla+decode``: the pools' decoding into the BF16 table plus the call, what a model step would pay.
+- ``flashmla+decode``: the pools' decoding into the BF16 table plus the call;
+- ``flashmla+decode+copy`` and ``+widen``: that, and the BF16 output widened into an FP32 ``out`` by ATen's converting
+  copy (the path before the twenty-ninth session) or by ``cuda.flashmla.widen`` (the path now): what a model step
+  pays.
 
 FlashMLA's online softmax rounds each probability to BF16 against a running maximum and writes BF16, so it is
 compared with the reference by max |out − ref| / max |ref| and reported, not held to the package's bound. Times are
@@ -36,7 +39,7 @@ from kernels_gemm import time_us
 
 import deepinfer_kernels as dk
 from deepinfer_kernels._registry import Backend, implementation
-from deepinfer_kernels.cuda.flashmla import key_table
+from deepinfer_kernels.cuda.flashmla import key_table, widen
 
 
 def run_point(shape: dict[str, Any], queries: int, args: Any, flash_mla: Any) -> list[dict[str, Any]]:
@@ -61,9 +64,20 @@ def run_point(shape: dict[str, Any], queries: int, args: Any, flash_mla: Any) ->
         )
         return out
 
-    def run_flashmla_decoded() -> None:
+    def run_flashmla_decoded() -> torch.Tensor:
         table, rows = key_table(sources, queries)
-        flash_mla.flash_mla_sparse_fwd(q, table, rows, scale, d_v=shape["width"], attn_sink=sink, use_legacy=True)
+        out, _, _ = flash_mla.flash_mla_sparse_fwd(
+            q, table, rows, scale, d_v=shape["width"], attn_sink=sink, use_legacy=True
+        )
+        return out
+
+    wide = torch.empty(q.shape, dtype=torch.float32, device="cuda")
+
+    def run_flashmla_copied() -> None:
+        wide.copy_(run_flashmla_decoded())
+
+    def run_flashmla_widened() -> None:
+        widen(run_flashmla_decoded(), wide)
 
     run_package()
     flash_out = run_flashmla()
@@ -73,11 +87,18 @@ def run_point(shape: dict[str, Any], queries: int, args: Any, flash_mla: Any) ->
         "package": float((package_out[:check] - expected).abs().max()) / scale_ref,
         "flashmla": float((flash_out[:check].float() - expected).abs().max()) / scale_ref,
     }
-    errors["flashmla+decode"] = errors["flashmla"]
+    for name in ("flashmla+decode", "flashmla+decode+copy", "flashmla+decode+widen"):
+        errors[name] = errors["flashmla"]
     keys = sum(s.rows.shape[1] for s in sources)
     flops = 4 * q.shape[1] * q.shape[2] * keys * queries
     rows = []
-    variants = (("package", run_package), ("flashmla", run_flashmla), ("flashmla+decode", run_flashmla_decoded))
+    variants = (
+        ("package", run_package),
+        ("flashmla", run_flashmla),
+        ("flashmla+decode", run_flashmla_decoded),
+        ("flashmla+decode+copy", run_flashmla_copied),
+        ("flashmla+decode+widen", run_flashmla_widened),
+    )
     for name, fn in variants:
         ms = time_us([fn], args.repeats) / 1e3
         rows.append({"queries": queries, "name": name, "ms": ms, "tflops": flops / ms / 1e9, "error": errors[name]})
@@ -118,10 +139,10 @@ def main() -> None:
         f"{shape['compressed_format'].name} keys a query (TFLOP/s = 4·H·D·keys·queries / time; error: "
         "max |out − ref| / max |ref| on the first queries)"
     )
-    print(f"{'queries':>7} {'variant':<16} {'ms':>9} {'TFLOP/s':>8} {'x package':>9} {'error':>9}")
+    print(f"{'queries':>7} {'variant':<21} {'ms':>9} {'TFLOP/s':>8} {'x package':>9} {'error':>9}")
     for r in results:
         print(
-            f"{r['queries']:>7} {r['name']:<16} {r['ms']:>9.4f} {r['tflops']:>8.2f} "
+            f"{r['queries']:>7} {r['name']:<21} {r['ms']:>9.4f} {r['tflops']:>8.2f} "
             f"{r['time_ratio_to_package']:>9.3f} {r['error']:>9.2e}"
         )
 

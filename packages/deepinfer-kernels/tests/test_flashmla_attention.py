@@ -117,6 +117,27 @@ def test_the_key_table_holds_every_source_and_pads_to_whole_blocks() -> None:
     assert (indices[:, 0, wanted.shape[1] :] == -1).all()
 
 
+@pytest.mark.parametrize("shape", [(3, 5, 512), (1,), (4097,), (0, 64)])
+def test_widen_converts_the_kernel_s_bf16_output_exactly(triton_device: str, shape: tuple[int, ...]) -> None:
+    """FlashMLA's BF16 output widened into FP32: bitwise the conversion, a whole program, a partial last one, none;
+    non-finite values and signed zeros kept; non-contiguous operands through ATen; wrong dtypes or shapes refused."""
+    src = torch.randn(shape, generator=torch.Generator().manual_seed(len(shape))).to(torch.bfloat16)
+    if src.numel() >= 4:
+        src.view(-1)[:4] = torch.tensor([float("inf"), float("-inf"), -0.0, float("nan")])
+    src = src.to(triton_device)
+    out = torch.full(shape, 7.0, dtype=torch.float32, device=triton_device)
+    flashmla.widen(src, out)
+    assert torch.equal(out.view(torch.int32), src.float().view(torch.int32))
+    if src.dim() == 3:
+        strided = torch.empty((shape[0], shape[2], shape[1]), dtype=torch.float32, device=triton_device)
+        flashmla.widen(src, strided.transpose(1, 2))
+        assert torch.equal(strided.transpose(1, 2).view(torch.int32), src.float().view(torch.int32))
+    with pytest.raises(ValueError, match="bf16 into fp32"):
+        flashmla.widen(src.float(), out)
+    with pytest.raises(ValueError, match="bf16 into fp32"):
+        flashmla.widen(src, out.view(-1)[:-1] if out.numel() else out.view(-1, 1))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not flashmla.available(), reason="needs an SM90 GPU with flash_mla (the sgl-flash-mla wheel)")
 @pytest.mark.parametrize(

@@ -12,7 +12,12 @@ reads, found by ``torch.unique`` (a host sync, hence eager prompt-sized calls on
 What differs from the package's kernels: FlashMLA's online softmax rounds each probability to BF16 against the
 running maximum, not the final one, and writes BF16 (docs/design/kernels.md, "sparse_attention", "Why two passes").
 Measured against the reference at the scaled preset's shape: 2.5e-3 of max |ref| (the package's kernel 6e-4).
+Its BF16 output is widened into the FP32 ``out`` by ``widen`` (exact), one Triton pass of 16-byte loads: ATen's
+converting copy ran at about 1.9 TB/s on an H100, 6.7 ms of an 8K prefill (profile_step-h100-s29-8k.json).
 """
+
+# Triton reads parameter annotations as kernel type hints, so @triton.jit functions stay unannotated.
+# ruff: noqa: ANN001, ANN202
 
 from __future__ import annotations
 
@@ -21,13 +26,25 @@ from collections.abc import Sequence
 from types import ModuleType
 
 import torch
+import triton
+import triton.language as tl
 
 from deepinfer_kernels.batch_invariant import invariant_kernels
 from deepinfer_kernels.cache_layout import KeySource
+from deepinfer_kernels.cuda._launch import await_inputs, check_launchable, dependent_launch
 from deepinfer_kernels.row_formats import decode_rows
 from deepinfer_kernels.vendor_attention import vendor_attention_requested
 
-__all__ = ["MIN_QUERIES", "available", "fits", "key_table", "sparse_attention", "takes", "unavailable_reason"]
+__all__ = [
+    "MIN_QUERIES",
+    "available",
+    "fits",
+    "key_table",
+    "sparse_attention",
+    "takes",
+    "unavailable_reason",
+    "widen",
+]
 
 # Prompt-sized calls only: decode steps (CUDA graphs; the split path's bits) keep the package's kernels, and below
 # about a thousand queries the table's decoding and the host sync would eat what the kernel saves.
@@ -40,6 +57,8 @@ KEY_BLOCK = 128
 # A pool of at most this many rows a query is decoded whole (it holds about the step's own keys); a larger one is read
 # at its distinct rows: decoding costs by the pool's rows, the unique by the row list's entries.
 WHOLE_POOL_ROWS_PER_QUERY = 2
+# Elements a widening program converts: 32 a thread at 4 warps, four 16-byte loads and eight 16-byte stores each.
+_WIDEN_BLOCK = 4096
 
 
 @functools.cache
@@ -127,4 +146,29 @@ def sparse_attention(
     result, _, _ = module.flash_mla_sparse_fwd(
         q.contiguous(), table, indices, scale, d_v=q.shape[2], attn_sink=sink, use_legacy=True
     )
-    out.copy_(result)
+    widen(result, out)
+
+
+@triton.jit
+def _widen_kernel(src_ptr, out_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    await_inputs(PDL)
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    tl.store(out_ptr + offsets, tl.load(src_ptr + offsets, mask=mask).to(tl.float32), mask=mask)
+
+
+def widen(src: torch.Tensor, out: torch.Tensor) -> None:
+    """``out`` (fp32) ← ``src`` (bf16, the same shape), exactly; one Triton pass where both are contiguous, else
+    ATen's converting copy."""
+    if src.shape != out.shape or src.dtype != torch.bfloat16 or out.dtype != torch.float32:
+        raise ValueError(f"widen takes bf16 into fp32 of one shape, got {src.dtype} {tuple(src.shape)} into "
+                         f"{out.dtype} {tuple(out.shape)}")  # fmt: skip
+    if not (src.is_contiguous() and out.is_contiguous()):
+        out.copy_(src)
+        return
+    check_launchable(src=src, out=out)
+    n = src.numel()
+    if n:
+        _widen_kernel[(triton.cdiv(n, _WIDEN_BLOCK),)](
+            src, out, n, BLOCK=_WIDEN_BLOCK, num_warps=4, **dependent_launch(out.device)
+        )
