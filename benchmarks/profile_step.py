@@ -225,7 +225,17 @@ def reads_device_on_host(name: str, inputs: Any, out: Any) -> bool:
     outputs = tree_leaves(out)
     returns_host = any(isinstance(o, torch.Tensor) and o.device.type == "cpu" for o in outputs)
     returns_number = any(isinstance(o, (bool, int, float)) for o in outputs)
-    return returns_host or returns_number or name in DATA_SIZED_OPS
+    return returns_host or returns_number or (name in DATA_SIZED_OPS and not _size_given(name, inputs))
+
+
+def _size_given(name: str, inputs: Any) -> bool:
+    """A data-sized op whose output size the host already knows: ``repeat_interleave`` with integer repeats or an
+    ``output_size``."""
+    if name != "aten::repeat_interleave":
+        return False
+    args, kwargs = inputs
+    repeats = args[1] if len(args) > 1 else args[0]  # (self, repeats, ...) or the repeats-only overload
+    return not isinstance(repeats, torch.Tensor) or kwargs.get("output_size") is not None
 
 
 def _computes(name: str, inputs: Any, out: Any) -> bool:

@@ -35,6 +35,11 @@ def test_host_reads_are_device_data_brought_to_the_host(profile_step):
     assert not reads("aten::add", ((device, device), {}), device)
     assert not reads("aten::_local_scalar_dense", ((host,), {}), 3.0)  # CPU data: no device to wait for
     assert not reads("aten::nonzero", ((host,), {}), host)
+    counts = torch.empty(3, dtype=torch.int64, device="meta")
+    assert reads("aten::repeat_interleave", ((device, counts), {}), device)  # the count is read back
+    assert not reads("aten::repeat_interleave", ((device, counts), {"output_size": 4}), device)
+    assert not reads("aten::repeat_interleave", ((device, 2), {}), device)  # integer repeats
+    assert reads("aten::repeat_interleave", ((counts,), {}), device)  # the repeats-only overload
 
 
 def test_a_cpu_decode_profile_lists_sites_and_no_host_reads(profile_step):
