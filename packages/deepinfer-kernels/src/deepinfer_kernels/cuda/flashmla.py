@@ -150,7 +150,7 @@ def sparse_attention(
 
 
 @triton.jit
-def _widen_kernel(src_ptr, out_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _widen_kernel(src_ptr, out_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):  # type: ignore[no-untyped-def]
     await_inputs(PDL)
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n
