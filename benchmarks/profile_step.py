@@ -24,7 +24,7 @@ it writes in place or returns new memory (not a view, not a conversion or reshap
 ops count once under their own name (matmul, einsum). The same pass lists every line that makes the host wait for
 the device ("host reads"): an op with device inputs that returns CPU data or a Python number (`.item()`, `bool()`, a
 copy back), or whose output size depends on the data (`nonzero`, `unique`, ...). On CUDA it also lists the waits
-that happened ("device waits", torch's sync debug mode): each line and op where the host blocked on the device,
+that happened ("device waits", torch's sync debug mode): each line where the host blocked on the device,
 those inside an op's own C++ (a vendor kernel's wrapper reading a count) included, which the prediction cannot see.
 
 Prints a table last and writes JSON (default benchmarks/results/profile_step-<device>.json).
@@ -170,22 +170,17 @@ def cpu_op_counts(events: list[Any]) -> dict[str, list[float]]:
 
 class _SiteCounter(TorchDispatchMode):
     """Counts the aten ops that compute something by (innermost line under a package's ``src``, op), the predicted
-    host reads the same way, and (:meth:`record_wait`) the observed device waits under the op that caused each."""
+    host reads the same way, and (:meth:`record_wait`) the observed device waits by line."""
 
     def __init__(self) -> None:
         super().__init__()
         self.counts: Counter[tuple[str, str]] = Counter()
         self.host_reads: Counter[tuple[str, str]] = Counter()
         self.device_waits: Counter[tuple[str, str]] = Counter()
-        self._ops: list[str] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
         name = func._schema.name
-        self._ops.append(name)
-        try:
-            out = func(*args, **(kwargs or {}))
-        finally:
-            self._ops.pop()
         if name not in VIEW_OPS and _computes(name, (args, kwargs), out):
             self.counts[(_package_line(), name)] += 1
         if reads_device_on_host(name, (args, kwargs), out):
@@ -193,8 +188,9 @@ class _SiteCounter(TorchDispatchMode):
         return out
 
     def record_wait(self) -> None:
-        """One device wait, at the current package line, under the aten op being run (``<no op>`` outside any)."""
-        self.device_waits[(_package_line(), self._ops[-1] if self._ops else "<no op>")] += 1
+        """One device wait at the current package line. Torch raises the sync warning once the op has returned, so
+        the line is known, not the op."""
+        self.device_waits[(_package_line(), "wait")] += 1
 
 
 @contextlib.contextmanager

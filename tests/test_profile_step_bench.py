@@ -68,5 +68,5 @@ def test_device_waits_are_counted_from_sync_debug_warnings(profile_step, monkeyp
         warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
         warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
         warnings.warn("something else", UserWarning, stacklevel=1)
-    assert counter.device_waits == {("<outside the packages>", "<no op>"): 2}
+    assert counter.device_waits == {("<outside the packages>", "wait"): 2}
     assert modes[-1] == 0  # restored
