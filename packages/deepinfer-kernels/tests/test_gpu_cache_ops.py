@@ -146,6 +146,24 @@ def test_indexer_select_gpu(num_tokens: int, max_rows: int) -> None:
     assert_equivalent_selection(blocks.cpu(), expected_blocks.cpu(), block_scores, tol)
 
 
+@pytest.mark.parametrize("num_tokens", [1, 3])
+def test_indexer_restricted_scan_of_a_span_off_sixteen(num_tokens: int) -> None:
+    # A decode step's candidate scan over 17 blocks of 8 rows (136 slots) of a 2,048-entry list: a span that is not a
+    # multiple of 16 once led Triton to load the 68-byte pool rows as if 8-byte aligned (a misaligned address).
+    case = _index_case(num_tokens, 129, seed=129)
+    case["num_rows"].fill_(129)
+    gen = torch.Generator().manual_seed(5)
+    listed = [torch.randperm(17, generator=gen)[:12].sort().values for _ in range(num_tokens)]
+    candidates = torch.full((num_tokens, 2048), -1, dtype=torch.int64)
+    for t, blocks in enumerate(listed):
+        candidates[t, : blocks.numel()] = blocks
+    candidates = candidates.cuda()
+    mine, _ = _select(case, Backend.NVIDIA, 64, candidates=candidates, candidate_block_size=8)
+    theirs, _ = _select(case, Backend.REFERENCE, 64, candidates=candidates, candidate_block_size=8)
+    logits = _dense_logits(case).cpu()
+    assert_equivalent_selection(mine.cpu(), theirs.cpu(), logits, 2.0**-7 * float(logits.abs().max()))
+
+
 def test_indexer_decode_step_captures_in_a_cuda_graph() -> None:
     case = _index_case(8, 9000, seed=3)
 

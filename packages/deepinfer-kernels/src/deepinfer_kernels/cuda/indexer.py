@@ -21,7 +21,7 @@ import triton.language as tl
 from deepinfer_kernels.batch_invariant import invariant_kernels
 from deepinfer_kernels.cache_layout import RowFormat
 from deepinfer_kernels.cuda._launch import await_inputs, check_launchable, dependent_launch
-from deepinfer_kernels.cuda.row_formats import FORMAT_CODES, decode_tile, round_bf16
+from deepinfer_kernels.cuda.row_formats import FORMAT_CODES, decode_groups, round_bf16
 from deepinfer_kernels.platform import triton_interpreter_enabled
 from deepinfer_kernels.reference import indexer as reference
 
@@ -99,7 +99,7 @@ def _index_scores_kernel(  # type: ignore[no-untyped-def]
     num_heads, row_bytes, rows_per_block,
     DIM: tl.constexpr, BLOCK_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, FMT: tl.constexpr,
     RESTRICTED: tl.constexpr, BS: tl.constexpr, BLOCKS: tl.constexpr, ROUND: tl.constexpr, BF16_DOT: tl.constexpr,
-    BLOCK_Q: tl.constexpr, ROW_TILES: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_Q: tl.constexpr, ROW_TILES: tl.constexpr, ROW_ALIGN: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # A program scores BLOCK_Q consecutive queries (BLOCK_Q > 1: all of one request, which the host knows from a
     # one-row block table; they share each gathered, decoded key tile and one [BLOCK_Q·heads, DIM] × [DIM, BLOCK_R]
@@ -119,9 +119,14 @@ def _index_scores_kernel(  # type: ignore[no-untyped-def]
     heads = (h < num_heads)[None, :]
     q_rows = tokens[:, None] * num_heads + h[None, :]
     q_mask = (q_in[:, None] & heads)[:, :, None] & (d < DIM)[None, None, :]
-    q = tl.reshape(
-        tl.load(q_ptr + q_rows[:, :, None] * DIM + d[None, None, :], mask=q_mask, other=0.0),
-        (BLOCK_Q * BLOCK_H, BLOCK_DIM),
+    # The queries are the dot's second operand, [DIM, BLOCK_Q·BLOCK_H]: each key row's accumulator row holds all its
+    # (query, head) scores, so the head sum stays within that row's threads (as the first operand the heads spanned
+    # warps and the sum went through shared memory), and the decoded keys feed the MMA from registers.
+    q = tl.trans(
+        tl.reshape(
+            tl.load(q_ptr + q_rows[:, :, None] * DIM + d[None, None, :], mask=q_mask, other=0.0),
+            (BLOCK_Q * BLOCK_H, BLOCK_DIM),
+        )
     )
     if BF16_DOT:
         q = q.to(tl.bfloat16)
@@ -150,16 +155,18 @@ def _index_scores_kernel(  # type: ignore[no-untyped-def]
             rows = slot.to(tl.int64)
             visible = in_span & (rows < max_klen)
         valid = visible[None, :] & (rows[None, :] < klens[:, None])
-        safe = tl.where(visible, rows, 0)
+        # Row numbers fit int32 (num_rows is int32): the page split in int32 is inline code, where int64 division by
+        # the runtime rows_per_block was a call per row.
+        safe = tl.where(visible, rows, 0).to(tl.int32)
         page = tl.load(table_row + safe // rows_per_block, mask=visible, other=0).to(tl.int64)
-        base = (page * rows_per_block + safe % rows_per_block) * row_bytes
-        keys = decode_tile(pool_ptr, base[:, None], d[None, :], visible[:, None] & (d[None, :] < DIM), DIM, FMT)
-        if BF16_DOT:
-            scores = tl.dot(q, tl.trans(keys.to(tl.bfloat16)))
-        else:
-            scores = tl.dot(q, tl.trans(keys), input_precision="ieee")
-        scores = tl.reshape(scores, (BLOCK_Q, BLOCK_H, BLOCK_R))
-        logits = tl.sum(tl.maximum(scores, 0.0) * weights[:, :, None], axis=1)
+        # Triton's alignment analysis can credit a sum of a contiguous range (slot % BS, safe % rows_per_block) with
+        # its first element's divisibility, and so vectorize the row loads past their real alignment (a misaligned
+        # address on the GPU): the hint sets it to what a row start truly has, row_bytes' largest power-of-two factor.
+        base = tl.multiple_of((page * rows_per_block + (safe % rows_per_block)) * row_bytes, ROW_ALIGN)
+        keys = decode_groups(pool_ptr, base, visible, 0, BLOCK_DIM, DIM, FMT)
+        scores = tl.dot(keys.to(tl.bfloat16), q) if BF16_DOT else tl.dot(keys, q, input_precision="ieee")
+        scores = tl.reshape(scores, (BLOCK_R, BLOCK_Q, BLOCK_H))
+        logits = tl.trans(tl.sum(tl.maximum(scores, 0.0) * weights[None, :, :], axis=2))
         _store_keys(
             logits, rows[None, :], valid, klens, locals_, q_in, tile, slot_start, keys_ptr, stride_keys,
             block_keys_ptr, stride_block_keys, BLOCK_R, BS, BLOCKS, ROUND,
@@ -238,6 +245,7 @@ def indexer_select(
     num_tokens, num_heads, dim = q.shape
     if num_tokens == 0:
         return
+    row_bytes = key_pool.shape[1]
     # Candidate lists are ascending and distinct, so entry j holds a block ≥ j: entries past the blocks that
     # max_rows can reach are invisible rows, and the scan stops there (the lists are as wide as the most blocks
     # any layer keeps, far more than a short context has).
@@ -282,6 +290,7 @@ def indexer_select(
         "num_warps": CONFIG["num_warps"],
         "BLOCK_Q": block_q,
         "ROW_TILES": row_tiles,
+        "ROW_ALIGN": min(row_bytes & -row_bytes, 16),
     }
     # One chunk holding no more rows (blocks) than are selected: every valid one is selected, so the chunk's keys
     # are the selection and no top-k runs (short contexts; shapes are still host ints).
@@ -296,7 +305,7 @@ def indexer_select(
                 q, weights, key_pool, block_table, block_table.stride(0), token_request, num_rows,
                 cand, cand.stride(0), cand.shape[-1] if candidates is not None else 0,
                 merged[:, topk:], merged.stride(0), merged_blocks[:, num_candidate_blocks:], merged_blocks.stride(0),
-                q_start, count, slot_start, span, num_tiles, num_heads, key_pool.shape[1], rows_per_block,
+                q_start, count, slot_start, span, num_tiles, num_heads, row_bytes, rows_per_block,
                 **statics,
                 **dependent_launch(q.device),
             )  # fmt: skip

@@ -1,9 +1,9 @@
 """Triton row encode/decode and the fused quantize+scatter store, bit-exact with ``reference.row_formats``.
 
-``decode_tile`` and ``decode_groups`` are the device functions the attention and indexer kernels use to read keys
-straight from a pool: ``decode_tile`` loads and decodes element by element (any columns, any row alignment),
-``decode_groups`` a scale group at a time with the hardware conversions (several times fewer instructions; the
-attention prefill kernel's; docs/design/kernels.md, "Row formats").
+``decode_tile`` and ``decode_groups`` are the device functions that read rows straight from a pool:
+``decode_tile`` loads and decodes element by element (any columns, any row alignment: ``decode_rows`` and the
+``RAW_FP32`` format), ``decode_groups`` a scale group at a time with the hardware conversions (several times fewer
+instructions: the attention and indexer kernels' keys; docs/design/kernels.md, "Row formats").
 Formats are passed to kernels as the integer codes of :data:`FORMAT_CODES`.
 """
 
