@@ -6,6 +6,8 @@ Per width ``K`` (the FP8 GEMMs' and the MoE GEMMs' inputs) and row count (--rows
 - ``quantize``: ``cuda.gemm.quantized_activation`` (per-token 32-column e4m3 codes and UE8M0 scales);
 - ``quantize-deinterleaved``: ``cuda.gemm.deinterleaved_activation`` (the codes in the MXFP4 kernels' order);
 - ``dequantize``: ``dequantize_fp8_per_token_group`` of those codes into BF16 (the ``dequant_bf16`` GEMMs' operand);
+- ``values-sorted``: ``quantized_values`` as the MoE's ``swap_bf16`` GEMM calls it, the BF16 dequantization written
+  in a random expert order of six product rows a token, word-pair columns (its bytes count each gathered read);
 
 and per FP8 weight ``dequantize-block``: ``dequantize_fp8_block`` into BF16. Each is timed by ``cuda_time_ms``
 (median of CUDA-graph replays); bytes are those read plus written once. Run it once per kernel version (an earlier
@@ -48,14 +50,29 @@ def checksum(codes: torch.Tensor) -> int:
     return int((codes.view(torch.uint8).to(torch.int64) * weights).sum())
 
 
+def experts_per_token() -> int:
+    from deepinfer_model.config import load_preset
+
+    return load_preset("v41-flash-scaled").text.num_experts_per_tok
+
+
 def activation_cases(rows: int, k: int) -> list[tuple[str, Callable[[], Any], int]]:
     from deepinfer_kernels.cuda.gemm import deinterleaved_activation, quantized_activation
+    from deepinfer_kernels.cuda.quant import quantized_values
 
     x = torch.randn((rows, k), generator=torch.Generator(device="cuda").manual_seed(k), device="cuda")
     x = x.to(torch.bfloat16)
     q_bytes, scale_bytes = quantized_activation(x)
     q, scale = q_bytes.view(torch.float8_e4m3fn), scale_bytes.view(torch.float8_e8m0fnu)
     coded = rows * k + rows * k // _GROUP  # codes and scales
+    top_k = experts_per_token()
+    order = torch.randperm(top_k * rows, generator=torch.Generator(device="cuda").manual_seed(rows), device="cuda")
+    values = torch.empty((top_k * rows, k), dtype=torch.bfloat16, device="cuda")
+
+    def sorted_values() -> torch.Tensor:
+        quantized_values(x, values, order=order, word_pairs=True, repeats=top_k)
+        return values
+
     return [
         ("quantize", lambda: quantized_activation(x), 2 * rows * k + coded),
         ("quantize-deinterleaved", lambda: deinterleaved_activation(x), 2 * rows * k + coded),
@@ -64,6 +81,7 @@ def activation_cases(rows: int, k: int) -> list[tuple[str, Callable[[], Any], in
             lambda: dk.dequantize_fp8_per_token_group(q, scale, out_dtype=torch.bfloat16),
             coded + 2 * q.numel(),
         ),
+        ("values-sorted", sorted_values, 4 * values.numel()),
     ]
 
 
@@ -93,7 +111,7 @@ def main() -> None:
         bandwidth = moved / (us * 1e-6)
         records.append(
             {"op": name, "rows": rows, "k": k, "us": us, "bytes": moved, "copy_fraction": bandwidth / copy,
-             "checksum": checksum(codes) if codes.element_size() == 1 else None}
+             "checksum": checksum(codes.view(torch.uint8))}
         )  # fmt: skip
         print(f"{args.label} {name} rows={rows} K={k}: {us:.1f} us", flush=True)
 

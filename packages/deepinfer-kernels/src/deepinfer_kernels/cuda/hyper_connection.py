@@ -41,7 +41,10 @@ from deepinfer_kernels.reference.hyper_connection import HC_POST_MULT
 __all__ = ["hc_mixes", "hc_post", "hc_read"]
 
 _CHUNK = 512  # columns of z per split-K program
-_BLOCK_K = 64
+# The mix-GEMM kernel's K step and pipeline depth: 32 columns in 4 stages took 212 against 298 µs a call at an 8K
+# prefill (64 columns in 3), one H100 (thirtieth session, benchmarks/tune_mix_logits.py).
+_BLOCK_K = 32
+_MIX_LOGITS_STAGES = 4
 # Tokens per mix-GEMM program: every program reads its chunk of fn (24 × 512 FP32) and rounds it to TF32, so 16-token
 # programs read fn 512 times over at an 8K prefill (8.2 ms of it on the H200, profile_step-h200-scaled-a1d8b78.json);
 # 64 tokens make it a fourth, on Hopper's wgmma (135 registers, offline sm_90). One tile for every batch: a row's bits
@@ -272,7 +275,7 @@ def hc_mixes(
     else:
         _mix_logits_kernel[(triton.cdiv(n, _BLOCK_M), splits)](
             trunk, fn, part, sum_sq, n, width, rows, CHUNK=_CHUNK, BLOCK_M=_BLOCK_M, BLOCK_R=block_r, BLOCK_K=_BLOCK_K,
-            TF32=tf32, enable_fp_fusion=False,
+            TF32=tf32, enable_fp_fusion=False, num_stages=_MIX_LOGITS_STAGES,
             **dependent_launch(trunk.device),
         )  # fmt: skip
     _mixes_kernel[(n,)](

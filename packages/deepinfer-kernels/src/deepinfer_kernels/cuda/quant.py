@@ -41,6 +41,10 @@ _ROWS_PER_PROGRAM = 16
 # Blocks of a 32-row block row per FP8 block dequantizer program (32 x 128 values, 16 a thread with 8 warps).
 _BLOCKS_PER_PROGRAM = 4
 _WIDE_ROWS = 64
+# Warps of a quantized_values program at every tile: on the wide tiles four took 454 against 496 µs for the MoE's
+# sorted copy of an 8K prompt (49,152 × 5,120) and 214 against 227 µs at 2,304 columns, the same bits (one H100,
+# thirtieth session; benchmarks/kernels_quant.py, "values-sorted", kernels_quant-h100-s30*.json).
+_VALUES_WARPS = 4
 _WIDE_GROUPS = 8
 _FP8_AMAX_FLOOR: tl.constexpr = tl.constexpr(1e-4)
 _E4M3_MAX: tl.constexpr = tl.constexpr(448.0)
@@ -321,7 +325,7 @@ def quantized_values(
     _quantized_values_kernel[grid](
         x, order if order is not None else x, out, rows, cols // 32, repeats, x.stride(0), out.stride(0),
         BLOCK_ROWS=_ROWS_PER_PROGRAM, BLOCK_GROUPS=per_program, GATHER=order is not None, WORD_PAIRS=word_pairs,
-        num_warps=_warps(per_program),
+        num_warps=_VALUES_WARPS,
         **dependent_launch(x.device),
     )  # fmt: skip
 
