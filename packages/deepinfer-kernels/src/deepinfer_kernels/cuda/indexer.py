@@ -102,7 +102,7 @@ def _index_scores_kernel(  # type: ignore[no-untyped-def]
     BLOCK_Q: tl.constexpr, ROW_TILES: tl.constexpr, ROW_ALIGN: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # A program scores BLOCK_Q consecutive queries (BLOCK_Q > 1: all of one request, which the host knows from a
-    # one-row block table; they share each gathered, decoded key tile and one [BLOCK_Q·heads, DIM] × [DIM, BLOCK_R]
+    # one-row block table; they share each gathered, decoded key tile and one [BLOCK_R, DIM] × [DIM, BLOCK_Q·heads]
     # dot) against ROW_TILES consecutive tiles of BLOCK_R rows. The queries and weights are loaded once; the tiles
     # with a row some query sees are scored in a loop, the rest (about half the tiles of a causal prefill) only get
     # invalid keys. A query's logits, validity and keys are those of the one-query, one-tile program, up to the FP32
@@ -155,8 +155,8 @@ def _index_scores_kernel(  # type: ignore[no-untyped-def]
             rows = slot.to(tl.int64)
             visible = in_span & (rows < max_klen)
         valid = visible[None, :] & (rows[None, :] < klens[:, None])
-        # Row numbers fit int32 (num_rows is int32): the page split in int32 is inline code, where int64 division by
-        # the runtime rows_per_block was a call per row.
+        # Row numbers are below 2^31 (a request's rows): the page split in int32 is inline code, where int64 division
+        # by the runtime rows_per_block was a call per row.
         safe = tl.where(visible, rows, 0).to(tl.int32)
         page = tl.load(table_row + safe // rows_per_block, mask=visible, other=0).to(tl.int64)
         # Triton's alignment analysis can credit a sum of a contiguous range (slot % BS, safe % rows_per_block) with
