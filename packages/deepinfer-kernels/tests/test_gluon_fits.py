@@ -1,11 +1,12 @@
 """Which operands the Gluon GEMMs' ``cp.async`` rings take (``fits``): whole K steps and chunks, aligned rows and
-bases; everything else runs the ``swap_fp8`` tile (the same bits). Pure shape arithmetic: runs without a GPU."""
+bases; everything else runs the ``swap_fp8`` tile (the same bits). And on which Triton releases the Gluon kernels
+run at all. Pure arithmetic: runs without a GPU."""
 
 from __future__ import annotations
 
 import torch
 
-from deepinfer_kernels.cuda import fp8_wgmma, grouped_wgmma
+from deepinfer_kernels.cuda import fp8_wgmma, gluon_ring, grouped_wgmma
 from deepinfer_kernels.cuda.gemm_tiles import BlockConfig
 
 _TILE = BlockConfig(8, 64, num_warps=4, num_stages=3, split_grid=False, block_k=256, decoding="gluon_fp8")
@@ -41,3 +42,13 @@ def test_the_grouped_ring_takes_whole_steps_and_aligned_scales() -> None:
     assert not grouped_wgmma.fits(k, packed, scale, 512)  # 2,304 is 4.5 steps of 512
     odd = torch.zeros(experts, n, k // 32 + 4, dtype=torch.uint8)[:, :, : k // 32]  # 76-byte scale rows
     assert not grouped_wgmma.fits(k, packed, odd, 256)
+
+
+def test_the_gluon_kernels_run_only_on_the_triton_they_were_written_for() -> None:
+    # Gluon's API moved after 3.6 (3.9 lacks thread_barrier and _reinterpret); other releases take the Triton tiles.
+    assert gluon_ring.gluon_supported("3.6.0")
+    assert gluon_ring.gluon_supported("3.6.1+git1234abcd")
+    assert not gluon_ring.gluon_supported("3.9.0")
+    assert not gluon_ring.gluon_supported("3.5.1")
+    assert not gluon_ring.gluon_supported("4.6.0")
+    assert not gluon_ring.available(torch.device("cpu"))

@@ -15,6 +15,7 @@ in FP32: the ``swap_fp8`` tile's products, sums and factor order (``cuda.gemm_de
 from __future__ import annotations
 
 import torch
+import triton
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -32,6 +33,7 @@ __all__ = [
     "await_gluon_inputs",
     "bits",
     "copy_layout",
+    "gluon_supported",
     "group",
     "pow2",
     "shared_layouts",
@@ -49,10 +51,23 @@ PIECE = 16
 _copy = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
 
+def gluon_supported(version: str) -> bool:
+    """Whether Triton ``version`` has the Gluon API these kernels are written against: the 3.6 releases, the ones
+    they were compiled and tested with on H100s and H200s (docs/hardware.md). Gluon is experimental and its API moved
+    after 3.6 (3.9 has no ``thread_barrier`` and no ``shared_memory_descriptor._reinterpret``), so on other releases
+    the launchers take the same sums from the Triton kernels (docs/design/kernels.md, "The explicit-layout grouped
+    GEMM")."""
+    return version.split(".")[:2] == ["3", "6"]
+
+
 def available(device: torch.device) -> bool:
-    """Whether the Gluon kernels can run on ``device``: compiled (not interpreted) on a Hopper (SM 9.x) GPU."""
+    """Whether the Gluon kernels can run on ``device``: compiled (not interpreted) on a Hopper (SM 9.x) GPU, with a
+    Triton whose Gluon API they were written against (:func:`gluon_supported`)."""
     return (
-        device.type == "cuda" and not triton_interpreter_enabled() and torch.cuda.get_device_capability(device)[0] == 9
+        device.type == "cuda"
+        and not triton_interpreter_enabled()
+        and gluon_supported(triton.__version__)
+        and torch.cuda.get_device_capability(device)[0] == 9
     )
 
 
