@@ -6,7 +6,9 @@ the order-preserving integer of the logit in the high 32 bits and ``2^32 − 1 �
 larger key is a larger logit and, among equal logits, the lower row; invalid rows get the smallest int64. With
 candidate blocks requested the kernel also writes one key per (query, block) from the block maxima. ``torch.topk`` of
 ``[running top | chunk]`` then merges chunk after chunk: exact tie semantics, shapes fixed by host ints (CUDA graphs),
-memory O(query chunk × (topk + row chunk)).
+memory O(query chunk × (topk + row chunk)). With BF16-rounded logits and every id below 2^16 the keys are int32
+instead (the order-preserving int16 of the BF16 logit, then ``2^16 − 1 − id``): the same order, and half the radix
+passes in the ``torch.topk`` merges.
 """
 
 # Triton reads parameter annotations as kernel type hints, so @triton.jit functions stay unannotated.
@@ -29,7 +31,8 @@ __all__ = ["indexer_select"]
 
 _WORKSPACE_BYTES = 256 << 20
 _MAX_ROW_CHUNK = 32768
-_INT64_MIN = -(2**63)
+# 32-bit sort keys hold ids (rows, candidate blocks) below this (their low 16 bits).
+_KEY32_MAX_IDS = 1 << 16
 _BF16_MAX: tl.constexpr = tl.constexpr(float(torch.finfo(torch.bfloat16).max))
 # Rows per program (H200 sweep in docs/design/kernels.md, "What ran on the H200").
 CONFIG = {"block_r": 64, "num_warps": 4}
@@ -44,27 +47,49 @@ ROW_TILE_PROGRAMS = 4096
 
 
 @triton.jit
-def _sort_key(score, ident, valid):  # type: ignore[no-untyped-def]
-    # Order-preserving int32 of an FP32 value (negative values have their magnitude bits flipped), then the id.
-    bits = score.to(tl.int32, bitcast=True)
-    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
-    key = (ordered << 32) | (0xFFFFFFFF - ident.to(tl.int64))
-    return tl.where(valid, key, -9223372036854775807 - 1)
+def _sort_key(score, ident, valid, KEY32: tl.constexpr):  # type: ignore[no-untyped-def]
+    # Order-preserving integer of the score (negative values have their magnitude bits flipped), then the id's
+    # complement: a larger key is a larger score and, among equal scores, the lower id; the key type's minimum where
+    # not valid. −inf and NaN scores (maximum drops a NaN) rank as one value below every finite score, as in the
+    # reference: −FLT_MAX in the int64 key. KEY32: the score is BF16-exact (its FP32 bits are its BF16 bits, then 16
+    # zeros) and the id below 2^16, so int16s of both are exact and order as the int64 key does; the floor is −inf
+    # itself there, −FLT_MAX being no BF16 value (its high 16 bits would tie it with −BF16_MAX).
+    if KEY32:
+        bits = tl.maximum(score, float("-inf")).to(tl.int32, bitcast=True) >> 16
+        ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFF)
+        key = (ordered << 16) | (0xFFFF - ident.to(tl.int32))
+        none = -2147483647 - 1
+    else:
+        bits = tl.maximum(score, -3.4028234663852886e38).to(tl.int32, bitcast=True)
+        ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+        key = (ordered << 32) | (0xFFFFFFFF - ident.to(tl.int64))
+        none = -9223372036854775807 - 1
+    return tl.where(valid, key, none)
+
+
+@triton.jit
+def _no_keys(ROWS: tl.constexpr, COLS: tl.constexpr, KEY32: tl.constexpr):  # type: ignore[no-untyped-def]
+    # [ROWS, COLS] keys of no entry: the minimum of the key type (_sort_key's invalid key).
+    if KEY32:
+        none = tl.full((ROWS, COLS), -2147483647 - 1, tl.int32)
+    else:
+        none = tl.full((ROWS, COLS), -9223372036854775807 - 1, tl.int64)
+    return none
 
 
 @triton.jit
 def _invalid_keys(  # type: ignore[no-untyped-def]
     keys_ptr, stride_keys, block_keys_ptr, stride_block_keys, locals_, q_in, tile,
-    BLOCK_R: tl.constexpr, BS: tl.constexpr, BLOCKS: tl.constexpr,
+    BLOCK_R: tl.constexpr, BS: tl.constexpr, BLOCKS: tl.constexpr, KEY32: tl.constexpr,
 ):  # fmt: skip
-    # The keys (and block keys) of a row tile past the queries' visible rows: every one the int64 minimum.
+    # The keys (and block keys) of a row tile past the queries' visible rows: every one the key type's minimum.
     chunk_slot = tile * BLOCK_R + tl.arange(0, BLOCK_R)
     rows = locals_.to(tl.int64)[:, None]
-    none = tl.full((locals_.shape[0], BLOCK_R), -9223372036854775807 - 1, tl.int64)
+    none = _no_keys(locals_.shape[0], BLOCK_R, KEY32)
     tl.store(keys_ptr + rows * stride_keys + chunk_slot[None, :], none, mask=q_in[:, None])
     if BLOCKS:
         local_block = tile * (BLOCK_R // BS) + tl.arange(0, BLOCK_R // BS)
-        none_blocks = tl.full((locals_.shape[0], BLOCK_R // BS), -9223372036854775807 - 1, tl.int64)
+        none_blocks = _no_keys(locals_.shape[0], BLOCK_R // BS, KEY32)
         tl.store(block_keys_ptr + rows * stride_block_keys + local_block[None, :], none_blocks, mask=q_in[:, None])
 
 
@@ -72,13 +97,14 @@ def _invalid_keys(  # type: ignore[no-untyped-def]
 def _store_keys(  # type: ignore[no-untyped-def]
     logits, rows, valid, klens, locals_, q_in, tile, slot_start, keys_ptr, stride_keys, block_keys_ptr,
     stride_block_keys, BLOCK_R: tl.constexpr, BS: tl.constexpr, BLOCKS: tl.constexpr, ROUND: tl.constexpr,
+    KEY32: tl.constexpr,
 ):  # fmt: skip
     # The sort keys of a tile's [queries, BLOCK_R] logits, and with BLOCKS one key per (query, candidate block) from
-    # the block maxima (the query's newest block always kept).
+    # the block maxima (the query's newest block always kept). KEY32 only with ROUND (BF16-exact logits).
     if ROUND:
         logits = round_bf16(logits).to(tl.float32)
     chunk_slot = tile * BLOCK_R + tl.arange(0, BLOCK_R)
-    key = _sort_key(tl.maximum(logits, -3.4028234663852886e38), rows, valid)
+    key = _sort_key(logits, rows, valid, KEY32)
     tl.store(keys_ptr + locals_.to(tl.int64)[:, None] * stride_keys + chunk_slot[None, :], key, mask=q_in[:, None])
     if BLOCKS:
         capped = tl.where(valid, tl.minimum(logits, _BF16_MAX), float("-inf"))
@@ -86,7 +112,8 @@ def _store_keys(  # type: ignore[no-untyped-def]
         block_id = (slot_start + tile * BLOCK_R) // BS + tl.arange(0, BLOCK_R // BS)
         newest = (klens - 1) // BS
         best = tl.where((block_id[None, :] == newest[:, None]) & (klens[:, None] > 0), float("inf"), best)
-        block_key = _sort_key(best, block_id[None, :], best > float("-inf"))
+        # A valid best is a BF16 value with ROUND (KEY32) or +inf: exact in the int32 keys.
+        block_key = _sort_key(best, block_id[None, :], best > float("-inf"), KEY32)
         local_block = tile * (BLOCK_R // BS) + tl.arange(0, BLOCK_R // BS)
         block_ptrs = block_keys_ptr + locals_.to(tl.int64)[:, None] * stride_block_keys + local_block[None, :]
         tl.store(block_ptrs, block_key, mask=q_in[:, None])
@@ -99,7 +126,7 @@ def _index_scores_kernel(  # type: ignore[no-untyped-def]
     num_heads, row_bytes, rows_per_block,
     DIM: tl.constexpr, BLOCK_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, FMT: tl.constexpr,
     RESTRICTED: tl.constexpr, BS: tl.constexpr, BLOCKS: tl.constexpr, ROUND: tl.constexpr, BF16_DOT: tl.constexpr,
-    BLOCK_Q: tl.constexpr, ROW_TILES: tl.constexpr, ROW_ALIGN: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_Q: tl.constexpr, ROW_TILES: tl.constexpr, ROW_ALIGN: tl.constexpr, KEY32: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # A program scores BLOCK_Q consecutive queries (BLOCK_Q > 1: all of one request, which the host knows from a
     # one-row block table; they share each gathered, decoded key tile and one [BLOCK_R, DIM] × [DIM, BLOCK_Q·heads]
@@ -169,29 +196,31 @@ def _index_scores_kernel(  # type: ignore[no-untyped-def]
         logits = tl.trans(tl.sum(tl.maximum(scores, 0.0) * weights[None, :, :], axis=2))
         _store_keys(
             logits, rows[None, :], valid, klens, locals_, q_in, tile, slot_start, keys_ptr, stride_keys,
-            block_keys_ptr, stride_block_keys, BLOCK_R, BS, BLOCKS, ROUND,
+            block_keys_ptr, stride_block_keys, BLOCK_R, BS, BLOCKS, ROUND, KEY32,
         )  # fmt: skip
     for tile in tl.range(visible_end, end_tile):
         _invalid_keys(
-            keys_ptr, stride_keys, block_keys_ptr, stride_block_keys, locals_, q_in, tile, BLOCK_R, BS, BLOCKS
+            keys_ptr, stride_keys, block_keys_ptr, stride_block_keys, locals_, q_in, tile, BLOCK_R, BS, BLOCKS, KEY32
         )
 
 
 @triton.jit
 def _selection_kernel(  # type: ignore[no-untyped-def]
-    keys_ptr, stride_keys, out_ptr, stride_out, COLS, OUT_COLS, WIDTH: tl.constexpr, PDL: tl.constexpr
-):
-    # Row program: the ids of a row's COLS merged sort keys (_sort_key: the id's complement in the low 32 bits; the
-    # int64 minimum for no entry) in ascending order, then −1 for every missing entry, into OUT_COLS columns.
+    keys_ptr, stride_keys, out_ptr, stride_out, COLS, OUT_COLS, WIDTH: tl.constexpr, KEY32: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    # Row program: the ids of a row's COLS merged sort keys (_sort_key: the id's complement in the low 32 bits, or
+    # the low 16 of an int32 key; the key type's minimum for no entry) in ascending order, then −1 for every missing
+    # entry, into OUT_COLS columns.
     await_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, WIDTH)
-    none = -9223372036854775807 - 1
+    none = -2147483647 - 1 if KEY32 else -9223372036854775807 - 1
     keys = tl.load(keys_ptr + row * stride_keys + cols, mask=cols < COLS, other=none)
     # The ids are int32 where _sort_key packs them, so they sort as int32: 3,216 instead of 5,040 instructions for
     # 2,048 keys at 8 warps (offline sm_90), half the shuffles and selects of an int64 sort.
     last = 2147483647  # missing entries sort last
-    ids = (0xFFFFFFFF - (keys & 0xFFFFFFFF)).to(tl.int32)
+    ids = 0xFFFF - (keys & 0xFFFF) if KEY32 else (0xFFFFFFFF - (keys & 0xFFFFFFFF)).to(tl.int32)
     ordered = tl.sort(tl.where(keys == none, last, ids))
     ids_out = tl.where(ordered == last, -1, ordered).to(tl.int64)
     tl.store(out_ptr + row * stride_out + cols, ids_out, mask=cols < OUT_COLS)
@@ -208,7 +237,7 @@ def _write_ids(out: torch.Tensor, merged: torch.Tensor, selected: int, chunk_is_
     # Eight warps for the 2,048 candidate blocks: 60 registers and half the straight-line sort code of four (sm_90).
     _selection_kernel[(out.shape[0],)](
         keys, keys.stride(0), out, out.stride(0), keys.shape[1], out.shape[1], WIDTH=width,
-        num_warps=8 if width > 512 else 4,
+        KEY32=keys.dtype == torch.int32, num_warps=8 if width > 512 else 4,
         **dependent_launch(keys.device),
     )  # fmt: skip
 
@@ -253,12 +282,18 @@ def indexer_select(
     row_chunk = min(triton.cdiv(max(span, 1), block_r) * block_r, _MAX_ROW_CHUNK)
     blocks_per_chunk = row_chunk // bs if num_candidate_blocks else 0
     width = topk + row_chunk + num_candidate_blocks + blocks_per_chunk
-    query_chunk = max(1, min(num_tokens, _WORKSPACE_BYTES // (8 * width)))
+    # int32 sort keys where they are exact: BF16 logits (16 bits) and ids of 16 bits. A valid row is below num_rows ≤
+    # max_rows (restricted layers too, whose rows are not their slots), a block below ⌈max_rows / bs⌉. The
+    # torch.topk merges (a radix select, one pass per digit) then take half the passes.
+    key32 = round_logits_bf16 and max_rows <= _KEY32_MAX_IDS
+    key_dtype = torch.int32 if key32 else torch.int64
+    no_key = torch.iinfo(key_dtype).min
+    query_chunk = max(1, min(num_tokens, _WORKSPACE_BYTES // (key_dtype.itemsize * width)))
     device = q.device
-    merged = torch.empty((query_chunk, topk + row_chunk), dtype=torch.int64, device=device)
+    merged = torch.empty((query_chunk, topk + row_chunk), dtype=key_dtype, device=device)
     # At least one column: Triton needs a real pointer even where the kernel writes no block keys.
     merged_blocks = torch.empty(
-        (query_chunk, max(num_candidate_blocks + blocks_per_chunk, 1)), dtype=torch.int64, device=device
+        (query_chunk, max(num_candidate_blocks + blocks_per_chunk, 1)), dtype=key_dtype, device=device
     )
     cand = candidates if candidates is not None else num_rows
     # Queries of one request (one block-table row: a prompt's prefill) share their key tiles: a program scores
@@ -291,6 +326,7 @@ def indexer_select(
         "BLOCK_Q": block_q,
         "ROW_TILES": row_tiles,
         "ROW_ALIGN": min(row_bytes & -row_bytes, 16),
+        "KEY32": key32,
     }
     # One chunk holding no more rows (blocks) than are selected: every valid one is selected, so the chunk's keys
     # are the selection and no top-k runs (short contexts; shapes are still host ints).
@@ -298,8 +334,8 @@ def indexer_select(
     blocks_all = span <= row_chunk and blocks_per_chunk <= num_candidate_blocks
     for q_start in range(0, num_tokens, query_chunk):
         count = min(query_chunk, num_tokens - q_start)
-        merged[:count, :topk] = _INT64_MIN
-        merged_blocks[:count, :num_candidate_blocks] = _INT64_MIN
+        merged[:count, :topk] = no_key
+        merged_blocks[:count, :num_candidate_blocks] = no_key
         for slot_start in range(0, span, row_chunk):
             _index_scores_kernel[(triton.cdiv(count, block_q), triton.cdiv(num_tiles, row_tiles))](
                 q, weights, key_pool, block_table, block_table.stride(0), token_request, num_rows,
