@@ -19,8 +19,10 @@
 6. `--dependent-launch` does the same for the model's dependent-launch mode (`EngineArgs.dependent_launch`;
    docs/design/kernels.md, "Dependent launches"), for decode and prefill points: records have "dependent_launch",
    the header's "dependent_launch_change" maps each point (decode batch, or "prefill <prompt>") to step_on /
-   step_off − 1. `--branch-streams` likewise for the branch-streams mode (`EngineArgs.branch_streams`;
-   docs/design/kernels.md, "Branch streams"; on by default, as in the engine; "branch_streams",
+   step_off − 1; `auto` (the default) runs each point as the engine does (`dependent_launch=None`: on for decode
+   batches of at most `DEPENDENT_LAUNCH_AUTO_TOKENS` requests, off beyond and for prefill). `--branch-streams`
+   likewise for the branch-streams mode (`EngineArgs.branch_streams`; docs/design/kernels.md, "Branch streams"; on
+   by default, as in the engine; "branch_streams",
    "branch_streams_change"), and `--flashmla` for FlashMLA's sparse prefill (`EngineArgs.flashmla`;
    docs/design/kernels.md, "FlashMLA sparse prefill"; on by default, as in the engine; prefill points only, decode
    never takes it; "flashmla", "flashmla_change"). Each mode's change compares points with the other modes the
@@ -251,9 +253,10 @@ def main() -> None:
     )
     parser.add_argument(
         "--dependent-launch",
-        choices=("off", "on", "both"),
-        default="off",
-        help="decode and prefill points with the dependent-launch mode off, on, or both (change in the header)",
+        choices=("off", "on", "both", "auto"),
+        default="auto",
+        help="decode and prefill points with the dependent-launch mode off, on, both (change in the header), or as the"
+        " engine's default chooses for each point (auto)",
     )
     parser.add_argument(
         "--branch-streams",
@@ -272,6 +275,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from deepinfer_engine import LLM
+    from deepinfer_engine.engine_args import DEPENDENT_LAUNCH_AUTO_TOKENS
     from deepinfer_kernels.platform import Accelerator, current_accelerator
 
     deadline = Deadline(args.deadline_s)
@@ -322,10 +326,18 @@ def main() -> None:
     header["load_s"] = time.perf_counter() - start
     save()
     model = llm.model
+    # The records' dependent_launch says what ran; `auto` chooses it per point below, as the engine would.
+    model.dependent_launch_max_tokens = 0
     config = model.config
     # Decode steps pass the exact bound C + 1 as max_context_len, as an eager engine step does.
     settings = {"off": (False,), "on": (True,), "both": (False, True)}
-    invariant_modes, dependent_modes = settings[args.batch_invariant], settings[args.dependent_launch]
+    invariant_modes = settings[args.batch_invariant]
+
+    def dependent_modes(tokens: int) -> tuple[bool, ...]:
+        if args.dependent_launch == "auto":
+            return (tokens <= DEPENDENT_LAUNCH_AUTO_TOKENS,)
+        return settings[args.dependent_launch]
+
     branch_modes, flashmla_modes = settings[args.branch_streams], settings[args.flashmla]
     plan: list[tuple[str, int, Callable[[], dict[str, Any]]]] = [
         (
@@ -340,13 +352,13 @@ def main() -> None:
         )
         for b in batches
         for invariant in invariant_modes
-        for dependent in dependent_modes
+        for dependent in dependent_modes(b)
         for branch in branch_modes
     ]  # fmt: skip
     for prompt in prefill:
         point = long_context.Point("prefill", prompt, 1, "model-step")
         step = functools.partial(run_prefill, model, prompt, args.prefill_repeats, device)
-        for dependent, branch, flashmla in itertools.product(dependent_modes, branch_modes, flashmla_modes):
+        for dependent, branch, flashmla in itertools.product(dependent_modes(prompt), branch_modes, flashmla_modes):
             modes = {
                 "batch_invariant": False,
                 "dependent_launch": dependent,

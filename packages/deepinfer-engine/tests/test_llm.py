@@ -119,6 +119,20 @@ def test_tiny_checkpoint_is_written_once_into_the_cache(root: Path) -> None:
     assert (directory / "config.json").is_file() and (directory / "tokenizer.json").is_file()
 
 
+def test_dependent_launches_default_to_the_small_forwards(llm: LLM, root: Path) -> None:
+    """``dependent_launch=None`` (the default) asks the model for dependent launches in forwards of at most
+    ``DEPENDENT_LAUNCH_AUTO_TOKENS`` tokens; True in every forward, False in none."""
+    from deepinfer_engine.engine_args import DEPENDENT_LAUNCH_AUTO_TOKENS
+
+    assert (llm.model.dependent_launch, llm.model.dependent_launch_max_tokens) == (False, DEPENDENT_LAUNCH_AUTO_TOKENS)
+    for on, expected in ((True, (True, 0)), (False, (False, 0))):
+        other = make_llm(root, dependent_launch=on)
+        try:
+            assert (other.model.dependent_launch, other.model.dependent_launch_max_tokens) == expected
+        finally:
+            other.close()
+
+
 def test_max_model_len_defaults_from_the_checkpoint(llm: LLM) -> None:
     assert llm.engine.config.scheduler.max_model_len == min(4096, 255 * 16 - 1)
 

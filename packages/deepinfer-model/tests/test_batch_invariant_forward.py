@@ -98,3 +98,27 @@ def test_the_launch_flags_reach_the_kernels_and_change_no_bits(monkeypatch: pyte
     _prefill(model, prompts)
     half = len(seen) // 2
     assert half and seen == [True] * half + [False] * half
+
+
+def test_dependent_launches_reach_the_calls_of_at_most_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``dependent_launch_max_tokens``: a call of at most that many tokens runs inside ``dependent_launches``, a
+    longer one does not, with the same bits as without the limit (prompts of 5 and 30 tokens alone, limit 5)."""
+    import deepinfer_model.layers.norm as norm
+    from deepinfer_kernels.dependent_launch import dependent_launches_requested
+
+    model = tiny_model(ComputeMode.EXACT)
+    prompts = [prompt(length, seed=length).tolist() for length in (5, 30)]
+    default = [_prefill(model, [p])[0] for p in prompts]
+    seen: list[bool] = []
+    kernel = norm.rms_norm
+
+    def observed(*args: object, **kwargs: object) -> torch.Tensor:
+        seen.append(dependent_launches_requested())
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(norm, "rms_norm", observed)
+    model.dependent_launch_max_tokens = 5
+    for p, logits in zip(prompts, default, strict=True):
+        assert torch.equal(_prefill(model, [p])[0], logits)
+    half = len(seen) // 2
+    assert half and seen == [True] * half + [False] * half

@@ -37,6 +37,7 @@ from deepinfer_sampling.config import SamplerConfig, parse_token_blacklist
 
 __all__ = [
     "DEFAULT_CPU_CACHE_MEMORY_BYTES",
+    "DEPENDENT_LAUNCH_AUTO_TOKENS",
     "MAX_MODEL_LEN_CAP",
     "MAX_NEXTN",
     "EngineArgs",
@@ -49,6 +50,10 @@ MAX_MODEL_LEN_CAP = 131072
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 DEFAULT_CPU_CACHE_MEMORY_BYTES = 256 * 1024**2
 MAX_NEXTN = 32  # the reference's draft-block kernel limit (docs/design/model.md, "DSpark blocks")
+# Tokens up to which a forward launches its Triton kernels as dependent launches by default (dependent_launch=None):
+# on an H100 they took 5.1, 3.6, 1.9 and 0.7 % off decode steps of 1, 4, 16 and 64 requests, and added 2.3-2.7 % at
+# 256 (docs/performance.md, "Thirty-first session").
+DEPENDENT_LAUNCH_AUTO_TOKENS = 64
 _PARALLEL_SIZES = ("tensor_parallel_size", "data_parallel_size", "expert_parallel_size", "context_parallel_size")
 _WIRED_PARALLEL_SIZES = ("data_parallel_size", "expert_parallel_size", "context_parallel_size")
 
@@ -89,7 +94,9 @@ class EngineArgs:
             step runs eagerly whatever this says.
         dependent_launch: launch the Triton kernels of the forward as programmatic dependent launches, so each
             starts while the one before it finishes (NVIDIA Hopper and later; the same results; docs/design/kernels.md,
-            "Dependent launches"). Off by default until measured; ignored elsewhere.
+            "Dependent launches"); ignored elsewhere. True: every forward; False: none; None (the default): the
+            forwards of at most `DEPENDENT_LAUNCH_AUTO_TOKENS` tokens (decode steps of up to 64 requests; on an H100
+            5.1 % faster at batch 1, 0.7 % at 64, 2.3-2.7 % slower at 256: docs/performance.md).
         branch_streams: run the forward's independent branches (the shared expert, the window keys, the next Engram
             projection) on side CUDA streams beside the work they do not depend on (the same results;
             docs/design/kernels.md, "Branch streams"). On by default; ignored off CUDA.
@@ -127,7 +134,7 @@ class EngineArgs:
     expert_parallel_size: int = 1
     context_parallel_size: int = 1
     enforce_eager: bool = False
-    dependent_launch: bool = False
+    dependent_launch: bool | None = None
     branch_streams: bool = True
     flashmla: bool = True
     precision: Precision = "exact"
@@ -160,9 +167,14 @@ class EngineArgs:
                 )
         if self.precision not in ("exact", "fp32"):
             raise ValueError(f"precision must be 'exact' or 'fp32', got {self.precision!r}")
-        for flag in ("enforce_eager", "dependent_launch", "branch_streams", "flashmla"):
+        for flag in ("enforce_eager", "branch_streams", "flashmla"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
+        if self.dependent_launch is not None and not isinstance(self.dependent_launch, bool):
+            raise ValueError(
+                f"dependent_launch must be a bool or None (automatic: the forwards of at most"
+                f" {DEPENDENT_LAUNCH_AUTO_TOKENS} tokens), got {self.dependent_launch!r}"
+            )
         nextn = self.nextn
         if isinstance(nextn, bool) or not isinstance(nextn, int) or not 0 <= nextn <= MAX_NEXTN:
             raise ValueError(f"nextn must be an int in [0, {MAX_NEXTN}] (0 disables drafting), got {nextn!r}")

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from deepinfer_engine.config import Precision
+from deepinfer_engine.engine_args import DEPENDENT_LAUNCH_AUTO_TOKENS
 from deepinfer_engine.tokenizer import Tokenizer
 from deepinfer_model.config import ModelConfig
 from deepinfer_model.deepseek_v41.engram_vocab import engram_vocab_from_tokenizer
@@ -34,7 +35,7 @@ def load_model(
     max_backtracking_tokens: int = 1,
     prefill_truncation: PrefillTruncation | None = None,
     batch_invariant: bool = False,
-    dependent_launch: bool = False,
+    dependent_launch: bool | None = False,
     branch_streams: bool = True,
     flashmla: bool = True,
 ) -> DeepseekV41ForCausalLM:
@@ -45,7 +46,8 @@ def load_model(
     draft positions (`nextn + 1` with speculative decoding, 1 without). `prefill_truncation` (None: off) is the YOCO
     prefill truncation the model runs prompt chunks with. `batch_invariant` (DEEPINFER_BATCH_INVARIANT) makes the CPU
     and CUDA forward batch-invariant (docs/design/numerics.md, "Batch invariance"); `dependent_launch`
-    (`EngineArgs.dependent_launch`) launches its Triton kernels as programmatic dependent launches; `branch_streams`
+    (`EngineArgs.dependent_launch`) launches its Triton kernels as programmatic dependent launches (None: in the
+    forwards of at most `DEPENDENT_LAUNCH_AUTO_TOKENS` tokens); `branch_streams`
     (`EngineArgs.branch_streams`) runs its independent branches on side CUDA streams; `flashmla`
     (`EngineArgs.flashmla`) lets prompt-sized attention calls run FlashMLA's sparse prefill kernel where importable.
 
@@ -68,7 +70,8 @@ def load_model(
             expert_parallel=expert_parallel,
             prefill_truncation=prefill_truncation,
             batch_invariant=batch_invariant,
-            dependent_launch=dependent_launch,
+            dependent_launch=dependent_launch is True,
+            dependent_launch_max_tokens=DEPENDENT_LAUNCH_AUTO_TOKENS if dependent_launch is None else 0,
             branch_streams=branch_streams,
             flashmla=flashmla,
         )

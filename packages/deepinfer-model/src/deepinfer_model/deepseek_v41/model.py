@@ -79,6 +79,8 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
             docs/design/numerics.md, "Batch invariance"); other devices ignore it.
         dependent_launch: the same four entry points launch the nvidia backend's Triton kernels as programmatic
             dependent launches (the same bits; docs/design/kernels.md, "Dependent launches"); a no-op elsewhere.
+        dependent_launch_max_tokens: as ``dependent_launch``, for the entry point calls of at most this many tokens
+            only (0: none; ``deepinfer_model.layers.kernel_modes``).
         branch_streams: on CUDA the four entry points run their independent branches (the shared expert, the window
             keys, the next Engram projection) on side streams (the same bits; docs/design/kernels.md, "Branch
             streams"); a no-op elsewhere.
@@ -109,6 +111,7 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
         prefill_truncation: PrefillTruncation | None = None,
         batch_invariant: bool = False,
         dependent_launch: bool = False,
+        dependent_launch_max_tokens: int = 0,
         branch_streams: bool = False,
         flashmla: bool = False,
     ) -> None:
@@ -116,6 +119,8 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
         cfg = config.text
         if max_backtracking_tokens < 1:
             raise ValueError(f"max_backtracking_tokens must be >= 1, got {max_backtracking_tokens}")
+        if dependent_launch_max_tokens < 0:
+            raise ValueError(f"dependent_launch_max_tokens must be >= 0, got {dependent_launch_max_tokens}")
         prefill_truncation = prefill_truncation or PrefillTruncation()
         prefill_truncation.check(cfg, max_backtracking_tokens)
         if expert_parallel is not None:
@@ -132,6 +137,7 @@ class DeepseekV41ForCausalLM(HCHeadParameters):
         self.prefill_truncation = prefill_truncation
         self.batch_invariant = batch_invariant
         self.dependent_launch = dependent_launch
+        self.dependent_launch_max_tokens = dependent_launch_max_tokens
         self.branch_streams = branch_streams
         self.flashmla = flashmla
         self.consumer_layer_rows = 0

@@ -8,7 +8,9 @@ modes its model was built with.
   Triton kernels' tiles. On another device (Ascend) the entry point runs unchanged.
 - ``dependent_launch=True``: under ``deepinfer_kernels.dependent_launch.dependent_launches``, so the nvidia backend's
   Triton kernels start while the kernel before them finishes (the same bits; docs/design/kernels.md, "Dependent
-  launches"). Elsewhere it changes nothing.
+  launches"). Elsewhere it changes nothing. ``dependent_launch_max_tokens=N`` does the same for the calls of at most
+  N tokens only (the rows of the entry point's ``ForwardBatch`` or first tensor): the decode steps where launches,
+  not kernels, are most of the time.
 - ``branch_streams=True``: under ``deepinfer_kernels.branch_streams.branch_streams``, so on CUDA the forward's
   independent branches (the shared expert, the window keys, the next Engram projection) run on a side stream beside
   the work they do not depend on (the same bits; docs/design/kernels.md, "Branch streams"). Elsewhere it changes
@@ -33,6 +35,7 @@ from deepinfer_kernels.batch_invariant import batch_invariant_ops
 from deepinfer_kernels.branch_streams import branch_streams
 from deepinfer_kernels.dependent_launch import dependent_launches
 from deepinfer_kernels.vendor_attention import vendor_attention
+from deepinfer_model.forward_batch import ForwardBatch
 
 __all__ = ["kernel_modes_forward"]
 
@@ -45,6 +48,7 @@ _R = TypeVar("_R")
 class _ModalModel(Protocol):
     batch_invariant: bool
     dependent_launch: bool
+    dependent_launch_max_tokens: int
     branch_streams: bool
     flashmla: bool
 
@@ -52,6 +56,23 @@ class _ModalModel(Protocol):
 
 
 _Self = TypeVar("_Self", bound=_ModalModel)
+
+
+def _call_tokens(args: tuple[object, ...]) -> int | None:
+    # The tokens (rows) an entry point computes: its ForwardBatch's, else its first tensor's rows.
+    first = args[0] if args else None
+    if isinstance(first, ForwardBatch):
+        return first.num_tokens
+    if isinstance(first, torch.Tensor) and first.dim() > 0:
+        return int(first.shape[0])
+    return None
+
+
+def _dependent(model: _ModalModel, args: tuple[object, ...]) -> bool:
+    if model.dependent_launch:
+        return True
+    tokens = _call_tokens(args) if model.dependent_launch_max_tokens > 0 else None
+    return tokens is not None and tokens <= model.dependent_launch_max_tokens
 
 
 def kernel_modes_forward(method: Callable[Concatenate[_Self, _P], _R]) -> Callable[Concatenate[_Self, _P], _R]:
@@ -62,7 +83,7 @@ def kernel_modes_forward(method: Callable[Concatenate[_Self, _P], _R]) -> Callab
         supported = next(self.parameters()).device.type in _INVARIANT_DEVICES
         with (
             batch_invariant_ops(self.batch_invariant and supported),
-            dependent_launches(self.dependent_launch),
+            dependent_launches(_dependent(self, args)),
             branch_streams(self.branch_streams),
             vendor_attention(self.flashmla),
         ):
