@@ -5,6 +5,8 @@ of a prompt alone and inside a prefill step of prompts of other lengths, at any 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from _layered_model_support import prompt, tiny_model
@@ -72,18 +74,10 @@ def test_the_accelerator_routing_keeps_the_forward_invariant(monkeypatch: pytest
     assert {"aten.mm.default", "aten.bmm.default"} <= set(routed)
 
 
-@pytest.mark.parametrize("flag", ["dependent_launch", "branch_streams"])
-def test_the_launch_flags_reach_the_kernels_and_change_no_bits(monkeypatch: pytest.MonkeyPatch, flag: str) -> None:
-    """``dependent_launch`` and ``branch_streams`` run the forward inside the kernels' ``dependent_launches`` and
-    ``branch_streams`` (seen from the kernels' RMSNorm, which every layer calls), and on the CPU change nothing."""
+def _watch_norms(monkeypatch: pytest.MonkeyPatch, requested: Callable[[], bool]) -> list[bool]:
+    # What ``requested()`` says at each call of the kernels' RMSNorm, which every layer makes.
     import deepinfer_model.layers.norm as norm
-    from deepinfer_kernels.branch_streams import branch_streams_requested
-    from deepinfer_kernels.dependent_launch import dependent_launches_requested
 
-    requested = {"dependent_launch": dependent_launches_requested, "branch_streams": branch_streams_requested}[flag]
-    model = tiny_model(ComputeMode.EXACT)
-    prompts = [prompt(length, seed=length).tolist() for length in (5, 30)]
-    default = torch.cat(_prefill(model, prompts))
     seen: list[bool] = []
     kernel = norm.rms_norm
 
@@ -92,6 +86,21 @@ def test_the_launch_flags_reach_the_kernels_and_change_no_bits(monkeypatch: pyte
         return kernel(*args, **kwargs)
 
     monkeypatch.setattr(norm, "rms_norm", observed)
+    return seen
+
+
+@pytest.mark.parametrize("flag", ["dependent_launch", "branch_streams"])
+def test_the_launch_flags_reach_the_kernels_and_change_no_bits(monkeypatch: pytest.MonkeyPatch, flag: str) -> None:
+    """``dependent_launch`` and ``branch_streams`` run the forward inside the kernels' ``dependent_launches`` and
+    ``branch_streams`` (seen from the kernels' RMSNorm, which every layer calls), and on the CPU change nothing."""
+    from deepinfer_kernels.branch_streams import branch_streams_requested
+    from deepinfer_kernels.dependent_launch import dependent_launches_requested
+
+    requested = {"dependent_launch": dependent_launches_requested, "branch_streams": branch_streams_requested}[flag]
+    model = tiny_model(ComputeMode.EXACT)
+    prompts = [prompt(length, seed=length).tolist() for length in (5, 30)]
+    default = torch.cat(_prefill(model, prompts))
+    seen = _watch_norms(monkeypatch, requested)
     setattr(model, flag, True)
     assert torch.equal(torch.cat(_prefill(model, prompts)), default)
     setattr(model, flag, False)
@@ -103,20 +112,12 @@ def test_the_launch_flags_reach_the_kernels_and_change_no_bits(monkeypatch: pyte
 def test_dependent_launches_reach_the_calls_of_at_most_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     """``dependent_launch_max_tokens``: a call of at most that many tokens runs inside ``dependent_launches``, a
     longer one does not, with the same bits as without the limit (prompts of 5 and 30 tokens alone, limit 5)."""
-    import deepinfer_model.layers.norm as norm
     from deepinfer_kernels.dependent_launch import dependent_launches_requested
 
     model = tiny_model(ComputeMode.EXACT)
     prompts = [prompt(length, seed=length).tolist() for length in (5, 30)]
     default = [_prefill(model, [p])[0] for p in prompts]
-    seen: list[bool] = []
-    kernel = norm.rms_norm
-
-    def observed(*args: object, **kwargs: object) -> torch.Tensor:
-        seen.append(dependent_launches_requested())
-        return kernel(*args, **kwargs)
-
-    monkeypatch.setattr(norm, "rms_norm", observed)
+    seen = _watch_norms(monkeypatch, dependent_launches_requested)
     model.dependent_launch_max_tokens = 5
     for p, logits in zip(prompts, default, strict=True):
         assert torch.equal(_prefill(model, [p])[0], logits)
