@@ -16,21 +16,17 @@ from deepinfer_kernels.reference import indexer as reference_indexer
 F = dk.RowFormat
 
 
-def _select(case: dict, topk: int, round_bf16: bool = True, **kwargs: object) -> tuple:
-    return dk.indexer_select(
-        case["q"],
-        case["weights"],
-        case["key_pool"],
-        F.FP4_UE8M0,
-        case["block_table"],
-        case["rows_per_block"],
-        case["token_request"],
-        case["num_rows"],
-        case["max_rows"],
-        topk,
-        round_bf16,
-        **kwargs,
+def _op_args(case: dict, topk: int, round_bf16: bool, device: str = "cpu") -> tuple:
+    """The op's arguments up to ``round_logits_bf16`` for a case, its tensors on ``device``."""
+    names = ("q", "weights", "key_pool", "block_table", "rows_per_block", "token_request", "num_rows", "max_rows")
+    q, weights, pool, table, per_block, token_request, num_rows, max_rows = (
+        case[name].to(device) if isinstance(case[name], torch.Tensor) else case[name] for name in names
     )
+    return q, weights, pool, F.FP4_UE8M0, table, per_block, token_request, num_rows, max_rows, topk, round_bf16
+
+
+def _select(case: dict, topk: int, round_bf16: bool = True, **kwargs: object) -> tuple:
+    return dk.indexer_select(*_op_args(case, topk, round_bf16), **kwargs)
 
 
 @pytest.fixture
@@ -137,10 +133,8 @@ def _select_on(
     rows = torch.full((num_tokens, topk), -7, dtype=torch.int64, device=device)
     blocks = torch.full((num_tokens, num_blocks), -7, dtype=torch.int64, device=device) if num_blocks else None
     implementation("indexer_select", backend)(
-        case["q"].to(device), case["weights"].to(device), case["key_pool"].to(device), F.FP4_UE8M0,
-        case["block_table"].to(device), case["rows_per_block"], case["token_request"].to(device),
-        case["num_rows"].to(device), case["max_rows"], topk, round_bf16,
-        None if candidates is None else candidates.to(device), block_size, num_blocks, rows, blocks,
+        *_op_args(case, topk, round_bf16, device), None if candidates is None else candidates.to(device), block_size,
+        num_blocks, rows, blocks,
     )  # fmt: skip
     return rows.cpu(), None if blocks is None else blocks.cpu()
 
