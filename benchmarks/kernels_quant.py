@@ -9,6 +9,13 @@ Per width ``K`` (the FP8 GEMMs' and the MoE GEMMs' inputs) and row count (--rows
 - ``values-sorted``: ``quantized_values`` as the MoE's ``swap_bf16`` GEMM calls it, the BF16 dequantization written
   in a random expert order of six product rows a token, word-pair columns (its bytes count each gathered read);
 
+at the preset's attention output (its heads and head width, BF16 as FlashMLA leaves it, --rows rows):
+
+- ``values-rotated``: ``quantized_values`` with the de-rotation of each head's tail in the launch (``wo_a``'s ``x̂``
+  since the thirty-second session);
+- ``widen-rotate-values``: the same ``x̂`` as before it: widened into FP32 (``cuda.flashmla.widen``), the tails
+  rotated in place (``apply_rope``), then ``quantized_values`` of the FP32 copy (the same checksum);
+
 and per FP8 weight ``dequantize-block``: ``dequantize_fp8_block`` into BF16. Each is timed by ``cuda_time_ms``
 (median of CUDA-graph replays); bytes are those read plus written once. Run it once per kernel version (an earlier
 commit's ``deepinfer-kernels/src`` first on PYTHONPATH) in one device call and pass the first run's JSON to the next
@@ -35,6 +42,7 @@ from kernels_gemm import preset_shapes
 
 import deepinfer_kernels as dk
 from deepinfer_kernels.benchmarking import cuda_time_ms
+from deepinfer_model.config import load_preset
 
 _GROUP = 32
 
@@ -51,8 +59,6 @@ def checksum(codes: torch.Tensor) -> int:
 
 
 def experts_per_token() -> int:
-    from deepinfer_model.config import load_preset
-
     return load_preset("v41-flash-scaled").text.num_experts_per_tok
 
 
@@ -82,6 +88,38 @@ def activation_cases(rows: int, k: int) -> list[tuple[str, Callable[[], Any], in
             coded + 2 * q.numel(),
         ),
         ("values-sorted", sorted_values, 4 * values.numel()),
+    ]
+
+
+def rotation_cases(rows: int) -> list[tuple[str, Callable[[], Any], int]]:
+    from deepinfer_kernels.cuda.flashmla import widen
+    from deepinfer_kernels.cuda.quant import quantized_values
+    from deepinfer_kernels.cuda.rope import HeadRotation, apply_rope
+
+    text = load_preset("v41-flash-scaled").text
+    heads, width, rope_dim = text.num_attention_heads, text.head_dim, text.qk_rope_head_dim
+    generator = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn((rows, heads, width), generator=generator, device="cuda").to(torch.bfloat16)
+    angles = torch.rand((rows, rope_dim // 2), generator=generator, device="cuda") * 1e3
+    cos, sin = torch.cos(angles), -torch.sin(angles)
+    values = torch.empty((rows, heads * width), dtype=torch.bfloat16, device="cuda")
+    wide = torch.empty(x.shape, dtype=torch.float32, device="cuda")
+    tail = wide[..., width - rope_dim :]
+
+    def rotated() -> torch.Tensor:
+        quantized_values(x.view(rows, -1), values, rotation=HeadRotation(cos, sin, width))
+        return values
+
+    def chained() -> torch.Tensor:
+        widen(x, wide)
+        apply_rope(tail, cos, sin, tail)
+        quantized_values(wide.view(rows, -1), values)
+        return values
+
+    elements, rotated_elements = x.numel(), rows * heads * rope_dim
+    return [
+        ("values-rotated", rotated, 4 * elements),
+        ("widen-rotate-values", chained, 12 * elements + 8 * rotated_elements),
     ]
 
 
@@ -119,6 +157,9 @@ def main() -> None:
         for k in activation_widths():
             for name, fn, moved in activation_cases(rows, k):
                 record(name, rows, k, fn, moved)
+        text = load_preset("v41-flash-scaled").text
+        for name, fn, moved in rotation_cases(rows):
+            record(name, rows, text.num_attention_heads * text.head_dim, fn, moved)
     for name, n, k in preset_shapes()["fp8_block_gemm"]:
         record(f"dequantize-block {name}", n, k, weight_case(n, k), 3 * n * k)
     out = args.out or RESULTS / f"kernels_quant-{device_label('cuda')}.json"

@@ -167,5 +167,9 @@ def test_flashmla_meets_the_reference_bound(
     with vendor_attention():
         assert flashmla.fits(q, sources, sink, True)
         implementation("sparse_attention", Backend.NVIDIA)(q, sources, sink, 512**-0.5, True, out)
+        kept = dk.sparse_attention(q, sources, sink, 512**-0.5, True, widen=False)
     check = torch.arange(128, device="cuda")
     assert attention_error(q, sources, sink, 512**-0.5, out, check) <= 2.0**-7
+    # Unwidened: the kernel's BF16 output, whose values the widened output holds exactly.
+    assert kept.dtype == torch.bfloat16 and torch.equal(kept.float(), out)
+    assert dk.sparse_attention(q, sources, sink, 512**-0.5, True, widen=False).dtype == torch.float32

@@ -31,6 +31,8 @@ def test_matches_dense(
     q, sources, sink = _case(num_tokens, heads, width, counts, seed=1)
     out = dk.sparse_attention(q, sources, sink, width**-0.5, round_probs)
     assert out.dtype == torch.float32 and out.shape == (num_tokens, heads, width)
+    # No vendor kernel runs here, so the unwidened output is the FP32 one.
+    assert torch.equal(dk.sparse_attention(q, sources, sink, width**-0.5, round_probs, widen=False), out)
     # BF16 rounding of a probability is relative 2^-9 on each term; the sum's error stays below that.
     rtol = 2.0**-8 if round_probs else 1e-5
     assert_close(out, dense_attention(q, sources, sink, width**-0.5, round_probs), rtol=rtol, atol=1e-5)

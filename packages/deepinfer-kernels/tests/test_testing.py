@@ -98,13 +98,13 @@ def test_attention_error_is_small_for_the_kernel_and_sees_one_changed_query() ->
 
 def test_watch_flashmla_records_calls_and_restores_the_module() -> None:
     flashmla = pytest.importorskip("deepinfer_kernels.cuda.flashmla")
-    fits, run = flashmla.fits, flashmla.sparse_attention
+    fits, run = flashmla.fits, flashmla.attend
     q = torch.zeros((flashmla.MIN_QUERIES, 64, 512), dtype=torch.bfloat16)
     pool = dk.encode_rows(torch.zeros((1, 512)), dk.RowFormat.FP8)
     source = dk.KeySource(pool, torch.zeros((q.shape[0], 1), dtype=torch.int64), dk.RowFormat.FP8)
     with watch_flashmla() as seen:
-        assert flashmla.fits is not fits and flashmla.sparse_attention is not run
+        assert flashmla.fits is not fits and flashmla.attend is not run
         assert not flashmla.fits(q, [source], torch.zeros(64), True)  # CPU tensors: never FlashMLA
         assert not flashmla.fits(q[:5], [source], torch.zeros(64), True)
     assert seen.calls == [(flashmla.MIN_QUERIES, False), (5, False)] and seen.taken == 0 and not seen.errors
-    assert flashmla.fits is fits and flashmla.sparse_attention is run
+    assert flashmla.fits is fits and flashmla.attend is run

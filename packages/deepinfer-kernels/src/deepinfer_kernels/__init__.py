@@ -16,6 +16,7 @@ from deepinfer_kernels.gemm import (
     fp8_block_gemm_quantized,
     fp8_block_grouped_gemm,
     mxfp4_gemm,
+    rotated_fp8_block_grouped_gemm,
 )
 from deepinfer_kernels.grouped_gemm import ExpertRows, dequantized_grouped_gemm, mxfp4_grouped_gemm
 from deepinfer_kernels.hyper_connection import hc_mix_logits, hc_mixes, hc_post, hc_read
@@ -84,6 +85,7 @@ __all__ = [
     "rope_cos_sin",
     "rope_inverse_frequencies",
     "rope_table",
+    "rotated_fp8_block_grouped_gemm",
     "router_topk",
     "sparse_attention",
     "store_rows",

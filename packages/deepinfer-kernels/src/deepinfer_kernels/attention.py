@@ -11,6 +11,7 @@ from deepinfer_kernels import _registry
 from deepinfer_kernels._checks import check_dtype, check_same_device, check_tensor
 from deepinfer_kernels.cache_layout import KeySource, width_of
 from deepinfer_kernels.kv_cache import INDEX_DTYPES, flat_pool
+from deepinfer_kernels.vendor_attention import unwidened_attention
 
 __all__ = ["KeySource", "sparse_attention"]
 
@@ -32,7 +33,13 @@ def _checked_source(index: int, source: KeySource, num_tokens: int, width: int) 
 
 
 def sparse_attention(
-    q: torch.Tensor, sources: Sequence[KeySource], sink: torch.Tensor, scale: float, round_probs_bf16: bool
+    q: torch.Tensor,
+    sources: Sequence[KeySource],
+    sink: torch.Tensor,
+    scale: float,
+    round_probs_bf16: bool,
+    *,
+    widen: bool = True,
 ) -> torch.Tensor:
     """One softmax per (query, head) over the valid keys of all sources plus a per-head sink logit (K = V).
 
@@ -47,9 +54,12 @@ def sparse_attention(
         sink: [H] fp32 sink logits.
         scale: softmax scale (``D^−0.5``).
         round_probs_bf16: round the unnormalized probabilities to BF16 before the value product (exact mode).
+        widen: always return FP32. False: where a vendor kernel runs the call (FlashMLA inside ``vendor_attention()``
+            on the nvidia backend), its BF16 output as it left the kernel, the values of the FP32 result without the
+            pass that widens them (a consumer that reads BF16 and FP32 alike, ``rotated_fp8_block_grouped_gemm``).
 
     Returns:
-        [T, H, D] fp32.
+        [T, H, D] fp32, or bf16 where ``widen`` is false and a vendor kernel ran.
     """
     check_tensor("q", q)
     check_tensor("sink", sink)
@@ -63,6 +73,10 @@ def sparse_attention(
     checked = [_checked_source(i, source, num_tokens, width) for i, source in enumerate(sources)]
     check_same_device(q=q, sink=sink, **{f"pool{i}": s.pool for i, s in enumerate(checked)})
     check_same_device(q=q, **{f"rows{i}": s.rows for i, s in enumerate(checked)})
+    if num_tokens and not widen:
+        served = unwidened_attention(q.contiguous(), checked, sink.contiguous(), float(scale), round_probs_bf16)
+        if served is not None:
+            return served
     out = torch.empty((num_tokens, num_heads, width), dtype=torch.float32, device=q.device)
     if num_tokens:
         impl = _registry.resolve("sparse_attention", q.device.type)

@@ -2,7 +2,8 @@
 (docs/design/numerics.md, "GEMM accumulation").
 
 Implementations: the reference (an exact emulation, FP64 sums), Triton on nvidia (``cuda.gemm``, FP32 sums); ascend
-falls back to the reference.
+falls back to the reference. ``rotated_fp8_block_grouped_gemm`` is the grouped GEMM after a rotation of each head's
+tail (the attention's de-rotation, fused on nvidia into the activation's quantization).
 
 ``dequantized_gemm`` is the same product for a caller that already holds the exactly dequantized weight ``Ŵ``
 (reference only): the reference quantized GEMMs dequantize their whole weight on every call, so a caller that runs
@@ -16,7 +17,14 @@ import torch
 from deepinfer_kernels import _registry
 from deepinfer_kernels._checks import check_dtype, check_ndim_at_least, check_same_device, check_tensor
 
-__all__ = ["dequantized_gemm", "fp8_block_gemm", "fp8_block_gemm_quantized", "fp8_block_grouped_gemm", "mxfp4_gemm"]
+__all__ = [
+    "dequantized_gemm",
+    "fp8_block_gemm",
+    "fp8_block_gemm_quantized",
+    "fp8_block_grouped_gemm",
+    "mxfp4_gemm",
+    "rotated_fp8_block_grouped_gemm",
+]
 
 _ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)
 _DEQUANTIZED_DTYPES = (torch.float32, torch.float64)
@@ -97,6 +105,58 @@ def fp8_block_grouped_gemm(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Te
     Returns:
         [..., N] fp32.
     """
+    n = _check_grouped(x, w_q, w_scale, groups)
+    return _run("fp8_block_grouped_gemm", x, n, w_q, w_scale, out_dtype=torch.float32)
+
+
+def rotated_fp8_block_grouped_gemm(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, groups: int
+) -> torch.Tensor:
+    """:func:`fp8_block_grouped_gemm` of x's heads with each head's last ``r = 2 · cos.shape[1]`` columns rotated
+    first: ``x'[t, h, D − r:] = apply_rope(x[t, h, D − r:], cos, sin)`` computed into FP32 (not rounded to x's
+    dtype), the other columns x's values, then ``fp8_block_grouped_gemm(x'.reshape(T, H·D), …)``. The attention's
+    de-rotation and ``wo_a`` in one op, so that the rotated FP32 values need not be written out (the nvidia backend
+    rotates them inside the activation's quantization where its tile takes ``x̂``; docs/design/numerics.md,
+    "Attention output rounding").
+
+    Args:
+        x: [T, H, D] bf16 or fp32 (the attention output; D even).
+        cos: [T, r/2] fp32, same device, ``0 < r ≤ D``.
+        sin: [T, r/2] fp32, same device (negated sines de-rotate).
+        w_q: [N, K] float8_e4m3fn, same device, ``H·D = G·K``, ``N/G`` a multiple of 32.
+        w_scale: [N/32, K/32] float8_e8m0fnu, same device.
+        groups: G ≥ 1.
+
+    Returns:
+        [T, N] fp32.
+    """
+    check_tensor("x", x)
+    if x.dim() != 3:
+        raise ValueError(f"x must be [T, H, D] (the heads of each row), got shape {tuple(x.shape)}")
+    tokens, heads, width = x.shape
+    n = _check_grouped(x, w_q, w_scale, groups, heads * width)
+    for name, table in (("cos", cos), ("sin", sin)):
+        check_tensor(name, table)
+        check_dtype(name, table.dtype, (torch.float32,))
+        if table.dim() != 2 or table.shape[0] != tokens or not 0 < 2 * table.shape[1] <= width or width % 2:
+            raise ValueError(
+                f"{name} must be [T={tokens}, r/2] with r even, 0 < r <= D={width} (D even), got {tuple(table.shape)}"
+            )
+    if cos.shape != sin.shape:
+        raise ValueError(f"cos and sin must have one shape, got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    check_same_device(x=x, cos=cos, sin=sin)
+    out = torch.empty((tokens, n), dtype=torch.float32, device=x.device)
+    if out.numel():
+        impl = _registry.resolve("rotated_fp8_block_grouped_gemm", x.device.type)
+        impl(x.contiguous(), cos.contiguous(), sin.contiguous(), w_q.contiguous(), w_scale.contiguous(), out)
+    return out
+
+
+def _check_grouped(
+    x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, groups: int, columns: int | None = None
+) -> int:
+    """Check a grouped GEMM's weight, groups and activation (``columns`` a row, default its last dimension's);
+    returns the weight's N."""
     n, k = _check_fp8_block_weight(w_q, w_scale)
     if not isinstance(groups, int) or groups < 1 or n % (32 * groups):
         raise ValueError(
@@ -105,12 +165,13 @@ def fp8_block_grouped_gemm(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Te
     check_tensor("x", x)
     check_dtype("x", x.dtype, _ACTIVATION_DTYPES)
     check_ndim_at_least("x", x, 1)
-    if k % _GROUP or x.shape[-1] != groups * k:
+    columns = x.shape[-1] if columns is None else columns
+    if k % _GROUP or columns != groups * k:
         raise ValueError(
-            f"x must have groups·K = {groups}·{k} columns with K a multiple of {_GROUP}, got {x.shape[-1]} columns"
+            f"x must have groups·K = {groups}·{k} columns with K a multiple of {_GROUP}, got {columns} columns"
         )
     check_same_device(x=x, w_q=w_q, w_scale=w_scale)
-    return _run("fp8_block_grouped_gemm", x, n, w_q, w_scale, out_dtype=torch.float32)
+    return n
 
 
 def fp8_block_gemm_quantized(

@@ -157,31 +157,30 @@ class FlashMLACalls:
 
 @contextlib.contextmanager
 def watch_flashmla(check: int = 64) -> Iterator[FlashMLACalls]:
-    """Within the block, ``cuda.flashmla``'s ``fits`` and ``sparse_attention`` record each call; every call FlashMLA
-    runs is compared with the reference on its first and last ``check`` queries (``attention_error``). Imports the
-    NVIDIA backend's module (the caller skips where it does not import)."""
+    """Within the block, ``cuda.flashmla``'s ``fits`` and ``attend`` (every FlashMLA run, widened or not) record each
+    call; every call FlashMLA runs is compared with the reference on its first and last ``check`` queries
+    (``attention_error``). Imports the NVIDIA backend's module (the caller skips where it does not import)."""
     from deepinfer_kernels.cuda import flashmla
 
     seen = FlashMLACalls()
-    fits, run = flashmla.fits, flashmla.sparse_attention
+    fits, run = flashmla.fits, flashmla.attend
 
     def fits_seen(q: torch.Tensor, sources: Sequence[KeySource], sink: torch.Tensor, round_probs_bf16: bool) -> bool:
         seen.calls.append((q.shape[0], fits(q, sources, sink, round_probs_bf16)))
         return seen.calls[-1][1]
 
-    def run_checked(
-        q: torch.Tensor, sources: Sequence[KeySource], sink: torch.Tensor, scale: float, out: torch.Tensor
-    ) -> None:
-        run(q, sources, sink, scale, out)
+    def run_checked(q: torch.Tensor, sources: Sequence[KeySource], sink: torch.Tensor, scale: float) -> torch.Tensor:
+        out = run(q, sources, sink, scale)
         tokens = q.shape[0]
         picked = torch.cat([torch.arange(min(check, tokens)), torch.arange(max(tokens - check, 0), tokens)])
-        seen.errors.append(attention_error(q, sources, sink, scale, out, picked.unique().to(q.device)))
+        seen.errors.append(attention_error(q, sources, sink, scale, out.float(), picked.unique().to(q.device)))
+        return out
 
-    flashmla.fits, flashmla.sparse_attention = fits_seen, run_checked
+    flashmla.fits, flashmla.attend = fits_seen, run_checked
     try:
         yield seen
     finally:
-        flashmla.fits, flashmla.sparse_attention = fits, run
+        flashmla.fits, flashmla.attend = fits, run
 
 
 def seeded_generator(seed: int) -> torch.Generator:

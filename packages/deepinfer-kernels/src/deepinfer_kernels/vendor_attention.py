@@ -8,14 +8,21 @@ The mode is a ``ModeFlag`` (a context variable), like ``dependent_launches``; th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 
 import torch
 
+from deepinfer_kernels.cache_layout import KeySource
 from deepinfer_kernels.mode_flag import ModeFlag
 from deepinfer_kernels.platform import Accelerator, current_accelerator
 
-__all__ = ["vendor_attention", "vendor_attention_requested", "vendor_attention_unavailable"]
+__all__ = [
+    "unwidened_attention",
+    "vendor_attention",
+    "vendor_attention_requested",
+    "vendor_attention_unavailable",
+]
 
 _VENDOR_ATTENTION = ModeFlag("vendor_attention")
 
@@ -29,6 +36,18 @@ def vendor_attention(enabled: bool = True) -> AbstractContextManager[None]:
     """Let ``sparse_attention`` use FlashMLA's sparse prefill kernel in the body where it fits (a no-op when
     ``enabled`` is false)."""
     return _VENDOR_ATTENTION.scope(enabled)
+
+
+def unwidened_attention(
+    q: torch.Tensor, sources: Sequence[KeySource], sink: torch.Tensor, scale: float, round_probs_bf16: bool
+) -> torch.Tensor | None:
+    """``sparse_attention``'s output as the kernel that runs the call leaves it, where the nvidia backend serves it
+    (FlashMLA's BF16, values the FP32 result would hold exactly, where it takes the call; else FP32); None elsewhere."""
+    if q.device.type != "cuda" or current_accelerator() is not Accelerator.NVIDIA:
+        return None
+    from deepinfer_kernels.cuda import attention
+
+    return attention.unwidened_attention(q, sources, sink, scale, round_probs_bf16)
 
 
 def vendor_attention_unavailable(device: torch.device, heads: int, head_dim: int) -> str | None:

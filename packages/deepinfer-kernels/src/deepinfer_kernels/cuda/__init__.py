@@ -44,6 +44,7 @@ def register(registry: OpRegistry) -> None:
     registry.register("fp8_block_gemm", nvidia, gemm.fp8_block_gemm)
     registry.register("mxfp4_gemm", nvidia, gemm.mxfp4_gemm)
     registry.register("fp8_block_grouped_gemm", nvidia, fp8_gemm_ops.fp8_block_grouped_gemm)
+    registry.register("rotated_fp8_block_grouped_gemm", nvidia, fp8_gemm_ops.rotated_fp8_block_grouped_gemm)
     registry.register("fp8_block_gemm_quantized", nvidia, fp8_gemm_ops.fp8_block_gemm_quantized)
     registry.register("mxfp4_grouped_gemm", nvidia, grouped_gemm.mxfp4_grouped_gemm)
     registry.register("encode_rows", nvidia, row_formats.encode_rows)

@@ -61,6 +61,7 @@ __all__ = [
     "SPLIT_WORKSPACE_BYTES",
     "TILES",
     "sparse_attention",
+    "unwidened_attention",
 ]
 
 MAX_SOURCES = 3
@@ -115,6 +116,18 @@ SPLIT_WORKSPACE_BYTES = 256 << 20
 INVARIANT_CHUNK_KEYS = 128
 
 
+def unwidened_attention(
+    q: torch.Tensor, sources: Sequence[KeySource], sink: torch.Tensor, scale: float, round_probs_bf16: bool
+) -> torch.Tensor:
+    """:func:`sparse_attention`'s output as the kernel that runs the call leaves it: FlashMLA's BF16 where it takes
+    the call (not widened), else the FP32 output."""
+    if _on_flashmla(q, sources, sink, round_probs_bf16):
+        return flashmla.attend(q, sources, sink, scale)
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    _attention_into(q, sources, sink, scale, round_probs_bf16, out)
+    return out
+
+
 def sparse_attention(
     q: torch.Tensor,
     sources: Sequence[KeySource],
@@ -124,15 +137,31 @@ def sparse_attention(
     out: torch.Tensor,
 ) -> None:
     """See ``reference.attention.sparse_attention``; more than :data:`MAX_SOURCES` sources take the reference."""
+    if _on_flashmla(q, sources, sink, round_probs_bf16):
+        flashmla.sparse_attention(q, sources, sink, scale, out)
+        return
+    _attention_into(q, sources, sink, scale, round_probs_bf16, out)
+
+
+def _on_flashmla(q: torch.Tensor, sources: Sequence[KeySource], sink: torch.Tensor, round_probs_bf16: bool) -> bool:
+    return len(sources) <= MAX_SOURCES and q.shape[0] > 0 and flashmla.fits(q, sources, sink, round_probs_bf16)
+
+
+def _attention_into(
+    q: torch.Tensor,
+    sources: Sequence[KeySource],
+    sink: torch.Tensor,
+    scale: float,
+    round_probs_bf16: bool,
+    out: torch.Tensor,
+) -> None:
+    # The package's kernels (the reference beyond MAX_SOURCES sources) into the FP32 out.
     if len(sources) > MAX_SOURCES:
         reference.sparse_attention(q, sources, sink, scale, round_probs_bf16, out)
         return
     check_launchable(q=q, sink=sink, out=out, **{f"rows{i}": s.rows for i, s in enumerate(sources)})
     num_tokens, num_heads, width = q.shape
     if num_tokens == 0:
-        return
-    if flashmla.fits(q, sources, sink, round_probs_bf16):
-        flashmla.sparse_attention(q, sources, sink, scale, out)
         return
     # An empty pool (all its rows −1) is replaced by one zero row: Triton needs a real pointer.
     present = [

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 import torch
 
 from deepinfer_kernels.cuda import quant
+from deepinfer_kernels.cuda.rope import HeadRotation
 
 __all__ = ["bf16_product", "dequantized_activation", "fp32_split_k_sums", "quantized_value_activation"]
 
@@ -64,12 +65,12 @@ def dequantized_activation(q: torch.Tensor, q_scale: torch.Tensor) -> torch.Tens
     return x_hat
 
 
-def quantized_value_activation(x: torch.Tensor) -> torch.Tensor:
+def quantized_value_activation(x: torch.Tensor, rotation: HeadRotation | None = None) -> torch.Tensor:
     """``x̂`` [M, K] BF16 of the unquantized activation x [M, K] (bf16/fp32) from one quantize-and-dequantize launch
     (``quant.quantized_values``), its codes never stored (4 bytes an element moved instead of 6 for the quantizer
-    and the dequantizer after it)."""
+    and the dequantizer after it); with ``rotation``, of x with its heads' tails rotated in FP32 in the same launch."""
     x_hat = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
-    quant.quantized_values(x, x_hat)
+    quant.quantized_values(x, x_hat, rotation=rotation)
     return x_hat
 
 

@@ -37,6 +37,7 @@ from deepinfer_kernels.vendor_attention import vendor_attention_requested
 
 __all__ = [
     "MIN_QUERIES",
+    "attend",
     "available",
     "fits",
     "key_table",
@@ -136,17 +137,23 @@ def key_table(sources: Sequence[KeySource], tokens: int) -> tuple[torch.Tensor, 
     return torch.cat(tables)[:, None, :], torch.cat(indices, dim=1).to(torch.int32)[:, None, :]
 
 
-def sparse_attention(
-    q: torch.Tensor, sources: Sequence[KeySource], sink: torch.Tensor, scale: float, out: torch.Tensor
-) -> None:
-    """``out`` [T, H, D] FP32 ← FlashMLA's sparse attention of ``q`` over ``sources`` (``fits`` must hold)."""
+def attend(q: torch.Tensor, sources: Sequence[KeySource], sink: torch.Tensor, scale: float) -> torch.Tensor:
+    """FlashMLA's sparse attention of ``q`` over ``sources`` as it leaves the kernel, [T, H, D] BF16 (``fits`` must
+    hold)."""
     module = _flash_mla(q.device.index if q.device.index is not None else torch.cuda.current_device())
     assert module is not None, "sparse_attention called on FlashMLA where fits() does not hold"
     table, indices = key_table(sources, q.shape[0])
     result, _, _ = module.flash_mla_sparse_fwd(
         q.contiguous(), table, indices, scale, d_v=q.shape[2], attn_sink=sink, use_legacy=True
     )
-    widen(result, out)
+    return result
+
+
+def sparse_attention(
+    q: torch.Tensor, sources: Sequence[KeySource], sink: torch.Tensor, scale: float, out: torch.Tensor
+) -> None:
+    """``out`` [T, H, D] FP32 ← :func:`attend`'s output, widened."""
+    widen(attend(q, sources, sink, scale), out)
 
 
 @triton.jit

@@ -55,6 +55,7 @@ from deepinfer_kernels.cuda.gemm_operands import (
 from deepinfer_kernels.cuda.gemm_tiles import BlockConfig, block_config, decodings
 from deepinfer_kernels.cuda.gemv import fp8_gemv_kernel, mxfp4_gemv_kernel
 from deepinfer_kernels.cuda.gluon_ring import available
+from deepinfer_kernels.cuda.rope import HeadRotation
 from deepinfer_kernels.cuda.swap_bf16 import fp8_swap_bf16_launch
 
 __all__ = [
@@ -529,15 +530,20 @@ def fp8_block_activation_launch(
     out: torch.Tensor,
     groups: int = 1,
     config: BlockConfig | None = None,
+    rotation: HeadRotation | None = None,
 ) -> None:
     """:func:`fp8_block_launch` on the unquantized activation x [M, groups·K] (bf16/fp32, contiguous): the
     ``dequant_bf16`` and ``swap_bf16`` decodings take ``x̂`` from one quantize-and-dequantize launch, the FMA GEMV
-    quantizes x itself as it reads it (no quantizer launch), the others read the quantizer's codes."""
+    quantizes x itself as it reads it (no quantizer launch), the others read the quantizer's codes. With
+    ``rotation`` the activation is x with its heads' tails rotated in FP32: inside the ``x̂`` launch, else in an FP32
+    copy of x (``apply_rope``'s bits either way)."""
     (m, n), k = out.shape, w_q.shape[1]
     cfg = config or block_config("fp8_block_gemm", m, n, k)
     if cfg.decoding in _ON_X_HAT:
-        _x_hat_launch(quantized_value_activation(x), w_q, w_scale, out, groups, cfg)
+        _x_hat_launch(quantized_value_activation(x, rotation), w_q, w_scale, out, groups, cfg)
         return
+    if rotation is not None:
+        x = quant.rotated_copy(x, rotation)
     if cfg.gemv:  # the FMA GEMV quantizes x as it reads it: one launch, the quantizer's codes
         _fp8_tile_launch(x, x, w_q, w_scale, out, groups, cfg, quantize=True)
         return

@@ -25,6 +25,7 @@ from deepinfer_kernels.cuda._formats import (
     ue8m0_decode,
 )
 from deepinfer_kernels.cuda._launch import await_inputs, check_launchable, dependent_launch
+from deepinfer_kernels.cuda.rope import HeadRotation, rotated_head_tails
 
 __all__ = [
     "dequantize_fp8_block",
@@ -34,6 +35,7 @@ __all__ = [
     "quantize_fp8_per_token_group",
     "quantize_mxfp4",
     "quantized_values",
+    "rotated_copy",
 ]
 
 _BLOCK = 32
@@ -121,20 +123,23 @@ def _quantize_group_kernel(  # type: ignore[no-untyped-def]
 
 @triton.jit
 def _quantized_values_kernel(  # type: ignore[no-untyped-def]
-    x_ptr, order_ptr, out_ptr, rows, groups, repeats, stride_x, stride_out,
+    x_ptr, order_ptr, out_ptr, cos_ptr, sin_ptr, rows, groups, repeats, stride_x, stride_out,
     BLOCK_ROWS: tl.constexpr, BLOCK_GROUPS: tl.constexpr, GATHER: tl.constexpr, WORD_PAIRS: tl.constexpr,
-    PDL: tl.constexpr,
+    ROTATE: tl.constexpr, HEAD_WIDTH: tl.constexpr, ROPE_DIM: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # out[p, 32g + c] = x̂[source row, 32g + column c]: the source row order[p] // repeats (GATHER) or p, the column c
     # or word_pair_columns(32)[c] (WORD_PAIRS). A group's amax and codes do not depend on the order of its columns, so
     # the group is loaded and stored contiguously and its values reordered in registers (loading the permuted columns
-    # took every element as a 2-byte load of its own).
+    # took every element as a 2-byte load of its own). ROTATE (rows in order): x̂ of x with the last rope_dim columns
+    # of each head of HEAD_WIDTH columns rotated in FP32 first (rope.rotated_head_tails).
     await_inputs(PDL)
     r, _, c, row_mask, mask = group_tile(rows, groups, 32, BLOCK_ROWS, BLOCK_GROUPS)
     source = r
     if GATHER:
         source = tl.load(order_ptr + r, mask=row_mask, other=0).to(tl.int64) // repeats
     x = tl.load(x_ptr + source[:, None, None] * stride_x + c[None, :, :], mask=mask, other=0.0).to(tl.float32)
+    if ROTATE:
+        x = rotated_head_tails(x, r, c, row_mask, cos_ptr, sin_ptr, HEAD_WIDTH, ROPE_DIM)
     codes, scale_bytes = fp8_token_groups(tl.reshape(x, (BLOCK_ROWS * BLOCK_GROUPS, 32)))
     value = to_output_dtype(e4m3_decode(codes) * ue8m0_decode(scale_bytes)[:, None], out_ptr)
     if WORD_PAIRS:
@@ -143,6 +148,20 @@ def _quantized_values_kernel(  # type: ignore[no-untyped-def]
             tl.permute(tl.reshape(value, (BLOCK_ROWS * BLOCK_GROUPS, 4, 2, 2, 2)), (0, 4, 2, 1, 3)), value.shape
         )
     tl.store(out_ptr + r[:, None, None] * stride_out + c[None, :, :], tl.reshape(value, x.shape), mask=mask)
+
+
+@triton.jit
+def _rotated_copy_kernel(  # type: ignore[no-untyped-def]
+    x_ptr, cos_ptr, sin_ptr, out_ptr, rows, groups, stride_x, stride_out,
+    BLOCK_ROWS: tl.constexpr, BLOCK_GROUPS: tl.constexpr, HEAD_WIDTH: tl.constexpr, ROPE_DIM: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    # out = x in FP32 with each head's tail rotated (rope.rotated_head_tails), the tiles of _quantized_values_kernel.
+    await_inputs(PDL)
+    r, _, c, row_mask, mask = group_tile(rows, groups, 32, BLOCK_ROWS, BLOCK_GROUPS)
+    x = tl.load(x_ptr + r[:, None, None] * stride_x + c[None, :, :], mask=mask, other=0.0).to(tl.float32)
+    x = rotated_head_tails(x, r, c, row_mask, cos_ptr, sin_ptr, HEAD_WIDTH, ROPE_DIM)
+    tl.store(out_ptr + r[:, None, None] * stride_out + c[None, :, :], x, mask=mask)
 
 
 @triton.jit
@@ -305,6 +324,7 @@ def quantized_values(
     order: torch.Tensor | None = None,
     word_pairs: bool = False,
     repeats: int = 1,
+    rotation: HeadRotation | None = None,
 ) -> None:
     """Triton ``x̂``: the per-token 32-column e4m3 quantization of :func:`quantize_fp8_per_token_group` and its exact
     dequantization (``dequantize_fp8_per_token_group``) in one launch, the codes never stored; the tiles of
@@ -318,16 +338,42 @@ def quantized_values(
         word_pairs: each 32-column group's columns in ``gemm_operands.word_pair_columns`` order (the ``swap_bf16``
             decoding's), else in column order.
         repeats: product rows per row of x (with ``order``; a MoE's top-k rows of a token).
+        rotation: x̂ of x with each head's tail rotated first in FP32, bit for bit ``apply_rope`` into an FP32 copy
+            (without ``order``).
     """
     check_launchable(x=x, out=out)
+    if rotation is not None and order is not None:
+        raise ValueError("quantized_values rotates rows in their own order only: pass rotation or order, not both")
     rows, cols = out.shape
     grid, per_program = _group_grid(rows, cols // 32)
+    # The head shape is constexpr (a model has one): a column's place in its head is then a mask, not a division.
+    cos, sin, head_width = rotation if rotation is not None else (x, x, 0)
     _quantized_values_kernel[grid](
-        x, order if order is not None else x, out, rows, cols // 32, repeats, x.stride(0), out.stride(0),
+        x, order if order is not None else x, out, cos, sin, rows, cols // 32, repeats, x.stride(0), out.stride(0),
         BLOCK_ROWS=_ROWS_PER_PROGRAM, BLOCK_GROUPS=per_program, GATHER=order is not None, WORD_PAIRS=word_pairs,
+        ROTATE=rotation is not None, HEAD_WIDTH=head_width, ROPE_DIM=2 * cos.shape[1] if rotation is not None else 0,
         num_warps=_VALUES_WARPS,
         **dependent_launch(x.device),
     )  # fmt: skip
+
+
+def rotated_copy(x: torch.Tensor, rotation: HeadRotation) -> torch.Tensor:
+    """x [M, K] (bf16/fp32, unit column stride, ``K % 32 == 0``) in FP32 with each head's tail rotated, bit for bit
+    ``apply_rope`` into an FP32 copy, in one launch (the activation of the tiles that do not read ``x̂``)."""
+    check_launchable(x=x, cos=rotation.cos, sin=rotation.sin)
+    rows, cols = x.shape
+    out = torch.empty((rows, cols), dtype=torch.float32, device=x.device)
+    # Eight groups a program at every row count, and no more rows than there are: a decode step's wo_a input (one
+    # row of 32,768 columns) is then 128 programs, not 1,024 programs of one live row in sixteen.
+    block_rows = min(_ROWS_PER_PROGRAM, triton.next_power_of_2(max(rows, 1)))
+    grid = (triton.cdiv(rows, block_rows), triton.cdiv(cols // 32, _WIDE_GROUPS))
+    _rotated_copy_kernel[grid](
+        x, rotation.cos, rotation.sin, out, rows, cols // 32, x.stride(0), out.stride(0), BLOCK_ROWS=block_rows,
+        BLOCK_GROUPS=_WIDE_GROUPS, HEAD_WIDTH=rotation.head_width, ROPE_DIM=2 * rotation.cos.shape[1],
+        num_warps=_VALUES_WARPS,
+        **dependent_launch(x.device),
+    )  # fmt: skip
+    return out
 
 
 def dequantize_fp8_per_token_group(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:

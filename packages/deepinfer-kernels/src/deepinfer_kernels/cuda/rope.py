@@ -2,9 +2,11 @@
 rotation table of a step's positions (one launch for its three planes)."""
 
 # Triton reads parameter annotations as kernel type hints, so @triton.jit functions stay unannotated.
-# ruff: noqa: ANN001, ANN202
+# ruff: noqa: ANN001, ANN201, ANN202
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -13,10 +15,48 @@ import triton.language as tl
 from deepinfer_kernels.cuda._formats import to_output_dtype
 from deepinfer_kernels.cuda._launch import await_inputs, check_launchable, dependent_launch
 
-__all__ = ["apply_rope", "rope_table"]
+__all__ = ["HeadRotation", "apply_rope", "rope_table", "rotated_head_tails", "rotated_pair"]
+
+
+class HeadRotation(NamedTuple):
+    """The rotation of each head's last ``2 · cos.shape[1]`` columns of rows of heads of ``head_width`` columns: a
+    row's ``cos`` and ``sin`` ([rows, rope_dim / 2] FP32, contiguous), as ``apply_rope`` takes them."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    head_width: int
+
 
 _HEADS_PER_PROGRAM = 16
 _TABLE_ROWS_PER_PROGRAM = 16
+
+
+@triton.jit
+def rotated_pair(x_even, x_odd, c, s):  # type: ignore[no-untyped-def]
+    # The pair's rotation in FP32, one true fma each (every kernel that rotates shares it, so their bits agree).
+    # Multiplying by −1 (not unary minus, which Triton lowers to 0 − x) keeps the sign of a zero product.
+    return tl.fma(x_even, c, (x_odd * s) * -1.0), tl.fma(x_even, s, x_odd * c)
+
+
+@triton.jit
+def rotated_head_tails(x, rows, cols, row_mask, cos_ptr, sin_ptr, HEAD_WIDTH: tl.constexpr, ROPE_DIM: tl.constexpr):  # type: ignore[no-untyped-def]
+    # x [R, G, 32] FP32, the values of rows [R] (int64) at columns cols [G, 32] of heads of HEAD_WIDTH columns, with
+    # each head's last ROPE_DIM columns rotated by its row's cos/sin ([rows, ROPE_DIM / 2] FP32, contiguous) as
+    # _rope_kernel rotates them; the other columns pass through untouched (selected, not computed).
+    R: tl.constexpr = x.shape[0]
+    G: tl.constexpr = x.shape[1]
+    x_even, x_odd = tl.split(tl.reshape(x, (R, G, 16, 2)))
+    first, _ = tl.split(tl.reshape(cols, (G, 16, 2)))
+    tail = first % HEAD_WIDTH - (HEAD_WIDTH - ROPE_DIM)
+    in_tail = tail >= 0
+    mask = row_mask[:, None, None] & in_tail[None, :, :]
+    table = rows[:, None, None] * (ROPE_DIM // 2) + (tail // 2)[None, :, :]
+    c = tl.load(cos_ptr + table, mask=mask, other=1.0)
+    s = tl.load(sin_ptr + table, mask=mask, other=0.0)
+    even, odd = rotated_pair(x_even, x_odd, c, s)
+    even = tl.where(in_tail[None, :, :], even, x_even)
+    odd = tl.where(in_tail[None, :, :], odd, x_odd)
+    return tl.reshape(tl.join(even, odd), (R, G, 32))
 
 
 @triton.jit
@@ -48,9 +88,7 @@ def _rope_kernel(  # type: ignore[no-untyped-def]
     pair_mask = 2 * pairs < rope_dim
     c = tl.load(cos_ptr + token * stride_table + pairs, mask=pair_mask, other=0.0)
     s = tl.load(sin_ptr + token * stride_table + pairs, mask=pair_mask, other=0.0)
-    # Multiplying by −1 (not unary minus, which Triton lowers to 0 − x) keeps the sign of a zero product.
-    even = tl.fma(x_even, c, (x_odd * s) * -1.0)
-    odd = tl.fma(x_even, s, x_odd * c)
+    even, odd = rotated_pair(x_even, x_odd, c, s)
     rotated = tl.reshape(tl.join(even, odd), (BLOCK_HEADS, BLOCK_DIM))
     out_offsets = token * stride_out_token + heads * stride_out_head + dims
     tl.store(out_ptr + out_offsets, to_output_dtype(rotated, out_ptr), mask=mask)

@@ -41,6 +41,7 @@ def register(registry: OpRegistry) -> None:
     registry.register("fp8_block_gemm", ref, gemm.fp8_block_gemm)
     registry.register("mxfp4_gemm", ref, gemm.mxfp4_gemm)
     registry.register("fp8_block_grouped_gemm", ref, gemm.fp8_block_grouped_gemm)
+    registry.register("rotated_fp8_block_grouped_gemm", ref, gemm.rotated_fp8_block_grouped_gemm)
     registry.register("fp8_block_gemm_quantized", ref, gemm.fp8_block_gemm_quantized)
     registry.register("mxfp4_grouped_gemm", ref, grouped_gemm.mxfp4_grouped_gemm)
     registry.register("dequantized_gemm", ref, gemm.dequantized_gemm)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer_kernels.reference import quant
+from deepinfer_kernels.reference import quant, rope
 
 __all__ = [
     "dequantized_gemm",
@@ -100,6 +100,17 @@ def fp8_block_grouped_gemm(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Te
     x_hat = _quantized_activation(x).double().view(rows, groups, k)
     w_hat = _fp8_block_weight(w_q, w_scale).double().view(groups, -1, k)
     out.copy_(torch.einsum("mgk,gnk->mgn", x_hat, w_hat).reshape(rows, -1).float())
+
+
+def rotated_fp8_block_grouped_gemm(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor
+) -> None:
+    """:func:`fp8_block_grouped_gemm` of x [T, H, D] with each head's last ``2 · cos.shape[1]`` columns rotated by
+    :func:`reference.rope.apply_rope` into an FP32 copy first; out [T, N] fp32, written."""
+    rotated = x.to(torch.float32, copy=True)
+    tail = rotated[..., x.shape[2] - 2 * cos.shape[1] :]
+    rope.apply_rope(tail, cos, sin, tail)
+    fp8_block_grouped_gemm(rotated.view(x.shape[0], -1), w_q, w_scale, out)
 
 
 def mxfp4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
