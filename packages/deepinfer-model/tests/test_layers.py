@@ -8,6 +8,8 @@ import torch
 from deepinfer_kernels import (
     KeySource,
     RowFormat,
+    apply_rope,
+    apply_rope_,
     encode_rows,
     quantize_fp8_block,
     quantize_mxfp4,
@@ -122,6 +124,50 @@ def test_grouped_linear_on_cuda_runs_the_grouped_gemm() -> None:
     w_hat = ref.dequantize_fp8_block(q, s).double().view(groups, n, k).abs()
     bound = 2 * k * 2.0**-24 * torch.einsum("mgk,gnk->mgn", x_hat, w_hat).reshape(5, -1) + on_cpu.abs() * 2.0**-23
     assert bool(((on_cuda.double() - on_cpu.double()).abs() <= bound).all())
+
+
+def _rotated_grouped_layer(groups: int, k: int, n: int, seed: int) -> Fp8GroupedLinear:
+    layer = Fp8GroupedLinear(groups=groups, in_per_group=k, out_per_group=n, mode=EXACT)
+    q, s = quantize_fp8_block(torch.randn(groups * n, k, generator=_gen(seed)) / 8)
+    layer.weight.weight_loader(layer.weight, q)
+    layer.scale.weight_loader(layer.scale, s)
+    return layer
+
+
+def _heads_and_rotation(
+    tokens: int, heads: int, width: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    angles = torch.randn(tokens, 32, generator=_gen(seed)) * 3
+    x = torch.randn(tokens, heads, width, generator=_gen(seed + 1)).to(torch.bfloat16).float()
+    return x, torch.cos(angles), -torch.sin(angles)
+
+
+def test_grouped_linear_rotated_is_the_rotation_then_forward() -> None:
+    """``wo_a`` after the attention output's de-rotation (the last 64 columns of each head, in FP32) equals the
+    rotation by ``apply_rope`` followed by ``forward``, bit for bit, and differs from ``forward`` alone."""
+    layer = _rotated_grouped_layer(2, 256, 32, seed=60)
+    x, cos, sin = _heads_and_rotation(3, 4, 128, seed=61)
+    rotated = x.clone()
+    rotated[..., 64:] = apply_rope(x[..., 64:], cos, sin)
+    expected = layer(rotated.view(3, -1))
+    assert torch.equal(layer.forward_rotated(x.clone(), cos, sin), expected)
+    assert not torch.equal(expected, layer(x.view(3, -1)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_grouped_linear_rotated_on_cuda_reads_bf16_and_fp32_alike() -> None:
+    """On CUDA the rotation runs inside the kernels' op: the attention output as FlashMLA leaves it (BF16) and
+    widened (FP32) give the bits of ``apply_rope_`` on the FP32 output followed by ``forward`` (the path before the
+    op), at 8 and at 300 rows (another tile)."""
+    layer = _rotated_grouped_layer(4, 512, 64, seed=62).cuda()
+    for tokens in (8, 300):
+        x, cos, sin = (t.cuda() for t in _heads_and_rotation(tokens, 8, 256, seed=63 + tokens))
+        before = x.clone()
+        apply_rope_(before[..., 192:], cos, sin)
+        expected = layer(before.view(tokens, -1))
+        assert torch.equal(layer.forward_rotated(x.to(torch.bfloat16), cos, sin), expected), tokens
+        assert torch.equal(layer.forward_rotated(x, cos, sin), expected), tokens
 
 
 def test_norm_fp8_copy_only_on_an_accelerator() -> None:

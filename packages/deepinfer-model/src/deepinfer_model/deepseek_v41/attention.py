@@ -125,14 +125,19 @@ class Attention(nn.Module):
         sources = self._draft_sources(fresh, ctx) if ctx.draft else self._window_sources(fresh, ctx)
         if self.spec.is_compressed:
             sources.append(self._compressed_source(q_latent, x, kv_x, ctx))
-        out = sparse_attention(q, sources, self.attn_sink, self.softmax_scale, self.mode is ComputeMode.EXACT)
+        # FlashMLA's BF16 output stays BF16 (widen=False): the fused head counts' de-rotation reads its values in FP32.
+        out = sparse_attention(
+            q, sources, self.attn_sink, self.softmax_scale, self.mode is ComputeMode.EXACT, widen=False
+        )
         self._write_window(fresh, ctx.key_meta, ctx.state)
-        if self.mode is ComputeMode.EXACT and self.n_heads not in FUSED_OUTPUT_HEADS:
-            out = out.to(torch.bfloat16)
         # De-rotation and the FP8 quantization of ``wo_a`` read the attention output as it left the kernel: FP32
-        # for the fused head counts, BF16 otherwise (docs/design/numerics.md, "Attention output rounding").
-        out = self.rope.rotate_(out, self.rope.table_at(meta, inverse=True))
-        return self.wo_b(self.wo_a(out.reshape(num_tokens, -1)))
+        # values for the fused head counts, de-rotated inside wo_a's quantization; BF16 otherwise
+        # (docs/design/numerics.md, "Attention output rounding").
+        inverse = self.rope.table_at(meta, inverse=True)
+        if self.mode is ComputeMode.EXACT and self.n_heads not in FUSED_OUTPUT_HEADS:
+            out = self.rope.rotate_(out.to(torch.bfloat16), inverse)
+            return self.wo_b(self.wo_a(out.reshape(num_tokens, -1)))
+        return self.wo_b(self.wo_a.forward_rotated(out, *inverse))
 
     def _window_kv(
         self, x: torch.Tensor, table: RopeTable, state: ModelState, x_fp8: Fp8Copy | None = None

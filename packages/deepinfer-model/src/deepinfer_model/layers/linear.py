@@ -6,7 +6,8 @@
   FP32 GEMM with the dequantized weight. ``shard_sizes`` makes it a merged (row-concatenated) layer such as the shared
   expert's ``[w1; w3]`` (docs/design/model.md, "Tensor names").
 - ``Fp8GroupedLinear``: the attention's grouped ``wo_a`` (docs/design/attention.md, "Per-query attention"); exact mode
-  on an accelerator runs the kernels' ``fp8_block_grouped_gemm`` (FP32 output).
+  on an accelerator runs the kernels' ``fp8_block_grouped_gemm`` (FP32 output), or ``rotated_fp8_block_grouped_gemm``
+  where the attention output's de-rotation comes with it.
 - ``Mxfp4ExpertStack``: the routed experts' MXFP4 matrices stacked over experts
   (docs/design/numerics.md, "Weight formats"; docs/design/model.md, "Tensor names"); exact mode runs the kernels'
   ``mxfp4_gemm``.
@@ -29,6 +30,7 @@ from torch import nn
 
 from deepinfer_kernels import (
     ExpertRows,
+    apply_rope_,
     dequantize_fp8_block,
     dequantize_mxfp4,
     dequantized_gemm,
@@ -38,6 +40,7 @@ from deepinfer_kernels import (
     fp8_block_grouped_gemm,
     mxfp4_gemm,
     mxfp4_grouped_gemm,
+    rotated_fp8_block_grouped_gemm,
 )
 from deepinfer_model.layers.dequantized import DequantizedCache
 from deepinfer_model.layers.mode import ComputeMode, fp8_round_trip, round_activation
@@ -252,6 +255,22 @@ class Fp8GroupedLinear(nn.Module):
         weight = self._cache.get(0, (self.weight, self.scale), lambda: dequantize_fp8_block(self.weight, self.scale))
         weight = weight.view(self.groups, self.out_per_group, -1)
         return torch.einsum("ngi,goi->ngo", x_hat, weight).reshape(x.shape[0], -1)
+
+    def forward_rotated(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` of x's heads with each head's last ``2 · cos.shape[1]`` columns rotated first, in FP32 (the
+        attention output's de-rotation; the rotated values are not rounded to x's dtype).
+
+        Args: x [n, heads, head_dim] bf16/fp32 (an FP32 x is rotated in place where the dequantized weight is kept);
+        cos, sin [n, r/2] fp32. Returns: [n, groups·out_per_group] fp32.
+
+        Exact mode on an accelerator runs the kernels' ``rotated_fp8_block_grouped_gemm``, which rotates inside the
+        activation's quantization; elsewhere the rotation (``apply_rope_``) precedes :meth:`forward`.
+        """
+        if self.mode is ComputeMode.EXACT and not self._cache.keeps(self.weight.device):
+            return rotated_fp8_block_grouped_gemm(x, cos, sin, self.weight, self.scale, self.groups)
+        rotated = x.float()
+        apply_rope_(rotated[..., rotated.shape[2] - 2 * cos.shape[1] :], cos, sin)
+        return self(rotated.reshape(x.shape[0], -1))
 
 
 class Mxfp4ExpertStack(nn.Module):
