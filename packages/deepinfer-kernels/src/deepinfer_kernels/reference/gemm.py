@@ -18,6 +18,7 @@ __all__ = [
     "fp8_block_gemm_quantized",
     "fp8_block_grouped_gemm",
     "mxfp4_gemm",
+    "rotated_fp8_block_grouped_gemm",
 ]
 
 _GROUP = 32
