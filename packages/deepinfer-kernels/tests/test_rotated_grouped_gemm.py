@@ -2,7 +2,7 @@
 attention output's de-rotation with ``wo_a``): the reference is ``apply_rope`` into an FP32 copy, then the grouped
 GEMM, bit for bit; the Triton op (interpreter on CPU, compiled on CUDA) gives the bits of its own grouped GEMM on
 Triton's rotated FP32 copy, whether its tile rotates inside the ``x̂`` launch (``dequant_bf16``, ``swap_bf16``) or
-reads the copy; argument checks."""
+reads the copy; the Ascend one (through the torch_npu double) rotates with its own ``apply_rope``; argument checks."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 import deepinfer_kernels as dk
 from deepinfer_kernels._registry import Backend, implementation
 from deepinfer_kernels.testing import random_e4m3, random_normal, random_ue8m0
+from deepinfer_kernels.testing_npu_double import NpuDouble
 
 
 def _heads(tokens: int, heads: int, width: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
@@ -135,3 +136,21 @@ def test_triton_op_equals_its_grouped_gemm_on_the_rotated_copy(
     expected = torch.empty_like(fused)
     implementation("fp8_block_grouped_gemm", Backend.NVIDIA)(copy, w_q, w_scale, expected, **config)
     assert torch.equal(fused.view(torch.int32), expected.view(torch.int32))
+
+
+def test_ascend_rotates_with_its_rope_then_runs_the_reference_gemm(npu_double: NpuDouble) -> None:
+    """On Ascend the rotation is ``npu_rotary_mul``'s (``ascend.rope``), the GEMM the reference's: the bits of the
+    model's two steps before the op."""
+    groups, heads, width, rope_dim = 2, 4, 64, 32
+    x = _heads(6, heads, width, seed=50, dtype=torch.bfloat16)
+    cos, sin = _table(6, rope_dim, seed=51)
+    w_q, w_scale = _weight(64, heads * width // groups, seed=52)
+    out = torch.empty((6, 64), dtype=torch.float32)
+    implementation("rotated_fp8_block_grouped_gemm", Backend.ASCEND)(x, cos, sin, w_q, w_scale, out)
+    rotated = x.float().clone()
+    tail = rotated[..., width - rope_dim :]
+    implementation("apply_rope", Backend.ASCEND)(tail, cos, sin, tail)
+    expected = torch.empty_like(out)
+    implementation("fp8_block_grouped_gemm", Backend.REFERENCE)(rotated.view(6, -1), w_q, w_scale, expected)
+    assert torch.equal(out, expected)
+    assert not torch.equal(out, dk.fp8_block_grouped_gemm(x.reshape(6, -1), w_q, w_scale, groups))

@@ -130,7 +130,7 @@ def _quantized_values_kernel(  # type: ignore[no-untyped-def]
     # out[p, 32g + c] = x̂[source row, 32g + column c]: the source row order[p] // repeats (GATHER) or p, the column c
     # or word_pair_columns(32)[c] (WORD_PAIRS). A group's amax and codes do not depend on the order of its columns, so
     # the group is loaded and stored contiguously and its values reordered in registers (loading the permuted columns
-    # took every element as a 2-byte load of its own). ROTATE (rows in order): x̂ of x with the last rope_dim columns
+    # took every element as a 2-byte load of its own). ROTATE (rows in order): x̂ of x with the last ROPE_DIM columns
     # of each head of HEAD_WIDTH columns rotated in FP32 first (rope.rotated_head_tails).
     await_inputs(PDL)
     r, _, c, row_mask, mask = group_tile(rows, groups, 32, BLOCK_ROWS, BLOCK_GROUPS)
@@ -346,7 +346,8 @@ def quantized_values(
         raise ValueError("quantized_values rotates rows in their own order only: pass rotation or order, not both")
     rows, cols = out.shape
     grid, per_program = _group_grid(rows, cols // 32)
-    # The head shape is constexpr (a model has one): a column's place in its head is then a mask, not a division.
+    # The head shape is constexpr (a model has one): a column's place in its head is then constant arithmetic (a mask
+    # at a power-of-two width), not a runtime division.
     cos, sin, head_width = rotation if rotation is not None else (x, x, 0)
     _quantized_values_kernel[grid](
         x, order if order is not None else x, out, cos, sin, rows, cols // 32, repeats, x.stride(0), out.stride(0),

@@ -8,6 +8,8 @@ order is not reproducible) are compared with it by tolerance.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from deepinfer_kernels.reference import quant, rope
@@ -19,6 +21,7 @@ __all__ = [
     "fp8_block_grouped_gemm",
     "mxfp4_gemm",
     "rotated_fp8_block_grouped_gemm",
+    "rotated_fp32_copy",
 ]
 
 _GROUP = 32
@@ -103,15 +106,23 @@ def fp8_block_grouped_gemm(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Te
     out.copy_(torch.einsum("mgk,gnk->mgn", x_hat, w_hat).reshape(rows, -1).float())
 
 
+def rotated_fp32_copy(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotate: Callable[..., None] = rope.apply_rope
+) -> torch.Tensor:
+    """x [T, H, D] as an FP32 copy [T, H·D] whose heads' last ``2 · cos.shape[1]`` columns ``rotate`` (a backend's
+    ``apply_rope(x, cos, sin, out)``, the reference's by default) rotated in place."""
+    rotated = x.to(torch.float32, copy=True)
+    tail = rotated[..., x.shape[2] - 2 * cos.shape[1] :]
+    rotate(tail, cos, sin, tail)
+    return rotated.view(x.shape[0], -1)
+
+
 def rotated_fp8_block_grouped_gemm(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor
 ) -> None:
     """:func:`fp8_block_grouped_gemm` of x [T, H, D] with each head's last ``2 · cos.shape[1]`` columns rotated by
     :func:`reference.rope.apply_rope` into an FP32 copy first; out [T, N] fp32, written."""
-    rotated = x.to(torch.float32, copy=True)
-    tail = rotated[..., x.shape[2] - 2 * cos.shape[1] :]
-    rope.apply_rope(tail, cos, sin, tail)
-    fp8_block_grouped_gemm(rotated.view(x.shape[0], -1), w_q, w_scale, out)
+    fp8_block_grouped_gemm(rotated_fp32_copy(x, cos, sin), w_q, w_scale, out)
 
 
 def mxfp4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
