@@ -376,6 +376,9 @@ def main() -> None:
     parser.add_argument("--label", default=None, help="what was measured (e.g. a branch name), recorded in the JSON")
     parser.add_argument("--out", type=pathlib.Path, default=None, help="JSON path")
     args = parser.parse_args()
+    if any(size < 1 for size in (*args.batches, *args.prefill_lens)):
+        # A zero-token step is no step: the model would fail deep inside (the MoE's reshape of an empty batch).
+        parser.error('--batches and --prefill-lens take sizes of at least 1 (--batches "" profiles no decode step)')
 
     from deepinfer_engine import LLM
     from deepinfer_kernels.platform import Accelerator, current_accelerator

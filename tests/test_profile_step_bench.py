@@ -70,3 +70,10 @@ def test_device_waits_are_counted_from_sync_debug_warnings(profile_step, monkeyp
         warnings.warn("something else", UserWarning, stacklevel=1)
     assert counter.device_waits == {("<outside the packages>", "wait"): 2}
     assert modes[-1] == 0  # restored
+
+
+def test_a_zero_size_is_refused_before_any_model_is_built(profile_step, monkeypatch, capsys):
+    monkeypatch.setattr("sys.argv", ["profile_step.py", "--batches", "0"])
+    with pytest.raises(SystemExit):
+        profile_step.main()
+    assert "sizes of at least 1" in capsys.readouterr().err
