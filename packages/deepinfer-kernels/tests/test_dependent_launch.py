@@ -1,7 +1,8 @@
 """Programmatic dependent launch (``deepinfer_kernels.dependent_launch``): every Triton and Gluon launch of the nvidia
-backend passes the launch options and every kernel it launches waits for the kernels before it as its first statement
-(read from the source, so a new kernel cannot skip it); the options are off outside the mode, on the CPU and in the
-interpreter; compiled for sm_90 with the mode on, the kernel's wait comes before its first global load."""
+backend passes the launch options and every kernel it launches waits for the kernels before it before it touches
+memory (read from the source, so a new kernel cannot skip it): before the wait a kernel may only compute addresses
+and ask L2 for a weight's bytes; the options are off outside the mode, on the CPU and in the interpreter; compiled for
+sm_90 with the mode on, the kernel's wait comes before its first global load, a weight's prefetches before the wait."""
 
 from __future__ import annotations
 
@@ -56,6 +57,49 @@ def _launches(modules: dict[str, ast.Module]) -> list[tuple[str, ast.Call, set[s
     return found
 
 
+# What a kernel may call before its wait: index arithmetic, and the L2 prefetch of a weight (an operand no kernel of a
+# step writes), named by its parameter.
+_PURE_BEFORE_WAIT = {"program_id", "num_programs", "arange", "minimum", "to"}
+_PREFETCHES = {"prefetch_rows"}
+_WEIGHT_OPERANDS = {"fn_ptr"}
+
+
+def _before_wait_problems(name: str, statements: list[ast.stmt], wait: str) -> list[str]:
+    """What the statements before the kernel's wait do that they may not (empty: nothing, or no wait at all)."""
+    waits = [i for i, s in enumerate(statements) if ast.unparse(s) == wait]
+    if not waits:
+        return [f"{name} does not call {wait} in its body"]
+    problems = []
+    for statement in statements[: waits[0]]:
+        for call in (n for n in ast.walk(statement) if isinstance(n, ast.Call)):
+            callee = call.func.attr if isinstance(call.func, ast.Attribute) else ast.unparse(call.func)
+            if callee in _PREFETCHES:
+                operand = ast.unparse(call.args[0])
+                if operand not in _WEIGHT_OPERANDS:
+                    problems.append(f"{name} prefetches {operand} before its wait, which is not a weight")
+            elif callee not in _PURE_BEFORE_WAIT:
+                problems.append(f"{name} calls {callee} before its wait")
+    return problems
+
+
+def test_the_check_of_what_runs_before_the_wait_can_fail() -> None:
+    kernel = ast.parse(
+        "def k(x_ptr, w_ptr, PDL):\n"
+        "    n = tl.program_id(0)\n"
+        "    prefetch_rows(x_ptr, n, n, 1, 0, 8, PDL)\n"
+        "    v = tl.load(w_ptr)\n"
+        "    await_inputs(PDL)\n"
+    ).body[0]
+    assert isinstance(kernel, ast.FunctionDef)
+    assert _before_wait_problems("k", kernel.body, "await_inputs(PDL)") == [
+        "k prefetches x_ptr before its wait, which is not a weight",
+        "k calls load before its wait",
+    ]
+    assert _before_wait_problems("k", kernel.body[:1], "await_inputs(PDL)") == [
+        "k does not call await_inputs(PDL) in its body"
+    ]
+
+
 def test_every_triton_launch_is_a_dependent_launch_of_a_kernel_that_waits_first() -> None:
     """Triton kernels wait through ``_launch.await_inputs``, the Gluon GEMMs through its Gluon twin
     ``gluon_ring.await_gluon_inputs``."""
@@ -76,12 +120,16 @@ def test_every_triton_launch_is_a_dependent_launch_of_a_kernel_that_waits_first(
         launched |= kernels
     assert len(launched) >= 40  # the scan found the launches
     assert {"_fp8_wgmma_kernel", "_grouped_wgmma_kernel"} <= launched
+    prefetching = set()
     for name in sorted(launched):
         kernel, wait = kernels_by_name[name]
         assert kernel.args.args[-1].arg == "PDL", f"{name} has no PDL constexpr"
         body = kernel.body
         statements = body[1:] if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) else body
-        assert ast.unparse(statements[0]) == wait, f"{name} does not wait for its inputs first"
+        assert not _before_wait_problems(name, statements, wait)
+        if ast.unparse(statements[0]) != wait:
+            prefetching.add(name)
+    assert prefetching == {"_token_mixes_kernel"}
 
 
 def test_launch_options_are_off_off_the_gpu() -> None:
@@ -127,9 +175,27 @@ for pdl in (True, False):
     print(pdl, ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents"), first)
 """
 
+# The per-token mHC mixes kernel, which asks L2 for its fn tile before the wait: the prefetch's first position, then the
+# wait's and the first load's.
+_COMPILE_PREFETCH = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from deepinfer_kernels.cuda.hyper_connection import _token_mixes_kernel as kernel
+shape = {"CHUNK": 512, "BLOCK_R": 32, "TF32": True, "TOKENS": 1, "M": 4, "BLOCK_MM": 4, "POST_MULT": 2.0}
+types = {n: "*fp32" if n.endswith("_ptr") else "i32" for n in kernel.arg_names}
+floats = dict.fromkeys(["rms_eps", "hc_eps"], "fp32")
+signature = {**types, **floats, "z_ptr": "*bf16", "counter_ptr": "*i32", **dict.fromkeys([*shape, "PDL"], "constexpr")}
+for pdl in (True, False):
+    source = ASTSource(fn=kernel, signature=signature, constexprs={**shape, "PDL": pdl})
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
+    print(pdl, ptx.find(PREFETCH), ptx.find("griddepcontrol.wait"), ptx.find("ld.global"))
+"""
+
 
 def _compiled_positions(script: str) -> dict[str, list[int]]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = f"PREFETCH = 'prefetch.global.L2'\n{script}"
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     return {line.split()[0]: [int(v) for v in line.split()[1:]] for line in result.stdout.splitlines()}
@@ -155,4 +221,14 @@ def test_compiled_gluon_gemm_waits_before_its_first_copy() -> None:
     rows = _compiled_positions(_COMPILE_GLUON)
     wait, launch, first_copy = rows["True"]
     assert 0 <= wait < launch < first_copy
+    assert rows["False"][:2] == [-1, -1] and rows["False"][2] >= 0
+
+
+def test_compiled_mixes_kernel_prefetches_its_weight_before_the_wait() -> None:
+    """The per-token mixes kernel under a dependent launch: L2 prefetches, then the wait, then the first load; without
+    the mode no prefetch (nothing would run ahead of the loads)."""
+    pytest.importorskip("triton.backends.nvidia")
+    rows = _compiled_positions(_COMPILE_PREFETCH)
+    prefetch, wait, load = rows["True"]
+    assert 0 <= prefetch < wait < load
     assert rows["False"][:2] == [-1, -1] and rows["False"][2] >= 0

@@ -16,6 +16,7 @@ from _gpu_marks import COMPILED_TRITON_ON_GPU
 
 from deepinfer_kernels._registry import Backend, implementation
 from deepinfer_kernels.batch_invariant import batch_invariant_ops
+from deepinfer_kernels.dependent_launch import dependent_launches
 from deepinfer_kernels.testing import assert_bitwise_equal, assert_close, random_normal
 
 pytestmark = COMPILED_TRITON_ON_GPU
@@ -65,6 +66,34 @@ def test_hc_mixes_rows_keep_their_bits_in_any_batch(dtype: torch.dtype, tf32: bo
         for row in range(n):
             for alone, batch in zip(mixes(trunk[row : row + 1]), together, strict=True):
                 assert torch.equal(alone[0], batch[row]), row
+
+
+@pytest.mark.parametrize("n", [1, 16])
+def test_hc_mixes_keep_their_bits_under_dependent_launches(n: int) -> None:
+    """Under a dependent launch the per-token mixes kernel asks L2 for its fn tile before its wait, while the post
+    that writes its trunk still runs: the same bits as ordinary launches."""
+    m, rows, hidden = 4, 24, 5120
+    source = random_normal((n, m, hidden), seed=50, dtype=torch.bfloat16, std=2.0).cuda()
+    output = random_normal((n, hidden), seed=51, dtype=torch.bfloat16).cuda()
+    write, comb = torch.full((n, m), 0.5, device="cuda"), torch.full((n, m, m), 0.25, device="cuda")
+    weights = (
+        random_normal((rows, m * hidden), seed=52, dtype=torch.float32, std=0.05).cuda(),
+        (random_normal((3,), seed=53, dtype=torch.float32).abs() + 0.5).cuda(),
+        random_normal((rows,), seed=54, dtype=torch.float32, std=0.5).cuda(),
+    )
+
+    def mixes() -> list[torch.Tensor]:
+        trunk = torch.empty_like(source)
+        implementation("hc_post", Backend.NVIDIA)(output, source, write, comb, trunk)
+        out = [torch.empty(s, device="cuda") for s in ((n, m), (n, m), (n, m, m))]
+        implementation("hc_mixes", Backend.NVIDIA)(trunk, *weights, 1e-6, 1e-6, 20, True, *out)
+        return out
+
+    plain = mixes()
+    with dependent_launches():
+        launched = mixes()
+    for a, b in zip(launched, plain, strict=True):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize(("n", "hidden"), _SHAPES)

@@ -34,7 +34,7 @@ import triton.language as tl
 
 from deepinfer_kernels.batch_invariant import invariant_kernels
 from deepinfer_kernels.cuda._formats import to_output_dtype
-from deepinfer_kernels.cuda._launch import await_inputs, check_launchable, dependent_launch
+from deepinfer_kernels.cuda._launch import await_inputs, check_launchable, dependent_launch, prefetch_rows
 from deepinfer_kernels.cuda.gemm_operands import split_counters
 from deepinfer_kernels.reference.hyper_connection import HC_POST_MULT
 
@@ -131,11 +131,13 @@ def _token_mixes_kernel(  # type: ignore[no-untyped-def]
     # products, as in its dot. A token's sums are the same code whatever its place and the call's token count (n and
     # finish are not specialized, so one TOKENS gives one binary). With finish, the token's last program to finish (a
     # ticket per token, as gemm_operands.finish_tile) forms its mixes from every split's partials: _mixes_kernel's
-    # loads and arithmetic, so its bits, without a launch of its own.
-    await_inputs(PDL)
+    # loads and arithmetic, so its bits, without a launch of its own. The fn tile (a weight) is asked of L2 before
+    # the wait.
     split = tl.program_id(1)
-    splits = tl.num_programs(1)
     fn_rows = tl.arange(0, BLOCK_R)
+    prefetch_rows(fn_ptr, fn_rows, fn_rows < rows, width, split * CHUNK, tl.minimum(split * CHUNK + CHUNK, width), PDL)
+    await_inputs(PDL)
+    splits = tl.num_programs(1)
     cols = split * CHUNK + tl.arange(0, CHUNK)
     col_mask = cols < width
     w = tl.load(
