@@ -1,6 +1,6 @@
 """Programmatic dependent launch (``deepinfer_kernels.dependent_launch``): every Triton and Gluon launch of the nvidia
-backend passes the launch options and every kernel it launches waits for the kernels before it before it touches
-memory (read from the source, so a new kernel cannot skip it): before the wait a kernel may only compute addresses
+backend passes the launch options and every kernel it launches waits for the kernels before it ahead of any memory
+access (read from the source, so a new kernel cannot skip it): before the wait a kernel may only compute addresses
 and ask L2 for a weight's bytes; the options are off outside the mode, on the CPU and in the interpreter; compiled for
 sm_90 with the mode on, the kernel's wait comes before its first global load, a weight's prefetches before the wait."""
 

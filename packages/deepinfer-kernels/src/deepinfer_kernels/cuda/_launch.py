@@ -1,8 +1,8 @@
 """What every Triton launcher of the nvidia backend shares: the device check (CUDA tensors, or any tensors under
 TRITON_INTERPRET=1) and the programmatic dependent launch (``deepinfer_kernels.dependent_launch``).
 
-A kernel launched with ``**dependent_launch(device)`` takes the constexpr ``PDL`` and calls ``await_inputs(PDL)`` as
-its first statement, before it touches memory: with ``PDL`` set it may have started while the kernel before it still
+A kernel launched with ``**dependent_launch(device)`` takes the constexpr ``PDL`` and calls ``await_inputs(PDL)``
+before it touches memory: with ``PDL`` set it may have started while the kernel before it still
 runs, and the wait is what makes that kernel's writes visible (and its reads done) before this one reads or writes.
 ``tests/test_dependent_launch.py`` checks every launch and kernel of the package for this pattern. The one thing a
 kernel may do before its wait is :func:`prefetch_rows` on a read-only operand (a weight), so that the operand's bytes
