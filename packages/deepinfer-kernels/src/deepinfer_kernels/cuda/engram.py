@@ -163,7 +163,6 @@ def _engram_gate_kernel(  # type: ignore[no-untyped-def]
     active_ptr,
     out_ptr,
     streams,
-    hidden,
     eps,
     sqrt_hidden,
     stride_trunk_t,
@@ -173,6 +172,7 @@ def _engram_gate_kernel(  # type: ignore[no-untyped-def]
     stride_value_t,
     stride_out_t,
     stride_out_m,
+    HIDDEN: tl.constexpr,
     M_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
     FLOOR: tl.constexpr,
@@ -186,12 +186,14 @@ def _engram_gate_kernel(  # type: ignore[no-untyped-def]
     xx = tl.zeros((M_PAD, BLOCK_H), dtype=tl.float32)
     kk = tl.zeros((M_PAD, BLOCK_H), dtype=tl.float32)
     xwk = tl.zeros((M_PAD, BLOCK_H), dtype=tl.float32)
-    for h0 in range(0, hidden, BLOCK_H):
+    # Unrolled over the constexpr width, so a token's program issues the loads of every chunk without waiting for the
+    # previous chunk's (one program a token: at batch 1 a loop of dependent round trips); the sums are unchanged.
+    for h0 in tl.static_range(0, HIDDEN, BLOCK_H):
         h = h0 + cols
-        mask = m_ok[:, None] & (h < hidden)[None, :]
+        mask = m_ok[:, None] & (h < HIDDEN)[None, :]
         x = tl.load(trunk_ptr + t * stride_trunk_t + m[:, None] * stride_trunk_m + h[None, :], mask=mask, other=0)
         k = tl.load(keys_ptr + t * stride_keys_t + m[:, None] * stride_keys_m + h[None, :], mask=mask, other=0)
-        weight_at = m[:, None] * hidden + h[None, :]
+        weight_at = m[:, None] * HIDDEN + h[None, :]
         w = tl.load(q_ptr + weight_at, mask=mask, other=0).to(tl.float32)
         w = w * tl.load(k_ptr + weight_at, mask=mask, other=0).to(tl.float32)
         x = x.to(tl.float32)
@@ -199,8 +201,8 @@ def _engram_gate_kernel(  # type: ignore[no-untyped-def]
         xx += x * x
         kk += k * k
         xwk += x * w * k
-    z = tl.sum(xwk, axis=1) * _reciprocal_rms(tl.sum(xx, axis=1), hidden, eps)
-    z = z * _reciprocal_rms(tl.sum(kk, axis=1), hidden, eps) / sqrt_hidden
+    z = tl.sum(xwk, axis=1) * _reciprocal_rms(tl.sum(xx, axis=1), HIDDEN, eps)
+    z = z * _reciprocal_rms(tl.sum(kk, axis=1), HIDDEN, eps) / sqrt_hidden
     # copysign(sqrt(max(|z|, floor)), z) on the bits: z = +0 counts as positive, −0 as negative, as in the reference.
     magnitude = tl.sqrt(tl.maximum(tl.abs(z), FLOOR))
     signed = (magnitude.to(tl.int32, bitcast=True) | (z.to(tl.int32, bitcast=True) & -0x80000000)).to(
@@ -208,11 +210,11 @@ def _engram_gate_kernel(  # type: ignore[no-untyped-def]
     )
     gate = tl.sigmoid(signed)
     active = tl.load(active_ptr + t + m * 0) != 0
-    for h0 in range(0, hidden, BLOCK_H):
+    for h0 in tl.static_range(0, HIDDEN, BLOCK_H):
         h = h0 + cols
-        mask = m_ok[:, None] & (h < hidden)[None, :]
+        mask = m_ok[:, None] & (h < HIDDEN)[None, :]
         x = tl.load(trunk_ptr + t * stride_trunk_t + m[:, None] * stride_trunk_m + h[None, :], mask=mask, other=0)
-        v = tl.load(value_ptr + t * stride_value_t + h, mask=h < hidden, other=0).to(tl.float32)
+        v = tl.load(value_ptr + t * stride_value_t + h, mask=h < HIDDEN, other=0).to(tl.float32)
         updated = to_output_dtype(x.to(tl.float32) + gate[:, None] * v[None, :], out_ptr)
         result = tl.where(active[:, None], updated, x)
         tl.store(out_ptr + t * stride_out_t + m[:, None] * stride_out_m + h[None, :], result, mask=mask)
@@ -240,7 +242,6 @@ def engram_gate(
         active.view(torch.uint8),
         out,
         streams,
-        hidden,
         eps,
         math.sqrt(hidden),
         trunk.stride(0),
@@ -250,6 +251,7 @@ def engram_gate(
         value.stride(0),
         out.stride(0),
         out.stride(1),
+        HIDDEN=hidden,
         M_PAD=triton.next_power_of_2(streams),
         BLOCK_H=min(_BLOCK_H, triton.next_power_of_2(hidden)),
         FLOOR=GATE_FLOOR,
