@@ -10,7 +10,13 @@ from _gemm_support import abs_product, assert_gemm_close, dequantized_activation
 
 import deepinfer_kernels as dk
 from deepinfer_kernels._registry import Backend, implementation
-from deepinfer_kernels.testing import random_e4m3, random_mxfp4_packed, random_normal, random_ue8m0
+from deepinfer_kernels.testing import (
+    assert_bitwise_equal,
+    random_e4m3,
+    random_mxfp4_packed,
+    random_normal,
+    random_ue8m0,
+)
 
 if TYPE_CHECKING:  # the cuda package imports Triton, which the ascend target's environment lacks
     from deepinfer_kernels.cuda.gemm_tiles import BlockConfig
@@ -147,6 +153,29 @@ def test_quantized_values_are_the_dequantized_codes(triton_device: str, rows: in
     actual = torch.empty(rows, 320, dtype=torch.bfloat16, device=triton_device)
     quant.quantized_values(x.to(triton_device), actual)
     assert torch.equal(actual.cpu().view(torch.int16), expected.view(torch.int16))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quantized_values_round_every_e4m3_value_and_tie_as_the_codes(triton_device: str, dtype: torch.dtype) -> None:
+    """``quantized_values`` rounds the scaled values in place (``_formats.fp8_group_values``) instead of encoding and
+    decoding: every finite e4m3 value (subnormals, ±0, 448), the midpoint above each (ties to even, and the one past
+    448 that saturates) and random values, at three group scales, give the dequantized codes' bits."""
+    from deepinfer_kernels.cuda import quant
+
+    codes = torch.arange(256, dtype=torch.uint8)
+    values = codes[(codes & 0x7F) != 0x7F].view(torch.float8_e4m3fn).float()
+    ordered = values.abs().unique()
+    midpoints = (ordered[:-1] + ordered[1:]) / 2
+    above = torch.cat([midpoints, torch.tensor([464.0, 447.9, 2.0**-10, 3 * 2.0**-10])])
+    special = torch.cat([values, above, -above, torch.tensor([-0.0, 0.0])])
+    special = torch.cat([special, random_normal((256 - special.numel() % 256,), seed=5, std=100.0)])
+    # Rows of 256 (8 groups); each group's amax is its largest value, so the scale varies with the row's factor.
+    rows = special.reshape(-1, 256)
+    x = torch.cat([rows, rows * 2.0**-20, rows * 3.0e5]).to(dtype)
+    expected = dk.dequantize_fp8_per_token_group(*dk.quantize_fp8_per_token_group(x), out_dtype=dtype)
+    actual = torch.empty_like(x, device=triton_device)
+    quant.quantized_values(x.to(triton_device), actual)
+    assert_bitwise_equal(actual.cpu(), expected)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

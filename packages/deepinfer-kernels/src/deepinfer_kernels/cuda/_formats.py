@@ -26,6 +26,7 @@ __all__ = [
     "e4m3_decode",
     "e4m3_encode",
     "exp2_int",
+    "fp8_group_values",
     "fp8_token_groups",
     "scale_exponent",
     "to_output_dtype",
@@ -74,6 +75,25 @@ def fp8_token_groups(values):  # type: ignore[no-untyped-def]
     # UE8M0 scale bytes [G] (amax floor 1e−4, e4m3 maximum 448; docs/design/numerics.md, "Activation quantization").
     exponent = scale_exponent(tl.max(tl.abs(values), axis=1), _FP8_AMAX_FLOOR, _E4M3_MAX)
     return e4m3_encode(values * exp2_int(-exponent)[:, None]), (exponent + 127).to(tl.uint8)
+
+
+@triton.jit
+def fp8_group_values(values):  # type: ignore[no-untyped-def]
+    # The values x̂ [G, W] (FP32) of fp8_token_groups' codes and scales, e4m3_decode(codes) · ue8m0_decode(scale), bit
+    # for bit, without forming the codes: the scaled value is rounded in place, to 3 mantissa bits (nearest even, by
+    # e4m3_encode's integer add) where it is normal in e4m3 and to a multiple of 2^−9 below 2^−6, and saturated at 448
+    # (the largest code e4m3_encode gives, also for inf and NaN); the sign bit is kept. A third of the instructions of
+    # encoding and decoding.
+    exponent = scale_exponent(tl.max(tl.abs(values), axis=1), _FP8_AMAX_FLOOR, _E4M3_MAX)
+    v = values * exp2_int(-exponent)[:, None]
+    bits = v.to(tl.int32, bitcast=True)
+    abits = bits & 0x7FFFFFFF
+    normal = tl.minimum((abits + 0x7FFFF + ((abits >> 20) & 1)) & -0x100000, 0x43E00000)
+    a = abits.to(tl.float32, bitcast=True)
+    subnormal = ((a * 512.0 + 8388608.0) - 8388608.0) * 0.001953125
+    magnitude = tl.where(a < 0.015625, subnormal.to(tl.int32, bitcast=True), normal)
+    rounded = (magnitude | (bits & -0x80000000)).to(tl.float32, bitcast=True)
+    return rounded * ue8m0_decode((exponent + 127).to(tl.uint8))[:, None]
 
 
 @triton.jit

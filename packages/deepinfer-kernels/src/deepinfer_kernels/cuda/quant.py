@@ -19,6 +19,7 @@ from deepinfer_kernels.cuda._formats import (
     e4m3_decode,
     e4m3_encode,
     exp2_int,
+    fp8_group_values,
     fp8_token_groups,
     scale_exponent,
     to_output_dtype,
@@ -140,8 +141,7 @@ def _quantized_values_kernel(  # type: ignore[no-untyped-def]
     x = tl.load(x_ptr + source[:, None, None] * stride_x + c[None, :, :], mask=mask, other=0.0).to(tl.float32)
     if ROTATE:
         x = rotated_head_tails(x, r, c, row_mask, cos_ptr, sin_ptr, HEAD_WIDTH, ROPE_DIM)
-    codes, scale_bytes = fp8_token_groups(tl.reshape(x, (BLOCK_ROWS * BLOCK_GROUPS, 32)))
-    value = to_output_dtype(e4m3_decode(codes) * ue8m0_decode(scale_bytes)[:, None], out_ptr)
+    value = to_output_dtype(fp8_group_values(tl.reshape(x, (BLOCK_ROWS * BLOCK_GROUPS, 32))), out_ptr)
     if WORD_PAIRS:
         # Column w·8 + o0·4 + p·2 + o1 goes to place o1·16 + o0·8 + w·2 + p (word_pair_columns).
         value = tl.reshape(
