@@ -182,7 +182,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from deepinfer_kernels.cuda.hyper_connection import _token_mixes_kernel as kernel
-shape = {"CHUNK": 512, "BLOCK_R": 32, "TF32": True, "TOKENS": 1, "M": 4, "BLOCK_MM": 4, "POST_MULT": 2.0}
+shape = {"CHUNK": 512, "SPLITS": 40, "BLOCK_R": 32, "TF32": True, "TOKENS": 1, "M": 4, "BLOCK_MM": 4, "POST_MULT": 2.0}
 types = {n: "*fp32" if n.endswith("_ptr") else "i32" for n in kernel.arg_names}
 floats = dict.fromkeys(["rms_eps", "hc_eps"], "fp32")
 signature = {**types, **floats, "z_ptr": "*bf16", "counter_ptr": "*i32", **dict.fromkeys([*shape, "PDL"], "constexpr")}

@@ -1,4 +1,5 @@
-"""Triton mHC ops: the mixes in two kernels, the read and the post in one each (docs/design/kernels.md, "mHC ops").
+"""Triton mHC ops: the mixes in two kernels, the read and the post in one each, the read with the norm after it in one
+(docs/design/kernels.md, "mHC ops").
 
 - Mixes, kernel 1: the mix GEMM ``fn·z`` and ``Σz²`` over fixed chunks of ``CHUNK`` columns of the flattened trunk
   ``z`` (split-K, so a batch-1 step spreads the ``fn`` read over many programs), FP32 partials per chunk; the chunk
@@ -16,6 +17,9 @@
   batch-invariant mode, of one token) has no second launch: each token's last ``_token_mixes_kernel`` program to
   finish does this, with the same loads and arithmetic.
 - Read and post: one program per (token, block of ``H``); FP32 products and sums in the reference's order.
+- Read, RMSNorm and FP8 copy (``hc_read_rms_norm_fp8``): one program per token, the read of the whole row, then the
+  norm kernel's row code (``cuda.norm.normed_fp8_row``) on it: one launch where the read and ``rms_norm_fp8`` took two,
+  with the bits of both.
 
 Divisions are IEEE (``tl.div_rn``) and every kernel is compiled with ``enable_fp_fusion=False``: a multiply followed
 by an add is never contracted into an FMA, so the read and the post round exactly as the reference (bitwise equal).
@@ -36,9 +40,10 @@ from deepinfer_kernels.batch_invariant import invariant_kernels
 from deepinfer_kernels.cuda._formats import to_output_dtype
 from deepinfer_kernels.cuda._launch import await_inputs, check_launchable, dependent_launch, prefetch_rows
 from deepinfer_kernels.cuda.gemm_operands import split_counters
+from deepinfer_kernels.cuda.norm import normed_fp8_row
 from deepinfer_kernels.reference.hyper_connection import HC_POST_MULT
 
-__all__ = ["hc_mixes", "hc_post", "hc_read"]
+__all__ = ["hc_mixes", "hc_post", "hc_read", "hc_read_rms_norm_fp8"]
 
 _CHUNK = 512  # columns of z per split-K program
 # The mix-GEMM kernel's K step and pipeline depth: 32 columns in 4 stages took 212 against 298 µs a call at an 8K
@@ -62,7 +67,10 @@ _TOKEN_PROGRAM_MAX_TOKENS = 16
 _INVARIANT_TOKENS = 8
 # Splits' partials the mixes kernel loads together (unrolled, then added in split order): the compiler's own unroll by
 # four left ten dependent memory round trips for the 40 splits of m·H = 20480 (about 7 µs a call at batch 1 on the
-# H200, profile_step-h200-scaled-7299ced.json); eight at a time leave five.
+# H200, profile_step-h200-scaled-7299ced.json); eight at a time leave five. The split count is a constexpr (m·H /
+# CHUNK: one a model), so the groups are unrolled too and no store lies between them: offline (sm_90) the finishing
+# program issues 57 of its 160 partial loads before its first addition, where a runtime loop over the groups issued
+# each group's loads after the previous group's additions.
 _SPLITS_PER_LOAD: tl.constexpr = tl.constexpr(8)
 
 
@@ -123,8 +131,9 @@ def _mix_logits_kernel(  # type: ignore[no-untyped-def]
 @triton.jit(do_not_specialize=["n", "finish"])
 def _token_mixes_kernel(  # type: ignore[no-untyped-def]
     z_ptr, fn_ptr, part_ptr, sum_sq_ptr, counter_ptr, scale_ptr, base_ptr, read_ptr, write_ptr, comb_ptr, n, width,
-    rows, finish, rms_eps, hc_eps, sinkhorn_iters, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, TF32: tl.constexpr,
-    TOKENS: tl.constexpr, M: tl.constexpr, BLOCK_MM: tl.constexpr, POST_MULT: tl.constexpr, PDL: tl.constexpr,
+    rows, finish, rms_eps, hc_eps, sinkhorn_iters, CHUNK: tl.constexpr, SPLITS: tl.constexpr, BLOCK_R: tl.constexpr,
+    TF32: tl.constexpr, TOKENS: tl.constexpr, M: tl.constexpr, BLOCK_MM: tl.constexpr, POST_MULT: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     # Program (block of TOKENS tokens, split): the chunk's fn tile [BLOCK_R, CHUNK] loaded once, then for each token
     # _mix_logits_kernel's partials from FP32 sums; TF32-rounded fn values times the trunk's values are exact
@@ -137,7 +146,6 @@ def _token_mixes_kernel(  # type: ignore[no-untyped-def]
     fn_rows = tl.arange(0, BLOCK_R)
     prefetch_rows(fn_ptr, fn_rows, fn_rows < rows, width, split * CHUNK, tl.minimum(split * CHUNK + CHUNK, width), PDL)
     await_inputs(PDL)
-    splits = tl.num_programs(1)
     cols = split * CHUNK + tl.arange(0, CHUNK)
     col_mask = cols < width
     w = tl.load(
@@ -155,10 +163,10 @@ def _token_mixes_kernel(  # type: ignore[no-untyped-def]
             # Every thread's stores precede the ticket (taken with release semantics); the last program reads the
             # others' partials after its acquire.
             tl.debug_barrier()
-            if tl.atomic_add(counter_ptr + token, 1, sem="acq_rel", scope="gpu") == splits - 1:
+            if tl.atomic_add(counter_ptr + token, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
                 _token_mixes(
                     token, part_ptr, sum_sq_ptr, scale_ptr, base_ptr, read_ptr, write_ptr, comb_ptr, n,
-                    width.to(tl.float32), splits, rms_eps, hc_eps, sinkhorn_iters, M, BLOCK_MM, BLOCK_R, POST_MULT,
+                    width.to(tl.float32), rms_eps, hc_eps, sinkhorn_iters, SPLITS, M, BLOCK_MM, BLOCK_R, POST_MULT,
                     ".cg",
                 )  # fmt: skip
                 tl.atomic_xchg(counter_ptr + token, 0, sem="relaxed", scope="gpu")
@@ -171,9 +179,9 @@ def _sigmoid(x):  # type: ignore[no-untyped-def]
 
 @triton.jit
 def _token_mixes(  # type: ignore[no-untyped-def]
-    token, part_ptr, sum_sq_ptr, scale_ptr, base_ptr, read_ptr, write_ptr, comb_ptr, n, width, splits, rms_eps, hc_eps,
-    sinkhorn_iters, M: tl.constexpr, BLOCK_MM: tl.constexpr, BLOCK_R: tl.constexpr, POST_MULT: tl.constexpr,
-    CACHE: tl.constexpr,
+    token, part_ptr, sum_sq_ptr, scale_ptr, base_ptr, read_ptr, write_ptr, comb_ptr, n, width, rms_eps, hc_eps,
+    sinkhorn_iters, SPLITS: tl.constexpr, M: tl.constexpr, BLOCK_MM: tl.constexpr, BLOCK_R: tl.constexpr,
+    POST_MULT: tl.constexpr, CACHE: tl.constexpr,
 ):  # fmt: skip
     # Token ``token``'s mixes from the partials of every split (``CACHE``: the partials' load cache modifier; ".cg"
     # where other programs of the same launch wrote them, as L1 is not coherent across multiprocessors).
@@ -187,12 +195,12 @@ def _token_mixes(  # type: ignore[no-untyped-def]
     mu_comb = tl.zeros((BLOCK_MM, BLOCK_MM), dtype=tl.float32)
     # Loads past the last split give +0.0, which changes no sum's bits (each starts at +0.0, so never holds −0.0).
     # A split's partials are the BLOCK_R values from ``row``: the offsets below ``end`` are those of real splits.
-    end = splits * n * BLOCK_R
-    for first in range(0, splits, _SPLITS_PER_LOAD):
+    end = SPLITS * n * BLOCK_R
+    for first in tl.static_range(0, SPLITS, _SPLITS_PER_LOAD):
         for j in tl.static_range(_SPLITS_PER_LOAD):
             split_token = (first + j) * n + token
             row = split_token * BLOCK_R
-            sum_sq += tl.load(sum_sq_ptr + split_token, mask=split_token < splits * n, other=0.0, cache_modifier=CACHE)
+            sum_sq += tl.load(sum_sq_ptr + split_token, mask=split_token < SPLITS * n, other=0.0, cache_modifier=CACHE)
             read_at, write_at, comb_at = row + streams, row + M + streams, row + 2 * M + comb_index
             mu_read += tl.load(part_ptr + read_at, mask=stream_mask & (read_at < end), other=0.0, cache_modifier=CACHE)
             mu_write += tl.load(
@@ -227,13 +235,13 @@ def _token_mixes(  # type: ignore[no-untyped-def]
 def _mixes_kernel(  # type: ignore[no-untyped-def]
     part_ptr, sum_sq_ptr, scale_ptr, base_ptr, read_ptr, write_ptr, comb_ptr, n,
     width,  # m·H as a float
-    splits, rms_eps, hc_eps, sinkhorn_iters, M: tl.constexpr, BLOCK_MM: tl.constexpr, BLOCK_R: tl.constexpr,
-    POST_MULT: tl.constexpr, PDL: tl.constexpr,
+    rms_eps, hc_eps, sinkhorn_iters, SPLITS: tl.constexpr, M: tl.constexpr, BLOCK_MM: tl.constexpr,
+    BLOCK_R: tl.constexpr, POST_MULT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     await_inputs(PDL)
     _token_mixes(
         tl.program_id(0).to(tl.int64), part_ptr, sum_sq_ptr, scale_ptr, base_ptr, read_ptr, write_ptr, comb_ptr, n,
-        width, splits, rms_eps, hc_eps, sinkhorn_iters, M, BLOCK_MM, BLOCK_R, POST_MULT, "",
+        width, rms_eps, hc_eps, sinkhorn_iters, SPLITS, M, BLOCK_MM, BLOCK_R, POST_MULT, "",
     )  # fmt: skip
 
 
@@ -258,7 +266,9 @@ def hc_mixes(
     block_r = max(16, triton.next_power_of_2(rows))
     part = torch.empty((splits, n, block_r), dtype=torch.float32, device=trunk.device)
     sum_sq = torch.empty((splits, n), dtype=torch.float32, device=trunk.device)
-    constexprs = {"M": m, "BLOCK_MM": triton.next_power_of_2(m), "BLOCK_R": block_r, "POST_MULT": HC_POST_MULT}
+    constexprs = {
+        "SPLITS": splits, "M": m, "BLOCK_MM": triton.next_power_of_2(m), "BLOCK_R": block_r, "POST_MULT": HC_POST_MULT
+    }  # fmt: skip
     # Python floats reach the kernels as FP32 values, as the reference adds them to FP32 tensors.
     scalars = (float(rms_eps), float(hc_eps), sinkhorn_iters)
     invariant = invariant_kernels()
@@ -281,23 +291,44 @@ def hc_mixes(
             **dependent_launch(trunk.device),
         )  # fmt: skip
     _mixes_kernel[(n,)](
-        part, sum_sq, scale, base, read, write, comb, n, float(width), splits, *scalars, **constexprs,
+        part, sum_sq, scale, base, read, write, comb, n, float(width), *scalars, **constexprs,
         enable_fp_fusion=False,
         **dependent_launch(part.device),
     )  # fmt: skip
 
 
 @triton.jit
-def _read_kernel(x_ptr, mix_ptr, out_ptr, hidden, M: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):  # type: ignore[no-untyped-def]
-    await_inputs(PDL)
-    token = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+def _read_columns(x_ptr, mix_ptr, out_ptr, token, cols, hidden, M: tl.constexpr):  # type: ignore[no-untyped-def]
+    # The read of a token's columns: the streams' values in FP32, products and sums in stream order, one rounding.
     mask = cols < hidden
     row = x_ptr + token * M * hidden + cols
     acc = tl.load(mix_ptr + token * M) * tl.load(row, mask=mask, other=0.0).to(tl.float32)
     for j in tl.static_range(1, M):
         acc = acc + tl.load(mix_ptr + token * M + j) * tl.load(row + j * hidden, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + token * hidden + cols, to_output_dtype(acc, out_ptr), mask=mask)
+
+
+@triton.jit
+def _read_kernel(x_ptr, mix_ptr, out_ptr, hidden, M: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):  # type: ignore[no-untyped-def]
+    await_inputs(PDL)
+    token = tl.program_id(0).to(tl.int64)
+    _read_columns(x_ptr, mix_ptr, out_ptr, token, tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H), hidden, M)
+
+
+@triton.jit
+def _read_norm_fp8_kernel(  # type: ignore[no-untyped-def]
+    x_ptr, mix_ptr, weight_ptr, out_ptr, q_ptr, scale_ptr, hidden, eps, stride_q, stride_scale, M: tl.constexpr,
+    BLOCK: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    # One program a token: the whole row's read (every stream's loads issued together) into out, then, after a
+    # barrier, rms_norm_fp8's own row code on it in place, so each output has the bits of the two separate kernels.
+    await_inputs(PDL)
+    token = tl.program_id(0).to(tl.int64)
+    _read_columns(x_ptr, mix_ptr, out_ptr, token, tl.arange(0, BLOCK), hidden, M)
+    tl.debug_barrier()
+    normed_fp8_row(
+        out_ptr, weight_ptr, out_ptr, q_ptr, scale_ptr, hidden, eps, hidden, hidden, stride_q, stride_scale, BLOCK
+    )
 
 
 def hc_read(trunk: torch.Tensor, read_mix: torch.Tensor, out: torch.Tensor) -> None:
@@ -308,6 +339,28 @@ def hc_read(trunk: torch.Tensor, read_mix: torch.Tensor, out: torch.Tensor) -> N
     _read_kernel[(n, triton.cdiv(hidden, block))](
         trunk, read_mix, out, hidden, M=m, BLOCK_H=block, enable_fp_fusion=False, **dependent_launch(trunk.device)
     )
+
+
+def hc_read_rms_norm_fp8(
+    trunk: torch.Tensor,
+    read_mix: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+) -> None:
+    """Triton read + RMSNorm + FP8 copy in one launch (arguments as ``reference.hyper_connection.
+    hc_read_rms_norm_fp8``; contiguous tensors): bit for bit :func:`hc_read` into ``out``'s dtype, then
+    ``cuda.norm.rms_norm_fp8`` of it."""
+    check_launchable(trunk=trunk, read_mix=read_mix, weight=weight, out=out, q=q, scale=scale)
+    n, m, hidden = trunk.shape
+    _read_norm_fp8_kernel[(n,)](
+        trunk, read_mix, weight, out, q.view(torch.uint8), scale.view(torch.uint8), hidden,
+        float(torch.tensor(eps, dtype=torch.float32)), q.stride(0), scale.stride(0), M=m,
+        BLOCK=triton.next_power_of_2(hidden), enable_fp_fusion=False,
+        **dependent_launch(trunk.device),
+    )  # fmt: skip
 
 
 @triton.jit
