@@ -78,8 +78,6 @@ def router_topk(
         BLOCK_E=triton.next_power_of_2(experts),
         BLOCK_K=triton.next_power_of_2(top_k),
         NORM_EPS=WEIGHT_NORM_EPS,
-        # One warp: the top-k loop's 3·TOP_K reductions are then shuffles, with no barrier between a program's warps.
-        num_warps=1,
         enable_fp_fusion=False,
         **dependent_launch(logits.device),
     )
