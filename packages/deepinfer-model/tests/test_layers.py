@@ -17,7 +17,7 @@ from deepinfer_kernels import (
     swiglu_clamped,
 )
 from deepinfer_model import reference as ref
-from deepinfer_model.deepseek_v41.hyper_connection import hc_mixes, hc_post, hc_read, hc_read_normed
+from deepinfer_model.deepseek_v41.hyper_connection import hc_mixes, hc_post, hc_read
 from deepinfer_model.deepseek_v41.moe import Router, SharedExperts
 from deepinfer_model.layers.embedding import LMHead, VocabEmbedding
 from deepinfer_model.layers.linear import (
@@ -292,32 +292,6 @@ def test_hyper_connection_matches_reference_bitwise() -> None:
     y = torch.randn(6, hidden, generator=_gen(14)).to(torch.bfloat16)
     assert torch.equal(hc_read(trunk, read, EXACT), ref.hc_read(trunk, ref_read))
     assert torch.equal(hc_post(y, trunk, write, comb, EXACT), ref.hc_post(y, trunk, ref_write, ref_comb))
-
-
-@pytest.mark.parametrize(
-    "device",
-    [
-        "cpu",
-        pytest.param(
-            "cuda",
-            marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")],
-        ),
-    ],
-)
-def test_read_normed_is_the_norm_of_the_read(device: str) -> None:
-    """A sub-layer's input: ``hc_read_normed`` gives the bits of the read followed by the norm's ``with_fp8_copy`` (one
-    kernels op on an accelerator in exact mode, where the copy is made; the two calls elsewhere)."""
-    norm = RMSNorm(64, 1e-6, EXACT).to(device)
-    norm.weight.data.copy_(torch.randn(64, generator=_gen(17)).to(torch.bfloat16))
-    trunk = (4 * torch.randn(5, 4, 64, generator=_gen(18))).to(torch.bfloat16).to(device)
-    read = torch.rand(5, 4, generator=_gen(19)).to(device)
-    y, copy = hc_read_normed(trunk, read, norm, EXACT)
-    expected, expected_copy = norm.with_fp8_copy(hc_read(trunk, read, EXACT))
-    assert torch.equal(y, expected)
-    assert (copy is None) == (expected_copy is None) == (device == "cpu")
-    if copy is not None and expected_copy is not None:
-        for a, b in zip(copy, expected_copy, strict=True):
-            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 def test_router_matches_reference() -> None:

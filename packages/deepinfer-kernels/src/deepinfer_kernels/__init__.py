@@ -19,7 +19,7 @@ from deepinfer_kernels.gemm import (
     rotated_fp8_block_grouped_gemm,
 )
 from deepinfer_kernels.grouped_gemm import ExpertRows, dequantized_grouped_gemm, mxfp4_grouped_gemm
-from deepinfer_kernels.hyper_connection import hc_mix_logits, hc_mixes, hc_post, hc_read, hc_read_rms_norm_fp8
+from deepinfer_kernels.hyper_connection import hc_mix_logits, hc_mixes, hc_post, hc_read
 from deepinfer_kernels.indexer import indexer_select
 from deepinfer_kernels.kv_cache import store_rows
 from deepinfer_kernels.norm import rms_norm, rms_norm_fp8
@@ -71,7 +71,6 @@ __all__ = [
     "hc_mixes",
     "hc_post",
     "hc_read",
-    "hc_read_rms_norm_fp8",
     "indexer_select",
     "moe_combine",
     "mxfp4_gemm",

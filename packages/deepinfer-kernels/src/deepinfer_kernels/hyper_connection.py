@@ -1,8 +1,7 @@
 """Public mHC ops (docs/design/model.md, "Hyper-connections (mHC)"): validation and allocation, then the resolved
 backend. A decode step calls each of them twice per block; the nvidia backend runs the mixes (mix GEMM, sigmoids,
 softmax and every Sinkhorn iteration) in two kernels and the read and the post in one kernel each, where the PyTorch
-formulation launches about 150, 9 and 40 kernels (docs/design/kernels.md, "mHC ops"); the read with the RMSNorm and
-FP8 copy of its result after it is one kernel there.
+formulation launches about 150, 9 and 40 kernels (docs/design/kernels.md, "mHC ops").
 
 Numerics: ``reference.hyper_connection`` defines them. The read and the post are the same FP32 operations in the same
 order (bitwise equal); the mixes differ from the reference in the FP32 summation order of the mix GEMM and in the
@@ -17,12 +16,10 @@ import torch
 
 from deepinfer_kernels import _registry
 from deepinfer_kernels._checks import check_dtype, check_same_device, check_tensor
-from deepinfer_kernels.norm import check_norm_parameters
 
-__all__ = ["hc_mix_logits", "hc_mixes", "hc_post", "hc_read", "hc_read_rms_norm_fp8"]
+__all__ = ["hc_mix_logits", "hc_mixes", "hc_post", "hc_read"]
 
 _ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)
-_FP8_GROUP = 32
 
 
 def _check_trunk(trunk: torch.Tensor) -> tuple[int, int, int]:
@@ -149,40 +146,6 @@ def hc_read(trunk: torch.Tensor, read_mix: torch.Tensor, out_dtype: torch.dtype)
     if n:
         _registry.resolve("hc_read", trunk.device.type)(trunk.contiguous(), read_mix.contiguous(), out)
     return out
-
-
-def hc_read_rms_norm_fp8(
-    trunk: torch.Tensor, read_mix: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``rms_norm_fp8(hc_read(trunk, read_mix, out_dtype), weight, eps)`` in one pass where the backend fuses them
-    (docs/design/kernels.md, "mHC ops"); each output equals the two separate ops' bit for bit on the same backend.
-
-    Args:
-        trunk: [n, m, H] bf16/fp32, ``H % 32 == 0``.
-        read_mix: [n, m] fp32, same device.
-        weight: [H] bf16/fp32, the norm's weight.
-        eps: positive finite float added to the mean square.
-        out_dtype: bf16 or fp32, the read's and the norm's output dtype.
-
-    Returns:
-        ``(y, q, scale)``: the normalized read [n, H] ``out_dtype``; its FP8 copy q [n, H] float8_e4m3fn and
-        scale [n, H/32] float8_e8m0fnu.
-    """
-    n, m, hidden = _check_trunk(trunk)
-    _check_fp32("read_mix", read_mix, (n, m))
-    check_dtype("out_dtype", out_dtype, _ACTIVATION_DTYPES)
-    check_norm_parameters(weight, hidden, eps)
-    if hidden % _FP8_GROUP:
-        raise ValueError(f"the hidden size ({hidden}) must be a multiple of {_FP8_GROUP} for the FP8 copy")
-    check_same_device(trunk=trunk, read_mix=read_mix, weight=weight)
-    out = torch.empty((n, hidden), dtype=out_dtype, device=trunk.device)
-    q = torch.empty((n, hidden), dtype=torch.float8_e4m3fn, device=trunk.device)
-    scale = torch.empty((n, hidden // _FP8_GROUP), dtype=torch.float8_e8m0fnu, device=trunk.device)
-    if n:
-        _registry.resolve("hc_read_rms_norm_fp8", trunk.device.type)(
-            trunk.contiguous(), read_mix.contiguous(), weight.contiguous(), float(eps), out, q, scale
-        )
-    return out, q, scale
 
 
 def hc_post(

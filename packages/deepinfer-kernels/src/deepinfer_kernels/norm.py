@@ -11,30 +11,25 @@ import torch
 from deepinfer_kernels import _registry
 from deepinfer_kernels._checks import check_dtype, check_ndim_at_least, check_same_device, check_tensor
 
-__all__ = ["check_norm_parameters", "rms_norm", "rms_norm_fp8"]
+__all__ = ["rms_norm", "rms_norm_fp8"]
 
 _GROUP = 32
 _NORM_DTYPES = (torch.bfloat16, torch.float32)
 
 
-def check_norm_parameters(weight: torch.Tensor, hidden: int, eps: float) -> None:
-    """An RMSNorm's weight ([hidden] bf16/fp32) and eps (positive, finite) for rows of ``hidden`` columns."""
-    check_tensor("weight", weight)
-    check_dtype("weight", weight.dtype, _NORM_DTYPES)
-    if weight.shape != (hidden,):
-        raise ValueError(f"weight must have shape ({hidden},) to match the rows' width, got {tuple(weight.shape)}")
-    if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps > 0):
-        raise ValueError(f"eps must be a positive finite float, got {eps!r}")
-
-
 def _check_norm_arguments(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
     check_tensor("x", x)
+    check_tensor("weight", weight)
     check_dtype("x", x.dtype, _NORM_DTYPES)
+    check_dtype("weight", weight.dtype, _NORM_DTYPES)
     check_ndim_at_least("x", x, 1)
     hidden = x.shape[-1]
     if hidden == 0:
         raise ValueError(f"x must have a non-empty last dimension, got shape {tuple(x.shape)}")
-    check_norm_parameters(weight, hidden, eps)
+    if weight.shape != (hidden,):
+        raise ValueError(f"weight must have shape ({hidden},) to match x {tuple(x.shape)}, got {tuple(weight.shape)}")
+    if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps > 0):
+        raise ValueError(f"eps must be a positive finite float, got {eps!r}")
     check_same_device(x=x, weight=weight)
 
 

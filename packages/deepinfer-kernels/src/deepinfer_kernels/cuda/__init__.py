@@ -54,7 +54,6 @@ def register(registry: OpRegistry) -> None:
     registry.register("indexer_select", nvidia, indexer.indexer_select)
     registry.register("hc_mixes", nvidia, hyper_connection.hc_mixes)
     registry.register("hc_read", nvidia, hyper_connection.hc_read)
-    registry.register("hc_read_rms_norm_fp8", nvidia, hyper_connection.hc_read_rms_norm_fp8)
     registry.register("hc_post", nvidia, hyper_connection.hc_post)
     registry.register("swiglu_clamped", nvidia, activation.swiglu_clamped)
     registry.register("swiglu_clamped_fp8", nvidia, activation.swiglu_clamped_fp8)

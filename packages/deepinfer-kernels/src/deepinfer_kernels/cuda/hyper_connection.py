@@ -1,5 +1,4 @@
-"""Triton mHC ops: the mixes in two kernels, the read and the post in one each, the read with the norm after it in one
-(docs/design/kernels.md, "mHC ops").
+"""Triton mHC ops: the mixes in two kernels, the read and the post in one each (docs/design/kernels.md, "mHC ops").
 
 - Mixes, kernel 1: the mix GEMM ``fn·z`` and ``Σz²`` over fixed chunks of ``CHUNK`` columns of the flattened trunk
   ``z`` (split-K, so a batch-1 step spreads the ``fn`` read over many programs), FP32 partials per chunk; the chunk
@@ -17,9 +16,6 @@
   batch-invariant mode, of one token) has no second launch: each token's last ``_token_mixes_kernel`` program to
   finish does this, with the same loads and arithmetic.
 - Read and post: one program per (token, block of ``H``); FP32 products and sums in the reference's order.
-- Read, RMSNorm and FP8 copy (``hc_read_rms_norm_fp8``): one program per token, the read of the whole row, then the
-  norm kernel's row code (``cuda.norm.normed_fp8_row``) on it: one launch where the read and ``rms_norm_fp8`` took two,
-  with the bits of both.
 
 Divisions are IEEE (``tl.div_rn``) and every kernel is compiled with ``enable_fp_fusion=False``: a multiply followed
 by an add is never contracted into an FMA, so the read and the post round exactly as the reference (bitwise equal).
@@ -40,10 +36,9 @@ from deepinfer_kernels.batch_invariant import invariant_kernels
 from deepinfer_kernels.cuda._formats import to_output_dtype
 from deepinfer_kernels.cuda._launch import await_inputs, check_launchable, dependent_launch, prefetch_rows
 from deepinfer_kernels.cuda.gemm_operands import split_counters
-from deepinfer_kernels.cuda.norm import normed_fp8_row
 from deepinfer_kernels.reference.hyper_connection import HC_POST_MULT
 
-__all__ = ["hc_mixes", "hc_post", "hc_read", "hc_read_rms_norm_fp8"]
+__all__ = ["hc_mixes", "hc_post", "hc_read"]
 
 _CHUNK = 512  # columns of z per split-K program
 # The mix-GEMM kernel's K step and pipeline depth: 32 columns in 4 stages took 212 against 298 µs a call at an 8K
@@ -298,37 +293,16 @@ def hc_mixes(
 
 
 @triton.jit
-def _read_columns(x_ptr, mix_ptr, out_ptr, token, cols, hidden, M: tl.constexpr):  # type: ignore[no-untyped-def]
-    # The read of a token's columns: the streams' values in FP32, products and sums in stream order, one rounding.
+def _read_kernel(x_ptr, mix_ptr, out_ptr, hidden, M: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):  # type: ignore[no-untyped-def]
+    await_inputs(PDL)
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = cols < hidden
     row = x_ptr + token * M * hidden + cols
     acc = tl.load(mix_ptr + token * M) * tl.load(row, mask=mask, other=0.0).to(tl.float32)
     for j in tl.static_range(1, M):
         acc = acc + tl.load(mix_ptr + token * M + j) * tl.load(row + j * hidden, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + token * hidden + cols, to_output_dtype(acc, out_ptr), mask=mask)
-
-
-@triton.jit
-def _read_kernel(x_ptr, mix_ptr, out_ptr, hidden, M: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):  # type: ignore[no-untyped-def]
-    await_inputs(PDL)
-    token = tl.program_id(0).to(tl.int64)
-    _read_columns(x_ptr, mix_ptr, out_ptr, token, tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H), hidden, M)
-
-
-@triton.jit
-def _read_norm_fp8_kernel(  # type: ignore[no-untyped-def]
-    x_ptr, mix_ptr, weight_ptr, out_ptr, q_ptr, scale_ptr, hidden, eps, stride_q, stride_scale, M: tl.constexpr,
-    BLOCK: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    # One program a token: the whole row's read (every stream's loads issued together) into out, then, after a
-    # barrier, rms_norm_fp8's own row code on it in place, so each output has the bits of the two separate kernels.
-    await_inputs(PDL)
-    token = tl.program_id(0).to(tl.int64)
-    _read_columns(x_ptr, mix_ptr, out_ptr, token, tl.arange(0, BLOCK), hidden, M)
-    tl.debug_barrier()
-    normed_fp8_row(
-        out_ptr, weight_ptr, out_ptr, q_ptr, scale_ptr, hidden, eps, hidden, hidden, stride_q, stride_scale, BLOCK
-    )
 
 
 def hc_read(trunk: torch.Tensor, read_mix: torch.Tensor, out: torch.Tensor) -> None:
@@ -339,28 +313,6 @@ def hc_read(trunk: torch.Tensor, read_mix: torch.Tensor, out: torch.Tensor) -> N
     _read_kernel[(n, triton.cdiv(hidden, block))](
         trunk, read_mix, out, hidden, M=m, BLOCK_H=block, enable_fp_fusion=False, **dependent_launch(trunk.device)
     )
-
-
-def hc_read_rms_norm_fp8(
-    trunk: torch.Tensor,
-    read_mix: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    out: torch.Tensor,
-    q: torch.Tensor,
-    scale: torch.Tensor,
-) -> None:
-    """Triton read + RMSNorm + FP8 copy in one launch (arguments as ``reference.hyper_connection.
-    hc_read_rms_norm_fp8``; contiguous tensors): bit for bit :func:`hc_read` into ``out``'s dtype, then
-    ``cuda.norm.rms_norm_fp8`` of it."""
-    check_launchable(trunk=trunk, read_mix=read_mix, weight=weight, out=out, q=q, scale=scale)
-    n, m, hidden = trunk.shape
-    _read_norm_fp8_kernel[(n,)](
-        trunk, read_mix, weight, out, q.view(torch.uint8), scale.view(torch.uint8), hidden,
-        float(torch.tensor(eps, dtype=torch.float32)), q.stride(0), scale.stride(0), M=m,
-        BLOCK=triton.next_power_of_2(hidden), enable_fp_fusion=False,
-        **dependent_launch(trunk.device),
-    )  # fmt: skip
 
 
 @triton.jit

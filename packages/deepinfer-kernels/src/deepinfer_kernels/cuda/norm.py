@@ -1,12 +1,8 @@
 """Triton RMSNorm: one program per row, FP32 sum of squares, ρ in FP64 from it, FP32 product, one rounding; and
-RMSNorm + FP8 quantization in one kernel (docs/design/kernels.md, "rms_norm_fp8").
-
-Both compile with ``enable_fp_fusion=False``: each square is rounded before it is added, as in the reference, rather
-than contracted into an FMA; the mHC read kernel that ends in this norm (``cuda.hyper_connection``) needs the flag for
-its own products, and with it the norm's bits are those of this module's kernels."""
+RMSNorm + FP8 quantization in one kernel (docs/design/kernels.md, "rms_norm_fp8")."""
 
 # Triton reads parameter annotations as kernel type hints, so @triton.jit functions stay unannotated.
-# ruff: noqa: ANN001, ANN201, ANN202
+# ruff: noqa: ANN001, ANN202
 
 from __future__ import annotations
 
@@ -17,7 +13,7 @@ import triton.language as tl
 from deepinfer_kernels.cuda._formats import fp8_token_groups, to_output_dtype
 from deepinfer_kernels.cuda._launch import await_inputs, check_launchable, dependent_launch
 
-__all__ = ["normed_fp8_row", "rms_norm", "rms_norm_fp8"]
+__all__ = ["rms_norm", "rms_norm_fp8"]
 
 _GROUP: tl.constexpr = tl.constexpr(32)
 
@@ -48,15 +44,26 @@ def _rms_norm_kernel(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def normed_fp8_row(  # type: ignore[no-untyped-def]
-    x_ptr, weight_ptr, out_ptr, q_ptr, scale_ptr, hidden, eps, stride_x, stride_out, stride_q, stride_scale,
+def _rms_norm_fp8_kernel(  # type: ignore[no-untyped-def]
+    x_ptr,
+    weight_ptr,
+    out_ptr,
+    q_ptr,
+    scale_ptr,
+    hidden,
+    eps,
+    stride_x,
+    stride_out,
+    stride_q,
+    stride_scale,
     BLOCK: tl.constexpr,
-):  # fmt: skip
-    # Row program_id(0) normalized into out and quantized into q / scale. The FP8 copy quantizes the rounded output as
-    # the separate quantizer would read it: the row is stored, then read back in the quantizer's [groups, 32] shape
-    # after a barrier. Reshaping the normalized values in registers instead lets Triton pick another layout for the
-    # whole row, which changes the order of the sum of squares (the output then differed in the last bit from
-    # rms_norm's on the H200). out may be x: every thread has loaded the row before the sum, and stores after it.
+    PDL: tl.constexpr,
+):
+    # The FP8 copy quantizes the rounded output as the separate quantizer would read it: the row is stored, then read
+    # back in the quantizer's [groups, 32] shape after a barrier. Reshaping the normalized values in registers instead
+    # lets Triton pick another layout for the whole row, which changes the order of the sum of squares (the output then
+    # differed in the last bit from rms_norm's on the H200).
+    await_inputs(PDL)
     row = _normed_row(x_ptr, weight_ptr, out_ptr, hidden, eps, stride_x, stride_out, BLOCK)
     tl.debug_barrier()
     columns = tl.arange(0, BLOCK // _GROUP)[:, None] * _GROUP + tl.arange(0, _GROUP)[None, :]
@@ -66,17 +73,6 @@ def normed_fp8_row(  # type: ignore[no-untyped-def]
     tl.store(q_ptr + row * stride_q + columns, codes, mask=in_row)
     group_index = tl.arange(0, BLOCK // _GROUP)
     tl.store(scale_ptr + row * stride_scale + group_index, scale_bytes, mask=group_index * _GROUP < hidden)
-
-
-@triton.jit
-def _rms_norm_fp8_kernel(  # type: ignore[no-untyped-def]
-    x_ptr, weight_ptr, out_ptr, q_ptr, scale_ptr, hidden, eps, stride_x, stride_out, stride_q, stride_scale,
-    BLOCK: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    await_inputs(PDL)
-    normed_fp8_row(
-        x_ptr, weight_ptr, out_ptr, q_ptr, scale_ptr, hidden, eps, stride_x, stride_out, stride_q, stride_scale, BLOCK
-    )
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
@@ -100,7 +96,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
         x.stride(0),
         out.stride(0),
         BLOCK=triton.next_power_of_2(hidden),
-        enable_fp_fusion=False,
         **dependent_launch(x.device),
     )
 
@@ -136,6 +131,5 @@ def rms_norm_fp8(
         q.stride(0),
         scale.stride(0),
         BLOCK=triton.next_power_of_2(hidden),
-        enable_fp_fusion=False,
         **dependent_launch(x.device),
     )

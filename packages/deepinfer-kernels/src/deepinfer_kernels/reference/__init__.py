@@ -55,7 +55,6 @@ def register(registry: OpRegistry) -> None:
     registry.register("hc_mix_logits", ref, hyper_connection.hc_mix_logits)
     registry.register("hc_mixes", ref, hyper_connection.hc_mixes)
     registry.register("hc_read", ref, hyper_connection.hc_read)
-    registry.register("hc_read_rms_norm_fp8", ref, hyper_connection.hc_read_rms_norm_fp8)
     registry.register("hc_post", ref, hyper_connection.hc_post)
     registry.register("swiglu_clamped", ref, activation.swiglu_clamped)
     registry.register("swiglu_clamped_fp8", ref, activation.swiglu_clamped_fp8)

@@ -1,6 +1,5 @@
 """Reference mHC ops (docs/design/model.md, "Hyper-connections (mHC)"): mix logits, the read/write/comb mixes with
-their Sinkhorn iterations, the read (also followed by the RMSNorm and FP8 copy of its result) and the post. Plain
-PyTorch, FP32; these define the fused Triton kernels.
+their Sinkhorn iterations, the read and the post. Plain PyTorch, FP32; these define the fused Triton kernels.
 
 Shapes: trunk ``X`` ``[n, m, H]`` (``m`` = ``hc_mult`` streams); ``fn`` ``[R, m·H]`` with ``R = (2+m)·m`` rows for
 the mixes (read ``m``, write ``m``, comb ``m·m`` row-major) or ``m`` for the non-shifted HC head.
@@ -10,17 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer_kernels.reference import norm
-
-__all__ = [
-    "HC_POST_MULT",
-    "hc_mix_logits",
-    "hc_mixes",
-    "hc_post",
-    "hc_read",
-    "hc_read_rms_norm_fp8",
-    "round_to_tf32",
-]
+__all__ = ["HC_POST_MULT", "hc_mix_logits", "hc_mixes", "hc_post", "hc_read", "round_to_tf32"]
 
 HC_POST_MULT = 2.0
 
@@ -108,27 +97,6 @@ def hc_read(trunk: torch.Tensor, read_mix: torch.Tensor, out: torch.Tensor) -> N
     for j in range(1, x.shape[1]):
         acc = acc + read_mix[:, j : j + 1] * x[:, j]
     out.copy_(acc)
-
-
-def hc_read_rms_norm_fp8(
-    trunk: torch.Tensor,
-    read_mix: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    out: torch.Tensor,
-    q: torch.Tensor,
-    scale: torch.Tensor,
-) -> None:
-    """:func:`hc_read` rounded to ``out``'s dtype, then ``norm.rms_norm_fp8`` of that into ``out``, ``q`` and ``scale``.
-
-    Args:
-        trunk: [n, m, H] bf16/fp32; read_mix: [n, m] fp32; weight: [H] bf16/fp32; eps: added to the mean square.
-        out: [n, H] bf16/fp32, written (the normalized read); q: [n, H] float8_e4m3fn and scale: [n, H/32]
-            float8_e8m0fnu, written.
-    """
-    read = torch.empty_like(out)
-    hc_read(trunk, read_mix, read)
-    norm.rms_norm_fp8(read, weight, eps, out, q, scale)
 
 
 def hc_post(

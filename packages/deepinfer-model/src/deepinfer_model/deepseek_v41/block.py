@@ -17,7 +17,7 @@ from deepinfer_model.config import LayerSpec, TextConfig
 from deepinfer_model.deepseek_v41.attention import Attention
 from deepinfer_model.deepseek_v41.context import StepContext
 from deepinfer_model.deepseek_v41.engram import Engram
-from deepinfer_model.deepseek_v41.hyper_connection import hc_head, hc_mixes, hc_post, hc_read, hc_read_normed
+from deepinfer_model.deepseek_v41.hyper_connection import hc_head, hc_mixes, hc_post, hc_read
 from deepinfer_model.deepseek_v41.moe import ExpertDispatch, MoE
 from deepinfer_model.layers.linear import make_parameter
 from deepinfer_model.layers.mode import ComputeMode
@@ -145,7 +145,7 @@ class DecoderBlock(nn.Module):
         read_a, write_a, comb_a = self._mixes("attn", trunk)
         shifted = self.cfg.hc_shifted
         # The norms' FP8 copies feed the FP8 GEMMs that read their outputs (docs/design/numerics.md, "Rounding points").
-        x, x_fp8 = hc_read_normed(trunk, read_mix if shifted else read_a, self.attn_norm, self.mode)
+        x, x_fp8 = self.attn_norm.with_fp8_copy(hc_read(trunk, read_mix if shifted else read_a, self.mode))
         if self.spec.is_yoco_consumer and ctx.shared_hidden is None:
             # The shared hidden covers every token; the consumer half may go on with fewer rows from here
             # (docs/design/attention.md, "YOCO prefill truncation"), so the GEMMs quantize the kept rows themselves.
@@ -157,5 +157,5 @@ class DecoderBlock(nn.Module):
             ctx.features[layer] = trunk.mean(dim=1, dtype=torch.float32).to(self.mode.activation_dtype)
         trunk_ffn = hc_post(self.attn(x, ctx, x_fp8), trunk, write_a, comb_a, self.mode)
         read_f, write_f, comb_f = self._mixes("ffn", trunk_ffn)
-        y = self.ffn(*hc_read_normed(trunk_ffn, read_a if shifted else read_f, self.ffn_norm, self.mode))
+        y = self.ffn(*self.ffn_norm.with_fp8_copy(hc_read(trunk_ffn, read_a if shifted else read_f, self.mode)))
         return hc_post(y, trunk_ffn, write_f, comb_f, self.mode), read_f

@@ -18,9 +18,7 @@ from __future__ import annotations
 import torch
 
 import deepinfer_kernels as dk
-from deepinfer_model.layers.linear import Fp8Copy
 from deepinfer_model.layers.mode import ComputeMode
-from deepinfer_model.layers.norm import RMSNorm
 
 __all__ = [
     "HCMixes",
@@ -29,7 +27,6 @@ __all__ = [
     "hc_mixes",
     "hc_post",
     "hc_read",
-    "hc_read_normed",
     "initial_read_mix",
 ]
 
@@ -99,20 +96,6 @@ def hc_read(trunk: torch.Tensor, read_mix: torch.Tensor, mode: ComputeMode) -> t
     Args: trunk [n, m, H]; read_mix [n, m]. Returns: [n, H] activation dtype.
     """
     return dk.hc_read(trunk, read_mix.float(), mode.activation_dtype)
-
-
-def hc_read_normed(
-    trunk: torch.Tensor, read_mix: torch.Tensor, norm: RMSNorm, mode: ComputeMode
-) -> tuple[torch.Tensor, Fp8Copy | None]:
-    """``norm.with_fp8_copy(hc_read(trunk, read_mix, mode))``: a sub-layer's normalized input and its FP8 copy, in one
-    kernels op (``deepinfer_kernels.hc_read_rms_norm_fp8``) where the norm makes the copy, with the same bits.
-
-    Args: trunk [n, m, H]; read_mix [n, m]; norm: the sub-layer's input norm. Returns: as ``RMSNorm.with_fp8_copy``.
-    """
-    if not norm.makes_fp8_copy():
-        return norm.with_fp8_copy(hc_read(trunk, read_mix, mode))
-    y, q, scale = dk.hc_read_rms_norm_fp8(trunk, read_mix.float(), norm.weight, norm.eps, torch.bfloat16)
-    return y, (q, scale)
 
 
 def hc_post(

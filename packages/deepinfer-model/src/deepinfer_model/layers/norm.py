@@ -28,19 +28,14 @@ class RMSNorm(nn.Module):
         weight = self.weight if dtype == torch.bfloat16 else self.weight.float()
         return rms_norm(x.to(dtype), weight, self.eps)
 
-    def makes_fp8_copy(self) -> bool:
-        """Whether :meth:`with_fp8_copy` gives an FP8 copy: in exact mode on an accelerator, for a width that is a
-        multiple of 32."""
-        return self.mode is ComputeMode.EXACT and self.weight.device.type != "cpu" and self.weight.shape[0] % 32 == 0
-
     def with_fp8_copy(self, x: torch.Tensor) -> tuple[torch.Tensor, Fp8Copy | None]:
-        """The layer's output and, where :meth:`makes_fp8_copy`, its FP8 copy for ``Fp8BlockLinear``'s ``fp8_copy``
-        from the same kernel (``deepinfer_kernels.rms_norm_fp8``); None elsewhere (CPU, FP32 mode, a width that is
-        not a multiple of 32), where the GEMMs quantize the output themselves to the same codes.
+        """The layer's output and, in exact mode on an accelerator, its FP8 copy for ``Fp8BlockLinear``'s
+        ``fp8_copy`` from the same kernel (``deepinfer_kernels.rms_norm_fp8``); None elsewhere (CPU, FP32 mode, a
+        width that is not a multiple of 32), where the GEMMs quantize the output themselves to the same codes.
 
         Args: x [..., dim] bf16/fp32. Returns: ([..., dim] activation dtype, (codes, scales) or None).
         """
-        if not self.makes_fp8_copy():
+        if self.mode is not ComputeMode.EXACT or self.weight.device.type == "cpu" or x.shape[-1] % 32:
             return self(x), None
         y, q, scale = rms_norm_fp8(x.to(torch.bfloat16), self.weight, self.eps)
         return y, (q, scale)
