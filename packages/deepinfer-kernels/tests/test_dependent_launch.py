@@ -59,7 +59,7 @@ def _launches(modules: dict[str, ast.Module]) -> list[tuple[str, ast.Call, set[s
 
 # What a kernel may call before its wait: index arithmetic, and the L2 prefetch of a weight (an operand no kernel of a
 # step writes), named by its parameter.
-_PURE_BEFORE_WAIT = {"program_id", "num_programs", "arange", "minimum", "to"}
+_PURE_BEFORE_WAIT = {"program_id", "arange", "minimum"}
 _PREFETCHES = {"prefetch_rows"}
 _WEIGHT_OPERANDS = {"fn_ptr"}
 
