@@ -148,6 +148,17 @@ def test_grouped_expert_sum_equals_per_expert_loop() -> None:
     assert torch.equal(grouped, loop)
 
 
+def test_moe_of_zero_tokens_is_empty() -> None:
+    """An empty batch (an idle attention-DP rank's step) goes through the grouped experts and the MoE's combine."""
+    moe = tiny_model(ComputeMode.EXACT).layers[1].ffn
+    x = torch.empty(0, tiny_config().text.hidden_size, dtype=torch.bfloat16)
+    topk_ids, topk_weights = moe.gate(x)
+    with torch.no_grad():
+        assert moe.experts.grouped_rows_of_tokens(x, topk_ids, topk_weights).shape == (0, topk_ids.shape[1], x.shape[1])
+        out = moe(x)
+    assert out.shape == x.shape and out.dtype == torch.bfloat16
+
+
 def test_grouped_expert_sum_maps_logical_experts_to_slots() -> None:
     model = tiny_model(ComputeMode.EXACT)
     experts = model.layers[0].ffn.experts

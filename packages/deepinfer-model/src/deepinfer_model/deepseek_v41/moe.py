@@ -142,7 +142,7 @@ class RoutedExperts(nn.Module):
         identity = self.holds_every_expert
         slots = ids if identity else self.expert_slot[ids]
         # Row i of the product is token i // k's choice i % k: w13 reads the tokens themselves (no copy per choice).
-        return self.grouped_rows(x, slots, topk_weights.reshape(-1), repeats=k, all_local=identity).view(n, k, -1)
+        return self.grouped_rows(x, slots, topk_weights.reshape(-1), repeats=k, all_local=identity).unflatten(0, (n, k))
 
     def grouped_rows(
         self,
