@@ -82,8 +82,8 @@ def fp8_group_values(values):  # type: ignore[no-untyped-def]
     # The values x̂ [G, W] (FP32) of fp8_token_groups' codes and scales, e4m3_decode(codes) · ue8m0_decode(scale), bit
     # for bit, without forming the codes: the scaled value is rounded in place, to 3 mantissa bits (nearest even, by
     # e4m3_encode's integer add) where it is normal in e4m3 and to a multiple of 2^−9 below 2^−6, and saturated at 448
-    # (the largest code e4m3_encode gives, also for inf and NaN); the sign bit is kept. A third of the instructions of
-    # encoding and decoding.
+    # (the largest code e4m3_encode gives, also for inf and NaN); the sign bit is kept. Fewer instructions than encoding
+    # and decoding: quantized_values' sorted-copy tile takes 41 against 54 SASS instructions an element (sm_90).
     exponent = scale_exponent(tl.max(tl.abs(values), axis=1), _FP8_AMAX_FLOOR, _E4M3_MAX)
     v = values * exp2_int(-exponent)[:, None]
     bits = v.to(tl.int32, bitcast=True)
