@@ -3,8 +3,7 @@ on fixed inputs (to compare two source trees bit for bit) and its time a call at
 
 Ops: ``hc_mixes`` (m 4, H 5,120, TF32; 1, 3, 16, 17 and 300 tokens, the normal and the batch-invariant mode),
 ``engram_gate`` (4 streams, H 5,120; 1, 3 and 300 tokens), ``router_topk`` (384 experts, top 6; 1, 64 and 8,192
-tokens). The one-token call is timed as a CUDA graph of 20 calls replayed 20 times (the median replay over 20). Run it
-once per kernel
+tokens). The one-token call is timed by ``cuda_time_ms`` (median of CUDA-graph replays). Run it once per kernel
 version (an earlier commit's ``deepinfer-kernels/src`` first on PYTHONPATH) in one device call, passing the first
 run's JSON to the second with --compare: the table then shows both times and whether every output is bitwise equal.
 Outputs are stored beside the JSON (``.pt``) for that comparison.
@@ -29,6 +28,7 @@ from bench_common import RESULTS, device_label, git_commit
 
 from deepinfer_kernels._registry import Backend, implementation
 from deepinfer_kernels.batch_invariant import batch_invariant_ops
+from deepinfer_kernels.benchmarking import cuda_time_ms
 from deepinfer_kernels.testing import random_normal
 
 HIDDEN, STREAMS, EXPERTS, TOP_K = 5120, 4, 384, 6
@@ -78,25 +78,6 @@ def _router(tokens: int) -> list[torch.Tensor]:
     return [ids, weights]
 
 
-def graph_us(fn: Callable[[], object], calls: int = 20, replays: int = 20) -> float:
-    """Median µs a call of ``fn`` over ``replays`` replays of a CUDA graph of ``calls`` calls."""
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return sorted(times)[len(times) // 2]
-
-
 def cases() -> list[Case]:
     return [
         ("hc_mixes", _mixes(False), (1, 3, 16, 17, 300)),
@@ -122,7 +103,7 @@ def main() -> None:
     for name, run, token_counts in cases():
         for tokens in token_counts:
             outputs[f"{name} {tokens}"] = [t.cpu() for t in run(tokens)]
-        one_token_us = graph_us(functools.partial(run, 1))
+        one_token_us = cuda_time_ms(functools.partial(run, 1))[0] * 1e3
         same = None
         if other is not None:
             same = all(

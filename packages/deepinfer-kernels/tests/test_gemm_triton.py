@@ -158,8 +158,9 @@ def test_quantized_values_are_the_dequantized_codes(triton_device: str, rows: in
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_quantized_values_round_every_e4m3_value_and_tie_as_the_codes(triton_device: str, dtype: torch.dtype) -> None:
     """``quantized_values`` rounds the scaled values in place (``_formats.fp8_group_values``) instead of encoding and
-    decoding: every finite e4m3 value (subnormals, ±0, 448), the midpoint above each (ties to even, and the one past
-    448 that saturates) and random values, at three group scales, give the dequantized codes' bits."""
+    decoding: every finite e4m3 value (subnormals, ±0, 448), the midpoint above each (ties to even), values just below
+    448 and above it (464 takes the next scale) and random values, at three group scales, give the dequantized codes'
+    bits."""
     from deepinfer_kernels.cuda import quant
 
     codes = torch.arange(256, dtype=torch.uint8)
