@@ -96,6 +96,43 @@ def test_dequantize_fp8_per_token_group_parity(
     assert_bitwise_equal(out_fast, out_ref)
 
 
+# Scale bytes from the subnormal factor 2^−127 (byte 0) to NaN (255), each with all 256 codes NaN codes included.
+_EDGE_SCALE_BYTES = (0, 1, 2, 9, 100, 127, 140, 200, 253, 254, 255)
+
+
+def _assert_equal_but_nan_payloads(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    # A NaN's sign and payload are the platform's (the CPU reference rounds an FP32 NaN to bf16 0xFFFF, the bit
+    # arithmetic gives 0x7FC0, a GPU's FP32 arithmetic its canonical NaN), so there only NaN-ness is compared.
+    nan = expected.isnan()
+    assert torch.equal(actual.isnan(), nan)
+    assert_bitwise_equal(actual.masked_fill(nan, 0.0), expected.masked_fill(nan, 0.0))
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_triton_dequantizers_decode_every_code_at_edge_scales(triton_device: str, out_dtype: torch.dtype) -> None:
+    # The compiled kernels decode e4m3 by the hardware conversion and round to bf16 by the hardware's; the interpreter
+    # by bit arithmetic: both against the reference on every code, subnormal, huge and NaN factors. (The Ascend path
+    # matches the reference only from scale byte 10 on: ascend.quant says why.)
+    backend, device = Backend.NVIDIA, triton_device
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+    scale_bytes = torch.tensor(_EDGE_SCALE_BYTES, dtype=torch.uint8)
+    # Per token group: 8 rows a scale byte (88 rows: the wide-group programs), 256 columns of all codes.
+    rows = scale_bytes.repeat_interleave(8)
+    q = codes.view(torch.uint8).repeat(rows.numel(), 1).view(torch.float8_e4m3fn)
+    scale = rows[:, None].repeat(1, 8).view(torch.float8_e8m0fnu)
+    (out_fast,), (out_ref,) = _run(
+        "dequantize_fp8_per_token_group", backend, device, (q, scale), (torch.empty(q.shape, dtype=out_dtype),)
+    )
+    _assert_equal_but_nan_payloads(out_fast, out_ref)
+    # 32×32 blocks: one block row a scale byte.
+    q = codes.view(torch.uint8).repeat(32 * scale_bytes.numel(), 1).view(torch.float8_e4m3fn)
+    scale = scale_bytes[:, None].repeat(1, 8).view(torch.float8_e8m0fnu)
+    (out_fast,), (out_ref,) = _run(
+        "dequantize_fp8_block", backend, device, (q, scale), (torch.empty(q.shape, dtype=out_dtype),)
+    )
+    _assert_equal_but_nan_payloads(out_fast, out_ref)
+
+
 @pytest.mark.parametrize("shape", [(1, 32), (17, 96), (33, 64)])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_dequantize_mxfp4_parity(fast_backend: Fast, shape: tuple[int, int], out_dtype: torch.dtype) -> None:

@@ -25,11 +25,13 @@ __all__ = [
     "e2m1_encode",
     "e4m3_decode",
     "e4m3_encode",
+    "e4m3_value",
     "exp2_int",
     "fp8_group_values",
     "fp8_token_groups",
     "scale_exponent",
     "to_output_dtype",
+    "to_output_dtype_native",
     "ue8m0_decode",
 ]
 
@@ -50,6 +52,16 @@ def to_output_dtype(value, out_ptr):  # type: ignore[no-untyped-def]
         return rounded.to(tl.int16).to(tl.bfloat16, bitcast=True)
     else:
         return value.to(out_ptr.dtype.element_ty)
+
+
+@triton.jit
+def to_output_dtype_native(value, out_ptr, NATIVE: tl.constexpr):  # type: ignore[no-untyped-def]
+    # to_output_dtype's bits but for NaNs (a NaN stays a NaN, of the hardware's payload); NATIVE (compiled): a bf16
+    # output by the hardware's round-to-nearest-even conversion, two values an instruction.
+    if NATIVE and out_ptr.dtype.element_ty == tl.bfloat16:
+        return value.to(tl.bfloat16)
+    else:
+        return to_output_dtype(value, out_ptr)
 
 
 @triton.jit
@@ -126,6 +138,17 @@ def e4m3_decode(byte):  # type: ignore[no-untyped-def]
     magnitude = tl.where(exponent == 0, subnormal, normal)
     magnitude = tl.where((c & 0x7F) == 0x7F, (0x7FC00000 + c * 0).to(tl.float32, bitcast=True), magnitude)
     return _with_sign(magnitude, (c & 0x80) != 0)
+
+
+@triton.jit
+def e4m3_value(byte, NATIVE: tl.constexpr):  # type: ignore[no-untyped-def]
+    # e4m3_decode(byte); NATIVE: by the hardware conversion (e4m3 to FP16 to FP32, about 1.5 instructions an element
+    # against e4m3_decode's ~18), the same FP32 value for every finite code and a NaN of another payload for the NaN
+    # codes (FP32 arithmetic on a GPU returns its one canonical NaN whatever the payload, so no kernel output keeps it).
+    if NATIVE:
+        return byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        return e4m3_decode(byte)
 
 
 @triton.jit

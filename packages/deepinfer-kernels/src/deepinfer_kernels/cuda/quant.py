@@ -1,7 +1,9 @@
 """Triton FP8 / MXFP4 (de)quantization kernels, bit-exact with ``reference.quant``.
 
-FP8 and scale tensors are passed to the kernels as uint8 views; every encode/decode is integer arithmetic
-on bit patterns (``cuda._formats``), so the kernels need no FP8 hardware support.
+FP8 and scale tensors are passed to the kernels as uint8 views; every encode is integer arithmetic on bit patterns
+(``cuda._formats``). The FP8 dequantizers decode e4m3 and round to bf16 by the hardware's conversions when compiled
+(``NATIVE``: sm_89 and newer, as the GEMMs' ``NATIVE_FP8``), 9–10 SASS instructions an element against 31–33 for the
+bit arithmetic the interpreter runs; both give the reference's bits (a NaN stays a NaN, of the platform's payload).
 """
 
 # Triton reads parameter annotations as kernel type hints, so @triton.jit functions stay unannotated.
@@ -16,16 +18,18 @@ import triton.language as tl
 from deepinfer_kernels.cuda._formats import (
     e2m1_decode,
     e2m1_encode,
-    e4m3_decode,
     e4m3_encode,
+    e4m3_value,
     exp2_int,
     fp8_group_values,
     fp8_token_groups,
     scale_exponent,
     to_output_dtype,
+    to_output_dtype_native,
     ue8m0_decode,
 )
 from deepinfer_kernels.cuda._launch import await_inputs, check_launchable, dependent_launch
+from deepinfer_kernels.cuda.gemm_operands import native_fp8
 from deepinfer_kernels.cuda.rope import HeadRotation, rotated_head_tails
 
 __all__ = [
@@ -75,7 +79,7 @@ def _quantize_fp8_block_kernel(  # type: ignore[no-untyped-def]
 @triton.jit
 def _dequantize_fp8_block_kernel(  # type: ignore[no-untyped-def]
     q_ptr, scale_ptr, out_ptr, rows, cols, stride_q, stride_scale, stride_out,
-    BLOCK: tl.constexpr, BLOCKS: tl.constexpr, PDL: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCKS: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # One block row and BLOCKS blocks along it: each column takes its own block's factor.
     await_inputs(PDL)
@@ -84,8 +88,8 @@ def _dequantize_fp8_block_kernel(  # type: ignore[no-untyped-def]
     c = tl.program_id(1) * BLOCKS * BLOCK + tl.arange(0, BLOCKS * BLOCK)[None, :]
     mask = (r < rows) & (c < cols)
     factor = ue8m0_decode(tl.load(scale_ptr + block_row * stride_scale + c // BLOCK, mask=c < cols, other=127))
-    value = e4m3_decode(tl.load(q_ptr + r * stride_q + c, mask=mask, other=0)) * factor
-    tl.store(out_ptr + r * stride_out + c, to_output_dtype(value, out_ptr), mask=mask)
+    value = e4m3_value(tl.load(q_ptr + r * stride_q + c, mask=mask, other=0), NATIVE) * factor
+    tl.store(out_ptr + r * stride_out + c, to_output_dtype_native(value, out_ptr, NATIVE), mask=mask)
 
 
 @triton.jit
@@ -167,15 +171,17 @@ def _rotated_copy_kernel(  # type: ignore[no-untyped-def]
 @triton.jit
 def _dequantize_group_kernel(  # type: ignore[no-untyped-def]
     q_ptr, scale_ptr, out_ptr, rows, groups, stride_q, stride_scale, stride_out,
-    GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_GROUPS: tl.constexpr, PDL: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_GROUPS: tl.constexpr, NATIVE: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     await_inputs(PDL)
     r, g, c, row_mask, mask = group_tile(rows, groups, GROUP, BLOCK_ROWS, BLOCK_GROUPS)
     scale_mask = row_mask[:, None] & (g < groups)[None, :]
     factor = ue8m0_decode(tl.load(scale_ptr + r[:, None] * stride_scale + g[None, :], mask=scale_mask, other=127))
     codes = tl.load(q_ptr + r[:, None, None] * stride_q + c[None, :, :], mask=mask, other=0)
-    value = e4m3_decode(codes) * factor[:, :, None]
-    tl.store(out_ptr + r[:, None, None] * stride_out + c[None, :, :], to_output_dtype(value, out_ptr), mask=mask)
+    value = e4m3_value(codes, NATIVE) * factor[:, :, None]
+    out = to_output_dtype_native(value, out_ptr, NATIVE)
+    tl.store(out_ptr + r[:, None, None] * stride_out + c[None, :, :], out, mask=mask)
 
 
 @triton.jit
@@ -287,7 +293,7 @@ def dequantize_fp8_block(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor
     grid = (scale.shape[0], triton.cdiv(scale.shape[1], _BLOCKS_PER_PROGRAM))
     _dequantize_fp8_block_kernel[grid](
         _bytes(q), _bytes(scale), out, rows, cols, q.stride(0), scale.stride(0), out.stride(0),
-        BLOCK=_BLOCK, BLOCKS=_BLOCKS_PER_PROGRAM, num_warps=8,
+        BLOCK=_BLOCK, BLOCKS=_BLOCKS_PER_PROGRAM, NATIVE=native_fp8(), num_warps=8,
         **dependent_launch(q.device),
     )  # fmt: skip
 
@@ -392,7 +398,8 @@ def dequantize_fp8_per_token_group(q: torch.Tensor, scale: torch.Tensor, out: to
     grid, per_program = _group_grid(rows, groups)
     _dequantize_group_kernel[grid](
         _bytes(q), _bytes(scale), out, rows, groups, q.stride(0), scale.stride(0), out.stride(0),
-        GROUP=cols // groups, BLOCK_ROWS=_ROWS_PER_PROGRAM, BLOCK_GROUPS=per_program, num_warps=_warps(per_program),
+        GROUP=cols // groups, BLOCK_ROWS=_ROWS_PER_PROGRAM, BLOCK_GROUPS=per_program, NATIVE=native_fp8(),
+        num_warps=_warps(per_program),
         **dependent_launch(q.device),
     )  # fmt: skip
 
