@@ -112,7 +112,7 @@ def test_hc_read_and_post_gpu_bitwise(n: int, hidden: int, dtype: torch.dtype) -
         assert_bitwise_equal(actual.cpu(), expected, message=op)
 
 
-@pytest.mark.parametrize(("rows", "half"), [(1, 2048), (384, 2048), (6 * 777, 256)])
+@pytest.mark.parametrize(("rows", "half"), [(1, 2048), (384, 2048), (6 * 777, 256), (6 * 777, 2304)])
 @pytest.mark.parametrize("weighted", [False, True])
 def test_swiglu_gpu(rows: int, half: int, weighted: bool) -> None:
     t = random_normal((rows, 2 * half), seed=rows, dtype=torch.bfloat16, std=4.0)

@@ -17,7 +17,8 @@ from deepinfer_kernels._registry import Backend, implementation
 from deepinfer_kernels.testing import assert_close, random_normal
 
 
-@pytest.mark.parametrize(("rows", "half"), [(1, 16), (7, 100), (33, 1300)])
+# 768 columns: 256-column tiles of 4 rows, the second row tile partial.
+@pytest.mark.parametrize(("rows", "half"), [(1, 16), (7, 100), (33, 1300), (5, 768)])
 @pytest.mark.parametrize("limit", [None, 3.0])
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -58,7 +58,8 @@ def test_reference_and_public_op() -> None:
 
 
 @pytest.mark.parametrize(
-    ("rows", "half", "limit", "weighted"), [(1, 32, None, False), (5, 96, 10.0, True), (2, 1056, 10.0, False)]
+    ("rows", "half", "limit", "weighted"),
+    [(1, 32, None, False), (5, 96, 10.0, True), (2, 1056, 10.0, False), (5, 768, 10.0, True)],
 )
 def test_swiglu_fp8_triton_equals_swiglu_then_quantizer(
     triton_device: str, rows: int, half: int, limit: float | None, weighted: bool
@@ -70,7 +71,7 @@ def test_swiglu_fp8_triton_equals_swiglu_then_quantizer(
 
 @compiled_triton_on_gpu
 @pytest.mark.parametrize("rows", [1, 64, 1000])
-@pytest.mark.parametrize("half", [2048, 3072])
+@pytest.mark.parametrize("half", [2048, 2304, 3072])
 def test_swiglu_fp8_gpu_equals_swiglu_then_quantizer(rows: int, half: int) -> None:
     t, weight = _inputs(rows, half, True, seed=rows + half, device="cuda")
     fused, separate = _fused_and_separate(Backend.NVIDIA, t, 10.0, weight)
