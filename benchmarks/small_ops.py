@@ -6,10 +6,10 @@ Ops: ``hc_mixes`` (m 4, H 5,120, TF32; 1, 3, 16, 17 and 300 tokens, the normal a
 tokens), all timed at one token; ``swiglu_clamped`` with routing weights (the routed experts, I 2,304; 1, 3, 300 and
 2,000 rows, timed at 1 and at 49,152 rows, an 8K prompt's six rows a token) and ``swiglu_clamped_fp8`` (the shared
 expert; 1, 3 and 300 rows, timed at 1 and 8,192). Inputs are made before the timed call, which ``cuda_time_ms``
-times (median of CUDA-graph replays). Run it once per kernel
-version (an earlier commit's ``deepinfer-kernels/src`` first on PYTHONPATH) in one device call, passing the first
-run's JSON to the second with --compare: the table then shows both times and whether every output is bitwise equal.
-Outputs are stored beside the JSON (``.pt``) for that comparison.
+times (median of CUDA-graph replays). Run it once per kernel version (an earlier commit's ``deepinfer-kernels/src``
+first on PYTHONPATH) in one device call, passing the first run's JSON to the second with --compare: the table then
+shows both times and whether every output is bitwise equal. Outputs are stored beside the JSON (``.pt``) for that
+comparison.
 
 Usage (PYTHONPATH holding the packages' src directories):
     python3 benchmarks/small_ops.py [--label new] [--out PATH] [--compare OTHER.json]
