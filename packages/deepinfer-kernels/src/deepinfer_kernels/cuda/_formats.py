@@ -145,6 +145,7 @@ def e4m3_value(byte, NATIVE: tl.constexpr):  # type: ignore[no-untyped-def]
     # e4m3_decode(byte); NATIVE: by the hardware conversion (e4m3 to FP16 to FP32, about 1.5 instructions an element
     # against e4m3_decode's ~18), the same FP32 value for every finite code and a NaN of another payload for the NaN
     # codes (FP32 arithmetic on a GPU returns its one canonical NaN whatever the payload, so no kernel output keeps it).
+    # The interpreter needs the bit decoding: its e4m3 cast turns the NaN codes into 480.
     if NATIVE:
         return byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     else:

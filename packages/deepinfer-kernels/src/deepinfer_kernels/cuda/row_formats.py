@@ -22,6 +22,7 @@ from deepinfer_kernels.cuda._formats import (
     e2m1_encode,
     e4m3_decode,
     e4m3_encode,
+    e4m3_value,
     exp2_int,
     scale_exponent,
     ue8m0_decode,
@@ -77,16 +78,6 @@ def decode_tile(pool_ptr, base, d, mask, WIDTH: tl.constexpr, FMT: tl.constexpr)
 
 
 @triton.jit
-def _e4m3_values(raw):  # type: ignore[no-untyped-def]
-    # e4m3 bytes → FP32 values: the hardware conversion when compiled, the bit decoding in the interpreter (whose e4m3
-    # cast turns the NaN codes into 480).
-    if _NATIVE:
-        return raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    else:
-        return e4m3_decode(raw)
-
-
-@triton.jit
 def _fp4_pairs(pool_ptr, base, valid, g, GROUP: tl.constexpr):  # type: ignore[no-untyped-def]
     """Elements of FP4 groups ``g`` [G] of the rows at ``base`` [N] (the caller masks groups past the width into
     ``valid`` [N, G]) as (even, odd) FP32 tensors [N, G, GROUP/2] of the e2m1 values times 2^−14: one vector load of
@@ -118,14 +109,14 @@ def decode_groups(  # type: ignore[no-untyped-def]
         raw = tl.load(pool_ptr + base[:, None, None] + (g * 32)[None, :, None] + j[None, None, :],
                       mask=mask[:, :, None], other=0)  # fmt: skip
         scale = ue8m0_decode(tl.load(pool_ptr + base[:, None] + WIDTH + g[None, :], mask=mask, other=127))
-        return tl.reshape(_e4m3_values(raw) * scale[:, :, None], (base.shape[0], COLS))
+        return tl.reshape(e4m3_value(raw, _NATIVE) * scale[:, :, None], (base.shape[0], COLS))
     elif FMT == _FMT_FP4_E4M3:
         g = FIRST // 16 + tl.arange(0, COLS // 16)
         mask = valid[:, None] & (g < WIDTH // 16)[None, :]
         even, odd = _fp4_pairs(pool_ptr, base, mask, g, 16)
         # The e4m3 scale times 2^14 undoes the pairs' 2^−14 (both products exact: at most 448 · 2^14).
         scale_code = tl.load(pool_ptr + base[:, None] + WIDTH // 2 + g[None, :], mask=mask, other=0)
-        factor = (_e4m3_values(scale_code) * 16384.0)[:, :, None]
+        factor = (e4m3_value(scale_code, _NATIVE) * 16384.0)[:, :, None]
         return tl.reshape(tl.join(even * factor, odd * factor), (base.shape[0], COLS))
     elif FMT == _FMT_FP4_UE8M0:
         g = FIRST // 32 + tl.arange(0, COLS // 32)
