@@ -81,6 +81,27 @@ def test_leading_dims_empty_and_validation(op_device: str) -> None:
         dk.mxfp4_gemm(x, packed, scale[:4])
 
 
+def test_bf16_gemm_shapes_dtypes_and_validation(op_device: str) -> None:
+    weight = random_normal((8, 48), seed=4, dtype=torch.bfloat16, device=op_device)
+    x = random_normal((2, 3, 48), seed=5, dtype=torch.bfloat16, device=op_device)
+    y = dk.bf16_gemm(x, weight)
+    assert y.shape == (2, 3, 8) and y.dtype == torch.float32
+    exact = x.double() @ weight.double().t()
+    bound = 48 * 2.0**-24 * (x.double().abs() @ weight.double().abs().t())
+    assert bool(((y.double() - exact).abs() <= bound).all())
+    assert_bitwise_equal(dk.bf16_gemm(x, weight, torch.bfloat16), dk.bf16_gemm(x, weight, torch.bfloat16))
+    assert dk.bf16_gemm(x, weight, torch.bfloat16).dtype == torch.bfloat16
+    assert dk.bf16_gemm(x[:0], weight).shape == (0, 3, 8)
+    with pytest.raises(ValueError, match="x has 32 columns"):
+        dk.bf16_gemm(x[..., :32], weight)
+    with pytest.raises(TypeError, match=r"weight has dtype torch\.float32"):
+        dk.bf16_gemm(x, weight.float())
+    with pytest.raises(TypeError, match="out_dtype"):
+        dk.bf16_gemm(x, weight, torch.float16)
+    with pytest.raises(ValueError, match="weight must be 2-D"):
+        dk.bf16_gemm(x, weight[None])
+
+
 def test_dequantized_gemm_equals_the_reference_gemms_bitwise() -> None:
     x = random_normal((5, 96), seed=21, dtype=torch.bfloat16)
     w_q, w_scale = dk.quantize_fp8_block(random_normal((70, 96), seed=22, std=0.05))

@@ -57,6 +57,47 @@ def test_mxfp4_gemm_triton(triton_device: str, m: int, n: int, k: int, dtype: to
     assert_gemm_close(fast, ref, abs_product(dequantized_activation(x), w_hat), k)
 
 
+@pytest.mark.parametrize(
+    ("m", "n", "k", "dtype", "out_dtype"),
+    [
+        (1, 40, 96, torch.bfloat16, torch.float32),
+        (2, 70, 520, torch.bfloat16, torch.bfloat16),
+        (1, 33, 256, torch.float32, torch.float32),
+        (5, 70, 256, torch.bfloat16, torch.bfloat16),
+    ],
+)
+def test_bf16_gemm_triton(
+    triton_device: str, m: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dtype
+) -> None:
+    """The BF16-weight product (the GEMV up to two rows, cuBLAS beyond) against the FP64 product: within FP32 sums'
+    bound of it (one more product rounding for an FP32 x), and the reference likewise."""
+    x = random_normal((m, k), seed=m + 2).to(dtype)
+    weight = (random_normal((n, k), seed=n + 2) * torch.logspace(-3, 3, k).roll(m)).to(torch.bfloat16)
+    fast, ref = _both("bf16_gemm", triton_device, x, weight, out=torch.empty(m, n, dtype=out_dtype))
+    exact = x.double() @ weight.double().t()
+    bits = 8 if out_dtype == torch.bfloat16 else 24
+    terms = k if dtype == torch.bfloat16 else k + 1
+    for got in (fast, ref):
+        assert_gemm_close(got, exact.to(out_dtype), abs_product(x, weight), terms, significant_bits=bits)
+
+
+def test_bf16_gemv_tiles_and_rows_give_the_same_bits(triton_device: str) -> None:
+    """The GEMV's K chunks are added in chunk order whether they run as split-K programs or in one program, and a row's
+    sums do not depend on the other row of a two-row call."""
+    from deepinfer_kernels.cuda.gemm_tiles import gemv_tile
+
+    x = random_normal((2, 1040), seed=40).to(torch.bfloat16).to(triton_device)
+    weight = random_normal((72, 1040), seed=41).to(torch.bfloat16).to(triton_device)
+    gemm = implementation("bf16_gemm", Backend.NVIDIA)
+    outs = []
+    for rows, cfg in ((2, gemv_tile(32, 4, 3)), (2, gemv_tile(16, 4, 3, split_grid=False)), (1, gemv_tile(32, 4, 2))):
+        out = torch.empty(rows, 72, dtype=torch.float32, device=triton_device)
+        gemm(x[:rows], weight, out, config=cfg)
+        outs.append(out)
+    assert_bitwise_equal(outs[0], outs[1])
+    assert_bitwise_equal(outs[0][:1], outs[2])
+
+
 def _check_grouped(triton_device: str, n: int, k: int, seed: int, config: BlockConfig | None = None) -> None:
     """The grouped GEMM over 6 experts against the reference: expert 5 replicates expert 1 (a row through it gets the
     same values), expert 3 has no rows, -1 rows have no expert (left at zero), expert 0 has more rows than a 16-row

@@ -100,6 +100,14 @@ def test_fp8_block_gemm_rows(n: int, k: int) -> None:
     _assert_rows_invariant(lambda rows: dk.fp8_block_gemm(rows, w_q, w_scale), x)
 
 
+@pytest.mark.parametrize(("n", "out_dtype"), [(384, torch.float32), (32, torch.bfloat16)])
+def test_bf16_gemm_rows(n: int, out_dtype: torch.dtype) -> None:
+    """The BF16-weight product (outside the mode a GEMV at one or two rows, cuBLAS beyond) keeps a row's bits."""
+    weight = _randn((n, 5120), seed=n)
+    x = _randn((300, 5120), seed=n + 1)
+    _assert_rows_invariant(lambda rows: dk.bf16_gemm(rows, weight, out_dtype), x)
+
+
 @pytest.mark.parametrize(("n", "k"), [(4608, 5120), (5120, 2304)])
 def test_mxfp4_gemm_rows(n: int, k: int) -> None:
     packed = _bytes((n, k // 2), seed=n).view(torch.int8)

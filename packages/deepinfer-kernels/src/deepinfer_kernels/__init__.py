@@ -11,6 +11,7 @@ from deepinfer_kernels.attention import KeySource, sparse_attention
 from deepinfer_kernels.combine import moe_combine
 from deepinfer_kernels.engram import engram_gate, engram_lookup, engram_ngram_rows
 from deepinfer_kernels.gemm import (
+    bf16_gemm,
     dequantized_gemm,
     fp8_block_gemm,
     fp8_block_gemm_quantized,
@@ -52,6 +53,7 @@ __all__ = [
     "RowFormat",
     "apply_rope",
     "apply_rope_",
+    "bf16_gemm",
     "bytes_per_row",
     "current_accelerator",
     "decode_rows",

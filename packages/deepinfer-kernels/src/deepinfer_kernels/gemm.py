@@ -8,6 +8,9 @@ tail (the attention's de-rotation, fused on nvidia into the activation's quantiz
 ``dequantized_gemm`` is the same product for a caller that already holds the exactly dequantized weight ``Ŵ``
 (reference only): the reference quantized GEMMs dequantize their whole weight on every call, so a caller that runs
 them many times on one weight (the model's CPU path) can dequantize once and get bit-identical results.
+
+``bf16_gemm`` is the product with a BF16 weight (projections stored in BF16, the LM head): exact products, FP32 sums,
+rounded once to the output dtype; the nvidia backend runs one Triton GEMV launch for one or two rows and cuBLAS beyond.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from deepinfer_kernels import _registry
 from deepinfer_kernels._checks import check_dtype, check_ndim_at_least, check_same_device, check_tensor
 
 __all__ = [
+    "bf16_gemm",
     "dequantized_gemm",
     "fp8_block_gemm",
     "fp8_block_gemm_quantized",
@@ -27,6 +31,7 @@ __all__ = [
 ]
 
 _ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)
+_BF16_GEMM_OUT_DTYPES = (torch.bfloat16, torch.float32)
 _DEQUANTIZED_DTYPES = (torch.float32, torch.float64)
 _GROUP = 32
 
@@ -236,6 +241,33 @@ def mxfp4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> to
         )
     check_same_device(x=x, packed=packed, scale=scale)
     return _run("mxfp4_gemm", x, n, packed.view(torch.int8), scale)
+
+
+def bf16_gemm(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``y = x · Wᵀ`` for a BF16 weight: FP32 products (exact for a BF16 ``x``), FP32 sums, rounded once to
+    ``out_dtype`` (docs/design/numerics.md, "GEMM accumulation"). The reference sums in FP32 too; implementations
+    differ only in summation order.
+
+    Args:
+        x: [..., K] bf16 or fp32.
+        weight: [N, K] bf16, same device.
+        out_dtype: bf16 or fp32 (the accumulator as it is).
+
+    Returns:
+        [..., N] of ``out_dtype``.
+    """
+    check_tensor("x", x)
+    check_tensor("weight", weight)
+    check_dtype("x", x.dtype, _ACTIVATION_DTYPES)
+    check_dtype("weight", weight.dtype, (torch.bfloat16,))
+    check_dtype("out_dtype", out_dtype, _BF16_GEMM_OUT_DTYPES)
+    check_ndim_at_least("x", x, 1)
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"x has {x.shape[-1]} columns but the weight [N, K] has K = {weight.shape[1]}")
+    check_same_device(x=x, weight=weight)
+    return _run("bf16_gemm", x, weight.shape[0], weight, out_dtype=out_dtype)
 
 
 def dequantized_gemm(x: torch.Tensor, w_hat: torch.Tensor) -> torch.Tensor:

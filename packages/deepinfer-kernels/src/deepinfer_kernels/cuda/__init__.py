@@ -9,6 +9,7 @@ from deepinfer_kernels._registry import Backend, OpRegistry
 from deepinfer_kernels.cuda import (
     activation,
     attention,
+    bf16_gemm,
     combine,
     engram,
     fp8_gemm_ops,
@@ -41,6 +42,7 @@ def register(registry: OpRegistry) -> None:
     registry.register("dequantize_fp8_per_token_group", nvidia, quant.dequantize_fp8_per_token_group)
     registry.register("quantize_mxfp4", nvidia, quant.quantize_mxfp4)
     registry.register("dequantize_mxfp4", nvidia, quant.dequantize_mxfp4)
+    registry.register("bf16_gemm", nvidia, bf16_gemm.bf16_gemm)
     registry.register("fp8_block_gemm", nvidia, gemm.fp8_block_gemm)
     registry.register("mxfp4_gemm", nvidia, gemm.mxfp4_gemm)
     registry.register("fp8_block_grouped_gemm", nvidia, fp8_gemm_ops.fp8_block_grouped_gemm)

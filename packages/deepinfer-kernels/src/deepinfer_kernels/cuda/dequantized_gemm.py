@@ -28,7 +28,7 @@ import torch
 from deepinfer_kernels.cuda import quant
 from deepinfer_kernels.cuda.rope import HeadRotation
 
-__all__ = ["bf16_product", "dequantized_activation", "fp32_split_k_sums", "quantized_value_activation"]
+__all__ = ["bf16_product", "dequantized_activation", "fp32_split_k_sums", "product_into", "quantized_value_activation"]
 
 
 @contextlib.contextmanager
@@ -44,7 +44,7 @@ def fp32_split_k_sums() -> Iterator[None]:
         matmul.allow_bf16_reduced_precision_reduction = previous
 
 
-def _product_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+def product_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
     """``out = a @ b`` of BF16 operands (2-D, or 3-D batched) summed in FP32 and rounded once into ``out`` (bf16 or
     fp32, any strides: ATen hands cuBLAS a strided output as it is where its layout allows, else a copy of it)."""
     if a.device.type == "cuda" and out.dtype in (torch.float32, torch.bfloat16):
@@ -82,11 +82,11 @@ def bf16_product(x_hat: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, 
     w_hat = torch.empty(w_q.shape, dtype=torch.bfloat16, device=w_q.device)
     quant.dequantize_fp8_block(w_q, w_scale, w_hat)
     if groups == 1:
-        _product_into(x_hat, w_hat.t(), out)
+        product_into(x_hat, w_hat.t(), out)
         return
     per_group = n // groups
     # [G, M, K] x [G, K, N/G] into [G, M, N/G]: strided views of the row-major copies and of out, no gather.
-    _product_into(
+    product_into(
         x_hat.view(m, groups, k).transpose(0, 1),
         w_hat.view(groups, per_group, k).transpose(1, 2),
         out.view(m, groups, per_group).transpose(0, 1),

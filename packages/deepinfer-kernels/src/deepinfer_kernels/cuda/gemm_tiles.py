@@ -521,9 +521,10 @@ def invariant_config(op: str, rows: int) -> BlockConfig:
 
 
 def block_config(op: str, rows: int, n: int, k: int) -> BlockConfig:
-    """Tiles for ``op`` ("fp8_block_gemm", "mxfp4_gemm" or "mxfp4_grouped_gemm") on ``rows`` rows per weight: the
-    measured or default tile; inside ``batch_invariant_ops`` that tile if its rows keep their bits in every tile of
-    the mode, else the measured row-independent one (``MEASURED_INVARIANT``) or :func:`invariant_config`'s."""
+    """Tiles for ``op`` ("fp8_block_gemm", "mxfp4_gemm", "mxfp4_grouped_gemm" or, up to two rows, "bf16_gemm") on
+    ``rows`` rows per weight: the measured or default tile; inside ``batch_invariant_ops`` that tile if its rows keep
+    their bits in every tile of the mode, else the measured row-independent one (``MEASURED_INVARIANT``) or
+    :func:`invariant_config`'s (``cuda.bf16_gemm`` asks only outside the mode)."""
     key = (op, row_bucket(rows), n, k)
     tuned = MEASURED.get(key) or default_config(op, rows)
     if invariant_kernels() and not _row_independent(op, tuned):

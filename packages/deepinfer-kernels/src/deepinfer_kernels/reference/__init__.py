@@ -38,6 +38,7 @@ def register(registry: OpRegistry) -> None:
     registry.register("dequantize_fp8_per_token_group", ref, quant.dequantize_fp8_per_token_group)
     registry.register("quantize_mxfp4", ref, quant.quantize_mxfp4)
     registry.register("dequantize_mxfp4", ref, quant.dequantize_mxfp4)
+    registry.register("bf16_gemm", ref, gemm.bf16_gemm)
     registry.register("fp8_block_gemm", ref, gemm.fp8_block_gemm)
     registry.register("mxfp4_gemm", ref, gemm.mxfp4_gemm)
     registry.register("fp8_block_grouped_gemm", ref, gemm.fp8_block_grouped_gemm)

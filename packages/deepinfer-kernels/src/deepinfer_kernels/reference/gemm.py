@@ -15,6 +15,7 @@ import torch
 from deepinfer_kernels.reference import quant, rope
 
 __all__ = [
+    "bf16_gemm",
     "dequantized_gemm",
     "fp8_block_gemm",
     "fp8_block_gemm_quantized",
@@ -46,6 +47,19 @@ def _fp8_block_weight(w_q: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     w_hat = torch.empty(w_q.shape, dtype=torch.float32, device=w_q.device)
     quant.dequantize_fp8_block(w_q, w_scale, w_hat)
     return w_hat
+
+
+def bf16_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = x · Wᵀ`` for a BF16 weight: an FP32 GEMM over the widened operands (exact products for a BF16 x, FP32
+    sums), rounded once into ``out``. FP32, not FP64, sums: the model's FP32 products (the router's logits, the LM
+    head) are specified so (docs/design/numerics.md, "GEMM accumulation").
+
+    Args:
+        x: [num_rows, K] bf16/fp32.
+        weight: [N, K] bf16.
+        out: [num_rows, N] bf16/fp32; written.
+    """
+    out.copy_(x.float() @ weight.float().t())
 
 
 def dequantized_gemm(x: torch.Tensor, w_hat: torch.Tensor, out: torch.Tensor) -> None:

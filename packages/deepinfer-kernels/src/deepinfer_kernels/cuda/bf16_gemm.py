@@ -1,0 +1,60 @@
+"""Products with a BF16 weight on the nvidia backend: ``out = x · Wᵀ`` with FP32 sums, rounded once into ``out``
+(docs/design/kernels.md, "BF16 weight products").
+
+One or two rows per weight (decode) run the FMA GEMV of ``cuda.gemv`` (``bf16_gemv_kernel``): one launch that reads
+the weight once, adds its K chunks in chunk order (split-K: each tile's last program) and rounds into ``out``'s dtype,
+a step in the dependent-launch chain like the Triton kernels around it. cuBLAS's split-K GEMV took two launches
+for it (the GEMM and its reduction), and a BF16 output a third (the rounding copy). More rows, and every call inside
+``batch_invariant_ops`` (whose products must all run ``invariant_matmul``), run one cuBLAS GEMM with FP32 sums
+written in ``out``'s dtype (``dequantized_gemm.product_into``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from deepinfer_kernels.batch_invariant import invariant_kernels
+from deepinfer_kernels.cuda._launch import check_launchable, dependent_launch
+from deepinfer_kernels.cuda.dequantized_gemm import product_into
+from deepinfer_kernels.cuda.gemm import gemv_rows
+from deepinfer_kernels.cuda.gemm_operands import launch_grid, split_buffers
+from deepinfer_kernels.cuda.gemm_tiles import BlockConfig, block_config
+from deepinfer_kernels.cuda.gemv import bf16_gemv_kernel
+
+__all__ = ["GEMV_MAX_ROWS", "bf16_gemm"]
+
+# Rows up to which the FMA GEMV runs: as for the quantized GEMMs (cuda.gemm_tiles), each further row costs it a full
+# pass of FMAs over the weight tile.
+GEMV_MAX_ROWS = 2
+
+
+def bf16_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config: BlockConfig | None = None) -> None:
+    """Triton / cuBLAS ``out = x · Wᵀ`` (contract of ``reference.gemm.bf16_gemm``).
+
+    Args:
+        x: [M, K] bf16/fp32, contiguous.
+        weight: [N, K] bf16, contiguous.
+        out: [M, N] bf16/fp32, contiguous; written.
+        config: the GEMV tile to use instead of ``gemm_tiles.block_config``'s (tuning); the GEMV then runs at any M.
+    """
+    check_launchable(x=x, weight=weight, out=out)
+    (m, n), k = out.shape, weight.shape[1]
+    if config is None and (m > GEMV_MAX_ROWS or invariant_kernels()):
+        if x.dtype == torch.bfloat16:
+            product_into(x, weight.t(), out)
+        else:
+            out.copy_(x @ weight.float().t())
+        return
+    cfg = config or block_config("bf16_gemm", m, n, k)
+    if not cfg.gemv:
+        raise ValueError(f"bf16_gemm runs GEMV tiles (gemm_tiles.gemv_tile) only, got {cfg}")
+    rows = gemv_rows(m, cfg)
+    grid, chunk = launch_grid(triton.cdiv(m, rows), n, k, cfg)
+    partial, counters = split_buffers(m, n, cfg, grid, out.device)
+    bf16_gemv_kernel[grid](
+        x, weight, out, partial, counters, m, n, k, chunk, x.stride(0), weight.stride(0), out.stride(0),
+        SPLIT_GRID=cfg.split_grid, ROWS=rows, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        **dependent_launch(out.device),
+    )  # fmt: skip
