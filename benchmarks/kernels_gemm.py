@@ -4,7 +4,9 @@ decode shapes (docs/hardware.md, "Kernels").
 Shapes come from the preset's tensor catalogue: every FP8-block GEMM weight (q/kv/o projections, the indexer's
 ``wq_b``, the shared expert's merged ``[w1; w3]`` and ``w2``, Engram's ``wkv``, DSpark's ``main_proj``), the routed
 experts' MXFP4 ``[w1; w3]`` and ``w2`` (one expert: ``mxfp4_gemm``; all experts with 6 routed experts per token:
-``mxfp4_grouped_gemm``), and the BF16 LM head.
+``mxfp4_grouped_gemm``), and every BF16 weight the model multiplies (``bf16_gemm``: the compressor's ``wkv`` and
+``wgate``, the indexer's ``weights_proj`` and ``wk`` with BF16 outputs, the router's gate, the LM head and DSpark's
+Markov head with FP32 outputs).
 
 Per shape and row count (--rows, tokens; the grouped GEMM gets 6 rows per token) it reports the median time per call
 of CUDA-graph replays (one graph calls the op once per weight copy, enough copies to exceed L2, at most 32: the
@@ -15,13 +17,14 @@ are compute-bound).
 
 Modes:
 - ``--baseline``: times whatever ``deepinfer_kernels`` is on the path with its own tile choice (run it against the
-  previous sources to get the "old" column); LM head as ``h.float() @ w.float().t()``.
+  previous sources to get the "old" column); ``bf16_gemm`` as the model ran it before the op existed: cuBLAS
+  ``torch.mm(x, w.t(), out_dtype=float32)``, then a rounding copy for a BF16 output.
 - default: with ``--tune``, times ``gemm_candidates.candidate_configs`` per (op, row bucket, N, K) (``--decodings``
   limits the MMA candidates, ``--max-candidates`` their number: the first candidates are the default tile in each
   decoding), records every candidate's time, keeps the fastest and prints the ``MEASURED``
   entries; checks that the candidates of one decoding give the same bits (the K-chunk order is the same for all
-  tiles) and whether row 0 of an M-row call equals the 1-row call. ``--compare old.json`` adds the
-  old-vs-new ratio. The LM head runs as ``torch.mm(h, w.t(), out_dtype=float32)``.
+  tiles) and whether row 0 of an M-row call equals the 1-row call (``bf16_gemm``: GEMV tiles up to two rows only).
+  ``--compare old.json`` adds the old-vs-new ratio.
 - ``--on-codes``: the FP8 block GEMM reads the quantizer's codes (``fp8_block_gemm_quantized``, the path of a fused
   norm's consumers: ``wq_a``, ``wkv``, the shared ``w1``) instead of the BF16 activation, timed and tuned so; the
   quantizer runs once, outside the timed graph.
@@ -45,6 +48,8 @@ from deepinfer_kernels._registry import Backend, implementation
 from deepinfer_kernels.benchmarking import cuda_time_ms
 
 TOP_K = 6
+# The BF16 weights the model multiplies (the embedding, the Markov embedding and Engram's gate vectors are read by row).
+_BF16_PRODUCTS = ("wkv.weight", "wgate.weight", "weights_proj.weight", "wk.weight", "gate.weight", "head.weight")
 
 
 def device_label() -> str:
@@ -68,7 +73,7 @@ def preset_shapes() -> dict[str, list[tuple[str, int, int]]]:
 
     fp8: dict[tuple[int, int], str] = {}
     experts: dict[str, tuple[int, int]] = {}
-    vocab_hidden = (0, 0)
+    bf16: dict[tuple[int, int], str] = {}
     for entry in build_catalogue(load_preset("v41-flash-scaled")):
         name, shape = entry.name, tuple(entry.shape)
         if name.endswith(".weight") and entry.dtype == "F8_E4M3" and len(shape) == 2:
@@ -84,13 +89,13 @@ def preset_shapes() -> dict[str, list[tuple[str, int, int]]]:
             n, half_k = shape
             key = "experts.w13" if name.endswith("w1.weight") else "experts.w2"
             experts[key] = (2 * n if key == "experts.w13" else n, 2 * half_k)
-        elif name == "embed.weight" or (name.endswith("head.weight") and not name.startswith("mtp")):
-            vocab_hidden = shape
+        elif entry.dtype == "BF16" and len(shape) == 2 and name.endswith(_BF16_PRODUCTS):
+            bf16.setdefault(shape, re.sub(r"^(layers|mtp)\.\d+\.", "", name).removesuffix(".weight"))
     return {
         "fp8_block_gemm": [(name, n, k) for (n, k), name in sorted(fp8.items(), key=lambda item: item[1])],
         "mxfp4_gemm": [(key, n, k) for key, (n, k) in sorted(experts.items())],
         "mxfp4_grouped_gemm": [(key, n, k) for key, (n, k) in sorted(experts.items())],
-        "lm_head": [("head", vocab_hidden[0], vocab_hidden[1])],
+        "bf16_gemm": [(name, n, k) for (n, k), name in sorted(bf16.items(), key=lambda item: item[1])],
     }
 
 
@@ -138,11 +143,11 @@ def call(
     config: Any = None,
     on_codes: bool = False,
 ) -> Callable[[], None]:
-    if op == "lm_head":
+    if op == "bf16_gemm" and baseline:
         (w,) = weights
-        if baseline:
-            return lambda: out.copy_(x.float() @ w.float().t())
-        return lambda: torch.mm(x, w.t(), out_dtype=torch.float32, out=out)
+        if out.dtype == torch.float32:
+            return lambda: torch.mm(x, w.t(), out_dtype=torch.float32, out=out)
+        return lambda: out.copy_(torch.mm(x, w.t(), out_dtype=torch.float32))
     kwargs = {} if config is None else {"config": config}
     if on_codes and op == "fp8_block_gemm":
         codes = quantize_fp8_per_token_group(x)
@@ -268,10 +273,10 @@ def main() -> None:
                 if ids is None and first_row is not None:
                     x[0] = first_row
                 first_row = x[0].clone()
-                out_dtype = torch.float32 if op == "lm_head" else torch.bfloat16
+                out_dtype = torch.float32 if op == "bf16_gemm" and not name.startswith("attn.") else torch.bfloat16
                 point: dict[str, Any] = {"op": op, "name": name, "n": n, "k": k, "tokens": tokens, "rows": m}
                 point["on_codes"] = args.on_codes and op == "fp8_block_gemm"
-                if args.tune and not args.baseline and op != "lm_head":
+                if args.tune and not args.baseline and (op != "bf16_gemm" or m <= 2):
                     from deepinfer_kernels.cuda.gemm_tiles import grouped_tile_rows, row_bucket
 
                     per_expert = grouped_tile_rows(m, args.experts) if ids is not None else m
@@ -300,11 +305,11 @@ def main() -> None:
                 fns = [call(op, args.baseline, x, ids, w, out, cfg, args.on_codes) for w in copies]
                 point["median_us"] = time_us(fns, args.repeats)
                 point["calls_per_graph"] = len(fns)
-                if ids is None and op != "lm_head":
+                if ids is None:
                     one = torch.zeros(1, n, dtype=out_dtype, device="cuda")
                     call(op, args.baseline, x[:1].contiguous(), None, weights, one, on_codes=args.on_codes)()
                     point["row0_equals_1_row_call"] = bool(torch.equal(one[0], out[0]))
-                if args.parts and ids is None and op != "lm_head" and not args.baseline:
+                if args.parts and ids is None and op != "bf16_gemm" and not args.baseline:
                     point.update(part_times(n, k, x, args.repeats))
                 if args.parts and ids is not None:
                     point.update(table_times(ids, args.experts, args.repeats))
