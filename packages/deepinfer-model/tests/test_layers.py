@@ -10,6 +10,7 @@ from deepinfer_kernels import (
     RowFormat,
     apply_rope,
     apply_rope_,
+    bf16_gemm,
     encode_rows,
     quantize_fp8_block,
     quantize_mxfp4,
@@ -25,7 +26,6 @@ from deepinfer_model.layers.linear import (
     Fp8BlockLinear,
     Fp8GroupedLinear,
     Mxfp4ExpertStack,
-    bf16_weight_product,
 )
 from deepinfer_model.layers.mode import ComputeMode
 from deepinfer_model.layers.norm import RMSNorm
@@ -420,12 +420,12 @@ def test_lm_head_on_cuda_is_bf16_gemm_with_fp32_accumulation() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_bf16_weight_products_on_cuda_read_the_stored_weight() -> None:
-    """``bf16_weight_product`` on CUDA (BF16 GEMM, FP32 accumulation; 3-D input) is within the FP32 summation bound
+    """The kernels' ``bf16_gemm`` on CUDA (BF16 GEMM, FP32 accumulation; 3-D input) is within the FP32 summation bound
     of the FP64 product, like the LM head; ``Bf16Linear`` returns it, and the router picks the CPU's experts."""
     hidden, out = 512, 64
     x = torch.randn(2, 5, hidden, generator=_gen(22)).to(torch.bfloat16)
     weight = torch.randn(out, hidden, generator=_gen(23)).to(torch.bfloat16)
-    got = bf16_weight_product(x.cuda(), weight.cuda()).cpu()
+    got = bf16_gemm(x.cuda(), weight.cuda()).cpu()
     assert got.dtype == torch.float32 and got.shape == (2, 5, out)
     exact = x.double() @ weight.double().t()
     bound = hidden * 2.0**-24 * (x.double().abs() @ weight.double().abs().t()) + exact.abs() * 2.0**-23

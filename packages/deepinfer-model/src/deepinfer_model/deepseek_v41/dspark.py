@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from deepinfer_kernels import bf16_gemm
 from deepinfer_model.config import LayerSpec, TextConfig
 from deepinfer_model.deepseek_v41.block import DecoderBlock, HCHeadParameters
 from deepinfer_model.deepseek_v41.moe import ExpertDispatch
@@ -50,8 +51,8 @@ class MarkovHead(nn.Module):
         return self.embed.weight[prev_tokens]
 
     def bias(self, prev_embedding: torch.Tensor) -> torch.Tensor:
-        """Args: prev_embedding [n, R_m]. Returns: [n, V] fp32 ``e · headᵀ``."""
-        return prev_embedding.float() @ self.head.weight.float().t()
+        """Args: prev_embedding [n, R_m]. Returns: [n, V] fp32 ``e · headᵀ`` (the stored BF16 weight read as it is)."""
+        return bf16_gemm(prev_embedding, self.head.weight)
 
 
 class ConfidenceHead(nn.Module):

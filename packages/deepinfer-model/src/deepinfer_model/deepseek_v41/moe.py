@@ -19,9 +19,9 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from deepinfer_kernels import ExpertRows, moe_combine, router_topk, swiglu_clamped, swiglu_clamped_fp8
+from deepinfer_kernels import ExpertRows, bf16_gemm, moe_combine, router_topk, swiglu_clamped, swiglu_clamped_fp8
 from deepinfer_kernels.branch_streams import fork
-from deepinfer_model.layers.linear import Fp8BlockLinear, Fp8Copy, Mxfp4ExpertStack, bf16_weight_product, make_parameter
+from deepinfer_model.layers.linear import Fp8BlockLinear, Fp8Copy, Mxfp4ExpertStack, make_parameter
 from deepinfer_model.layers.mode import ComputeMode, round_activation
 
 __all__ = ["ExpertDispatch", "MoE", "RoutedExperts", "Router", "local_expert_dispatch"]
@@ -70,7 +70,7 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Args: x [n, H] (text tokens). Returns: ``(topk_ids [n, k] int64, topk_weights [n, k] fp32)``."""
         # FP32 logits, never rounded (docs/design/model.md, "Router").
-        logits = bf16_weight_product(x, self.weight)
+        logits = bf16_gemm(x, self.weight)
         # Scores, the stable biased top-k (ties to the lower expert index) and the weights in one kernels op.
         return router_topk(logits, self.bias, self.top_k, self.scaling)
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer_model.layers.linear import bf16_weight_product, make_parameter
+from deepinfer_kernels import bf16_gemm
+from deepinfer_model.layers.linear import make_parameter
 from deepinfer_model.layers.mode import ComputeMode
 
 __all__ = ["LMHead", "VocabEmbedding"]
@@ -39,6 +40,6 @@ class LMHead(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """Args: h [n, H]. Returns: logits [n, V] fp32.
 
-        ``linear.bf16_weight_product``: on CUDA a BF16 ``h`` reads the stored weight as it is.
+        The kernels' ``bf16_gemm``: on CUDA a BF16 ``h`` reads the stored weight as it is.
         """
-        return bf16_weight_product(h, self.weight)
+        return bf16_gemm(h, self.weight)

@@ -31,6 +31,7 @@ from torch import nn
 from deepinfer_kernels import (
     ExpertRows,
     apply_rope_,
+    bf16_gemm,
     dequantize_fp8_block,
     dequantize_mxfp4,
     dequantized_gemm,
@@ -52,7 +53,6 @@ __all__ = [
     "Fp8GroupedLinear",
     "Mxfp4ExpertStack",
     "WeightLoader",
-    "bf16_weight_product",
     "default_weight_loader",
     "make_parameter",
 ]
@@ -101,19 +101,6 @@ def make_parameter(
     return param
 
 
-def bf16_weight_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x · Wᵀ`` in FP32 for a BF16 weight ``[out, in]``: exact products, FP32 accumulation, FP32 result.
-
-    A BF16 ``x`` on an accelerator runs one BF16 GEMM with FP32 accumulation and output (cuBLAS), reading the stored
-    weight as it is; otherwise (CPU, FP32 ``x``) an FP32 GEMM over the widened operands. Both sum exact products in
-    FP32 and differ only in order. Args: x [..., in]. Returns: [..., out] fp32.
-    """
-    if x.is_cuda and x.dtype == torch.bfloat16:
-        flat = torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=torch.float32)
-        return flat.view(*x.shape[:-1], weight.shape[0])
-    return x.float() @ weight.float().t()
-
-
 class Bf16Linear(nn.Module):
     """``y = x · Wᵀ`` with a BF16 weight ``[out, in]``, FP32 accumulation.
 
@@ -132,8 +119,7 @@ class Bf16Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Args: x [..., in] bf16/fp32. Returns: [..., out], fp32 if ``fp32_output`` else the activation dtype."""
-        y = bf16_weight_product(x, self.weight)
-        return y if self.fp32_output else round_activation(y, self.mode)
+        return bf16_gemm(x, self.weight, torch.float32 if self.fp32_output else self.mode.activation_dtype)
 
 
 class Fp8BlockLinear(nn.Module):
