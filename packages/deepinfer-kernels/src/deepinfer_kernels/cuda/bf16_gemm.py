@@ -12,6 +12,8 @@ sums written in ``out``'s dtype (``dequantized_gemm.product_into``).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton
 
@@ -20,7 +22,7 @@ from deepinfer_kernels.cuda._launch import check_launchable, dependent_launch
 from deepinfer_kernels.cuda.dequantized_gemm import product_into
 from deepinfer_kernels.cuda.gemm import gemv_rows
 from deepinfer_kernels.cuda.gemm_operands import launch_grid, split_buffers
-from deepinfer_kernels.cuda.gemm_tiles import BlockConfig, block_config
+from deepinfer_kernels.cuda.gemm_tiles import BlockConfig, block_config, k_chunk
 from deepinfer_kernels.cuda.gemv import bf16_gemv_kernel
 
 __all__ = ["GEMV_MAX_ROWS", "GEMV_MAX_WEIGHT_BYTES", "bf16_gemm"]
@@ -56,6 +58,8 @@ def bf16_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config: 
     cfg = config or block_config("bf16_gemm", m, n, k)
     if not cfg.gemv:
         raise ValueError(f"bf16_gemm runs GEMV tiles (gemm_tiles.gemv_tile) only, got {cfg}")
+    if cfg.split_grid and k <= k_chunk(n, k):
+        cfg = replace(cfg, split_grid=False)  # one K chunk: no partial sums, no tickets (the same additions)
     rows = gemv_rows(m, cfg)
     grid, chunk = launch_grid(triton.cdiv(m, rows), n, k, cfg)
     partial, counters = split_buffers(m, n, cfg, grid, out.device)
