@@ -334,8 +334,12 @@ def indexer_select(
     blocks_all = span <= row_chunk and blocks_per_chunk <= num_candidate_blocks
     for q_start in range(0, num_tokens, query_chunk):
         count = min(query_chunk, num_tokens - q_start)
-        merged[:count, :topk] = no_key
-        merged_blocks[:count, :num_candidate_blocks] = no_key
+        # The merged tops start empty, unless the chunk is the selection: then _write_ids reads the chunk's own keys
+        # and no top is merged or read (two fill launches fewer per call at short contexts, a decode step's).
+        if not rows_all:
+            merged[:count, :topk] = no_key
+        if not blocks_all:
+            merged_blocks[:count, :num_candidate_blocks] = no_key
         for slot_start in range(0, span, row_chunk):
             _index_scores_kernel[(triton.cdiv(count, block_q), triton.cdiv(num_tiles, row_tiles))](
                 q, weights, key_pool, block_table, block_table.stride(0), token_request, num_rows,
