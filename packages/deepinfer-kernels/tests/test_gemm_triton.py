@@ -99,6 +99,25 @@ def test_bf16_gemv_tiles_and_rows_give_the_same_bits(triton_device: str) -> None
     assert_bitwise_equal(outs[0][:1], outs[2])
 
 
+def test_bf16_gemm_inside_the_invariant_mode_takes_the_modes_product(triton_device: str) -> None:
+    """Inside ``batch_invariant_ops`` one row runs the mode's product, not the GEMV (whose sums are in another order):
+    ``invariant_matmul`` on CUDA, an FP64 product rounded once on CPU tensors."""
+    from deepinfer_kernels.batch_invariant import batch_invariant_ops
+    from deepinfer_kernels.invariant_products import invariant_matmul
+
+    x = random_normal((1, 1040), seed=42).to(torch.bfloat16).to(triton_device)
+    weight = random_normal((72, 1040), seed=43).to(torch.bfloat16).to(triton_device)
+    out = torch.empty(1, 72, dtype=torch.float32, device=triton_device)
+    with batch_invariant_ops():
+        implementation("bf16_gemm", Backend.NVIDIA)(x, weight, out)
+        expected = (
+            invariant_matmul(x, weight.t(), torch.float32)
+            if triton_device == "cuda"
+            else (x.double() @ weight.double().t()).float()
+        )
+    assert_bitwise_equal(out, expected)
+
+
 def _check_grouped(triton_device: str, n: int, k: int, seed: int, config: BlockConfig | None = None) -> None:
     """The grouped GEMM over 6 experts against the reference: expert 5 replicates expert 1 (a row through it gets the
     same values), expert 3 has no rows, -1 rows have no expert (left at zero), expert 0 has more rows than a 16-row

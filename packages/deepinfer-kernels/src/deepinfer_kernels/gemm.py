@@ -10,7 +10,8 @@ tail (the attention's de-rotation, fused on nvidia into the activation's quantiz
 them many times on one weight (the model's CPU path) can dequantize once and get bit-identical results.
 
 ``bf16_gemm`` is the product with a BF16 weight (projections stored in BF16, the LM head): exact products, FP32 sums,
-rounded once to the output dtype; the nvidia backend runs one Triton GEMV launch for one or two rows and cuBLAS beyond.
+rounded once to the output dtype; the nvidia backend runs one Triton GEMV launch for one or two rows times a weight of
+at most 16 MiB and cuBLAS otherwise.
 """
 
 from __future__ import annotations
