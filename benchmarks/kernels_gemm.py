@@ -190,6 +190,7 @@ def tune(
     decodings: list[str] | None,
     max_candidates: int | None,
     on_codes: bool,
+    out_dtype: torch.dtype,
 ) -> tuple[Any, list[dict[str, Any]], bool]:
     """Fastest candidate tiles (only those with one of ``decodings`` when given, the first ``max_candidates`` of
     them), every candidate's time, and whether candidates of the same decoding gave the same bits (the K-chunk order
@@ -200,7 +201,7 @@ def tune(
     reference: dict[str, torch.Tensor] = {}
     candidates = [c for c in candidate_configs(op, rows) if c.gemv or not decodings or c.decoding in decodings]
     for cfg in candidates[:max_candidates]:
-        out = torch.zeros(x.shape[0], n, dtype=torch.bfloat16, device="cuda")
+        out = torch.zeros(x.shape[0], n, dtype=out_dtype, device="cuda")
         us = time_us([call(op, False, x, ids, weights, out, cfg, on_codes) for weights in copies], repeats)
         timed.append({"config": repr(cfg), "us": us})
         print(f"  {cfg!r}: {us:.1f} us", flush=True)
@@ -296,6 +297,7 @@ def main() -> None:
                             decodings,
                             args.max_candidates,
                             args.on_codes,
+                            out_dtype,
                         )
                         measured[key] = cfg
                     point["config"] = repr(cfg)

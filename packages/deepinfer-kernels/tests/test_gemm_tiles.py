@@ -30,6 +30,14 @@ def test_unknown_decoding_is_rejected_with_the_allowed_ones() -> None:
         BlockConfig(16, 64, num_warps=4, num_stages=4, split_grid=True, decoding="fp4_native")
 
 
+@pytest.mark.parametrize("rows", [1, 2])
+def test_bf16_gemm_candidates_are_gemv_tiles_only(rows: int) -> None:
+    """bf16_gemm's kernel is the FMA GEMV (it rejects MMA tiles), so the tuner times GEMV tiles alone."""
+    candidates = candidate_configs("bf16_gemm", rows)
+    assert candidates[0] == default_config("bf16_gemm", rows)
+    assert len(candidates) > 1 and all(c.gemv for c in candidates)
+
+
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("rows", [1, 2, 16, 64, 256, 4096])
 def test_candidates_start_with_the_default_and_time_every_decoding(op: str, rows: int) -> None:

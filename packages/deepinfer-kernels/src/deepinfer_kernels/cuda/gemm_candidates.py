@@ -152,7 +152,7 @@ def candidate_configs(op: str, rows: int) -> list[BlockConfig]:
             ),
         ]
         out += [cfg for cfg in wide if cfg not in out]
-    if op != "mxfp4_grouped_gemm":
+    if op not in ("mxfp4_grouped_gemm", "bf16_gemm"):  # bf16_gemm runs GEMV tiles only
         out += [cfg for cfg in _swap_candidates(rows) if cfg not in out]
     if op == "mxfp4_grouped_gemm" and rows <= 2:
         # The FMA kernel, not a default for the grouped GEMM, stays a candidate at about one row per expert.
