@@ -65,12 +65,13 @@ def test_mxfp4_gemm_triton(triton_device: str, m: int, n: int, k: int, dtype: to
         (1, 33, 256, torch.float32, torch.float32),
         (5, 70, 256, torch.bfloat16, torch.bfloat16),
         (1, 4097, 2048, torch.bfloat16, torch.float32),
+        (2, 4097, 2048, torch.bfloat16, torch.bfloat16),
     ],
 )
 def test_bf16_gemm_triton(
     triton_device: str, m: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dtype
 ) -> None:
-    """The BF16-weight product (the GEMV up to two rows, cuBLAS beyond and for a weight over 16 MiB) against the FP64
+    """The BF16-weight product (the GEMV at one row, at two up to a 16 MiB weight, else cuBLAS) against the FP64
     product: within FP32 sums' bound of it (one more product rounding for an FP32 x), and the reference likewise."""
     x = random_normal((m, k), seed=m + 2).to(dtype)
     weight = (random_normal((n, k), seed=n + 2) * torch.logspace(-3, 3, k).roll(m)).to(torch.bfloat16)

@@ -1,13 +1,14 @@
 """Products with a BF16 weight on the nvidia backend: ``out = x · Wᵀ`` with FP32 sums, rounded once into ``out``
 (docs/design/kernels.md, "bf16_gemm").
 
-One or two rows times a weight of at most ``GEMV_MAX_WEIGHT_BYTES`` (a decode step's routers and attention
-projections; not the LM head) run the FMA GEMV of ``cuda.gemv`` (``bf16_gemv_kernel``): one launch that reads the
-weight once, adds its K chunks in chunk order (split-K: each tile's last program) and rounds into ``out``'s dtype, a
-step in the dependent-launch chain like the Triton kernels around it. cuBLAS's split-K GEMV took two launches for it
-(the GEMM and its reduction), and a BF16 output a third (the rounding copy). More rows, larger weights, and every
-call inside ``batch_invariant_ops`` (whose products must all run ``invariant_matmul``) run one cuBLAS GEMM with FP32
-sums written in ``out``'s dtype (``dequantized_gemm.product_into``).
+One row times any weight (the routers, attention projections and heads of a batch-1 decode step), and two rows times
+a weight of at most ``GEMV_MAX_WEIGHT_BYTES`` (not the heads), run the FMA GEMV of ``cuda.gemv``
+(``bf16_gemv_kernel``): one launch that reads the weight once, adds its K chunks in chunk order (split-K: each tile's
+last program) and rounds into ``out``'s dtype, a step in the dependent-launch chain like the Triton kernels around it.
+cuBLAS's split-K GEMV took two launches for it (the GEMM and its reduction), and a BF16 output a third (the rounding
+copy). More rows, larger weights at two rows, and every call inside ``batch_invariant_ops`` (whose products must all
+run ``invariant_matmul``) run one cuBLAS GEMM with FP32 sums written in ``out``'s dtype
+(``dequantized_gemm.product_into``).
 """
 
 from __future__ import annotations
@@ -30,10 +31,9 @@ __all__ = ["GEMV_MAX_ROWS", "GEMV_MAX_WEIGHT_BYTES", "bf16_gemm"]
 # Rows up to which the FMA GEMV runs: as for the quantized GEMMs (cuda.gemm_tiles), each further row costs it a full
 # pass of FMAs over the weight tile.
 GEMV_MAX_ROWS = 2
-# Weights up to this size take the GEMV. A larger one (the LM head: 1.32 GB at the scaled preset) stays on cuBLAS,
-# whose one-row kernel streamed the head at the copy bandwidth on an H100 (442 µs, profile_step-h100-s32-8k.json),
-# where the quantized GEMMs' FMA GEMVs have streamed large weights at about half of it (docs/performance.md, "Next"):
-# there the two launches the GEMV saves weigh less than the bandwidth it could lose. Not yet timed on a GPU.
+# Two rows take the GEMV on weights up to this size. On an H100 (kernels_gemm-h100-s37-bf16-*.json) the LM head (1.32
+# GB at the scaled preset) ran 429 µs in the GEMV's 8-column tile at one row against cuBLAS's 446, but 493 against 445
+# at two rows, and the Markov head (66 MB) 27.7 against 27.7 at one row, 36.3 against 27.9 at two.
 GEMV_MAX_WEIGHT_BYTES = 16 << 20
 
 
@@ -48,7 +48,7 @@ def bf16_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config: 
     """
     check_launchable(x=x, weight=weight, out=out)
     (m, n), k = out.shape, weight.shape[1]
-    gemv = m <= GEMV_MAX_ROWS and n * k * weight.element_size() <= GEMV_MAX_WEIGHT_BYTES
+    gemv = m == 1 or (m <= GEMV_MAX_ROWS and n * k * weight.element_size() <= GEMV_MAX_WEIGHT_BYTES)
     if config is None and (not gemv or invariant_kernels()):
         if x.dtype == torch.bfloat16:
             product_into(x, weight.t(), out)

@@ -423,7 +423,22 @@ _INVARIANT_GLUON_FP8 = gluon_fp8_tile(64, 4, 256, 2)
 # Bucket 2 re-tuned once the FMA GEMV quantized its own activation (kernels_gemm-fp8-t1-split.json): its 64-column
 # 8-warp tiles became 2.1–2.7x slower (wo_b 56.1 against 20.8 µs for 32 columns, 4 warps), the 32-column tiles the
 # fastest on six weights (the indexer's wq_b 5.6 against 6.1 for Gluon); split-K Gluon lost to the GEMV on all.
+# bf16_gemm at one row (kernels_gemm-h100-s37-bf16-tune.json, an H100; the default 32-column tile beside each): the
+# 16-column tile was the fastest or within 0.1 µs of it on the five small weights (the indexer's weights_proj 4.1
+# against 4.8 µs, the router gates 7.3 against 7.5 and 5.5 against 6.0), the unsplit 8-column two-warp tile on the
+# indexer's wk (3.6 against 4.4; K is one chunk) and the two heads (the LM head 429 against 456 µs, the Markov head
+# 27.7 against 32.4), whose 101,000 programs cover the GPU without split-K. At two rows the 64-column tile of a
+# 256-column K step, the fastest at one row on the 384-expert gate (7.2 µs), took 13.5 µs: not kept.
+_BF16_GEMV_TILE = gemv_tile(16, 4, 3)
+_BF16_GEMV_NARROW = gemv_tile(8, 2, 3, split_grid=False)
 MEASURED: dict[tuple[str, int, int, int], BlockConfig] = {
+    ("bf16_gemm", 2, 32, 5120): _BF16_GEMV_TILE,
+    ("bf16_gemm", 2, 128, 512): _BF16_GEMV_NARROW,
+    ("bf16_gemm", 2, 128, 5120): _BF16_GEMV_TILE,
+    ("bf16_gemm", 2, 384, 5120): _BF16_GEMV_TILE,
+    ("bf16_gemm", 2, 512, 5120): _BF16_GEMV_TILE,
+    ("bf16_gemm", 2, 129280, 256): _BF16_GEMV_NARROW,
+    ("bf16_gemm", 2, 129280, 5120): _BF16_GEMV_NARROW,
     ("fp8_block_gemm", 2, 512, 5120): gemv_tile(32, 4, 2),
     ("fp8_block_gemm", 2, 1280, 5120): gemv_tile(32, 4, 2),
     ("fp8_block_gemm", 2, 4096, 1280): gemv_tile(32, 4, 3),
