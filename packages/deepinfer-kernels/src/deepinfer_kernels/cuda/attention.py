@@ -104,7 +104,10 @@ FP32_TILES: dict[str, int] = {
 # The split path's combine: heads and value columns per program (it only adds and divides: small blocks keep its
 # [block_h, block_c] FP32 sum and 16 splits' loads of it in registers and give a one-query step several programs).
 COMBINE_TILES: dict[str, int] = {"block_h": 16, "block_c": 32, "num_warps": 4}
-# Programs the split path aims for (None: twice the multiprocessors); a step of at most half as many splits.
+# Programs the split path aims for (None: the multiprocessors, at least two); a step of at most half as many splits.
+# On an H100 (kernels_attention-h100-s37-targets.json, 640 keys a query) 132 programs against the 264 before took 4
+# queries from 35.0 to 23.7 µs a call and 64 queries from 130.8 to 110.7 µs (three splits instead of five), one query
+# 21.4 against 21.6 µs; a batch-4 decode step 4.178 / 4.161 → 4.077 ms (roofline-h100-s37-split-t*.json).
 SPLIT_TARGET_PROGRAMS: int | None = None
 # The largest logits workspace of one non-split launch (FP32 [queries, heads, keys]); more queries take more launches.
 PREFILL_WORKSPACE_BYTES = 256 << 20
@@ -352,15 +355,16 @@ def _split_plan(programs: int, widths: list[int], block_n: int, device: torch.de
 
     Each source's keys are cut into chunks of ``chunk_keys`` (a multiple of the tile's ``block_n`` keys) from the
     source's start; with splits, every chunk is one split. Splits are taken when the ``programs`` of (query, head
-    block) alone would leave the device idle (decode): at most half the target of about twice the multiprocessors in
-    programs (a 64-head program holds a whole multiprocessor's registers, so more already fill the device, and two
-    splits would only add the partial sums and the combine: 256 queries on the H200 took 0.38 ms a call in two
-    splits, where the unsplit kernel's rate at 8,192 queries gives 0.32); the chunks are sized to reach the target.
+    block) alone would leave the device idle (decode): at most half the target of one program a multiprocessor (a
+    64-head program holds a whole multiprocessor's registers, so more already fill the device, and two splits would
+    only add the partial sums and the combine: 256 queries on the H200 took 0.38 ms a call in two splits, where the
+    unsplit kernel's rate at 8,192 queries gives 0.32); the chunks are sized to reach the target. The target is at
+    least two, so that one program splits on any device (the CPU's interpreter too).
     Inside ``batch_invariant_ops`` the chunks are :data:`INVARIANT_CHUNK_KEYS` keys whatever the batch, split under
     the same rule or else added in one program by ``chunks_kernel``: the same additions give a query the same bits
     alone and in any batch (docs/design/numerics.md, "Batch invariance").
     """
-    target = SPLIT_TARGET_PROGRAMS or 2 * _multiprocessors(device)
+    target = SPLIT_TARGET_PROGRAMS or max(_multiprocessors(device), 2)
     few = 2 * programs <= target
     if invariant_kernels():
         return INVARIANT_CHUNK_KEYS, [triton.cdiv(width, INVARIANT_CHUNK_KEYS) for width in widths] if few else []
