@@ -17,6 +17,10 @@ Counted per step:
   had nothing to do (`IF_NEEDED_OPS` calling no other op); each stands for about one kernel launch of a device run.
   Top ops by self CPU time.
 
+With `--sequence` (CUDA), each point also records its first profiled step's device kernels in the order they started
+(name, device µs, and the µs since the kernel before ended): the step's chain of kernels, from which a sub-layer's
+critical path is read (which kernels wait on which, where the top table only sums by name).
+
 With `--sites N`, one more pass of `--steps` steps lists the N source lines of the packages (`packages/*/src`) that
 call the most aten ops a step, each op with its line: on a GPU the PyTorch launches beside the Triton kernels (an op
 of a fused kernel's dispatch glue shows under deepinfer_kernels), on the CPU the stand-in's ops. An op counts where
@@ -31,7 +35,7 @@ Prints a table last and writes JSON (default benchmarks/results/profile_step-<de
 
 Usage:
     python benchmarks/profile_step.py [--model DIR] [--batches 1,64] [--context 128] [--prefill-lens 8192]
-        [--device cuda] [--batch-invariant] [--no-flashmla] [--sites 40]
+        [--device cuda] [--batch-invariant] [--no-flashmla] [--sites 40] [--sequence]
 """
 
 from __future__ import annotations
@@ -149,6 +153,20 @@ def _cuda_timeline(events: list[Any]) -> dict[str, float]:
         "dtoh_copies": sum(e.device_type == DeviceType.CUDA and e.name.startswith("Memcpy DtoH") for e in events),
         "sync_calls": sum(e.device_type == DeviceType.CPU and e.name in SYNC_CALLS for e in events),
     }
+
+
+def kernel_sequence(events: list[Any], steps: int) -> list[dict[str, Any]]:
+    """The first profiled step's device kernels (memcpy / memset included) in the order they started: name, device µs
+    and the µs since the kernel before it ended (negative where two streams overlap). Every profiled step launches
+    the same kernels, so the first ``1 / steps`` of the trace's kernels are the first step's."""
+    kernels = sorted((e for e in events if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+    sequence, previous_end = [], None
+    for event in kernels[: len(kernels) // max(steps, 1)]:
+        start, end = event.time_range.start, event.time_range.end
+        gap = 0.0 if previous_end is None else start - previous_end
+        sequence.append({"name": event.name, "us": end - start, "gap_us": gap})
+        previous_end = end
+    return sequence
 
 
 def cpu_op_counts(events: list[Any]) -> dict[str, list[float]]:
@@ -272,11 +290,20 @@ def launch_sites(model: Any, step: Any, state: Any, steps: int, device: torch.de
 
 
 def profile_point(
-    model: Any, kind: str, size: int, context: int, steps: int, warmup: int, device: torch.device, sites: int = 0
+    model: Any,
+    kind: str,
+    size: int,
+    context: int,
+    steps: int,
+    warmup: int,
+    device: torch.device,
+    sites: int = 0,
+    sequence: bool = False,
 ) -> dict:
     """One decode batch size (``kind`` "decode", ``size`` requests) or one prefill prompt length (``kind``
     "prefill", one request of ``size`` tokens from position 0): launches (kernels or aten ops) per step and the top
-    entries by time; with ``sites`` the aten ops' ``sites`` busiest source lines (:func:`launch_sites`)."""
+    entries by time; with ``sites`` the aten ops' ``sites`` busiest source lines (:func:`launch_sites`); with
+    ``sequence`` (CUDA) one step's kernels in launch order (:func:`kernel_sequence`)."""
     with torch.inference_mode():
         if kind == "decode":
             state, step, _ = decode_step(model, size, context, context + 1, device, seed=size)
@@ -300,6 +327,8 @@ def profile_point(
         timeline["sync_calls"] -= 1  # the synchronize that ends the profile
         unit = "kernels"
         extra = {"memcpy_memset_per_step": copies / steps, **{f"{k}_per_step": v / steps for k, v in timeline.items()}}
+        if sequence:
+            extra["sequence"] = kernel_sequence(events, steps)
     else:
         table, unit, extra = cpu_op_counts(events), "aten ops", {}
     top = sorted(table.items(), key=lambda item: -item[1][1])
@@ -373,6 +402,11 @@ def main() -> None:
         default=True,
         help="prefill steps on FlashMLA's sparse prefill (EngineArgs.flashmla) (--no-flashmla: off)",
     )
+    parser.add_argument(
+        "--sequence",
+        action="store_true",
+        help="record one step's device kernels in launch order (name, µs, gap) in the JSON (CUDA)",
+    )
     parser.add_argument("--label", default=None, help="what was measured (e.g. a branch name), recorded in the JSON")
     parser.add_argument("--out", type=pathlib.Path, default=None, help="JSON path")
     args = parser.parse_args()
@@ -399,7 +433,7 @@ def main() -> None:
     llm.model.batch_invariant = args.batch_invariant
     sizes = [("decode", b) for b in args.batches] + [("prefill", n) for n in args.prefill_lens]
     points = [
-        profile_point(llm.model, kind, n, args.context, args.steps, args.warmup, device, args.sites)
+        profile_point(llm.model, kind, n, args.context, args.steps, args.warmup, device, args.sites, args.sequence)
         for kind, n in sizes
     ]
     llm.close()

@@ -77,3 +77,27 @@ def test_a_zero_size_is_refused_before_any_model_is_built(profile_step, monkeypa
     with pytest.raises(SystemExit):
         profile_step.main()
     assert "sizes of at least 1" in capsys.readouterr().err
+
+
+def test_the_sequence_is_the_first_steps_kernels_in_start_order(profile_step):
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def event(name, start, end, device=DeviceType.CUDA):
+        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end))
+
+    # Two profiled steps of three kernels each, out of order in the trace, and a host event that is not a kernel.
+    events = [
+        event("norm", 3.0, 4.0),
+        event("gemm", 0.0, 2.5),
+        event("aten::add", 0.0, 9.0, DeviceType.CPU),
+        event("norm", 13.0, 14.0),
+        event("post", 4.5, 6.0),
+        event("gemm", 10.0, 12.5),
+        event("post", 14.5, 16.0),
+    ]
+    sequence = profile_step.kernel_sequence(events, steps=2)
+    assert [k["name"] for k in sequence] == ["gemm", "norm", "post"]
+    assert [k["us"] for k in sequence] == [2.5, 1.0, 1.5]
+    assert [k["gap_us"] for k in sequence] == [0.0, 0.5, 0.5]
