@@ -4,8 +4,9 @@ Every test session runs in its own uv-built environment that holds exactly one p
 dependencies (resolved through the committed ``uv.lock``) and the root ``dev`` group (test tools only), so a
 dependency a package forgot to declare fails there.
 
-    nox -t test                       everything CI runs: per-package x target tests, slow tests, workspace checks,
-                                      lint, typecheck and the wheel build
+    nox -t test                       everything CI runs: per-package x target tests, workspace checks, lint,
+                                      typecheck and the wheel build
+    nox -s slow                       the tests marked slow (long end-to-end runs; not in CI's time)
     nox -s "tests(kernels, nvidia)"   one package under one target
     nox -s lint typecheck build gpu   the other sessions
 
@@ -76,7 +77,8 @@ def tests(session: nox.Session, package: str, target: str) -> None:
     _pytest(session, [f"packages/deepinfer-{package}/tests"], env, "not slow and not gpu")
 
 
-@nox.session(python=PYTHON, tags=["test"])
+# Not in the "test" tag: CI runs that tag in at most 90 minutes on 2 cores, and with these long runs it took 88.
+@nox.session(python=PYTHON, tags=["slow"])
 def slow(session: nox.Session) -> None:
     """Tests marked slow (long end-to-end runs), all packages, on the reference kernels."""
     _sync(session, "--all-packages", "--group", "dev")
