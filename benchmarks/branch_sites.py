@@ -1,11 +1,12 @@
 """The model's branch streams site by site (docs/design/kernels.md, "Branch streams").
 
 Decode steps of a checkpoint (long_context.py's "model-step" method: a fresh cache of random rows at context
-`--context`, CUDA-graph replays, median CUDA-event time) with the branch-streams mode off, with every branch, and with
-one kind of branch alone: the shared expert (`moe`), the window keys (`window`), the next block's Engram projection
-(`engram`). A branch kind left out runs where it is called, on the calling stream. The variants of one batch run in
-`--rounds` rounds, in the same order each round; a variant's time is its fastest round's median. Prints the table
-last and writes JSON (default benchmarks/results/branch_sites-<device>.json).
+`--context`, CUDA-graph replays, median CUDA-event time) with the branch-streams mode off, with every branch, with
+one kind of branch alone (the shared expert `moe`, the window keys `window`, the next block's Engram projection
+`engram`, the sub-layers' mHC mixes `mixes`), and with every kind but one (`no-<kind>`). A branch kind left out runs
+where it is called, on the calling stream. The variants of one batch run in `--rounds` rounds, in the same order each
+round; a variant's time is its fastest round's median. Prints the table last and writes JSON (default
+benchmarks/results/branch_sites-<device>.json).
 
 Usage (on a GPU):
     python3 -m deepinfer_model write-checkpoint --config v41-flash-scaled --out $CKPT --fast-experts --workers 16
@@ -30,8 +31,15 @@ SITES = {
     "moe": ("deepinfer_model.deepseek_v41.moe", "fork"),
     "window": ("deepinfer_model.deepseek_v41.attention", "fork"),
     "engram": ("deepinfer_model.deepseek_v41.block", "prefetch"),
+    "mixes": ("deepinfer_model.deepseek_v41.block", "alongside"),
 }
-VARIANTS: dict[str, tuple[str, ...]] = {"off": (), "all": tuple(SITES), **{kind: (kind,) for kind in SITES}}
+# Off, every site, each site alone, and every site but one ("no-<kind>": what that site adds to the others).
+VARIANTS: dict[str, tuple[str, ...]] = {
+    "off": (),
+    "all": tuple(SITES),
+    **{kind: (kind,) for kind in SITES},
+    **{f"no-{kind}": tuple(other for other in SITES if other != kind) for kind in SITES},
+}
 
 
 def _in_place(device: torch.device, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -66,8 +74,15 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=128, help="tokens cached per request")
     parser.add_argument("--repeats", type=int, default=20, help="timed replays per variant and round")
     parser.add_argument("--rounds", type=int, default=2, help="rounds over the variants per batch")
+    parser.add_argument(
+        "--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {', '.join(VARIANTS)} (default: all)"
+    )
     parser.add_argument("--out", default=None, help="JSON path")
     args = parser.parse_args()
+    names = [name for name in args.variants.split(",") if name]
+    if "off" not in names or not set(names) <= set(VARIANTS):
+        parser.error(f"--variants must name known variants, 'off' among them (the baseline); known: {list(VARIANTS)}")
+    variants = {name: VARIANTS[name] for name in names}
 
     from deepinfer_engine import LLM
 
@@ -89,7 +104,7 @@ def main() -> None:
             point = long_context.Point("decode", args.context, batch, "model-step")
             best: dict[str, float] = {}
             for _ in range(args.rounds):
-                for variant, kinds in VARIANTS.items():
+                for variant, kinds in variants.items():
                     model.branch_streams = variant != "off"
                     with only_sites(kinds):
                         record = long_context.run_model_step(model, point, bound, True, args.repeats, device)
@@ -107,9 +122,9 @@ def main() -> None:
     with open(out, "w", encoding="utf-8") as file:
         json.dump({"header": header, "results": results}, file, indent=2)
         file.write("\n")
-    print(f"wrote {out}\n\n{'batch':>6}{'variant':>9}{'step ms':>10}{'change':>9}")
+    print(f"wrote {out}\n\n{'batch':>6}{'variant':>11}{'step ms':>10}{'change':>9}")
     for r in results:
-        print(f"{r['batch']:>6}{r['variant']:>9}{r['step_ms']:>10.3f}{r['change'] * 100:>8.1f}%")
+        print(f"{r['batch']:>6}{r['variant']:>11}{r['step_ms']:>10.3f}{r['change'] * 100:>8.1f}%")
 
 
 if __name__ == "__main__":
