@@ -1,8 +1,7 @@
 """The model's branch streams on CUDA (``branch_streams``; docs/design/kernels.md, "Branch streams"): the shared
 expert, the window keys, the next block's Engram projection and the mHC mixes run off the calling stream, and the
-logits are bitwise
-those of the model without it — an eager prefill of mixed prompts, an eager decode step, a decode step captured
-in a CUDA graph and replayed, and the DSpark drafter's forward."""
+logits are bitwise those of the model without it — an eager prefill of mixed prompts, an eager decode step, a decode
+step captured in a CUDA graph and replayed, and the DSpark drafter's forward."""
 
 from __future__ import annotations
 

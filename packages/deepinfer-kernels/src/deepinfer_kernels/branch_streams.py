@@ -8,8 +8,8 @@ projection), ``prefetch(device, fn, *args)`` on its prefetch stream (work starte
 Engram layer's projection) and ``alongside(device, fn, *args)`` on its alongside stream (work that runs beside a whole
 sub-layer and is joined at its end: the sub-layer's mHC mixes), so that a short branch never queues behind a long
 one. Each returns a ``Forked``; ``Forked.result()`` makes the calling stream wait for the branch and returns its
-value. The kernels and their inputs
-are the same either way, so the results are the same bits; only their overlap changes.
+value. The kernels and their inputs are the same either way, so the results are the same bits; only their overlap
+changes.
 
 Inside ``branch_streams()`` on a CUDA device the branches run on those streams; elsewhere (off, CPU, Ascend, the
 Triton interpreter's CPU tensors) ``fn`` is called at once and ``result()`` returns its value.
