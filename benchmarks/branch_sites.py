@@ -3,10 +3,9 @@
 Decode steps of a checkpoint (long_context.py's "model-step" method: a fresh cache of random rows at context
 `--context`, CUDA-graph replays, median CUDA-event time) with the branch-streams mode off, with every branch, with
 one kind of branch alone (the shared expert `moe`, the window keys `window`, the next block's Engram projection
-`engram`, the sub-layers' mHC mixes `mixes`), and with every kind but one (`no-<kind>`). A branch kind left out runs
-where it is called, on the calling stream. The variants of one batch run in `--rounds` rounds, in the same order each
-round; a variant's time is its fastest round's median. Prints the table last and writes JSON (default
-benchmarks/results/branch_sites-<device>.json).
+`engram`), and with every kind but one (`no-<kind>`). A branch kind left out runs where it is called, on the calling
+stream. The variants of one batch run in `--rounds` rounds, in the same order each round; a variant's time is its
+fastest round's median. Prints the table last and writes JSON (default benchmarks/results/branch_sites-<device>.json).
 
 Usage (on a GPU):
     python3 -m deepinfer_model write-checkpoint --config v41-flash-scaled --out $CKPT --fast-experts --workers 16
@@ -31,7 +30,6 @@ SITES = {
     "moe": ("deepinfer_model.deepseek_v41.moe", "fork"),
     "window": ("deepinfer_model.deepseek_v41.attention", "fork"),
     "engram": ("deepinfer_model.deepseek_v41.block", "prefetch"),
-    "mixes": ("deepinfer_model.deepseek_v41.block", "alongside"),
 }
 # Off, every site, each site alone, and every site but one ("no-<kind>": what that site adds to the others).
 VARIANTS: dict[str, tuple[str, ...]] = {

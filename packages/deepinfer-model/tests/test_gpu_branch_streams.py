@@ -1,7 +1,7 @@
 """The model's branch streams on CUDA (``branch_streams``; docs/design/kernels.md, "Branch streams"): the shared
-expert, the window keys, the next block's Engram projection and the mHC mixes run off the calling stream, and the
-logits are bitwise those of the model without it — an eager prefill of mixed prompts, an eager decode step, a decode
-step captured in a CUDA graph and replayed, and the DSpark drafter's forward."""
+expert, the window keys and the next block's Engram projection run on the side stream, and the logits are bitwise
+those of the model without it — an eager prefill of mixed prompts, an eager decode step, a decode step captured
+in a CUDA graph and replayed, and the DSpark drafter's forward."""
 
 from __future__ import annotations
 
@@ -52,13 +52,12 @@ def _steps(model: DeepseekV41ForCausalLM) -> tuple[ForwardBatch, ForwardBatch]:
 @contextmanager
 def _streams_seen(model: DeepseekV41ForCausalLM) -> Iterator[dict[str, set[int]]]:
     """Record the CUDA stream each forked branch kind ran on."""
-    seen: dict[str, set[int]] = {"shared expert": set(), "window keys": set(), "engram": set(), "mixes": set()}
+    seen: dict[str, set[int]] = {"shared expert": set(), "window keys": set(), "engram": set()}
     block = next(b for b in model.layers if b.engram is not None and b.ffn.shared_experts is not None)
     targets: list[tuple[Any, str, str]] = [
         (block.ffn.shared_experts, "forward", "shared expert"),
         (block.attn, "_window_kv", "window keys"),
         (block.engram, "project", "engram"),
-        (block, "_mixes", "mixes"),
     ]
 
     def observed(fn: Callable[..., Any], kind: str) -> Callable[..., Any]:

@@ -4,12 +4,10 @@ A decode step at small batch is a chain of short kernels that leave most of the 
 multiprocessors, a GEMV that streams a 3 MB weight. Work that does not depend on what runs beside it can run
 concurrently with it on another stream. ``fork(device, fn, *args)`` starts ``fn(*args)`` on the device's side stream
 (short branches: the shared expert beside the router and routed experts, the window keys beside the query
-projection), ``prefetch(device, fn, *args)`` on its prefetch stream (work started a whole block ahead: the next
-Engram layer's projection) and ``alongside(device, fn, *args)`` on its alongside stream (work that runs beside a whole
-sub-layer and is joined at its end: the sub-layer's mHC mixes), so that a short branch never queues behind a long
-one. Each returns a ``Forked``; ``Forked.result()`` makes the calling stream wait for the branch and returns its
-value. The kernels and their inputs are the same either way, so the results are the same bits; only their overlap
-changes.
+projection) and ``prefetch(device, fn, *args)`` on its prefetch stream (work started a whole block ahead: the next
+Engram layer's projection), so that a short branch never queues behind a long one. Both return a ``Forked``;
+``Forked.result()`` makes the calling stream wait for the branch and returns its value. The kernels and their inputs
+are the same either way, so the results are the same bits; only their overlap changes.
 
 Inside ``branch_streams()`` on a CUDA device the branches run on those streams; elsewhere (off, CPU, Ascend, the
 Triton interpreter's CPU tensors) ``fn`` is called at once and ``result()`` returns its value.
@@ -21,7 +19,7 @@ records the fork and the join as edges (the branch stream joins the capture by i
 every branch must be joined before the capture ends.
 
 Kernels that keep state between launches on a device (the split-K tickets of ``cuda.gemm_operands.split_counters``)
-keep one copy per stream lane (``stream_lane``: 0 for every stream but the branch streams, which are 1, 2 and 3):
+keep one copy per stream lane (``stream_lane``: 0 for every stream but the branch streams, which are 1 and 2):
 launches of different lanes may overlap.
 """
 
@@ -37,7 +35,6 @@ from deepinfer_kernels.mode_flag import ModeFlag
 
 __all__ = [
     "Forked",
-    "alongside",
     "branch_streams",
     "branch_streams_active",
     "branch_streams_requested",
@@ -47,7 +44,7 @@ __all__ = [
 ]
 
 _BRANCH_STREAMS = ModeFlag("branch_streams")
-_SIDE, _PREFETCH, _ALONGSIDE = 1, 2, 3
+_SIDE, _PREFETCH = 1, 2
 _LANES: dict[tuple[int, int], torch.cuda.Stream] = {}
 
 _P = ParamSpec("_P")
@@ -75,12 +72,12 @@ def _index(device: torch.device) -> int:
 
 
 def stream_lane(device: torch.device) -> int:
-    """The lane of the current stream of ``device``: 1, 2 or 3 on its side, prefetch or alongside stream (a branch is
-    running), else 0."""
+    """The lane of the current stream of ``device``: 1 or 2 on its side or prefetch stream (a branch is running),
+    else 0."""
     if device.type != "cuda" or not _LANES:
         return 0
     current, index = torch.cuda.current_stream(device), _index(device)
-    return next((lane for lane in (_SIDE, _PREFETCH, _ALONGSIDE) if _LANES.get((index, lane)) == current), 0)
+    return next((lane for lane in (_SIDE, _PREFETCH) if _LANES.get((index, lane)) == current), 0)
 
 
 def _lane_stream(device: torch.device, lane: int) -> torch.cuda.Stream:
@@ -102,11 +99,6 @@ class Forked(Generic[_R]):
         self._branch = branch
         self._keep = keep  # the branch's arguments, alive until the join (module docstring, "Memory")
 
-    @classmethod
-    def done(cls, value: _R) -> Forked[_R]:
-        """A value already computed on the calling stream, as a ``Forked`` (``result()`` returns it)."""
-        return cls(value, None, None, None)
-
     def result(self) -> _R:
         """The branch's value, after the calling stream has been made to wait for the branch's work."""
         if self._main is not None and self._branch is not None:
@@ -120,7 +112,7 @@ def _fork(
     lane: int, device: torch.device, fn: Callable[..., _R], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Forked[_R]:
     if not branch_streams_active(device):
-        return Forked.done(fn(*args, **kwargs))
+        return Forked(fn(*args, **kwargs), None, None, None)
     main = torch.cuda.current_stream(device)
     branch = _lane_stream(device, lane)
     branch.wait_stream(main)
@@ -143,9 +135,3 @@ def prefetch(device: torch.device, fn: Callable[_P, _R], *args: _P.args, **kwarg
     """``fork`` on the prefetch stream: for work started well before its result is needed, so that the side
     stream's short branches do not queue behind it."""
     return _fork(_PREFETCH, device, fn, args, kwargs)
-
-
-def alongside(device: torch.device, fn: Callable[_P, _R], *args: _P.args, **kwargs: _P.kwargs) -> Forked[_R]:
-    """``fork`` on the alongside stream: for a branch that runs beside a whole sub-layer and is joined at its end, so
-    that the sub-layer's own short branches (on the side stream) do not queue behind it."""
-    return _fork(_ALONGSIDE, device, fn, args, kwargs)

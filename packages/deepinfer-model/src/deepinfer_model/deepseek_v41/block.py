@@ -12,12 +12,12 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from deepinfer_kernels.branch_streams import Forked, alongside, prefetch
+from deepinfer_kernels.branch_streams import prefetch
 from deepinfer_model.config import LayerSpec, TextConfig
 from deepinfer_model.deepseek_v41.attention import Attention
 from deepinfer_model.deepseek_v41.context import StepContext
 from deepinfer_model.deepseek_v41.engram import Engram
-from deepinfer_model.deepseek_v41.hyper_connection import HCMixes, hc_head, hc_mixes, hc_post, hc_read
+from deepinfer_model.deepseek_v41.hyper_connection import hc_head, hc_mixes, hc_post, hc_read
 from deepinfer_model.deepseek_v41.moe import ExpertDispatch, MoE
 from deepinfer_model.layers.linear import make_parameter
 from deepinfer_model.layers.mode import ComputeMode
@@ -97,15 +97,7 @@ class DecoderBlock(nn.Module):
         )
         self.engram = Engram(cfg, spec.layer_id, mode) if spec.has_engram else None
 
-    def _start_mixes(self, side: str, trunk: torch.Tensor) -> Forked[HCMixes]:
-        # In the shifted schedule a sub-layer reads its input with the previous sub-layer's read-mix, so its own mixes
-        # are first needed by its post: they run beside the sub-layer (the alongside stream under branch streams;
-        # docs/design/kernels.md, "Branch streams").
-        if self.cfg.hc_shifted:
-            return alongside(trunk.device, self._mixes, side, trunk)
-        return Forked.done(self._mixes(side, trunk))
-
-    def _mixes(self, side: str, trunk: torch.Tensor) -> HCMixes:
+    def _mixes(self, side: str, trunk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         cfg = self.cfg
         return hc_mixes(
             trunk,
@@ -150,26 +142,20 @@ class DecoderBlock(nn.Module):
             self.start_engram(ctx)
             assert ctx.engram_active is not None
             trunk = self.engram(trunk, ctx.engram_kv.pop(layer).result(), ctx.engram_active)
-        attn_mixes = self._start_mixes("attn", trunk)
+        read_a, write_a, comb_a = self._mixes("attn", trunk)
         shifted = self.cfg.hc_shifted
-        read = read_mix if shifted else attn_mixes.result()[0]
         # The norms' FP8 copies feed the FP8 GEMMs that read their outputs (docs/design/numerics.md, "Rounding points").
-        x, x_fp8 = self.attn_norm.with_fp8_copy(hc_read(trunk, read, self.mode))
+        x, x_fp8 = self.attn_norm.with_fp8_copy(hc_read(trunk, read_mix if shifted else read_a, self.mode))
         if self.spec.is_yoco_consumer and ctx.shared_hidden is None:
             # The shared hidden covers every token; the consumer half may go on with fewer rows from here
             # (docs/design/attention.md, "YOCO prefill truncation"), so the GEMMs quantize the kept rows themselves.
             ctx.shared_hidden = x
-            trunk, read_a, write_a, comb_a, x = ctx.enter_consumer_half(trunk, *attn_mixes.result(), x)
-            attn_mixes = Forked.done((read_a, write_a, comb_a))
+            trunk, read_a, write_a, comb_a, x = ctx.enter_consumer_half(trunk, read_a, write_a, comb_a, x)
             x_fp8 = None
         if layer in ctx.capture_layers:
             # The FP32 mean without an FP32 copy of the trunk first (the same values: FP32 sums in either case).
             ctx.features[layer] = trunk.mean(dim=1, dtype=torch.float32).to(self.mode.activation_dtype)
-        y_attn = self.attn(x, ctx, x_fp8)
-        read_a, write_a, comb_a = attn_mixes.result()
-        trunk_ffn = hc_post(y_attn, trunk, write_a, comb_a, self.mode)
-        ffn_mixes = self._start_mixes("ffn", trunk_ffn)
-        read = read_a if shifted else ffn_mixes.result()[0]
-        y = self.ffn(*self.ffn_norm.with_fp8_copy(hc_read(trunk_ffn, read, self.mode)))
-        read_f, write_f, comb_f = ffn_mixes.result()
+        trunk_ffn = hc_post(self.attn(x, ctx, x_fp8), trunk, write_a, comb_a, self.mode)
+        read_f, write_f, comb_f = self._mixes("ffn", trunk_ffn)
+        y = self.ffn(*self.ffn_norm.with_fp8_copy(hc_read(trunk_ffn, read_a if shifted else read_f, self.mode)))
         return hc_post(y, trunk_ffn, write_f, comb_f, self.mode), read_f
