@@ -31,6 +31,21 @@ def dequantized_activation(x: torch.Tensor) -> torch.Tensor:
     return dk.dequantize_fp8_per_token_group(q, scale, out_dtype=torch.float32).double()
 
 
+def deinterleaved(q: torch.Tensor) -> torch.Tensor:
+    """Codes [M, K] with each 32-column group stored even columns first, then odd ones (``GroupCodes`` order
+    ``"deinterleaved"``), as uint8."""
+    rows, width = q.shape
+    return q.view(torch.uint8).view(rows, width // 32, 16, 2).transpose(2, 3).reshape(rows, width)
+
+
+def group_codes(x: torch.Tensor, order: dk.CodeOrder) -> dk.GroupCodes:
+    """``x`` quantized per token and 32 columns, in ``order``."""
+    q, scale = dk.quantize_fp8_per_token_group(x)
+    if order == "deinterleaved":
+        q = deinterleaved(q).view(torch.float8_e4m3fn)
+    return dk.GroupCodes(q, scale, order)
+
+
 def abs_product(x_hat: torch.Tensor, w_hat: torch.Tensor) -> torch.Tensor:
     """``S = |x̂|·|Ŵ|ᵀ`` in FP64: [M, K] × [N, K] → [M, N]."""
     return x_hat.double().abs() @ w_hat.double().abs().t()

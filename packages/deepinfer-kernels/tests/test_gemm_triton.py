@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 import torch
-from _gemm_support import abs_product, assert_gemm_close, dequantized_activation
+from _gemm_support import abs_product, assert_gemm_close, dequantized_activation, group_codes
 
 import deepinfer_kernels as dk
 from deepinfer_kernels._registry import Backend, implementation
@@ -182,7 +182,8 @@ def test_repeated_rows_read_the_tokens(
     """``repeats`` (a token's top-k rows read the token): bit for bit the call on the token rows copied, with every row
     in one tile (5 tokens × 3: no tables) and over tables (20 × 3), each kernel reading row ``r // 3`` of the codes
     (the MMA tiles, the Gluon tile where it runs — ``swap_fp8`` elsewhere —, the FMA GEMV), and on ``swap_bf16``'s copy
-    gathered from the tokens (which the BF16 Gluon tile reads, ``swap_bf16`` where it cannot run)."""
+    gathered from the tokens (which the BF16 Gluon tile reads, ``swap_bf16`` where it cannot run); and the same bits
+    from the tokens' ``GroupCodes`` in either order."""
     from deepinfer_kernels.cuda.gemm_tiles import BlockConfig
 
     n, k, experts = 64, 256, 4
@@ -202,6 +203,11 @@ def test_repeated_rows_read_the_tokens(
     copied = torch.zeros_like(repeated)
     gemm(x.repeat_interleave(3, dim=0).to(triton_device), *inputs, copied, config=cfg)
     assert torch.equal(repeated, copied) and bool((repeated != 0).any())
+    # Codes in the order the tiles read are taken as they are, in the other order as their values: the same bits.
+    for order in ("columns", "deinterleaved"):
+        codes = torch.zeros_like(repeated)
+        gemm(group_codes(x.to(triton_device), order), *inputs, codes, config=cfg, repeats=3)
+        assert torch.equal(codes, repeated), order
 
 
 @pytest.mark.parametrize("rows", [3, 70])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _gemm_support import abs_product, assert_gemm_close, dequantized_activation
+from _gemm_support import abs_product, assert_gemm_close, dequantized_activation, group_codes
 
 import deepinfer_kernels as dk
 from deepinfer_kernels.testing import assert_bitwise_equal, random_mxfp4_packed, random_normal, random_ue8m0
@@ -158,3 +158,52 @@ def test_dequantized_grouped_gemm_equals_the_reference_bitwise() -> None:
         dk.dequantized_grouped_gemm(x, ids, w_hat[0])
     with pytest.raises(ValueError, match="x has 64 columns"):
         dk.dequantized_grouped_gemm(x[:, :64], ids, w_hat)
+
+
+@pytest.mark.parametrize("order", ["columns", "deinterleaved"])
+def test_group_codes_values_are_the_quantized_values(order: dk.CodeOrder) -> None:
+    x = random_normal((5, 96), seed=21, std=3.0)
+    q, scale = dk.quantize_fp8_per_token_group(x)
+    assert_bitwise_equal(group_codes(x, order).values(), dk.dequantize_fp8_per_token_group(q, scale))
+
+
+@pytest.mark.parametrize("order", ["columns", "deinterleaved"])
+@pytest.mark.parametrize(("tokens", "repeats"), [(1, 6), (13, 3), (40, 1)])
+def test_codes_give_the_values_result(op_device: str, order: dk.CodeOrder, tokens: int, repeats: int) -> None:
+    """The product of codes is the product of the values they were quantized from, bit for bit, in the order the
+    backend reads (taken as they are) and in the other (multiplied as their values)."""
+    packed, scale = _experts(6, 64, 128, seed=22, device=op_device)
+    x = random_normal((tokens, 128), seed=23, std=2.0, device=op_device)
+    ids = torch.randint(-1, 6, (tokens * repeats,), generator=torch.Generator().manual_seed(24)).to(op_device)
+    expected = dk.mxfp4_grouped_gemm(x, ids, packed, scale, repeats)
+    assert_bitwise_equal(dk.mxfp4_grouped_gemm(group_codes(x, order), ids, packed, scale, repeats), expected)
+
+
+def test_code_order(op_device: str) -> None:
+    """None on the reference (it quantizes the values it is given); on CUDA a decode's tiles read codes (the scaled
+    preset's ``w2`` at 6 rows) and the sorted-copy tiles of an 8K prefill's 128 rows an expert the values."""
+    packed = torch.zeros((16, 5120, 2304 // 2), dtype=torch.uint8, device=op_device)
+    scale = torch.zeros((16, 5120, 2304 // 32), dtype=torch.float8_e8m0fnu, device=op_device)
+    decode, prefill = dk.mxfp4_grouped_code_order(6, packed, scale), dk.mxfp4_grouped_code_order(2048, packed, scale)
+    if op_device == "cpu":
+        assert decode is None and prefill is None
+    else:
+        assert decode in ("columns", "deinterleaved") and prefill is None
+    with pytest.raises(ValueError, match="rows must be a non-negative int"):
+        dk.mxfp4_grouped_code_order(-1, packed, scale)
+    with pytest.raises(ValueError, match="disagree"):
+        dk.mxfp4_grouped_code_order(6, packed, scale[:, :, :8])
+
+
+def test_codes_validation() -> None:
+    packed, scale = _experts(2, 8, 64, seed=25, device="cpu")
+    codes = group_codes(random_normal((3, 64), seed=26), "columns")
+    ids = torch.tensor([0, 1, -1])
+    with pytest.raises(TypeError, match=r"x\.q has dtype torch\.uint8"):
+        dk.mxfp4_grouped_gemm(dk.GroupCodes(codes.q.view(torch.uint8), codes.scale), ids, packed, scale)
+    with pytest.raises(ValueError, match=r"x\.scale must have shape \(3, 2\)"):
+        dk.mxfp4_grouped_gemm(dk.GroupCodes(codes.q, codes.scale[:, :1]), ids, packed, scale)
+    with pytest.raises(ValueError, match=r"x\.order must be"):
+        dk.mxfp4_grouped_gemm(dk.GroupCodes(codes.q, codes.scale, "rows"), ids, packed, scale)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="x has 64 columns"):
+        dk.mxfp4_grouped_gemm(codes, ids, packed[:, :, :16], scale[:, :, :1])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _gemm_support import deinterleaved
 from _gpu_marks import compiled_triton_on_gpu
 
 import deepinfer_kernels as dk
@@ -76,3 +77,33 @@ def test_swiglu_fp8_gpu_equals_swiglu_then_quantizer(rows: int, half: int) -> No
     t, weight = _inputs(rows, half, True, seed=rows + half, device="cuda")
     fused, separate = _fused_and_separate(Backend.NVIDIA, t, 10.0, weight)
     _assert_same_bits(fused, separate)
+
+
+def _deinterleave_cases(backend: Backend, device: str, rows: int, half: int) -> None:
+    """``deinterleave``: the same scales and each group's codes even columns first, then odd ones."""
+    t, weight = _inputs(rows, half, True, seed=rows * half, device=device)
+    plain = _fused_and_separate(backend, t, 10.0, weight)[0]
+    q, scale = torch.empty_like(plain[0]), torch.empty_like(plain[1])
+    implementation("swiglu_clamped_fp8", backend)(t, 10.0, weight, q, scale, True)
+    assert torch.equal(q.view(torch.uint8), deinterleaved(plain[0]))
+    assert torch.equal(scale.view(torch.uint8), plain[1].view(torch.uint8))
+
+
+def test_deinterleave_reference_and_public_op() -> None:
+    _deinterleave_cases(Backend.REFERENCE, "cpu", 3, 96)
+    t, weight = _inputs(2, 64, False, seed=9, device="cpu")
+    q, _ = dk.swiglu_clamped_fp8(t, None, weight, deinterleave=True)
+    assert torch.equal(q.view(torch.uint8), deinterleaved(dk.swiglu_clamped_fp8(t, None, weight)[0]))
+    with pytest.raises(TypeError, match="deinterleave must be a bool"):
+        dk.swiglu_clamped_fp8(t, None, deinterleave=1)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("rows", "half"), [(1, 32), (6, 768), (5, 1056)])
+def test_deinterleave_triton(triton_device: str, rows: int, half: int) -> None:
+    _deinterleave_cases(Backend.NVIDIA, triton_device, rows, half)
+
+
+@compiled_triton_on_gpu
+@pytest.mark.parametrize(("rows", "half"), [(6, 2304), (384, 2048), (1000, 3072)])
+def test_deinterleave_gpu(rows: int, half: int) -> None:
+    _deinterleave_cases(Backend.NVIDIA, "cuda", rows, half)

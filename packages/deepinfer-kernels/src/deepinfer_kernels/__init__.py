@@ -19,7 +19,14 @@ from deepinfer_kernels.gemm import (
     mxfp4_gemm,
     rotated_fp8_block_grouped_gemm,
 )
-from deepinfer_kernels.grouped_gemm import ExpertRows, dequantized_grouped_gemm, mxfp4_grouped_gemm
+from deepinfer_kernels.grouped_gemm import (
+    CodeOrder,
+    ExpertRows,
+    GroupCodes,
+    dequantized_grouped_gemm,
+    mxfp4_grouped_code_order,
+    mxfp4_grouped_gemm,
+)
 from deepinfer_kernels.hyper_connection import hc_mix_logits, hc_mixes, hc_post, hc_read
 from deepinfer_kernels.indexer import indexer_select
 from deepinfer_kernels.kv_cache import store_rows
@@ -48,7 +55,9 @@ from deepinfer_kernels.row_formats import RowFormat, bytes_per_row, decode_rows,
 
 __all__ = [
     "Accelerator",
+    "CodeOrder",
     "ExpertRows",
+    "GroupCodes",
     "KeySource",
     "RowFormat",
     "apply_rope",
@@ -76,6 +85,7 @@ __all__ = [
     "indexer_select",
     "moe_combine",
     "mxfp4_gemm",
+    "mxfp4_grouped_code_order",
     "mxfp4_grouped_gemm",
     "paged_rows",
     "position_sources",

@@ -57,7 +57,7 @@ def swiglu_clamped(t: torch.Tensor, limit: float | None, row_weight: torch.Tenso
 
 
 def swiglu_clamped_fp8(
-    t: torch.Tensor, limit: float | None, row_weight: torch.Tensor | None = None
+    t: torch.Tensor, limit: float | None, row_weight: torch.Tensor | None = None, *, deinterleave: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The FP8 copy of :func:`swiglu_clamped`'s FP32 result, quantized per token and 32 columns
     (``quantize_fp8_per_token_group``) in the same kernel where the backend fuses them, for the FP8 GEMM that reads it
@@ -67,11 +67,15 @@ def swiglu_clamped_fp8(
         t: [n, 2I] bf16/fp32, gate half first, ``I % 32 == 0``.
         limit: ``swiglu_limit`` λ (finite, > 0), or None for no clamping.
         row_weight: optional [n] fp32 routing weight multiplied in last, same device.
+        deinterleave: store each group's codes even columns first, then odd ones (``GroupCodes`` order
+            ``"deinterleaved"``, the order the grouped MXFP4 GEMM's MMA tiles read; ``mxfp4_grouped_code_order``).
 
     Returns:
         ``(q [n, I] float8_e4m3fn, scale [n, I/32] float8_e8m0fnu)``.
     """
     _check_swiglu_arguments(t, limit, row_weight)
+    if not isinstance(deinterleave, bool):
+        raise TypeError(f"deinterleave must be a bool, got {deinterleave!r}")
     half = t.shape[1] // 2
     if half % _GROUP:
         raise ValueError(f"the SwiGLU width I = {half} must be a multiple of {_GROUP} for the FP8 copy")
@@ -80,6 +84,6 @@ def swiglu_clamped_fp8(
     if q.numel():
         weight = None if row_weight is None else row_weight.contiguous()
         _registry.resolve("swiglu_clamped_fp8", t.device.type)(
-            t.contiguous(), None if limit is None else float(limit), weight, q, scale
+            t.contiguous(), None if limit is None else float(limit), weight, q, scale, deinterleave
         )
     return q, scale

@@ -49,6 +49,7 @@ def register(registry: OpRegistry) -> None:
     registry.register("rotated_fp8_block_grouped_gemm", nvidia, fp8_gemm_ops.rotated_fp8_block_grouped_gemm)
     registry.register("fp8_block_gemm_quantized", nvidia, fp8_gemm_ops.fp8_block_gemm_quantized)
     registry.register("mxfp4_grouped_gemm", nvidia, grouped_gemm.mxfp4_grouped_gemm)
+    registry.register("mxfp4_grouped_code_order", nvidia, grouped_gemm.mxfp4_grouped_code_order)
     registry.register("encode_rows", nvidia, row_formats.encode_rows)
     registry.register("decode_rows", nvidia, row_formats.decode_rows)
     registry.register("store_rows", nvidia, row_formats.store_rows)

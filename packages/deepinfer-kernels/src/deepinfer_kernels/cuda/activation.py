@@ -56,12 +56,18 @@ def _swiglu_kernel(  # type: ignore[no-untyped-def]
 @triton.jit
 def _swiglu_fp8_kernel(  # type: ignore[no-untyped-def]
     t_ptr, weight_ptr, q_ptr, scale_ptr, rows, half, limit, HAS_LIMIT: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, DEINTERLEAVE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # BLOCK_C is a multiple of 32 and half too, so the program's groups are whole and start at a group boundary.
+    # DEINTERLEAVE reorders each group's codes in registers, as cuda.quant's group quantizer does, so the store stays
+    # contiguous.
     await_inputs(PDL)
     row, cols, mask, act = _swiglu_block(t_ptr, weight_ptr, rows, half, limit, HAS_LIMIT, HAS_WEIGHT, BLOCK_R, BLOCK_C)
     codes, scale_bytes = fp8_token_groups(tl.reshape(act, (BLOCK_R * BLOCK_C // _GROUP, _GROUP)))
+    if DEINTERLEAVE:
+        codes = tl.reshape(
+            tl.permute(tl.reshape(codes, (BLOCK_R * BLOCK_C // _GROUP, _GROUP // 2, 2)), (0, 2, 1)), codes.shape
+        )
     tl.store(q_ptr + row[:, None] * half + cols[None, :], tl.reshape(codes, (BLOCK_R, BLOCK_C)), mask=mask)
     groups = tl.program_id(1) * (BLOCK_C // _GROUP) + tl.arange(0, BLOCK_C // _GROUP)
     scale_mask = (row < rows)[:, None] & (groups * _GROUP < half)[None, :]
@@ -101,7 +107,12 @@ def swiglu_clamped(t: torch.Tensor, limit: float | None, row_weight: torch.Tenso
 
 
 def swiglu_clamped_fp8(
-    t: torch.Tensor, limit: float | None, row_weight: torch.Tensor | None, q: torch.Tensor, scale: torch.Tensor
+    t: torch.Tensor,
+    limit: float | None,
+    row_weight: torch.Tensor | None,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    deinterleave: bool = False,
 ) -> None:
     """Triton SwiGLU with the FP32 products quantized per token and 32 columns in the same kernel (arguments as
     ``reference.activation.swiglu_clamped_fp8``; contiguous inputs, ``I % 32 == 0``)."""
@@ -119,6 +130,7 @@ def swiglu_clamped_fp8(
         HAS_LIMIT=limit is not None,
         HAS_WEIGHT=row_weight is not None,
         **tile,
+        DEINTERLEAVE=deinterleave,
         enable_fp_fusion=False,
         **dependent_launch(q.device),
     )

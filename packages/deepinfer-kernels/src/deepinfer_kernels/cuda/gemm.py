@@ -310,12 +310,16 @@ def deinterleaved_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return quantized_activation(x, deinterleave=True)
 
 
+def codes_in_column_order(cfg: BlockConfig) -> bool:
+    """Whether MXFP4 tiles ``cfg`` read activation codes in column order (the FMA kernels, ``tl.dot_scaled`` and
+    ``swap_ab``), not de-interleaved per group (``mxfp4_kernel``'s other decodings and ``gluon_fp8``)."""
+    return cfg.gemv or cfg.decoding in ("dot_scaled", "swap_ab")
+
+
 def activation_for(x: torch.Tensor, cfg: BlockConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """The activation codes an MXFP4 launch with tiles ``cfg`` reads: in column order for the FMA kernels,
-    ``tl.dot_scaled`` and ``swap_ab``, de-interleaved per group for ``mxfp4_kernel``'s other decodings (``swap_bf16``
+    """The activation codes an MXFP4 launch with tiles ``cfg`` reads (:func:`codes_in_column_order`; ``swap_bf16``
     quantizes the activation itself, ``cuda.swap_bf16``)."""
-    in_order = cfg.gemv or cfg.decoding in ("dot_scaled", "swap_ab")
-    return quantized_activation(x) if in_order else deinterleaved_activation(x)
+    return quantized_activation(x) if codes_in_column_order(cfg) else deinterleaved_activation(x)
 
 
 def gemv_rows(rows: int, cfg: BlockConfig) -> int:

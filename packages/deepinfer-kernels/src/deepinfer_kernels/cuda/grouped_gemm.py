@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_kernels.cuda._launch import await_inputs, check_launchable, dependent_launch
-from deepinfer_kernels.cuda.gemm import activation_for, gemv_rows, mxfp4_launch
+from deepinfer_kernels.cuda.gemm import activation_for, codes_in_column_order, gemv_rows, mxfp4_launch
 from deepinfer_kernels.cuda.gemm_tiles import (
     GLUON_BLOCK_K,
     GROUPED_SPLIT_MAX_ROWS,
@@ -43,8 +43,9 @@ from deepinfer_kernels.cuda.grouped_bf16_wgmma import grouped_bf16_launch
 from deepinfer_kernels.cuda.grouped_tiles import MAX_ROWS, expert_tiles_one_launch
 from deepinfer_kernels.cuda.grouped_wgmma import available, fits, grouped_wgmma_launch
 from deepinfer_kernels.cuda.swap_bf16 import swap_bf16_launch
+from deepinfer_kernels.grouped_gemm import CodeOrder, GroupCodes
 
-__all__ = ["expert_tiles", "mxfp4_grouped_gemm", "tail_tiles"]
+__all__ = ["expert_tiles", "mxfp4_grouped_code_order", "mxfp4_grouped_gemm", "tail_tiles"]
 
 _ZERO_ROWS, _ZERO_COLUMNS = 16, 256
 
@@ -135,8 +136,50 @@ def tail_tiles(
     return tile_expert, row_end - rest, row_end
 
 
+def _grouped_config(
+    m: int, packed: torch.Tensor, scale: torch.Tensor, device: torch.device, config: BlockConfig | None = None
+) -> BlockConfig:
+    """The tiles of ``m`` product rows over these experts: ``config`` or ``gemm_tiles.block_config``'s, unsplit past
+    ``GROUPED_SPLIT_MAX_ROWS`` rows, the Gluon tiles fitted to the operands."""
+    experts, n, k = packed.shape[0], packed.shape[1], packed.shape[2] * 2
+    cfg = config or block_config("mxfp4_grouped_gemm", grouped_tile_rows(m, experts), n, k)
+    if m > GROUPED_SPLIT_MAX_ROWS:
+        cfg = dataclasses.replace(cfg, split_grid=False)
+    if cfg.decoding in ("gluon_fp8", "gluon_bf16"):
+        cfg = _gluon_tile(cfg, packed, scale, device)
+    return cfg
+
+
+def _code_order(cfg: BlockConfig) -> CodeOrder | None:
+    """The order of the codes tiles ``cfg`` read (``cuda.gemm.activation_for``); None for the sorted-copy decodings,
+    which read the activation's values."""
+    if cfg.decoding in ("swap_bf16", "gluon_bf16"):
+        return None
+    return "columns" if codes_in_column_order(cfg) else "deinterleaved"
+
+
+def mxfp4_grouped_code_order(rows: int, packed: torch.Tensor, scale: torch.Tensor) -> CodeOrder | None:
+    """The order of the codes that :func:`mxfp4_grouped_gemm` of ``rows`` product rows reads (contract of
+    ``deepinfer_kernels.grouped_gemm.mxfp4_grouped_code_order``)."""
+    if rows == 0 or packed.shape[0] == 0:
+        return None
+    return _code_order(_grouped_config(rows, packed, scale, packed.device))
+
+
+def _values(x: torch.Tensor | GroupCodes) -> torch.Tensor:
+    """The activation's values: codes as exact FP32, which the tiles quantize back to the same codes' values."""
+    return x.values() if isinstance(x, GroupCodes) else x
+
+
+def _activation_codes(x: torch.Tensor | GroupCodes, cfg: BlockConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The codes tiles ``cfg`` read: given codes in their order as they are, else quantized from the values."""
+    if isinstance(x, GroupCodes) and x.order == _code_order(cfg):
+        return x.q.view(torch.uint8), x.scale.view(torch.uint8)
+    return activation_for(_values(x), cfg)
+
+
 def mxfp4_grouped_gemm(
-    x: torch.Tensor,
+    x: torch.Tensor | GroupCodes,
     expert_ids: torch.Tensor,
     packed: torch.Tensor,
     scale: torch.Tensor,
@@ -150,7 +193,8 @@ def mxfp4_grouped_gemm(
     sync-free.
 
     Args:
-        x: [M / repeats, K] bf16/fp32, contiguous, ``K % 32 == 0``.
+        x: [M / repeats, K] bf16/fp32, contiguous, ``K % 32 == 0``; or its codes, read as they are where the tiles
+            read codes in their order, else multiplied as their values (the same product).
         expert_ids: [M] int64; rows with an id outside ``[0, E)`` get zeros.
         packed: [E, N, K/2] int8, contiguous (low nibble = even element).
         scale: [E, N, K/32] float8_e8m0fnu, contiguous.
@@ -163,24 +207,21 @@ def mxfp4_grouped_gemm(
         all_local: every id is in ``[0, E)`` (``ExpertRows.all_local``): every row has a tile, so the zero-row
             launch is left out.
     """
-    check_launchable(x=x, expert_ids=expert_ids, packed=packed, scale=scale, out=out)
-    (m, k), (experts, n) = (expert_ids.shape[0], x.shape[1]), packed.shape[:2]
+    rows_of_x = x.q if isinstance(x, GroupCodes) else x
+    check_launchable(x=rows_of_x, expert_ids=expert_ids, packed=packed, scale=scale, out=out)
+    m, experts = expert_ids.shape[0], packed.shape[0]
     if not (all_local and experts):
         _zero_unrouted_rows(expert_ids, out, experts)
     if experts == 0:
         return  # no local experts: every row is zero
     mean_rows = triton.cdiv(m, experts)
-    cfg = config or block_config("mxfp4_grouped_gemm", grouped_tile_rows(m, experts), n, k)
-    if m > GROUPED_SPLIT_MAX_ROWS:
-        cfg = dataclasses.replace(cfg, split_grid=False)
-    if cfg.decoding in ("gluon_fp8", "gluon_bf16"):
-        cfg = _gluon_tile(cfg, packed, scale, x.device)
+    cfg = _grouped_config(m, packed, scale, rows_of_x.device, config)
     launch = grouped_wgmma_launch if cfg.decoding == "gluon_fp8" else mxfp4_launch
     sorted_copy = cfg.decoding in ("swap_bf16", "gluon_bf16")
     if not cfg.gemv and m <= cfg.block_m and not sorted_copy:
         # Every row fits one MMA tile: each program finds its expert's rows itself (mxfp4_kernel's SCAN), which saves
         # the tile-table launch (about 33 µs at batch 1 on the H200, longer than the GEMM's own share of a weight).
-        launch(*activation_for(x, cfg), packed, scale, out, expert_ids, cfg.block_m, cfg, repeats)
+        launch(*_activation_codes(x, cfg), packed, scale, out, expert_ids, cfg.block_m, cfg, repeats)
         return
     # FMA tiles take up to twice the mean rows, so that an expert with a few more rows than the mean is still read
     # once rather than once per tile.
@@ -188,11 +229,11 @@ def mxfp4_grouped_gemm(
     tables, tails = _tables(derived, expert_ids, experts, rows, cfg.tail_m)
     # The sorted-copy decodings quantize x into a BF16 copy in the tables' row order (cuda.swap_bf16).
     if cfg.decoding == "swap_bf16":
-        swap_bf16_launch(x, packed, scale, out, tables, cfg, repeats, tails)
+        swap_bf16_launch(_values(x), packed, scale, out, tables, cfg, repeats, tails)
     elif cfg.decoding == "gluon_bf16":
-        grouped_bf16_launch(x, packed, scale, out, tables, cfg, repeats)
+        grouped_bf16_launch(_values(x), packed, scale, out, tables, cfg, repeats)
     else:
-        launch(*activation_for(x, cfg), packed, scale, out, tables, rows, cfg, repeats)
+        launch(*_activation_codes(x, cfg), packed, scale, out, tables, rows, cfg, repeats)
 
 
 def _tables(

@@ -45,6 +45,7 @@ def register(registry: OpRegistry) -> None:
     registry.register("rotated_fp8_block_grouped_gemm", ref, gemm.rotated_fp8_block_grouped_gemm)
     registry.register("fp8_block_gemm_quantized", ref, gemm.fp8_block_gemm_quantized)
     registry.register("mxfp4_grouped_gemm", ref, grouped_gemm.mxfp4_grouped_gemm)
+    registry.register("mxfp4_grouped_code_order", ref, grouped_gemm.mxfp4_grouped_code_order)
     registry.register("dequantized_gemm", ref, gemm.dequantized_gemm)
     registry.register("dequantized_grouped_gemm", ref, grouped_gemm.dequantized_grouped_gemm)
     registry.register("invariant_matmul", ref, matmul.invariant_matmul)

@@ -9,6 +9,8 @@ from deepinfer_kernels.reference import quant
 
 __all__ = ["swiglu_clamped", "swiglu_clamped_fp8"]
 
+_GROUP = 32
+
 
 def swiglu_clamped(t: torch.Tensor, limit: float | None, row_weight: torch.Tensor | None, out: torch.Tensor) -> None:
     """``out = silu(min(g, λ)) · clamp(u, −λ, λ) [· w]`` with ``[g | u]`` the halves of each row, FP32:
@@ -32,7 +34,12 @@ def swiglu_clamped(t: torch.Tensor, limit: float | None, row_weight: torch.Tenso
 
 
 def swiglu_clamped_fp8(
-    t: torch.Tensor, limit: float | None, row_weight: torch.Tensor | None, q: torch.Tensor, scale: torch.Tensor
+    t: torch.Tensor,
+    limit: float | None,
+    row_weight: torch.Tensor | None,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    deinterleave: bool = False,
 ) -> None:
     """:func:`swiglu_clamped`, its FP32 result quantized per token and 32 columns
     (``quant.quantize_fp8_per_token_group``).
@@ -41,7 +48,15 @@ def swiglu_clamped_fp8(
         t, limit, row_weight: as in :func:`swiglu_clamped`; ``I % 32 == 0``.
         q: [n, I] float8_e4m3fn; written.
         scale: [n, I/32] float8_e8m0fnu; written.
+        deinterleave: each group's codes stored even columns first, then odd ones.
     """
     act = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     swiglu_clamped(t, limit, row_weight, act)
-    quant.quantize_fp8_per_token_group(act, q, scale)
+    if not deinterleave:
+        quant.quantize_fp8_per_token_group(act, q, scale)
+        return
+    codes = torch.empty_like(q)
+    quant.quantize_fp8_per_token_group(act, codes, scale)
+    rows, width = q.shape
+    pairs = codes.view(torch.uint8).view(rows, width // _GROUP, _GROUP // 2, 2).transpose(2, 3)
+    q.view(torch.uint8).copy_(pairs.reshape(rows, width))

@@ -12,9 +12,10 @@ from typing import Any
 
 import torch
 
+from deepinfer_kernels.grouped_gemm import CodeOrder, GroupCodes
 from deepinfer_kernels.reference.gemm import dequantized_gemm, mxfp4_gemm
 
-__all__ = ["dequantized_grouped_gemm", "mxfp4_grouped_gemm"]
+__all__ = ["dequantized_grouped_gemm", "mxfp4_grouped_code_order", "mxfp4_grouped_gemm"]
 
 
 def _per_expert(
@@ -42,7 +43,7 @@ def _per_expert(
 
 
 def mxfp4_grouped_gemm(
-    x: torch.Tensor,
+    x: torch.Tensor | GroupCodes,
     expert_ids: torch.Tensor,
     packed: torch.Tensor,
     scale: torch.Tensor,
@@ -56,7 +57,8 @@ def mxfp4_grouped_gemm(
     ``all_local`` (``ExpertRows.all_local``) makes an id of ``-1`` an error.
 
     Args:
-        x: [M / repeats, K] bf16/fp32 activation, ``K % 32 == 0``.
+        x: [M / repeats, K] bf16/fp32 activation, ``K % 32 == 0``, or its codes (multiplied as their values x̂, which
+            quantize to themselves).
         expert_ids: [M] int64 in ``[-1, E)``.
         packed: [E, N, K/2] int8 (low nibble = even element).
         scale: [E, N, K/32] float8_e8m0fnu.
@@ -65,10 +67,17 @@ def mxfp4_grouped_gemm(
     Raises:
         ValueError: an expert id is outside ``[-1, E)``, or ``-1`` with ``all_local``.
     """
+    if isinstance(x, GroupCodes):
+        x = x.values()
     rows = x.repeat_interleave(repeats, dim=0) if repeats > 1 else x
     _per_expert(
         rows, expert_ids, packed.shape[0], out, lambda r, e, y: mxfp4_gemm(r, packed[e], scale[e], y), all_local
     )
+
+
+def mxfp4_grouped_code_order(rows: int, packed: torch.Tensor, scale: torch.Tensor) -> CodeOrder | None:
+    """None: the reference quantizes the activation values it is given (codes cost it a dequantization)."""
+    return None
 
 
 def dequantized_grouped_gemm(x: torch.Tensor, expert_ids: torch.Tensor, w_hat: torch.Tensor, out: torch.Tensor) -> None:

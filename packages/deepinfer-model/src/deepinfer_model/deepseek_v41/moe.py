@@ -19,7 +19,15 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from deepinfer_kernels import ExpertRows, bf16_gemm, moe_combine, router_topk, swiglu_clamped, swiglu_clamped_fp8
+from deepinfer_kernels import (
+    ExpertRows,
+    GroupCodes,
+    bf16_gemm,
+    moe_combine,
+    router_topk,
+    swiglu_clamped,
+    swiglu_clamped_fp8,
+)
 from deepinfer_kernels.branch_streams import fork
 from deepinfer_model.layers.linear import Fp8BlockLinear, Fp8Copy, Mxfp4ExpertStack, make_parameter
 from deepinfer_model.layers.mode import ComputeMode, round_activation
@@ -166,7 +174,16 @@ class RoutedExperts(nn.Module):
             [m, H] activation dtype.
         """
         shared = ExpertRows(slots, all_local)  # w13 and w2 multiply the same rows: one set of tile tables
-        act = swiglu_clamped(self.w13.grouped(rows, shared, repeats), self.limit, weights)
+        gate_up = self.w13.grouped(rows, shared, repeats)
+        order = self.w2.grouped_code_order(slots.shape[0])
+        act: torch.Tensor | GroupCodes
+        if order is None:
+            act = swiglu_clamped(gate_up, self.limit, weights)
+        else:
+            # w2 reads codes it would quantize itself: the SwiGLU writes them in its order, in the same launch
+            # (docs/design/kernels.md, "Codes into the grouped GEMM"); the same values, one launch fewer.
+            q, scale = swiglu_clamped_fp8(gate_up, self.limit, weights, deinterleave=order == "deinterleaved")
+            act = GroupCodes(q, scale, order)
         return round_activation(self.w2.grouped(act, shared), self.mode)
 
     def compute(self, expert: int, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

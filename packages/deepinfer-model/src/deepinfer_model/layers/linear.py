@@ -29,7 +29,9 @@ import torch
 from torch import nn
 
 from deepinfer_kernels import (
+    CodeOrder,
     ExpertRows,
+    GroupCodes,
     apply_rope_,
     bf16_gemm,
     dequantize_fp8_block,
@@ -40,6 +42,7 @@ from deepinfer_kernels import (
     fp8_block_gemm_quantized,
     fp8_block_grouped_gemm,
     mxfp4_gemm,
+    mxfp4_grouped_code_order,
     mxfp4_grouped_gemm,
     rotated_fp8_block_grouped_gemm,
 )
@@ -366,12 +369,20 @@ class Mxfp4ExpertStack(nn.Module):
         slot = self._slot(expert)
         return mxfp4_gemm(x, self.weight[slot], self.scale[slot])
 
-    def grouped(self, x: torch.Tensor, slots: ExpertRows, repeats: int = 1) -> torch.Tensor:
+    def grouped_code_order(self, rows: int) -> CodeOrder | None:
+        """The order of the activation codes that :meth:`grouped` over ``rows`` product rows takes as they are
+        (``deepinfer_kernels.mxfp4_grouped_code_order``); None where it takes the values (the dequantized weights)."""
+        if self._cache.keeps(self.weight.device):
+            return None
+        return mxfp4_grouped_code_order(rows, self.weight, self.scale)
+
+    def grouped(self, x: torch.Tensor | GroupCodes, slots: ExpertRows, repeats: int = 1) -> torch.Tensor:
         """Exact mode: every row through its own stored slot's matrix (``deepinfer_kernels.mxfp4_grouped_gemm``; no
         host synchronization on CUDA).
 
         Args:
-            x: [m / repeats, in] bf16/fp32: row i of the product reads row ``i // repeats``.
+            x: [m / repeats, in] bf16/fp32, or its codes (in :meth:`grouped_code_order`'s order): row i of the
+                product reads row ``i // repeats``.
             slots: ids [m] int64: the stored slot of each row, -1 for a row no expert here takes (its output is
                 zero); shared by the stacks that multiply the same rows, which then share the tile tables.
             repeats: product rows per row of x (a token's top-k rows, in rank order).
@@ -380,7 +391,8 @@ class Mxfp4ExpertStack(nn.Module):
             [m, out] bf16.
         """
         if self._cache.keeps(self.weight.device):
-            rows = x.repeat_interleave(repeats, dim=0) if repeats > 1 else x
+            values = x.values() if isinstance(x, GroupCodes) else x
+            rows = values.repeat_interleave(repeats, dim=0) if repeats > 1 else values
             return dequantized_grouped_gemm(rows, slots.ids, self.dequantized_slots())
         return mxfp4_grouped_gemm(x, slots, self.weight, self.scale, repeats)
 
