@@ -22,7 +22,7 @@ import torch
 
 import deepinfer_kernels as dk
 
-__all__ = ["abs_product", "assert_gemm_close", "dequantized_activation"]
+__all__ = ["abs_product", "assert_gemm_close", "deinterleaved", "dequantized_activation", "group_codes"]
 
 
 def dequantized_activation(x: torch.Tensor) -> torch.Tensor:

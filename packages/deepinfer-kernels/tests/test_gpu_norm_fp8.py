@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _gemm_support import deinterleaved
 from _gpu_marks import COMPILED_TRITON_ON_GPU
 
 import deepinfer_kernels as dk
@@ -20,16 +21,21 @@ def _inputs(rows: int, hidden: int, seed: int) -> tuple[torch.Tensor, torch.Tens
     return x, weight
 
 
+@pytest.mark.parametrize("with_deinterleaved", [False, True])
 @pytest.mark.parametrize("rows", [1, 7, 64, 1000])
 @pytest.mark.parametrize("hidden", [5120, 1280, 1024])
-def test_rms_norm_fp8_gpu_equals_norm_then_quantizer(rows: int, hidden: int) -> None:
+def test_rms_norm_fp8_gpu_equals_norm_then_quantizer(rows: int, hidden: int, with_deinterleaved: bool) -> None:
+    """Also with the de-interleaved second copy, which must leave the other outputs' bits as they are."""
     x, weight = _inputs(rows, hidden, seed=rows + hidden)
-    y, q, scale = dk.rms_norm_fp8(x, weight, 1e-6)
+    second = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device="cuda") if with_deinterleaved else None
+    y, q, scale = dk.rms_norm_fp8(x, weight, 1e-6, deinterleaved_out=second)
     expected = dk.rms_norm(x, weight, 1e-6)
     expected_q, expected_scale = dk.quantize_fp8_per_token_group(expected)
     assert torch.equal(y, expected)
     assert torch.equal(q.view(torch.uint8), expected_q.view(torch.uint8))
     assert torch.equal(scale.view(torch.uint8), expected_scale.view(torch.uint8))
+    if second is not None:
+        assert torch.equal(second.view(torch.uint8), deinterleaved(expected_q))
 
 
 @pytest.mark.parametrize("rows", [1, 16, 64])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _gemm_support import deinterleaved
 
 import deepinfer_kernels as dk
 from deepinfer_kernels._registry import Backend, implementation
@@ -43,6 +44,20 @@ def test_reference_is_the_norm_then_the_quantizer() -> None:
     assert torch.equal(_bits(scale.view(5, 3)), _bits(expected_scale))
 
 
+def test_deinterleaved_out_holds_the_codes_deinterleaved() -> None:
+    x, weight = _inputs(4, 128, torch.bfloat16, seed=3)
+    out = torch.empty(4, 128, dtype=torch.float8_e4m3fn)
+    y, q, scale = dk.rms_norm_fp8(x, weight, 1e-6, deinterleaved_out=out)
+    plain = dk.rms_norm_fp8(x, weight, 1e-6)
+    for a, b in zip((y, q, scale), plain, strict=True):
+        assert torch.equal(_bits(a), _bits(b))
+    assert torch.equal(_bits(out), deinterleaved(q))
+    with pytest.raises(ValueError, match="deinterleaved_out must be contiguous with x's shape"):
+        dk.rms_norm_fp8(x, weight, 1e-6, deinterleaved_out=out[:2])
+    with pytest.raises(TypeError, match="deinterleaved_out has dtype"):
+        dk.rms_norm_fp8(x, weight, 1e-6, deinterleaved_out=out.view(torch.uint8))
+
+
 def test_rms_norm_fp8_checks_arguments() -> None:
     x, weight = _inputs(2, 64, torch.float32, seed=2)
     with pytest.raises(ValueError, match="multiple of 32"):
@@ -68,6 +83,12 @@ def test_rms_norm_fp8_triton(triton_device: str, rows: int, hidden: int, dtype: 
     implementation("quantize_fp8_per_token_group", Backend.NVIDIA)(separate[0], separate[1], separate[2])
     for a, b in zip(fused, separate, strict=True):
         assert torch.equal(_bits(a), _bits(b))
+    # The de-interleaved second copy leaves the first outputs' bits as they were.
+    both, codes = _outputs(rows, hidden, dtype, triton_device), torch.empty_like(fused[1])
+    implementation("rms_norm_fp8", Backend.NVIDIA)(x, weight, 1e-6, *both, codes)
+    for a, b in zip(both, fused, strict=True):
+        assert torch.equal(_bits(a), _bits(b))
+    assert torch.equal(_bits(codes), deinterleaved(fused[1]))
     reference = _outputs(rows, hidden, dtype, "cpu")
     implementation("rms_norm_fp8", Backend.REFERENCE)(x.cpu(), weight.cpu(), 1e-6, *reference)
     assert_close(fused[0].cpu(), reference[0], rtol=2.0**-7 if dtype == torch.bfloat16 else 2.0**-21, atol=1e-30)

@@ -6,6 +6,7 @@ import itertools
 from functools import cache
 
 import torch
+from torch import nn
 
 from deepinfer_model.checkpoint.tokenizer import build_tokenizer
 from deepinfer_model.checkpoint.writer import tensor_pair
@@ -13,6 +14,7 @@ from deepinfer_model.config import ModelConfig, load_preset
 from deepinfer_model.deepseek_v41.engram import EngramVocab
 from deepinfer_model.deepseek_v41.engram_vocab import engram_vocab_from_tokenizer
 from deepinfer_model.deepseek_v41.model import DeepseekV41ForCausalLM
+from deepinfer_model.deepseek_v41.moe import MoE
 from deepinfer_model.forward_batch import ForwardBatch
 from deepinfer_model.layers.mode import ComputeMode
 from deepinfer_model.loading.catalogue import TensorFormat, build_catalogue
@@ -76,3 +78,31 @@ def run_chunks(
         for start, end in itertools.pairwise(bounds):
             outs.append(model(chunk_batch(ids, start, end, table, 0), state))
     return torch.cat(outs)
+
+
+PREFIX = "layers.0.ffn."
+
+
+def layer0_moe(local_experts: tuple[int, ...], mode: ComputeMode = ComputeMode.EXACT) -> nn.Module:
+    """A module tree whose only block is ``layers.0.ffn``, so checkpoint names map onto it unchanged."""
+    t = tiny_config().text
+    moe = MoE(
+        t.hidden_size,
+        t.moe_intermediate_size,
+        t.n_routed_experts,
+        t.num_experts_per_tok,
+        t.n_shared_experts,
+        t.routed_scaling_factor,
+        t.swiglu_limit,
+        mode,
+        local_experts=local_experts,
+    )
+    block = nn.Module()
+    block.ffn = moe
+    root = nn.Module()
+    root.layers = nn.ModuleList([block])
+    return root
+
+
+def layer0_weights() -> dict[str, torch.Tensor]:
+    return {name: tensor for name, tensor in tiny_weights().items() if name.startswith(PREFIX)}

@@ -60,7 +60,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
-def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def rms_norm_fp8(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, deinterleaved_out: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`rms_norm` and the FP8 copy of its result for the FP8 GEMMs that read it, in one pass where the backend
     fuses them: ``y = rms_norm(x, weight, eps)``, ``(q, scale) = quantize_fp8_per_token_group(y)`` (docs/design/
     numerics.md, "Rounding points": the copy quantizes the rounded ``y``). Each output equals its separate op's
@@ -70,6 +72,9 @@ def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[tor
         x: [..., H] bf16 or fp32, ``H % 32 == 0``.
         weight: [H] bf16 or fp32, same device.
         eps: positive finite float added to the mean square.
+        deinterleaved_out: optional [..., H] float8_e4m3fn, contiguous, same device: written with ``q``'s codes, each
+            32-column group stored even columns first, then odd ones (``GroupCodes`` order ``"deinterleaved"``, for
+            the grouped MXFP4 GEMM's MMA tiles), in the same launch where the backend fuses them.
 
     Returns:
         ``(y, q, scale)``: y [..., H] with x's dtype; q [..., H] float8_e4m3fn; scale [..., H/32] float8_e8m0fnu.
@@ -78,6 +83,15 @@ def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[tor
     hidden = x.shape[-1]
     if hidden % _GROUP:
         raise ValueError(f"the last dimension of x ({hidden}) must be a multiple of {_GROUP} for the FP8 copy")
+    if deinterleaved_out is not None:
+        check_tensor("deinterleaved_out", deinterleaved_out)
+        check_dtype("deinterleaved_out", deinterleaved_out.dtype, (torch.float8_e4m3fn,))
+        if deinterleaved_out.shape != x.shape or not deinterleaved_out.is_contiguous():
+            raise ValueError(
+                f"deinterleaved_out must be contiguous with x's shape {tuple(x.shape)}, got shape "
+                f"{tuple(deinterleaved_out.shape)}"
+            )
+        check_same_device(x=x, deinterleaved_out=deinterleaved_out)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((*x.shape[:-1], hidden // _GROUP), dtype=torch.float8_e8m0fnu, device=x.device)
@@ -89,5 +103,6 @@ def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[tor
             out.view(-1, hidden),
             q.view(-1, hidden),
             scale.view(-1, hidden // _GROUP),
+            None if deinterleaved_out is None else deinterleaved_out.view(-1, hidden),
         )
     return out, q, scale

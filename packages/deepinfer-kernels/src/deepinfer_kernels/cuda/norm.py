@@ -56,7 +56,9 @@ def _rms_norm_fp8_kernel(  # type: ignore[no-untyped-def]
     stride_out,
     stride_q,
     stride_scale,
+    qd_ptr,
     BLOCK: tl.constexpr,
+    DEINTERLEAVED: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # The FP8 copy quantizes the rounded output as the separate quantizer would read it: the row is stored, then read
@@ -71,6 +73,11 @@ def _rms_norm_fp8_kernel(  # type: ignore[no-untyped-def]
     y = tl.load(out_ptr + row * stride_out + columns, mask=in_row, other=0.0).to(tl.float32)
     codes, scale_bytes = fp8_token_groups(y)
     tl.store(q_ptr + row * stride_q + columns, codes, mask=in_row)
+    if DEINTERLEAVED:
+        # The same codes, each group even columns first, reordered in registers so the store stays contiguous
+        # (docs/design/kernels.md, "Codes into the grouped GEMM").
+        paired = tl.permute(tl.reshape(codes, (BLOCK // _GROUP, _GROUP // 2, 2)), (0, 2, 1))
+        tl.store(qd_ptr + row * stride_q + columns, tl.reshape(paired, (BLOCK // _GROUP, _GROUP)), mask=in_row)
     group_index = tl.arange(0, BLOCK // _GROUP)
     tl.store(scale_ptr + row * stride_scale + group_index, scale_bytes, mask=group_index * _GROUP < hidden)
 
@@ -101,7 +108,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
 
 
 def rms_norm_fp8(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    q_deinterleaved: torch.Tensor | None = None,
 ) -> None:
     """Triton RMSNorm + per-token-group FP8 quantization of its rounded output in one kernel (contract of
     ``reference.norm.rms_norm_fp8``; ``out`` bitwise equal to :func:`rms_norm`, ``q``/``scale`` to the quantizer of
@@ -114,8 +127,13 @@ def rms_norm_fp8(
         out: [num_rows, hidden_size], x's dtype; written.
         q: [num_rows, hidden_size] float8_e4m3fn; written.
         scale: [num_rows, hidden_size / 32] float8_e8m0fnu; written.
+        q_deinterleaved: optional, ``q``'s codes de-interleaved per group (``q``'s shape and strides); written.
     """
     check_launchable(x=x, weight=weight, out=out, q=q, scale=scale)
+    if q_deinterleaved is not None:
+        check_launchable(q_deinterleaved=q_deinterleaved)
+        if q_deinterleaved.stride() != q.stride():
+            raise ValueError(f"q_deinterleaved must have q's strides {q.stride()}, got {q_deinterleaved.stride()}")
     num_rows, hidden = x.shape
     eps_fp32 = float(torch.tensor(eps, dtype=torch.float32))
     _rms_norm_fp8_kernel[(num_rows,)](
@@ -130,6 +148,8 @@ def rms_norm_fp8(
         out.stride(0),
         q.stride(0),
         scale.stride(0),
+        q.view(torch.uint8) if q_deinterleaved is None else q_deinterleaved.view(torch.uint8),
         BLOCK=triton.next_power_of_2(hidden),
+        DEINTERLEAVED=q_deinterleaved is not None,
         **dependent_launch(x.device),
     )

@@ -9,8 +9,6 @@ from deepinfer_kernels.reference import quant
 
 __all__ = ["swiglu_clamped", "swiglu_clamped_fp8"]
 
-_GROUP = 32
-
 
 def swiglu_clamped(t: torch.Tensor, limit: float | None, row_weight: torch.Tensor | None, out: torch.Tensor) -> None:
     """``out = silu(min(g, λ)) · clamp(u, −λ, λ) [· w]`` with ``[g | u]`` the halves of each row, FP32:
@@ -57,6 +55,4 @@ def swiglu_clamped_fp8(
         return
     codes = torch.empty_like(q)
     quant.quantize_fp8_per_token_group(act, codes, scale)
-    rows, width = q.shape
-    pairs = codes.view(torch.uint8).view(rows, width // _GROUP, _GROUP // 2, 2).transpose(2, 3)
-    q.view(torch.uint8).copy_(pairs.reshape(rows, width))
+    quant.deinterleave_groups(codes, q)

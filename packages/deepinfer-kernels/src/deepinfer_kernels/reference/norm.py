@@ -31,7 +31,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
 
 
 def rms_norm_fp8(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    q_deinterleaved: torch.Tensor | None = None,
 ) -> None:
     """:func:`rms_norm` into ``out``, then ``out``'s value (rounded to its dtype) quantized per token and 32 columns
     into ``q``/``scale`` (``quant.quantize_fp8_per_token_group``).
@@ -43,6 +49,10 @@ def rms_norm_fp8(
         out: [num_rows, hidden_size], x's dtype; written.
         q: [num_rows, hidden_size] float8_e4m3fn; written.
         scale: [num_rows, hidden_size / 32] float8_e8m0fnu; written.
+        q_deinterleaved: optional [num_rows, hidden_size] float8_e4m3fn; written with ``q``'s codes, each 32-column
+            group even columns first, then odd ones.
     """
     rms_norm(x, weight, eps, out)
     quant.quantize_fp8_per_token_group(out, q, scale)
+    if q_deinterleaved is not None:
+        quant.deinterleave_groups(q, q_deinterleaved)

@@ -24,6 +24,7 @@ from deepinfer_kernels.reference.formats import (
 
 __all__ = [
     "BLOCK",
+    "deinterleave_groups",
     "dequantize_fp8_block",
     "dequantize_fp8_per_token_group",
     "dequantize_mxfp4",
@@ -80,6 +81,14 @@ def dequantize_fp8_block(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor
     factor = ue8m0_bytes_to_float(scale.view(torch.uint8))
     factor = factor.repeat_interleave(BLOCK, dim=0)[:rows].repeat_interleave(BLOCK, dim=1)[:, :cols]
     out.copy_(q.float() * factor)
+
+
+def deinterleave_groups(q: torch.Tensor, out: torch.Tensor) -> None:
+    """``out`` [rows, K] = the codes ``q`` [rows, K] with each 32-column group stored even columns first, then odd
+    ones (``deepinfer_kernels.GroupCodes`` order ``"deinterleaved"``)."""
+    rows, width = q.shape
+    pairs = q.view(torch.uint8).view(rows, width // 32, 16, 2).transpose(2, 3)
+    out.view(torch.uint8).copy_(pairs.reshape(rows, width))
 
 
 def quantize_fp8_per_token_group(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:

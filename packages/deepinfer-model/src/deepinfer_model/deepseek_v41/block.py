@@ -157,5 +157,6 @@ class DecoderBlock(nn.Module):
             ctx.features[layer] = trunk.mean(dim=1, dtype=torch.float32).to(self.mode.activation_dtype)
         trunk_ffn = hc_post(self.attn(x, ctx, x_fp8), trunk, write_a, comb_a, self.mode)
         read_f, write_f, comb_f = self._mixes("ffn", trunk_ffn)
-        y = self.ffn(*self.ffn_norm.with_fp8_copy(hc_read(trunk_ffn, read_a if shifted else read_f, self.mode)))
+        ffn_in = hc_read(trunk_ffn, read_a if shifted else read_f, self.mode)
+        y = self.ffn(*self.ffn_norm.with_fp8_codes(ffn_in, self.ffn.input_code_order(ffn_in.shape[0])))
         return hc_post(y, trunk_ffn, write_f, comb_f, self.mode), read_f

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from deepinfer_kernels import (
+    CodeOrder,
     ExpertRows,
     GroupCodes,
     bf16_gemm,
@@ -132,13 +133,14 @@ class RoutedExperts(nn.Module):
         return self.w13.local_experts == tuple(range(self.w13.num_experts))
 
     def grouped_rows_of_tokens(
-        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+        self, x: torch.Tensor | GroupCodes, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
         """Every (token, top-k choice) row through grouped MXFP4 GEMMs (exact mode; the arithmetic of ``compute``,
         without host synchronization). ``moe_combine`` of the result onto a bias is ``local_expert_dispatch``'s sum.
 
         Args:
-            x: [n, H] expert inputs (activation dtype).
+            x: [n, H] expert inputs (activation dtype), or their codes in ``w13``'s order
+                (:meth:`input_code_order`).
             topk_ids: [n, k] int64 logical expert ids (experts not held here give zero rows).
             topk_weights: [n, k] fp32 routing weights.
 
@@ -152,9 +154,14 @@ class RoutedExperts(nn.Module):
         # Row i of the product is token i // k's choice i % k: w13 reads the tokens themselves (no copy per choice).
         return self.grouped_rows(x, slots, topk_weights.reshape(-1), repeats=k, all_local=identity).unflatten(0, (n, k))
 
+    def input_code_order(self, tokens: int, top_k: int) -> CodeOrder | None:
+        """The order of the input codes that :meth:`grouped_rows_of_tokens` of ``tokens`` tokens takes as they are
+        (``w13``'s; None where it takes the values)."""
+        return self.w13.grouped_code_order(tokens * top_k)
+
     def grouped_rows(
         self,
-        rows: torch.Tensor,
+        rows: torch.Tensor | GroupCodes,
         slots: torch.Tensor,
         weights: torch.Tensor,
         repeats: int = 1,
@@ -164,7 +171,8 @@ class RoutedExperts(nn.Module):
         host synchronization).
 
         Args:
-            rows: [m / repeats, H] expert inputs (activation dtype); row i of the product reads ``rows[i // repeats]``.
+            rows: [m / repeats, H] expert inputs (activation dtype) or their codes; row i of the product reads
+                ``rows[i // repeats]``.
             slots: [m] int64 stored slot of each row, -1 for a row no expert here takes (its output is zero).
             weights: [m] fp32 routing weight of each row.
             repeats: product rows per input row (a token's top-k choices, in rank order).
@@ -245,15 +253,23 @@ class MoE(nn.Module):
         self.experts = RoutedExperts(num_experts, hidden, intermediate, limit, mode, local_experts)
         self.shared_experts = SharedExperts(hidden, num_shared * intermediate, limit, mode) if num_shared > 0 else None
 
-    def forward(self, x: torch.Tensor, x_fp8: Fp8Copy | None = None) -> torch.Tensor:
+    def input_code_order(self, tokens: int) -> CodeOrder | None:
+        """The order of ``ffn_norm``'s codes that :meth:`forward` of ``tokens`` tokens hands the routed experts as
+        they are (``x_codes``); None where they take the values (another dispatch, FP32 mode, the CPU)."""
+        if self.dispatch is not local_expert_dispatch or self.mode is not ComputeMode.EXACT:
+            return None
+        return self.experts.input_code_order(tokens, self.gate.top_k)
+
+    def forward(self, x: torch.Tensor, x_fp8: Fp8Copy | None = None, x_codes: GroupCodes | None = None) -> torch.Tensor:
         """Args: x [n, H] ``ffn_norm`` output (activation dtype); x_fp8 its FP8 copy from a fused norm, or None (read
-        by the shared expert's ``w13``). Returns: [n, H] activation dtype."""
+        by the shared expert's ``w13``); x_codes the same codes in :meth:`input_code_order`'s order, or None (read
+        by the routed experts' ``w13``). Returns: [n, H] activation dtype."""
         if self.dispatch is local_expert_dispatch and self.mode is ComputeMode.EXACT:
             # The shared expert runs beside the router and the routed experts (a side stream under branch streams;
             # docs/design/kernels.md, "Branch streams"); the combine widens its output, adds and rounds in one kernel.
             forked = None if self.shared_experts is None else fork(x.device, self.shared_experts, x, x_fp8)
             topk_ids, topk_weights = self.gate(x)
-            routed = self.experts.grouped_rows_of_tokens(x, topk_ids, topk_weights)
+            routed = self.experts.grouped_rows_of_tokens(x if x_codes is None else x_codes, topk_ids, topk_weights)
             return moe_combine(routed, None if forked is None else forked.result(), self.mode.activation_dtype)
         topk_ids, topk_weights = self.gate(x)
         shared = None if self.shared_experts is None else self.shared_experts(x, x_fp8)

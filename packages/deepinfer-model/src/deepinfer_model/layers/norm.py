@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer_kernels import rms_norm, rms_norm_fp8
+from deepinfer_kernels import CodeOrder, GroupCodes, rms_norm, rms_norm_fp8
 from deepinfer_model.layers.linear import Fp8Copy, make_parameter
 from deepinfer_model.layers.mode import ComputeMode
 
@@ -35,7 +35,24 @@ class RMSNorm(nn.Module):
 
         Args: x [..., dim] bf16/fp32. Returns: ([..., dim] activation dtype, (codes, scales) or None).
         """
+        y, copy, _ = self.with_fp8_codes(x, None)
+        return y, copy
+
+    def with_fp8_codes(
+        self, x: torch.Tensor, order: CodeOrder | None
+    ) -> tuple[torch.Tensor, Fp8Copy | None, GroupCodes | None]:
+        """:meth:`with_fp8_copy`, and where there is a copy and ``order`` names one, the same codes as ``GroupCodes``
+        in that order for a grouped MXFP4 GEMM that reads them (the de-interleaved order written by the same kernel;
+        docs/design/kernels.md, "Codes into the grouped GEMM").
+
+        Args: x [..., dim] bf16/fp32; order as ``deepinfer_kernels.mxfp4_grouped_code_order`` names it, or None.
+        Returns: (output, (codes, scales) or None, GroupCodes or None).
+        """
         if self.mode is not ComputeMode.EXACT or self.weight.device.type == "cpu" or x.shape[-1] % 32:
-            return self(x), None
-        y, q, scale = rms_norm_fp8(x.to(torch.bfloat16), self.weight, self.eps)
-        return y, (q, scale)
+            return self(x), None, None
+        if order != "deinterleaved":
+            y, q, scale = rms_norm_fp8(x.to(torch.bfloat16), self.weight, self.eps)
+            return y, (q, scale), None if order is None else GroupCodes(q, scale, order)
+        deinterleaved = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+        y, q, scale = rms_norm_fp8(x.to(torch.bfloat16), self.weight, self.eps, deinterleaved_out=deinterleaved)
+        return y, (q, scale), GroupCodes(deinterleaved, scale, order)
