@@ -113,22 +113,26 @@ def test_sparse_attention_matches_reference(
         assert torch.equal(actual[-1], torch.zeros(heads, width))
 
 
+def _select(backend: Backend, device: str, case: dict, topk: int, **kwargs: object) -> tuple:
+    num_tokens = case["q"].shape[0]
+    rows = torch.full((num_tokens, topk), -7, dtype=torch.int64, device=device)
+    nb = int(kwargs.get("num_candidate_blocks", 0))
+    blocks = torch.full((num_tokens, nb), -7, dtype=torch.int64, device=device) if nb else None
+    cand = kwargs.get("candidates")
+    implementation("indexer_select", backend)(
+        case["q"].to(device), case["weights"].to(device), case["key_pool"].to(device), F.FP4_UE8M0,
+        case["block_table"].to(device), case["rows_per_block"], case["token_request"].to(device),
+        case["num_rows"].to(device), case["max_rows"], topk, True,
+        None if cand is None else cand.to(device), int(kwargs.get("candidate_block_size", 0)), nb, rows, blocks,
+    )  # fmt: skip
+    return rows.cpu(), None if blocks is None else blocks.cpu()
+
+
 def _select_both(triton_device: str, case: dict, topk: int, **kwargs: object) -> tuple:
-    outputs = []
-    for backend, device in ((Backend.NVIDIA, triton_device), (Backend.REFERENCE, "cpu")):
-        num_tokens = case["q"].shape[0]
-        rows = torch.full((num_tokens, topk), -7, dtype=torch.int64, device=device)
-        nb = int(kwargs.get("num_candidate_blocks", 0))
-        blocks = torch.full((num_tokens, nb), -7, dtype=torch.int64, device=device) if nb else None
-        cand = kwargs.get("candidates")
-        implementation("indexer_select", backend)(
-            case["q"].to(device), case["weights"].to(device), case["key_pool"].to(device), F.FP4_UE8M0,
-            case["block_table"].to(device), case["rows_per_block"], case["token_request"].to(device),
-            case["num_rows"].to(device), case["max_rows"], topk, True,
-            None if cand is None else cand.to(device), int(kwargs.get("candidate_block_size", 0)), nb, rows, blocks,
-        )  # fmt: skip
-        outputs.append((rows.cpu(), None if blocks is None else blocks.cpu()))
-    return outputs
+    return [
+        _select(backend, device, case, topk, **kwargs)
+        for backend, device in ((Backend.NVIDIA, triton_device), (Backend.REFERENCE, "cpu"))
+    ]
 
 
 @pytest.mark.parametrize(
@@ -250,13 +254,10 @@ def test_indexer_queries_of_one_request_share_key_tiles(
     assert shared[0][0].tolist() == [-1] * 12 and shared[0][1].tolist() == [0] + [-1] * 11
 
 
-@pytest.mark.parametrize("row_tiles", [2, 4])
-def test_indexer_scores_several_row_tiles_a_program(
-    triton_device: str, monkeypatch: pytest.MonkeyPatch, row_tiles: int
-) -> None:
+def test_indexer_scores_several_row_tiles_a_program(triton_device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A prefill's programs score several row tiles each (their queries loaded once): with 2 and 4 tiles a program
     over five 64-row tiles (a partial last group), shared key tiles with candidate blocks and one-query programs over
-    candidate lists, every selection equals the one-tile programs' and the reference's."""
+    candidate lists, every selection equals the one-tile programs' (which equal the reference's)."""
     from deepinfer_kernels.cuda import indexer as triton_indexer
 
     case = random_selection_case(1, 70, 300, 16, 64, 5, seed=61)
@@ -272,15 +273,16 @@ def test_indexer_scores_several_row_tiles_a_program(
     ]
     monkeypatch.setattr(triton_indexer, "MAX_ROW_TILES", 1)
     one_tile = [_select_both(triton_device, case, 12, **kwargs) for kwargs in calls]
-    monkeypatch.setattr(triton_indexer, "MAX_ROW_TILES", row_tiles)
-    monkeypatch.setattr(triton_indexer, "ROW_TILE_PROGRAMS", 1)
-    for kwargs, ((rows, blocks), expected) in zip(calls, one_tile, strict=True):
-        (tiled_rows, tiled_blocks), reference = _select_both(triton_device, case, 12, **kwargs)
-        assert torch.equal(tiled_rows, rows) and torch.equal(reference[0], expected[0])
-        assert (tiled_blocks is None and blocks is None) or torch.equal(tiled_blocks, blocks)
     logits = dense_logits(case, True)
     tol = 2.0**-7 * float(logits.abs().max())
     assert_equivalent_selection(one_tile[0][0][0], one_tile[0][1][0], torch.where(logits.isfinite(), logits, 0), tol)
+    monkeypatch.setattr(triton_indexer, "ROW_TILE_PROGRAMS", 1)
+    for row_tiles in (2, 4):
+        monkeypatch.setattr(triton_indexer, "MAX_ROW_TILES", row_tiles)
+        for kwargs, ((rows, blocks), _) in zip(calls, one_tile, strict=True):
+            tiled_rows, tiled_blocks = _select(Backend.NVIDIA, triton_device, case, 12, **kwargs)
+            assert torch.equal(tiled_rows, rows), (row_tiles, kwargs.keys())
+            assert (tiled_blocks is None and blocks is None) or torch.equal(tiled_blocks, blocks)
 
 
 def test_indexer_ties_go_to_the_lower_row(triton_device: str) -> None:

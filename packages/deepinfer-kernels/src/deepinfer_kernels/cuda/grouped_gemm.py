@@ -45,7 +45,7 @@ from deepinfer_kernels.cuda.grouped_wgmma import available, fits, grouped_wgmma_
 from deepinfer_kernels.cuda.swap_bf16 import swap_bf16_launch
 from deepinfer_kernels.grouped_gemm import CodeOrder, GroupCodes
 
-__all__ = ["expert_tiles", "mxfp4_grouped_code_order", "mxfp4_grouped_gemm", "tail_tiles"]
+__all__ = ["expert_tiles", "mxfp4_grouped_code_order", "mxfp4_grouped_gemm", "tail_tiles", "tile_code_order"]
 
 _ZERO_ROWS, _ZERO_COLUMNS = 16, 256
 
@@ -150,7 +150,7 @@ def _grouped_config(
     return cfg
 
 
-def _code_order(cfg: BlockConfig) -> CodeOrder | None:
+def tile_code_order(cfg: BlockConfig) -> CodeOrder | None:
     """The order of the codes tiles ``cfg`` read (``cuda.gemm.activation_for``); None for the sorted-copy decodings,
     which read the activation's values."""
     if cfg.decoding in ("swap_bf16", "gluon_bf16"):
@@ -163,7 +163,7 @@ def mxfp4_grouped_code_order(rows: int, packed: torch.Tensor, scale: torch.Tenso
     ``deepinfer_kernels.grouped_gemm.mxfp4_grouped_code_order``)."""
     if rows == 0 or packed.shape[0] == 0:
         return None
-    return _code_order(_grouped_config(rows, packed, scale, packed.device))
+    return tile_code_order(_grouped_config(rows, packed, scale, packed.device))
 
 
 def _values(x: torch.Tensor | GroupCodes) -> torch.Tensor:
@@ -173,7 +173,7 @@ def _values(x: torch.Tensor | GroupCodes) -> torch.Tensor:
 
 def _activation_codes(x: torch.Tensor | GroupCodes, cfg: BlockConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """The codes tiles ``cfg`` read: given codes in their order as they are, else quantized from the values."""
-    if isinstance(x, GroupCodes) and x.order == _code_order(cfg):
+    if isinstance(x, GroupCodes) and x.order == tile_code_order(cfg):
         return x.q.view(torch.uint8), x.scale.view(torch.uint8)
     return activation_for(_values(x), cfg)
 
